@@ -1,0 +1,1 @@
+//! backend-mooncake (work in progress).

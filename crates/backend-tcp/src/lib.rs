@@ -1,0 +1,1 @@
+//! backend-tcp (work in progress).

@@ -1,0 +1,1 @@
+//! backend-verbs (work in progress).

@@ -1,0 +1,2 @@
+//! ferry-cli (work in progress).
+fn main() {}

@@ -1,0 +1,701 @@
+//! The capability adapter: gives any engine the whole [`TransferEngine`]
+//! trait.
+//!
+//! The effective capability set is a pure function of the native one and the
+//! [`AdapterConfig`]: each optional operation is forwarded when native,
+//! emulated when allowed (with the same observable semantics), or refused
+//! with [`Error::Unsupported`]. Contiguous requests are coalesced on every
+//! batch path, native or emulated, and results are mapped back to the
+//! caller's indices.
+//!
+//! | operation | emulated with |
+//! |---|---|
+//! | `batch_register` | single registers, all-or-nothing (rollback on failure) |
+//! | `batch_unregister` | single unregisters, every address attempted |
+//! | `batch_transfer` | native async batch, else single transfers with bounded concurrency |
+//! | `submit`/`status`/`release_batch` | a task per batch driving the above; `status` reads its state |
+//! | `wait` | awaiting that task (never polling a core hot) |
+//! | notifications | not emulable: needs a channel to the peer |
+
+mod coalesce;
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use futures::stream::{self, StreamExt};
+use tokio::sync::{watch, Semaphore};
+
+pub use coalesce::{coalesce, CoalescedBatch};
+
+use crate::caps::{
+    BackendInfo, Capabilities, CapabilityReport, MissingCapability, Operation, Support,
+};
+use crate::engine::TransferEngine;
+use crate::error::{Error, Result};
+use crate::types::{
+    BatchId, BatchReport, BatchStatus, MemoryRegion, Notification, SegmentId, TransferRequest,
+    TransferState,
+};
+
+/// Builds a wrapper around an engine (tower's `Layer` shape).
+pub trait Layer<E> {
+    /// The wrapped engine type.
+    type Engine;
+    /// Wraps `inner`.
+    fn layer(&self, inner: E) -> Self::Engine;
+}
+
+/// How the adapter fills gaps.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AdapterConfig {
+    /// Strict mode: emulate nothing; missing operations are `Unsupported`
+    /// and [`CapabilityAdapter::require`] fails for them.
+    pub strict: bool,
+    /// Emulate `batch_register` with single registers.
+    pub emulate_batch_register: bool,
+    /// Emulate `batch_unregister` with single unregisters.
+    pub emulate_batch_unregister: bool,
+    /// Emulate `batch_transfer`.
+    pub emulate_batch_transfer: bool,
+    /// Emulate `submit` / `status` / `release_batch`.
+    pub emulate_async_batch: bool,
+    /// Emulate `wait`.
+    pub emulate_batch_wait: bool,
+    /// Merge contiguous requests before they reach the backend.
+    pub coalesce: bool,
+    /// Largest request coalescing may produce, in bytes.
+    pub max_coalesced_len: u64,
+    /// Most emulated single transfers in flight at once, across all batches
+    /// of this adapter (at least 1).
+    pub max_concurrency: usize,
+}
+
+impl Default for AdapterConfig {
+    fn default() -> Self {
+        AdapterConfig {
+            strict: false,
+            emulate_batch_register: true,
+            emulate_batch_unregister: true,
+            emulate_batch_transfer: true,
+            emulate_async_batch: true,
+            emulate_batch_wait: true,
+            coalesce: true,
+            max_coalesced_len: 64 << 20,
+            max_concurrency: 16,
+        }
+    }
+}
+
+impl AdapterConfig {
+    /// The strict configuration: forward what is native, refuse the rest.
+    pub fn strict() -> Self {
+        AdapterConfig {
+            strict: true,
+            ..Default::default()
+        }
+    }
+
+    fn may_emulate(&self, op: Operation) -> bool {
+        !self.strict
+            && match op {
+                Operation::BatchRegister => self.emulate_batch_register,
+                Operation::BatchUnregister => self.emulate_batch_unregister,
+                Operation::BatchTransfer => self.emulate_batch_transfer,
+                Operation::AsyncBatch => self.emulate_async_batch,
+                Operation::BatchWait => self.emulate_batch_wait,
+                _ => false,
+            }
+    }
+
+    /// The effective capability set for a backend with `native` ones.
+    pub fn effective(&self, native: &Capabilities) -> Capabilities {
+        let mut eff = *native;
+        for op in Operation::OPTIONAL {
+            if !native.supports(op) && self.may_emulate(op) {
+                eff.set(op, true);
+            }
+        }
+        // Notifications ride on a native batch path; the adapter cannot add
+        // them, but it can keep them when the batch itself is emulated only
+        // if one native batch path exists to carry them.
+        eff.notify = native.notify && (native.batch_transfer || native.async_batch);
+        if eff.batch_transfer || eff.async_batch {
+            eff.max_batch_len = None;
+        }
+        eff
+    }
+}
+
+/// [`Layer`] that wraps engines in a [`CapabilityAdapter`].
+#[derive(Clone, Debug, Default)]
+pub struct AdapterLayer {
+    config: AdapterConfig,
+}
+
+impl AdapterLayer {
+    /// A layer with `config`.
+    pub fn new(config: AdapterConfig) -> Self {
+        AdapterLayer { config }
+    }
+}
+
+impl<E: TransferEngine> Layer<E> for AdapterLayer {
+    type Engine = CapabilityAdapter<E>;
+    fn layer(&self, inner: E) -> CapabilityAdapter<E> {
+        CapabilityAdapter::with_config(inner, self.config.clone())
+    }
+}
+
+/// State of one asynchronous batch the adapter manages.
+struct BatchSlot {
+    states: Arc<Mutex<Vec<TransferState>>>,
+    done: watch::Receiver<bool>,
+}
+
+/// Gives any engine the whole [`TransferEngine`] trait (see the module docs).
+pub struct CapabilityAdapter<E: TransferEngine + ?Sized> {
+    inner: Arc<E>,
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    config: AdapterConfig,
+    native: Capabilities,
+    effective: Capabilities,
+    info: BackendInfo,
+    batches: Mutex<HashMap<u64, BatchSlot>>,
+    next_batch: AtomicU64,
+    announced: Mutex<HashSet<Operation>>,
+    permits: Arc<Semaphore>,
+}
+
+impl<E: TransferEngine + ?Sized> std::fmt::Debug for CapabilityAdapter<E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CapabilityAdapter")
+            .field("backend", &self.inner.backend_name())
+            .field("segment", &self.inner.segment_name())
+            .field("config", &self.shared.config)
+            .field("native", &self.shared.native)
+            .finish()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Critical sections here are single map/vector operations that cannot
+    // leave the data inconsistent, so a poisoned lock is still usable.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl<E: TransferEngine> CapabilityAdapter<E> {
+    /// Wraps `inner` with the default (emulating) configuration.
+    pub fn new(inner: E) -> Self {
+        Self::with_config(inner, AdapterConfig::default())
+    }
+    /// Wraps `inner` with `config`.
+    pub fn with_config(inner: E, config: AdapterConfig) -> Self {
+        Self::from_arc(Arc::new(inner), config)
+    }
+}
+
+impl<E: TransferEngine + ?Sized> CapabilityAdapter<E> {
+    /// Wraps an engine that is already shared (e.g. `Arc<dyn TransferEngine>`).
+    pub fn from_arc(inner: Arc<E>, mut config: AdapterConfig) -> Self {
+        config.max_concurrency = config.max_concurrency.max(1);
+        let native = inner.capabilities();
+        let effective = config.effective(&native);
+        let info = inner.backend_info();
+        let permits = Arc::new(Semaphore::new(config.max_concurrency));
+        CapabilityAdapter {
+            inner,
+            shared: Arc::new(Shared {
+                config,
+                native,
+                effective,
+                info,
+                batches: Mutex::new(HashMap::new()),
+                next_batch: AtomicU64::new(1),
+                announced: Mutex::new(HashSet::new()),
+                permits,
+            }),
+        }
+    }
+
+    /// The wrapped engine.
+    pub fn get_ref(&self) -> &E {
+        &self.inner
+    }
+    /// The wrapped engine, shared.
+    pub fn inner(&self) -> &Arc<E> {
+        &self.inner
+    }
+    /// Unwraps, returning the shared inner engine.
+    pub fn into_inner(self) -> Arc<E> {
+        self.inner
+    }
+    /// The configuration in force.
+    pub fn config(&self) -> &AdapterConfig {
+        &self.shared.config
+    }
+
+    /// The capability report: native, effective, and how each optional
+    /// operation is provided with the reason and the version that would make
+    /// it native.
+    pub fn report(&self) -> CapabilityReport {
+        let s = &self.shared;
+        let operations = Operation::OPTIONAL
+            .into_iter()
+            .map(|op| {
+                let support = if s.native.supports(op) {
+                    Support::Native
+                } else if s.effective.supports(op) {
+                    Support::Emulated {
+                        via: emulation_of(op).to_owned(),
+                        missing: s.missing(op),
+                    }
+                } else {
+                    Support::Unsupported(s.missing(op))
+                };
+                (op, support)
+            })
+            .collect();
+        CapabilityReport {
+            info: s.info.clone(),
+            native: s.native,
+            effective: s.effective,
+            operations,
+            strict: s.config.strict,
+        }
+    }
+
+    /// Start-up check: `Ok` if every operation in `ops` is available
+    /// (natively, or emulated when not strict); otherwise
+    /// [`Error::MissingCapabilities`] naming every missing one.
+    pub fn require(&self, ops: &[Operation]) -> Result<()> {
+        let missing: Vec<MissingCapability> = ops
+            .iter()
+            .filter(|op| !self.shared.effective.supports(**op))
+            .map(|op| self.shared.missing(*op))
+            .collect();
+        if missing.is_empty() {
+            Ok(())
+        } else {
+            Err(Error::MissingCapabilities {
+                backend: self.inner.backend_name().to_owned(),
+                missing,
+            })
+        }
+    }
+}
+
+fn emulation_of(op: Operation) -> &'static str {
+    match op {
+        Operation::BatchRegister => "single registers, all-or-nothing",
+        Operation::BatchUnregister => "single unregisters",
+        Operation::BatchTransfer => "single transfers, bounded concurrency",
+        Operation::AsyncBatch => "a task per batch",
+        Operation::BatchWait => "awaiting the batch task",
+        _ => "adapter",
+    }
+}
+
+impl Shared {
+    fn missing(&self, op: Operation) -> MissingCapability {
+        let mut m = self
+            .info
+            .note(op)
+            .cloned()
+            .unwrap_or_else(|| MissingCapability {
+                operation: op,
+                reason: format!(
+                    "the {} backend does not offer it natively",
+                    self.info.backend
+                ),
+                min_version: None,
+            });
+        if self.config.strict && !self.native.supports(op) && op != Operation::Notify {
+            m.reason = format!("{} (strict mode: not emulated)", m.reason);
+        }
+        if op == Operation::Notify && !self.effective.notify {
+            if self.native.notify {
+                m.reason = "the backend's notifications need a native batch path".to_owned();
+            } else if self.info.note(op).is_none() {
+                m.reason = format!(
+                    "the {} backend has no channel to deliver notifications; it cannot be emulated",
+                    self.info.backend
+                );
+            }
+        }
+        m
+    }
+
+    fn refuse(&self, op: Operation) -> Error {
+        let m = self.missing(op);
+        Error::Unsupported {
+            backend: self.info.backend.clone(),
+            operation: op,
+            reason: m.reason,
+            min_version: m.min_version,
+        }
+    }
+
+    /// Emits the once-per-engine-and-operation tracing event for emulation.
+    fn announce(&self, op: Operation) {
+        if lock(&self.announced).insert(op) {
+            tracing::info!(
+                backend = %self.info.backend,
+                operation = %op,
+                via = emulation_of(op),
+                "ferry: emulating an operation the backend lacks natively"
+            );
+        }
+    }
+}
+
+/// Executes already-coalesced `requests` on `inner`, natively where possible,
+/// returning one result per request. `Err` = refused as a whole.
+async fn execute<E: TransferEngine + ?Sized>(
+    inner: &Arc<E>,
+    shared: &Shared,
+    segment: SegmentId,
+    requests: &[TransferRequest],
+    notify: Option<&Notification>,
+) -> Result<Vec<Result<()>>> {
+    let native = &shared.native;
+    if native.batch_transfer || native.async_batch {
+        let chunk = native.max_batch_len.unwrap_or(usize::MAX).max(1);
+        let mut results = Vec::with_capacity(requests.len());
+        let mut chunks: Vec<&[TransferRequest]> = requests.chunks(chunk).collect();
+        if chunks.is_empty() {
+            chunks.push(&[]);
+        }
+        let last = chunks.len() - 1;
+        for (i, part) in chunks.into_iter().enumerate() {
+            let all_ok = results.iter().all(Result::is_ok);
+            let note = if i == last && all_ok { notify } else { None };
+            let report = if native.batch_transfer {
+                inner.batch_transfer(segment, part, note).await?
+            } else {
+                let id = inner.submit(segment, part, note).await?;
+                wait_inner(inner, shared, id).await?
+            };
+            results.extend(report.results);
+        }
+        return Ok(results);
+    }
+    if notify.is_some() {
+        return Err(shared.refuse(Operation::Notify));
+    }
+    shared.announce(Operation::BatchTransfer);
+    let results = stream::iter(requests.iter().copied().enumerate())
+        .map(|(i, r)| {
+            let permits = Arc::clone(&shared.permits);
+            async move {
+                let _permit = permits.acquire_owned().await;
+                (i, inner.transfer(segment, r).await)
+            }
+        })
+        .buffer_unordered(shared.config.max_concurrency)
+        .collect::<Vec<_>>()
+        .await;
+    let mut ordered: Vec<Result<()>> = vec![Ok(()); requests.len()];
+    for (i, r) in results {
+        ordered[i] = r;
+    }
+    Ok(ordered)
+}
+
+/// Waits for a native async batch: native `wait` if there is one, else
+/// `status` polling with backoff (yields first, then sleeps up to 5 ms).
+async fn wait_inner<E: TransferEngine + ?Sized>(
+    inner: &Arc<E>,
+    shared: &Shared,
+    id: BatchId,
+) -> Result<BatchReport> {
+    if shared.native.batch_wait {
+        return inner.wait(id).await;
+    }
+    let mut polls = 0u32;
+    loop {
+        let status = inner.status(id)?;
+        if let Some(report) = status.to_report() {
+            inner.release_batch(id).await?;
+            return Ok(report);
+        }
+        polls += 1;
+        if polls < 16 {
+            tokio::task::yield_now().await;
+        } else {
+            let ms = u64::from((polls - 15).min(5));
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+        }
+    }
+}
+
+/// The whole batch path: coalesce, execute, retry the constituents of merged
+/// requests that failed on an address check (a merged range may straddle two
+/// adjacent regions that each request alone stays inside), send the
+/// notification if the retry made the batch whole, map back.
+async fn run_batch<E: TransferEngine + ?Sized>(
+    inner: &Arc<E>,
+    shared: &Shared,
+    segment: SegmentId,
+    requests: &[TransferRequest],
+    notify: Option<&Notification>,
+) -> Result<Vec<Result<()>>> {
+    let plan = coalesce(
+        requests,
+        shared.config.coalesce,
+        shared.config.max_coalesced_len,
+    );
+    let merged = execute(inner, shared, segment, &plan.requests, notify).await?;
+    let mut results = plan.expand(&merged);
+    let retry: Vec<usize> = plan
+        .groups
+        .iter()
+        .zip(&merged)
+        .filter(|(g, r)| g.len() > 1 && matches!(r, Err(Error::AddressNotRegistered { .. })))
+        .flat_map(|(g, _)| g.clone())
+        .collect();
+    if !retry.is_empty() {
+        let singles: Vec<TransferRequest> = retry.iter().map(|&i| requests[i]).collect();
+        let again = execute(inner, shared, segment, &singles, None).await?;
+        for (i, r) in retry.into_iter().zip(again) {
+            results[i] = r;
+        }
+        let first_try_ok = merged.iter().all(Result::is_ok);
+        if notify.is_some() && !first_try_ok && results.iter().all(Result::is_ok) {
+            execute(inner, shared, segment, &[], notify).await?;
+        }
+    }
+    Ok(results)
+}
+
+#[deny(clippy::missing_trait_methods)]
+#[async_trait]
+impl<E: TransferEngine + ?Sized> TransferEngine for CapabilityAdapter<E> {
+    fn backend_name(&self) -> &str {
+        self.inner.backend_name()
+    }
+
+    fn segment_name(&self) -> &str {
+        self.inner.segment_name()
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        self.shared.effective
+    }
+
+    fn backend_info(&self) -> BackendInfo {
+        self.inner.backend_info()
+    }
+
+    async fn register(&self, region: &MemoryRegion) -> Result<()> {
+        self.inner.register(region).await
+    }
+
+    async fn unregister(&self, addr: u64) -> Result<()> {
+        self.inner.unregister(addr).await
+    }
+
+    async fn batch_register(&self, regions: &[MemoryRegion]) -> Result<()> {
+        let s = &self.shared;
+        if s.native.batch_register {
+            return self.inner.batch_register(regions).await;
+        }
+        if !s.effective.batch_register {
+            return Err(s.refuse(Operation::BatchRegister));
+        }
+        s.announce(Operation::BatchRegister);
+        for (index, region) in regions.iter().enumerate() {
+            if let Err(source) = self.inner.register(region).await {
+                for done in regions[..index].iter().rev() {
+                    if let Err(e) = self.inner.unregister(done.addr()).await {
+                        tracing::warn!(addr = done.addr(), error = %e, "rollback unregister failed");
+                    }
+                }
+                return Err(Error::BatchRegisterFailed {
+                    index,
+                    addr: region.addr(),
+                    source: Box::new(source),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    async fn batch_unregister(&self, addrs: &[u64]) -> Result<()> {
+        let s = &self.shared;
+        if s.native.batch_unregister {
+            return self.inner.batch_unregister(addrs).await;
+        }
+        if !s.effective.batch_unregister {
+            return Err(s.refuse(Operation::BatchUnregister));
+        }
+        s.announce(Operation::BatchUnregister);
+        let mut first = None;
+        for &addr in addrs {
+            if let Err(e) = self.inner.unregister(addr).await {
+                first.get_or_insert(e);
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+
+    async fn open_segment(&self, name: &str) -> Result<SegmentId> {
+        self.inner.open_segment(name).await
+    }
+
+    async fn close_segment(&self, segment: SegmentId) -> Result<()> {
+        self.inner.close_segment(segment).await
+    }
+
+    async fn transfer(&self, segment: SegmentId, request: TransferRequest) -> Result<()> {
+        self.inner.transfer(segment, request).await
+    }
+
+    async fn batch_transfer(
+        &self,
+        segment: SegmentId,
+        requests: &[TransferRequest],
+        notify: Option<&Notification>,
+    ) -> Result<BatchReport> {
+        let s = &self.shared;
+        if !s.effective.batch_transfer {
+            return Err(s.refuse(Operation::BatchTransfer));
+        }
+        if let Some(n) = notify {
+            if !s.effective.notify {
+                return Err(s.refuse(Operation::Notify));
+            }
+            n.validate()?;
+        }
+        let results = run_batch(&self.inner, s, segment, requests, notify).await?;
+        Ok(BatchReport { results })
+    }
+
+    async fn submit(
+        &self,
+        segment: SegmentId,
+        requests: &[TransferRequest],
+        notify: Option<&Notification>,
+    ) -> Result<BatchId> {
+        let s = &self.shared;
+        if !s.effective.async_batch {
+            return Err(s.refuse(Operation::AsyncBatch));
+        }
+        if let Some(n) = notify {
+            if !s.effective.notify {
+                return Err(s.refuse(Operation::Notify));
+            }
+            n.validate()?;
+        }
+        if !s.native.async_batch {
+            s.announce(Operation::AsyncBatch);
+        }
+        let states = Arc::new(Mutex::new(vec![
+            TransferState::Pending { transferred: 0 };
+            requests.len()
+        ]));
+        let (done_tx, done_rx) = watch::channel(false);
+        let id = s.next_batch.fetch_add(1, Ordering::Relaxed);
+        lock(&s.batches).insert(
+            id,
+            BatchSlot {
+                states: Arc::clone(&states),
+                done: done_rx,
+            },
+        );
+        let inner = Arc::clone(&self.inner);
+        let shared = Arc::clone(&self.shared);
+        let requests = requests.to_vec();
+        let notify = notify.cloned();
+        tokio::spawn(async move {
+            let n = requests.len();
+            let results = run_batch(&inner, &shared, segment, &requests, notify.as_ref())
+                .await
+                .unwrap_or_else(|e| vec![Err(e); n]);
+            {
+                let mut st = lock(&states);
+                for (slot, r) in st.iter_mut().zip(results) {
+                    *slot = match r {
+                        Ok(()) => TransferState::Completed,
+                        Err(e) => TransferState::Failed(e),
+                    };
+                }
+            }
+            let _ = done_tx.send(true);
+        });
+        Ok(BatchId(id))
+    }
+
+    fn status(&self, batch: BatchId) -> Result<BatchStatus> {
+        let s = &self.shared;
+        if !s.effective.async_batch {
+            return Err(s.refuse(Operation::AsyncBatch));
+        }
+        let batches = lock(&s.batches);
+        let slot = batches.get(&batch.0).ok_or(Error::UnknownBatch(batch))?;
+        let states = lock(&slot.states).clone();
+        Ok(BatchStatus { states })
+    }
+
+    async fn wait(&self, batch: BatchId) -> Result<BatchReport> {
+        let s = &self.shared;
+        if !s.effective.batch_wait || !s.effective.async_batch {
+            return Err(s.refuse(Operation::BatchWait));
+        }
+        if !s.native.batch_wait {
+            s.announce(Operation::BatchWait);
+        }
+        let mut done = {
+            let batches = lock(&s.batches);
+            batches
+                .get(&batch.0)
+                .ok_or(Error::UnknownBatch(batch))?
+                .done
+                .clone()
+        };
+        // The driver task always sends `true` before it ends; if it was
+        // dropped (runtime shutting down) `wait_for` errors instead of hanging.
+        done.wait_for(|d| *d)
+            .await
+            .map_err(|_| Error::Canceled(format!("batch {batch} was abandoned")))?;
+        let slot = lock(&s.batches)
+            .remove(&batch.0)
+            .ok_or(Error::UnknownBatch(batch))?;
+        let status = BatchStatus {
+            states: lock(&slot.states).clone(),
+        };
+        status
+            .to_report()
+            .ok_or_else(|| Error::Canceled(format!("batch {batch} ended unfinished")))
+    }
+
+    async fn release_batch(&self, batch: BatchId) -> Result<()> {
+        let s = &self.shared;
+        if !s.effective.async_batch {
+            return Err(s.refuse(Operation::AsyncBatch));
+        }
+        let mut batches = lock(&s.batches);
+        let finished = *batches
+            .get(&batch.0)
+            .ok_or(Error::UnknownBatch(batch))?
+            .done
+            .borrow();
+        if !finished {
+            return Err(Error::BatchBusy(batch));
+        }
+        batches.remove(&batch.0);
+        Ok(())
+    }
+
+    async fn take_notifications(&self) -> Result<Vec<Notification>> {
+        if !self.shared.native.notify {
+            return Err(self.shared.refuse(Operation::Notify));
+        }
+        self.inner.take_notifications().await
+    }
+}

@@ -1,0 +1,365 @@
+//! What a backend can do natively, and how the adapter reports it.
+
+use std::fmt;
+use std::str::FromStr;
+
+use crate::error::Error;
+
+/// Every operation of [`crate::TransferEngine`], by name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[non_exhaustive]
+pub enum Operation {
+    /// `register` (required).
+    Register,
+    /// `unregister` (required).
+    Unregister,
+    /// `batch_register` (optional).
+    BatchRegister,
+    /// `batch_unregister` (optional).
+    BatchUnregister,
+    /// `open_segment` / `close_segment` (required).
+    OpenSegment,
+    /// `transfer` (required).
+    Transfer,
+    /// `batch_transfer` (optional).
+    BatchTransfer,
+    /// `submit` / `status` / `release_batch` (optional).
+    AsyncBatch,
+    /// `wait` on an asynchronous batch (optional).
+    BatchWait,
+    /// Notifications with a batch and `take_notifications` (optional).
+    Notify,
+}
+
+impl Operation {
+    /// The optional operations, the ones [`Capabilities`] describes.
+    pub const OPTIONAL: [Operation; 6] = [
+        Operation::BatchRegister,
+        Operation::BatchUnregister,
+        Operation::BatchTransfer,
+        Operation::AsyncBatch,
+        Operation::BatchWait,
+        Operation::Notify,
+    ];
+
+    /// The operation's name as used in reports and on command lines.
+    pub fn name(self) -> &'static str {
+        match self {
+            Operation::Register => "register",
+            Operation::Unregister => "unregister",
+            Operation::BatchRegister => "batch_register",
+            Operation::BatchUnregister => "batch_unregister",
+            Operation::OpenSegment => "open_segment",
+            Operation::Transfer => "transfer",
+            Operation::BatchTransfer => "batch_transfer",
+            Operation::AsyncBatch => "async_batch",
+            Operation::BatchWait => "batch_wait",
+            Operation::Notify => "notify",
+        }
+    }
+
+    /// Whether the operation is optional (described by [`Capabilities`]).
+    pub fn is_optional(self) -> bool {
+        Self::OPTIONAL.contains(&self)
+    }
+}
+
+impl fmt::Display for Operation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Operation {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self, Error> {
+        let all = [
+            Operation::Register,
+            Operation::Unregister,
+            Operation::BatchRegister,
+            Operation::BatchUnregister,
+            Operation::OpenSegment,
+            Operation::Transfer,
+            Operation::BatchTransfer,
+            Operation::AsyncBatch,
+            Operation::BatchWait,
+            Operation::Notify,
+        ];
+        let wanted = s.trim().replace('-', "_");
+        all.into_iter()
+            .find(|op| op.name() == wanted)
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "unknown operation {s:?}; known: {}",
+                    all.map(Operation::name).join(", ")
+                ))
+            })
+    }
+}
+
+/// Kinds of memory a backend can register.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct MemoryKinds {
+    /// Host memory (`cpu:N`, `*`).
+    pub host: bool,
+    /// CUDA device memory (`cuda:N`).
+    pub cuda: bool,
+}
+
+impl Default for MemoryKinds {
+    fn default() -> Self {
+        MemoryKinds {
+            host: true,
+            cuda: false,
+        }
+    }
+}
+
+/// What a backend does natively, one public field per optional operation
+/// (OpenDAL style: backends fill it with `..Default::default()`).
+///
+/// Through a [`crate::CapabilityAdapter`], `capabilities()` returns the
+/// *effective* set instead: what works through the adapter, natively or by
+/// emulation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Capabilities {
+    /// `batch_register` is native (all-or-nothing).
+    pub batch_register: bool,
+    /// `batch_unregister` is native.
+    pub batch_unregister: bool,
+    /// `batch_transfer` is native.
+    pub batch_transfer: bool,
+    /// `submit` / `status` / `release_batch` are native.
+    pub async_batch: bool,
+    /// `wait` is native.
+    pub batch_wait: bool,
+    /// Notifications are native.
+    pub notify: bool,
+    /// Most requests one batch may hold (`None`: no limit).
+    pub max_batch_len: Option<usize>,
+    /// Memory kinds that can be registered.
+    pub memory: MemoryKinds,
+}
+
+impl Default for Capabilities {
+    /// Nothing optional; host memory only; no batch limit.
+    fn default() -> Self {
+        Capabilities {
+            batch_register: false,
+            batch_unregister: false,
+            batch_transfer: false,
+            async_batch: false,
+            batch_wait: false,
+            notify: false,
+            max_batch_len: None,
+            memory: MemoryKinds::default(),
+        }
+    }
+}
+
+impl Capabilities {
+    /// Everything optional on; host memory; no batch limit.
+    pub fn all() -> Self {
+        Capabilities {
+            batch_register: true,
+            batch_unregister: true,
+            batch_transfer: true,
+            async_batch: true,
+            batch_wait: true,
+            notify: true,
+            ..Default::default()
+        }
+    }
+
+    /// Whether `op` is available: required operations always are; optional
+    /// ones as the fields say.
+    pub fn supports(&self, op: Operation) -> bool {
+        match op {
+            Operation::BatchRegister => self.batch_register,
+            Operation::BatchUnregister => self.batch_unregister,
+            Operation::BatchTransfer => self.batch_transfer,
+            Operation::AsyncBatch => self.async_batch,
+            Operation::BatchWait => self.batch_wait,
+            Operation::Notify => self.notify,
+            _ => true,
+        }
+    }
+
+    /// Sets the field of optional `op` (required operations are ignored).
+    pub fn set(&mut self, op: Operation, on: bool) {
+        match op {
+            Operation::BatchRegister => self.batch_register = on,
+            Operation::BatchUnregister => self.batch_unregister = on,
+            Operation::BatchTransfer => self.batch_transfer = on,
+            Operation::AsyncBatch => self.async_batch = on,
+            Operation::BatchWait => self.batch_wait = on,
+            Operation::Notify => self.notify = on,
+            _ => {}
+        }
+    }
+}
+
+/// Why a backend lacks an optional operation natively, and what would add it.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct MissingCapability {
+    /// The operation.
+    pub operation: Operation,
+    /// Why it is not native (e.g. "libtransfer_engine.so has no submitTransferWithNotify").
+    pub reason: String,
+    /// The backend version that has it natively (e.g. "Mooncake v0.3.5").
+    pub min_version: Option<String>,
+}
+
+impl fmt::Display for MissingCapability {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.operation, self.reason)?;
+        if let Some(v) = &self.min_version {
+            write!(f, " (needs {v})")?;
+        }
+        Ok(())
+    }
+}
+
+/// What a backend says about itself beyond [`Capabilities`]: details for the
+/// capability report (library path, detected generation, device) and the
+/// reason for every optional operation it lacks.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct BackendInfo {
+    /// Backend name (`tcp`, `mooncake`, `verbs`, `inproc`).
+    pub backend: String,
+    /// Free-form `(key, value)` facts, in display order.
+    pub details: Vec<(String, String)>,
+    /// For each optional operation that is not native: why, and which version
+    /// would make it native. Operations not listed get a generic reason.
+    pub not_native: Vec<MissingCapability>,
+}
+
+impl BackendInfo {
+    /// The backend's note on `op`, if it gave one.
+    pub fn note(&self, op: Operation) -> Option<&MissingCapability> {
+        self.not_native.iter().find(|m| m.operation == op)
+    }
+}
+
+/// How an operation is provided through the adapter.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Support {
+    /// The backend does it itself.
+    Native,
+    /// The adapter emulates it with the same observable semantics.
+    Emulated {
+        /// How (e.g. "single registers, all-or-nothing").
+        via: String,
+        /// Why the backend lacks it and which version adds it natively.
+        missing: MissingCapability,
+    },
+    /// Neither the backend nor the adapter offers it.
+    Unsupported(MissingCapability),
+}
+
+impl Support {
+    /// Whether the operation can be used (natively or emulated).
+    pub fn is_available(&self) -> bool {
+        !matches!(self, Support::Unsupported(_))
+    }
+    /// `native`, `emulated` or `unsupported`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Support::Native => "native",
+            Support::Emulated { .. } => "emulated",
+            Support::Unsupported(_) => "unsupported",
+        }
+    }
+}
+
+/// The report a person reads before deploying: native and effective
+/// capabilities and, per optional operation, how it is provided.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CapabilityReport {
+    /// What the backend said about itself.
+    pub info: BackendInfo,
+    /// What the backend does natively.
+    pub native: Capabilities,
+    /// What works through the adapter.
+    pub effective: Capabilities,
+    /// One entry per optional operation, in [`Operation::OPTIONAL`] order.
+    pub operations: Vec<(Operation, Support)>,
+    /// Whether the adapter runs in strict mode (no emulation).
+    pub strict: bool,
+}
+
+impl CapabilityReport {
+    /// How `op` is provided (required operations are always native).
+    pub fn support(&self, op: Operation) -> Support {
+        self.operations
+            .iter()
+            .find(|(o, _)| *o == op)
+            .map(|(_, s)| s.clone())
+            .unwrap_or(Support::Native)
+    }
+
+    /// The operations among `ops` that are not available, with reasons.
+    pub fn missing(&self, ops: &[Operation]) -> Vec<MissingCapability> {
+        ops.iter()
+            .filter_map(|op| match self.support(*op) {
+                Support::Unsupported(m) => Some(m),
+                _ => None,
+            })
+            .collect()
+    }
+}
+
+impl fmt::Display for CapabilityReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "backend: {}", self.info.backend)?;
+        for (k, v) in &self.info.details {
+            writeln!(f, "{k}: {v}")?;
+        }
+        if self.strict {
+            writeln!(f, "mode: strict (no emulation)")?;
+        }
+        match self.native.max_batch_len {
+            Some(n) => writeln!(f, "max batch length: {n}")?,
+            None => writeln!(f, "max batch length: unlimited")?,
+        }
+        writeln!(
+            f,
+            "memory: host {}, cuda {}",
+            yes_no(self.native.memory.host),
+            yes_no(self.native.memory.cuda)
+        )?;
+        for (op, support) in &self.operations {
+            match support {
+                Support::Native => writeln!(f, "  {:<17} native", op.name())?,
+                Support::Emulated { via, missing } => {
+                    write!(
+                        f,
+                        "  {:<17} emulated ({via}): {}",
+                        op.name(),
+                        missing.reason
+                    )?;
+                    if let Some(v) = &missing.min_version {
+                        write!(f, "; native with {v}")?;
+                    }
+                    writeln!(f)?;
+                }
+                Support::Unsupported(missing) => {
+                    write!(f, "  {:<17} unsupported: {}", op.name(), missing.reason)?;
+                    if let Some(v) = &missing.min_version {
+                        write!(f, "; needs {v}")?;
+                    }
+                    writeln!(f)?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn yes_no(b: bool) -> &'static str {
+    if b {
+        "yes"
+    } else {
+        "no"
+    }
+}

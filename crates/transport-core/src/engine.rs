@@ -1,0 +1,145 @@
+//! The `TransferEngine` trait: Mooncake's model as one async contract.
+
+use async_trait::async_trait;
+
+use crate::caps::{BackendInfo, Capabilities, Operation};
+use crate::error::{Error, Result};
+use crate::types::{
+    BatchId, BatchReport, BatchStatus, MemoryRegion, Notification, SegmentId, TransferRequest,
+};
+
+/// A local transfer endpoint: it owns registered memory regions, opens peer
+/// segments by name and moves bytes between its regions and theirs.
+///
+/// Required methods work on every backend. The optional ones
+/// (`batch_register`, `batch_unregister`, `batch_transfer`, `submit` /
+/// `status` / `wait` / `release_batch`, notifications) return
+/// [`Error::Unsupported`] unless [`TransferEngine::capabilities`] declares
+/// them; their default bodies do exactly that and nothing else. Wrap an
+/// engine in a [`crate::CapabilityAdapter`] to get all of them.
+///
+/// Common rules:
+/// - Local addresses must lie inside one region registered with this engine,
+///   remote addresses inside one region registered with the peer; anything
+///   else fails that request with [`Error::AddressNotRegistered`] and changes
+///   no byte of either memory.
+/// - A zero-length request succeeds and moves nothing.
+/// - Requests of one batch may run concurrently and in any order; a batch
+///   whose destination ranges overlap leaves the overlap unspecified.
+/// - A batch of zero requests is valid (useful to send only a notification).
+#[async_trait]
+pub trait TransferEngine: Send + Sync + 'static {
+    /// Backend name: `tcp`, `mooncake`, `verbs`, `inproc`.
+    fn backend_name(&self) -> &str;
+
+    /// The name peers pass to [`TransferEngine::open_segment`] to reach this
+    /// engine (`host:port` for network backends).
+    fn segment_name(&self) -> &str;
+
+    /// What this engine does natively (through an adapter: effectively).
+    fn capabilities(&self) -> Capabilities;
+
+    /// Details for the capability report and the reasons for every optional
+    /// operation that is not native.
+    fn backend_info(&self) -> BackendInfo;
+
+    /// Registers `region` so that it can be a local source/destination and a
+    /// remote target of peers.
+    ///
+    /// Fails with [`Error::InvalidArgument`] for an empty region or a
+    /// location the backend cannot register, and with
+    /// [`Error::RegionOverlap`] if it overlaps a registered region.
+    async fn register(&self, region: &MemoryRegion) -> Result<()>;
+
+    /// Unregisters the region that starts at `addr`.
+    ///
+    /// Returns only when no transfer (local or from a peer) uses the region
+    /// any more: transfers in flight finish or fail first, new ones are
+    /// refused. After it returns the caller may free the memory.
+    async fn unregister(&self, addr: u64) -> Result<()>;
+
+    /// Registers every region, all or nothing: if one fails, those already
+    /// registered by this call are unregistered and the error is
+    /// [`Error::BatchRegisterFailed`] naming the failed index.
+    async fn batch_register(&self, regions: &[MemoryRegion]) -> Result<()> {
+        let _ = regions;
+        Err(unsupported(self.backend_name(), Operation::BatchRegister))
+    }
+
+    /// Unregisters the regions starting at each address (same waiting rule as
+    /// [`TransferEngine::unregister`]). Every address is attempted; the first
+    /// error is returned.
+    async fn batch_unregister(&self, addrs: &[u64]) -> Result<()> {
+        let _ = addrs;
+        Err(unsupported(self.backend_name(), Operation::BatchUnregister))
+    }
+
+    /// Opens the peer segment called `name` and returns a handle for
+    /// transfers. Opening the same name twice may return the same handle.
+    async fn open_segment(&self, name: &str) -> Result<SegmentId>;
+
+    /// Closes a handle. Transfers in flight on it finish or fail first.
+    async fn close_segment(&self, segment: SegmentId) -> Result<()>;
+
+    /// Performs one request and waits for it.
+    async fn transfer(&self, segment: SegmentId, request: TransferRequest) -> Result<()>;
+
+    /// Performs every request and waits for all of them. `Err` means the
+    /// batch as a whole was refused (unknown segment, too many requests,
+    /// notification unsupported) and nothing was moved; otherwise the report
+    /// holds each request's outcome in the caller's order.
+    ///
+    /// With `notify`, the notification is delivered to the peer after every
+    /// request has landed, and only if every request succeeded.
+    async fn batch_transfer(
+        &self,
+        segment: SegmentId,
+        requests: &[TransferRequest],
+        notify: Option<&Notification>,
+    ) -> Result<BatchReport> {
+        let _ = (segment, requests, notify);
+        Err(unsupported(self.backend_name(), Operation::BatchTransfer))
+    }
+
+    /// Starts every request and returns at once with a batch id for
+    /// [`TransferEngine::status`], [`TransferEngine::wait`] and
+    /// [`TransferEngine::release_batch`]. `notify` as in `batch_transfer`.
+    async fn submit(
+        &self,
+        segment: SegmentId,
+        requests: &[TransferRequest],
+        notify: Option<&Notification>,
+    ) -> Result<BatchId> {
+        let _ = (segment, requests, notify);
+        Err(unsupported(self.backend_name(), Operation::AsyncBatch))
+    }
+
+    /// The state of each request of `batch`. Never blocks, never waits.
+    fn status(&self, batch: BatchId) -> Result<BatchStatus> {
+        let _ = batch;
+        Err(unsupported(self.backend_name(), Operation::AsyncBatch))
+    }
+
+    /// Waits until every request of `batch` is terminal, releases the batch
+    /// and returns the report. The id is invalid afterwards.
+    async fn wait(&self, batch: BatchId) -> Result<BatchReport> {
+        let _ = batch;
+        Err(unsupported(self.backend_name(), Operation::BatchWait))
+    }
+
+    /// Releases a finished batch without waiting; [`Error::BatchBusy`] if a
+    /// request is still pending. The id is invalid afterwards.
+    async fn release_batch(&self, batch: BatchId) -> Result<()> {
+        let _ = batch;
+        Err(unsupported(self.backend_name(), Operation::AsyncBatch))
+    }
+
+    /// Takes the notifications received so far, oldest first. Never waits.
+    async fn take_notifications(&self) -> Result<Vec<Notification>> {
+        Err(unsupported(self.backend_name(), Operation::Notify))
+    }
+}
+
+fn unsupported(backend: &str, op: Operation) -> Error {
+    Error::unsupported(backend, op, "the backend does not implement it")
+}

@@ -1,0 +1,289 @@
+//! The one error type every Ferry operation returns.
+
+use std::fmt;
+use std::time::Duration;
+
+use crate::caps::{MissingCapability, Operation};
+use crate::types::{BatchId, SegmentId};
+
+/// Result alias used throughout Ferry.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Which side of a transfer an address belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Side {
+    /// Memory registered with the engine that issues the request.
+    Local,
+    /// Memory registered with the peer engine (the segment's owner).
+    Remote,
+}
+
+impl fmt::Display for Side {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Side::Local => "local",
+            Side::Remote => "remote",
+        })
+    }
+}
+
+fn since(min_version: &Option<String>) -> String {
+    match min_version {
+        Some(v) => format!(" (native since {v})"),
+        None => String::new(),
+    }
+}
+
+fn at_peer(peer: &Option<String>) -> String {
+    match peer {
+        Some(p) => format!(" on peer {p}"),
+        None => String::new(),
+    }
+}
+
+fn list_missing(missing: &[MissingCapability]) -> String {
+    missing
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// Everything that can go wrong in Ferry.
+///
+/// Every variant carries what a person needs to act on it: the address, the
+/// peer, the operation, the symbol, the minimum version. [`Error::is_retryable`]
+/// separates transient failures (a peer that went away, a timeout) from
+/// permanent ones (an address that is not registered, an unsupported
+/// operation). The type is `Clone` so that one failure can be reported for
+/// every request it affected.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The backend does not offer this operation (and it was not emulated).
+    #[error("{operation} is not supported by the {backend} backend: {reason}{}", since(.min_version))]
+    Unsupported {
+        /// Backend name (`tcp`, `mooncake`, `verbs`, `inproc`).
+        backend: String,
+        /// The operation that was asked for.
+        operation: Operation,
+        /// Why, in words a person can act on.
+        reason: String,
+        /// The backend version that offers it natively, where one does.
+        min_version: Option<String>,
+    },
+    /// Strict mode: operations required at start-up are missing.
+    #[error("the {backend} backend lacks required capabilities: {}", list_missing(.missing))]
+    MissingCapabilities {
+        /// Backend name.
+        backend: String,
+        /// Every missing capability with its reason.
+        missing: Vec<MissingCapability>,
+    },
+    /// `[addr, addr+len)` does not lie inside one registered region.
+    #[error("{side} address range {addr:#x}+{len} is not inside a registered region{}", at_peer(.peer))]
+    AddressNotRegistered {
+        /// Which engine's registrations were checked.
+        side: Side,
+        /// Start of the range.
+        addr: u64,
+        /// Length of the range.
+        len: u64,
+        /// The peer, for remote addresses.
+        peer: Option<String>,
+    },
+    /// A region to register overlaps one that is already registered.
+    #[error(
+        "region {addr:#x}+{len} overlaps the registered region {existing_addr:#x}+{existing_len}"
+    )]
+    RegionOverlap {
+        /// Start of the new region.
+        addr: u64,
+        /// Length of the new region.
+        len: u64,
+        /// Start of the region already registered.
+        existing_addr: u64,
+        /// Length of the region already registered.
+        existing_len: u64,
+    },
+    /// `unregister` named an address where no region starts.
+    #[error("no region is registered at {addr:#x}")]
+    RegionNotRegistered {
+        /// The address given.
+        addr: u64,
+    },
+    /// A batch register failed part-way; everything it registered was
+    /// unregistered again.
+    #[error(
+        "batch register failed at region {index} ({addr:#x}); nothing stays registered: {source}"
+    )]
+    BatchRegisterFailed {
+        /// Index of the region that failed in the caller's slice.
+        index: usize,
+        /// Its address.
+        addr: u64,
+        /// Why it failed.
+        source: Box<Error>,
+    },
+    /// An argument is malformed (zero-length region, oversized notification…).
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// A peer segment could not be opened or reached.
+    #[error("segment {name:?} is unavailable: {reason}")]
+    SegmentUnavailable {
+        /// The segment name (`host:port` for most backends).
+        name: String,
+        /// Why.
+        reason: String,
+    },
+    /// The segment handle is not open on this engine.
+    #[error("segment handle {0} is not open")]
+    UnknownSegment(SegmentId),
+    /// The batch id is not known (never issued, or already released).
+    #[error("batch {0} is unknown (never submitted, or already released)")]
+    UnknownBatch(BatchId),
+    /// The batch still has requests in flight.
+    #[error("batch {0} still has requests in flight")]
+    BatchBusy(BatchId),
+    /// More requests in one batch than the backend accepts.
+    #[error("a batch of {len} requests exceeds the limit of {max}")]
+    BatchTooLarge {
+        /// Requests given.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// Some requests of a batch failed (see [`crate::BatchReport`] for each).
+    #[error("{failed} of {total} requests failed; first (request {first_index}): {first}")]
+    BatchFailed {
+        /// How many failed.
+        failed: usize,
+        /// How many there were.
+        total: usize,
+        /// Index of the first failed request.
+        first_index: usize,
+        /// Its error.
+        first: Box<Error>,
+    },
+    /// The peer went away or reset the connection.
+    #[error("peer {peer} was lost: {reason}")]
+    PeerLost {
+        /// The peer segment name.
+        peer: String,
+        /// What happened.
+        reason: String,
+    },
+    /// An operation did not finish in time.
+    #[error("{operation} timed out after {after:?}{}", at_peer(.peer))]
+    Timeout {
+        /// What was being done.
+        operation: String,
+        /// The peer involved, if any.
+        peer: Option<String>,
+        /// The deadline that passed.
+        after: Duration,
+    },
+    /// A peer sent something that breaks the protocol.
+    #[error("protocol error from {peer}: {reason}")]
+    Protocol {
+        /// The peer.
+        peer: String,
+        /// What was wrong.
+        reason: String,
+    },
+    /// Authentication with a peer failed.
+    #[error("authentication with {peer} failed: {reason}")]
+    Authentication {
+        /// The peer.
+        peer: String,
+        /// What failed.
+        reason: String,
+    },
+    /// An operating-system I/O error.
+    #[error("I/O error while {context}: {message}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// The error kind.
+        kind: std::io::ErrorKind,
+        /// The OS message.
+        message: String,
+    },
+    /// The backend cannot run here (library not found, no device…).
+    #[error("the {backend} backend is unavailable: {reason}")]
+    Unavailable {
+        /// Backend name.
+        backend: String,
+        /// Why, including what was tried.
+        reason: String,
+    },
+    /// A shared library lacks a symbol that is required.
+    #[error("{library} does not export the required symbol {symbol}{}", since(.min_version))]
+    MissingSymbol {
+        /// The library path.
+        library: String,
+        /// The symbol.
+        symbol: String,
+        /// The version that introduced it, where known.
+        min_version: Option<String>,
+    },
+    /// A backend returned an error code.
+    #[error("{backend} returned error {code} ({name}) during {operation}")]
+    Backend {
+        /// Backend name.
+        backend: String,
+        /// The call that failed.
+        operation: String,
+        /// The raw code.
+        code: i64,
+        /// Its symbolic name.
+        name: String,
+    },
+    /// The engine is shutting down or the request was canceled.
+    #[error("canceled: {0}")]
+    Canceled(String),
+}
+
+impl Error {
+    /// Whether trying the same thing again later may succeed.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            Error::PeerLost { .. }
+            | Error::Timeout { .. }
+            | Error::SegmentUnavailable { .. }
+            | Error::BatchBusy(_) => true,
+            Error::Io { kind, .. } => matches!(
+                kind,
+                std::io::ErrorKind::ConnectionReset
+                    | std::io::ErrorKind::ConnectionAborted
+                    | std::io::ErrorKind::ConnectionRefused
+                    | std::io::ErrorKind::BrokenPipe
+                    | std::io::ErrorKind::TimedOut
+                    | std::io::ErrorKind::Interrupted
+                    | std::io::ErrorKind::WouldBlock
+                    | std::io::ErrorKind::UnexpectedEof
+            ),
+            Error::BatchFailed { first, .. } => first.is_retryable(),
+            _ => false,
+        }
+    }
+
+    /// Builds [`Error::Unsupported`].
+    pub fn unsupported(backend: &str, operation: Operation, reason: impl Into<String>) -> Self {
+        Error::Unsupported {
+            backend: backend.to_owned(),
+            operation,
+            reason: reason.into(),
+            min_version: None,
+        }
+    }
+
+    /// Builds [`Error::Io`] from an `std::io::Error` and what was being done.
+    pub fn io(context: impl Into<String>, err: &std::io::Error) -> Self {
+        Error::Io {
+            context: context.into(),
+            kind: err.kind(),
+            message: err.to_string(),
+        }
+    }
+}

@@ -1,0 +1,1 @@
+//! In-process engine (filled in by the conformance work).

@@ -1,0 +1,319 @@
+//! The registered-region table every backend keeps: overlap checks on
+//! register, bounds checks on every transfer, and in-flight guards that make
+//! `unregister` wait until no transfer uses a region any more.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use tokio::sync::Notify;
+
+use crate::error::{Error, Result, Side};
+use crate::types::MemoryRegion;
+
+#[derive(Debug)]
+struct Entry {
+    region: MemoryRegion,
+    in_flight: usize,
+    closing: bool,
+}
+
+#[derive(Debug, Default)]
+struct Shared {
+    entries: Mutex<BTreeMap<u64, Entry>>,
+    released: Notify,
+}
+
+/// A set of non-overlapping registered regions, keyed by start address.
+///
+/// Cloning gives another handle to the same table.
+#[derive(Clone, Debug, Default)]
+pub struct RegionTable {
+    shared: Arc<Shared>,
+}
+
+impl RegionTable {
+    /// An empty table.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, BTreeMap<u64, Entry>> {
+        // A panic while holding this lock cannot leave the map inconsistent
+        // (every critical section is a single map operation), so poisoning is
+        // ignored rather than propagated.
+        self.shared
+            .entries
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Adds `region`. Fails with [`Error::InvalidArgument`] if it is empty or
+    /// wraps around the address space, [`Error::RegionOverlap`] if it shares a
+    /// byte with a registered (or closing) region.
+    pub fn insert(&self, region: MemoryRegion) -> Result<()> {
+        if region.is_empty() {
+            return Err(Error::InvalidArgument(format!(
+                "cannot register an empty region at {:#x}",
+                region.addr()
+            )));
+        }
+        if region.addr().checked_add(region.len()).is_none() {
+            return Err(Error::InvalidArgument(format!(
+                "region {:#x}+{} wraps around the address space",
+                region.addr(),
+                region.len()
+            )));
+        }
+        let mut map = self.lock();
+        let before = map.range(..=region.addr()).next_back();
+        let after = map.range(region.addr()..).next();
+        for (_, e) in before.into_iter().chain(after) {
+            if e.region.overlaps(&region) {
+                return Err(Error::RegionOverlap {
+                    addr: region.addr(),
+                    len: region.len(),
+                    existing_addr: e.region.addr(),
+                    existing_len: e.region.len(),
+                });
+            }
+        }
+        map.insert(
+            region.addr(),
+            Entry {
+                region,
+                in_flight: 0,
+                closing: false,
+            },
+        );
+        Ok(())
+    }
+
+    /// Finds the region containing all of `[addr, addr+len)` and holds it
+    /// registered until the returned guard drops. `side` and `peer` only
+    /// shape the error.
+    pub fn acquire(
+        &self,
+        addr: u64,
+        len: u64,
+        side: Side,
+        peer: Option<&str>,
+    ) -> Result<RegionGuard> {
+        let mut map = self.lock();
+        let found = map
+            .range_mut(..=addr)
+            .next_back()
+            .map(|(_, e)| e)
+            .filter(|e| !e.closing && e.region.contains(addr, len));
+        match found {
+            Some(e) => {
+                e.in_flight += 1;
+                Ok(RegionGuard {
+                    table: self.clone(),
+                    base: e.region.addr(),
+                    addr,
+                    len,
+                })
+            }
+            None => Err(Error::AddressNotRegistered {
+                side,
+                addr,
+                len,
+                peer: peer.map(str::to_owned),
+            }),
+        }
+    }
+
+    /// Whether `[addr, addr+len)` lies inside one live region.
+    pub fn contains(&self, addr: u64, len: u64) -> bool {
+        let map = self.lock();
+        map.range(..=addr)
+            .next_back()
+            .is_some_and(|(_, e)| !e.closing && e.region.contains(addr, len))
+    }
+
+    /// Removes the region starting at `addr`, first refusing new guards on it
+    /// and waiting until every outstanding guard has dropped.
+    pub async fn remove(&self, addr: u64) -> Result<MemoryRegion> {
+        {
+            let mut map = self.lock();
+            match map.get_mut(&addr) {
+                Some(e) if !e.closing => e.closing = true,
+                _ => return Err(Error::RegionNotRegistered { addr }),
+            }
+        }
+        loop {
+            let notified = self.shared.released.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            {
+                let mut map = self.lock();
+                if map.get(&addr).is_some_and(|e| e.in_flight == 0) {
+                    let entry = map.remove(&addr);
+                    return entry
+                        .map(|e| e.region)
+                        .ok_or(Error::RegionNotRegistered { addr });
+                }
+            }
+            notified.await;
+        }
+    }
+
+    /// The live regions, in address order.
+    pub fn regions(&self) -> Vec<MemoryRegion> {
+        self.lock()
+            .values()
+            .filter(|e| !e.closing)
+            .map(|e| e.region.clone())
+            .collect()
+    }
+
+    /// Number of live regions.
+    pub fn len(&self) -> usize {
+        self.lock().values().filter(|e| !e.closing).count()
+    }
+
+    /// Whether no region is live.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn release(&self, base: u64) {
+        let mut map = self.lock();
+        if let Some(e) = map.get_mut(&base) {
+            e.in_flight = e.in_flight.saturating_sub(1);
+            if e.closing && e.in_flight == 0 {
+                self.shared.released.notify_waiters();
+            }
+        }
+    }
+}
+
+/// Keeps one region registered while a transfer uses `[addr, addr+len)` of
+/// it. Dropping the guard lets a pending `remove` of the region finish.
+#[derive(Debug)]
+pub struct RegionGuard {
+    table: RegionTable,
+    base: u64,
+    addr: u64,
+    len: u64,
+}
+
+impl RegionGuard {
+    /// Start of the guarded range.
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+    /// Length of the guarded range.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+    /// Whether the range is empty (never, for a guard from `acquire`).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// Start of the region the range lies in.
+    pub fn region_addr(&self) -> u64 {
+        self.base
+    }
+    /// The guarded range as a raw pointer.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.addr as usize as *mut u8
+    }
+
+    /// The guarded range as a byte slice.
+    ///
+    /// # Safety
+    ///
+    /// The region's registrant promised (in
+    /// [`MemoryRegion::from_raw_parts`]) that the memory stays valid while
+    /// registered, and this guard keeps it registered; the caller must still
+    /// ensure no `&mut` to the same bytes is live for the slice's lifetime.
+    pub unsafe fn as_slice(&self) -> &[u8] {
+        // SAFETY: valid for `len` bytes while the guard lives (see above);
+        // aliasing is the caller's obligation.
+        unsafe { std::slice::from_raw_parts(self.as_ptr(), self.len as usize) }
+    }
+
+    /// The guarded range as a mutable byte slice.
+    ///
+    /// # Safety
+    ///
+    /// As for [`RegionGuard::as_slice`], and no other reference to the same
+    /// bytes may be live for the slice's lifetime.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn as_mut_slice(&self) -> &mut [u8] {
+        // SAFETY: as above; exclusivity is the caller's obligation.
+        unsafe { std::slice::from_raw_parts_mut(self.as_ptr(), self.len as usize) }
+    }
+}
+
+impl Drop for RegionGuard {
+    fn drop(&mut self) {
+        self.table.release(self.base);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::types::Location;
+
+    fn region(addr: u64, len: u64) -> MemoryRegion {
+        // SAFETY: the table never dereferences these addresses.
+        unsafe {
+            MemoryRegion::from_raw_parts(addr as usize as *mut u8, len as usize, Location::any())
+        }
+    }
+
+    #[test]
+    fn overlap_and_bounds() {
+        let t = RegionTable::new();
+        t.insert(region(0x1000, 0x1000)).unwrap();
+        assert!(matches!(
+            t.insert(region(0x1800, 0x1000)),
+            Err(Error::RegionOverlap {
+                existing_addr: 0x1000,
+                ..
+            })
+        ));
+        assert!(matches!(
+            t.insert(region(0x800, 0x1000)),
+            Err(Error::RegionOverlap { .. })
+        ));
+        t.insert(region(0x2000, 0x10)).unwrap();
+        assert!(t.contains(0x1000, 0x1000));
+        assert!(!t.contains(0x1fff, 2));
+        assert!(t.acquire(0x1ff0, 0x20, Side::Remote, None).is_err());
+        assert!(t.acquire(u64::MAX, 2, Side::Local, None).is_err());
+        assert!(matches!(
+            t.insert(region(0x3000, 0)),
+            Err(Error::InvalidArgument(_))
+        ));
+    }
+
+    #[tokio::test]
+    async fn remove_waits_for_guards() {
+        let t = RegionTable::new();
+        t.insert(region(0x1000, 0x100)).unwrap();
+        let g = t.acquire(0x1010, 0x10, Side::Local, None).unwrap();
+        let t2 = t.clone();
+        let removal = tokio::spawn(async move { t2.remove(0x1000).await });
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        assert!(
+            !removal.is_finished(),
+            "remove returned while a guard was live"
+        );
+        assert!(
+            t.acquire(0x1010, 0x10, Side::Local, None).is_err(),
+            "closing region handed out a guard"
+        );
+        drop(g);
+        let r = removal.await.unwrap().unwrap();
+        assert_eq!(r.addr(), 0x1000);
+        assert!(t.is_empty());
+        assert!(matches!(
+            t.remove(0x1000).await,
+            Err(Error::RegionNotRegistered { addr: 0x1000 })
+        ));
+    }
+}
