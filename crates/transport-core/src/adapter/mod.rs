@@ -122,6 +122,9 @@ impl AdapterConfig {
         // them, but it can keep them when the batch itself is emulated only
         // if one native batch path exists to carry them.
         eff.notify = native.notify && (native.batch_transfer || native.async_batch);
+        // `wait` works on the batches `submit` makes: without those it is
+        // not available either.
+        eff.batch_wait &= eff.async_batch;
         if eff.batch_transfer || eff.async_batch {
             eff.max_batch_len = None;
         }
@@ -403,6 +406,17 @@ async fn execute<E: TransferEngine + ?Sized>(
     let mut ordered: Vec<Result<()>> = vec![Ok(()); requests.len()];
     for (i, r) in results {
         ordered[i] = r;
+    }
+    // A native batch refuses an unknown segment as a whole; so does the
+    // emulation (every single transfer was refused, nothing moved).
+    if let Some(Err(Error::UnknownSegment(seg))) = ordered.first() {
+        let seg = *seg;
+        if ordered
+            .iter()
+            .all(|r| matches!(r, Err(Error::UnknownSegment(s)) if *s == seg))
+        {
+            return Err(Error::UnknownSegment(seg));
+        }
     }
     Ok(ordered)
 }
@@ -693,7 +707,9 @@ impl<E: TransferEngine + ?Sized> TransferEngine for CapabilityAdapter<E> {
     }
 
     async fn take_notifications(&self) -> Result<Vec<Notification>> {
-        if !self.shared.native.notify {
+        // The effective set, not the native one: notifications the adapter
+        // cannot send (no native batch path) are not offered at all.
+        if !self.shared.effective.notify {
             return Err(self.shared.refuse(Operation::Notify));
         }
         self.inner.take_notifications().await
