@@ -1,0 +1,390 @@
+//! The control channel's frames: queue-pair connection data, the peer's
+//! region table (address, length, rkey) and notifications, over TCP.
+//!
+//! A frame is a big-endian `u32` payload length, then the payload: one kind
+//! byte and the fields, big-endian, strings as `u32` length + UTF-8. Decoding
+//! checks every length against the frame; a malformed frame is
+//! [`Error::Protocol`], never a panic.
+#![cfg_attr(not(feature = "rdma"), allow(dead_code))]
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use transport_core::{Error, Result};
+
+/// Protocol version carried in `Hello`.
+pub(crate) const VERSION: u16 = 1;
+/// Largest frame accepted (a region table of ~700k entries).
+pub(crate) const MAX_FRAME: u32 = 16 << 20;
+
+/// One region of the peer's table, as RDMA needs it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct RemoteRegion {
+    pub addr: u64,
+    pub len: u64,
+    pub rkey: u32,
+}
+
+/// The addressing data of one side of a reliable connection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct QpEndpoint {
+    pub qpn: u32,
+    pub psn: u32,
+    pub lid: u16,
+    pub gid: [u8; 16],
+    /// Path MTU as the verbs enum value (1 = 256 … 5 = 4096).
+    pub mtu: u8,
+}
+
+/// Every control-channel message.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Msg {
+    /// Opener → owner: my queue pair and my name.
+    Hello {
+        version: u16,
+        endpoint: QpEndpoint,
+        name: String,
+    },
+    /// Owner → opener: its queue pair (already in RTS) and region table.
+    Welcome {
+        endpoint: QpEndpoint,
+        regions: Vec<RemoteRegion>,
+    },
+    /// Owner → opener: the connection is refused.
+    Refused { reason: String },
+    /// Opener → owner: send the current region table.
+    TableRequest,
+    /// Owner → opener: answer to `TableRequest`.
+    Table { regions: Vec<RemoteRegion> },
+    /// Owner → opener: a region was registered.
+    RegionAdded(RemoteRegion),
+    /// Owner → opener: the region at `addr` was unregistered.
+    RegionRemoved { addr: u64 },
+    /// Opener → owner: a notification (after a batch landed).
+    Notify { name: String, message: String },
+    /// Owner → opener: the notification is queued.
+    NotifyAck,
+}
+
+const HELLO: u8 = 1;
+const WELCOME: u8 = 2;
+const REFUSED: u8 = 3;
+const TABLE_REQUEST: u8 = 4;
+const TABLE: u8 = 5;
+const REGION_ADDED: u8 = 6;
+const REGION_REMOVED: u8 = 7;
+const NOTIFY: u8 = 8;
+const NOTIFY_ACK: u8 = 9;
+
+fn put_endpoint(out: &mut Vec<u8>, e: &QpEndpoint) {
+    out.extend_from_slice(&e.qpn.to_be_bytes());
+    out.extend_from_slice(&e.psn.to_be_bytes());
+    out.extend_from_slice(&e.lid.to_be_bytes());
+    out.extend_from_slice(&e.gid);
+    out.push(e.mtu);
+}
+
+fn put_str(out: &mut Vec<u8>, s: &str) {
+    out.extend_from_slice(&(s.len() as u32).to_be_bytes());
+    out.extend_from_slice(s.as_bytes());
+}
+
+fn put_region(out: &mut Vec<u8>, r: &RemoteRegion) {
+    out.extend_from_slice(&r.addr.to_be_bytes());
+    out.extend_from_slice(&r.len.to_be_bytes());
+    out.extend_from_slice(&r.rkey.to_be_bytes());
+}
+
+fn put_regions(out: &mut Vec<u8>, rs: &[RemoteRegion]) {
+    out.extend_from_slice(&(rs.len() as u32).to_be_bytes());
+    for r in rs {
+        put_region(out, r);
+    }
+}
+
+impl Msg {
+    /// The frame payload (without the length prefix).
+    pub(crate) fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(64);
+        match self {
+            Msg::Hello {
+                version,
+                endpoint,
+                name,
+            } => {
+                out.push(HELLO);
+                out.extend_from_slice(&version.to_be_bytes());
+                put_endpoint(&mut out, endpoint);
+                put_str(&mut out, name);
+            }
+            Msg::Welcome { endpoint, regions } => {
+                out.push(WELCOME);
+                put_endpoint(&mut out, endpoint);
+                put_regions(&mut out, regions);
+            }
+            Msg::Refused { reason } => {
+                out.push(REFUSED);
+                put_str(&mut out, reason);
+            }
+            Msg::TableRequest => out.push(TABLE_REQUEST),
+            Msg::Table { regions } => {
+                out.push(TABLE);
+                put_regions(&mut out, regions);
+            }
+            Msg::RegionAdded(r) => {
+                out.push(REGION_ADDED);
+                put_region(&mut out, r);
+            }
+            Msg::RegionRemoved { addr } => {
+                out.push(REGION_REMOVED);
+                out.extend_from_slice(&addr.to_be_bytes());
+            }
+            Msg::Notify { name, message } => {
+                out.push(NOTIFY);
+                put_str(&mut out, name);
+                put_str(&mut out, message);
+            }
+            Msg::NotifyAck => out.push(NOTIFY_ACK),
+        }
+        out
+    }
+
+    /// Decodes one frame payload; `peer` only shapes the error.
+    pub(crate) fn decode(buf: &[u8], peer: &str) -> Result<Msg> {
+        let mut r = Reader { buf, pos: 0, peer };
+        let msg = match r.u8()? {
+            HELLO => Msg::Hello {
+                version: r.u16()?,
+                endpoint: r.endpoint()?,
+                name: r.string()?,
+            },
+            WELCOME => Msg::Welcome {
+                endpoint: r.endpoint()?,
+                regions: r.regions()?,
+            },
+            REFUSED => Msg::Refused {
+                reason: r.string()?,
+            },
+            TABLE_REQUEST => Msg::TableRequest,
+            TABLE => Msg::Table {
+                regions: r.regions()?,
+            },
+            REGION_ADDED => Msg::RegionAdded(r.region()?),
+            REGION_REMOVED => Msg::RegionRemoved { addr: r.u64()? },
+            NOTIFY => Msg::Notify {
+                name: r.string()?,
+                message: r.string()?,
+            },
+            NOTIFY_ACK => Msg::NotifyAck,
+            k => return Err(r.err(format!("unknown frame kind {k}"))),
+        };
+        if r.pos != buf.len() {
+            return Err(r.err(format!(
+                "{} trailing bytes after a frame",
+                buf.len() - r.pos
+            )));
+        }
+        Ok(msg)
+    }
+}
+
+struct Reader<'a> {
+    buf: &'a [u8],
+    pos: usize,
+    peer: &'a str,
+}
+
+impl Reader<'_> {
+    fn err(&self, reason: String) -> Error {
+        Error::Protocol {
+            peer: self.peer.to_owned(),
+            reason,
+        }
+    }
+    fn take(&mut self, n: usize) -> Result<&[u8]> {
+        let end = self
+            .pos
+            .checked_add(n)
+            .filter(|e| *e <= self.buf.len())
+            .ok_or_else(|| self.err(format!("frame truncated at byte {}", self.pos)))?;
+        let s = &self.buf[self.pos..end];
+        self.pos = end;
+        Ok(s)
+    }
+    fn array<const N: usize>(&mut self) -> Result<[u8; N]> {
+        let mut a = [0u8; N];
+        a.copy_from_slice(self.take(N)?);
+        Ok(a)
+    }
+    fn u8(&mut self) -> Result<u8> {
+        Ok(self.array::<1>()?[0])
+    }
+    fn u16(&mut self) -> Result<u16> {
+        Ok(u16::from_be_bytes(self.array()?))
+    }
+    fn u32(&mut self) -> Result<u32> {
+        Ok(u32::from_be_bytes(self.array()?))
+    }
+    fn u64(&mut self) -> Result<u64> {
+        Ok(u64::from_be_bytes(self.array()?))
+    }
+    fn string(&mut self) -> Result<String> {
+        let n = self.u32()? as usize;
+        let bytes = self.take(n)?.to_vec();
+        String::from_utf8(bytes).map_err(|_| self.err("a string is not UTF-8".into()))
+    }
+    fn endpoint(&mut self) -> Result<QpEndpoint> {
+        Ok(QpEndpoint {
+            qpn: self.u32()?,
+            psn: self.u32()?,
+            lid: self.u16()?,
+            gid: self.array()?,
+            mtu: self.u8()?,
+        })
+    }
+    fn region(&mut self) -> Result<RemoteRegion> {
+        Ok(RemoteRegion {
+            addr: self.u64()?,
+            len: self.u64()?,
+            rkey: self.u32()?,
+        })
+    }
+    fn regions(&mut self) -> Result<Vec<RemoteRegion>> {
+        let n = self.u32()? as usize;
+        // Each region is 20 bytes: refuse counts the frame cannot hold before
+        // allocating.
+        if n.saturating_mul(20) > self.buf.len() - self.pos {
+            return Err(self.err(format!("region count {n} exceeds the frame")));
+        }
+        (0..n).map(|_| self.region()).collect()
+    }
+}
+
+/// Writes one frame.
+pub(crate) async fn write_msg<W: AsyncWrite + Unpin>(w: &mut W, msg: &Msg) -> std::io::Result<()> {
+    let payload = msg.encode();
+    let mut frame = Vec::with_capacity(4 + payload.len());
+    frame.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+    frame.extend_from_slice(&payload);
+    w.write_all(&frame).await?;
+    w.flush().await
+}
+
+/// Reads one frame. `Ok(None)` is a clean end of stream between frames.
+pub(crate) async fn read_msg<R: AsyncRead + Unpin>(r: &mut R, peer: &str) -> Result<Option<Msg>> {
+    let mut len = [0u8; 4];
+    match r.read_exact(&mut len).await {
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
+        Err(e) => return Err(Error::io(format!("reading from {peer}"), &e)),
+    }
+    let len = u32::from_be_bytes(len);
+    if len == 0 || len > MAX_FRAME {
+        return Err(Error::Protocol {
+            peer: peer.to_owned(),
+            reason: format!("frame length {len} is outside 1..={MAX_FRAME}"),
+        });
+    }
+    let mut buf = vec![0u8; len as usize];
+    r.read_exact(&mut buf)
+        .await
+        .map_err(|e| Error::io(format!("reading from {peer}"), &e))?;
+    Msg::decode(&buf, peer).map(Some)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn all() -> Vec<Msg> {
+        let ep = QpEndpoint {
+            qpn: 0x11,
+            psn: 0xabcdef,
+            lid: 7,
+            gid: [0xfe; 16],
+            mtu: 3,
+        };
+        let r = RemoteRegion {
+            addr: 0x7f00_0000_1000,
+            len: 1 << 20,
+            rkey: 0x1234,
+        };
+        vec![
+            Msg::Hello {
+                version: VERSION,
+                endpoint: ep,
+                name: "127.0.0.1:5000".into(),
+            },
+            Msg::Welcome {
+                endpoint: ep,
+                regions: vec![r, r],
+            },
+            Msg::Refused {
+                reason: "no".into(),
+            },
+            Msg::TableRequest,
+            Msg::Table { regions: vec![] },
+            Msg::RegionAdded(r),
+            Msg::RegionRemoved { addr: 42 },
+            Msg::Notify {
+                name: "n".into(),
+                message: "m".into(),
+            },
+            Msg::NotifyAck,
+        ]
+    }
+
+    #[test]
+    fn round_trip() {
+        for m in all() {
+            assert_eq!(Msg::decode(&m.encode(), "p").unwrap(), m);
+        }
+    }
+
+    #[test]
+    fn malformed_frames_are_protocol_errors() {
+        for m in all() {
+            let enc = m.encode();
+            for cut in 0..enc.len() {
+                assert!(matches!(
+                    Msg::decode(&enc[..cut], "p"),
+                    Err(Error::Protocol { .. })
+                ));
+            }
+            let mut long = enc.clone();
+            long.push(0);
+            assert!(matches!(
+                Msg::decode(&long, "p"),
+                Err(Error::Protocol { .. })
+            ));
+        }
+        assert!(matches!(
+            Msg::decode(&[99], "p"),
+            Err(Error::Protocol { .. })
+        ));
+        // A region count far beyond the frame is refused before allocating.
+        let mut huge = vec![TABLE];
+        huge.extend_from_slice(&u32::MAX.to_be_bytes());
+        assert!(matches!(
+            Msg::decode(&huge, "p"),
+            Err(Error::Protocol { .. })
+        ));
+    }
+
+    #[tokio::test]
+    async fn framing_over_a_stream() {
+        let (mut a, mut b) = tokio::io::duplex(1 << 16);
+        for m in all() {
+            write_msg(&mut a, &m).await.unwrap();
+        }
+        drop(a);
+        for m in all() {
+            assert_eq!(read_msg(&mut b, "p").await.unwrap(), Some(m));
+        }
+        assert_eq!(read_msg(&mut b, "p").await.unwrap(), None);
+        let (mut a, mut b) = tokio::io::duplex(64);
+        a.write_all(&(MAX_FRAME + 1).to_be_bytes()).await.unwrap();
+        assert!(matches!(
+            read_msg(&mut b, "p").await,
+            Err(Error::Protocol { .. })
+        ));
+    }
+}
