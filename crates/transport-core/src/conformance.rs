@@ -277,14 +277,15 @@ fn pair_from(a: Arc<dyn TransferEngine>, b: Arc<dyn TransferEngine>, seg: Segmen
 /// Deterministic, non-periodic test bytes.
 pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 24) as u8
-        })
-        .collect()
+    let mut out = Vec::with_capacity(len + 8);
+    while out.len() < len {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        out.extend_from_slice(&x.to_le_bytes());
+    }
+    out.truncate(len);
+    out
 }
 
 /// Host memory for a check. It is registered with `engine` (whole, or in
@@ -530,6 +531,9 @@ fn assert_all_ok(report: &BatchReport, what: &str) {
 #[track_caller]
 fn assert_bytes(actual: &[u8], expected: &[u8], what: &str) {
     assert_eq!(actual.len(), expected.len(), "{what}: length differs");
+    if actual == expected {
+        return;
+    }
     if let Some(i) = actual.iter().zip(expected).position(|(a, b)| a != b) {
         let n = actual.iter().zip(expected).filter(|(a, b)| a != b).count();
         panic!(

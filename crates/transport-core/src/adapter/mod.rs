@@ -609,11 +609,16 @@ impl<E: TransferEngine + ?Sized> TransferEngine for CapabilityAdapter<E> {
         if !s.native.async_batch {
             s.announce(Operation::AsyncBatch);
         }
+        if requests.is_empty() {
+            // Nothing to run but the notification: do it now, so that the
+            // batch is finished (for `status`) exactly when it has been sent.
+            run_batch(&self.inner, s, segment, requests, notify).await?;
+        }
         let states = Arc::new(Mutex::new(vec![
             TransferState::Pending { transferred: 0 };
             requests.len()
         ]));
-        let (done_tx, done_rx) = watch::channel(false);
+        let (done_tx, done_rx) = watch::channel(requests.is_empty());
         let id = s.next_batch.fetch_add(1, Ordering::Relaxed);
         lock(&s.batches).insert(
             id,
@@ -622,6 +627,9 @@ impl<E: TransferEngine + ?Sized> TransferEngine for CapabilityAdapter<E> {
                 done: done_rx,
             },
         );
+        if requests.is_empty() {
+            return Ok(BatchId(id));
+        }
         let inner = Arc::clone(&self.inner);
         let shared = Arc::clone(&self.shared);
         let requests = requests.to_vec();
@@ -694,11 +702,10 @@ impl<E: TransferEngine + ?Sized> TransferEngine for CapabilityAdapter<E> {
             return Err(s.refuse(Operation::AsyncBatch));
         }
         let mut batches = lock(&s.batches);
-        let finished = *batches
-            .get(&batch.0)
-            .ok_or(Error::UnknownBatch(batch))?
-            .done
-            .borrow();
+        let slot = batches.get(&batch.0).ok_or(Error::UnknownBatch(batch))?;
+        // Finished exactly when `status` says so: the driver task publishes
+        // every state at once, after the notification was sent.
+        let finished = lock(&slot.states).iter().all(TransferState::is_terminal);
         if !finished {
             return Err(Error::BatchBusy(batch));
         }
