@@ -1,1 +1,52 @@
-//! backend-tcp (work in progress).
+//! # backend-tcp
+//!
+//! Ferry's TCP transport, the backend every machine has. Each
+//! [`TcpEngine`] listens on a socket (default `127.0.0.1:0`); its segment
+//! name is the bound `host:port`. Peers connect, run a versioned handshake
+//! that carries the target's region table (and, with a shared secret, an
+//! HMAC-SHA256 challenge–response in both directions), then pipeline
+//! WRITE / READ / NOTIFY requests on one or more connections.
+//!
+//! Properties (see `PROTOCOL.md` for the wire format):
+//!
+//! - **Zero user-space payload copies**: write payloads go from registered
+//!   memory to the socket with `writev` (header and payload in one call) and
+//!   from the socket straight into the destination region with `readv`;
+//!   read responses likewise.
+//! - **Never trust the peer**: the initiator validates every request against
+//!   its own regions and the target's table before sending; the target
+//!   validates again under a [`transport_core::RegionGuard`] and answers
+//!   `AddressNotRegistered` without touching memory. Frame sizes and counts
+//!   are bounded; nothing a peer sends makes the engine allocate more than a
+//!   fixed amount or spawn a task (inbound connections are capped).
+//! - **Failure isolation**: a peer that dies, stalls or speaks garbage fails
+//!   only the requests on its connections, with [`transport_core::Error::PeerLost`],
+//!   [`transport_core::Error::Timeout`] or [`transport_core::Error::Protocol`];
+//!   the next use reconnects.
+//! - **Unregister waits** for in-flight transfers on both sides.
+//! - **Latency**: `TCP_NODELAY`, a bounded busy-poll before sleeping (no
+//!   core spins while idle), and acknowledgements coalesced per batch.
+//!
+//! ```no_run
+//! # async fn demo() -> transport_core::Result<()> {
+//! use backend_tcp::{TcpConfig, TcpEngine};
+//! use transport_core::{TransferEngine, TransferRequest};
+//! let engine = TcpEngine::start(TcpConfig::from_url("tcp://10.0.0.1:7000?secret=s3cret")?).await?;
+//! let seg = engine.open_segment("10.0.0.2:7000").await?;
+//! # let (local, remote) = (0u64, 0u64);
+//! engine.transfer(seg, TransferRequest::write(local, remote, 4096)).await?;
+//! # Ok(()) }
+//! ```
+#![deny(unsafe_op_in_unsafe_fn)]
+
+mod client;
+mod config;
+mod engine;
+pub mod frame;
+mod handshake;
+mod io;
+mod server;
+
+pub use config::TcpConfig;
+pub use engine::TcpEngine;
+pub use server::MAX_QUEUED_NOTIFICATIONS;

@@ -1,0 +1,2 @@
+//! Throughput benchmark (placeholder, being written).
+fn main() {}

@@ -1,0 +1,263 @@
+//! Engine configuration and its URL form.
+
+use std::fmt;
+use std::time::Duration;
+
+use transport_core::{Error, Result};
+
+use crate::frame::MAX_OP_LEN;
+
+/// Configuration of a [`crate::TcpEngine`].
+///
+/// `Default` gives an engine listening on `127.0.0.1:0` (an ephemeral
+/// loopback port), without authentication, with two connections per peer.
+/// `Debug` never prints the secret.
+#[derive(Clone)]
+pub struct TcpConfig {
+    /// Address to listen on, `host:port` (`0` picks a free port). The
+    /// engine's segment name is the address actually bound.
+    pub listen: String,
+    /// Shared secret. When set, the engine refuses inbound peers that do not
+    /// prove they know it (HMAC-SHA256 challenge–response) and refuses to
+    /// talk to targets that do not prove it back. `None`: no authentication.
+    pub secret: Option<String>,
+    /// TCP connections opened to each peer (1..=16). Requests (and chunks of
+    /// large requests) are spread over them round-robin.
+    pub connections: usize,
+    /// Deadline for connecting to a peer and completing the handshake.
+    pub connect_timeout: Duration,
+    /// Deadline for a batch to complete once sent, and for a peer to make
+    /// progress inside a frame. On expiry the requests fail with
+    /// [`Error::Timeout`] and the connection is dropped (the next use
+    /// reconnects).
+    pub request_timeout: Duration,
+    /// Requests longer than this are split into chunks of at most this many
+    /// bytes (1..=64 MiB), spread over the connections.
+    pub chunk_size: usize,
+    /// Most requests one batch may hold.
+    pub max_batch: usize,
+    /// Most inbound connections served at once; more are refused.
+    pub max_inbound: usize,
+    /// How long an idle connection polls the socket before sleeping in the
+    /// kernel (bounded busy-poll: lower latency, no spinning while idle).
+    /// Zero disables polling.
+    pub spin: Duration,
+    /// `SO_SNDBUF`/`SO_RCVBUF` in bytes; `None` leaves the kernel's
+    /// auto-tuning alone.
+    pub socket_buffer: Option<usize>,
+}
+
+impl Default for TcpConfig {
+    fn default() -> Self {
+        TcpConfig {
+            listen: "127.0.0.1:0".to_owned(),
+            secret: None,
+            connections: 2,
+            connect_timeout: Duration::from_secs(5),
+            request_timeout: Duration::from_secs(30),
+            chunk_size: 1 << 20,
+            max_batch: 65_536,
+            max_inbound: 1024,
+            spin: Duration::from_micros(50),
+            socket_buffer: None,
+        }
+    }
+}
+
+impl fmt::Debug for TcpConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TcpConfig")
+            .field("listen", &self.listen)
+            .field("secret", &self.secret.as_ref().map(|_| "<redacted>"))
+            .field("connections", &self.connections)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("request_timeout", &self.request_timeout)
+            .field("chunk_size", &self.chunk_size)
+            .field("max_batch", &self.max_batch)
+            .field("max_inbound", &self.max_inbound)
+            .field("spin", &self.spin)
+            .field("socket_buffer", &self.socket_buffer)
+            .finish()
+    }
+}
+
+fn invalid(msg: String) -> Error {
+    Error::InvalidArgument(msg)
+}
+
+fn parse_num(key: &str, value: &str) -> Result<u64> {
+    value
+        .parse::<u64>()
+        .map_err(|_| invalid(format!("tcp URL parameter {key}={value:?} is not a number")))
+}
+
+impl TcpConfig {
+    /// Parses `tcp://HOST:PORT?param=value&...` into a configuration.
+    ///
+    /// `HOST:PORT` is the listen address (`[::1]:7000` for IPv6; the port
+    /// defaults to 0, an ephemeral port). Parameters (all optional; the
+    /// defaults are those of [`TcpConfig::default`]):
+    ///
+    /// | parameter            | field             | meaning                                  |
+    /// |----------------------|-------------------|------------------------------------------|
+    /// | `secret`             | `secret`          | shared secret (percent-encoded)          |
+    /// | `connections`        | `connections`     | connections per peer, 1..=16             |
+    /// | `timeout_ms`         | `request_timeout` | batch / progress deadline, ms (> 0)      |
+    /// | `connect_timeout_ms` | `connect_timeout` | connect + handshake deadline, ms (> 0)   |
+    /// | `chunk_size`         | `chunk_size`      | split size in bytes, 1..=67108864        |
+    /// | `max_batch`          | `max_batch`       | most requests per batch (> 0)            |
+    /// | `max_inbound`        | `max_inbound`     | most inbound connections (> 0)           |
+    /// | `spin_us`            | `spin`            | busy-poll before sleeping, µs (0: none)  |
+    /// | `socket_buffer`      | `socket_buffer`   | SO_SNDBUF/SO_RCVBUF bytes (0: kernel)    |
+    ///
+    /// An unknown parameter, a repeated one, a value out of range or another
+    /// scheme than `tcp` is [`Error::InvalidArgument`] naming it.
+    pub fn from_url(url: &str) -> Result<TcpConfig> {
+        let parsed =
+            url::Url::parse(url).map_err(|e| invalid(format!("bad tcp URL {url:?}: {e}")))?;
+        if parsed.scheme() != "tcp" {
+            return Err(invalid(format!(
+                "URL {url:?} has scheme {:?}; the tcp backend needs tcp://HOST:PORT",
+                parsed.scheme()
+            )));
+        }
+        let host = parsed
+            .host_str()
+            .filter(|h| !h.is_empty())
+            .ok_or_else(|| invalid(format!("tcp URL {url:?} has no host")))?;
+        if !(parsed.path().is_empty() || parsed.path() == "/") {
+            return Err(invalid(format!(
+                "tcp URL {url:?} has a path; only tcp://HOST:PORT?params is accepted"
+            )));
+        }
+        let port = parsed.port().unwrap_or(0);
+        let mut cfg = TcpConfig {
+            listen: format!("{host}:{port}"),
+            ..TcpConfig::default()
+        };
+        let mut seen = std::collections::HashSet::new();
+        for (key, value) in parsed.query_pairs() {
+            if !seen.insert(key.to_string()) {
+                return Err(invalid(format!("tcp URL parameter {key} is given twice")));
+            }
+            match key.as_ref() {
+                "secret" => {
+                    if value.is_empty() {
+                        return Err(invalid("tcp URL parameter secret is empty".to_owned()));
+                    }
+                    cfg.secret = Some(value.to_string());
+                }
+                "connections" => cfg.connections = parse_num(&key, &value)? as usize,
+                "timeout_ms" => {
+                    cfg.request_timeout = Duration::from_millis(parse_num(&key, &value)?)
+                }
+                "connect_timeout_ms" => {
+                    cfg.connect_timeout = Duration::from_millis(parse_num(&key, &value)?)
+                }
+                "chunk_size" => cfg.chunk_size = parse_num(&key, &value)? as usize,
+                "max_batch" => cfg.max_batch = parse_num(&key, &value)? as usize,
+                "max_inbound" => cfg.max_inbound = parse_num(&key, &value)? as usize,
+                "spin_us" => cfg.spin = Duration::from_micros(parse_num(&key, &value)?),
+                "socket_buffer" => {
+                    let n = parse_num(&key, &value)? as usize;
+                    cfg.socket_buffer = (n > 0).then_some(n);
+                }
+                other => {
+                    return Err(invalid(format!(
+                        "unknown tcp URL parameter {other:?}; known: secret, connections, \
+                         timeout_ms, connect_timeout_ms, chunk_size, max_batch, max_inbound, \
+                         spin_us, socket_buffer"
+                    )))
+                }
+            }
+        }
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Checks every field's range ([`Error::InvalidArgument`] naming it).
+    pub fn validate(&self) -> Result<()> {
+        if !(1..=16).contains(&self.connections) {
+            return Err(invalid(format!(
+                "connections must be 1..=16, not {}",
+                self.connections
+            )));
+        }
+        if self.chunk_size == 0 || self.chunk_size as u64 > MAX_OP_LEN {
+            return Err(invalid(format!(
+                "chunk_size must be 1..={MAX_OP_LEN}, not {}",
+                self.chunk_size
+            )));
+        }
+        if self.request_timeout.is_zero() {
+            return Err(invalid("timeout_ms (request_timeout) must be > 0".into()));
+        }
+        if self.connect_timeout.is_zero() {
+            return Err(invalid(
+                "connect_timeout_ms (connect_timeout) must be > 0".into(),
+            ));
+        }
+        if self.max_batch == 0 {
+            return Err(invalid("max_batch must be > 0".into()));
+        }
+        if self.max_inbound == 0 {
+            return Err(invalid("max_inbound must be > 0".into()));
+        }
+        if self.secret.as_deref() == Some("") {
+            return Err(invalid("secret must not be empty".into()));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_every_parameter() {
+        let c = TcpConfig::from_url(
+            "tcp://0.0.0.0:7000?secret=s%26x&connections=4&timeout_ms=1500&connect_timeout_ms=20\
+             &chunk_size=65536&max_batch=10&max_inbound=3&spin_us=0&socket_buffer=1048576",
+        )
+        .unwrap();
+        assert_eq!(c.listen, "0.0.0.0:7000");
+        assert_eq!(c.secret.as_deref(), Some("s&x"));
+        assert_eq!(c.connections, 4);
+        assert_eq!(c.request_timeout, Duration::from_millis(1500));
+        assert_eq!(c.connect_timeout, Duration::from_millis(20));
+        assert_eq!(c.chunk_size, 65536);
+        assert_eq!(c.max_batch, 10);
+        assert_eq!(c.max_inbound, 3);
+        assert_eq!(c.spin, Duration::ZERO);
+        assert_eq!(c.socket_buffer, Some(1 << 20));
+        assert!(!format!("{c:?}").contains("s&x"), "Debug leaks the secret");
+    }
+
+    #[test]
+    fn defaults_and_ipv6() {
+        let c = TcpConfig::from_url("tcp://127.0.0.1").unwrap();
+        assert_eq!(c.listen, "127.0.0.1:0");
+        let c = TcpConfig::from_url("tcp://[::1]:9000").unwrap();
+        assert_eq!(c.listen, "[::1]:9000");
+        assert_eq!(TcpConfig::default().listen, "127.0.0.1:0");
+    }
+
+    #[test]
+    fn rejects_bad_input_naming_it() {
+        let e = TcpConfig::from_url("tcp://h:1?colour=blue").unwrap_err();
+        assert!(
+            matches!(&e, Error::InvalidArgument(m) if m.contains("colour")),
+            "{e}"
+        );
+        let e = TcpConfig::from_url("tcp://h:1?connections=0").unwrap_err();
+        assert!(matches!(&e, Error::InvalidArgument(m) if m.contains("connections")));
+        let e = TcpConfig::from_url("tcp://h:1?timeout_ms=x").unwrap_err();
+        assert!(matches!(&e, Error::InvalidArgument(m) if m.contains("timeout_ms")));
+        let e = TcpConfig::from_url("tcp://h:1?spin_us=1&spin_us=2").unwrap_err();
+        assert!(matches!(&e, Error::InvalidArgument(m) if m.contains("spin_us")));
+        assert!(TcpConfig::from_url("rdma://h:1").is_err());
+        assert!(TcpConfig::from_url("tcp://h:1/path").is_err());
+        assert!(TcpConfig::from_url("tcp://h:1?chunk_size=0").is_err());
+    }
+}

@@ -1,0 +1,700 @@
+//! The wire format (see `PROTOCOL.md` in the crate root for the prose
+//! version): fixed 32-byte little-endian frame headers, the handshake
+//! messages, the limits every decoder enforces and the error codes.
+//!
+//! Everything here is pure: decoders take bytes and return either a frame or
+//! a [`DecodeError`]; they never allocate from a peer-supplied length
+//! without checking it against a limit first, and never panic.
+
+use std::fmt;
+
+/// Magic that opens both hello messages.
+pub const MAGIC: [u8; 4] = *b"FRY\x01";
+/// Protocol version spoken by this crate.
+pub const VERSION: u16 = 1;
+/// Size of every frame header.
+pub const HEADER_LEN: usize = 32;
+/// Largest payload one WRITE, READ or DATA frame may carry (initiators split
+/// larger requests into chunks).
+pub const MAX_OP_LEN: u64 = 64 << 20;
+/// Most ids one OKS frame may acknowledge.
+pub const MAX_ACKS: u32 = 512;
+/// Most regions a region table (Welcome or TABLE frame) may list.
+pub const MAX_TABLE_ENTRIES: u32 = 65_536;
+/// Longest engine name in a hello.
+pub const MAX_NAME: usize = 256;
+/// Longest reason text in a handshake rejection.
+pub const MAX_REJECT_MSG: usize = 1024;
+/// Size of nonces and MACs.
+pub const NONCE_LEN: usize = 32;
+/// Longest notification name (same as transport-core).
+pub const MAX_NOTIFY_NAME: u64 = transport_core::MAX_NOTIFICATION_NAME as u64;
+/// Longest notification message (same as transport-core).
+pub const MAX_NOTIFY_MESSAGE: u64 = transport_core::MAX_NOTIFICATION_MESSAGE as u64;
+
+/// Request kinds (initiator → target).
+pub mod kind {
+    /// Payload follows; store it at `a` (addr), `b` bytes.
+    pub const WRITE: u8 = 0x01;
+    /// Send back `b` bytes from `a`.
+    pub const READ: u8 = 0x02;
+    /// A notification: `a` name bytes then `b` message bytes follow.
+    pub const NOTIFY: u8 = 0x03;
+    /// Send back the current region table.
+    pub const TABLE: u8 = 0x04;
+    /// Request `id` succeeded.
+    pub const OK: u8 = 0x81;
+    /// `aux` request ids (u64 each) follow; all succeeded.
+    pub const OKS: u8 = 0x82;
+    /// Request `id` failed with `status`; `a`/`b` are the faulty range.
+    pub const ERR: u8 = 0x83;
+    /// READ `id` succeeded; `b` payload bytes follow.
+    pub const DATA: u8 = 0x84;
+    /// TABLE `id` answer; `aux` entries of 16 bytes follow.
+    pub const TABLE_REPLY: u8 = 0x85;
+}
+
+/// Error codes carried in ERR frames and handshake rejections.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Status {
+    /// `[a, a+b)` is not inside one region registered with the target.
+    AddressNotRegistered = 1,
+    /// The length exceeds a protocol limit.
+    TooLarge = 2,
+    /// The target's notification queue is full.
+    NotifyQueueFull = 3,
+    /// The notification is not valid UTF-8 or contains NUL.
+    NotifyInvalid = 4,
+    /// The target is shutting down.
+    ShuttingDown = 5,
+    /// Handshake: unsupported protocol version.
+    BadVersion = 6,
+    /// Handshake: authentication failed.
+    AuthFailed = 7,
+    /// Handshake: too many connections.
+    Busy = 8,
+    /// Malformed input.
+    Malformed = 9,
+}
+
+impl Status {
+    /// Parses a status byte.
+    pub fn from_u8(v: u8) -> Option<Status> {
+        Some(match v {
+            1 => Status::AddressNotRegistered,
+            2 => Status::TooLarge,
+            3 => Status::NotifyQueueFull,
+            4 => Status::NotifyInvalid,
+            5 => Status::ShuttingDown,
+            6 => Status::BadVersion,
+            7 => Status::AuthFailed,
+            8 => Status::Busy,
+            9 => Status::Malformed,
+            _ => return None,
+        })
+    }
+}
+
+/// Why bytes could not be decoded.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DecodeError(pub String);
+
+impl fmt::Display for DecodeError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+fn bad(msg: impl Into<String>) -> DecodeError {
+    DecodeError(msg.into())
+}
+
+/// The raw fields of a frame header.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct Header {
+    /// Frame kind (see [`kind`]).
+    pub kind: u8,
+    /// Status code (ERR frames), else 0.
+    pub status: u8,
+    /// Count field (OKS, TABLE_REPLY), else 0.
+    pub aux: u32,
+    /// Request id chosen by the initiator.
+    pub id: u64,
+    /// First operand (address, name length).
+    pub a: u64,
+    /// Second operand (length, message length).
+    pub b: u64,
+}
+
+impl Header {
+    /// Encodes the header.
+    pub fn encode(&self) -> [u8; HEADER_LEN] {
+        let mut out = [0u8; HEADER_LEN];
+        out[0] = self.kind;
+        out[1] = self.status;
+        out[4..8].copy_from_slice(&self.aux.to_le_bytes());
+        out[8..16].copy_from_slice(&self.id.to_le_bytes());
+        out[16..24].copy_from_slice(&self.a.to_le_bytes());
+        out[24..32].copy_from_slice(&self.b.to_le_bytes());
+        out
+    }
+
+    /// Decodes the raw fields (checks only the reserved bytes).
+    pub fn decode(buf: &[u8; HEADER_LEN]) -> Result<Header, DecodeError> {
+        if buf[2] != 0 || buf[3] != 0 {
+            return Err(bad("reserved header bytes are not zero"));
+        }
+        Ok(Header {
+            kind: buf[0],
+            status: buf[1],
+            aux: u32::from_le_bytes([buf[4], buf[5], buf[6], buf[7]]),
+            id: le64(&buf[8..16]),
+            a: le64(&buf[16..24]),
+            b: le64(&buf[24..32]),
+        })
+    }
+}
+
+fn le64(b: &[u8]) -> u64 {
+    let mut a = [0u8; 8];
+    a.copy_from_slice(&b[..8]);
+    u64::from_le_bytes(a)
+}
+
+/// A decoded request (initiator → target).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Request {
+    /// `len` payload bytes follow, to be stored at `addr`.
+    Write {
+        /// Request id.
+        id: u64,
+        /// Target address.
+        addr: u64,
+        /// Payload length (≤ [`MAX_OP_LEN`]).
+        len: u64,
+    },
+    /// Send `len` bytes from `addr`.
+    Read {
+        /// Request id.
+        id: u64,
+        /// Target address.
+        addr: u64,
+        /// Length (≤ [`MAX_OP_LEN`]).
+        len: u64,
+    },
+    /// A notification of `name_len` + `msg_len` bytes follows.
+    Notify {
+        /// Request id.
+        id: u64,
+        /// Name bytes (≤ [`MAX_NOTIFY_NAME`]).
+        name_len: u64,
+        /// Message bytes (≤ [`MAX_NOTIFY_MESSAGE`]).
+        msg_len: u64,
+    },
+    /// Send back the region table.
+    Table {
+        /// Request id.
+        id: u64,
+    },
+}
+
+impl Request {
+    /// Encodes the header of this request.
+    pub fn encode(&self) -> [u8; HEADER_LEN] {
+        let h = match *self {
+            Request::Write { id, addr, len } => Header {
+                kind: kind::WRITE,
+                id,
+                a: addr,
+                b: len,
+                ..Default::default()
+            },
+            Request::Read { id, addr, len } => Header {
+                kind: kind::READ,
+                id,
+                a: addr,
+                b: len,
+                ..Default::default()
+            },
+            Request::Notify {
+                id,
+                name_len,
+                msg_len,
+            } => Header {
+                kind: kind::NOTIFY,
+                id,
+                a: name_len,
+                b: msg_len,
+                ..Default::default()
+            },
+            Request::Table { id } => Header {
+                kind: kind::TABLE,
+                id,
+                ..Default::default()
+            },
+        };
+        h.encode()
+    }
+
+    /// Decodes and validates a request header. A WRITE longer than
+    /// [`MAX_OP_LEN`] is an error: its payload cannot be skipped safely.
+    pub fn decode(buf: &[u8; HEADER_LEN]) -> Result<Request, DecodeError> {
+        let h = Header::decode(buf)?;
+        if h.status != 0 || h.aux != 0 {
+            return Err(bad("request with non-zero status or count field"));
+        }
+        match h.kind {
+            kind::WRITE | kind::READ => {
+                if h.b > MAX_OP_LEN {
+                    return Err(bad(format!(
+                        "request length {} exceeds the limit of {MAX_OP_LEN}",
+                        h.b
+                    )));
+                }
+                Ok(if h.kind == kind::WRITE {
+                    Request::Write {
+                        id: h.id,
+                        addr: h.a,
+                        len: h.b,
+                    }
+                } else {
+                    Request::Read {
+                        id: h.id,
+                        addr: h.a,
+                        len: h.b,
+                    }
+                })
+            }
+            kind::NOTIFY => {
+                if h.a > MAX_NOTIFY_NAME || h.b > MAX_NOTIFY_MESSAGE {
+                    return Err(bad(format!(
+                        "notification of {}+{} bytes exceeds the limits",
+                        h.a, h.b
+                    )));
+                }
+                Ok(Request::Notify {
+                    id: h.id,
+                    name_len: h.a,
+                    msg_len: h.b,
+                })
+            }
+            kind::TABLE => {
+                if h.a != 0 || h.b != 0 {
+                    return Err(bad("TABLE request with operands"));
+                }
+                Ok(Request::Table { id: h.id })
+            }
+            k => Err(bad(format!("unknown request kind {k:#04x}"))),
+        }
+    }
+}
+
+/// A decoded response (target → initiator).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Response {
+    /// Request `id` succeeded.
+    Ok {
+        /// Request id.
+        id: u64,
+    },
+    /// `count` ids (8 bytes each) follow; all succeeded.
+    OkMany {
+        /// Number of ids (1..=[`MAX_ACKS`]).
+        count: u32,
+    },
+    /// Request `id` failed.
+    Err {
+        /// Request id.
+        id: u64,
+        /// Why.
+        status: Status,
+        /// Faulty address.
+        addr: u64,
+        /// Faulty length.
+        len: u64,
+    },
+    /// READ `id` succeeded; `len` payload bytes follow.
+    Data {
+        /// Request id.
+        id: u64,
+        /// Payload length (≤ [`MAX_OP_LEN`]).
+        len: u64,
+    },
+    /// TABLE `id` answer; `count` entries of 16 bytes follow.
+    Table {
+        /// Request id.
+        id: u64,
+        /// Entries (≤ [`MAX_TABLE_ENTRIES`]).
+        count: u32,
+    },
+}
+
+impl Response {
+    /// Encodes the header of this response.
+    pub fn encode(&self) -> [u8; HEADER_LEN] {
+        let h = match *self {
+            Response::Ok { id } => Header {
+                kind: kind::OK,
+                id,
+                ..Default::default()
+            },
+            Response::OkMany { count } => Header {
+                kind: kind::OKS,
+                aux: count,
+                ..Default::default()
+            },
+            Response::Err {
+                id,
+                status,
+                addr,
+                len,
+            } => Header {
+                kind: kind::ERR,
+                status: status as u8,
+                id,
+                a: addr,
+                b: len,
+                ..Default::default()
+            },
+            Response::Data { id, len } => Header {
+                kind: kind::DATA,
+                id,
+                b: len,
+                ..Default::default()
+            },
+            Response::Table { id, count } => Header {
+                kind: kind::TABLE_REPLY,
+                aux: count,
+                id,
+                ..Default::default()
+            },
+        };
+        h.encode()
+    }
+
+    /// Decodes and validates a response header.
+    pub fn decode(buf: &[u8; HEADER_LEN]) -> Result<Response, DecodeError> {
+        let h = Header::decode(buf)?;
+        match h.kind {
+            kind::OK => Ok(Response::Ok { id: h.id }),
+            kind::OKS => {
+                if h.aux == 0 || h.aux > MAX_ACKS {
+                    return Err(bad(format!("OKS with {} ids (1..={MAX_ACKS})", h.aux)));
+                }
+                Ok(Response::OkMany { count: h.aux })
+            }
+            kind::ERR => {
+                let status = Status::from_u8(h.status)
+                    .ok_or_else(|| bad(format!("unknown status code {}", h.status)))?;
+                Ok(Response::Err {
+                    id: h.id,
+                    status,
+                    addr: h.a,
+                    len: h.b,
+                })
+            }
+            kind::DATA => {
+                if h.b > MAX_OP_LEN {
+                    return Err(bad(format!("DATA of {} bytes exceeds the limit", h.b)));
+                }
+                Ok(Response::Data { id: h.id, len: h.b })
+            }
+            kind::TABLE_REPLY => {
+                if h.aux > MAX_TABLE_ENTRIES {
+                    return Err(bad(format!(
+                        "region table of {} entries exceeds {MAX_TABLE_ENTRIES}",
+                        h.aux
+                    )));
+                }
+                Ok(Response::Table {
+                    id: h.id,
+                    count: h.aux,
+                })
+            }
+            k => Err(bad(format!("unknown response kind {k:#04x}"))),
+        }
+    }
+}
+
+/// Decodes `n` little-endian u64 ids from `buf` (exactly `8*n` bytes).
+pub fn decode_ids(buf: &[u8]) -> impl Iterator<Item = u64> + '_ {
+    buf.chunks_exact(8).map(le64)
+}
+
+/// Decodes a region table: 16-byte entries `(addr, len)`. Entries must be
+/// non-empty, must not wrap and must be sorted without overlap; the result
+/// is what an initiator validates requests against.
+pub fn decode_table(buf: &[u8]) -> Result<Vec<(u64, u64)>, DecodeError> {
+    if buf.len() % 16 != 0 || buf.len() / 16 > MAX_TABLE_ENTRIES as usize {
+        return Err(bad("region table has a bad length"));
+    }
+    let mut out = Vec::with_capacity(buf.len() / 16);
+    let mut prev_end = 0u64;
+    for (i, e) in buf.chunks_exact(16).enumerate() {
+        let addr = le64(&e[..8]);
+        let len = le64(&e[8..]);
+        let end = addr
+            .checked_add(len)
+            .ok_or_else(|| bad(format!("region {i} wraps around")))?;
+        if len == 0 || (i > 0 && addr < prev_end) {
+            return Err(bad(format!("region {i} is empty, unsorted or overlapping")));
+        }
+        prev_end = end;
+        out.push((addr, len));
+    }
+    Ok(out)
+}
+
+/// Encodes a region table (entries sorted by address).
+pub fn encode_table(regions: &[(u64, u64)]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(regions.len() * 16);
+    for (a, l) in regions {
+        out.extend_from_slice(&a.to_le_bytes());
+        out.extend_from_slice(&l.to_le_bytes());
+    }
+    out
+}
+
+/// Whether `[addr, addr+len)` lies inside one entry of a sorted table.
+pub fn table_contains(table: &[(u64, u64)], addr: u64, len: u64) -> bool {
+    let Some(end) = addr.checked_add(len) else {
+        return false;
+    };
+    if len == 0 {
+        return false;
+    }
+    let i = table.partition_point(|(a, _)| *a <= addr);
+    i > 0 && {
+        let (a, l) = table[i - 1];
+        addr >= a && end <= a + l
+    }
+}
+
+/// Fixed part of a hello: magic, version, flags, nonce, name length.
+pub const HELLO_FIXED: usize = 4 + 2 + 2 + NONCE_LEN + 2;
+
+/// Hello flag: the sender holds a shared secret (server: requires proof).
+pub const FLAG_AUTH: u16 = 1;
+
+/// The first message of each side.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Hello {
+    /// Protocol version of the sender.
+    pub version: u16,
+    /// Flags ([`FLAG_AUTH`]).
+    pub flags: u16,
+    /// Random challenge.
+    pub nonce: [u8; NONCE_LEN],
+    /// The sender's engine name.
+    pub name: String,
+}
+
+impl Hello {
+    /// Encodes the hello (the name is truncated to [`MAX_NAME`] bytes at a
+    /// character boundary).
+    pub fn encode(&self) -> Vec<u8> {
+        let mut name = self.name.as_str();
+        while name.len() > MAX_NAME {
+            let mut cut = MAX_NAME;
+            while !name.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            name = &name[..cut];
+        }
+        let mut out = Vec::with_capacity(HELLO_FIXED + name.len());
+        out.extend_from_slice(&MAGIC);
+        out.extend_from_slice(&self.version.to_le_bytes());
+        out.extend_from_slice(&self.flags.to_le_bytes());
+        out.extend_from_slice(&self.nonce);
+        out.extend_from_slice(&(name.len() as u16).to_le_bytes());
+        out.extend_from_slice(name.as_bytes());
+        out
+    }
+
+    /// Decodes the fixed part; returns the hello without its name and the
+    /// name length to read next. Checks magic and the name limit but not the
+    /// version (the caller answers a version mismatch politely).
+    pub fn decode_fixed(buf: &[u8; HELLO_FIXED]) -> Result<(Hello, usize), DecodeError> {
+        if buf[..4] != MAGIC {
+            return Err(bad("bad magic: not a ferry-tcp peer"));
+        }
+        let version = u16::from_le_bytes([buf[4], buf[5]]);
+        let flags = u16::from_le_bytes([buf[6], buf[7]]);
+        let mut nonce = [0u8; NONCE_LEN];
+        nonce.copy_from_slice(&buf[8..8 + NONCE_LEN]);
+        let name_len = u16::from_le_bytes([buf[8 + NONCE_LEN], buf[9 + NONCE_LEN]]) as usize;
+        if name_len > MAX_NAME {
+            return Err(bad(format!("name of {name_len} bytes exceeds {MAX_NAME}")));
+        }
+        Ok((
+            Hello {
+                version,
+                flags,
+                nonce,
+                name: String::new(),
+            },
+            name_len,
+        ))
+    }
+}
+
+/// First byte of the target's final handshake message: welcome.
+pub const WELCOME: u8 = 0;
+/// First byte of the target's final handshake message: rejection.
+pub const REJECT: u8 = 1;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn roundtrip_requests_and_responses() {
+        let reqs = [
+            Request::Write {
+                id: 7,
+                addr: 0x1000,
+                len: 4096,
+            },
+            Request::Read {
+                id: u64::MAX,
+                addr: 1,
+                len: MAX_OP_LEN,
+            },
+            Request::Notify {
+                id: 3,
+                name_len: 4,
+                msg_len: 0,
+            },
+            Request::Table { id: 9 },
+        ];
+        for r in reqs {
+            assert_eq!(Request::decode(&r.encode()), Ok(r));
+        }
+        let resps = [
+            Response::Ok { id: 1 },
+            Response::OkMany { count: MAX_ACKS },
+            Response::Err {
+                id: 2,
+                status: Status::AddressNotRegistered,
+                addr: 5,
+                len: 6,
+            },
+            Response::Data { id: 3, len: 77 },
+            Response::Table { id: 4, count: 2 },
+        ];
+        for r in resps {
+            assert_eq!(Response::decode(&r.encode()), Ok(r));
+        }
+    }
+
+    #[test]
+    fn limits_are_enforced() {
+        let big = Header {
+            kind: kind::WRITE,
+            b: MAX_OP_LEN + 1,
+            ..Default::default()
+        };
+        assert!(Request::decode(&big.encode()).is_err());
+        let oks = Header {
+            kind: kind::OKS,
+            aux: MAX_ACKS + 1,
+            ..Default::default()
+        };
+        assert!(Response::decode(&oks.encode()).is_err());
+        let table = Header {
+            kind: kind::TABLE_REPLY,
+            aux: MAX_TABLE_ENTRIES + 1,
+            ..Default::default()
+        };
+        assert!(Response::decode(&table.encode()).is_err());
+        assert!(decode_table(&encode_table(&[(10, 5), (12, 5)])).is_err());
+        assert!(decode_table(&encode_table(&[(u64::MAX, 5)])).is_err());
+        assert_eq!(
+            decode_table(&encode_table(&[(10, 5), (15, 5)])).unwrap(),
+            vec![(10, 5), (15, 5)]
+        );
+    }
+
+    #[test]
+    fn table_lookup() {
+        let t = [(0x1000, 0x100), (0x2000, 0x10)];
+        assert!(table_contains(&t, 0x1000, 0x100));
+        assert!(table_contains(&t, 0x2008, 8));
+        assert!(!table_contains(&t, 0x10ff, 2));
+        assert!(!table_contains(&t, 0x0fff, 1));
+        assert!(!table_contains(&t, 0x2000, 0));
+        assert!(!table_contains(&t, u64::MAX, 2));
+        assert!(!table_contains(&[], 0, 1));
+    }
+
+    #[test]
+    fn hello_roundtrip_and_garbage() {
+        let h = Hello {
+            version: VERSION,
+            flags: FLAG_AUTH,
+            nonce: [7; NONCE_LEN],
+            name: "é".repeat(200),
+        };
+        let bytes = h.encode();
+        let fixed: [u8; HELLO_FIXED] = bytes[..HELLO_FIXED].try_into().unwrap();
+        let (d, n) = Hello::decode_fixed(&fixed).unwrap();
+        assert!(n <= MAX_NAME);
+        assert_eq!(bytes.len(), HELLO_FIXED + n);
+        assert!(std::str::from_utf8(&bytes[HELLO_FIXED..]).is_ok());
+        assert_eq!((d.version, d.flags, d.nonce), (h.version, h.flags, h.nonce));
+        assert!(Hello::decode_fixed(&[0x47; HELLO_FIXED]).is_err());
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(4096))]
+
+        /// The decoders accept or refuse arbitrary bytes without panicking,
+        /// and whatever they accept re-encodes to the same bytes and
+        /// respects the limits.
+        #[test]
+        fn decoders_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
+            let mut hdr = [0u8; HEADER_LEN];
+            let n = bytes.len().min(HEADER_LEN);
+            hdr[..n].copy_from_slice(&bytes[..n]);
+            if let Ok(r) = Request::decode(&hdr) {
+                prop_assert_eq!(r.encode(), hdr);
+                match r {
+                    Request::Write { len, .. } | Request::Read { len, .. } =>
+                        prop_assert!(len <= MAX_OP_LEN),
+                    Request::Notify { name_len, msg_len, .. } =>
+                        prop_assert!(name_len <= MAX_NOTIFY_NAME && msg_len <= MAX_NOTIFY_MESSAGE),
+                    Request::Table { .. } => {}
+                }
+            }
+            if let Ok(r) = Response::decode(&hdr) {
+                match r {
+                    Response::OkMany { count } => prop_assert!((1..=MAX_ACKS).contains(&count)),
+                    Response::Table { count, .. } => prop_assert!(count <= MAX_TABLE_ENTRIES),
+                    Response::Data { len, .. } => prop_assert!(len <= MAX_OP_LEN),
+                    _ => {}
+                }
+            }
+            let mut fixed = [0u8; HELLO_FIXED];
+            let m = bytes.len().min(HELLO_FIXED);
+            fixed[..m].copy_from_slice(&bytes[..m]);
+            if let Ok((_, name_len)) = Hello::decode_fixed(&fixed) {
+                prop_assert!(name_len <= MAX_NAME);
+            }
+            if let Ok(t) = decode_table(&bytes) {
+                for w in t.windows(2) {
+                    prop_assert!(w[0].0 + w[0].1 <= w[1].0);
+                }
+            }
+            let _ = decode_ids(&bytes).count();
+        }
+
+        /// Valid headers survive a round trip whatever the field values.
+        #[test]
+        fn request_roundtrip(id in any::<u64>(), addr in any::<u64>(), len in 0..=MAX_OP_LEN, w in any::<bool>()) {
+            let r = if w { Request::Write { id, addr, len } } else { Request::Read { id, addr, len } };
+            prop_assert_eq!(Request::decode(&r.encode()), Ok(r));
+        }
+    }
+}

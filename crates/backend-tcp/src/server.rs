@@ -1,0 +1,267 @@
+//! The target side: accepts connections, runs the handshake, and serves
+//! WRITE / READ / NOTIFY / TABLE requests against the engine's region table.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinSet;
+use transport_core::{Error, Notification, RegionTable, Side};
+
+use crate::config::TcpConfig;
+use crate::frame::{Request, Response, Status, HEADER_LEN, MAX_ACKS};
+use crate::handshake;
+use crate::io::{write_all, FrameReader, Next};
+
+/// Most notifications queued before NOTIFY requests are refused.
+pub const MAX_QUEUED_NOTIFICATIONS: usize = 65_536;
+
+/// State the target side shares with the rest of the engine.
+#[derive(Debug)]
+pub struct Core {
+    /// The engine's segment name.
+    pub name: String,
+    /// Its configuration.
+    pub config: TcpConfig,
+    /// Its registered regions.
+    pub regions: RegionTable,
+    /// Notifications received, oldest first.
+    pub notifications: Mutex<VecDeque<Notification>>,
+}
+
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Critical sections are single collection operations; a poisoned lock
+    // still holds consistent data.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Accepts connections until aborted; dropping this future aborts every
+/// connection it serves.
+pub async fn accept_loop(listener: TcpListener, core: Arc<Core>) {
+    let mut conns = JoinSet::new();
+    loop {
+        let (stream, addr) = match listener.accept().await {
+            Ok(x) => x,
+            Err(e) => {
+                tracing::warn!(error = %e, "accept failed");
+                tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                continue;
+            }
+        };
+        while conns.try_join_next().is_some() {}
+        if conns.len() >= core.config.max_inbound {
+            tracing::warn!(%addr, limit = core.config.max_inbound, "refusing connection: too many inbound connections");
+            drop(stream);
+            continue;
+        }
+        let core = Arc::clone(&core);
+        conns.spawn(async move {
+            let peer = addr.to_string();
+            if let Err(e) = serve(stream, &peer, &core).await {
+                tracing::debug!(%peer, error = %e, "inbound connection ended");
+            }
+        });
+    }
+}
+
+struct Out {
+    acks: Vec<u64>,
+    frames: Vec<u8>,
+}
+
+impl Out {
+    fn is_empty(&self) -> bool {
+        self.acks.is_empty() && self.frames.is_empty()
+    }
+
+    fn err(&mut self, id: u64, status: Status, addr: u64, len: u64) {
+        self.frames.extend_from_slice(
+            &Response::Err {
+                id,
+                status,
+                addr,
+                len,
+            }
+            .encode(),
+        );
+    }
+
+    /// Encodes the pending acknowledgements and frames into one buffer
+    /// (metadata only) and clears them.
+    fn take(&mut self) -> Vec<u8> {
+        let mut buf = Vec::with_capacity(HEADER_LEN + self.acks.len() * 8 + self.frames.len());
+        match self.acks.len() {
+            0 => {}
+            1 => buf.extend_from_slice(&Response::Ok { id: self.acks[0] }.encode()),
+            n => {
+                buf.extend_from_slice(&Response::OkMany { count: n as u32 }.encode());
+                for id in &self.acks {
+                    buf.extend_from_slice(&id.to_le_bytes());
+                }
+            }
+        }
+        buf.extend_from_slice(&self.frames);
+        self.acks.clear();
+        self.frames.clear();
+        buf
+    }
+}
+
+fn io_error(peer: &str, e: std::io::Error) -> Error {
+    Error::PeerLost {
+        peer: peer.to_owned(),
+        reason: e.to_string(),
+    }
+}
+
+async fn flush(stream: &TcpStream, out: &mut Out, core: &Core, peer: &str) -> Result<(), Error> {
+    if out.is_empty() {
+        return Ok(());
+    }
+    let buf = out.take();
+    write_all(stream, &[&buf], core.config.request_timeout)
+        .await
+        .map_err(|e| io_error(peer, e))
+}
+
+/// Serves one inbound connection until EOF, an error or abort.
+async fn serve(stream: TcpStream, peer: &str, core: &Core) -> Result<(), Error> {
+    let _ = stream.set_nodelay(true);
+    let cfg = &core.config;
+    let peer_name = tokio::time::timeout(
+        cfg.connect_timeout,
+        handshake::server(
+            &stream,
+            peer,
+            &core.name,
+            cfg.secret.as_deref(),
+            &core.regions,
+            cfg.connect_timeout,
+        ),
+    )
+    .await
+    .map_err(|_| Error::Timeout {
+        operation: "handshake".to_owned(),
+        peer: Some(peer.to_owned()),
+        after: cfg.connect_timeout,
+    })??;
+    let peer = format!("{peer_name} ({peer})");
+    let peer = peer.as_str();
+    tracing::debug!(%peer, "peer connected");
+
+    let mut rd = FrameReader::new(cfg.spin, cfg.request_timeout);
+    let mut out = Out {
+        acks: Vec::with_capacity(MAX_ACKS as usize),
+        frames: Vec::new(),
+    };
+    loop {
+        // Answer everything processed so far before waiting for more input.
+        if !rd.poll_header_now(&stream).map_err(|e| io_error(peer, e))? {
+            flush(&stream, &mut out, core, peer).await?;
+        }
+        let hdr = match rd
+            .next_header(&stream)
+            .await
+            .map_err(|e| io_error(peer, e))?
+        {
+            Next::Header(h) => h,
+            Next::Eof => {
+                flush(&stream, &mut out, core, peer).await?;
+                return Ok(());
+            }
+        };
+        let req = match Request::decode(&hdr) {
+            Ok(r) => r,
+            Err(e) => {
+                // Framing is lost: answer what we can and close.
+                out.err(0, Status::Malformed, 0, 0);
+                let _ = flush(&stream, &mut out, core, peer).await;
+                return Err(Error::Protocol {
+                    peer: peer.to_owned(),
+                    reason: e.0,
+                });
+            }
+        };
+        match req {
+            Request::Write { id, addr, len } => {
+                match core.regions.acquire(addr, len, Side::Remote, None) {
+                    Ok(guard) => {
+                        // SAFETY: the guard keeps [addr, addr+len) registered
+                        // and therefore valid (MemoryRegion::from_raw_parts
+                        // contract); the slice is only handed to recv(2),
+                        // which writes the payload straight into it, the way
+                        // a NIC's DMA writes registered memory.
+                        let dst = unsafe { guard.as_mut_slice() };
+                        rd.read_payload(&stream, dst)
+                            .await
+                            .map_err(|e| io_error(peer, e))?;
+                        drop(guard);
+                        out.acks.push(id);
+                    }
+                    Err(_) => {
+                        rd.discard(&stream, len)
+                            .await
+                            .map_err(|e| io_error(peer, e))?;
+                        out.err(id, Status::AddressNotRegistered, addr, len);
+                    }
+                }
+            }
+            Request::Read { id, addr, len } => {
+                match core.regions.acquire(addr, len, Side::Remote, None) {
+                    Ok(guard) => {
+                        let meta = out.take();
+                        let hdr = Response::Data { id, len }.encode();
+                        // SAFETY: as for writes; send(2) only reads the bytes.
+                        let src = unsafe { guard.as_slice() };
+                        write_all(&stream, &[&meta, &hdr, src], cfg.request_timeout)
+                            .await
+                            .map_err(|e| io_error(peer, e))?;
+                        drop(guard);
+                    }
+                    Err(_) => out.err(id, Status::AddressNotRegistered, addr, len),
+                }
+            }
+            Request::Notify {
+                id,
+                name_len,
+                msg_len,
+            } => {
+                // Bounded by the decoder: at most 256 + 64 KiB.
+                let mut buf = vec![0u8; (name_len + msg_len) as usize];
+                rd.read_payload(&stream, &mut buf)
+                    .await
+                    .map_err(|e| io_error(peer, e))?;
+                let msg = buf.split_off(name_len as usize);
+                let n = match (String::from_utf8(buf), String::from_utf8(msg)) {
+                    (Ok(name), Ok(message)) => Some(Notification { name, message }),
+                    _ => None,
+                };
+                match n.filter(|n| n.validate().is_ok()) {
+                    None => out.err(id, Status::NotifyInvalid, name_len, msg_len),
+                    Some(n) => {
+                        let mut q = lock(&core.notifications);
+                        if q.len() >= MAX_QUEUED_NOTIFICATIONS {
+                            drop(q);
+                            out.err(id, Status::NotifyQueueFull, name_len, msg_len);
+                        } else {
+                            q.push_back(n);
+                            drop(q);
+                            out.acks.push(id);
+                        }
+                    }
+                }
+            }
+            Request::Table { id } => {
+                let meta = out.take();
+                let (count, table) = handshake::table_bytes(&core.regions);
+                let hdr = Response::Table { id, count }.encode();
+                write_all(&stream, &[&meta, &hdr, &table], cfg.request_timeout)
+                    .await
+                    .map_err(|e| io_error(peer, e))?;
+            }
+        }
+        if out.acks.len() >= MAX_ACKS as usize {
+            flush(&stream, &mut out, core, peer).await?;
+        }
+    }
+}

@@ -1,0 +1,60 @@
+//! The transport-core conformance suite, raw and behind the adapter, over
+//! real loopback sockets.
+
+use std::sync::Arc;
+
+use backend_tcp::{TcpConfig, TcpEngine};
+use transport_core::conformance::EngineFactory;
+use transport_core::{Result, TransferEngine};
+
+/// Engines on ephemeral loopback ports with the default configuration
+/// (two connections per peer), authenticated with a shared secret.
+struct TcpFactory;
+
+#[async_trait::async_trait]
+impl EngineFactory for TcpFactory {
+    async fn create(&self) -> Result<Arc<dyn TransferEngine>> {
+        let cfg = TcpConfig {
+            secret: Some("conformance".to_owned()),
+            ..TcpConfig::default()
+        };
+        Ok(Arc::new(TcpEngine::start(cfg).await?))
+    }
+
+    fn unknown_segment_name(&self) -> String {
+        // A port nothing listens on (bound then released).
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = l.local_addr().expect("addr");
+        drop(l);
+        addr.to_string()
+    }
+}
+
+transport_core::conformance_tests!(TcpFactory);
+
+/// The same suite with one connection per peer and tiny chunks, so that
+/// requests are split into many wire operations.
+mod chunked {
+    use super::*;
+
+    struct ChunkedFactory;
+
+    #[async_trait::async_trait]
+    impl EngineFactory for ChunkedFactory {
+        async fn create(&self) -> Result<Arc<dyn TransferEngine>> {
+            let cfg = TcpConfig {
+                connections: 3,
+                chunk_size: 1000,
+                spin: std::time::Duration::ZERO,
+                ..TcpConfig::default()
+            };
+            Ok(Arc::new(TcpEngine::start(cfg).await?))
+        }
+
+        fn unknown_segment_name(&self) -> String {
+            "127.0.0.1:1".to_owned()
+        }
+    }
+
+    transport_core::conformance_tests!(ChunkedFactory);
+}
