@@ -1,0 +1,385 @@
+//! Failure handling on a real verbs stack: a queue pair forced to error, an
+//! invalid rkey, an unregistered remote address, a region the peer adds
+//! after the connection, a peer that goes away, and two processes.
+//!
+//! Each test prints `skipped: <test>: <reason>` and returns when no RDMA
+//! device is usable (or the crate lacks its `rdma` feature).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use backend_verbs::{Fault, VerbsConfig, VerbsEngine};
+use transport_core::{
+    Error, HostBuffer, Location, Notification, Side, TransferEngine, TransferRequest,
+};
+
+fn url() -> String {
+    std::env::var("FERRY_VERBS_URL").unwrap_or_else(|_| "verbs://".to_owned())
+}
+
+async fn engine(test: &str) -> Option<VerbsEngine> {
+    let cfg = VerbsConfig::from_url(&url()).expect("FERRY_VERBS_URL parses");
+    match VerbsEngine::start(cfg).await {
+        Ok(e) => Some(e),
+        Err(Error::Unavailable { reason, .. }) => {
+            println!("skipped: {test}: the verbs backend is unavailable: {reason}");
+            None
+        }
+        Err(e) => panic!("{test}: starting the verbs engine failed: {e}"),
+    }
+}
+
+fn pattern(seed: u8, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect()
+}
+
+async fn registered(e: &VerbsEngine, len: usize, seed: u8) -> HostBuffer {
+    let b = HostBuffer::new(len).expect("alloc");
+    if seed != 0 {
+        b.write(0, &pattern(seed, len)).expect("fill");
+    }
+    e.register(&b.region(Location::cpu(0)))
+        .await
+        .expect("register");
+    b
+}
+
+/// An error a failed verbs transfer may legitimately report.
+fn typed_transfer_error(e: &Error) -> bool {
+    matches!(
+        e,
+        Error::PeerLost { .. }
+            | Error::Backend { .. }
+            | Error::AddressNotRegistered { .. }
+            | Error::SegmentUnavailable { .. }
+    )
+}
+
+struct Pair {
+    a: VerbsEngine,
+    b: VerbsEngine,
+    src: HostBuffer,
+    dst: HostBuffer,
+    seg: transport_core::SegmentId,
+}
+
+const LEN: usize = 256 << 10;
+
+async fn pair(test: &str) -> Option<Pair> {
+    let a = engine(test).await?;
+    let b = engine(test).await?;
+    let src = registered(&a, LEN, 7).await;
+    let dst = registered(&b, LEN, 0).await;
+    let seg = a
+        .open_segment(b.segment_name())
+        .await
+        .expect("open_segment");
+    Some(Pair {
+        a,
+        b,
+        src,
+        dst,
+        seg,
+    })
+}
+
+impl Pair {
+    fn write(&self, len: usize) -> TransferRequest {
+        TransferRequest::write(self.src.addr(), self.dst.addr(), len as u64)
+    }
+
+    async fn release(self) {
+        self.a
+            .unregister(self.src.addr())
+            .await
+            .expect("unregister");
+        self.b
+            .unregister(self.dst.addr())
+            .await
+            .expect("unregister");
+    }
+}
+
+#[tokio::test]
+async fn qp_forced_to_error_fails_typed_then_reconnects() {
+    let Some(p) = pair("qp_forced_to_error_fails_typed_then_reconnects").await else {
+        return;
+    };
+    p.a.transfer(p.seg, p.write(4096))
+        .await
+        .expect("first write");
+    let qpn = p.a.queue_pair_number(p.seg).await.expect("connected");
+    p.dst.fill(0);
+
+    p.a.inject_fault(p.seg, Fault::QpError)
+        .await
+        .expect("inject");
+    let r = p.a.transfer(p.seg, p.write(LEN)).await;
+    match &r {
+        Err(e) if typed_transfer_error(e) => {}
+        other => panic!("a write on a QP in the error state must fail typed, got {other:?}"),
+    }
+    assert!(
+        p.dst.to_vec().iter().all(|b| *b == 0),
+        "a failed write on an errored QP changed the peer's memory"
+    );
+    // The next use builds a new queue pair and works.
+    p.a.transfer(p.seg, p.write(LEN))
+        .await
+        .expect("write after the QP error");
+    assert_eq!(p.dst.to_vec(), pattern(7, LEN));
+    let qpn2 = p.a.queue_pair_number(p.seg).await.expect("reconnected");
+    assert_ne!(qpn, qpn2, "the errored queue pair was reused");
+    p.release().await;
+}
+
+#[tokio::test]
+async fn qp_error_with_outstanding_requests() {
+    let Some(p) = pair("qp_error_with_outstanding_requests").await else {
+        return;
+    };
+    // Many small writes so that some are still queued when the QP breaks.
+    let reqs: Vec<_> = (0..256u64)
+        .map(|i| TransferRequest::write(p.src.addr() + i * 1024, p.dst.addr() + i * 1024, 1024))
+        .collect();
+    let id = p.a.submit(p.seg, &reqs, None).await.expect("submit");
+    p.a.inject_fault(p.seg, Fault::QpError)
+        .await
+        .expect("inject");
+    let report = tokio::time::timeout(Duration::from_secs(300), p.a.wait(id))
+        .await
+        .expect("a batch on an errored QP must finish (liveness bound)")
+        .expect("wait");
+    assert_eq!(report.len(), reqs.len());
+    let src = pattern(7, LEN);
+    let dst = p.dst.to_vec();
+    for (i, r) in report.results.iter().enumerate() {
+        match r {
+            Ok(()) => assert_eq!(
+                dst[i * 1024..(i + 1) * 1024],
+                src[i * 1024..(i + 1) * 1024],
+                "request {i} reported success without its bytes"
+            ),
+            Err(e) => assert!(typed_transfer_error(e), "request {i}: untyped {e:?}"),
+        }
+    }
+    println!(
+        "qp_error_with_outstanding_requests: {} of {} failed after the QP error",
+        report.failures().count(),
+        report.len()
+    );
+    p.a.transfer(p.seg, p.write(LEN))
+        .await
+        .expect("write after the QP error");
+    assert_eq!(p.dst.to_vec(), pattern(7, LEN));
+    p.release().await;
+}
+
+#[tokio::test]
+async fn invalid_rkey_is_a_remote_address_error() {
+    let Some(p) = pair("invalid_rkey_is_a_remote_address_error").await else {
+        return;
+    };
+    p.a.transfer(p.seg, p.write(4096))
+        .await
+        .expect("first write");
+    p.dst.fill(0);
+    p.a.inject_fault(p.seg, Fault::InvalidRkey)
+        .await
+        .expect("inject");
+    match p.a.transfer(p.seg, p.write(LEN)).await {
+        Err(Error::AddressNotRegistered {
+            side: Side::Remote,
+            peer: Some(_),
+            ..
+        }) => {}
+        other => {
+            panic!("a write with a bad rkey: expected AddressNotRegistered(remote), got {other:?}")
+        }
+    }
+    assert!(
+        p.dst.to_vec().iter().all(|b| *b == 0),
+        "a write with a bad rkey changed the peer's memory"
+    );
+    p.a.transfer(p.seg, p.write(LEN))
+        .await
+        .expect("write after the rkey error");
+    assert_eq!(p.dst.to_vec(), pattern(7, LEN));
+    p.release().await;
+}
+
+#[tokio::test]
+async fn unregistered_remote_address_posts_nothing() {
+    let Some(p) = pair("unregistered_remote_address_posts_nothing").await else {
+        return;
+    };
+    p.a.transfer(p.seg, p.write(64)).await.expect("first write");
+    let qpn = p.a.queue_pair_number(p.seg).await.expect("connected");
+    let outside = [
+        // Just past the peer's region.
+        TransferRequest::write(p.src.addr(), p.dst.addr() + LEN as u64, 64),
+        // Straddling its end.
+        TransferRequest::write(p.src.addr(), p.dst.addr() + LEN as u64 - 32, 64),
+        // A local address of ours, meaningless at the peer.
+        TransferRequest::read(p.src.addr(), p.src.addr(), 64),
+    ];
+    for req in outside {
+        match p.a.transfer(p.seg, req).await {
+            Err(Error::AddressNotRegistered {
+                side: Side::Remote, ..
+            }) => {}
+            other => panic!("{req:?}: expected AddressNotRegistered(remote), got {other:?}"),
+        }
+    }
+    // Nothing was posted: the same queue pair still serves the segment.
+    assert_eq!(p.a.queue_pair_number(p.seg).await, Some(qpn));
+    p.a.transfer(p.seg, p.write(LEN)).await.expect("write");
+    assert_eq!(p.dst.to_vec(), pattern(7, LEN));
+    p.release().await;
+}
+
+#[tokio::test]
+async fn region_registered_after_open_is_reachable() {
+    let Some(p) = pair("region_registered_after_open_is_reachable").await else {
+        return;
+    };
+    let late = registered(&p.b, 8192, 9).await;
+    let req = TransferRequest::read(p.src.addr(), late.addr(), 8192);
+    p.a.transfer(p.seg, req)
+        .await
+        .expect("read from a late region");
+    let mut got = vec![0; 8192];
+    p.src.read(0, &mut got).expect("read");
+    assert_eq!(got, pattern(9, 8192));
+    p.b.unregister(late.addr()).await.expect("unregister");
+    match p.a.transfer(p.seg, req).await {
+        Err(Error::AddressNotRegistered {
+            side: Side::Remote, ..
+        }) => {}
+        other => panic!("read from an unregistered peer region: got {other:?}"),
+    }
+    p.release().await;
+}
+
+#[tokio::test]
+async fn peer_going_away_fails_typed() {
+    let Some(p) = pair("peer_going_away_fails_typed").await else {
+        return;
+    };
+    p.a.transfer(p.seg, p.write(4096))
+        .await
+        .expect("first write");
+    let Pair {
+        a,
+        b,
+        src,
+        dst,
+        seg,
+    } = p;
+    // The peer disappears without unregistering (its memory stays
+    // allocated here until the end of the test).
+    drop(b);
+    let mut last = None;
+    for _ in 0..3 {
+        let r = tokio::time::timeout(
+            Duration::from_secs(120),
+            a.transfer(seg, TransferRequest::write(src.addr(), dst.addr(), 4096)),
+        )
+        .await
+        .expect("a transfer to a vanished peer must finish (liveness bound)");
+        match &r {
+            Err(e) if typed_transfer_error(e) => {}
+            other => panic!("a transfer to a vanished peer must fail typed, got {other:?}"),
+        }
+        last = Some(r);
+    }
+    println!("peer_going_away_fails_typed: last error: {last:?}");
+    a.unregister(src.addr()).await.expect("unregister");
+    drop(dst);
+}
+
+/// The peer side of `two_processes`: runs only as the child process.
+#[tokio::test]
+async fn child_peer() {
+    if std::env::var("FERRY_VERBS_CHILD").is_err() {
+        return;
+    }
+    let e = Arc::new(engine("child_peer").await.expect("child engine"));
+    let buf = registered(&e, LEN, 3).await;
+    println!("CHILD-SEGMENT {} {} {}", e.segment_name(), buf.addr(), LEN);
+    // Wait for the parent's notification, then check what it wrote.
+    let deadline = std::time::Instant::now() + Duration::from_secs(300);
+    let note = loop {
+        let mut n = e.take_notifications().await.expect("notifications");
+        if let Some(n) = n.pop() {
+            break n;
+        }
+        assert!(std::time::Instant::now() < deadline, "no notification");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(note, Notification::new("parent", "written"));
+    assert_eq!(buf.to_vec(), pattern(7, LEN), "the parent's write");
+    println!("CHILD-OK");
+}
+
+#[tokio::test]
+async fn two_processes() {
+    if std::env::var("FERRY_VERBS_CHILD").is_ok() {
+        return;
+    }
+    let Some(a) = engine("two_processes").await else {
+        return;
+    };
+    let exe = std::env::current_exe().expect("current_exe");
+    let mut child = tokio::process::Command::new(exe)
+        .args(["--exact", "child_peer", "--nocapture", "--test-threads=1"])
+        .env("FERRY_VERBS_CHILD", "1")
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawning the child peer");
+    let stdout = child.stdout.take().expect("stdout");
+    let mut lines = tokio::io::AsyncBufReadExt::lines(tokio::io::BufReader::new(stdout));
+    let (name, addr) = loop {
+        let line = lines
+            .next_line()
+            .await
+            .expect("child stdout")
+            .expect("the child exited before announcing its segment");
+        if let Some(rest) = line.strip_prefix("CHILD-SEGMENT ") {
+            let f: Vec<&str> = rest.split_whitespace().collect();
+            break (f[0].to_owned(), f[1].parse::<u64>().expect("addr"));
+        }
+    };
+    let local = registered(&a, LEN, 7).await;
+    let seg = a
+        .open_segment(&name)
+        .await
+        .expect("open the child's segment");
+    // Read the child's pattern into a scratch region.
+    let scratch = registered(&a, LEN, 0).await;
+    a.transfer(seg, TransferRequest::read(scratch.addr(), addr, LEN as u64))
+        .await
+        .expect("read from the child");
+    assert_eq!(scratch.to_vec(), pattern(3, LEN));
+    // Write ours and tell the child.
+    let report = a
+        .batch_transfer(
+            seg,
+            &[TransferRequest::write(local.addr(), addr, LEN as u64)],
+            Some(&Notification::new("parent", "written")),
+        )
+        .await
+        .expect("batch with notification");
+    assert!(report.is_success(), "{report:?}");
+    let mut ok = false;
+    while let Some(line) = lines.next_line().await.expect("child stdout") {
+        ok |= line.contains("CHILD-OK");
+    }
+    let status = child.wait().await.expect("child exit");
+    assert!(status.success() && ok, "the child peer failed: {status}");
+    a.unregister(local.addr()).await.expect("unregister");
+    a.unregister(scratch.addr()).await.expect("unregister");
+}
