@@ -1,2 +1,112 @@
-//! ferry-cli (work in progress).
-fn main() {}
+//! `ferry`: benchmark a backend, print its capabilities, or serve a region
+//! for a remote benchmark.
+#![forbid(unsafe_code)]
+
+mod bench;
+mod caps;
+mod rawtcp;
+mod serve;
+mod util;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+const EXAMPLES: &str = "\
+Examples:
+  ferry bench                      # TCP on loopback: the table, with raw-TCP and memcpy baselines
+  ferry bench --json --blocks 4KiB,1MiB --batches 1,16
+  ferry caps --backend 'mooncake://?lib=/opt/mooncake/libtransfer_engine.so&metadata=P2PHANDSHAKE&protocol=tcp&host=127.0.0.1'
+  ferry caps --strict --require batch_transfer,notify
+  ferry serve --backend tcp://10.0.0.2:7000 --size 256MiB
+
+Errors print one line; -v adds the cause chain and info logs, -vv debug logs
+(RUST_LOG overrides the log filter).";
+
+/// Move bytes between the memories of cooperating processes: benchmark,
+/// inspect and serve Ferry transfer engines.
+#[derive(Parser, Debug)]
+#[command(name = "ferry", version, after_help = EXAMPLES, propagate_version = true)]
+struct Cli {
+    /// More output: -v shows the error cause chain and info logs, -vv debug logs.
+    #[arg(short, long, action = clap::ArgAction::Count, global = true)]
+    verbose: u8,
+
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Measure throughput and latency (GB/s, transfers/s, p50/p99) against
+    /// raw-TCP and memcpy baselines from the same run.
+    Bench(bench::BenchArgs),
+    /// Print what a backend does natively, what is emulated and what is
+    /// missing, with reasons and versions.
+    Caps(caps::CapsArgs),
+    /// Register a region and serve it to a remote `ferry bench` until Ctrl-C.
+    Serve(serve::ServeArgs),
+}
+
+fn init_tracing(verbose: u8) {
+    use tracing_subscriber::EnvFilter;
+    let level = match verbose {
+        0 => "warn",
+        1 => "info",
+        2 => "debug",
+        _ => "trace",
+    };
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(level));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_tracing(cli.verbose);
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async {
+        match cli.command {
+            Command::Bench(a) => bench::run(a).await,
+            Command::Caps(a) => caps::run(a).await,
+            Command::Serve(a) => serve::run(a).await,
+        }
+    });
+    // Background tasks (unregister-on-drop, sinks) must not keep us alive.
+    runtime.shutdown_timeout(std::time::Duration::from_secs(1));
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            report_error(&e, cli.verbose);
+            if e.downcast_ref::<caps::MissingRequired>().is_some() {
+                ExitCode::from(3)
+            } else {
+                ExitCode::FAILURE
+            }
+        }
+    }
+}
+
+/// One line by default (`context: cause: cause`); with -v the top line and
+/// one `caused by:` line per cause.
+fn report_error(e: &anyhow::Error, verbose: u8) {
+    if verbose == 0 {
+        eprintln!("error: {e:#}");
+    } else {
+        eprintln!("error: {e}");
+        for cause in e.chain().skip(1) {
+            eprintln!("  caused by: {cause}");
+        }
+    }
+}

@@ -1,1 +1,67 @@
-//! ferry (work in progress).
+//! # ferry
+//!
+//! Moves bytes between the memories of cooperating processes — the KV-cache
+//! hand-off of disaggregated LLM serving — through one trait,
+//! [`TransferEngine`], and several transports behind it.
+//!
+//! The backend is a cargo feature plus a URL, not a code change:
+//!
+//! | feature | URL | backend |
+//! |---|---|---|
+//! | `tcp` (default) | `tcp://127.0.0.1:0?secret=…` | tokio TCP, no system library |
+//! | `mooncake` | `mooncake://?lib=/path/libtransfer_engine.so&metadata=P2PHANDSHAKE&protocol=tcp&host=127.0.0.1` | Mooncake Transfer Engine, loaded at run time |
+//! | `verbs` | `verbs://mlx5_0?port=1&gid_index=3` | native RDMA verbs |
+//!
+//! [`Engine::open`] starts the backend the URL names and wraps it in the
+//! [`CapabilityAdapter`]: every operation of the trait is available, either
+//! natively or emulated with the same observable semantics, and
+//! [`Engine::report`] says which. `?strict=1` turns emulation off and
+//! `?require=batch_transfer,notify` makes opening fail when an operation is
+//! missing (see [`EngineConfig`] for every parameter).
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use ferry::{Engine, RegisteredBuffer, TransferEngine, TransferRequest};
+//!
+//! # async fn demo() -> ferry::Result<()> {
+//! let decode = Arc::new(Engine::open("tcp://127.0.0.1:0").await?);
+//! let prefill = Arc::new(Engine::open("tcp://127.0.0.1:0").await?);
+//! let kv = RegisteredBuffer::new(decode.clone(), 1 << 20).await?;
+//! let src = RegisteredBuffer::new(prefill.clone(), 4096).await?;
+//! let peer = prefill.open_segment(decode.segment_name()).await?;
+//! prefill
+//!     .transfer(peer, TransferRequest::write(src.addr(), kv.addr(), 4096))
+//!     .await?;
+//! # Ok(()) }
+//! ```
+//!
+//! Everything public in `transport_core` is re-exported here, so users
+//! depend on `ferry` alone.
+#![forbid(unsafe_code)]
+// With no backend feature on, `Engine` and `BackendConfig` are empty enums:
+// the dispatch code is then unreachable by construction.
+#![cfg_attr(
+    not(any(feature = "tcp", feature = "mooncake", feature = "verbs")),
+    allow(unreachable_code, unused_variables, unused_imports, dead_code)
+)]
+
+mod config;
+mod dispatch;
+
+pub use config::{BackendConfig, BackendKind, EngineConfig};
+pub use dispatch::Engine;
+
+pub use transport_core;
+pub use transport_core::*;
+
+/// The TCP backend crate (feature `tcp`).
+#[cfg(feature = "tcp")]
+pub use backend_tcp;
+
+/// The Mooncake backend crate (feature `mooncake`).
+#[cfg(feature = "mooncake")]
+pub use backend_mooncake;
+
+/// The verbs backend crate (feature `verbs`).
+#[cfg(feature = "verbs")]
+pub use backend_verbs;

@@ -1,0 +1,685 @@
+//! `ferry bench`: throughput and latency of one backend, with the raw-TCP
+//! and memcpy baselines measured in the same run.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use ferry::{
+    Engine, Notification, RegisteredBuffer, SegmentId, TransferEngine, TransferOp, TransferRequest,
+};
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Serialize;
+
+use crate::rawtcp;
+use crate::util::{
+    fill_pattern, human_bytes, parse_addr, parse_count, parse_duration, parse_positive_size,
+    pattern,
+};
+
+/// Seed of the pattern `ferry serve` and the loopback target fill their
+/// region with (so that reads move non-trivial bytes).
+pub const TARGET_SEED: u64 = 0xfe77;
+
+const EXAMPLES: &str = "\
+Examples:
+  # the default sweep: two TCP engines on loopback in this process
+  ferry bench
+  # a quick look at a few points, machine-readable
+  ferry bench --blocks 4KiB,1MiB --batches 1,16 --duration 100ms --json
+  # another backend
+  ferry bench --backend 'mooncake://?lib=/opt/mooncake/libtransfer_engine.so&metadata=P2PHANDSHAKE&protocol=tcp&host=127.0.0.1'
+  # against `ferry serve` on another machine (copy the line it prints)
+  ferry bench --peer 10.0.0.2:7000 --remote-addr 0x7f3a5c000000 --remote-len 268435456 --raw-peer 10.0.0.2:7001
+
+Each point runs --duration (or until --total bytes), after --warmup. Requests of a
+batch go to distinct, non-adjacent places so the adapter cannot merge them; after
+each point one block is read back and compared, so the numbers are for bytes that
+really arrived. Ratios are ferry GB/s divided by the baseline's at the same block
+size: raw TCP is the better of one and two plain tokio streams writing block-sized
+chunks to a sink; memcpy is one thread copying block-sized chunks.";
+
+/// Arguments of `ferry bench`.
+#[derive(clap::Args, Debug)]
+#[command(after_help = EXAMPLES)]
+pub struct BenchArgs {
+    /// Backend URL for the engines of this process (`ferry caps --help` lists the schemes).
+    #[arg(long, default_value = "tcp://127.0.0.1:0")]
+    backend: String,
+
+    /// Drive a remote `ferry serve` at this segment name (host:port) instead
+    /// of a second engine in this process. Needs --remote-addr and --remote-len.
+    #[arg(long, requires_all = ["remote_addr", "remote_len"])]
+    peer: Option<String>,
+
+    /// Start of the region `ferry serve` registered (it prints it), hex 0x… or decimal.
+    #[arg(long, value_parser = parse_addr, requires = "peer")]
+    remote_addr: Option<u64>,
+
+    /// Length of that region (e.g. 256MiB).
+    #[arg(long, value_parser = parse_positive_size, requires = "peer")]
+    remote_len: Option<u64>,
+
+    /// With --peer: the raw-TCP sink `ferry serve` printed, for the raw-TCP
+    /// baseline over the same network. Without it, that baseline is left out.
+    #[arg(long, requires = "peer")]
+    raw_peer: Option<String>,
+
+    /// Block sizes (bytes per request), comma-separated.
+    #[arg(long, value_delimiter = ',', value_parser = parse_positive_size,
+          default_value = "4KiB,16KiB,64KiB,256KiB,1MiB,4MiB,16MiB")]
+    blocks: Vec<u64>,
+
+    /// Batch sizes (requests per batch; 1 uses the single-transfer call), comma-separated.
+    #[arg(long, value_delimiter = ',', value_parser = parse_count, default_value = "1,8,32")]
+    batches: Vec<usize>,
+
+    /// Operations to measure, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "write,read")]
+    ops: Vec<OpArg>,
+
+    /// Registered bytes on each side; a point whose block × batch does not fit is skipped.
+    #[arg(long, value_parser = parse_positive_size, default_value = "256MiB")]
+    region_size: u64,
+
+    /// Measuring time per point (after the warm-up).
+    #[arg(long, value_parser = parse_duration, default_value = "250ms")]
+    duration: Duration,
+
+    /// Most bytes moved per point (whichever of this and --duration comes first).
+    #[arg(long, value_parser = parse_positive_size, default_value = "2GiB")]
+    total: u64,
+
+    /// Warm-up time per point, not measured.
+    #[arg(long, value_parser = parse_duration, default_value = "50ms")]
+    warmup: Duration,
+
+    /// Skip the raw-TCP and memcpy baselines (ratios are then left out).
+    #[arg(long)]
+    no_baselines: bool,
+
+    /// Print a JSON array (one object per point) instead of the table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// An operation to measure.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum OpArg {
+    Write,
+    Read,
+}
+
+impl OpArg {
+    fn op(self) -> TransferOp {
+        match self {
+            OpArg::Write => TransferOp::Write,
+            OpArg::Read => TransferOp::Read,
+        }
+    }
+    fn name(self) -> &'static str {
+        match self {
+            OpArg::Write => "write",
+            OpArg::Read => "read",
+        }
+    }
+}
+
+/// One measured point (a row of the table, an object of `--json`).
+#[derive(Debug, Serialize)]
+struct Point {
+    backend: String,
+    /// `loopback` or the peer's segment name.
+    target: String,
+    op: &'static str,
+    block: u64,
+    batch: usize,
+    gbps: f64,
+    transfers_per_s: f64,
+    p50_us: f64,
+    p99_us: f64,
+    ratio_raw_tcp: Option<f64>,
+    ratio_memcpy: Option<f64>,
+    raw_tcp_gbps: Option<f64>,
+    raw_tcp_streams: Option<usize>,
+    memcpy_gbps: Option<f64>,
+    batches_measured: usize,
+    bytes: u64,
+    seconds: f64,
+    verified: bool,
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+struct Baseline {
+    raw_tcp: Option<(f64, usize)>,
+    memcpy: Option<f64>,
+}
+
+struct Setup {
+    engine: Arc<Engine>,
+    /// Keeps the in-process target alive (loopback mode).
+    _target: Option<(Arc<Engine>, RegisteredBuffer<Engine>)>,
+    segment: SegmentId,
+    remote_addr: u64,
+    local: RegisteredBuffer<Engine>,
+    scratch: RegisteredBuffer<Engine>,
+    /// Usable bytes on both sides.
+    window: u64,
+    target_label: String,
+    raw_sink: Option<String>,
+    _sink_task: Option<tokio::task::JoinHandle<()>>,
+    notify: bool,
+}
+
+/// Runs `ferry bench`.
+pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
+    if args.ops.is_empty() || args.blocks.is_empty() || args.batches.is_empty() {
+        bail!("--ops, --blocks and --batches each need at least one value");
+    }
+    let max_block = *args.blocks.iter().max().unwrap_or(&4096);
+    let setup = setup(&args, max_block).await?;
+
+    // The points to run, grouped by block size so that each block's
+    // baselines are measured right before its points.
+    let mut blocks = args.blocks.clone();
+    blocks.sort_unstable();
+    blocks.dedup();
+    let mut plan: Vec<(u64, Vec<(usize, OpArg)>)> = Vec::new();
+    let mut skipped = Vec::new();
+    for &block in &blocks {
+        let mut points = Vec::new();
+        for &batch in &args.batches {
+            if block.saturating_mul(batch as u64) > setup.window {
+                skipped.push(format!("{} × {batch}", human_bytes(block)));
+                continue;
+            }
+            for &op in &args.ops {
+                points.push((batch, op));
+            }
+        }
+        if !points.is_empty() {
+            plan.push((block, points));
+        }
+    }
+    if plan.is_empty() {
+        bail!(
+            "no point fits: every block × batch exceeds the {} region (raise --region-size{})",
+            human_bytes(setup.window),
+            if args.peer.is_some() {
+                " or serve a larger --size"
+            } else {
+                ""
+            }
+        );
+    }
+    if !skipped.is_empty() {
+        eprintln!(
+            "note: skipping {} (block × batch exceeds the {} region; see --region-size)",
+            skipped.join(", "),
+            human_bytes(setup.window)
+        );
+    }
+
+    let baselines = !args.no_baselines;
+    let steps: usize = plan
+        .iter()
+        .map(|(_, p)| p.len() + if baselines { 1 } else { 0 })
+        .sum();
+    let bar = ProgressBar::new(steps as u64);
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:32} {pos}/{len} {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    bar.enable_steady_tick(Duration::from_millis(120));
+
+    let backend = setup.engine.kind().scheme().to_owned();
+    let mut results = Vec::new();
+    let mut base_by_block = BTreeMap::new();
+    for (seed, (block, points)) in plan.iter().enumerate() {
+        let block = *block;
+        let base = if baselines {
+            bar.set_message(format!("baselines at {}", human_bytes(block)));
+            let b = measure_baselines(&args, &setup, block).await?;
+            bar.inc(1);
+            b
+        } else {
+            Baseline::default()
+        };
+        base_by_block.insert(block, base);
+        for &(batch, op) in points {
+            bar.set_message(format!(
+                "{backend} {} {} × {batch}",
+                op.name(),
+                human_bytes(block)
+            ));
+            let p = measure_point(&args, &setup, block, batch, op, seed as u64, base)
+                .await
+                .with_context(|| format!("{} of {} × {batch}", op.name(), human_bytes(block)))?;
+            results.push(Point {
+                backend: backend.clone(),
+                target: setup.target_label.clone(),
+                ..p
+            });
+            bar.inc(1);
+        }
+    }
+    bar.finish_and_clear();
+
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&results)?);
+    } else {
+        print_table(&args, &setup, &results, &base_by_block);
+    }
+    Ok(())
+}
+
+async fn setup(args: &BenchArgs, max_block: u64) -> anyhow::Result<Setup> {
+    let open = |what: &'static str| {
+        let url = args.backend.clone();
+        async move {
+            Engine::open(&url)
+                .await
+                .with_context(|| format!("opening the {what} engine ({})", redact(&url)))
+        }
+    };
+    let engine = Arc::new(open("local").await?);
+    let region = usize::try_from(args.region_size).context("--region-size is too large")?;
+    let (target, segment, remote_addr, remote_len, label, raw_sink, sink_task) = match &args.peer {
+        None => {
+            let target = Arc::new(open("target").await?);
+            let buf = RegisteredBuffer::new(Arc::clone(&target), region)
+                .await
+                .context("registering the target region")?;
+            fill_pattern(buf.memory(), TARGET_SEED)?;
+            let seg = engine
+                .open_segment(target.segment_name())
+                .await
+                .context("opening the target's segment")?;
+            let addr = buf.addr();
+            let len = buf.len() as u64;
+            let (sink, task) = if args.no_baselines {
+                (None, None)
+            } else {
+                let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+                    .await
+                    .context("binding the raw-TCP sink")?;
+                let a = l.local_addr()?.to_string();
+                let stats = Arc::default();
+                (Some(a), Some(tokio::spawn(rawtcp::run_sink(l, stats))))
+            };
+            (
+                Some((target, buf)),
+                seg,
+                addr,
+                len,
+                "loopback".to_owned(),
+                sink,
+                task,
+            )
+        }
+        Some(peer) => {
+            let seg = engine
+                .open_segment(peer)
+                .await
+                .with_context(|| format!("opening the peer segment {peer}"))?;
+            (
+                None,
+                seg,
+                args.remote_addr.unwrap_or_default(),
+                args.remote_len.unwrap_or_default(),
+                peer.clone(),
+                args.raw_peer.clone(),
+                None,
+            )
+        }
+    };
+    let window = remote_len.min(args.region_size);
+    let local_len = usize::try_from(window).context("region too large")?;
+    let local = RegisteredBuffer::new(Arc::clone(&engine), local_len)
+        .await
+        .context("registering the local region")?;
+    let scratch_len = usize::try_from(max_block).context("block too large")?;
+    let scratch = RegisteredBuffer::new(Arc::clone(&engine), scratch_len)
+        .await
+        .context("registering the read-back buffer")?;
+    let notify = args.peer.is_some() && engine.capabilities().notify;
+    Ok(Setup {
+        engine,
+        _target: target,
+        segment,
+        remote_addr,
+        local,
+        scratch,
+        window,
+        target_label: label,
+        raw_sink,
+        _sink_task: sink_task,
+        notify,
+    })
+}
+
+/// A backend URL with secrets hidden, for messages.
+pub fn redact(url: &str) -> String {
+    let Some((base, query)) = url.split_once('?') else {
+        return url.to_owned();
+    };
+    let parts: Vec<String> = query
+        .split('&')
+        .map(|p| match p.split_once('=') {
+            Some((k, _)) if k.eq_ignore_ascii_case("secret") => format!("{k}=…"),
+            _ => p.to_owned(),
+        })
+        .collect();
+    format!("{base}?{}", parts.join("&"))
+}
+
+async fn measure_baselines(
+    args: &BenchArgs,
+    setup: &Setup,
+    block: u64,
+) -> anyhow::Result<Baseline> {
+    let b = usize::try_from(block)?;
+    let raw_tcp = match &setup.raw_sink {
+        Some(sink) => {
+            let one = rawtcp::measure(sink, b, 1, args.duration, args.total).await?;
+            let two = rawtcp::measure(sink, b, 2, args.duration, args.total).await?;
+            Some(if two > one { (two, 2) } else { (one, 1) })
+        }
+        None => None,
+    };
+    let (duration, total) = (args.duration, args.total);
+    let memcpy = tokio::task::spawn_blocking(move || memcpy_gbps(b, duration, total))
+        .await
+        .context("memcpy baseline task failed")?;
+    Ok(Baseline {
+        raw_tcp,
+        memcpy: Some(memcpy),
+    })
+}
+
+/// One thread copying `block`-sized chunks between two 64 MiB (at least one
+/// block) buffers, slot by slot, for `duration` or `total` bytes.
+fn memcpy_gbps(block: usize, duration: Duration, total: u64) -> f64 {
+    let slots = ((64usize << 20) / block).max(1);
+    let src = vec![0xa5u8; slots * block];
+    let mut dst = vec![0u8; slots * block];
+    // Touch every page once so that page faults are not measured.
+    dst.copy_from_slice(&src);
+    let start = Instant::now();
+    let mut copied = 0u64;
+    let mut slot = 0;
+    while copied < total && (copied == 0 || start.elapsed() < duration) {
+        for _ in 0..16 {
+            let r = slot * block..(slot + 1) * block;
+            dst[r.clone()].copy_from_slice(&src[r]);
+            std::hint::black_box(&mut dst);
+            copied += block as u64;
+            slot = (slot + 1) % slots;
+        }
+    }
+    copied as f64 / start.elapsed().as_secs_f64() / 1e9
+}
+
+async fn one_batch(
+    engine: &Engine,
+    segment: SegmentId,
+    requests: &[TransferRequest],
+) -> ferry::Result<()> {
+    if let [single] = requests {
+        engine.transfer(segment, *single).await
+    } else {
+        engine
+            .batch_transfer(segment, requests, None)
+            .await?
+            .into_result()
+    }
+}
+
+async fn measure_point(
+    args: &BenchArgs,
+    setup: &Setup,
+    block: u64,
+    batch: usize,
+    op: OpArg,
+    seed: u64,
+    base: Baseline,
+) -> anyhow::Result<Point> {
+    let engine = &*setup.engine;
+    let local = setup.local.memory();
+    let b = usize::try_from(block)?;
+    // Prepare local memory: a distinct pattern per slot to write, zeros to
+    // be overwritten by reads.
+    let mut slot_bytes = vec![0u8; b];
+    for slot in 0..batch {
+        if op == OpArg::Write {
+            pattern(
+                seed.wrapping_mul(1000).wrapping_add(slot as u64),
+                0,
+                &mut slot_bytes,
+            );
+        }
+        local.write(slot * b, &slot_bytes)?;
+    }
+    // Request i: local slot i <-> remote slot batch-1-i. Local ranges are
+    // adjacent but remote ones run backwards, so the adapter's coalescing
+    // cannot merge them: the point measures `batch` requests of `block` bytes.
+    let requests: Vec<TransferRequest> = (0..batch)
+        .map(|i| TransferRequest {
+            op: op.op(),
+            local_addr: setup.local.addr() + (i as u64) * block,
+            remote_addr: setup.remote_addr + ((batch - 1 - i) as u64) * block,
+            len: block,
+        })
+        .collect();
+    let batch_bytes = block * batch as u64;
+
+    let warm_start = Instant::now();
+    loop {
+        one_batch(engine, setup.segment, &requests).await?;
+        if warm_start.elapsed() >= args.warmup {
+            break;
+        }
+    }
+
+    let mut samples = Vec::new();
+    let mut bytes = 0u64;
+    let start = Instant::now();
+    while samples.len() < 2 || (start.elapsed() < args.duration && bytes < args.total) {
+        let t = Instant::now();
+        one_batch(engine, setup.segment, &requests).await?;
+        samples.push(t.elapsed());
+        bytes += batch_bytes;
+    }
+    let seconds = start.elapsed().as_secs_f64();
+
+    // Read back remote slot batch-1, which local slot 0 was written to (or
+    // read from), and compare.
+    let check = TransferRequest::read(
+        setup.scratch.addr(),
+        setup.remote_addr + (batch as u64 - 1) * block,
+        block,
+    );
+    engine
+        .transfer(setup.segment, check)
+        .await
+        .context("reading a block back for verification")?;
+    let mut want = vec![0u8; b];
+    let mut have = vec![0u8; b];
+    local.read(0, &mut want)?;
+    setup.scratch.memory().read(0, &mut have)?;
+    if want != have {
+        let at = want
+            .iter()
+            .zip(&have)
+            .position(|(a, b)| a != b)
+            .unwrap_or(0);
+        bail!(
+            "verification failed: remote block at {:#x} differs from local slot 0 at byte {at}",
+            check.remote_addr
+        );
+    }
+
+    if setup.notify {
+        let msg = Notification::new(
+            "ferry-bench",
+            format!(
+                "{} block={block} batch={batch} transfers={} bytes={bytes}",
+                op.name(),
+                samples.len() * batch
+            ),
+        );
+        engine
+            .batch_transfer(setup.segment, &[], Some(&msg))
+            .await
+            .context("sending the end-of-point notification")?
+            .into_result()?;
+    }
+
+    samples.sort_unstable();
+    let gbps = bytes as f64 / seconds / 1e9;
+    Ok(Point {
+        backend: String::new(),
+        target: String::new(),
+        op: op.name(),
+        block,
+        batch,
+        gbps,
+        transfers_per_s: (samples.len() * batch) as f64 / seconds,
+        p50_us: percentile(&samples, 50.0),
+        p99_us: percentile(&samples, 99.0),
+        ratio_raw_tcp: base.raw_tcp.map(|(g, _)| gbps / g),
+        ratio_memcpy: base.memcpy.map(|g| gbps / g),
+        raw_tcp_gbps: base.raw_tcp.map(|(g, _)| g),
+        raw_tcp_streams: base.raw_tcp.map(|(_, s)| s),
+        memcpy_gbps: base.memcpy,
+        batches_measured: samples.len(),
+        bytes,
+        seconds,
+        verified: true,
+    })
+}
+
+/// Nearest-rank percentile of sorted samples, in microseconds.
+fn percentile(sorted: &[Duration], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1].as_secs_f64() * 1e6
+}
+
+fn print_table(
+    args: &BenchArgs,
+    setup: &Setup,
+    results: &[Point],
+    baselines: &BTreeMap<u64, Baseline>,
+) {
+    let backend = setup.engine.kind().scheme();
+    let where_ = if args.peer.is_some() {
+        format!("against {}", setup.target_label)
+    } else {
+        "two engines on loopback in this process".to_owned()
+    };
+    println!(
+        "ferry bench: {backend}, {where_}; region {}, {:?} per point",
+        human_bytes(setup.window),
+        args.duration
+    );
+    println!();
+    println!(
+        "{:<9} {:<5} {:>8} {:>5} {:>8} {:>13} {:>9} {:>9} {:>8} {:>8}",
+        "backend",
+        "op",
+        "block",
+        "batch",
+        "GB/s",
+        "transfers/s",
+        "p50 µs",
+        "p99 µs",
+        "×rawTCP",
+        "×memcpy"
+    );
+    for p in results {
+        println!(
+            "{:<9} {:<5} {:>8} {:>5} {:>8.3} {:>13.0} {:>9.1} {:>9.1} {:>8} {:>8}",
+            p.backend,
+            p.op,
+            human_bytes(p.block),
+            p.batch,
+            p.gbps,
+            p.transfers_per_s,
+            p.p50_us,
+            p.p99_us,
+            ratio(p.ratio_raw_tcp),
+            ratio(p.ratio_memcpy),
+        );
+    }
+    if baselines
+        .values()
+        .any(|b| b.raw_tcp.is_some() || b.memcpy.is_some())
+    {
+        println!();
+        println!("baselines, same run:");
+        println!(
+            "{:>8} {:>14} {:>8} {:>12}",
+            "block", "raw TCP GB/s", "streams", "memcpy GB/s"
+        );
+        for (block, b) in baselines {
+            println!(
+                "{:>8} {:>14} {:>8} {:>12}",
+                human_bytes(*block),
+                b.raw_tcp.map_or("-".to_owned(), |(g, _)| format!("{g:.3}")),
+                b.raw_tcp.map_or("-".to_owned(), |(_, s)| s.to_string()),
+                b.memcpy.map_or("-".to_owned(), |g| format!("{g:.3}")),
+            );
+        }
+        println!();
+        println!(
+            "raw TCP: better of 1 and 2 plain tokio streams writing block-sized chunks{}; \
+             memcpy: one thread; ×: ferry GB/s ÷ baseline GB/s at the same block size.",
+            if args.peer.is_some() {
+                if setup.raw_sink.is_some() {
+                    " to the peer's sink"
+                } else {
+                    " (left out: pass --raw-peer)"
+                }
+            } else {
+                " over loopback"
+            }
+        );
+    }
+    println!("every point verified by reading one block back.");
+}
+
+fn ratio(r: Option<f64>) -> String {
+    r.map_or("-".to_owned(), |r| format!("{r:.2}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_use_nearest_rank() {
+        let s: Vec<Duration> = (1..=100).map(Duration::from_micros).collect();
+        assert_eq!(percentile(&s, 50.0), 50.0);
+        assert_eq!(percentile(&s, 99.0), 99.0);
+        assert_eq!(percentile(&s[..1], 99.0), 1.0);
+        assert_eq!(percentile(&[], 50.0), 0.0);
+    }
+
+    #[test]
+    fn secrets_are_redacted() {
+        assert_eq!(
+            redact("tcp://h:1?secret=abc&strict=1"),
+            "tcp://h:1?secret=…&strict=1"
+        );
+        assert_eq!(redact("tcp://h:1"), "tcp://h:1");
+    }
+
+    #[test]
+    fn memcpy_baseline_moves_bytes() {
+        assert!(memcpy_gbps(4096, Duration::from_millis(5), 1 << 20) > 0.0);
+    }
+}

@@ -1,0 +1,175 @@
+//! `ferry caps`: the capability report a person reads before deploying.
+
+use anyhow::Context;
+use ferry::{Engine, Operation, Support, TransferEngine};
+use serde::Serialize;
+
+use crate::bench::redact;
+use crate::util::parse_operation;
+
+const EXAMPLES: &str = "\
+Examples:
+  ferry caps
+  ferry caps --backend 'tcp://127.0.0.1:0?strict=1'
+  ferry caps --backend 'mooncake://?lib=/opt/mooncake/libtransfer_engine.so&metadata=P2PHANDSHAKE&protocol=tcp&host=127.0.0.1'
+  ferry caps --backend 'verbs://mlx5_0?port=1&gid_index=3'
+  # in a start-up script: fail unless batches and notifications are native
+  ferry caps --backend \"$FERRY_URL\" --strict --require batch_transfer,notify || exit 1
+
+Backend URLs (the scheme is also the cargo feature that compiles the backend in):
+  tcp://HOST:PORT[?secret=S]            tokio TCP (default feature)
+  mooncake://?lib=PATH&metadata=…&…     Mooncake Transfer Engine, loaded at run time
+  verbs://DEVICE?port=N&gid_index=N     RDMA verbs
+Ferry's own parameters, on any URL: strict=1 (no emulation), coalesce=0,
+max_concurrency=N, require=op,op.
+
+Operations: batch_register, batch_unregister, batch_transfer, async_batch,
+batch_wait, notify (optional); register, unregister, open_segment, transfer
+(always available).
+
+Exit status: 0 when everything --require names is available; 3 when some is
+missing (each is listed with the reason); 1 on other errors; 2 on usage errors.";
+
+/// Arguments of `ferry caps`.
+#[derive(clap::Args, Debug)]
+#[command(after_help = EXAMPLES)]
+pub struct CapsArgs {
+    /// Backend URL to open and describe.
+    #[arg(long, default_value = "tcp://127.0.0.1:0")]
+    backend: String,
+
+    /// Operations that must be available, comma-separated; exit status 3 if any is not.
+    #[arg(long, value_delimiter = ',', value_parser = parse_operation)]
+    require: Vec<Operation>,
+
+    /// Strict mode (as `?strict=1`): emulated operations count as missing.
+    #[arg(long)]
+    strict: bool,
+
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Required capabilities are missing (exit status 3).
+#[derive(Debug)]
+pub struct MissingRequired(pub String);
+
+impl std::fmt::Display for MissingRequired {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for MissingRequired {}
+
+#[derive(Serialize)]
+struct JsonOp {
+    operation: &'static str,
+    support: &'static str,
+    via: Option<String>,
+    reason: Option<String>,
+    min_version: Option<String>,
+}
+
+#[derive(Serialize)]
+struct JsonReport {
+    backend: String,
+    segment: String,
+    strict: bool,
+    details: Vec<(String, String)>,
+    max_batch_len: Option<usize>,
+    operations: Vec<JsonOp>,
+    required: Vec<&'static str>,
+    missing: Vec<String>,
+}
+
+/// Runs `ferry caps`.
+pub async fn run(args: CapsArgs) -> anyhow::Result<()> {
+    let has_strict = args.backend.split_once('?').is_some_and(|(_, q)| {
+        q.split('&')
+            .any(|p| p == "strict" || p.starts_with("strict="))
+    });
+    let url = if args.strict && !has_strict {
+        add_param(&args.backend, "strict=1")
+    } else {
+        args.backend.clone()
+    };
+    let engine = Engine::open(&url)
+        .await
+        .with_context(|| format!("opening {}", redact(&url)))?;
+    let report = engine.report();
+    let missing = report.missing(&args.require);
+
+    if args.json {
+        let operations = report
+            .operations
+            .iter()
+            .map(|(op, s)| {
+                let (via, m) = match s {
+                    Support::Native => (None, None),
+                    Support::Emulated { via, missing } => (Some(via.clone()), Some(missing)),
+                    Support::Unsupported(m) => (None, Some(m)),
+                };
+                JsonOp {
+                    operation: op.name(),
+                    support: s.kind(),
+                    via,
+                    reason: m.map(|m| m.reason.clone()),
+                    min_version: m.and_then(|m| m.min_version.clone()),
+                }
+            })
+            .collect();
+        let j = JsonReport {
+            backend: report.info.backend.clone(),
+            segment: engine.segment_name().to_owned(),
+            strict: report.strict,
+            details: report.info.details.clone(),
+            max_batch_len: report.native.max_batch_len,
+            operations,
+            required: args.require.iter().map(|o| o.name()).collect(),
+            missing: missing.iter().map(ToString::to_string).collect(),
+        };
+        println!("{}", serde_json::to_string_pretty(&j)?);
+    } else {
+        print!("{report}");
+        println!("segment: {}", engine.segment_name());
+        if !args.require.is_empty() && missing.is_empty() {
+            let names: Vec<&str> = args.require.iter().map(|o| o.name()).collect();
+            println!("required: {} — all available", names.join(", "));
+        }
+    }
+    if missing.is_empty() {
+        Ok(())
+    } else {
+        let list: Vec<String> = missing.iter().map(ToString::to_string).collect();
+        Err(MissingRequired(format!(
+            "the {} backend lacks required capabilities: {}",
+            report.info.backend,
+            list.join("; ")
+        ))
+        .into())
+    }
+}
+
+fn add_param(url: &str, param: &str) -> String {
+    let sep = if url.contains('?') { '&' } else { '?' };
+    match url.split_once('#') {
+        Some((u, frag)) => format!("{u}{sep}{param}#{frag}"),
+        None => format!("{url}{sep}{param}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::add_param;
+
+    #[test]
+    fn params_are_appended() {
+        assert_eq!(add_param("tcp://h:1", "strict=1"), "tcp://h:1?strict=1");
+        assert_eq!(
+            add_param("tcp://h:1?a=b", "strict=1"),
+            "tcp://h:1?a=b&strict=1"
+        );
+    }
+}

@@ -1,0 +1,368 @@
+//! Runs the `ferry` binary: argument errors, `caps`, `bench --json`, and
+//! `serve` driven by `bench --peer`, all on loopback.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+fn ferry() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_ferry"));
+    c.env_remove("RUST_LOG");
+    c
+}
+
+fn run(args: &[&str]) -> Output {
+    ferry().args(args).output().expect("run ferry")
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// Asserts the exit code, returning (stdout, stderr).
+fn expect_code(args: &[&str], code: i32) -> (String, String) {
+    let out = run(args);
+    let (so, se) = (text(&out.stdout), text(&out.stderr));
+    assert_eq!(
+        out.status.code(),
+        Some(code),
+        "ferry {args:?}\nstdout:\n{so}\nstderr:\n{se}"
+    );
+    (so, se)
+}
+
+#[test]
+fn no_subcommand_is_a_usage_error() {
+    let (_, err) = expect_code(&[], 2);
+    assert!(err.contains("Usage"), "{err}");
+}
+
+#[test]
+fn malformed_sizes_counts_and_ops_are_usage_errors() {
+    let (_, err) = expect_code(&["bench", "--blocks", "4XB"], 2);
+    assert!(err.contains("unknown unit"), "{err}");
+    let (_, err) = expect_code(&["bench", "--blocks", "0"], 2);
+    assert!(err.contains("at least 1 byte"), "{err}");
+    let (_, err) = expect_code(&["bench", "--batches", "0"], 2);
+    assert!(err.contains("at least 1"), "{err}");
+    let (_, err) = expect_code(&["bench", "--ops", "copy"], 2);
+    assert!(err.contains("copy"), "{err}");
+    let (_, err) = expect_code(&["bench", "--duration", "soon"], 2);
+    assert!(err.contains("not a duration"), "{err}");
+    let (_, err) = expect_code(&["caps", "--require", "teleport"], 2);
+    assert!(err.contains("unknown operation"), "{err}");
+}
+
+#[test]
+fn peer_needs_the_remote_region() {
+    let (_, err) = expect_code(&["bench", "--peer", "127.0.0.1:9"], 2);
+    assert!(err.contains("--remote-addr"), "{err}");
+    let (_, err) = expect_code(&["bench", "--remote-addr", "0x1000"], 2);
+    assert!(err.contains("--peer"), "{err}");
+}
+
+#[test]
+fn every_subcommand_help_has_examples() {
+    for sub in [
+        &["--help"][..],
+        &["bench", "--help"],
+        &["caps", "--help"],
+        &["serve", "--help"],
+    ] {
+        let (out, _) = expect_code(sub, 0);
+        assert!(out.contains("Examples:"), "ferry {sub:?}:\n{out}");
+        assert!(out.contains("ferry "), "ferry {sub:?}:\n{out}");
+    }
+}
+
+#[test]
+fn bad_backend_is_one_line_and_verbose_shows_the_chain() {
+    let (out, err) = expect_code(&["caps", "--backend", "udp://127.0.0.1:0"], 1);
+    assert!(out.is_empty(), "{out}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.starts_with("error: opening udp://"), "{err}");
+    assert!(err.contains("unknown backend"), "{err}");
+
+    let (_, err) = expect_code(&["-v", "caps", "--backend", "udp://127.0.0.1:0"], 1);
+    let lines: Vec<&str> = err.lines().collect();
+    assert_eq!(lines[0], "error: opening udp://127.0.0.1:0", "{err}");
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.starts_with("  caused by:") && l.contains("unknown backend")),
+        "{err}"
+    );
+}
+
+#[test]
+fn backends_not_compiled_in_name_their_feature() {
+    let cases = [
+        ("tcp", "tcp://127.0.0.1:0", cfg!(feature = "tcp")),
+        (
+            "mooncake",
+            "mooncake://?lib=/nonexistent.so",
+            cfg!(feature = "mooncake"),
+        ),
+        ("verbs", "verbs://mlx5_0", cfg!(feature = "verbs")),
+    ];
+    let mut checked = 0;
+    for (feature, url, enabled) in cases {
+        if enabled {
+            continue;
+        }
+        let (_, err) = expect_code(&["caps", "--backend", url], 1);
+        assert!(
+            err.contains(&format!("enable the cargo feature `{feature}`")),
+            "{err}"
+        );
+        checked += 1;
+    }
+    if checked == 0 {
+        println!("skipped: every backend feature is enabled in this build");
+    }
+}
+
+#[cfg(feature = "tcp")]
+mod tcp {
+    use super::*;
+
+    const OPTIONAL: [&str; 6] = [
+        "batch_register",
+        "batch_unregister",
+        "batch_transfer",
+        "async_batch",
+        "batch_wait",
+        "notify",
+    ];
+
+    #[test]
+    fn caps_reports_tcp_and_require_passes() {
+        let (out, _) = expect_code(&["caps"], 0);
+        assert!(out.starts_with("backend: tcp\n"), "{out}");
+        for op in OPTIONAL {
+            assert!(
+                out.lines()
+                    .any(|l| l.trim_start().starts_with(op) && l.trim_end().ends_with("native")),
+                "{op} not reported native:\n{out}"
+            );
+        }
+        assert!(out.contains("segment: 127.0.0.1:"), "{out}");
+
+        let (out, _) = expect_code(
+            &[
+                "caps",
+                "--strict",
+                "--require",
+                "batch_transfer,notify,async_batch",
+            ],
+            0,
+        );
+        assert!(out.contains("mode: strict"), "{out}");
+        assert!(out.contains("all available"), "{out}");
+    }
+
+    #[test]
+    fn caps_json_parses() {
+        let (out, _) = expect_code(&["caps", "--json"], 0);
+        let v: serde_json::Value = serde_json::from_str(&out).expect("caps --json is JSON");
+        assert_eq!(v["backend"], "tcp");
+        let ops = v["operations"].as_array().expect("operations");
+        assert_eq!(ops.len(), OPTIONAL.len());
+        for (o, name) in ops.iter().zip(OPTIONAL) {
+            assert_eq!(o["operation"], name);
+            assert_eq!(o["support"], "native");
+        }
+    }
+
+    const TINY: [&str; 12] = [
+        "--blocks",
+        "4KiB,64KiB",
+        "--batches",
+        "1,4",
+        "--duration",
+        "30ms",
+        "--warmup",
+        "5ms",
+        "--region-size",
+        "1MiB",
+        "--total",
+        "64MiB",
+    ];
+
+    fn check_points(json: &str, want_raw_tcp: bool) -> Vec<serde_json::Value> {
+        let v: serde_json::Value = serde_json::from_str(json).expect("bench --json is JSON");
+        let points = v.as_array().expect("a JSON array").clone();
+        // 2 blocks x 2 batches x (write, read)
+        assert_eq!(points.len(), 8, "{json}");
+        for p in &points {
+            assert_eq!(p["backend"], "tcp", "{p}");
+            assert!(p["op"] == "write" || p["op"] == "read", "{p}");
+            assert!([4096, 65536].contains(&p["block"].as_u64().unwrap()), "{p}");
+            assert!([1, 4].contains(&p["batch"].as_u64().unwrap()), "{p}");
+            for k in [
+                "gbps",
+                "transfers_per_s",
+                "p50_us",
+                "p99_us",
+                "ratio_memcpy",
+            ] {
+                assert!(p[k].as_f64().is_some_and(|x| x > 0.0), "{k} in {p}");
+            }
+            assert!(p["p99_us"].as_f64() >= p["p50_us"].as_f64(), "{p}");
+            if want_raw_tcp {
+                assert!(p["ratio_raw_tcp"].as_f64().is_some_and(|x| x > 0.0), "{p}");
+            } else {
+                assert!(p["ratio_raw_tcp"].is_null(), "{p}");
+            }
+            assert_eq!(p["verified"], true, "{p}");
+            let bytes = p["bytes"].as_u64().unwrap();
+            let per_batch = p["block"].as_u64().unwrap() * p["batch"].as_u64().unwrap();
+            assert_eq!(bytes % per_batch, 0, "{p}");
+        }
+        points
+    }
+
+    #[test]
+    fn bench_json_parses() {
+        let mut args = vec!["bench", "--json"];
+        args.extend(TINY);
+        let (out, _) = expect_code(&args, 0);
+        let points = check_points(&out, true);
+        assert!(points.iter().all(|p| p["target"] == "loopback"));
+    }
+
+    #[test]
+    fn bench_table_has_every_column_and_the_baselines() {
+        let mut args = vec!["bench"];
+        args.extend(TINY);
+        let (out, _) = expect_code(&args, 0);
+        for col in [
+            "GB/s",
+            "transfers/s",
+            "p50 µs",
+            "p99 µs",
+            "×rawTCP",
+            "×memcpy",
+            "raw TCP GB/s",
+            "memcpy GB/s",
+        ] {
+            assert!(out.contains(col), "{col}:\n{out}");
+        }
+        assert_eq!(
+            out.lines().filter(|l| l.starts_with("tcp ")).count(),
+            8,
+            "{out}"
+        );
+    }
+
+    #[test]
+    fn bench_with_no_fitting_point_explains() {
+        let (_, err) = expect_code(
+            &[
+                "bench",
+                "--blocks",
+                "1MiB",
+                "--batches",
+                "4",
+                "--region-size",
+                "1MiB",
+                "--no-baselines",
+            ],
+            1,
+        );
+        assert!(err.contains("no point fits"), "{err}");
+    }
+
+    /// Kills the child on drop so a failed test leaves no process behind.
+    struct Server(Child);
+    impl Drop for Server {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+
+    #[test]
+    fn serve_and_bench_peer_on_loopback() {
+        let child = ferry()
+            .args(["serve", "--size", "2MiB"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn ferry serve");
+        let mut server = Server(child);
+        let stdout = server.0.stdout.take().expect("stdout");
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        // Guard against a server that never starts (not a timing assertion).
+        let mut banner = Vec::new();
+        let command = loop {
+            let line = rx
+                .recv_timeout(Duration::from_secs(60))
+                .unwrap_or_else(|e| panic!("serve printed no command ({e}); got {banner:?}"));
+            banner.push(line.clone());
+            if let Some(cmd) = line.strip_prefix("drive it with: ") {
+                break cmd.to_owned();
+            }
+        };
+        assert!(
+            banner[0].starts_with("ferry serve: backend tcp, segment 127.0.0.1:"),
+            "{banner:?}"
+        );
+        assert!(
+            banner
+                .iter()
+                .any(|l| l.starts_with("region: addr 0x") && l.contains("len 2097152")),
+            "{banner:?}"
+        );
+
+        // The printed command, with tiny sizes and JSON added.
+        let words: Vec<&str> = command.split_whitespace().collect();
+        assert_eq!(&words[..2], &["ferry", "bench"], "{command}");
+        let mut args: Vec<&str> = words[1..].to_vec();
+        args.push("--json");
+        args.extend(TINY);
+        let (out, _) = expect_code(&args, 0);
+        let points = check_points(&out, true);
+        let peer = words[words.iter().position(|w| *w == "--peer").unwrap() + 1];
+        assert!(points.iter().all(|p| p["target"] == peer), "{out}");
+
+        // Interrupt it like Ctrl-C and read its report.
+        let pid = server.0.id().to_string();
+        let status = Command::new("kill")
+            .args(["-INT", &pid])
+            .status()
+            .expect("kill");
+        assert!(status.success());
+        let mut rest = Vec::new();
+        while let Ok(line) = rx.recv_timeout(Duration::from_secs(60)) {
+            rest.push(line);
+        }
+        let exit = server.0.wait().expect("wait");
+        assert!(exit.success(), "serve exited with {exit}; output {rest:?}");
+        let notes: Vec<&String> = rest
+            .iter()
+            .filter(|l| l.starts_with("notification from ferry-bench: "))
+            .collect();
+        assert_eq!(notes.len(), 8, "{rest:?}");
+        let summary = rest
+            .iter()
+            .find(|l| l.starts_with("received: "))
+            .expect("summary line");
+        assert!(
+            summary.starts_with("received: 8 notifications;"),
+            "{summary}"
+        );
+        assert!(summary.contains("raw-TCP sink: 6 streams"), "{summary}");
+        // The bench wrote its patterns into the region: it changed.
+        assert!(!summary.contains("region: 0 of"), "{summary}");
+    }
+}

@@ -1,0 +1,236 @@
+//! [`Engine`]: one type over every backend compiled in, each wrapped in the
+//! capability adapter.
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use transport_core::{
+    AdapterConfig, BackendInfo, BatchId, BatchReport, BatchStatus, Capabilities, CapabilityAdapter,
+    CapabilityReport, MemoryRegion, Notification, Operation, Result, SegmentId, TransferEngine,
+    TransferRequest,
+};
+
+use crate::config::{BackendConfig, BackendKind, EngineConfig};
+
+/// A started engine of whichever backend the configuration named, wrapped
+/// in a [`CapabilityAdapter`] so that every [`TransferEngine`] operation is
+/// available (natively, emulated, or refused with a reason in strict mode).
+///
+/// Dispatch is static: one variant per backend compiled in (cargo features
+/// `tcp`, `mooncake`, `verbs`). Users who pick a backend at run time and
+/// prefer a trait object can use `Arc<dyn TransferEngine>` (see
+/// [`Engine::into_dyn`]). The enum is `#[non_exhaustive]` because the set of
+/// variants depends on the features enabled anywhere in the build.
+#[non_exhaustive]
+pub enum Engine {
+    /// The TCP backend.
+    #[cfg(feature = "tcp")]
+    Tcp(CapabilityAdapter<backend_tcp::TcpEngine>),
+    /// The Mooncake backend.
+    #[cfg(feature = "mooncake")]
+    Mooncake(CapabilityAdapter<backend_mooncake::MooncakeEngine>),
+    /// The verbs backend.
+    #[cfg(feature = "verbs")]
+    Verbs(CapabilityAdapter<backend_verbs::VerbsEngine>),
+}
+
+// Why a macro and not `enum_dispatch`: `enum_dispatch` generates the impl
+// only when it sees the trait definition, i.e. when the trait and the enum
+// live in one crate (`TransferEngine` lives in transport-core), and our
+// trait methods are `async-trait` methods whose signatures it would have to
+// see after expansion. This macro is the whole dispatcher: one `match` arm
+// per compiled-in variant. With no backend compiled in, the enum is empty
+// and `match *self {}` is exhaustive.
+macro_rules! dispatch {
+    ($self:expr, $e:ident => $body:expr) => {
+        match *$self {
+            #[cfg(feature = "tcp")]
+            Engine::Tcp(ref $e) => $body,
+            #[cfg(feature = "mooncake")]
+            Engine::Mooncake(ref $e) => $body,
+            #[cfg(feature = "verbs")]
+            Engine::Verbs(ref $e) => $body,
+        }
+    };
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        dispatch!(self, e => f.debug_tuple("Engine").field(e).finish())
+    }
+}
+
+impl Engine {
+    /// Parses `url` (see [`EngineConfig`] for the schemes and parameters) and
+    /// starts the engine.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> ferry::Result<()> {
+    /// let engine = ferry::Engine::open("tcp://127.0.0.1:0?strict=1").await?;
+    /// println!("peers reach me at {}", ferry::TransferEngine::segment_name(&engine));
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// Errors: everything [`EngineConfig::from_url`] and [`Engine::start`]
+    /// return.
+    pub async fn open(url: &str) -> Result<Engine> {
+        Engine::start(EngineConfig::from_url(url)?).await
+    }
+
+    /// Starts the backend `config` names, wraps it in the capability adapter
+    /// and checks `config.require`.
+    ///
+    /// Errors: the backend's start-up error (e.g. [`transport_core::Error::Unavailable`]
+    /// on a machine without the library or device); [`transport_core::Error::MissingCapabilities`]
+    /// when a required operation is not available.
+    pub async fn start(config: EngineConfig) -> Result<Engine> {
+        let EngineConfig {
+            backend,
+            adapter,
+            require,
+        } = config;
+        let engine: Engine = match backend {
+            #[cfg(feature = "tcp")]
+            BackendConfig::Tcp(c) => Engine::Tcp(CapabilityAdapter::with_config(
+                backend_tcp::TcpEngine::start(c).await?,
+                adapter,
+            )),
+            #[cfg(feature = "mooncake")]
+            BackendConfig::Mooncake(c) => Engine::Mooncake(CapabilityAdapter::with_config(
+                backend_mooncake::MooncakeEngine::start(c).await?,
+                adapter,
+            )),
+            #[cfg(feature = "verbs")]
+            BackendConfig::Verbs(c) => Engine::Verbs(CapabilityAdapter::with_config(
+                backend_verbs::VerbsEngine::start(c).await?,
+                adapter,
+            )),
+        };
+        engine.require(&require)?;
+        tracing::debug!(
+            backend = engine.kind().scheme(),
+            segment = engine.segment_name(),
+            "ferry engine started"
+        );
+        Ok(engine)
+    }
+
+    /// Which backend this is.
+    pub fn kind(&self) -> BackendKind {
+        match *self {
+            #[cfg(feature = "tcp")]
+            Engine::Tcp(_) => BackendKind::Tcp,
+            #[cfg(feature = "mooncake")]
+            Engine::Mooncake(_) => BackendKind::Mooncake,
+            #[cfg(feature = "verbs")]
+            Engine::Verbs(_) => BackendKind::Verbs,
+        }
+    }
+
+    /// The capability report: native and effective capabilities and, per
+    /// optional operation, native / emulated / unsupported with the reason
+    /// and the version that would make it native.
+    pub fn report(&self) -> CapabilityReport {
+        dispatch!(self, e => e.report())
+    }
+
+    /// Start-up check: `Ok` if every operation in `ops` is available
+    /// (natively, or emulated unless strict), else
+    /// [`transport_core::Error::MissingCapabilities`] naming each missing one.
+    pub fn require(&self, ops: &[Operation]) -> Result<()> {
+        dispatch!(self, e => e.require(ops))
+    }
+
+    /// The adapter configuration in force (strict mode, coalescing…).
+    pub fn adapter_config(&self) -> &AdapterConfig {
+        dispatch!(self, e => e.config())
+    }
+
+    /// The engine as a shared trait object, for code that chooses the
+    /// backend at run time.
+    pub fn into_dyn(self) -> Arc<dyn TransferEngine> {
+        Arc::new(self)
+    }
+}
+
+#[deny(clippy::missing_trait_methods)]
+#[async_trait]
+impl TransferEngine for Engine {
+    fn backend_name(&self) -> &str {
+        dispatch!(self, e => e.backend_name())
+    }
+
+    fn segment_name(&self) -> &str {
+        dispatch!(self, e => e.segment_name())
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        dispatch!(self, e => e.capabilities())
+    }
+
+    fn backend_info(&self) -> BackendInfo {
+        dispatch!(self, e => e.backend_info())
+    }
+
+    async fn register(&self, region: &MemoryRegion) -> Result<()> {
+        dispatch!(self, e => e.register(region).await)
+    }
+
+    async fn unregister(&self, addr: u64) -> Result<()> {
+        dispatch!(self, e => e.unregister(addr).await)
+    }
+
+    async fn batch_register(&self, regions: &[MemoryRegion]) -> Result<()> {
+        dispatch!(self, e => e.batch_register(regions).await)
+    }
+
+    async fn batch_unregister(&self, addrs: &[u64]) -> Result<()> {
+        dispatch!(self, e => e.batch_unregister(addrs).await)
+    }
+
+    async fn open_segment(&self, name: &str) -> Result<SegmentId> {
+        dispatch!(self, e => e.open_segment(name).await)
+    }
+
+    async fn close_segment(&self, segment: SegmentId) -> Result<()> {
+        dispatch!(self, e => e.close_segment(segment).await)
+    }
+
+    async fn transfer(&self, segment: SegmentId, request: TransferRequest) -> Result<()> {
+        dispatch!(self, e => e.transfer(segment, request).await)
+    }
+
+    async fn batch_transfer(
+        &self,
+        segment: SegmentId,
+        requests: &[TransferRequest],
+        notify: Option<&Notification>,
+    ) -> Result<BatchReport> {
+        dispatch!(self, e => e.batch_transfer(segment, requests, notify).await)
+    }
+
+    async fn submit(
+        &self,
+        segment: SegmentId,
+        requests: &[TransferRequest],
+        notify: Option<&Notification>,
+    ) -> Result<BatchId> {
+        dispatch!(self, e => e.submit(segment, requests, notify).await)
+    }
+
+    fn status(&self, batch: BatchId) -> Result<BatchStatus> {
+        dispatch!(self, e => e.status(batch))
+    }
+
+    async fn wait(&self, batch: BatchId) -> Result<BatchReport> {
+        dispatch!(self, e => e.wait(batch).await)
+    }
+
+    async fn release_batch(&self, batch: BatchId) -> Result<()> {
+        dispatch!(self, e => e.release_batch(batch).await)
+    }
+
+    async fn take_notifications(&self) -> Result<Vec<Notification>> {
+        dispatch!(self, e => e.take_notifications().await)
+    }
+}
