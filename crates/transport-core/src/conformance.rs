@@ -74,19 +74,32 @@ pub enum Outcome {
 pub struct InprocFactory {
     /// Native capabilities of every engine made.
     pub caps: Capabilities,
+    /// Pause of every engine after each copied chunk (see
+    /// [`InprocEngine::set_pace`]).
+    pub pace: Option<Duration>,
 }
 
 impl InprocFactory {
     /// A factory of engines with native capabilities `caps`.
     pub fn new(caps: Capabilities) -> Self {
-        InprocFactory { caps }
+        InprocFactory { caps, pace: None }
+    }
+
+    /// The same factory, with engines that pause `pace` after each chunk.
+    pub fn paced(self, pace: Duration) -> Self {
+        InprocFactory {
+            pace: Some(pace),
+            ..self
+        }
     }
 }
 
 #[async_trait]
 impl EngineFactory for InprocFactory {
     async fn create(&self) -> Result<Arc<dyn TransferEngine>> {
-        Ok(Arc::new(InprocEngine::auto(self.caps)))
+        let e = InprocEngine::auto(self.caps);
+        e.set_pace(self.pace);
+        Ok(Arc::new(e))
     }
 }
 
@@ -1200,9 +1213,26 @@ pub async fn check_unregister_in_flight(factory: Arc<dyn EngineFactory>, adapted
             };
             tasks.push(tokio::spawn(async move { a.transfer(seg, req).await }));
         }
-        // Let the transfers start (best effort; the assertions hold for any
-        // interleaving).
-        for _ in 0..4 {
+        // Wait until the first bytes land (the transfers are in flight),
+        // or until they are all done; the assertions below hold for any
+        // interleaving, this only makes the interesting one likely.
+        let start = Instant::now();
+        loop {
+            let landed = (0..K).any(|k| {
+                let mut head = [0u8; 64];
+                victim
+                    .buf()
+                    .read(k * PART, &mut head)
+                    .expect("reading test memory");
+                head.iter().any(|b| *b != 0)
+            });
+            if landed || tasks.iter().all(|t| t.is_finished()) {
+                break;
+            }
+            assert!(
+                start.elapsed() < LIVENESS,
+                "transfers made no progress in {LIVENESS:?}"
+            );
             tokio::task::yield_now().await;
         }
         let owner = if remote_side { &p.b } else { &p.a };
@@ -1211,6 +1241,19 @@ pub async fn check_unregister_in_flight(factory: Arc<dyn EngineFactory>, adapted
             .await
             .unwrap_or_else(|e| panic!("unregister during transfers failed: {e}"));
         victim.forget_registration(0);
+        // Sample the region at once (a full copy would take long enough for
+        // a misbehaving engine to finish in the meantime), then in full.
+        const STEP: usize = 8 * 1024;
+        let samples: Vec<[u8; 16]> = (0..N / STEP)
+            .map(|i| {
+                let mut s = [0u8; 16];
+                victim
+                    .buf()
+                    .read(i * STEP + STEP - 16, &mut s)
+                    .expect("reading test memory");
+                s
+            })
+            .collect();
         let snapshot = victim.bytes();
         let expected = if remote_side {
             pattern(61, N)
@@ -1222,6 +1265,15 @@ pub async fn check_unregister_in_flight(factory: Arc<dyn EngineFactory>, adapted
             results.push(t.await.expect("transfer task panicked"));
         }
         let side = if remote_side { "remote" } else { "local" };
+        let now = victim.bytes();
+        for (i, sample) in samples.iter().enumerate() {
+            let at = i * STEP + STEP - 16;
+            assert_eq!(
+                &now[at..at + 16],
+                sample,
+                "{side} region changed at offset {at} after unregister returned"
+            );
+        }
         assert_bytes(
             &victim.bytes(),
             &snapshot,

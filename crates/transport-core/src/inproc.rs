@@ -20,6 +20,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use tokio::sync::watch;
@@ -60,6 +61,8 @@ struct Core {
     next_segment: AtomicU64,
     batches: Mutex<HashMap<u64, NativeBatch>>,
     next_batch: AtomicU64,
+    /// Pause after each copied chunk, in microseconds (0: just yield).
+    pace_us: AtomicU64,
 }
 
 /// An open handle to a peer engine.
@@ -119,6 +122,7 @@ impl InprocEngine {
             next_segment: AtomicU64::new(1),
             batches: Mutex::new(HashMap::new()),
             next_batch: AtomicU64::new(1),
+            pace_us: AtomicU64::new(0),
         });
         let mut reg = lock(registry());
         if reg.get(&name).is_some_and(|w| w.strong_count() > 0) {
@@ -138,6 +142,14 @@ impl InprocEngine {
             // unless a user picked the same name; fall back to another one.
             Err(_) => Self::auto(caps),
         }
+    }
+
+    /// Makes every transfer this engine issues pause for `pace` after each
+    /// chunk of [`InprocEngine::CHUNK`] bytes (`None`: only yield), so that
+    /// tests can observe transfers in flight on a busy machine.
+    pub fn set_pace(&self, pace: Option<Duration>) {
+        let us = pace.map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX));
+        self.core.pace_us.store(us, Ordering::Relaxed);
     }
 
     /// The registered regions, in address order (for tests and tools).
@@ -241,7 +253,10 @@ async fn copy(local: &Core, segment: &Segment, request: TransferRequest) -> Resu
         unsafe { std::ptr::copy(src.as_ptr().add(done), dst.as_ptr().add(done), n) };
         done += n;
         if done < len {
-            tokio::task::yield_now().await;
+            match local.pace_us.load(Ordering::Relaxed) {
+                0 => tokio::task::yield_now().await,
+                us => tokio::time::sleep(Duration::from_micros(us)).await,
+            }
         }
     }
     drop((lg, rg, open));

@@ -71,3 +71,21 @@ mod only_notify {
     use super::*;
     transport_core::conformance_tests!(InprocFactory::new(only(Operation::Notify)));
 }
+
+/// Nothing native, and transfers that pause after every 64 KiB: transfers
+/// stay in flight long enough for `unregister_in_flight` to catch an engine
+/// (or adapter) that lets `unregister` return early, even on a busy machine.
+mod none_paced {
+    use super::*;
+    transport_core::conformance_tests!(
+        InprocFactory::new(Capabilities::default()).paced(std::time::Duration::from_micros(200))
+    );
+}
+
+/// Everything native, paced as above.
+mod all_paced {
+    use super::*;
+    transport_core::conformance_tests!(
+        InprocFactory::new(Capabilities::all()).paced(std::time::Duration::from_micros(200))
+    );
+}
