@@ -1,0 +1,34 @@
+//! The conformance suite through the facade: `Engine::open(url)` (static
+//! dispatch + capability adapter) must behave exactly like the backend.
+#![cfg(feature = "tcp")]
+
+use std::sync::Arc;
+
+use ferry::conformance::EngineFactory;
+use ferry::{Engine, Result, TransferEngine};
+
+/// Engines opened from a URL through the facade.
+struct UrlFactory(&'static str);
+
+#[async_trait::async_trait]
+impl EngineFactory for UrlFactory {
+    async fn create(&self) -> Result<Arc<dyn TransferEngine>> {
+        Ok(Engine::open(self.0).await?.into_dyn())
+    }
+
+    fn unknown_segment_name(&self) -> String {
+        // A port nothing listens on (bound, then released).
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = l.local_addr().expect("addr");
+        drop(l);
+        addr.to_string()
+    }
+}
+
+transport_core::conformance_tests!(UrlFactory("tcp://127.0.0.1:0?secret=conformance"));
+
+/// Strict mode: with every operation native on TCP, nothing may change.
+mod strict {
+    use super::*;
+    transport_core::conformance_tests!(UrlFactory("tcp://127.0.0.1:0?strict=1&coalesce=0"));
+}
