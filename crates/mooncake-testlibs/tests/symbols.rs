@@ -68,7 +68,7 @@ fn pre_v0_2_0_library_moves_bytes_through_its_own_abi() {
     let path = library_path(Generation::PreV0_2_0);
     // SAFETY: loading the test library runs no initialisers.
     let lib = unsafe { libloading::Library::new(&path) }.unwrap();
-    // SAFETY (whole block): the declared types match the C definitions in
+    // SAFETY: (whole block) the declared types match the C definitions in
     // csrc/mooncake_testlib.c for TL_GEN=0; buffers outlive the engines.
     unsafe {
         let create: Create0 = *lib.get(b"createTransferEngine").unwrap();

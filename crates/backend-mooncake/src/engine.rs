@@ -1,0 +1,1233 @@
+//! `MooncakeEngine`: the `TransferEngine` trait over Mooncake's C API.
+
+use std::collections::HashMap;
+use std::ffi::{c_char, c_int, c_void, CStr, CString};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, LazyLock, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use tokio::sync::{watch, OwnedRwLockReadGuard, RwLock};
+use transport_core::{
+    BackendInfo, BatchId, BatchReport, BatchStatus, Capabilities, Error, MemoryRegion,
+    MissingCapability, Notification, Operation, RegionGuard, RegionTable, Result, SegmentId, Side,
+    TransferEngine, TransferOp, TransferRequest, TransferState,
+};
+
+use crate::codes::call_error;
+use crate::config::{MooncakeConfig, P2P_HANDSHAKE};
+use crate::library::{
+    status, CBufferEntry, CNotifyMsg, CTransferRequest, CTransferStatus, Generation,
+    MooncakeLibrary, INVALID_BATCH, OPCODE_READ, OPCODE_WRITE,
+};
+
+const BACKEND: &str = "mooncake";
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Every critical section below is a map operation that leaves the data
+    // consistent even if a panic interrupts it, so poisoning is ignored.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+extern "C" {
+    /// libc's `free`, for notification buffers of v0.3.5 (see
+    /// `take_notifications`).
+    fn free(ptr: *mut c_void);
+}
+
+// ------------------------------------------------------------------ peers
+
+/// Region tables of the Mooncake engines of this process, by segment name.
+///
+/// Mooncake's C API cannot list a remote segment's buffers, and older builds
+/// report a write to an unregistered remote address as completed without
+/// writing. For peers in this process Ferry knows the regions and checks
+/// every remote range before submitting (and holds the peer's region while
+/// the transfer runs, so the peer's `unregister` waits for it). Peers in
+/// other processes are checked by the library alone (current builds fail
+/// such a transfer; see the crate docs for old builds).
+static PEERS: LazyLock<Mutex<HashMap<String, (u64, RegionTable)>>> =
+    LazyLock::new(|| Mutex::new(HashMap::new()));
+static ENGINE_IDS: AtomicU64 = AtomicU64::new(1);
+
+// ------------------------------------------------------------------ engine
+
+/// The C engine handle. Mooncake's engine is used from many threads at once
+/// by its own Python and C++ callers; every call Ferry makes is one of its
+/// thread-safe C entry points.
+struct RawEngine(*mut c_void);
+// SAFETY: see above — the handle is an opaque pointer to a thread-safe
+// object, only ever passed to the library's C functions.
+unsafe impl Send for RawEngine {}
+// SAFETY: as above.
+unsafe impl Sync for RawEngine {}
+
+struct Segment {
+    c_id: i32,
+    name: String,
+    refs: usize,
+    gate: Arc<RwLock<()>>,
+    peer: Option<RegionTable>,
+}
+
+#[derive(Default)]
+struct Segments {
+    by_id: HashMap<u64, Segment>,
+    by_name: HashMap<String, u64>,
+    next: u64,
+}
+
+enum Slot {
+    Done(Result<()>),
+    Task(usize),
+}
+
+/// Region guards and the segment gate a library batch needs until the
+/// library reports every task terminal.
+struct Hold {
+    _guards: Vec<RegionGuard>,
+    _gate: OwnedRwLockReadGuard<()>,
+}
+
+/// A batch submitted to the library, owned by the engine's poller thread
+/// until it is freed.
+struct Live {
+    c_id: u64,
+    tasks: usize,
+    peer: String,
+    budget: Duration,
+    /// Terminal result of each task, filled in by the poller.
+    results: Mutex<Vec<Option<Result<()>>>>,
+    hold: Mutex<Option<Hold>>,
+    /// Becomes true once every task is terminal and the batch is freed.
+    done: watch::Sender<bool>,
+}
+
+/// One batch as the caller sees it: decisions made before submitting, and
+/// the library batch, if any request was submitted.
+struct Pending {
+    slots: Vec<Slot>,
+    live: Option<Arc<Live>>,
+    deadline: Instant,
+    budget: Duration,
+    peer: String,
+}
+
+/// The C engine and its library; destroyed when the last holder (the
+/// engine or its poller thread) lets go.
+struct Core {
+    lib: Arc<MooncakeLibrary>,
+    raw: RawEngine,
+}
+
+impl Drop for Core {
+    fn drop(&mut self) {
+        // SAFETY: created by this library, destroyed once; every batch was
+        // freed first (the poller holds the Core until its queue is empty).
+        unsafe { (self.lib.api.destroy)(self.raw.0) };
+    }
+}
+
+#[derive(Default)]
+struct PollQueue {
+    live: Vec<Arc<Live>>,
+    stop: bool,
+}
+
+/// Shared between an engine and its poller thread.
+#[derive(Default)]
+struct Poller {
+    queue: Mutex<PollQueue>,
+    wake: Condvar,
+    in_use: AtomicUsize,
+}
+
+struct Inner {
+    core: Arc<Core>,
+    lib: Arc<MooncakeLibrary>,
+    poller: Arc<Poller>,
+    uid: u64,
+    config: MooncakeConfig,
+    server_name: String,
+    segment_name: String,
+    regions: RegionTable,
+    segments: Mutex<Segments>,
+    batches: Mutex<HashMap<u64, Pending>>,
+    next_batch: AtomicU64,
+}
+
+impl Inner {
+    fn raw(&self) -> *mut c_void {
+        self.core.raw.0
+    }
+}
+
+/// A Mooncake Transfer Engine, loaded at run time (see the crate docs).
+///
+/// Cloning gives another handle to the same engine; the C engine is
+/// destroyed when the last handle (and the last background batch reaper)
+/// is gone.
+#[derive(Clone)]
+pub struct MooncakeEngine {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for MooncakeEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MooncakeEngine")
+            .field("segment", &self.inner.segment_name)
+            .field("library", &self.inner.lib)
+            .finish()
+    }
+}
+
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| Error::Canceled(format!("a blocking Mooncake call did not finish: {e}")))
+}
+
+fn cstring(what: &str, s: &str) -> Result<CString> {
+    CString::new(s).map_err(|_| Error::InvalidArgument(format!("{what} contains a NUL byte")))
+}
+
+/// The NIC priority matrix for `installTransport`'s first argument.
+fn device_matrix(device: &str) -> String {
+    if device.trim_start().starts_with('{') {
+        return device.to_owned();
+    }
+    let nics: Vec<String> = device
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(|s| format!("{s:?}"))
+        .collect();
+    format!("{{\"cpu:0\": [[{}], []]}}", nics.join(", "))
+}
+
+impl MooncakeEngine {
+    /// Loads the library (see [`MooncakeLibrary::resolve`]), creates a C
+    /// engine, installs the configured transport and returns the engine.
+    ///
+    /// Errors: [`Error::InvalidArgument`] for a bad config;
+    /// [`Error::Unavailable`] when the library cannot be found or loaded, is
+    /// not Mooncake, is older than v0.2.0, or cannot create the engine or the
+    /// transport (the message says which and why); [`Error::MissingSymbol`]
+    /// when a required symbol is missing.
+    pub async fn start(config: MooncakeConfig) -> Result<MooncakeEngine> {
+        config.validate()?;
+        let cfg = config.clone();
+        let lib = blocking(move || MooncakeLibrary::resolve(&cfg)).await??;
+        Self::start_with_library(lib, config).await
+    }
+
+    /// As [`MooncakeEngine::start`], with a library already loaded (its
+    /// `config.library` is ignored).
+    pub async fn start_with_library(
+        lib: Arc<MooncakeLibrary>,
+        config: MooncakeConfig,
+    ) -> Result<MooncakeEngine> {
+        config.validate()?;
+        let p2p = config.metadata == P2P_HANDSHAKE;
+        if p2p && lib.api.get_local_ip_and_port.is_none() {
+            return Err(Error::Unavailable {
+                backend: BACKEND.into(),
+                reason: format!(
+                    "{} is Mooncake {} (no getLocalIpAndPort): metadata {P2P_HANDSHAKE} needs \
+                     Mooncake ≥ v0.3.0; give a metadata server with `metadata=` instead",
+                    lib.path().display(),
+                    lib.generation()
+                ),
+            });
+        }
+        static NAMES: AtomicU64 = AtomicU64::new(0);
+        let server_name = config.name.clone().unwrap_or_else(|| {
+            format!(
+                "ferry-{}-{}",
+                std::process::id(),
+                NAMES.fetch_add(1, Ordering::Relaxed)
+            )
+        });
+        let meta = cstring("metadata", &config.metadata)?;
+        let name_c = cstring("name", &server_name)?;
+        let host = cstring("host", &config.host)?;
+        let proto = cstring("protocol", &config.protocol)?;
+        let matrix = match &config.device {
+            Some(d) => Some(cstring("device", &device_matrix(d))?),
+            None => None,
+        };
+        let port = u64::from(config.port);
+        let api = lib.api;
+        let created = blocking(move || {
+            // SAFETY: `create` has the C API's signature (5 arguments, see
+            // `library::CreateFn` for why that is sound on 4-argument
+            // builds); the strings live until the call returns and Mooncake
+            // copies them.
+            let h = unsafe { (api.create)(meta.as_ptr(), name_c.as_ptr(), host.as_ptr(), port, 0) };
+            if h.is_null() {
+                return Err("createTransferEngine returned NULL".to_owned());
+            }
+            let mut args: [*mut c_void; 2] = [
+                matrix
+                    .as_ref()
+                    .map_or(std::ptr::null_mut(), |m| m.as_ptr() as *mut c_void),
+                std::ptr::null_mut(),
+            ];
+            let args_ptr = if matrix.is_some() {
+                args.as_mut_ptr()
+            } else {
+                std::ptr::null_mut()
+            };
+            // SAFETY: `h` is a live engine; `proto` and `args` outlive the call.
+            let t = unsafe { (api.install_transport)(h, proto.as_ptr(), args_ptr) };
+            if t.is_null() {
+                // SAFETY: `h` came from `create` and is destroyed once.
+                unsafe { (api.destroy)(h) };
+                return Err(format!(
+                    "installTransport({:?}) returned NULL",
+                    proto.to_string_lossy()
+                ));
+            }
+            Ok(RawEngine(h))
+        })
+        .await?;
+        let raw = created.map_err(|what| Error::Unavailable {
+            backend: BACKEND.into(),
+            reason: format!(
+                "{what} ({} {}, metadata {:?}, name {:?}, host {}:{}, protocol {}); \
+                 the library's log says why",
+                lib.path().display(),
+                lib.generation(),
+                config.metadata,
+                server_name,
+                config.host,
+                config.port,
+                config.protocol
+            ),
+        })?;
+        // From here on the Core destroys the engine when dropped.
+        let core = Arc::new(Core {
+            lib: Arc::clone(&lib),
+            raw,
+        });
+        let segment_name = match (p2p, api.get_local_ip_and_port) {
+            (true, Some(get)) => {
+                let mut buf = vec![0u8; 256];
+                // SAFETY: live engine; the buffer is writable for its length.
+                let rc = unsafe { get(core.raw.0, buf.as_mut_ptr().cast::<c_char>(), buf.len()) };
+                let got = CStr::from_bytes_until_nul(&buf)
+                    .map(|s| s.to_string_lossy().into_owned())
+                    .unwrap_or_default();
+                if rc != 0 || got.is_empty() {
+                    return Err(Error::Unavailable {
+                        backend: BACKEND.into(),
+                        reason: format!(
+                            "getLocalIpAndPort failed ({rc}) on {}",
+                            lib.path().display()
+                        ),
+                    });
+                }
+                got
+            }
+            _ => server_name.clone(),
+        };
+        let poller = Arc::new(Poller::default());
+        {
+            let core = Arc::clone(&core);
+            let poller = Arc::clone(&poller);
+            std::thread::Builder::new()
+                .name("ferry-mooncake-poll".into())
+                .spawn(move || poll_loop(&core, &poller))
+                .map_err(|e| Error::io("starting the Mooncake status poller", &e))?;
+        }
+        let uid = ENGINE_IDS.fetch_add(1, Ordering::Relaxed);
+        let regions = RegionTable::new();
+        lock(&PEERS).insert(segment_name.clone(), (uid, regions.clone()));
+        tracing::info!(
+            library = %lib.path().display(),
+            generation = %lib.generation(),
+            segment = %segment_name,
+            protocol = %config.protocol,
+            "ferry: Mooncake engine started"
+        );
+        Ok(MooncakeEngine {
+            inner: Arc::new(Inner {
+                core,
+                lib,
+                poller,
+                uid,
+                config,
+                server_name,
+                segment_name,
+                regions,
+                segments: Mutex::new(Segments::default()),
+                batches: Mutex::new(HashMap::new()),
+                next_batch: AtomicU64::new(1),
+            }),
+        })
+    }
+
+    /// The loaded library.
+    pub fn library(&self) -> &Arc<MooncakeLibrary> {
+        &self.inner.lib
+    }
+
+    /// The detected generation.
+    pub fn generation(&self) -> Generation {
+        self.inner.lib.generation()
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> &MooncakeConfig {
+        &self.inner.config
+    }
+
+    /// The `local_server_name` given to the library.
+    pub fn server_name(&self) -> &str {
+        &self.inner.server_name
+    }
+
+    /// Library batches allocated and not yet freed (including batches whose
+    /// deadline passed: the engine's poller thread frees them once the
+    /// library reports every task terminal).
+    pub fn library_batches_in_use(&self) -> usize {
+        self.inner.poller.in_use.load(Ordering::Acquire)
+    }
+
+    fn native_caps(&self) -> Capabilities {
+        Capabilities {
+            batch_register: true,
+            batch_unregister: true,
+            batch_transfer: true,
+            async_batch: true,
+            batch_wait: true,
+            notify: self.inner.lib.has_notify(),
+            ..Default::default()
+        }
+    }
+
+    fn notify_missing(&self) -> MissingCapability {
+        MissingCapability {
+            operation: Operation::Notify,
+            reason: format!(
+                "{} ({}) has no submitTransferWithNotify/getNotifsFromEngine/genNotifyInEngine",
+                self.inner.lib.path().display(),
+                self.inner.lib.generation()
+            ),
+            min_version: Some(Generation::V0_3_5.mooncake_version()),
+        }
+    }
+
+    fn refuse_notify(&self) -> Error {
+        let m = self.notify_missing();
+        Error::Unsupported {
+            backend: BACKEND.into(),
+            operation: Operation::Notify,
+            reason: m.reason,
+            min_version: m.min_version,
+        }
+    }
+
+    // -------------------------------------------------------------- batches
+
+    /// Checks, submits and records a batch; returns its id.
+    async fn submit_batch(
+        &self,
+        segment: SegmentId,
+        requests: &[TransferRequest],
+        notify: Option<&Notification>,
+    ) -> Result<u64> {
+        let inner = &self.inner;
+        if let Some(n) = notify {
+            if !inner.lib.has_notify() {
+                return Err(self.refuse_notify());
+            }
+            n.validate()?;
+        }
+        let (c_id, peer_name, gate, peer_table) = {
+            let segs = lock(&inner.segments);
+            let s = segs
+                .by_id
+                .get(&segment.0)
+                .ok_or(Error::UnknownSegment(segment))?;
+            (s.c_id, s.name.clone(), Arc::clone(&s.gate), s.peer.clone())
+        };
+        let gate = gate.read_owned().await;
+        if !lock(&inner.segments).by_id.contains_key(&segment.0) {
+            return Err(Error::UnknownSegment(segment));
+        }
+
+        let mut slots = Vec::with_capacity(requests.len());
+        let mut guards = Vec::new();
+        let mut entries: Vec<CTransferRequest> = Vec::new();
+        let mut bytes = 0u64;
+        for r in requests {
+            if r.len == 0 {
+                slots.push(Slot::Done(Ok(())));
+                continue;
+            }
+            let local = match inner
+                .regions
+                .acquire(r.local_addr, r.len, Side::Local, None)
+            {
+                Ok(g) => g,
+                Err(e) => {
+                    slots.push(Slot::Done(Err(e)));
+                    continue;
+                }
+            };
+            let remote = match &peer_table {
+                Some(t) => match t.acquire(r.remote_addr, r.len, Side::Remote, Some(&peer_name)) {
+                    Ok(g) => Some(g),
+                    Err(e) => {
+                        slots.push(Slot::Done(Err(e)));
+                        continue;
+                    }
+                },
+                None => None,
+            };
+            guards.push(local);
+            guards.extend(remote);
+            slots.push(Slot::Task(entries.len()));
+            bytes = bytes.saturating_add(r.len);
+            entries.push(CTransferRequest {
+                opcode: match r.op {
+                    TransferOp::Read => OPCODE_READ,
+                    TransferOp::Write => OPCODE_WRITE,
+                },
+                source: r.local_addr as usize as *mut c_void,
+                target_id: c_id,
+                file_id_or_padding: 0,
+                target_offset: r.remote_addr,
+                length: r.len,
+            });
+        }
+        let all_ok = slots.iter().all(|s| !matches!(s, Slot::Done(Err(_))));
+        // The notification goes only with a batch where every request can
+        // succeed; one refused up front means it is not sent.
+        let notify = notify.filter(|_| all_ok);
+        let budget = inner.config.deadline_for(bytes);
+
+        let live = if entries.is_empty() {
+            if let Some(n) = notify {
+                self.gen_notify(c_id, n).await?;
+            }
+            None
+        } else {
+            let tasks = entries.len();
+            let this = Arc::clone(&self.inner);
+            let note = match notify {
+                Some(n) => Some((cstring("name", &n.name)?, cstring("message", &n.message)?)),
+                None => None,
+            };
+            let hold = Hold {
+                _guards: guards,
+                _gate: gate,
+            };
+            let peer = peer_name.clone();
+            let live = blocking(move || {
+                let c_id = this.submit_c(entries, note)?;
+                let (done, _) = watch::channel(false);
+                let live = Arc::new(Live {
+                    c_id,
+                    tasks,
+                    peer,
+                    budget,
+                    results: Mutex::new(vec![None; tasks]),
+                    hold: Mutex::new(Some(hold)),
+                    done,
+                });
+                let mut q = lock(&this.poller.queue);
+                q.live.push(Arc::clone(&live));
+                this.poller.wake.notify_one();
+                Ok::<_, Error>(live)
+            })
+            .await??;
+            Some(live)
+        };
+        let id = inner.next_batch.fetch_add(1, Ordering::Relaxed);
+        lock(&inner.batches).insert(
+            id,
+            Pending {
+                slots,
+                live,
+                deadline: Instant::now() + budget,
+                budget,
+                peer: peer_name,
+            },
+        );
+        Ok(id)
+    }
+
+    async fn gen_notify(&self, c_id: i32, n: &Notification) -> Result<()> {
+        let gen = self
+            .inner
+            .lib
+            .api
+            .gen_notify
+            .ok_or_else(|| self.refuse_notify())?;
+        let name = cstring("name", &n.name)?;
+        let msg = cstring("message", &n.message)?;
+        let this = Arc::clone(&self.inner);
+        let rc = blocking(move || {
+            let m = CNotifyMsg {
+                name: name.as_ptr() as *mut c_char,
+                msg: msg.as_ptr() as *mut c_char,
+            };
+            // SAFETY: live engine; the strings outlive the call and Mooncake
+            // copies them.
+            unsafe { gen(this.raw(), c_id as u64, m) }
+        })
+        .await?;
+        if rc != 0 {
+            return Err(call_error("genNotifyInEngine", i64::from(rc)));
+        }
+        Ok(())
+    }
+
+    /// Whether every request of `p` is terminal (or its deadline passed):
+    /// exactly when `status` says the batch is finished.
+    fn finished(p: &Pending) -> bool {
+        Self::states(p).iter().all(TransferState::is_terminal)
+    }
+
+    fn states(p: &Pending) -> Vec<TransferState> {
+        let results = p.live.as_ref().map(|l| lock(&l.results).clone());
+        let timed_out = Instant::now() >= p.deadline;
+        p.slots
+            .iter()
+            .map(|s| match s {
+                Slot::Done(Ok(())) => TransferState::Completed,
+                Slot::Done(Err(e)) => TransferState::Failed(e.clone()),
+                Slot::Task(t) => match results.as_ref().and_then(|r| r[*t].clone()) {
+                    Some(Ok(())) => TransferState::Completed,
+                    Some(Err(e)) => TransferState::Failed(e),
+                    None if timed_out => TransferState::Failed(Error::Timeout {
+                        operation: "mooncake batch".into(),
+                        peer: Some(p.peer.clone()),
+                        after: p.budget,
+                    }),
+                    None => TransferState::Pending { transferred: 0 },
+                },
+            })
+            .collect()
+    }
+
+    fn report(p: &Pending) -> BatchReport {
+        BatchReport {
+            results: Self::states(p)
+                .into_iter()
+                .map(|s| match s {
+                    TransferState::Failed(e) => Err(e),
+                    _ => Ok(()),
+                })
+                .collect(),
+        }
+    }
+
+    async fn wait_batch(&self, id: u64) -> Result<BatchReport> {
+        let (done, deadline) = {
+            let batches = lock(&self.inner.batches);
+            let p = batches.get(&id).ok_or(Error::UnknownBatch(BatchId(id)))?;
+            (p.live.as_ref().map(|l| l.done.subscribe()), p.deadline)
+        };
+        if let Some(mut done) = done {
+            let deadline = tokio::time::Instant::from_std(deadline);
+            // Err = deadline passed (reported per request below) or the
+            // poller is gone (cannot happen while the engine lives).
+            let _ = tokio::time::timeout_at(deadline, done.wait_for(|d| *d)).await;
+        }
+        let p = lock(&self.inner.batches)
+            .remove(&id)
+            .ok_or(Error::UnknownBatch(BatchId(id)))?;
+        // A batch past its deadline stays with the poller, which frees it
+        // (and releases its memory) once the library is done with it.
+        Ok(Self::report(&p))
+    }
+}
+
+/// The engine's poller thread: polls every live library batch with backoff,
+/// records terminal results, frees each batch once every task is terminal,
+/// then releases its memory guards and wakes its waiters. It holds the Core,
+/// so the C engine outlives every batch; it exits when the engine is gone
+/// and no batch is left.
+fn poll_loop(core: &Core, poller: &Poller) {
+    let api = core.lib.api;
+    let mut idle = Duration::from_micros(10);
+    loop {
+        let live: Vec<Arc<Live>> = {
+            let mut q = lock(&poller.queue);
+            while q.live.is_empty() {
+                if q.stop {
+                    return;
+                }
+                q = poller.wake.wait(q).unwrap_or_else(|p| p.into_inner());
+            }
+            q.live.clone()
+        };
+        let mut progressed = false;
+        for l in &live {
+            let mut results = lock(&l.results);
+            let mut all = true;
+            for (task, slot) in results.iter_mut().enumerate() {
+                if slot.is_some() {
+                    continue;
+                }
+                let mut st = CTransferStatus::default();
+                // SAFETY: `l.c_id` is a live batch of this engine (freed only
+                // below, once), `task` is below the submitted count.
+                let rc = unsafe { (api.get_status)(core.raw.0, l.c_id, task, &mut st) };
+                match task_result(rc, st.status, l) {
+                    Some(r) => {
+                        *slot = Some(r);
+                        progressed = true;
+                    }
+                    None => all = false,
+                }
+            }
+            drop(results);
+            if !all {
+                continue;
+            }
+            // SAFETY: every task is terminal; the batch is freed once.
+            let rc = unsafe { (api.free_batch)(core.raw.0, l.c_id) };
+            if rc != 0 {
+                tracing::warn!(
+                    code = rc,
+                    name = crate::codes::code_name(i64::from(rc)),
+                    "ferry: freeBatchID refused a finished batch; retrying"
+                );
+                continue;
+            }
+            debug_assert!(l.tasks > 0);
+            poller.in_use.fetch_sub(1, Ordering::AcqRel);
+            lock(&poller.queue).live.retain(|x| !Arc::ptr_eq(x, l));
+            // The library is done with the memory: release it, then wake.
+            drop(lock(&l.hold).take());
+            l.done.send_replace(true);
+            progressed = true;
+        }
+        if progressed {
+            idle = Duration::from_micros(10);
+            continue;
+        }
+        let q = lock(&poller.queue);
+        let _ = poller.wake.wait_timeout(q, idle);
+        idle = (idle * 2).min(Duration::from_millis(1));
+    }
+}
+
+/// A task's terminal result, or `None` while it is still running.
+fn task_result(rc: c_int, st: c_int, l: &Live) -> Option<Result<()>> {
+    if rc != 0 {
+        return Some(Err(call_error("getTransferStatus", i64::from(rc))));
+    }
+    Some(match st {
+        status::WAITING | status::PENDING => return None,
+        status::COMPLETED => Ok(()),
+        status::TIMEOUT => Err(Error::Timeout {
+            operation: "mooncake transfer (the library's own deadline)".into(),
+            peer: Some(l.peer.clone()),
+            after: l.budget,
+        }),
+        status::CANCELED => Err(Error::Canceled("Mooncake canceled the transfer".into())),
+        other => {
+            let what = match other {
+                status::FAILED => "FAILED",
+                status::INVALID => "INVALID",
+                _ => "unknown",
+            };
+            Err(Error::Backend {
+                backend: BACKEND.into(),
+                operation: format!("transfer to {}", l.peer),
+                code: i64::from(other),
+                name: format!("transfer status {what}"),
+            })
+        }
+    })
+}
+
+impl Inner {
+    fn submit_c(
+        &self,
+        mut entries: Vec<CTransferRequest>,
+        notify: Option<(CString, CString)>,
+    ) -> Result<u64> {
+        let api = self.lib.api;
+        // SAFETY: live engine.
+        let id = unsafe { (api.allocate_batch)(self.raw(), entries.len()) };
+        if id == INVALID_BATCH {
+            return Err(Error::Backend {
+                backend: BACKEND.into(),
+                operation: "allocateBatchID".into(),
+                code: -1,
+                name: "invalid batch id".into(),
+            });
+        }
+        let rc = match (&notify, api.submit_with_notify) {
+            (Some((name, msg)), Some(submit)) => {
+                let m = CNotifyMsg {
+                    name: name.as_ptr() as *mut c_char,
+                    msg: msg.as_ptr() as *mut c_char,
+                };
+                // SAFETY: live engine and batch; `entries` and the strings
+                // outlive the call (Mooncake copies requests and message).
+                unsafe { submit(self.raw(), id, entries.as_mut_ptr(), entries.len(), m) }
+            }
+            // SAFETY: as above.
+            _ => unsafe { (api.submit)(self.raw(), id, entries.as_mut_ptr(), entries.len()) },
+        };
+        if rc != 0 {
+            // Nothing was submitted, so the batch is not busy.
+            // SAFETY: live batch, freed once.
+            let free_rc = unsafe { (api.free_batch)(self.raw(), id) };
+            if free_rc != 0 {
+                tracing::warn!(code = free_rc, "ferry: freeBatchID after a failed submit");
+            }
+            let op = if notify.is_some() {
+                "submitTransferWithNotify"
+            } else {
+                "submitTransfer"
+            };
+            return Err(call_error(op, i64::from(rc)));
+        }
+        self.poller.in_use.fetch_add(1, Ordering::AcqRel);
+        Ok(id)
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        {
+            let mut peers = lock(&PEERS);
+            if peers
+                .get(&self.segment_name)
+                .is_some_and(|(uid, _)| *uid == self.uid)
+            {
+                peers.remove(&self.segment_name);
+            }
+        }
+        // The poller finishes the batches still in the library, then exits
+        // and drops the Core, which destroys the C engine.
+        lock(&self.poller.queue).stop = true;
+        self.poller.wake.notify_all();
+    }
+}
+
+fn check_host(region: &MemoryRegion) -> Result<()> {
+    if region.location().is_host() {
+        Ok(())
+    } else {
+        Err(Error::InvalidArgument(format!(
+            "the mooncake backend registers host memory only; {} is not (the C API does not \
+             say whether the library was built with CUDA)",
+            region.location()
+        )))
+    }
+}
+
+#[deny(clippy::missing_trait_methods)]
+#[async_trait]
+impl TransferEngine for MooncakeEngine {
+    fn backend_name(&self) -> &str {
+        BACKEND
+    }
+
+    fn segment_name(&self) -> &str {
+        &self.inner.segment_name
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        self.native_caps()
+    }
+
+    fn backend_info(&self) -> BackendInfo {
+        let lib = &self.inner.lib;
+        let mut details = vec![
+            ("library".to_owned(), lib.path().display().to_string()),
+            ("library source".to_owned(), lib.source().to_string()),
+            ("generation".to_owned(), generation_detail(lib)),
+            ("metadata".to_owned(), self.inner.config.metadata.clone()),
+            ("protocol".to_owned(), self.inner.config.protocol.clone()),
+            ("segment".to_owned(), self.inner.segment_name.clone()),
+        ];
+        if lib.has_notify() && lib.api.free_notifs.is_none() {
+            details.push((
+                "notification buffers".to_owned(),
+                "released with free() (freeNotifsMsgBuf needs Mooncake v0.3.6)".to_owned(),
+            ));
+        }
+        let mut not_native = Vec::new();
+        if !lib.has_notify() {
+            not_native.push(self.notify_missing());
+        }
+        BackendInfo {
+            backend: BACKEND.into(),
+            details,
+            not_native,
+        }
+    }
+
+    async fn register(&self, region: &MemoryRegion) -> Result<()> {
+        check_host(region)?;
+        self.inner.regions.insert(region.clone())?;
+        let this = Arc::clone(&self.inner);
+        let (addr, len) = (region.addr(), region.len());
+        let loc = cstring("location", region.location().as_str())?;
+        let rc = blocking(move || {
+            // SAFETY: live engine; the caller promised (MemoryRegion) that the
+            // range is valid while registered; `loc` outlives the call.
+            unsafe {
+                (this.lib.api.register)(
+                    this.raw(),
+                    addr as usize as *mut c_void,
+                    len as usize,
+                    loc.as_ptr(),
+                    1,
+                )
+            }
+        })
+        .await;
+        match rc {
+            Ok(0) => Ok(()),
+            other => {
+                self.inner.regions.remove(addr).await?;
+                Err(match other {
+                    Ok(rc) => call_error("registerLocalMemory", i64::from(rc)),
+                    Err(e) => e,
+                })
+            }
+        }
+    }
+
+    async fn unregister(&self, addr: u64) -> Result<()> {
+        self.inner.regions.remove(addr).await?;
+        let this = Arc::clone(&self.inner);
+        let rc = blocking(move || {
+            // SAFETY: live engine; no transfer uses the region any more.
+            unsafe { (this.lib.api.unregister)(this.raw(), addr as usize as *mut c_void) }
+        })
+        .await?;
+        if rc != 0 {
+            return Err(call_error("unregisterLocalMemory", i64::from(rc)));
+        }
+        Ok(())
+    }
+
+    async fn batch_register(&self, regions: &[MemoryRegion]) -> Result<()> {
+        let fail = |index: usize, source: Error| Error::BatchRegisterFailed {
+            index,
+            addr: regions[index].addr(),
+            source: Box::new(source),
+        };
+        for (i, r) in regions.iter().enumerate() {
+            if let Err(e) = check_host(r) {
+                return Err(fail(i, e));
+            }
+        }
+        for (i, r) in regions.iter().enumerate() {
+            if let Err(e) = self.inner.regions.insert(r.clone()) {
+                for done in &regions[..i] {
+                    let _ = self.inner.regions.remove(done.addr()).await;
+                }
+                return Err(fail(i, e));
+            }
+        }
+        // One C call per location, in first-appearance order.
+        let mut groups: Vec<(String, Vec<usize>)> = Vec::new();
+        for (i, r) in regions.iter().enumerate() {
+            let loc = r.location().as_str();
+            match groups.iter_mut().find(|(l, _)| l == loc) {
+                Some((_, v)) => v.push(i),
+                None => groups.push((loc.to_owned(), vec![i])),
+            }
+        }
+        let mut registered: Vec<usize> = Vec::new();
+        for (loc, idx) in &groups {
+            let this = Arc::clone(&self.inner);
+            let mut entries: Vec<CBufferEntry> = idx
+                .iter()
+                .map(|&i| CBufferEntry {
+                    addr: regions[i].addr() as usize as *mut c_void,
+                    length: regions[i].len() as usize,
+                })
+                .collect();
+            let loc_c = cstring("location", loc)?;
+            let rc = blocking(move || {
+                // SAFETY: live engine; every range is a region the caller
+                // promised valid; `entries` and `loc_c` outlive the call.
+                unsafe {
+                    (this.lib.api.register_batch)(
+                        this.raw(),
+                        entries.as_mut_ptr(),
+                        entries.len(),
+                        loc_c.as_ptr(),
+                    )
+                }
+            })
+            .await;
+            let err = match rc {
+                Ok(0) => None,
+                Ok(rc) => Some(call_error("registerLocalMemoryBatch", i64::from(rc))),
+                Err(e) => Some(e),
+            };
+            if let Some(e) = err {
+                // All or nothing: undo the groups already registered (and
+                // this one, in case the library registered part of it).
+                let undo: Vec<u64> = registered
+                    .iter()
+                    .chain(idx)
+                    .map(|&i| regions[i].addr())
+                    .collect();
+                let this = Arc::clone(&self.inner);
+                let _ = blocking(move || {
+                    let mut ptrs: Vec<*mut c_void> =
+                        undo.iter().map(|&a| a as usize as *mut c_void).collect();
+                    // SAFETY: live engine; addresses of regions this call
+                    // registered (unknown ones are reported, not touched).
+                    unsafe {
+                        (this.lib.api.unregister_batch)(this.raw(), ptrs.as_mut_ptr(), ptrs.len())
+                    }
+                })
+                .await;
+                for r in regions {
+                    let _ = self.inner.regions.remove(r.addr()).await;
+                }
+                return Err(fail(idx[0], e));
+            }
+            registered.extend(idx);
+        }
+        Ok(())
+    }
+
+    async fn batch_unregister(&self, addrs: &[u64]) -> Result<()> {
+        let mut first = None;
+        let mut removed = Vec::new();
+        for &a in addrs {
+            match self.inner.regions.remove(a).await {
+                Ok(_) => removed.push(a),
+                Err(e) => {
+                    first.get_or_insert(e);
+                }
+            }
+        }
+        if !removed.is_empty() {
+            let this = Arc::clone(&self.inner);
+            let rc = blocking(move || {
+                let mut ptrs: Vec<*mut c_void> =
+                    removed.iter().map(|&a| a as usize as *mut c_void).collect();
+                // SAFETY: live engine; regions no transfer uses any more.
+                unsafe {
+                    (this.lib.api.unregister_batch)(this.raw(), ptrs.as_mut_ptr(), ptrs.len())
+                }
+            })
+            .await?;
+            if rc != 0 {
+                first.get_or_insert(call_error("unregisterLocalMemoryBatch", i64::from(rc)));
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+
+    async fn open_segment(&self, name: &str) -> Result<SegmentId> {
+        {
+            let mut segs = lock(&self.inner.segments);
+            if let Some(&id) = segs.by_name.get(name) {
+                if let Some(s) = segs.by_id.get_mut(&id) {
+                    s.refs += 1;
+                    return Ok(SegmentId(id));
+                }
+            }
+        }
+        let name_c = cstring("segment name", name)?;
+        let this = Arc::clone(&self.inner);
+        // SAFETY: live engine; the name outlives the call.
+        let c_id =
+            blocking(move || unsafe { (this.lib.api.open_segment)(this.raw(), name_c.as_ptr()) })
+                .await?;
+        if c_id < 0 {
+            return Err(Error::SegmentUnavailable {
+                name: name.to_owned(),
+                reason: format!(
+                    "openSegment returned {c_id} ({})",
+                    crate::codes::code_name(i64::from(c_id))
+                ),
+            });
+        }
+        let peer = lock(&PEERS).get(name).map(|(_, t)| t.clone());
+        let mut segs = lock(&self.inner.segments);
+        if let Some(&id) = segs.by_name.get(name) {
+            // Opened concurrently; the library cached the same segment.
+            if let Some(s) = segs.by_id.get_mut(&id) {
+                s.refs += 1;
+                return Ok(SegmentId(id));
+            }
+        }
+        segs.next += 1;
+        let id = segs.next;
+        segs.by_name.insert(name.to_owned(), id);
+        segs.by_id.insert(
+            id,
+            Segment {
+                c_id,
+                name: name.to_owned(),
+                refs: 1,
+                gate: Arc::new(RwLock::new(())),
+                peer,
+            },
+        );
+        Ok(SegmentId(id))
+    }
+
+    async fn close_segment(&self, segment: SegmentId) -> Result<()> {
+        let closing = {
+            let mut segs = lock(&self.inner.segments);
+            let s = segs
+                .by_id
+                .get_mut(&segment.0)
+                .ok_or(Error::UnknownSegment(segment))?;
+            s.refs -= 1;
+            if s.refs > 0 {
+                return Ok(());
+            }
+            let s = segs
+                .by_id
+                .remove(&segment.0)
+                .ok_or(Error::UnknownSegment(segment))?;
+            segs.by_name.remove(&s.name);
+            s
+        };
+        // Transfers in flight on the segment hold the gate; wait for them.
+        let _closed = closing.gate.write().await;
+        let this = Arc::clone(&self.inner);
+        let c_id = closing.c_id;
+        // SAFETY: live engine; the segment id came from openSegment.
+        let rc =
+            blocking(move || unsafe { (this.lib.api.close_segment)(this.raw(), c_id) }).await?;
+        if rc != 0 {
+            return Err(call_error("closeSegment", i64::from(rc)));
+        }
+        Ok(())
+    }
+
+    async fn transfer(&self, segment: SegmentId, request: TransferRequest) -> Result<()> {
+        let id = self.submit_batch(segment, &[request], None).await?;
+        let report = self.wait_batch(id).await?;
+        report.results.into_iter().next().unwrap_or(Ok(()))
+    }
+
+    async fn batch_transfer(
+        &self,
+        segment: SegmentId,
+        requests: &[TransferRequest],
+        notify: Option<&Notification>,
+    ) -> Result<BatchReport> {
+        let id = self.submit_batch(segment, requests, notify).await?;
+        self.wait_batch(id).await
+    }
+
+    async fn submit(
+        &self,
+        segment: SegmentId,
+        requests: &[TransferRequest],
+        notify: Option<&Notification>,
+    ) -> Result<BatchId> {
+        self.submit_batch(segment, requests, notify)
+            .await
+            .map(BatchId)
+    }
+
+    fn status(&self, batch: BatchId) -> Result<BatchStatus> {
+        let batches = lock(&self.inner.batches);
+        let p = batches.get(&batch.0).ok_or(Error::UnknownBatch(batch))?;
+        Ok(BatchStatus {
+            states: Self::states(p),
+        })
+    }
+
+    async fn wait(&self, batch: BatchId) -> Result<BatchReport> {
+        self.wait_batch(batch.0).await
+    }
+
+    async fn release_batch(&self, batch: BatchId) -> Result<()> {
+        let mut batches = lock(&self.inner.batches);
+        let p = batches.get(&batch.0).ok_or(Error::UnknownBatch(batch))?;
+        if !Self::finished(p) {
+            return Err(Error::BatchBusy(batch));
+        }
+        // Past its deadline, the library batch stays with the poller.
+        batches.remove(&batch.0);
+        Ok(())
+    }
+
+    async fn take_notifications(&self) -> Result<Vec<Notification>> {
+        let lib = &self.inner.lib;
+        let get = match (lib.has_notify(), lib.api.get_notifs) {
+            (true, Some(g)) => g,
+            _ => return Err(self.refuse_notify()),
+        };
+        let free_notifs = lib.api.free_notifs;
+        let this = Arc::clone(&self.inner);
+        blocking(move || {
+            let mut size: c_int = 0;
+            // SAFETY: live engine; `size` is writable.
+            let arr = unsafe { get(this.raw(), &mut size) };
+            let n = usize::try_from(size).unwrap_or(0);
+            if arr.is_null() || n == 0 {
+                return Vec::new();
+            }
+            let mut out = Vec::with_capacity(n);
+            for i in 0..n {
+                // SAFETY: the library returned an array of `size` entries.
+                let m = unsafe { *arr.add(i) };
+                let text = |p: *mut c_char| {
+                    if p.is_null() {
+                        String::new()
+                    } else {
+                        // SAFETY: NUL-terminated strings owned by the array.
+                        unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+                    }
+                };
+                out.push(Notification::new(text(m.name), text(m.msg)));
+            }
+            match free_notifs {
+                // SAFETY: the array and size the library returned, freed once.
+                Some(f) => unsafe {
+                    f(arr, size);
+                },
+                None => {
+                    // v0.3.5 has no freeNotifsMsgBuf: its getNotifsFromEngine
+                    // returns malloc()ed memory that the caller frees.
+                    for i in 0..n {
+                        // SAFETY: as above; each string and then the array
+                        // were allocated with malloc and are freed once.
+                        unsafe {
+                            let m = *arr.add(i);
+                            free(m.name.cast());
+                            free(m.msg.cast());
+                        }
+                    }
+                    // SAFETY: as above.
+                    unsafe { free(arr.cast()) };
+                }
+            }
+            out
+        })
+        .await
+    }
+}
+
+fn generation_detail(lib: &MooncakeLibrary) -> String {
+    let g = lib.generation();
+    let note = match g {
+        Generation::V0_2_0 => {
+            "no getLocalIpAndPort; createTransferEngine may take 4 or 5 arguments"
+        }
+        Generation::V0_3_0 => "getLocalIpAndPort present; no notification symbols",
+        Generation::V0_3_5 => "submitTransferWithNotify present; no freeNotifsMsgBuf",
+        Generation::V0_3_6 => "freeNotifsMsgBuf present; no discoverTopology",
+        Generation::V0_3_11 => "discoverTopology present; no getNicLoadStats",
+        Generation::V0_3_12 => "getNicLoadStats present",
+    };
+    format!("Mooncake {} or later ({note})", g.version())
+}

@@ -1,0 +1,518 @@
+//! The Mooncake backend against the faithful C-ABI test libraries (NOT
+//! Mooncake) of every generation: loading, refusal, bytes moved, address
+//! checks, async batches, deadlines, notifications.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use backend_mooncake::{MooncakeConfig, MooncakeEngine};
+use common::{config, detected, metadata_for, start, SUPPORTED};
+use mooncake_testlibs::{broken_library_path, library_path, Broken, Generation as Lib};
+use transport_core::{
+    Error, HostBuffer, Location, Notification, Operation, Side, TransferEngine, TransferRequest,
+    TransferState,
+};
+
+fn buffer(len: usize, fill: u8) -> HostBuffer {
+    let b = HostBuffer::new(len).unwrap();
+    b.fill(fill);
+    b
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_supported_generation_is_detected_and_moves_bytes() {
+    for gen in SUPPORTED {
+        let meta = metadata_for(gen);
+        let a = start(gen, &meta).await;
+        let b = start(gen, &meta).await;
+        assert_eq!(a.generation(), detected(gen), "{gen}");
+        if gen.has_p2p_handshake() {
+            assert!(
+                b.segment_name().starts_with("127.0.0.1:"),
+                "{gen}: P2P segment name is host:port, got {}",
+                b.segment_name()
+            );
+        } else {
+            assert_eq!(b.segment_name(), b.server_name(), "{gen}");
+        }
+        let src = buffer(64 << 10, 0);
+        for (i, chunk) in (0..src.len()).step_by(251).enumerate() {
+            let n = 251.min(src.len() - chunk);
+            src.write(chunk, &vec![(i % 251) as u8 + 1; n]).unwrap();
+        }
+        let dst = buffer(64 << 10, 0xEE);
+        let back = buffer(64 << 10, 0);
+        a.register(&src.region(Location::cpu(0))).await.unwrap();
+        a.register(&back.region(Location::cpu(0))).await.unwrap();
+        b.register(&dst.region(Location::cpu(0))).await.unwrap();
+        let seg = a.open_segment(b.segment_name()).await.unwrap();
+
+        // Write 40000 bytes at dst+1000, then read them back into `back`.
+        a.transfer(
+            seg,
+            TransferRequest::write(src.addr(), dst.addr() + 1000, 40_000),
+        )
+        .await
+        .unwrap();
+        a.transfer(
+            seg,
+            TransferRequest::read(back.addr(), dst.addr() + 1000, 40_000),
+        )
+        .await
+        .unwrap();
+        let d = dst.to_vec();
+        assert!(
+            d[..1000].iter().all(|&x| x == 0xEE),
+            "{gen}: bytes before the target"
+        );
+        assert_eq!(&d[1000..41_000], &src.to_vec()[..40_000], "{gen}");
+        assert!(
+            d[41_000..].iter().all(|&x| x == 0xEE),
+            "{gen}: bytes after the target"
+        );
+        assert_eq!(&back.to_vec()[..40_000], &src.to_vec()[..40_000], "{gen}");
+
+        a.close_segment(seg).await.unwrap();
+        a.unregister(src.addr()).await.unwrap();
+        a.unregister(back.addr()).await.unwrap();
+        b.unregister(dst.addr()).await.unwrap();
+        assert_eq!(a.library_batches_in_use(), 0, "{gen}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pre_v0_2_0_is_refused_with_a_clear_error() {
+    let err = MooncakeEngine::start(MooncakeConfig {
+        library: Some(library_path(Lib::PreV0_2_0)),
+        ..MooncakeConfig::default()
+    })
+    .await
+    .unwrap_err();
+    match err {
+        Error::Unavailable { backend, reason } => {
+            assert_eq!(backend, "mooncake");
+            assert!(reason.contains("before v0.2.0"), "{reason}");
+            assert!(reason.contains("install Mooncake ≥ v0.2.0"), "{reason}");
+            assert!(
+                reason.contains(&library_path(Lib::PreV0_2_0).display().to_string()),
+                "{reason}"
+            );
+        }
+        other => panic!("expected Unavailable, got {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn missing_required_symbol_is_a_typed_error() {
+    let path = broken_library_path(Broken::MissingSubmitTransfer);
+    let err = MooncakeEngine::start(MooncakeConfig {
+        library: Some(path.clone()),
+        ..MooncakeConfig::default()
+    })
+    .await
+    .unwrap_err();
+    assert_eq!(
+        err,
+        Error::MissingSymbol {
+            library: path.display().to_string(),
+            symbol: "submitTransfer".into(),
+            min_version: Some("Mooncake v0.2.0".into()),
+        }
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_library_that_is_not_mooncake_is_refused() {
+    let path = broken_library_path(Broken::NotMooncake);
+    let err = MooncakeEngine::start(MooncakeConfig {
+        library: Some(path.clone()),
+        ..MooncakeConfig::default()
+    })
+    .await
+    .unwrap_err();
+    match err {
+        Error::Unavailable { reason, .. } => {
+            assert!(
+                reason.contains("is not a Mooncake Transfer Engine library"),
+                "{reason}"
+            );
+            assert!(reason.contains(&path.display().to_string()), "{reason}");
+        }
+        other => panic!("expected Unavailable, got {other:?}"),
+    }
+    let missing = std::env::temp_dir().join("ferry-no-such-dir/libtransfer_engine.so");
+    match MooncakeEngine::start(MooncakeConfig {
+        library: Some(missing.clone()),
+        ..MooncakeConfig::default()
+    })
+    .await
+    .unwrap_err()
+    {
+        Error::Unavailable { reason, .. } => {
+            assert!(reason.contains(&missing.display().to_string()), "{reason}");
+            assert!(reason.contains("FERRY_MOONCAKE_LIB"), "{reason}");
+        }
+        other => panic!("expected Unavailable, got {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn p2p_metadata_on_v0_2_0_is_refused_up_front() {
+    let err = MooncakeEngine::start(config(Lib::V0_2_0, "P2PHANDSHAKE", ""))
+        .await
+        .unwrap_err();
+    match err {
+        Error::Unavailable { reason, .. } => {
+            assert!(reason.contains("needs Mooncake ≥ v0.3.0"), "{reason}")
+        }
+        other => panic!("expected Unavailable, got {other:?}"),
+    }
+}
+
+/// Old generations report a write to an unregistered remote address as
+/// completed without writing; the backend checks in-process peers' regions
+/// before submitting, so every generation fails it the same way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unregistered_remote_address_fails_on_every_generation() {
+    for gen in SUPPORTED {
+        let meta = metadata_for(gen);
+        let a = start(gen, &meta).await;
+        let b = start(gen, &meta).await;
+        let src = buffer(4096, 1);
+        let dst = buffer(4096, 0);
+        let elsewhere = buffer(4096, 9);
+        a.register(&src.region(Location::cpu(0))).await.unwrap();
+        b.register(&dst.region(Location::cpu(0))).await.unwrap();
+        let seg = a.open_segment(b.segment_name()).await.unwrap();
+        let peer = b.segment_name().to_owned();
+        for (req, addr, len) in [
+            (
+                TransferRequest::write(src.addr(), elsewhere.addr(), 16),
+                elsewhere.addr(),
+                16,
+            ),
+            (
+                TransferRequest::write(src.addr(), dst.addr() + 4090, 16),
+                dst.addr() + 4090,
+                16,
+            ),
+            (
+                TransferRequest::read(src.addr(), elsewhere.addr(), 16),
+                elsewhere.addr(),
+                16,
+            ),
+        ] {
+            let err = a.transfer(seg, req).await.unwrap_err();
+            assert_eq!(
+                err,
+                Error::AddressNotRegistered {
+                    side: Side::Remote,
+                    addr,
+                    len,
+                    peer: Some(peer.clone())
+                },
+                "{gen}"
+            );
+        }
+        let err = a
+            .transfer(
+                seg,
+                TransferRequest::write(elsewhere.addr(), dst.addr(), 16),
+            )
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::AddressNotRegistered {
+                    side: Side::Local,
+                    ..
+                }
+            ),
+            "{gen}: {err:?}"
+        );
+        assert!(elsewhere.to_vec().iter().all(|&x| x == 9), "{gen}");
+        assert!(dst.to_vec().iter().all(|&x| x == 0), "{gen}");
+
+        // A batch mixing good and bad requests reports each.
+        let report = a
+            .batch_transfer(
+                seg,
+                &[
+                    TransferRequest::write(src.addr(), dst.addr(), 100),
+                    TransferRequest::write(src.addr(), elsewhere.addr(), 100),
+                    TransferRequest::write(src.addr(), dst.addr() + 200, 0),
+                ],
+                None,
+            )
+            .await
+            .unwrap();
+        assert!(report.results[0].is_ok(), "{gen}");
+        assert!(
+            matches!(report.results[1], Err(Error::AddressNotRegistered { .. })),
+            "{gen}"
+        );
+        assert!(report.results[2].is_ok(), "{gen}");
+        assert!(dst.to_vec()[..100].iter().all(|&x| x == 1), "{gen}");
+        a.unregister(src.addr()).await.unwrap();
+        b.unregister(dst.addr()).await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn async_batches_poll_wait_and_refuse_busy_release() {
+    let gen = Lib::Current;
+    let meta = metadata_for(gen);
+    let a = start(gen, &meta).await;
+    // The peer stalls every read/write it serves by 300 ms (test-library
+    // convention), so the batch is certainly still pending when released.
+    let b = MooncakeEngine::start(config(gen, &meta, "@stall=300"))
+        .await
+        .unwrap();
+    let src = buffer(8192, 3);
+    let dst = buffer(8192, 0);
+    a.register(&src.region(Location::cpu(0))).await.unwrap();
+    b.register(&dst.region(Location::cpu(0))).await.unwrap();
+    let seg = a.open_segment(b.segment_name()).await.unwrap();
+    let reqs = [
+        TransferRequest::write(src.addr(), dst.addr(), 4096),
+        TransferRequest::write(src.addr() + 4096, dst.addr() + 4096, 4096),
+    ];
+    let id = a.submit(seg, &reqs, None).await.unwrap();
+    let st = a.status(id).unwrap();
+    assert_eq!(st.states.len(), 2);
+    assert!(!st.is_finished(), "stalled batch finished at once: {st:?}");
+    assert_eq!(a.release_batch(id).await, Err(Error::BatchBusy(id)));
+    let report = a.wait(id).await.unwrap();
+    assert!(report.is_success(), "{report:?}");
+    assert_eq!(dst.to_vec(), src.to_vec());
+    assert_eq!(a.status(id), Err(Error::UnknownBatch(id)));
+    assert_eq!(a.wait(id).await, Err(Error::UnknownBatch(id)));
+    assert_eq!(a.library_batches_in_use(), 0);
+
+    // status() until finished, then release_batch.
+    let id = a.submit(seg, &reqs[..1], None).await.unwrap();
+    loop {
+        let st = a.status(id).unwrap();
+        if st.is_finished() {
+            assert_eq!(st.states, vec![TransferState::Completed]);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    a.release_batch(id).await.unwrap();
+    assert_eq!(a.library_batches_in_use(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deadline_fails_the_batch_and_the_library_batch_is_still_freed() {
+    for gen in [Lib::V0_2_0, Lib::Current] {
+        let meta = metadata_for(gen);
+        let mut cfg = config(gen, &meta, "");
+        cfg.timeout = Duration::from_millis(50);
+        cfg.timeout_ns_per_byte = 0;
+        let a = MooncakeEngine::start(cfg).await.unwrap();
+        let b = MooncakeEngine::start(config(gen, &meta, "@stall=600"))
+            .await
+            .unwrap();
+        let src = buffer(4096, 5);
+        let dst = buffer(4096, 0);
+        a.register(&src.region(Location::cpu(0))).await.unwrap();
+        b.register(&dst.region(Location::cpu(0))).await.unwrap();
+        let seg = a.open_segment(b.segment_name()).await.unwrap();
+        let err = a
+            .transfer(seg, TransferRequest::write(src.addr(), dst.addr(), 4096))
+            .await
+            .unwrap_err();
+        assert_eq!(
+            err,
+            Error::Timeout {
+                operation: "mooncake batch".into(),
+                peer: Some(b.segment_name().to_owned()),
+                after: Duration::from_millis(50)
+            },
+            "{gen}"
+        );
+        // The library is still writing: unregistering the source waits for
+        // the reaper, which frees the library batch once it is terminal.
+        a.unregister(src.addr()).await.unwrap();
+        b.unregister(dst.addr()).await.unwrap();
+        let mut spins = 0;
+        while a.library_batches_in_use() != 0 {
+            spins += 1;
+            assert!(spins < 12_000, "{gen}: the reaper never freed the batch");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(dst.to_vec(), src.to_vec(), "{gen}: the late write landed");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unregister_waits_for_a_transfer_in_flight() {
+    let gen = Lib::V0_3_6;
+    let meta = metadata_for(gen);
+    let a = Arc::new(start(gen, &meta).await);
+    let b = MooncakeEngine::start(config(gen, &meta, "@stall=300"))
+        .await
+        .unwrap();
+    let src = buffer(4096, 8);
+    let dst = buffer(4096, 0);
+    a.register(&src.region(Location::cpu(0))).await.unwrap();
+    b.register(&dst.region(Location::cpu(0))).await.unwrap();
+    let seg = a.open_segment(b.segment_name()).await.unwrap();
+    let id = a
+        .submit(
+            seg,
+            &[TransferRequest::write(src.addr(), dst.addr(), 4096)],
+            None,
+        )
+        .await
+        .unwrap();
+    // Unregistering the peer's target region must wait for the batch.
+    b.unregister(dst.addr()).await.unwrap();
+    let st = a.status(id).unwrap();
+    assert!(
+        st.is_finished(),
+        "unregister returned while the write was in flight"
+    );
+    assert_eq!(dst.to_vec(), src.to_vec());
+    a.wait(id).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn notifications_where_the_library_has_them() {
+    for gen in SUPPORTED {
+        let meta = metadata_for(gen);
+        let a = start(gen, &meta).await;
+        let b = start(gen, &meta).await;
+        let src = buffer(4096, 4);
+        let dst = buffer(4096, 0);
+        a.register(&src.region(Location::cpu(0))).await.unwrap();
+        b.register(&dst.region(Location::cpu(0))).await.unwrap();
+        let seg = a.open_segment(b.segment_name()).await.unwrap();
+        let note = Notification::new("req-17", "kv blocks 0..4 landed");
+        let reqs = [TransferRequest::write(src.addr(), dst.addr(), 4096)];
+        let got = a.batch_transfer(seg, &reqs, Some(&note)).await;
+        if gen < Lib::V0_3_5 {
+            assert_eq!(
+                got,
+                Err(Error::Unsupported {
+                    backend: "mooncake".into(),
+                    operation: Operation::Notify,
+                    reason: format!(
+                        "{} ({}) has no submitTransferWithNotify/getNotifsFromEngine/genNotifyInEngine",
+                        library_path(gen).display(),
+                        gen.version()
+                    ),
+                    min_version: Some("Mooncake v0.3.5".into()),
+                })
+            );
+            assert!(matches!(
+                b.take_notifications().await,
+                Err(Error::Unsupported { .. })
+            ));
+            continue;
+        }
+        assert!(got.unwrap().is_success(), "{gen}");
+        // Delivered after the data; a zero-request batch sends one alone.
+        a.batch_transfer(seg, &[], Some(&Notification::new("solo", "")))
+            .await
+            .unwrap();
+        let mut seen = Vec::new();
+        for _ in 0..1000 {
+            seen.extend(b.take_notifications().await.unwrap());
+            if seen.len() >= 2 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        assert_eq!(
+            seen,
+            vec![note.clone(), Notification::new("solo", "")],
+            "{gen}"
+        );
+        assert_eq!(dst.to_vec(), src.to_vec(), "{gen}");
+        assert!(b.take_notifications().await.unwrap().is_empty());
+        // A batch with a failed request sends no notification.
+        let bad = [TransferRequest::write(src.addr(), 0x10, 8)];
+        let r = a.batch_transfer(seg, &bad, Some(&note)).await.unwrap();
+        assert!(!r.is_success());
+        a.batch_transfer(seg, &[], Some(&Notification::new("after", "")))
+            .await
+            .unwrap();
+        let mut later = Vec::new();
+        for _ in 0..1000 {
+            later.extend(b.take_notifications().await.unwrap());
+            if !later.is_empty() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        assert_eq!(later, vec![Notification::new("after", "")], "{gen}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batch_register_is_all_or_nothing() {
+    for gen in SUPPORTED {
+        let a = start(gen, &metadata_for(gen)).await;
+        let x = buffer(8192, 0);
+        let y = buffer(4096, 0);
+        let overlapping = {
+            // SAFETY: a sub-range of `x`, never accessed through this region.
+            unsafe {
+                transport_core::MemoryRegion::from_raw_parts(
+                    (x.addr() + 4096) as usize as *mut u8,
+                    4096,
+                    Location::cpu(0),
+                )
+            }
+        };
+        let err = a
+            .batch_register(&[
+                x.region(Location::cpu(0)),
+                y.region(Location::cpu(0)),
+                overlapping,
+            ])
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, Error::BatchRegisterFailed { index: 2, .. }),
+            "{gen}: {err:?}"
+        );
+        // Nothing stayed registered: registering each alone works.
+        a.batch_register(&[x.region(Location::cpu(0)), y.region(Location::cpu(0))])
+            .await
+            .unwrap();
+        a.batch_unregister(&[x.addr(), y.addr()]).await.unwrap();
+        assert_eq!(
+            a.unregister(x.addr()).await,
+            Err(Error::RegionNotRegistered { addr: x.addr() })
+        );
+        let cuda = a.register(&y.region(Location::cuda(0))).await.unwrap_err();
+        assert!(matches!(cuda, Error::InvalidArgument(_)), "{cuda:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn segments_refcount_and_unknown_ones_fail() {
+    let gen = Lib::V0_3_0;
+    let meta = metadata_for(gen);
+    let a = start(gen, &meta).await;
+    let b = start(gen, &meta).await;
+    let s1 = a.open_segment(b.segment_name()).await.unwrap();
+    let s2 = a.open_segment(b.segment_name()).await.unwrap();
+    assert_eq!(s1, s2);
+    a.close_segment(s1).await.unwrap();
+    a.close_segment(s2).await.unwrap();
+    assert_eq!(a.close_segment(s1).await, Err(Error::UnknownSegment(s1)));
+    let err = a
+        .transfer(s1, TransferRequest::write(0, 0, 1))
+        .await
+        .unwrap_err();
+    assert_eq!(err, Error::UnknownSegment(s1));
+    let err = a.open_segment("127.0.0.1:1").await.unwrap_err();
+    assert!(matches!(err, Error::SegmentUnavailable { .. }), "{err:?}");
+}

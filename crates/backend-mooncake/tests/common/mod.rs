@@ -1,0 +1,66 @@
+//! Shared helpers for the Mooncake backend tests: configs that point at the
+//! faithful C-ABI test libraries (NOT Mooncake) of `mooncake-testlibs`.
+#![allow(dead_code)]
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use backend_mooncake::{MooncakeConfig, MooncakeEngine, P2P_HANDSHAKE};
+use mooncake_testlibs::{file_metadata, library_path, Generation as Lib};
+
+/// The generations the backend supports (all but pre-v0.2.0).
+pub const SUPPORTED: [Lib; 5] = [
+    Lib::V0_2_0,
+    Lib::V0_3_0,
+    Lib::V0_3_5,
+    Lib::V0_3_6,
+    Lib::Current,
+];
+
+/// The backend's name for a test library's generation.
+pub fn detected(gen: Lib) -> backend_mooncake::Generation {
+    use backend_mooncake::Generation as G;
+    match gen {
+        Lib::PreV0_2_0 => panic!("pre-v0.2.0 is refused"),
+        Lib::V0_2_0 => G::V0_2_0,
+        Lib::V0_3_0 => G::V0_3_0,
+        Lib::V0_3_5 => G::V0_3_5,
+        Lib::V0_3_6 => G::V0_3_6,
+        Lib::Current => G::V0_3_12,
+    }
+}
+
+/// A metadata string every engine of one test shares: `P2PHANDSHAKE` where
+/// the library has it, else a fresh `file://` directory (the test
+/// libraries' stand-in for a metadata server).
+pub fn metadata_for(gen: Lib) -> String {
+    if gen.has_p2p_handshake() {
+        P2P_HANDSHAKE.to_owned()
+    } else {
+        file_metadata(gen.version()).1
+    }
+}
+
+static NAMES: AtomicU64 = AtomicU64::new(0);
+
+/// A config for `gen` with `metadata` and a unique server name (with
+/// `suffix` appended, e.g. `@stall=300`).
+pub fn config(gen: Lib, metadata: &str, suffix: &str) -> MooncakeConfig {
+    MooncakeConfig {
+        library: Some(library_path(gen)),
+        metadata: metadata.to_owned(),
+        name: Some(format!(
+            "mc-{}-{}-{}{suffix}",
+            gen.version(),
+            std::process::id(),
+            NAMES.fetch_add(1, Ordering::Relaxed)
+        )),
+        ..MooncakeConfig::default()
+    }
+}
+
+/// Starts an engine on `gen`.
+pub async fn start(gen: Lib, metadata: &str) -> MooncakeEngine {
+    MooncakeEngine::start(config(gen, metadata, ""))
+        .await
+        .unwrap_or_else(|e| panic!("starting an engine on the {gen} test library: {e}"))
+}
