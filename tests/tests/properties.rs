@@ -505,22 +505,22 @@ fn check_model(
 
 #[test]
 fn a_emulated_batch_equals_native_inproc_sync() {
-    emulated_equals_native(Backend::Inproc, 1, Path::Sync, 96);
+    emulated_equals_native(Backend::Inproc, 1, Path::Sync, 256);
 }
 
 #[test]
 fn a_emulated_batch_equals_native_inproc_async() {
-    emulated_equals_native(Backend::Inproc, 1, Path::Async, 48);
+    emulated_equals_native(Backend::Inproc, 1, Path::Async, 128);
 }
 
 #[test]
 fn a_emulated_batch_equals_native_tcp_two_engines() {
-    emulated_equals_native(Backend::Tcp, 1, Path::Sync, 48);
+    emulated_equals_native(Backend::Tcp, 1, Path::Sync, 128);
 }
 
 #[test]
 fn a_emulated_batch_equals_native_tcp_async() {
-    emulated_equals_native(Backend::Tcp, 1, Path::Async, 24);
+    emulated_equals_native(Backend::Tcp, 1, Path::Async, 64);
 }
 
 // ---------------------------------------------------------------------------
@@ -572,12 +572,12 @@ fn coalescing_is_invisible(backend: Backend, cases: u32) {
 
 #[test]
 fn b_coalescing_never_changes_results_inproc() {
-    coalescing_is_invisible(Backend::Inproc, 96);
+    coalescing_is_invisible(Backend::Inproc, 256);
 }
 
 #[test]
 fn b_coalescing_never_changes_results_tcp() {
-    coalescing_is_invisible(Backend::Tcp, 32);
+    coalescing_is_invisible(Backend::Tcp, 96);
 }
 
 /// Three TCP engines: one issuer, two peers, batches to both at once, with
@@ -601,7 +601,7 @@ fn b_coalescing_never_changes_results_tcp_three_engines() {
     // Peer 0 uses local page 0 only, peer 1 local page 1 only (writes and
     // reads of one peer never touch the other's local bytes).
     let strategy = (batch_spec(10), batch_spec(10));
-    runner(24)
+    runner(64)
         .run(&strategy, |(s0, s1)| {
             let r0: Vec<TransferRequest> = layout(&s0, local.addr(), remotes[0].addr())
                 .into_iter()
