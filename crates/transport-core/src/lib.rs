@@ -15,6 +15,82 @@
 //! - [`HostBuffer`] / [`RegisteredBuffer`]: safe owned memory;
 //! - `conformance` (feature): the behaviour suite every backend passes;
 //! - `inproc` (feature): an in-process engine with configurable capabilities.
+//!
+//! # A prefill → decode hand-off
+//!
+//! The call sequence of disaggregated serving: the decode node registers its
+//! KV cache and tells the prefill node (out of band) its segment name, the
+//! cache's address and which blocks to fill; the prefill node opens the
+//! segment, writes the finished blocks in one batch with a notification,
+//! and the decode node starts decoding once it takes the notification. Here
+//! both nodes are in-process engines; with a network backend only the engine
+//! construction changes.
+//!
+//! ```
+//! # #[cfg(feature = "inproc")]
+//! # fn main() -> transport_core::Result<()> {
+//! use std::sync::Arc;
+//!
+//! use transport_core::inproc::InprocEngine;
+//! use transport_core::{
+//!     CapabilityAdapter, Capabilities, Notification, RegisteredBuffer, TransferEngine,
+//!     TransferRequest,
+//! };
+//!
+//! const BLOCK: usize = 4096; // bytes of one KV block
+//! # tokio::runtime::Runtime::new().unwrap().block_on(async {
+//! // Decode node: a KV cache of 16 blocks, registered with its engine.
+//! let decode: Arc<dyn TransferEngine> = Arc::new(CapabilityAdapter::new(InprocEngine::new(
+//!     "decode-0",
+//!     Capabilities { batch_transfer: true, notify: true, ..Capabilities::default() },
+//! )?));
+//! let kv_cache = RegisteredBuffer::new(Arc::clone(&decode), 16 * BLOCK).await?;
+//! // Sent to the prefill node with the request: where to put the 3 blocks.
+//! let (segment, kv_base, dst_blocks) = ("decode-0", kv_cache.addr(), [9u64, 2, 5]);
+//!
+//! // Prefill node: computes the blocks into its own registered memory ...
+//! let prefill: Arc<dyn TransferEngine> = Arc::new(CapabilityAdapter::new(InprocEngine::new(
+//!     "prefill-0",
+//!     Capabilities { batch_transfer: true, notify: true, ..Capabilities::default() },
+//! )?));
+//! let staging = RegisteredBuffer::new(Arc::clone(&prefill), 3 * BLOCK).await?;
+//! let computed: Vec<u8> = (0..3 * BLOCK).map(|i| (i % 251) as u8).collect();
+//! staging.memory().write(0, &computed)?;
+//!
+//! // ... opens the decode node's segment and writes every block in one
+//! // batch; the notification is delivered after all of them have landed.
+//! let peer = prefill.open_segment(segment).await?;
+//! let requests: Vec<TransferRequest> = dst_blocks
+//!     .iter()
+//!     .enumerate()
+//!     .map(|(i, &b)| {
+//!         let src = staging.addr() + (i * BLOCK) as u64;
+//!         TransferRequest::write(src, kv_base + b * BLOCK as u64, BLOCK as u64)
+//!     })
+//!     .collect();
+//! let done = Notification::new("prefill-0", "req-42:kv-ready");
+//! let report = prefill.batch_transfer(peer, &requests, Some(&done)).await?;
+//! report.into_result()?; // Err(BatchFailed) names the failed request
+//! prefill.close_segment(peer).await?;
+//!
+//! // Decode node: the notification says the blocks are in place.
+//! let notes = decode.take_notifications().await?;
+//! assert_eq!(notes, vec![done]);
+//! for (i, &b) in dst_blocks.iter().enumerate() {
+//!     let mut block = vec![0u8; BLOCK];
+//!     kv_cache.memory().read(b as usize * BLOCK, &mut block)?;
+//!     assert_eq!(block, computed[i * BLOCK..(i + 1) * BLOCK]);
+//! }
+//!
+//! // Unregister before freeing (waits for transfers still in flight).
+//! staging.release().await?;
+//! kv_cache.release().await?;
+//! # Ok(())
+//! # })
+//! # }
+//! # #[cfg(not(feature = "inproc"))]
+//! # fn main() {}
+//! ```
 #![deny(unsafe_op_in_unsafe_fn)]
 
 pub mod adapter;
