@@ -62,10 +62,12 @@ unsafe impl Send for RawEngine {}
 // SAFETY: as above.
 unsafe impl Sync for RawEngine {}
 
+/// One handle returned by `open_segment`. Handles to the same name share
+/// the library's segment (Mooncake caches it by name), which is closed when
+/// the last handle is.
 struct Segment {
     c_id: i32,
     name: String,
-    refs: usize,
     gate: Arc<RwLock<()>>,
     peer: Option<RegionTable>,
 }
@@ -73,8 +75,26 @@ struct Segment {
 #[derive(Default)]
 struct Segments {
     by_id: HashMap<u64, Segment>,
-    by_name: HashMap<String, u64>,
+    /// Library segment id and number of open handles, by name.
+    by_name: HashMap<String, (i32, usize)>,
     next: u64,
+}
+
+impl Segments {
+    fn add(&mut self, name: &str, c_id: i32, peer: Option<RegionTable>) -> SegmentId {
+        self.next += 1;
+        let id = self.next;
+        self.by_id.insert(
+            id,
+            Segment {
+                c_id,
+                name: name.to_owned(),
+                gate: Arc::new(RwLock::new(())),
+                peer,
+            },
+        );
+        SegmentId(id)
+    }
 }
 
 enum Slot {
@@ -1030,21 +1050,22 @@ impl TransferEngine for MooncakeEngine {
     }
 
     async fn open_segment(&self, name: &str) -> Result<SegmentId> {
+        let peer = || lock(&PEERS).get(name).map(|(_, t)| t.clone());
         {
             let mut segs = lock(&self.inner.segments);
-            if let Some(&id) = segs.by_name.get(name) {
-                if let Some(s) = segs.by_id.get_mut(&id) {
-                    s.refs += 1;
-                    return Ok(SegmentId(id));
-                }
+            if let Some((c_id, refs)) = segs.by_name.get_mut(name) {
+                *refs += 1;
+                let c_id = *c_id;
+                return Ok(segs.add(name, c_id, peer()));
             }
         }
         let name_c = cstring("segment name", name)?;
         let this = Arc::clone(&self.inner);
-        // SAFETY: live engine; the name outlives the call.
-        let c_id =
-            blocking(move || unsafe { (this.lib.api.open_segment)(this.raw(), name_c.as_ptr()) })
-                .await?;
+        let c_id = blocking(move || {
+            // SAFETY: live engine; the name outlives the call.
+            unsafe { (this.lib.api.open_segment)(this.raw(), name_c.as_ptr()) }
+        })
+        .await?;
         if c_id < 0 {
             return Err(Error::SegmentUnavailable {
                 name: name.to_owned(),
@@ -1054,54 +1075,41 @@ impl TransferEngine for MooncakeEngine {
                 ),
             });
         }
-        let peer = lock(&PEERS).get(name).map(|(_, t)| t.clone());
         let mut segs = lock(&self.inner.segments);
-        if let Some(&id) = segs.by_name.get(name) {
-            // Opened concurrently; the library cached the same segment.
-            if let Some(s) = segs.by_id.get_mut(&id) {
-                s.refs += 1;
-                return Ok(SegmentId(id));
-            }
-        }
-        segs.next += 1;
-        let id = segs.next;
-        segs.by_name.insert(name.to_owned(), id);
-        segs.by_id.insert(
-            id,
-            Segment {
-                c_id,
-                name: name.to_owned(),
-                refs: 1,
-                gate: Arc::new(RwLock::new(())),
-                peer,
-            },
-        );
-        Ok(SegmentId(id))
+        // Another open of the same name may have won the race; the library
+        // returned the same cached segment to both.
+        let entry = segs.by_name.entry(name.to_owned()).or_insert((c_id, 0));
+        entry.1 += 1;
+        let c_id = entry.0;
+        Ok(segs.add(name, c_id, peer()))
     }
 
     async fn close_segment(&self, segment: SegmentId) -> Result<()> {
-        let closing = {
-            let mut segs = lock(&self.inner.segments);
-            let s = segs
-                .by_id
-                .get_mut(&segment.0)
-                .ok_or(Error::UnknownSegment(segment))?;
-            s.refs -= 1;
-            if s.refs > 0 {
-                return Ok(());
-            }
-            let s = segs
-                .by_id
-                .remove(&segment.0)
-                .ok_or(Error::UnknownSegment(segment))?;
-            segs.by_name.remove(&s.name);
-            s
-        };
-        // Transfers in flight on the segment hold the gate; wait for them.
+        let closing = lock(&self.inner.segments)
+            .by_id
+            .remove(&segment.0)
+            .ok_or(Error::UnknownSegment(segment))?;
+        // Transfers in flight on the handle hold its gate; wait for them.
         let _closed = closing.gate.write().await;
+        let last = {
+            let mut segs = lock(&self.inner.segments);
+            match segs.by_name.get_mut(&closing.name) {
+                Some((_, refs)) if *refs > 1 => {
+                    *refs -= 1;
+                    false
+                }
+                _ => {
+                    segs.by_name.remove(&closing.name);
+                    true
+                }
+            }
+        };
+        if !last {
+            return Ok(());
+        }
         let this = Arc::clone(&self.inner);
         let c_id = closing.c_id;
-        // SAFETY: live engine; the segment id came from openSegment.
+        // SAFETY: live engine; the id came from openSegment; no handle uses it.
         let rc =
             blocking(move || unsafe { (this.lib.api.close_segment)(this.raw(), c_id) }).await?;
         if rc != 0 {

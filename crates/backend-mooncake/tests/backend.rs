@@ -502,17 +502,22 @@ async fn segments_refcount_and_unknown_ones_fail() {
     let meta = metadata_for(gen);
     let a = start(gen, &meta).await;
     let b = start(gen, &meta).await;
+    let src = buffer(4096, 6);
+    let dst = buffer(4096, 0);
+    a.register(&src.region(Location::cpu(0))).await.unwrap();
+    b.register(&dst.region(Location::cpu(0))).await.unwrap();
     let s1 = a.open_segment(b.segment_name()).await.unwrap();
     let s2 = a.open_segment(b.segment_name()).await.unwrap();
-    assert_eq!(s1, s2);
+    assert_ne!(s1, s2, "each open returns its own handle");
     a.close_segment(s1).await.unwrap();
-    a.close_segment(s2).await.unwrap();
     assert_eq!(a.close_segment(s1).await, Err(Error::UnknownSegment(s1)));
-    let err = a
-        .transfer(s1, TransferRequest::write(0, 0, 1))
-        .await
-        .unwrap_err();
-    assert_eq!(err, Error::UnknownSegment(s1));
+    let req = TransferRequest::write(src.addr(), dst.addr(), 64);
+    assert_eq!(a.transfer(s1, req).await, Err(Error::UnknownSegment(s1)));
+    // The other handle still reaches the shared library segment.
+    a.transfer(s2, req).await.unwrap();
+    assert_eq!(&dst.to_vec()[..64], &[6; 64]);
+    a.close_segment(s2).await.unwrap();
+    assert_eq!(a.transfer(s2, req).await, Err(Error::UnknownSegment(s2)));
     let err = a.open_segment("127.0.0.1:1").await.unwrap_err();
     assert!(matches!(err, Error::SegmentUnavailable { .. }), "{err:?}");
 }
