@@ -133,8 +133,9 @@ impl Drop for HostBuffer {
 ///
 /// Dropping it unregisters the memory before freeing it: on a Tokio runtime
 /// the unregister (which waits for in-flight transfers) runs on a spawned
-/// task that owns the memory until it finishes; without a runtime the memory
-/// is leaked rather than freed while possibly registered. Call
+/// task that owns the memory until it finishes; without a runtime, or if the
+/// runtime drops that task, the memory is leaked rather than freed while
+/// possibly registered. Call
 /// [`RegisteredBuffer::release`] to unregister deterministically.
 pub struct RegisteredBuffer<E: TransferEngine + ?Sized = dyn TransferEngine> {
     engine: Arc<E>,
@@ -195,11 +196,59 @@ impl<E: TransferEngine + ?Sized> RegisteredBuffer<E> {
     }
 
     /// Unregisters (waiting for transfers in flight) and frees the memory.
+    ///
+    /// If the unregister fails for any reason other than the region not
+    /// being registered, the memory may still be registered and is leaked
+    /// rather than freed. If this future is dropped before it completes, the
+    /// memory is leaked too.
     pub async fn release(mut self) -> Result<()> {
         match self.memory.take() {
-            Some(m) => self.engine.unregister(m.addr()).await,
+            Some(m) => unregister_then_free(self.engine.as_ref(), m).await,
             None => Ok(()),
         }
+    }
+}
+
+/// Owns memory that may be registered: dropping it leaks the memory unless
+/// [`Pending::free`] was called, so that a cancelled unregister never frees
+/// memory an engine may still write.
+struct Pending(Option<HostBuffer>);
+
+impl Pending {
+    fn free(mut self) {
+        drop(self.0.take());
+    }
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        if let Some(m) = self.0.take() {
+            tracing::warn!(
+                addr = m.addr(),
+                "leaking memory whose unregister did not complete"
+            );
+            std::mem::forget(m);
+        }
+    }
+}
+
+async fn unregister_then_free<E: TransferEngine + ?Sized>(
+    engine: &E,
+    memory: HostBuffer,
+) -> Result<()> {
+    let addr = memory.addr();
+    let pending = Pending(Some(memory));
+    match engine.unregister(addr).await {
+        Ok(()) => {
+            pending.free();
+            Ok(())
+        }
+        Err(e @ Error::RegionNotRegistered { .. }) => {
+            pending.free();
+            Err(e)
+        }
+        // `pending` leaks the memory: it may still be registered.
+        Err(e) => Err(e),
     }
 }
 
@@ -211,11 +260,13 @@ impl<E: TransferEngine + ?Sized> Drop for RegisteredBuffer<E> {
         let engine = Arc::clone(&self.engine);
         match tokio::runtime::Handle::try_current() {
             Ok(handle) => {
+                // If the runtime shuts down before the task finishes, the
+                // task is dropped and `unregister_then_free` leaks the memory.
                 handle.spawn(async move {
-                    if let Err(e) = engine.unregister(memory.addr()).await {
-                        tracing::warn!(addr = memory.addr(), error = %e, "unregister on drop failed");
+                    let addr = memory.addr();
+                    if let Err(e) = unregister_then_free(engine.as_ref(), memory).await {
+                        tracing::warn!(addr, error = %e, "unregister on drop failed");
                     }
-                    drop(memory);
                 });
             }
             Err(_) => {

@@ -133,6 +133,10 @@ impl RegionTable {
 
     /// Removes the region starting at `addr`, first refusing new guards on it
     /// and waiting until every outstanding guard has dropped.
+    ///
+    /// Cancel-safe: if the returned future is dropped before it completes,
+    /// the region stays registered and usable, as if `remove` had not been
+    /// called.
     pub async fn remove(&self, addr: u64) -> Result<MemoryRegion> {
         {
             let mut map = self.lock();
@@ -141,6 +145,26 @@ impl RegionTable {
                 _ => return Err(Error::RegionNotRegistered { addr }),
             }
         }
+        // Reopens the region if this future is dropped while waiting.
+        struct Reopen<'a> {
+            table: &'a RegionTable,
+            addr: u64,
+            armed: bool,
+        }
+        impl Drop for Reopen<'_> {
+            fn drop(&mut self) {
+                if self.armed {
+                    if let Some(e) = self.table.lock().get_mut(&self.addr) {
+                        e.closing = false;
+                    }
+                }
+            }
+        }
+        let mut reopen = Reopen {
+            table: self,
+            addr,
+            armed: true,
+        };
         loop {
             let notified = self.shared.released.notified();
             tokio::pin!(notified);
@@ -148,6 +172,7 @@ impl RegionTable {
             {
                 let mut map = self.lock();
                 if map.get(&addr).is_some_and(|e| e.in_flight == 0) {
+                    reopen.armed = false;
                     let entry = map.remove(&addr);
                     return entry
                         .map(|e| e.region)
@@ -315,5 +340,27 @@ mod tests {
             t.remove(0x1000).await,
             Err(Error::RegionNotRegistered { addr: 0x1000 })
         ));
+    }
+
+    #[tokio::test]
+    async fn cancelled_remove_leaves_region_registered() {
+        let t = RegionTable::new();
+        t.insert(region(0x1000, 0x100)).unwrap();
+        let g = t.acquire(0x1000, 0x10, Side::Local, None).unwrap();
+        {
+            let removal = t.remove(0x1000);
+            tokio::pin!(removal);
+            // Polled once (marks the region closing), then dropped.
+            assert!(futures::poll!(removal.as_mut()).is_pending());
+            assert!(!t.contains(0x1000, 0x10));
+        }
+        assert!(
+            t.contains(0x1000, 0x10),
+            "a cancelled remove left the region closed"
+        );
+        drop(g);
+        t.acquire(0x1000, 0x10, Side::Local, None).unwrap();
+        t.remove(0x1000).await.unwrap();
+        assert!(t.is_empty());
     }
 }

@@ -379,12 +379,22 @@ async fn execute<E: TransferEngine + ?Sized>(
             let all_ok = results.iter().all(Result::is_ok);
             let note = if i == last && all_ok { notify } else { None };
             let report = if native.batch_transfer {
-                inner.batch_transfer(segment, part, note).await?
+                inner.batch_transfer(segment, part, note).await
             } else {
-                let id = inner.submit(segment, part, note).await?;
-                wait_inner(inner, shared, id).await?
+                match inner.submit(segment, part, note).await {
+                    Ok(id) => wait_inner(inner, shared, id).await,
+                    Err(e) => Err(e),
+                }
             };
-            results.extend(report.results);
+            match report {
+                Ok(report) => results.extend(report.results),
+                // The first chunk refused: nothing moved, refuse the batch.
+                Err(e) if i == 0 => return Err(e),
+                // A later chunk refused after earlier ones moved bytes: the
+                // batch is not "refused as a whole" any more; its requests
+                // fail one by one.
+                Err(e) => results.extend(std::iter::repeat_n(Err(e), part.len())),
+            }
         }
         return Ok(results);
     }
@@ -475,7 +485,11 @@ async fn run_batch<E: TransferEngine + ?Sized>(
         .collect();
     if !retry.is_empty() {
         let singles: Vec<TransferRequest> = retry.iter().map(|&i| requests[i]).collect();
-        let again = execute(inner, shared, segment, &singles, None).await?;
+        // Bytes of the batch have moved by now: a refusal of the retry is
+        // reported per request, not for the batch as a whole.
+        let again = execute(inner, shared, segment, &singles, None)
+            .await
+            .unwrap_or_else(|e| vec![Err(e); singles.len()]);
         for (i, r) in retry.into_iter().zip(again) {
             results[i] = r;
         }
