@@ -133,7 +133,9 @@ pub async fn run(args: CapsArgs) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string_pretty(&j)?);
     } else {
         print!("{report}");
-        println!("segment: {}", engine.segment_name());
+        if !report.info.details.iter().any(|(k, _)| k == "segment") {
+            println!("segment: {}", engine.segment_name());
+        }
         if !args.require.is_empty() && missing.is_empty() {
             let names: Vec<&str> = args.require.iter().map(|o| o.name()).collect();
             println!("required: {} — all available", names.join(", "));

@@ -121,30 +121,25 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     }
     println!("serving until Ctrl-C");
 
-    let mut notes = 0u64;
-    let mut written = 0u64;
-    let mut read = 0u64;
+    let mut received = Received::default();
     let stop = shutdown_signal();
     tokio::pin!(stop);
     let mut tick = tokio::time::interval(Duration::from_millis(50));
     loop {
         tokio::select! {
             r = &mut stop => { r?; break; }
-            _ = tick.tick(), if notify => {
-                for n in engine.take_notifications().await? {
-                    notes += 1;
-                    println!("notification from {}: {}", n.name, n.message);
-                    if let Some(bytes) = field(&n.message, "bytes") {
-                        if n.message.starts_with("write") {
-                            written += bytes;
-                        } else if n.message.starts_with("read") {
-                            read += bytes;
-                        }
-                    }
-                }
-            }
+            _ = tick.tick(), if notify => received.drain(&engine).await?,
         }
     }
+    // What arrived since the last poll.
+    if notify {
+        received.drain(&engine).await?;
+    }
+    let Received {
+        notes,
+        written,
+        read,
+    } = received;
     if let Some(s) = sink {
         s.abort();
     }
@@ -160,6 +155,36 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     );
     buf.release().await.context("unregistering the region")?;
     Ok(())
+}
+
+/// Notifications seen so far and the byte counts peers reported in them.
+#[derive(Debug, Default)]
+struct Received {
+    notes: u64,
+    written: u64,
+    read: u64,
+}
+
+impl Received {
+    /// Takes the notifications that arrived, prints and counts them.
+    async fn drain(&mut self, engine: &Engine) -> anyhow::Result<()> {
+        for n in engine
+            .take_notifications()
+            .await
+            .context("taking notifications")?
+        {
+            self.notes += 1;
+            println!("notification from {}: {}", n.name, n.message);
+            if let Some(bytes) = field(&n.message, "bytes") {
+                if n.message.starts_with("write") {
+                    self.written += bytes;
+                } else if n.message.starts_with("read") {
+                    self.read += bytes;
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 /// The host part of `host:port` (IPv6 in brackets kept as is).

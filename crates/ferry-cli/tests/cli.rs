@@ -366,3 +366,136 @@ mod tcp {
         assert!(!summary.contains("region: 0 of"), "{summary}");
     }
 }
+
+#[cfg(feature = "mooncake")]
+mod mooncake {
+    use super::*;
+    use mooncake_testlibs::{broken_library_path, library_path, Broken, Generation};
+
+    fn url(gen: Generation) -> String {
+        format!(
+            "mooncake://?lib={}&metadata=P2PHANDSHAKE&protocol=tcp&host=127.0.0.1",
+            library_path(gen).display()
+        )
+    }
+
+    #[test]
+    fn caps_of_the_current_generation_is_all_native() {
+        let u = url(Generation::Current);
+        let (out, _) = expect_code(
+            &[
+                "caps",
+                "--backend",
+                &u,
+                "--require",
+                "batch_transfer,notify",
+            ],
+            0,
+        );
+        assert!(out.starts_with("backend: mooncake\n"), "{out}");
+        let lib = library_path(Generation::Current).display().to_string();
+        assert!(out.contains(&format!("library: {lib}")), "{out}");
+        assert!(out.contains("generation: Mooncake v0.3.12"), "{out}");
+        assert!(
+            out.lines().any(|l| l.trim() == "notify            native"),
+            "{out}"
+        );
+        assert!(out.contains("all available"), "{out}");
+        assert_eq!(
+            out.lines().filter(|l| l.starts_with("segment: ")).count(),
+            1,
+            "{out}"
+        );
+    }
+
+    #[test]
+    fn caps_of_v0_3_0_names_the_version_that_adds_notify_and_require_fails() {
+        let u = url(Generation::V0_3_0);
+        let (out, _) = expect_code(&["caps", "--backend", &u], 0);
+        let line = out
+            .lines()
+            .find(|l| l.trim_start().starts_with("notify"))
+            .unwrap_or_else(|| panic!("no notify line:\n{out}"));
+        assert!(line.contains("unsupported"), "{line}");
+        assert!(line.contains("submitTransferWithNotify"), "{line}");
+        assert!(line.contains("needs Mooncake v0.3.5"), "{line}");
+
+        let (_, err) = expect_code(
+            &[
+                "caps",
+                "--backend",
+                &u,
+                "--require",
+                "batch_transfer,notify",
+            ],
+            3,
+        );
+        assert_eq!(err.lines().count(), 1, "{err}");
+        assert!(
+            err.starts_with("error: the mooncake backend lacks required capabilities: notify"),
+            "{err}"
+        );
+        assert!(err.contains("v0.3.5"), "{err}");
+
+        let (out, _) = expect_code(&["caps", "--backend", &u, "--json"], 0);
+        let v: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+        let notify = v["operations"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|o| o["operation"] == "notify")
+            .unwrap()
+            .clone();
+        assert_eq!(notify["support"], "unsupported");
+        assert_eq!(notify["min_version"], "Mooncake v0.3.5");
+    }
+
+    #[test]
+    fn a_library_missing_a_required_symbol_is_one_clear_line() {
+        let lib = broken_library_path(Broken::MissingSubmitTransfer);
+        let u = format!("mooncake://?lib={}", lib.display());
+        let (_, err) = expect_code(&["caps", "--backend", &u], 1);
+        assert_eq!(err.lines().count(), 1, "{err}");
+        assert!(
+            err.contains("does not export the required symbol submitTransfer"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn bench_runs_over_a_mooncake_test_library() {
+        let u = url(Generation::Current);
+        let (out, _) = expect_code(
+            &[
+                "bench",
+                "--backend",
+                &u,
+                "--json",
+                "--no-baselines",
+                "--blocks",
+                "4KiB,64KiB",
+                "--batches",
+                "1,4",
+                "--duration",
+                "20ms",
+                "--warmup",
+                "5ms",
+                "--region-size",
+                "1MiB",
+            ],
+            0,
+        );
+        let v: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+        let points = v.as_array().unwrap();
+        assert_eq!(points.len(), 8, "{out}");
+        for p in points {
+            assert_eq!(p["backend"], "mooncake", "{p}");
+            assert!(p["gbps"].as_f64().is_some_and(|g| g > 0.0), "{p}");
+            assert_eq!(p["verified"], true, "{p}");
+            assert!(
+                p["ratio_raw_tcp"].is_null() && p["ratio_memcpy"].is_null(),
+                "{p}"
+            );
+        }
+    }
+}
