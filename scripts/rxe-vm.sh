@@ -8,7 +8,7 @@
 #
 # Every BIN (built on this host: Debian 12 / glibc, dynamically linked) is
 # copied into the guest and run there, one after the other, with
-#   FERRY_VERBS_URL=verbs://rxe0   RUST_BACKTRACE=1   $RXE_VM_ENV
+#   FERRY_VERBS_URL=verbs://rxe0   RUST_BACKTRACE=0   $RXE_VM_ENV
 # and the arguments in $RXE_VM_ARGS (e.g. "--test-threads=1"). The guest
 # loads rdma_rxe, creates rxe0 on a dummy network interface (no NIC: all
 # RoCE traffic stays inside the guest kernel), and powers off when the last
@@ -82,7 +82,7 @@ cat > "$C/init.guest" <<EOF
 #!/bin/busybox sh
 /bin/busybox --install -s /bin
 export PATH=/bin LD_LIBRARY_PATH=/usr/lib/x86_64-linux-gnu:/lib/x86_64-linux-gnu
-export HOME=/tmp TMPDIR=/tmp FERRY_VERBS_URL=verbs://rxe0 RUST_BACKTRACE=1 ${RXE_VM_ENV:-}
+export HOME=/tmp TMPDIR=/tmp FERRY_VERBS_URL=verbs://rxe0 RUST_BACKTRACE=0 ${RXE_VM_ENV:-}
 mount -t proc proc /proc; mount -t sysfs sys /sys; mount -t devtmpfs dev /dev; mount -t tmpfs tmp /tmp
 for m in crc32_generic ib_core ib_uverbs udp_tunnel ip6_udp_tunnel rdma_rxe; do
   insmod /mods/\$m.ko || echo "rxe-vm: insmod \$m FAILED"
@@ -131,7 +131,7 @@ echo "rxe-vm: booting the guest ($SMP vCPU, ${MEM} MiB, TCG) for $# binaries"
 in_root "cd / && timeout $TOTAL qemu-system-x86_64 -accel tcg,thread=multi -cpu max -m $MEM -smp $SMP \
     -nic none -nographic -no-reboot -kernel /kernel/boot/vmlinuz-* -initrd /initrd.gz \
     -append 'console=ttyS0 panic=-1 loglevel=4'" \
-  | tr -d '\r' | sed -u -n '/^link rxe0\|^===\|^RXE-VM-RC\|^[^\[]/p' | tee "$W/guest.log"
+  | sed -u 's/\r$//' | sed -u -n '/^link rxe0\|^===\|^RXE-VM-RC\|^[^\[]/p' | tee "$W/guest.log"
 fails=$(grep -c '^RXE-VM-RC .* [1-9][0-9]*$' "$W/guest.log" || true)
 runs=$(grep -c '^RXE-VM-RC ' "$W/guest.log" || true)
 echo "rxe-vm: $runs of $# binaries run, $fails failed"

@@ -32,7 +32,7 @@ fi
 
 echo "verbs-tests: building the test binaries (cargo test -p backend-verbs --features rdma --no-run)"
 mapfile -t bins < <(cargo test -p backend-verbs --features rdma --no-run --message-format=json \
-  | sed -n 's/.*"executable":"\([^"]*\)".*/\1/p')
+  | sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | grep -v '/examples/')
 [ ${#bins[@]} -gt 0 ] || { echo "verbs-tests: no test binaries were built" >&2; exit 1; }
 
 if [ "$bench" -eq 1 ]; then

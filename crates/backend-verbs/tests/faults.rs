@@ -306,9 +306,11 @@ async fn child_peer() {
     if std::env::var("FERRY_VERBS_CHILD").is_err() {
         return;
     }
+    eprintln!("child_peer: starting");
     let e = Arc::new(engine("child_peer").await.expect("child engine"));
     let buf = registered(&e, LEN, 3).await;
     println!("CHILD-SEGMENT {} {} {}", e.segment_name(), buf.addr(), LEN);
+    eprintln!("child_peer: announced {}", e.segment_name());
     // Wait for the parent's notification, then check what it wrote.
     let deadline = std::time::Instant::now() + Duration::from_secs(300);
     let note = loop {
@@ -322,6 +324,7 @@ async fn child_peer() {
     assert_eq!(note, Notification::new("parent", "written"));
     assert_eq!(buf.to_vec(), pattern(7, LEN), "the parent's write");
     println!("CHILD-OK");
+    eprintln!("child_peer: verified the write and the notification");
 }
 
 #[tokio::test]
@@ -336,49 +339,75 @@ async fn two_processes() {
     let mut child = tokio::process::Command::new(exe)
         .args(["--exact", "child_peer", "--nocapture", "--test-threads=1"])
         .env("FERRY_VERBS_CHILD", "1")
+        .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::piped())
         .kill_on_drop(true)
         .spawn()
         .expect("spawning the child peer");
     let stdout = child.stdout.take().expect("stdout");
     let mut lines = tokio::io::AsyncBufReadExt::lines(tokio::io::BufReader::new(stdout));
-    let (name, addr) = loop {
-        let line = lines
-            .next_line()
-            .await
-            .expect("child stdout")
-            .expect("the child exited before announcing its segment");
-        if let Some(rest) = line.strip_prefix("CHILD-SEGMENT ") {
-            let f: Vec<&str> = rest.split_whitespace().collect();
-            break (f[0].to_owned(), f[1].parse::<u64>().expect("addr"));
+    let step = |what: &'static str| eprintln!("two_processes: {what}");
+    let bound = Duration::from_secs(300);
+    let (name, addr) = tokio::time::timeout(bound, async {
+        loop {
+            let line = lines
+                .next_line()
+                .await
+                .expect("child stdout")
+                .expect("the child exited before announcing its segment");
+            if let Some(rest) = line.strip_prefix("CHILD-SEGMENT ") {
+                let f: Vec<&str> = rest.split_whitespace().collect();
+                break (f[0].to_owned(), f[1].parse::<u64>().expect("addr"));
+            }
         }
-    };
+    })
+    .await
+    .expect("the child did not announce its segment (liveness bound)");
+    step("child announced its segment");
     let local = registered(&a, LEN, 7).await;
-    let seg = a
-        .open_segment(&name)
+    let seg = tokio::time::timeout(bound, a.open_segment(&name))
         .await
+        .expect("open_segment hung (liveness bound)")
         .expect("open the child's segment");
+    step("opened the child's segment");
     // Read the child's pattern into a scratch region.
     let scratch = registered(&a, LEN, 0).await;
-    a.transfer(seg, TransferRequest::read(scratch.addr(), addr, LEN as u64))
-        .await
-        .expect("read from the child");
+    tokio::time::timeout(
+        bound,
+        a.transfer(seg, TransferRequest::read(scratch.addr(), addr, LEN as u64)),
+    )
+    .await
+    .expect("read hung (liveness bound)")
+    .expect("read from the child");
     assert_eq!(scratch.to_vec(), pattern(3, LEN));
+    step("read the child's memory");
     // Write ours and tell the child.
-    let report = a
-        .batch_transfer(
+    let report = tokio::time::timeout(
+        bound,
+        a.batch_transfer(
             seg,
             &[TransferRequest::write(local.addr(), addr, LEN as u64)],
             Some(&Notification::new("parent", "written")),
-        )
-        .await
-        .expect("batch with notification");
+        ),
+    )
+    .await
+    .expect("batch with notification hung (liveness bound)")
+    .expect("batch with notification");
     assert!(report.is_success(), "{report:?}");
-    let mut ok = false;
-    while let Some(line) = lines.next_line().await.expect("child stdout") {
-        ok |= line.contains("CHILD-OK");
-    }
-    let status = child.wait().await.expect("child exit");
+    step("wrote and notified");
+    let ok = tokio::time::timeout(bound, async {
+        let mut ok = false;
+        while let Some(line) = lines.next_line().await.expect("child stdout") {
+            ok |= line.contains("CHILD-OK");
+        }
+        ok
+    })
+    .await
+    .expect("the child did not finish (liveness bound)");
+    let status = tokio::time::timeout(bound, child.wait())
+        .await
+        .expect("the child did not exit (liveness bound)")
+        .expect("child exit");
     assert!(status.success() && ok, "the child peer failed: {status}");
     a.unregister(local.addr()).await.expect("unregister");
     a.unregister(scratch.addr()).await.expect("unregister");

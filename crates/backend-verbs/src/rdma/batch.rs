@@ -148,10 +148,6 @@ impl Batch {
         }
     }
 
-    pub(crate) fn is_finished(&self) -> bool {
-        self.lock().finished
-    }
-
     pub(crate) fn status(&self) -> BatchStatus {
         BatchStatus {
             states: self.lock().states.clone(),

@@ -237,21 +237,26 @@ impl Inner {
     }
 
     pub(crate) async fn open_segment(&self, name: &str) -> Result<SegmentId> {
+        // Handles of the same name share one connection (one queue pair);
+        // closing one handle leaves the others open.
         let existing = lock(&self.segments)
-            .iter()
-            .find(|(_, s)| s.name == name)
-            .map(|(id, _)| *id);
-        if let Some(id) = existing {
-            // Make sure it is reachable now, as a fresh open would.
-            self.conn(SegmentId(id)).await?;
-            return Ok(SegmentId(id));
-        }
-        let seg = Arc::new(Segment {
-            name: name.to_owned(),
-            conn: tokio::sync::Mutex::new(None),
-        });
-        let conn = self.connect(name).await?;
-        *seg.conn.lock().await = Some(conn);
+            .values()
+            .find(|s| s.name == name)
+            .cloned();
+        let seg = match existing {
+            Some(seg) => {
+                self.healthy(&seg).await?;
+                seg
+            }
+            None => {
+                let seg = Arc::new(Segment {
+                    name: name.to_owned(),
+                    conn: tokio::sync::Mutex::new(None),
+                });
+                self.healthy(&seg).await?;
+                seg
+            }
+        };
         let id = self.next_segment.fetch_add(1, Ordering::Relaxed);
         lock(&self.segments).insert(id, seg);
         Ok(SegmentId(id))
@@ -261,8 +266,12 @@ impl Inner {
         let seg = lock(&self.segments)
             .remove(&segment.0)
             .ok_or(Error::UnknownSegment(segment))?;
-        // In-flight batches hold their own reference to the connection.
-        seg.conn.lock().await.take();
+        // In-flight batches hold their own reference to the connection;
+        // other handles of the same name keep using it.
+        let shared = lock(&self.segments).values().any(|s| Arc::ptr_eq(s, &seg));
+        if !shared {
+            seg.conn.lock().await.take();
+        }
         Ok(())
     }
 
@@ -282,6 +291,11 @@ impl Inner {
             .get(&segment.0)
             .cloned()
             .ok_or(Error::UnknownSegment(segment))?;
+        self.healthy(&seg).await
+    }
+
+    /// The healthy connection of `seg`, (re)connecting when needed.
+    async fn healthy(&self, seg: &Segment) -> Result<Arc<Conn>> {
         let mut slot = seg.conn.lock().await;
         if let Some(c) = slot.as_ref() {
             if !c.is_broken() {
@@ -367,7 +381,7 @@ impl Inner {
         let mut map = lock(&self.batches);
         match map.get(&id.0) {
             None => Err(Error::UnknownBatch(id)),
-            Some(b) if !b.is_finished() => Err(Error::BatchBusy(id)),
+            Some(b) if !b.status().is_finished() => Err(Error::BatchBusy(id)),
             Some(_) => {
                 map.remove(&id.0);
                 Ok(())
