@@ -38,6 +38,9 @@ const SPAN: usize = 3 * PAGE;
 enum Backend {
     Inproc,
     Tcp,
+    /// TCP splitting requests into 100-byte chunks over three connections,
+    /// so that one request (or a merged one) becomes many wire operations.
+    TcpChunked,
 }
 
 /// A raw engine of `backend` with all its native capabilities.
@@ -48,6 +51,15 @@ async fn raw(backend: Backend) -> Arc<dyn TransferEngine> {
             TcpEngine::start(TcpConfig::default())
                 .await
                 .expect("starting a loopback TCP engine"),
+        ),
+        Backend::TcpChunked => Arc::new(
+            TcpEngine::start(TcpConfig {
+                chunk_size: 100,
+                connections: 3,
+                ..TcpConfig::default()
+            })
+            .await
+            .expect("starting a loopback TCP engine"),
         ),
     }
 }
@@ -578,6 +590,20 @@ fn b_coalescing_never_changes_results_inproc() {
 #[test]
 fn b_coalescing_never_changes_results_tcp() {
     coalescing_is_invisible(Backend::Tcp, 96);
+}
+
+/// With requests split into many chunks, a merged request that fails (it
+/// straddles two regions, or runs into unregistered memory) must not have
+/// written any of its chunks: the retried constituents that fail on their
+/// own must leave their bytes untouched.
+#[test]
+fn b_coalescing_never_changes_results_tcp_chunked() {
+    coalescing_is_invisible(Backend::TcpChunked, 64);
+}
+
+#[test]
+fn a_emulated_batch_equals_native_tcp_chunked() {
+    emulated_equals_native(Backend::TcpChunked, 1, Path::Sync, 64);
 }
 
 /// Three TCP engines: one issuer, two peers, batches to both at once, with
