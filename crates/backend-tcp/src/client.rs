@@ -147,7 +147,9 @@ impl BatchState {
 type TableCache = RwLock<Arc<Vec<(u64, u64)>>>;
 
 enum PendingKind {
-    Write,
+    /// Holds the source region registered until the target acknowledges,
+    /// so `unregister` returns only after the transfer has finished.
+    Write(#[allow(dead_code)] Arc<RegionGuard>),
     Read {
         dst: usize,
         len: u64,
@@ -431,14 +433,17 @@ async fn send_ops(conn: &ConnShared, batch: &Arc<BatchState>, ops: Vec<OutOp>) {
             let id = conn.next_id.fetch_add(1, Ordering::Relaxed);
             let (req, kind) = match &op.kind {
                 OutKind::Write {
-                    len, remote: addr, ..
+                    guard,
+                    len,
+                    remote: addr,
+                    ..
                 } => (
                     Request::Write {
                         id,
                         addr: *addr,
                         len: *len,
                     },
-                    PendingKind::Write,
+                    PendingKind::Write(Arc::clone(guard)),
                 ),
                 OutKind::Read {
                     guard,

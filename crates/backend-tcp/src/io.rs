@@ -53,6 +53,9 @@ pub async fn read_some(
     spin: Duration,
     timeout: Option<Duration>,
 ) -> io::Result<usize> {
+    // A busy stream never returns Pending on its own: take part in Tokio's
+    // cooperative budget so other tasks (and timers) keep running.
+    tokio::task::consume_budget().await;
     match raw_read(stream, a, b) {
         Err(e) if retry(&e) => {}
         other => return other,
@@ -108,6 +111,7 @@ pub async fn write_all(stream: &TcpStream, bufs: &[&[u8]], timeout: Duration) ->
         if idx == bufs.len() {
             return Ok(());
         }
+        tokio::task::consume_budget().await;
         let rest = &bufs[idx..];
         let written = match raw_write(stream, rest, off) {
             Ok(w) => w,

@@ -13,6 +13,11 @@ use crate::frame::{Request, Response, Status, HEADER_LEN, MAX_ACKS};
 use crate::handshake;
 use crate::io::{write_all, FrameReader, Next};
 
+/// Payload bytes received after which pending acknowledgements are sent
+/// even if more requests are already waiting (so large transfers complete
+/// progressively).
+const ACK_FLUSH_BYTES: u64 = 512 * 1024;
+
 /// Most notifications queued before NOTIFY requests are refused.
 pub const MAX_QUEUED_NOTIFICATIONS: usize = 65_536;
 
@@ -67,6 +72,8 @@ pub async fn accept_loop(listener: TcpListener, core: Arc<Core>) {
 struct Out {
     acks: Vec<u64>,
     frames: Vec<u8>,
+    /// Payload bytes covered by the pending acknowledgements.
+    bytes: u64,
 }
 
 impl Out {
@@ -103,6 +110,7 @@ impl Out {
         buf.extend_from_slice(&self.frames);
         self.acks.clear();
         self.frames.clear();
+        self.bytes = 0;
         buf
     }
 }
@@ -153,6 +161,7 @@ async fn serve(stream: TcpStream, peer: &str, core: &Core) -> Result<(), Error> 
     let mut out = Out {
         acks: Vec::with_capacity(MAX_ACKS as usize),
         frames: Vec::new(),
+        bytes: 0,
     };
     loop {
         // Answer everything processed so far before waiting for more input.
@@ -197,6 +206,7 @@ async fn serve(stream: TcpStream, peer: &str, core: &Core) -> Result<(), Error> 
                             .map_err(|e| io_error(peer, e))?;
                         drop(guard);
                         out.acks.push(id);
+                        out.bytes += len;
                     }
                     Err(_) => {
                         rd.discard(&stream, len)
@@ -260,7 +270,7 @@ async fn serve(stream: TcpStream, peer: &str, core: &Core) -> Result<(), Error> 
                     .map_err(|e| io_error(peer, e))?;
             }
         }
-        if out.acks.len() >= MAX_ACKS as usize {
+        if out.acks.len() >= MAX_ACKS as usize || out.bytes >= ACK_FLUSH_BYTES {
             flush(&stream, &mut out, core, peer).await?;
         }
     }

@@ -1,0 +1,67 @@
+//! Helpers shared by the integration tests.
+#![allow(dead_code)]
+
+use std::sync::Arc;
+
+use backend_tcp::frame::{
+    decode_table, Hello, HELLO_FIXED, MAX_TABLE_ENTRIES, NONCE_LEN, REJECT, VERSION, WELCOME,
+};
+use backend_tcp::{TcpConfig, TcpEngine};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use transport_core::{HostBuffer, Location, TransferEngine};
+
+pub async fn engine(cfg: TcpConfig) -> Arc<TcpEngine> {
+    Arc::new(TcpEngine::start(cfg).await.expect("engine starts"))
+}
+
+/// A host buffer filled with `byte`, registered with `e`.
+pub async fn mem(e: &TcpEngine, len: usize, byte: u8) -> HostBuffer {
+    let b = HostBuffer::new(len).expect("alloc");
+    b.fill(byte);
+    e.register(&b.region(Location::cpu(0)))
+        .await
+        .expect("register");
+    b
+}
+
+/// `len` bytes of a deterministic pattern.
+pub fn pattern(seed: u8, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u32).wrapping_mul(2_654_435_761).to_le_bytes()[1] ^ seed)
+        .collect()
+}
+
+/// A raw client that performs the handshake by hand (no secret) and
+/// returns the stream and the advertised table.
+pub async fn raw_handshake(target: &str) -> (TcpStream, Vec<(u64, u64)>) {
+    let mut s = TcpStream::connect(target).await.expect("connect");
+    let hello = Hello {
+        version: VERSION,
+        flags: 0,
+        nonce: [1; NONCE_LEN],
+        name: "raw-test-client".to_owned(),
+    };
+    s.write_all(&hello.encode()).await.expect("hello");
+    let mut fixed = [0u8; HELLO_FIXED];
+    s.read_exact(&mut fixed).await.expect("server hello");
+    let (_, name_len) = Hello::decode_fixed(&fixed).expect("valid hello");
+    let mut name = vec![0u8; name_len];
+    s.read_exact(&mut name).await.expect("name");
+    s.write_all(&[0u8; 32]).await.expect("proof");
+    let mut status = [0u8; 1];
+    s.read_exact(&mut status).await.expect("status");
+    assert_eq!(
+        status[0], WELCOME,
+        "expected a welcome (REJECT is {REJECT})"
+    );
+    let mut proof = [0u8; 32];
+    s.read_exact(&mut proof).await.expect("proof");
+    let mut count = [0u8; 4];
+    s.read_exact(&mut count).await.expect("count");
+    let count = u32::from_le_bytes(count);
+    assert!(count <= MAX_TABLE_ENTRIES);
+    let mut raw = vec![0u8; count as usize * 16];
+    s.read_exact(&mut raw).await.expect("table");
+    (s, decode_table(&raw).expect("valid table"))
+}
