@@ -1188,7 +1188,7 @@ pub async fn check_unregister_in_flight(factory: Arc<dyn EngineFactory>, adapted
         Ok(p) => p,
         Err(o) => return o,
     };
-    const N: usize = 8 << 20;
+    const N: usize = 4 << 20;
     const K: usize = 4;
     const PART: usize = N / K;
     for remote_side in [true, false] {
@@ -1425,7 +1425,7 @@ pub async fn check_async_batch(factory: Arc<dyn EngineFactory>, adapted: bool) -
         return Outcome::Skipped("needs async_batch".to_owned());
     }
     const N: usize = 16;
-    const PART: usize = 1 << 20;
+    const PART: usize = 256 << 10;
     let local = Mem::new(&p.a, N * PART, 81).await;
     let remote = Mem::new(&p.b, N * PART, 0).await;
     let max = caps.max_batch_len.unwrap_or(usize::MAX);
