@@ -40,7 +40,6 @@ enum Step {
     Batch {
         from: usize,
         to: usize,
-        op: TransferOp,
         reqs: Vec<Req>,
     },
 }
