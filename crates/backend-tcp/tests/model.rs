@@ -91,7 +91,7 @@ fn step(engines: usize) -> impl Strategy<Value = Step> {
         )
             .prop_flat_map(|((from, to), op, slots)| {
                 let reqs: Vec<_> = slots.into_iter().map(|s| slot_req(op, s)).collect();
-                reqs.prop_map(move |reqs| Step::Batch { from, to, op, reqs })
+                reqs.prop_map(move |reqs| Step::Batch { from, to, reqs })
             }),
     ]
 }
