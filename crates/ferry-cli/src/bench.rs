@@ -72,7 +72,7 @@ pub struct BenchArgs {
     blocks: Vec<u64>,
 
     /// Batch sizes (requests per batch; 1 uses the single-transfer call), comma-separated.
-    #[arg(long, value_delimiter = ',', value_parser = parse_count, default_value = "1,8,32")]
+    #[arg(long, value_delimiter = ',', value_parser = parse_count, default_value = "1,4,16")]
     batches: Vec<usize>,
 
     /// Operations to measure, comma-separated.

@@ -150,10 +150,18 @@ impl fmt::Debug for BackendConfig {
 /// ```
 ///
 /// The scheme picks the backend; every query parameter except Ferry's own
-/// goes to the backend's `from_url` unchanged (see the backend crates for
-/// theirs: `backend_tcp::TcpConfig`, `backend_mooncake::MooncakeConfig`,
-/// `backend_verbs::VerbsConfig`). Ferry's own parameters, removed before the
-/// backend sees the URL:
+/// goes to the backend's `from_url` unchanged, which rejects unknown ones by
+/// name. The backends' parameters (full tables, defaults and limits in
+/// `backend_tcp::TcpConfig::from_url`, `backend_mooncake::MooncakeConfig::from_url`,
+/// `backend_verbs::VerbsConfig::from_url`):
+///
+/// | scheme | address part | parameters |
+/// |---|---|---|
+/// | `tcp://` | `host:port` to listen on (port 0: any); also the segment name | `secret` (shared secret, HMAC handshake), `connections`, `timeout_ms`, `connect_timeout_ms`, `chunk_size`, `max_batch`, `max_inbound`, `spin_us`, `socket_buffer` |
+/// | `mooncake://` | none (everything is a parameter) | `lib` (path of `libtransfer_engine.so`; else `FERRY_MOONCAKE_LIB`, then the loader path), `metadata` (`P2PHANDSHAKE` or a metadata server), `protocol` (`tcp`, `rdma`, …), `host`, `port`, `name`, `device`, `timeout_ms`, `ns_per_byte` |
+/// | `verbs://` | RDMA device name (`mlx5_0`; empty: the first with an active port) | `port`, `gid_index`, `listen` (control channel, also the segment name), `mtu`, `sq_depth`, `max_sge`, `signal_every`, `max_message`, `timeout`, `retry_cnt`, `rnr_retry`, `min_rnr_timer`, `max_rd_atomic`, `hop_limit`, `traffic_class`, `sl`, `connect_timeout_ms` |
+///
+/// Ferry's own parameters, removed before the backend sees the URL:
 ///
 /// | parameter | default | meaning |
 /// |---|---|---|
