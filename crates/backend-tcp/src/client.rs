@@ -376,6 +376,30 @@ impl Drop for Conn {
     }
 }
 
+/// If a send is abandoned before it started writing (its caller was
+/// dropped while waiting for the write lock), withdraws its operations so
+/// that they release their region guards at once.
+struct Unsent<'a> {
+    conn: &'a ConnShared,
+    ids: Option<Vec<u64>>,
+}
+
+impl Drop for Unsent<'_> {
+    fn drop(&mut self) {
+        let Some(ids) = self.ids.take() else { return };
+        let ops: Vec<PendingOp> = {
+            let mut map = lock(&self.conn.pending);
+            ids.iter().filter_map(|id| map.ops.remove(id)).collect()
+        };
+        for op in ops {
+            op.batch.complete(
+                op.index,
+                Err(Error::Canceled("the transfer was abandoned".to_owned())),
+            );
+        }
+    }
+}
+
 /// Marks a connection dead if a send is interrupted half-way (the stream
 /// would hold a partial frame).
 struct PoisonOnDrop<'a>(Option<&'a ConnShared>);
@@ -420,6 +444,7 @@ struct OutOp {
 /// calls as possible. Failures complete the operations with an error.
 async fn send_ops(conn: &ConnShared, batch: &Arc<BatchState>, ops: Vec<OutOp>) {
     let mut hdrs = Vec::with_capacity(ops.len());
+    let mut ids = Vec::with_capacity(ops.len());
     {
         let mut map = lock(&conn.pending);
         if let Some(e) = map.closed.clone() {
@@ -431,6 +456,7 @@ async fn send_ops(conn: &ConnShared, batch: &Arc<BatchState>, ops: Vec<OutOp>) {
         }
         for op in &ops {
             let id = conn.next_id.fetch_add(1, Ordering::Relaxed);
+            ids.push(id);
             let (req, kind) = match &op.kind {
                 OutKind::Write {
                     guard,
@@ -505,7 +531,12 @@ async fn send_ops(conn: &ConnShared, batch: &Arc<BatchState>, ops: Vec<OutOp>) {
             _ => {}
         }
     }
+    let mut unsent = Unsent {
+        conn,
+        ids: Some(ids),
+    };
     let _w = conn.write_lock.lock().await;
+    unsent.ids = None;
     let mut poison = PoisonOnDrop(Some(conn));
     let res = write_all(&conn.stream, &bufs, conn.timeout).await;
     poison.0 = None;

@@ -56,6 +56,8 @@ fn io_err(peer: &str, what: &str, e: std::io::Error) -> Error {
         std::io::ErrorKind::TimedOut => Error::Timeout {
             operation: format!("handshake ({what})"),
             peer: Some(peer.to_owned()),
+            // The handshake as a whole runs under the connect timeout; this
+            // is the stall inside it.
             after: Duration::ZERO,
         },
         std::io::ErrorKind::UnexpectedEof
