@@ -123,7 +123,7 @@ fn backends_not_compiled_in_name_their_feature() {
     }
 }
 
-#[cfg(feature = "tcp")]
+#[cfg(all(feature = "tcp", unix))]
 mod tcp {
     use super::*;
 
@@ -336,12 +336,8 @@ mod tcp {
         assert!(points.iter().all(|p| p["target"] == peer), "{out}");
 
         // Interrupt it like Ctrl-C and read its report.
-        let pid = server.0.id().to_string();
-        let status = Command::new("kill")
-            .args(["-INT", &pid])
-            .status()
-            .expect("kill");
-        assert!(status.success());
+        let pid = nix::unistd::Pid::from_raw(i32::try_from(server.0.id()).expect("pid"));
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT).expect("SIGINT");
         let mut rest = Vec::new();
         while let Ok(line) = rx.recv_timeout(Duration::from_secs(60)) {
             rest.push(line);
