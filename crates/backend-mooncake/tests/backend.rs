@@ -521,3 +521,41 @@ async fn segments_refcount_and_unknown_ones_fail() {
     let err = a.open_segment("127.0.0.1:1").await.unwrap_err();
     assert!(matches!(err, Error::SegmentUnavailable { .. }), "{err:?}");
 }
+
+/// A library error surfaces with its raw code and the same name whatever
+/// the sign: the test libraries return negative codes up to v0.3.0 and
+/// positive ones from v0.3.5 (a NULL address is refused by the library,
+/// not by Ferry's own checks).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn library_error_codes_of_both_signs_have_one_name() {
+    for gen in SUPPORTED {
+        let a = start(gen, &metadata_for(gen)).await;
+        // SAFETY: the library refuses this region, so nothing ever accesses
+        // address 0 (and Ferry removes it from its table again).
+        let null = unsafe {
+            transport_core::MemoryRegion::from_raw_parts(
+                std::ptr::null_mut(),
+                4096,
+                Location::cpu(0),
+            )
+        };
+        let err = a.register(&null).await.unwrap_err();
+        let code = if gen.negative_error_codes() { -1 } else { 1 };
+        assert_eq!(
+            err,
+            Error::Backend {
+                backend: "mooncake".into(),
+                operation: "registerLocalMemory".into(),
+                code,
+                name: "ERR_INVALID_ARGUMENT".into()
+            },
+            "{gen}"
+        );
+        // The failed region is not left in Ferry's table.
+        assert_eq!(
+            a.unregister(0).await,
+            Err(Error::RegionNotRegistered { addr: 0 }),
+            "{gen}"
+        );
+    }
+}
