@@ -357,7 +357,8 @@ async fn two_processes() {
                 .await
                 .expect("child stdout")
                 .expect("the child exited before announcing its segment");
-            if let Some(rest) = line.strip_prefix("CHILD-SEGMENT ") {
+            // The harness may print "test child_peer ... " on the same line.
+            if let Some((_, rest)) = line.split_once("CHILD-SEGMENT ") {
                 let f: Vec<&str> = rest.split_whitespace().collect();
                 break (f[0].to_owned(), f[1].parse::<u64>().expect("addr"));
             }

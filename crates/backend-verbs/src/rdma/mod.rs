@@ -112,7 +112,14 @@ impl Inner {
     /// control connection and passive queue pair).
     pub(crate) fn shutdown(&self) {
         if let Some(rt) = lock(&self.runtime).take() {
-            rt.shutdown_background();
+            // Drop every control task now (closing its socket and passive
+            // queue pair) so that peers see this engine go away at once. A
+            // helper thread does the blocking wait, which is not allowed on
+            // a Tokio worker; the bound covers a drop from a control task.
+            let stopper = std::thread::spawn(move || {
+                rt.shutdown_timeout(std::time::Duration::from_secs(5));
+            });
+            let _ = stopper.join();
         }
         self.poller.stop();
     }
