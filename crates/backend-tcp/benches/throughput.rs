@@ -26,6 +26,15 @@ struct Opts {
     connections: Vec<usize>,
     /// Extra `tcp://` URL parameters for both engines.
     params: String,
+    /// Run only this section (`blocks`, `small`, `latency`).
+    only: Option<String>,
+    /// Repetitions of every measurement; the median is printed.
+    reps: usize,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
 }
 
 fn opts() -> Opts {
@@ -36,6 +45,8 @@ fn opts() -> Opts {
         latency_samples: 20_000,
         connections: vec![1, 2],
         params: String::new(),
+        only: None,
+        reps: 3,
     };
     let mut i = 1;
     while i < args.len() {
@@ -54,6 +65,14 @@ fn opts() -> Opts {
                     .split(',')
                     .filter_map(|s| s.parse().ok())
                     .collect();
+                i += 1;
+            }
+            "--reps" if i + 1 < args.len() => {
+                o.reps = args[i + 1].parse::<usize>().unwrap_or(3).max(1);
+                i += 1;
+            }
+            "--only" if i + 1 < args.len() => {
+                o.only = Some(args[i + 1].clone());
                 i += 1;
             }
             "--params" if i + 1 < args.len() => {
@@ -299,9 +318,11 @@ fn main() {
         .build()
         .expect("runtime");
     println!(
-        "ferry backend-tcp benchmark — {} cores, {} MiB per block size, loopback, one process",
+        "ferry backend-tcp benchmark — {} cores, {} MiB per block size, loopback, one process, \
+         median of {} interleaved runs",
         std::thread::available_parallelism().map_or(0, |n| n.get()),
-        o.total / MIB
+        o.total / MIB,
+        o.reps
     );
     if !o.params.is_empty() {
         println!("engine URL parameters: {}", o.params);
@@ -312,7 +333,12 @@ fn main() {
 }
 
 async fn run(o: Opts) {
-    {
+    let want = |s: &str| o.only.as_deref().is_none_or(|x| x == s);
+    let mut pairs = Vec::new();
+    for &c in &o.connections {
+        pairs.push(pair(c, &o.params, 64 * MIB).await);
+    }
+    if want("blocks") {
         let sizes = [64 * KIB, MIB, 16 * MIB];
         println!("\n== large blocks (GB/s; ratio = backend / best of raw 1 and 2 streams) ==");
         println!(
@@ -327,18 +353,24 @@ async fn run(o: Opts) {
                 .collect::<Vec<_>>()
                 .join(" ")
         );
-        let mut pairs = Vec::new();
-        for &c in &o.connections {
-            pairs.push(pair(c, &o.params, 64 * MIB).await);
-        }
         for &size in &sizes {
-            let m = memcpy(size, o.total.min(4096 * MIB));
-            let r1 = raw_tcp(size, o.total, 1).await;
-            let r2 = raw_tcp(size, o.total, 2).await;
+            let (mut m, mut r1, mut r2) = (Vec::new(), Vec::new(), Vec::new());
+            let mut tcp = vec![Vec::new(); pairs.len()];
+            // Interleaved repetitions, so that load from elsewhere hits
+            // every column alike.
+            for _ in 0..o.reps {
+                m.push(memcpy(size, o.total.min(4096 * MIB)));
+                r1.push(raw_tcp(size, o.total, 1).await);
+                r2.push(raw_tcp(size, o.total, 2).await);
+                for (k, p) in pairs.iter().enumerate() {
+                    tcp[k].push(backend_blocks(p, size, o.total).await);
+                }
+            }
+            let (m, r1, r2) = (median(m), median(r1), median(r2));
             let best = r1.max(r2);
             let mut cols = Vec::new();
-            for p in &pairs {
-                let g = backend_blocks(p, size, o.total).await;
+            for t in tcp {
+                let g = median(t);
                 cols.push(format!("{g:>9.2} {:>5.0}%", 100.0 * g / best));
             }
             println!(
@@ -351,18 +383,30 @@ async fn run(o: Opts) {
                 cols.join(" ")
             );
         }
-
+    }
+    if want("small") {
         println!("\n== 4 KiB writes (transfers/s) ==");
-        let raw1 = raw_pingpong(1, o.small_secs).await;
-        let raw256 = raw_pingpong(256, o.small_secs).await;
+        let (mut raw1, mut raw256) = (Vec::new(), Vec::new());
+        let mut tcp = vec![[const { Vec::new() }; 3]; pairs.len()];
+        for _ in 0..o.reps {
+            raw1.push(raw_pingpong(1, o.small_secs).await);
+            raw256.push(raw_pingpong(256, o.small_secs).await);
+            for (k, p) in pairs.iter().enumerate() {
+                for (j, batch) in [1, 32, 256].into_iter().enumerate() {
+                    tcp[k][j].push(backend_small(p, batch, o.small_secs).await);
+                }
+            }
+        }
+        let (raw1, raw256) = (median(raw1), median(raw256));
         println!(
             "raw ping-pong: {:>10.0}/s with 1 in flight, {:>10.0}/s with 256 in flight",
             raw1, raw256
         );
         for (i, p) in pairs.iter().enumerate() {
             let c = o.connections[i];
-            for batch in [1, 32, 256] {
-                let r = backend_small(p, batch, o.small_secs).await;
+            let _ = p;
+            for (j, batch) in [1, 32, 256].into_iter().enumerate() {
+                let r = median(std::mem::take(&mut tcp[i][j]));
                 let base = if batch == 1 { raw1 } else { raw256 };
                 println!(
                     "tcp c={c} batch {batch:>3}: {r:>10.0}/s  ({:>4.0}% of raw ping-pong {})",
@@ -371,10 +415,22 @@ async fn run(o: Opts) {
                 );
             }
         }
-
+    }
+    if want("latency") {
         println!("\n== single 4 KiB write latency ==");
         for (i, p) in pairs.iter().enumerate() {
-            let (p50, p99, p999) = backend_latency(p, o.latency_samples).await;
+            let (mut a, mut b, mut c) = (Vec::new(), Vec::new(), Vec::new());
+            for _ in 0..o.reps {
+                let (p50, p99, p999) = backend_latency(p, o.latency_samples).await;
+                a.push(p50.as_secs_f64());
+                b.push(p99.as_secs_f64());
+                c.push(p999.as_secs_f64());
+            }
+            let (p50, p99, p999) = (
+                Duration::from_secs_f64(median(a)),
+                Duration::from_secs_f64(median(b)),
+                Duration::from_secs_f64(median(c)),
+            );
             println!(
                 "tcp c={}: p50 {:>6.1} us  p99 {:>6.1} us  p99.9 {:>6.1} us  ({} samples)",
                 o.connections[i],
@@ -384,6 +440,6 @@ async fn run(o: Opts) {
                 o.latency_samples
             );
         }
-        println!("\ntargets (issue 5): blocks >= 80% of best raw; batch 256 >= 250k/s; p50 <= 45 us, p99 <= 110 us");
     }
+    println!("\ntargets (issue 5): blocks >= 80% of best raw; batch 256 >= 250k/s; p50 <= 45 us, p99 <= 110 us");
 }

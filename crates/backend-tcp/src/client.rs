@@ -265,8 +265,8 @@ impl ConnShared {
     }
 }
 
-async fn reader_task(conn: Arc<ConnShared>, spin: Duration) {
-    let err = match reader_loop(&conn, spin).await {
+async fn reader_task(conn: Arc<ConnShared>, spin: Duration, spin_pending: Duration) {
+    let err = match reader_loop(&conn, spin, spin_pending).await {
         Ok(()) => Error::PeerLost {
             peer: conn.peer.clone(),
             reason: "the peer closed the connection".to_owned(),
@@ -277,11 +277,15 @@ async fn reader_task(conn: Arc<ConnShared>, spin: Duration) {
     conn.fail_all(err);
 }
 
-async fn reader_loop(conn: &ConnShared, spin: Duration) -> Result<()> {
+async fn reader_loop(conn: &ConnShared, spin: Duration, spin_pending: Duration) -> Result<()> {
     let mut rd = FrameReader::new(spin, conn.timeout);
     let mut ids = vec![0u8; MAX_ACKS as usize * 8];
     let stream = &conn.stream;
+    let spin_pending = spin_pending.max(spin);
     loop {
+        // Poll longer while responses are expected.
+        let busy = !lock(&conn.pending).ops.is_empty();
+        rd.set_spin(if busy { spin_pending } else { spin });
         let hdr = match rd.next_header(stream).await.map_err(|e| conn.lost(&e))? {
             Next::Header(h) => h,
             Next::Eof => return Ok(()),
@@ -679,7 +683,8 @@ impl Peer {
             dead: AtomicBool::new(false),
             timeout: cfg.request_timeout,
         });
-        let reader = tokio::spawn(reader_task(Arc::clone(&shared), cfg.spin)).abort_handle();
+        let reader = tokio::spawn(reader_task(Arc::clone(&shared), cfg.spin, cfg.spin_pending))
+            .abort_handle();
         Ok(Conn { shared, reader })
     }
 

@@ -172,6 +172,11 @@ pub enum Next {
 }
 
 impl FrameReader {
+    /// Changes how long the reader polls before sleeping.
+    pub fn set_spin(&mut self, spin: Duration) {
+        self.spin = spin;
+    }
+
     /// A reader polling for `spin` before sleeping; `timeout` bounds waits
     /// inside a frame.
     pub fn new(spin: Duration, timeout: Duration) -> Self {
