@@ -28,6 +28,8 @@ Examples:
   ferry bench
   # a quick look at a few points, machine-readable
   ferry bench --blocks 4KiB,1MiB --batches 1,16 --duration 100ms --json
+  # asynchronous batches (submit + wait) in strict mode: nothing emulated
+  ferry bench --api async --backend 'tcp://127.0.0.1:0?strict=1'
   # another backend
   ferry bench --backend 'mooncake://?lib=/opt/mooncake/libtransfer_engine.so&metadata=P2PHANDSHAKE&protocol=tcp&host=127.0.0.1'
   # against `ferry serve` on another machine (copy the line it prints)
@@ -79,6 +81,11 @@ pub struct BenchArgs {
     #[arg(long, value_delimiter = ',', default_value = "write,read")]
     ops: Vec<OpArg>,
 
+    /// How a batch is issued: `sync` = batch_transfer (a batch of 1: transfer),
+    /// `async` = submit then wait.
+    #[arg(long, value_enum, default_value = "sync")]
+    api: Api,
+
     /// Registered bytes on each side; a point whose block × batch does not fit is skipped.
     #[arg(long, value_parser = parse_positive_size, default_value = "256MiB")]
     region_size: u64,
@@ -126,6 +133,15 @@ impl OpArg {
     }
 }
 
+/// How batches are issued.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum Api {
+    /// `batch_transfer` (and `transfer` for a batch of one).
+    Sync,
+    /// `submit` + `wait`.
+    Async,
+}
+
 /// One measured point (a row of the table, an object of `--json`).
 #[derive(Debug, Serialize)]
 struct Point {
@@ -133,6 +149,7 @@ struct Point {
     /// `loopback` or the peer's segment name.
     target: String,
     op: &'static str,
+    api: &'static str,
     block: u64,
     batch: usize,
     gbps: f64,
@@ -423,10 +440,14 @@ fn memcpy_gbps(block: usize, duration: Duration, total: u64) -> f64 {
 
 async fn one_batch(
     engine: &Engine,
+    api: Api,
     segment: SegmentId,
     requests: &[TransferRequest],
 ) -> ferry::Result<()> {
-    if let [single] = requests {
+    if api == Api::Async {
+        let id = engine.submit(segment, requests, None).await?;
+        engine.wait(id).await?.into_result()
+    } else if let [single] = requests {
         engine.transfer(segment, *single).await
     } else {
         engine
@@ -476,7 +497,7 @@ async fn measure_point(
 
     let warm_start = Instant::now();
     loop {
-        one_batch(engine, setup.segment, &requests).await?;
+        one_batch(engine, args.api, setup.segment, &requests).await?;
         if warm_start.elapsed() >= args.warmup {
             break;
         }
@@ -487,7 +508,7 @@ async fn measure_point(
     let start = Instant::now();
     while samples.len() < 2 || (start.elapsed() < args.duration && bytes < args.total) {
         let t = Instant::now();
-        one_batch(engine, setup.segment, &requests).await?;
+        one_batch(engine, args.api, setup.segment, &requests).await?;
         samples.push(t.elapsed());
         bytes += batch_bytes;
     }
@@ -542,6 +563,10 @@ async fn measure_point(
         backend: String::new(),
         target: String::new(),
         op: op.name(),
+        api: match args.api {
+            Api::Sync => "sync",
+            Api::Async => "async",
+        },
         block,
         batch,
         gbps,

@@ -233,6 +233,22 @@ mod tcp {
     }
 
     #[test]
+    fn bench_async_api_in_strict_mode() {
+        let mut args = vec![
+            "bench",
+            "--json",
+            "--api",
+            "async",
+            "--backend",
+            "tcp://127.0.0.1:0?strict=1",
+        ];
+        args.extend(TINY);
+        let (out, _) = expect_code(&args, 0);
+        let points = check_points(&out, true);
+        assert!(points.iter().all(|p| p["api"] == "async"), "{out}");
+    }
+
+    #[test]
     fn bench_table_has_every_column_and_the_baselines() {
         let mut args = vec!["bench"];
         args.extend(TINY);
