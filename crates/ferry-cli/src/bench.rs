@@ -176,7 +176,7 @@ struct Baseline {
 struct Setup {
     engine: Arc<Engine>,
     /// Keeps the in-process target alive (loopback mode).
-    _target: Option<(Arc<Engine>, RegisteredBuffer<Engine>)>,
+    target: Option<(Arc<Engine>, RegisteredBuffer<Engine>)>,
     segment: SegmentId,
     remote_addr: u64,
     local: RegisteredBuffer<Engine>,
@@ -185,7 +185,7 @@ struct Setup {
     window: u64,
     target_label: String,
     raw_sink: Option<String>,
-    _sink_task: Option<tokio::task::JoinHandle<()>>,
+    sink_task: Option<tokio::task::JoinHandle<()>>,
     notify: bool,
 }
 
@@ -288,7 +288,27 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     } else {
         print_table(&args, &setup, &results, &base_by_block);
     }
-    Ok(())
+    setup.close().await
+}
+
+impl Setup {
+    /// Closes the segment and unregisters every buffer (waiting for
+    /// transfers in flight) before the memory is freed.
+    async fn close(self) -> anyhow::Result<()> {
+        self.engine
+            .close_segment(self.segment)
+            .await
+            .context("closing the target segment")?;
+        self.scratch.release().await?;
+        self.local.release().await?;
+        if let Some((_, target)) = self.target {
+            target.release().await?;
+        }
+        if let Some(task) = self.sink_task {
+            task.abort();
+        }
+        Ok(())
+    }
 }
 
 async fn setup(args: &BenchArgs, max_block: u64) -> anyhow::Result<Setup> {
@@ -363,7 +383,7 @@ async fn setup(args: &BenchArgs, max_block: u64) -> anyhow::Result<Setup> {
     let notify = args.peer.is_some() && engine.capabilities().notify;
     Ok(Setup {
         engine,
-        _target: target,
+        target,
         segment,
         remote_addr,
         local,
@@ -371,7 +391,7 @@ async fn setup(args: &BenchArgs, max_block: u64) -> anyhow::Result<Setup> {
         window,
         target_label: label,
         raw_sink,
-        _sink_task: sink_task,
+        sink_task,
         notify,
     })
 }
