@@ -211,6 +211,10 @@ pub const OPTIONAL_SYMBOLS: [(&str, Generation); 13] = [
     ("syncSegmentCache", Generation::V0_2_0),
 ];
 
+/// glibc's `RTLD_NODELETE` (the same value on x86-64 and AArch64, the only
+/// targets this crate builds for); libloading does not export it.
+const RTLD_NODELETE: c_int = 0x1000;
+
 /// Symbols only the pre-v0.2.0 C API had.
 const PRE_V0_2_0_MARKERS: [&str; 2] = ["initTransferEngine", "installOrGetTransport"];
 
@@ -396,13 +400,20 @@ impl MooncakeLibrary {
 
     unsafe fn load_from(path: &Path, source: LibrarySource) -> Result<Arc<MooncakeLibrary>> {
         let shown = path.display().to_string();
-        // SAFETY: see the function contract.
-        let lib = unsafe { libloading::Library::new(path) }.map_err(|e| {
-            unavailable(format!(
-                "cannot load {shown} (from the {source}): {e}; set `lib=` in the URL or \
+        use libloading::os::unix::{Library as UnixLibrary, RTLD_LOCAL, RTLD_NOW};
+        // SAFETY: see the function contract. RTLD_NODELETE keeps the code
+        // mapped after the last handle is closed: Mooncake runs background
+        // threads (handshake daemon, transport workers) that may still be
+        // returning through library code after destroyTransferEngine, and
+        // unmapping it under them would crash the process.
+        let lib = unsafe { UnixLibrary::open(Some(path), RTLD_NOW | RTLD_LOCAL | RTLD_NODELETE) }
+            .map(libloading::Library::from)
+            .map_err(|e| {
+                unavailable(format!(
+                    "cannot load {shown} (from the {source}): {e}; set `lib=` in the URL or \
                  {LIBRARY_ENV} to the path of libtransfer_engine.so (Mooncake ≥ v0.2.0)"
-            ))
-        })?;
+                ))
+            })?;
         let has = |name: &str| {
             // SAFETY: only the address is looked up; nothing is called.
             unsafe { lib.get::<*const c_void>(name.as_bytes()) }.is_ok()

@@ -142,6 +142,18 @@ typedef struct {
 } seg_t;
 
 struct engine;
+struct work;
+
+/* A served connection. Every thread the library starts is joined before
+ * destroyTransferEngine returns, so no thread runs library code once the
+ * library may be unloaded. */
+typedef struct {
+    int fd;
+    int done;
+    pthread_t thr;
+} conn_t;
+
+#define TL_WORKERS 4
 
 typedef struct {
     uint32_t magic;
@@ -160,9 +172,11 @@ typedef struct engine {
     seg_t segs[MAX_SEGS];
     notify_msg_t *notifs;
     size_t nnotifs, capnotifs;
-    int conn_fds[MAX_CONNS];
+    conn_t conns[MAX_CONNS];
     int nconns;
-    int workers;
+    struct work *jobs_head, *jobs_tail;
+    pthread_t workers[TL_WORKERS];
+    int nworkers;
     int stopping;
 
     int listen_fd;
@@ -330,15 +344,26 @@ static void *serve_conn(void *p) {
     }
     pthread_mutex_lock(&e->mu);
     for (int i = 0; i < e->nconns; i++) {
-        if (e->conn_fds[i] == fd) {
-            e->conn_fds[i] = e->conn_fds[--e->nconns];
+        if (!e->conns[i].done && e->conns[i].fd == fd) {
+            e->conns[i].done = 1;
             break;
         }
     }
     close(fd);
-    pthread_cond_broadcast(&e->cv);
     pthread_mutex_unlock(&e->mu);
     return NULL;
+}
+
+/* Joins finished connection threads. Caller holds e->mu. */
+static void reap_conns(engine_t *e) {
+    int j = 0;
+    for (int i = 0; i < e->nconns; i++) {
+        if (e->conns[i].done)
+            pthread_join(e->conns[i].thr, NULL);
+        else
+            e->conns[j++] = e->conns[i];
+    }
+    e->nconns = j;
 }
 
 static void *accept_loop(void *p) {
@@ -352,32 +377,32 @@ static void *accept_loop(void *p) {
         int one = 1;
         setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
         pthread_mutex_lock(&e->mu);
-        if (e->stopping || e->nconns >= MAX_CONNS) {
-            pthread_mutex_unlock(&e->mu);
-            close(fd);
-            continue;
-        }
-        e->conn_fds[e->nconns++] = fd;
-        pthread_mutex_unlock(&e->mu);
+        reap_conns(e);
         conn_arg_t *a = malloc(sizeof *a);
-        pthread_t t;
-        if (a) {
-            a->eng = e;
-            a->fd = fd;
-        }
-        if (!a || pthread_create(&t, NULL, serve_conn, a)) {
-            free(a);
-            pthread_mutex_lock(&e->mu);
-            for (int i = 0; i < e->nconns; i++)
-                if (e->conn_fds[i] == fd) e->conn_fds[i] = e->conn_fds[--e->nconns];
+        if (e->stopping || e->nconns >= MAX_CONNS || !a) {
             pthread_mutex_unlock(&e->mu);
+            free(a);
             close(fd);
             continue;
         }
-        pthread_detach(t);
+        a->eng = e;
+        a->fd = fd;
+        conn_t *c = &e->conns[e->nconns];
+        c->fd = fd;
+        c->done = 0;
+        if (pthread_create(&c->thr, NULL, serve_conn, a)) {
+            pthread_mutex_unlock(&e->mu);
+            free(a);
+            close(fd);
+            continue;
+        }
+        e->nconns++;
+        pthread_mutex_unlock(&e->mu);
     }
     return NULL;
 }
+
+static void *worker_loop(void *p);
 
 /* ---------------------------------------------------------------- engine */
 
@@ -454,22 +479,33 @@ static int engine_init(engine_t *e, const char *name, const char *host, uint64_t
         return CODE(E_CONTEXT);
     }
     e->accept_started = 1;
-    return 0;
+    for (int i = 0; i < TL_WORKERS; i++) {
+        if (pthread_create(&e->workers[i], NULL, worker_loop, e)) break;
+        e->nworkers++;
+    }
+    return e->nworkers > 0 ? 0 : CODE(E_CONTEXT);
 }
 
 static void engine_destroy(engine_t *e) {
     if (!e || e->magic != ENGINE_MAGIC) return;
+    /* Workers finish the queued jobs, then exit. */
     pthread_mutex_lock(&e->mu);
     e->stopping = 1;
-    while (e->workers > 0) pthread_cond_wait(&e->cv, &e->mu);
+    pthread_cond_broadcast(&e->cv);
     pthread_mutex_unlock(&e->mu);
+    for (int i = 0; i < e->nworkers; i++) pthread_join(e->workers[i], NULL);
     if (e->listen_fd >= 0) shutdown(e->listen_fd, SHUT_RDWR);
     if (e->accept_started) pthread_join(e->accept_thr, NULL);
     if (e->listen_fd >= 0) close(e->listen_fd);
     pthread_mutex_lock(&e->mu);
-    for (int i = 0; i < e->nconns; i++) shutdown(e->conn_fds[i], SHUT_RDWR);
-    while (e->nconns > 0) pthread_cond_wait(&e->cv, &e->mu);
+    for (int i = 0; i < e->nconns; i++)
+        if (!e->conns[i].done) shutdown(e->conns[i].fd, SHUT_RDWR);
+    int n = e->nconns;
+    pthread_t thr[MAX_CONNS];
+    for (int i = 0; i < n; i++) thr[i] = e->conns[i].thr;
+    e->nconns = 0;
     pthread_mutex_unlock(&e->mu);
+    for (int i = 0; i < n; i++) pthread_join(thr[i], NULL);
     for (int i = 0; i < MAX_SEGS; i++)
         if (e->segs[i].used) close(e->segs[i].fd);
     if (e->metadata_dir[0] && e->name[0]) {
@@ -768,44 +804,55 @@ static int run_task(engine_t *e, struct transfer_request *q) {
     return status;
 }
 
-typedef struct {
+typedef struct work {
+    struct work *next;
     batch_t *b;
     size_t start, n;
     int has_notify;
     char *nname, *nmsg;
 } work_t;
 
-static void *worker(void *p) {
-    work_t *w = p;
+static void run_job(engine_t *e, work_t *w) {
     batch_t *b = w->b;
-    engine_t *e = b->eng;
     int *st = calloc(w->n ? w->n : 1, sizeof *st);
     int all_ok = 1;
     for (size_t i = 0; i < w->n; i++) {
-        st[i] = st ? run_task(e, &b->tasks[w->start + i].req) : STATUS_FAILED;
-        if (st[i] != STATUS_COMPLETED) all_ok = 0;
+        int r = st ? run_task(e, &b->tasks[w->start + i].req) : STATUS_FAILED;
+        if (st) st[i] = r;
+        if (r != STATUS_COMPLETED) all_ok = 0;
     }
     if (w->has_notify && all_ok && w->n > 0) {
         int32_t tid = b->tasks[w->start].req.target_id;
         if (tid > 0 && tid < MAX_SEGS) send_notify_on(&e->segs[tid], w->nname, w->nmsg);
     }
     for (size_t i = 0; i < w->n; i++) {
+        int r = st ? st[i] : STATUS_FAILED;
         b->tasks[w->start + i].transferred =
-            st[i] == STATUS_COMPLETED ? b->tasks[w->start + i].req.length : 0;
+            r == STATUS_COMPLETED ? b->tasks[w->start + i].req.length : 0;
         /* Last touch of the batch: once every status is terminal, the owner
          * may free it. */
-        __atomic_store_n(&b->tasks[w->start + i].status, st ? st[i] : STATUS_FAILED,
-                         __ATOMIC_RELEASE);
+        __atomic_store_n(&b->tasks[w->start + i].status, r, __ATOMIC_RELEASE);
     }
     free(st);
     free(w->nname);
     free(w->nmsg);
     free(w);
-    pthread_mutex_lock(&e->mu);
-    e->workers--;
-    pthread_cond_broadcast(&e->cv);
-    pthread_mutex_unlock(&e->mu);
-    return NULL;
+}
+
+static void *worker_loop(void *p) {
+    engine_t *e = p;
+    for (;;) {
+        pthread_mutex_lock(&e->mu);
+        while (!e->jobs_head && !e->stopping) pthread_cond_wait(&e->cv, &e->mu);
+        work_t *w = e->jobs_head;
+        if (w) {
+            e->jobs_head = w->next;
+            if (!e->jobs_head) e->jobs_tail = NULL;
+        }
+        pthread_mutex_unlock(&e->mu);
+        if (!w) return NULL; /* stopping and nothing left */
+        run_job(e, w);
+    }
 }
 
 static batch_t *as_batch(uint64_t id) {
@@ -852,21 +899,13 @@ static int submit_impl(engine_t *e, uint64_t id, struct transfer_request *entrie
         w->nmsg = strdup(notify->msg ? notify->msg : "");
     }
     pthread_mutex_lock(&e->mu);
-    e->workers++;
+    if (e->jobs_tail)
+        e->jobs_tail->next = w;
+    else
+        e->jobs_head = w;
+    e->jobs_tail = w;
+    pthread_cond_broadcast(&e->cv);
     pthread_mutex_unlock(&e->mu);
-    pthread_t t;
-    if (pthread_create(&t, NULL, worker, w)) {
-        for (size_t i = 0; i < count; i++) b->tasks[start + i].status = STATUS_FAILED;
-        free(w->nname);
-        free(w->nmsg);
-        free(w);
-        pthread_mutex_lock(&e->mu);
-        e->workers--;
-        pthread_cond_broadcast(&e->cv);
-        pthread_mutex_unlock(&e->mu);
-        return CODE(E_CONTEXT);
-    }
-    pthread_detach(t);
     return 0;
 }
 
