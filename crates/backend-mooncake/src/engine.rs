@@ -1239,3 +1239,18 @@ fn generation_detail(lib: &MooncakeLibrary) -> String {
     };
     format!("Mooncake {} or later ({note})", g.version())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::device_matrix;
+
+    #[test]
+    fn device_filter_becomes_a_nic_priority_matrix() {
+        assert_eq!(
+            device_matrix("mlx5_0, mlx5_1"),
+            r#"{"cpu:0": [["mlx5_0", "mlx5_1"], []]}"#
+        );
+        let json = r#"{"cuda:0": [["mlx5_2"], ["mlx5_0"]]}"#;
+        assert_eq!(device_matrix(json), json);
+    }
+}

@@ -559,3 +559,51 @@ async fn library_error_codes_of_both_signs_have_one_name() {
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transport_the_library_cannot_install_is_unavailable() {
+    let mut cfg = config(Lib::Current, "P2PHANDSHAKE", "");
+    cfg.protocol = "rdma".into();
+    cfg.device = Some("mlx5_0,mlx5_1".into());
+    match MooncakeEngine::start(cfg).await.unwrap_err() {
+        Error::Unavailable { reason, .. } => {
+            assert!(
+                reason.starts_with("installTransport(\"rdma\") returned NULL"),
+                "{reason}"
+            );
+            assert!(reason.contains("v0.3.12"), "{reason}");
+        }
+        other => panic!("expected Unavailable, got {other:?}"),
+    }
+}
+
+/// Dropping an engine with a batch still in the library: the poller
+/// finishes it, keeps the memory registered until then, and only then
+/// destroys the C engine.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_an_engine_with_a_batch_in_flight_finishes_it_first() {
+    let gen = Lib::V0_3_5;
+    let meta = metadata_for(gen);
+    let a = start(gen, &meta).await;
+    let b = MooncakeEngine::start(config(gen, &meta, "@stall=300"))
+        .await
+        .unwrap();
+    let src = buffer(4096, 0x5A);
+    let dst = buffer(4096, 0);
+    a.register(&src.region(Location::cpu(0))).await.unwrap();
+    b.register(&dst.region(Location::cpu(0))).await.unwrap();
+    let seg = a.open_segment(b.segment_name()).await.unwrap();
+    let id = a
+        .submit(
+            seg,
+            &[TransferRequest::write(src.addr(), dst.addr(), 4096)],
+            None,
+        )
+        .await
+        .unwrap();
+    assert!(!a.status(id).unwrap().is_finished());
+    drop(a);
+    // The peer's region is held by the batch until the library is done.
+    b.unregister(dst.addr()).await.unwrap();
+    assert_eq!(dst.to_vec(), src.to_vec());
+}
