@@ -356,6 +356,13 @@ async fn setup(args: &BenchArgs, max_block: u64) -> anyhow::Result<Setup> {
             )
         }
         Some(peer) => {
+            let (addr, len) = (
+                args.remote_addr.unwrap_or_default(),
+                args.remote_len.unwrap_or_default(),
+            );
+            if addr.checked_add(len).is_none() {
+                bail!("--remote-addr {addr:#x} + --remote-len {len} overflows the address space");
+            }
             let seg = engine
                 .open_segment(peer)
                 .await
@@ -363,8 +370,8 @@ async fn setup(args: &BenchArgs, max_block: u64) -> anyhow::Result<Setup> {
             (
                 None,
                 seg,
-                args.remote_addr.unwrap_or_default(),
-                args.remote_len.unwrap_or_default(),
+                addr,
+                len,
                 peer.clone(),
                 args.raw_peer.clone(),
                 None,

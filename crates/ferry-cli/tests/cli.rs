@@ -63,6 +63,23 @@ fn peer_needs_the_remote_region() {
 }
 
 #[test]
+fn a_remote_region_past_the_address_space_is_refused() {
+    let (_, err) = expect_code(
+        &[
+            "bench",
+            "--peer",
+            "127.0.0.1:9",
+            "--remote-addr",
+            "0xffffffffffffff00",
+            "--remote-len",
+            "1MiB",
+        ],
+        1,
+    );
+    assert!(err.contains("overflows the address space"), "{err}");
+}
+
+#[test]
 fn every_subcommand_help_has_examples() {
     for sub in [
         &["--help"][..],
