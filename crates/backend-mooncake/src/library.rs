@@ -532,3 +532,35 @@ impl MooncakeLibrary {
             && self.api.gen_notify.is_some()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn detect(symbols: &[&str]) -> Generation {
+        Generation::detect(|s| symbols.contains(&s) || REQUIRED_SYMBOLS.contains(&s))
+    }
+
+    #[test]
+    fn generation_is_the_newest_marker_present() {
+        assert_eq!(detect(&[]), Generation::V0_2_0);
+        assert_eq!(detect(&["getLocalIpAndPort"]), Generation::V0_3_0);
+        assert_eq!(
+            detect(&["getLocalIpAndPort", "submitTransferWithNotify"]),
+            Generation::V0_3_5
+        );
+        assert_eq!(detect(&["freeNotifsMsgBuf"]), Generation::V0_3_6);
+        assert_eq!(
+            detect(&["freeNotifsMsgBuf", "discoverTopology", "warmupEfaSegment"]),
+            Generation::V0_3_11
+        );
+        assert_eq!(
+            detect(&["discoverTopology", "getNicLoadStats"]),
+            Generation::V0_3_12
+        );
+        for (sym, gen) in OPTIONAL_SYMBOLS {
+            assert!(detect(&[sym]) <= gen || sym == "syncSegmentCache", "{sym}");
+        }
+        assert_eq!(Generation::V0_3_5.mooncake_version(), "Mooncake v0.3.5");
+    }
+}
