@@ -12,11 +12,12 @@ use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, Command, Stdio};
 
 use backend_mooncake::{MooncakeConfig, MooncakeEngine, LIBRARY_ENV};
-use common::start;
+use common::{metadata_for, start};
 use mooncake_testlibs::{library_path, Generation as Lib};
 use transport_core::{Error, HostBuffer, Location, TransferEngine, TransferRequest};
 
 const CHILD_LIB: &str = "FERRY_MC_TEST_CHILD_LIB";
+const CHILD_META: &str = "FERRY_MC_TEST_CHILD_META";
 const BUF: usize = 64 << 10;
 
 fn child(test: &str) -> Command {
@@ -59,6 +60,8 @@ async fn child_peer() {
     };
     let engine = MooncakeEngine::start(MooncakeConfig {
         library: Some(lib.into()),
+        metadata: std::env::var(CHILD_META).unwrap_or_else(|_| "P2PHANDSHAKE".into()),
+        name: Some(format!("child-peer-{}", std::process::id())),
         ..MooncakeConfig::default()
     })
     .await
@@ -103,9 +106,10 @@ impl Peer {
     // (an early panic before `Peer` exists ends the test binary, which the
     // child notices as end of input).
     #[allow(clippy::zombie_processes)]
-    fn spawn(gen: Lib) -> Peer {
+    fn spawn(gen: Lib, metadata: &str) -> Peer {
         let mut proc = child("child_peer")
             .env(CHILD_LIB, library_path(gen))
+            .env(CHILD_META, metadata)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -151,8 +155,9 @@ impl Peer {
 }
 
 async fn cross_process(gen: Lib) {
-    let mut peer = Peer::spawn(gen);
-    let a = start(gen, "P2PHANDSHAKE").await;
+    let metadata = metadata_for(gen);
+    let mut peer = Peer::spawn(gen, &metadata);
+    let a = start(gen, &metadata).await;
     let local = HostBuffer::new(BUF).unwrap();
     a.register(&local.region(Location::cpu(0))).await.unwrap();
     let seg = a.open_segment(&peer.segment).await.unwrap();
@@ -210,6 +215,14 @@ async fn cross_process_peer_current() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cross_process_peer_v0_3_0() {
     cross_process(Lib::V0_3_0).await;
+}
+
+/// v0.2.0 has no P2PHANDSHAKE: both processes use the test libraries'
+/// `file://` metadata directory, and the segment name is the child's
+/// `local_server_name`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cross_process_peer_v0_2_0_with_a_metadata_service() {
+    cross_process(Lib::V0_2_0).await;
 }
 
 /// Child: starts an engine with no library in the config and prints where
