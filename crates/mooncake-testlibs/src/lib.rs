@@ -226,10 +226,14 @@ pub fn broken_library_path(kind: Broken) -> PathBuf {
 
 /// A fresh directory for the test libraries' `file://` metadata convention
 /// (generations without `P2PHANDSHAKE`), and the metadata string naming it.
-/// The directory lives under the system temp dir; the caller may remove it.
+/// The directory lives under the system temp dir; the caller may remove it,
+/// and the first call in a process removes those left by processes that no
+/// longer run.
 pub fn file_metadata(tag: &str) -> (PathBuf, String) {
     use std::sync::atomic::{AtomicU64, Ordering};
     static N: AtomicU64 = AtomicU64::new(0);
+    static SWEEP: std::sync::Once = std::sync::Once::new();
+    SWEEP.call_once(sweep_stale_metadata_dirs);
     let dir = std::env::temp_dir().join(format!(
         "ferry-mooncake-meta-{}-{}-{}",
         std::process::id(),
@@ -242,4 +246,26 @@ pub fn file_metadata(tag: &str) -> (PathBuf, String) {
     let _ = std::fs::create_dir_all(&dir);
     let url = format!("file://{}", dir.display());
     (dir, url)
+}
+
+/// Removes `ferry-mooncake-meta-<pid>-…` directories of dead processes.
+fn sweep_stale_metadata_dirs() {
+    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(rest) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix("ferry-mooncake-meta-"))
+        else {
+            continue;
+        };
+        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else {
+            continue;
+        };
+        if !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
 }
