@@ -823,11 +823,10 @@ impl Peer {
         let n_conns = self.slots.len();
         let mut per_conn: Vec<Vec<OutOp>> = (0..n_conns).map(|_| Vec::new()).collect();
         let mut counts = vec![0u32; requests.len()];
-        let home = if n_conns == 1 {
-            0
-        } else {
-            self.rr.fetch_add(1, Ordering::Relaxed) % n_conns
-        };
+        // Requests that fit in one chunk all go to connection 0: in order,
+        // pipelined, and the other connections stay idle (and do not poll)
+        // unless large requests are split over them.
+        let home = 0;
         for (i, (r, g)) in requests.iter().zip(&guards).enumerate() {
             let Some(g) = g else { continue };
             let mut off = 0;
@@ -847,8 +846,7 @@ impl Peer {
                         remote: r.remote_addr + off,
                     },
                 };
-                // Requests that fit one chunk stay on the batch's
-                // connection, in order; chunks of larger ones are spread.
+                // Chunks of requests larger than one chunk are spread.
                 let c = if n_conns == 1 || r.len <= chunk {
                     home
                 } else {

@@ -10,7 +10,7 @@ use crate::frame::MAX_OP_LEN;
 /// Configuration of a [`crate::TcpEngine`].
 ///
 /// `Default` gives an engine listening on `127.0.0.1:0` (an ephemeral
-/// loopback port), without authentication, with two connections per peer.
+/// loopback port), without authentication, with one connection per peer.
 /// `Debug` never prints the secret.
 #[derive(Clone)]
 pub struct TcpConfig {
@@ -58,7 +58,7 @@ impl Default for TcpConfig {
         TcpConfig {
             listen: "127.0.0.1:0".to_owned(),
             secret: None,
-            connections: 2,
+            connections: 1,
             connect_timeout: Duration::from_secs(5),
             request_timeout: Duration::from_secs(30),
             chunk_size: 1 << 20,

@@ -7,8 +7,8 @@ use backend_tcp::{TcpConfig, TcpEngine};
 use transport_core::conformance::EngineFactory;
 use transport_core::{Result, TransferEngine};
 
-/// Engines on ephemeral loopback ports with the default configuration
-/// (two connections per peer), authenticated with a shared secret.
+/// Engines on ephemeral loopback ports, two connections per peer,
+/// authenticated with a shared secret.
 struct TcpFactory;
 
 #[async_trait::async_trait]
@@ -16,6 +16,7 @@ impl EngineFactory for TcpFactory {
     async fn create(&self) -> Result<Arc<dyn TransferEngine>> {
         let cfg = TcpConfig {
             secret: Some("conformance".to_owned()),
+            connections: 2,
             ..TcpConfig::default()
         };
         Ok(Arc::new(TcpEngine::start(cfg).await?))
@@ -32,8 +33,8 @@ impl EngineFactory for TcpFactory {
 
 transport_core::conformance_tests!(TcpFactory);
 
-/// The same suite with one connection per peer and tiny chunks, so that
-/// requests are split into many wire operations.
+/// The same suite with three connections per peer, tiny chunks (requests
+/// are split into many wire operations over all of them) and no polling.
 mod chunked {
     use super::*;
 
