@@ -804,3 +804,76 @@ fn c_batch_register_rollback_tcp_emulated() {
 fn c_batch_register_rollback_tcp_native() {
     batch_register_rolls_back(Backend::Tcp, Flavor::Native, 64);
 }
+
+// ---------------------------------------------------------------------------
+// Pinned cases: the shapes the properties exist for, checked every run.
+// ---------------------------------------------------------------------------
+
+/// Runs fixed requests (offsets into local and remote buffers) on every
+/// adapter flavour of `backend` and checks them against the model.
+fn pinned(backend: Backend, reqs: &[(bool, usize, usize, usize)]) {
+    let rt = runtime();
+    let local = buffer();
+    let remotes = vec![buffer()];
+    for flavor in [
+        Flavor::Native,
+        Flavor::Emulated { coalesce: true },
+        Flavor::AdaptedNative { coalesce: true },
+    ] {
+        let s = rt.block_on(Setup::new(backend, flavor, local, &remotes));
+        let batch: Vec<TransferRequest> = reqs
+            .iter()
+            .map(|&(read, l, r, len)| {
+                let (l, r) = (local.addr() + l as u64, remotes[0].addr() + r as u64);
+                if read {
+                    TransferRequest::read(l, r, len as u64)
+                } else {
+                    TransferRequest::write(l, r, len as u64)
+                }
+            })
+            .collect();
+        let reqs = vec![batch];
+        for path in [Path::Sync, Path::Async] {
+            let (mems, outs) = rt.block_on(execute(&s, &reqs, path));
+            check_model(local.addr(), &remotes, &reqs, &mems, &outs)
+                .unwrap_or_else(|e| panic!("{backend:?} {flavor:?} {path:?}: {e}"));
+        }
+        rt.block_on(s.teardown());
+    }
+}
+
+/// Two contiguous writes, each inside one of two adjacent remote regions:
+/// merged they straddle the boundary; both must succeed.
+#[test]
+fn regression_merged_write_straddles_adjacent_regions() {
+    let reqs = [(false, 0, PAGE - 100, 100), (false, 100, PAGE, 100)];
+    pinned(Backend::Inproc, &reqs);
+    pinned(Backend::TcpChunked, &reqs);
+}
+
+/// Contiguous reads where the last one runs into the unregistered third
+/// page: the others succeed, the last fails and its bytes stay untouched.
+#[test]
+fn regression_merged_read_runs_into_unregistered_memory() {
+    let reqs = [
+        (true, 10, 2 * PAGE - 300, 100),
+        (true, 110, 2 * PAGE - 200, 100),
+        (true, 210, 2 * PAGE - 100, 150),
+    ];
+    pinned(Backend::Inproc, &reqs);
+    pinned(Backend::TcpChunked, &reqs);
+}
+
+/// A contiguous run whose merged local range straddles the issuer's two
+/// adjacent regions, next to a zero-length request at the boundary.
+#[test]
+fn regression_merged_local_straddle_and_zero_length() {
+    let reqs = [
+        (false, PAGE - 64, 0, 64),
+        (false, PAGE, 64, 64),
+        (false, PAGE + 64, 128, 0),
+        (false, PAGE + 64, 128, 64),
+    ];
+    pinned(Backend::Inproc, &reqs);
+    pinned(Backend::TcpChunked, &reqs);
+}

@@ -414,3 +414,91 @@ async fn the_report_says_native_emulated_or_unsupported_and_why() {
     );
     assert!(text.contains("unsupported"), "{text}");
 }
+
+/// Counts `tracing` events whose message mentions emulation.
+struct EmulationEvents(Arc<AtomicUsize>);
+
+struct MessageVisitor(String);
+
+impl tracing::field::Visit for MessageVisitor {
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        if field.name() == "message" {
+            self.0 = format!("{value:?}");
+        }
+    }
+}
+
+impl tracing::Subscriber for EmulationEvents {
+    fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+        true
+    }
+    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        tracing::span::Id::from_u64(1)
+    }
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+    fn event(&self, event: &tracing::Event<'_>) {
+        let mut v = MessageVisitor(String::new());
+        event.record(&mut v);
+        if v.0.contains("emulating") {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+    fn enter(&self, _: &tracing::span::Id) {}
+    fn exit(&self, _: &tracing::span::Id) {}
+}
+
+#[test]
+fn emulation_announces_itself_once_per_engine_and_operation() {
+    let count = Arc::new(AtomicUsize::new(0));
+    let subscriber = EmulationEvents(Arc::clone(&count));
+    tracing::subscriber::with_default(subscriber, || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let r = rig(
+                Probe::new(Capabilities::default()),
+                Capabilities::default(),
+                AdapterConfig::default(),
+                4 * 512,
+            )
+            .await;
+            for _ in 0..3 {
+                let reqs = scattered(&r, 4, 512);
+                r.adapter.batch_transfer(r.seg, &reqs, None).await.unwrap();
+            }
+            assert_eq!(count.load(Ordering::SeqCst), 1, "batch_transfer x3");
+            let id = r
+                .adapter
+                .submit(r.seg, &scattered(&r, 4, 512), None)
+                .await
+                .unwrap();
+            r.adapter.wait(id).await.unwrap();
+            // async_batch and batch_wait announced once each.
+            assert_eq!(count.load(Ordering::SeqCst), 3, "after submit + wait");
+            let id = r
+                .adapter
+                .submit(r.seg, &scattered(&r, 4, 512), None)
+                .await
+                .unwrap();
+            r.adapter.wait(id).await.unwrap();
+            assert_eq!(count.load(Ordering::SeqCst), 3, "repeated submit + wait");
+            // A second adapter announces again.
+            let r2 = rig(
+                Probe::new(Capabilities::default()),
+                Capabilities::default(),
+                AdapterConfig::default(),
+                4 * 512,
+            )
+            .await;
+            let reqs = scattered(&r2, 4, 512);
+            r2.adapter
+                .batch_transfer(r2.seg, &reqs, None)
+                .await
+                .unwrap();
+            assert_eq!(count.load(Ordering::SeqCst), 4, "second engine");
+        });
+    });
+}
