@@ -863,14 +863,20 @@ impl TransferEngine for MooncakeEngine {
 
     fn backend_info(&self) -> BackendInfo {
         let lib = &self.inner.lib;
-        let mut details = vec![
-            ("library".to_owned(), lib.path().display().to_string()),
+        let mut details = vec![("library".to_owned(), lib.path().display().to_string())];
+        if lib.requested_path() != lib.path() {
+            details.push((
+                "library requested".to_owned(),
+                lib.requested_path().display().to_string(),
+            ));
+        }
+        details.extend([
             ("library source".to_owned(), lib.source().to_string()),
             ("generation".to_owned(), generation_detail(lib)),
             ("metadata".to_owned(), self.inner.config.metadata.clone()),
             ("protocol".to_owned(), self.inner.config.protocol.clone()),
             ("segment".to_owned(), self.inner.segment_name.clone()),
-        ];
+        ]);
         if lib.has_notify() && lib.api.free_notifs.is_none() {
             details.push((
                 "notification buffers".to_owned(),

@@ -218,6 +218,40 @@ const RTLD_NODELETE: c_int = 0x1000;
 /// Symbols only the pre-v0.2.0 C API had.
 const PRE_V0_2_0_MARKERS: [&str; 2] = ["initTransferEngine", "installOrGetTransport"];
 
+/// glibc's `Dl_info` (identical on x86-64 and AArch64).
+#[repr(C)]
+struct DlInfo {
+    dli_fname: *const c_char,
+    dli_fbase: *mut c_void,
+    dli_sname: *const c_char,
+    dli_saddr: *mut c_void,
+}
+
+extern "C" {
+    fn dladdr(addr: *const c_void, info: *mut DlInfo) -> c_int;
+}
+
+/// The file the object containing `addr` was loaded from.
+fn loaded_from(addr: *const c_void) -> Option<PathBuf> {
+    let mut info = DlInfo {
+        dli_fname: std::ptr::null(),
+        dli_fbase: std::ptr::null_mut(),
+        dli_sname: std::ptr::null(),
+        dli_saddr: std::ptr::null_mut(),
+    };
+    // SAFETY: `addr` is a function address inside a loaded object; dladdr
+    // only fills `info`, whose strings belong to the loader and live as long
+    // as the object (which is never unloaded: RTLD_NODELETE).
+    let ok = unsafe { dladdr(addr, &mut info) };
+    if ok == 0 || info.dli_fname.is_null() {
+        return None;
+    }
+    // SAFETY: a NUL-terminated string owned by the loader (see above).
+    let name = unsafe { std::ffi::CStr::from_ptr(info.dli_fname) };
+    use std::os::unix::ffi::OsStrExt;
+    Some(PathBuf::from(std::ffi::OsStr::from_bytes(name.to_bytes())))
+}
+
 // ------------------------------------------------------------------ generations
 
 /// A Mooncake C API generation, detected from the symbols a library exports
@@ -321,6 +355,7 @@ impl fmt::Display for LibrarySource {
 /// anything can still call into it.
 pub struct MooncakeLibrary {
     path: PathBuf,
+    requested: PathBuf,
     source: LibrarySource,
     generation: Generation,
     present: Vec<&'static str>,
@@ -494,8 +529,11 @@ impl MooncakeLibrary {
             gen_notify: opt!("genNotifyInEngine"),
             free_notifs: opt!("freeNotifsMsgBuf"),
         };
+        let resolved =
+            loaded_from(api.create as *const c_void).unwrap_or_else(|| path.to_path_buf());
         Ok(Arc::new(MooncakeLibrary {
-            path: path.to_path_buf(),
+            path: resolved,
+            requested: path.to_path_buf(),
             source,
             generation,
             present,
@@ -504,10 +542,17 @@ impl MooncakeLibrary {
         }))
     }
 
-    /// The path that was loaded (as given: a bare file name when found
-    /// through the loader's search).
+    /// The file that was loaded, as the dynamic loader reports it (for a
+    /// library found through the loader's search, the directory it was found
+    /// in; otherwise the path as given).
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// The path that was asked for (`libtransfer_engine.so` for the loader
+    /// search).
+    pub fn requested_path(&self) -> &Path {
+        &self.requested
     }
 
     /// Where the path came from.

@@ -283,7 +283,10 @@ fn library_resolution_order() {
     // 3. Without it, libtransfer_engine.so through the loader search path.
     assert_eq!(
         resolve_in_child(None, &with_lib),
-        "RESOLVED libtransfer_engine.so | dynamic loader search path | v0.3.5"
+        format!(
+            "RESOLVED {} | dynamic loader search path | v0.3.5",
+            link.display()
+        )
     );
     // Nothing found: the backend is unavailable and says what it tried.
     let got = resolve_in_child(None, &empty);
