@@ -86,6 +86,16 @@ fn opts() -> Opts {
     o
 }
 
+/// utime + stime of this process in clock ticks (1/100 s), from procfs.
+fn cpu_ticks() -> u64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    let after = stat.rsplit(')').next().unwrap_or("");
+    let f: Vec<&str> = after.split_whitespace().collect();
+    let get = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+    // Fields 14 and 15 of stat; `after` starts at field 3.
+    get(11) + get(12)
+}
+
 fn gbps(bytes: usize, d: Duration) -> f64 {
     bytes as f64 / d.as_secs_f64() / 1e9
 }
@@ -440,6 +450,20 @@ async fn run(o: Opts) {
                 o.latency_samples
             );
         }
+    }
+    if want("latency") {
+        // Idle cost: the engines stay connected; nothing may poll.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let before = cpu_ticks();
+        let t = Instant::now();
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let used = cpu_ticks().saturating_sub(before);
+        println!(
+            "idle: {} engines connected, process CPU {:.1} ms over {:.1} s",
+            pairs.len() * 2,
+            used as f64 * 10.0,
+            t.elapsed().as_secs_f64()
+        );
     }
     println!("\ntargets (issue 5): blocks >= 80% of best raw; batch 256 >= 250k/s; p50 <= 45 us, p99 <= 110 us");
 }
