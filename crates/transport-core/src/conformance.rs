@@ -170,7 +170,7 @@ pub fn __run_test(name: &str, factory: Arc<dyn EngineFactory>, adapted: bool) {
     let mode = if adapted { "adapted" } else { "raw" };
     match rt.block_on(run_check(name, factory, adapted)) {
         Outcome::Passed => {}
-        Outcome::Skipped(reason) => println!("skipped: {name} ({mode}): {reason}"),
+        Outcome::Skipped(reason) => println!("skipped: {name}: {reason} ({mode})"),
     }
 }
 
