@@ -4,12 +4,13 @@
 # has no RDMA (containers, CI machines).
 #
 # Usage (as root):
-#   scripts/rxe-vm.sh BIN [BIN...]
+#   scripts/rxe-vm.sh BIN[::ARGS] [BIN[::ARGS]...]
 #
 # Every BIN (built on this host: Debian 12 / glibc, dynamically linked) is
 # copied into the guest and run there, one after the other, with
 #   FERRY_VERBS_URL=verbs://rxe0   RUST_BACKTRACE=0   $RXE_VM_ENV
-# and the arguments in $RXE_VM_ARGS (e.g. "--test-threads=1"). The guest
+# and the arguments after `::` (e.g. `target/release/ferry::bench --backend
+# verbs://rxe0`), else those in $RXE_VM_ARGS (e.g. "--test-threads=1"). The guest
 # loads rdma_rxe, creates rxe0 on a dummy network interface (no NIC: all
 # RoCE traffic stays inside the guest kernel), and powers off when the last
 # binary is done. The script exits 0 only if every binary exited 0.
@@ -42,7 +43,8 @@ SMP=${RXE_VM_SMP:-2}
 MEM=${RXE_VM_MEM:-2048}
 mkdir -p "$W"
 
-for b in "$@"; do
+for spec in "$@"; do
+  b=${spec%%::*}
   [ -x "$b" ] || { echo "rxe-vm.sh: $b is not an executable file" >&2; exit 2; }
 done
 
@@ -92,15 +94,22 @@ ip link set lo up; ip link set dummy0 up; sleep 2
 rdma link add rxe0 type rxe netdev dummy0 && rdma link show
 cd /tmp
 for b in /t/*; do
-  echo "=== \$(basename \$b)"
-  timeout $BIN_TIMEOUT "\$b" ${RXE_VM_ARGS:-}
+  case "\$b" in *.args) continue ;; esac
+  args="${RXE_VM_ARGS:-}"
+  [ -f "\$b.args" ] && args=\$(cat "\$b.args")
+  echo "=== \$(basename \$b) \$args"
+  timeout $BIN_TIMEOUT "\$b" \$args
   echo "RXE-VM-RC \$(basename \$b) \$?"
 done
 poweroff -f
 EOF
 
 rm -rf "$C/t"; mkdir -p "$C/t"
-for b in "$@"; do cp "$b" "$C/t/"; done
+for spec in "$@"; do
+  b=${spec%%::*}
+  cp "$b" "$C/t/"
+  if [ "$spec" != "$b" ]; then printf '%s' "${spec#*::}" > "$C/t/$(basename "$b").args"; fi
+done
 
 in_root '
 set -e
@@ -117,7 +126,7 @@ cp /t/* $R/t/
 cp /etc/libibverbs.d/rxe.driver $R/etc/libibverbs.d/
 cp -L /usr/lib/x86_64-linux-gnu/libibverbs/librxe-rdmav34.so $R/usr/lib/x86_64-linux-gnu/libibverbs/
 cp -L /usr/lib/x86_64-linux-gnu/libibverbs.so.1 $R/usr/lib/x86_64-linux-gnu/
-for f in $R/t/* $R/bin/rdma $R/bin/ip $R/usr/lib/x86_64-linux-gnu/libibverbs/*.so \
+for f in $(ls $R/t/* | grep -v "\.args$") $R/bin/rdma $R/bin/ip $R/usr/lib/x86_64-linux-gnu/libibverbs/*.so \
          /usr/lib/x86_64-linux-gnu/libibverbs.so.1; do
   ldd $f 2>/dev/null | awk "/=>/ {print \$3}"
 done | sort -u | while read l; do [ -f "$l" ] && mkdir -p $R$(dirname $l) && cp -L $l $R$(dirname $l)/; done
