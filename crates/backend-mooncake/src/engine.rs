@@ -163,7 +163,9 @@ struct Poller {
 }
 
 struct Inner {
-    core: Arc<Core>,
+    /// The C engine, owned by the poller thread's `Core`, which outlives
+    /// this struct (it stops only after `Inner::drop`).
+    raw: RawEngine,
     lib: Arc<MooncakeLibrary>,
     poller: Arc<Poller>,
     uid: u64,
@@ -178,7 +180,7 @@ struct Inner {
 
 impl Inner {
     fn raw(&self) -> *mut c_void {
-        self.core.raw.0
+        self.raw.0
     }
 }
 
@@ -352,8 +354,11 @@ impl MooncakeEngine {
             _ => server_name.clone(),
         };
         let poller = Arc::new(Poller::default());
+        // The poller thread is the only owner of the Core from here on, so
+        // destroyTransferEngine (which may block: it joins threads and may
+        // talk to the metadata server) runs there, never on an async worker.
+        let raw = RawEngine(core.raw.0);
         {
-            let core = Arc::clone(&core);
             let poller = Arc::clone(&poller);
             std::thread::Builder::new()
                 .name("ferry-mooncake-poll".into())
@@ -372,7 +377,7 @@ impl MooncakeEngine {
         );
         Ok(MooncakeEngine {
             inner: Arc::new(Inner {
-                core,
+                raw,
                 lib,
                 poller,
                 uid,
