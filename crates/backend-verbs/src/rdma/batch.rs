@@ -166,3 +166,61 @@ fn report(states: &[TransferState]) -> BatchReport {
             .collect(),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use transport_core::{Location, MemoryRegion, RegionTable, Side};
+
+    fn table_with_region() -> RegionTable {
+        let t = RegionTable::new();
+        // SAFETY: the table never dereferences the address.
+        let r =
+            unsafe { MemoryRegion::from_raw_parts(0x10000 as *mut u8, 0x1000, Location::any()) };
+        t.insert(r).unwrap();
+        t
+    }
+
+    #[tokio::test]
+    async fn request_is_terminal_after_its_last_work_request() {
+        let t = table_with_region();
+        let b = Batch::new(3);
+        b.settle(0, Ok(()));
+        b.arm(1, 2, t.acquire(0x10000, 16, Side::Local, None).unwrap());
+        b.arm(2, 1, t.acquire(0x10010, 16, Side::Local, None).unwrap());
+        // One WR carrying bytes of requests 1 and 2.
+        b.wr_done(&[1, 2], &Ok(()));
+        let st = b.status();
+        assert_eq!(st.states[0], TransferState::Completed);
+        assert_eq!(st.states[1], TransferState::Pending { transferred: 0 });
+        assert_eq!(st.states[2], TransferState::Completed);
+        // Request 1's guard still holds the region.
+        let removal = {
+            let t = t.clone();
+            tokio::spawn(async move { t.remove(0x10000).await })
+        };
+        tokio::task::yield_now().await;
+        assert!(!removal.is_finished());
+        let err = Error::Canceled("test".into());
+        b.wr_done(&[1], &Err(err.clone()));
+        assert_eq!(b.status().states[1], TransferState::Failed(err));
+        removal.await.unwrap().unwrap();
+        assert!(!b.all_terminal().await, "a failed request is not success");
+        b.finish(None);
+        let report = b.finished().await.unwrap();
+        assert_eq!(report.failures().count(), 1);
+    }
+
+    #[tokio::test]
+    async fn duplicate_or_unknown_completions_are_ignored() {
+        let b = Batch::new(1);
+        let t = table_with_region();
+        b.arm(0, 1, t.acquire(0x10000, 16, Side::Local, None).unwrap());
+        b.wr_done(&[0, 7], &Ok(()));
+        b.wr_done(&[0], &Err(Error::Canceled("late".into())));
+        assert_eq!(b.status().states[0], TransferState::Completed);
+        assert!(b.all_terminal().await);
+        b.finish(Some(Error::Canceled("notify".into())));
+        assert!(matches!(b.finished().await, Err(Error::Canceled(_))));
+    }
+}
