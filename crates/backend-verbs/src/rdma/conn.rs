@@ -75,6 +75,7 @@ pub(crate) struct Conn {
     corrupt_next_rkey: AtomicBool,
     poller: Arc<Poller>,
     qpn: u32,
+    qp_key: usize,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -160,6 +161,8 @@ impl Conn {
             device::agree_mtu(local.mtu, remote.mtu),
         )?;
         let qpn = qp.qp_number();
+        // SAFETY: only the address is used, as a map key.
+        let qp_key = unsafe { qp.qp() }.as_ptr() as usize;
         let (ctl_tx, ctl_rx) = mpsc::unbounded_channel();
         let conn = Arc::new(Conn {
             peer: name.to_owned(),
@@ -179,6 +182,7 @@ impl Conn {
             corrupt_next_rkey: AtomicBool::new(false),
             poller,
             qpn,
+            qp_key,
         });
         conn.poller.watch(&conn.cq, &conn)?;
         let (rd, wr) = stream.into_split();
@@ -508,6 +512,10 @@ impl Conn {
         Ok(())
     }
 
+    pub(crate) fn qp_key(&self) -> usize {
+        self.qp_key
+    }
+
     pub(crate) fn cq_key(&self) -> usize {
         // SAFETY: only the address is used, as a map key.
         unsafe { self.cq.cq() }.as_ptr() as usize
@@ -529,7 +537,7 @@ impl Conn {
 
 impl Drop for Conn {
     fn drop(&mut self) {
-        self.poller.unwatch(self.cq_key());
+        self.poller.unwatch(&[self.cq_key(), self.qp_key]);
         for t in lock(&self.tasks).drain(..) {
             t.abort();
         }

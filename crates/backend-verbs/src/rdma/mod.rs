@@ -61,7 +61,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 impl Inner {
     pub(crate) async fn start(cfg: VerbsConfig) -> Result<Arc<Inner>> {
         let dev = Arc::new(Device::open(&cfg)?);
-        let poller = Poller::start(Arc::clone(&dev.channel))?;
+        let poller = Poller::start(Arc::clone(&dev.ctx), Arc::clone(&dev.channel))?;
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name("ferry-verbs-ctl")

@@ -1,6 +1,8 @@
-//! The completion thread: sleeps in `poll(2)` on the completion channel (and
-//! a wake-up pipe), then re-arms and drains every CQ that signalled. No Tokio
-//! worker ever blocks on the device and nothing spins while idle.
+//! The completion thread: sleeps in `poll(2)` on the completion channel, the
+//! device's asynchronous-event descriptor and a wake-up pipe; re-arms and
+//! drains every CQ that signalled, and breaks the connection whose QP or CQ
+//! an asynchronous error event names (a QP can fail without a completion).
+//! No Tokio worker ever blocks on the device and nothing spins while idle.
 
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -10,6 +12,7 @@ use std::thread::JoinHandle;
 
 use rdma_mummy_sys as sys;
 use sideway::ibverbs::completion::{BasicCompletionQueue, CompletionChannel};
+use sideway::ibverbs::device_context::DeviceContext;
 use transport_core::{Error, Result};
 
 use super::conn::Conn;
@@ -28,7 +31,10 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Poller {
-    pub(crate) fn start(channel: Arc<CompletionChannel>) -> Result<Arc<Poller>> {
+    pub(crate) fn start(
+        ctx: Arc<DeviceContext>,
+        channel: Arc<CompletionChannel>,
+    ) -> Result<Arc<Poller>> {
         let mut fds = [0i32; 2];
         // SAFETY: `fds` has room for the two descriptors pipe2 writes.
         if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_NONBLOCK | libc::O_CLOEXEC) } != 0 {
@@ -47,7 +53,7 @@ impl Poller {
             let stop = Arc::clone(&stop);
             std::thread::Builder::new()
                 .name("ferry-verbs-cq".into())
-                .spawn(move || run(channel, wake_rx, registry, stop))
+                .spawn(move || run(ctx, channel, wake_rx, registry, stop))
                 .map_err(|e| Error::io("starting the completion thread", &e))?
         };
         Ok(Arc::new(Poller {
@@ -58,14 +64,22 @@ impl Poller {
         }))
     }
 
-    /// Routes the events of `cq` to `conn` and arms the CQ.
+    /// Routes the events of `cq` and of the connection's QP to `conn` and
+    /// arms the CQ.
     pub(crate) fn watch(&self, cq: &BasicCompletionQueue, conn: &Arc<Conn>) -> Result<()> {
-        lock(&self.registry).insert(conn.cq_key(), Arc::downgrade(conn));
+        {
+            let mut reg = lock(&self.registry);
+            reg.insert(conn.cq_key(), Arc::downgrade(conn));
+            reg.insert(conn.qp_key(), Arc::downgrade(conn));
+        }
         Conn::arm_cq(cq)
     }
 
-    pub(crate) fn unwatch(&self, key: usize) {
-        lock(&self.registry).remove(&key);
+    pub(crate) fn unwatch(&self, keys: &[usize]) {
+        let mut reg = lock(&self.registry);
+        for k in keys {
+            reg.remove(k);
+        }
     }
 
     /// Stops the thread and waits for it.
@@ -88,12 +102,22 @@ impl Drop for Poller {
 }
 
 fn run(
+    ctx: Arc<DeviceContext>,
     channel: Arc<CompletionChannel>,
     wake_rx: OwnedFd,
     registry: Registry,
     stop: Arc<AtomicBool>,
 ) {
     let chan_fd = channel.as_raw_fd();
+    // SAFETY: the context outlives this thread (we hold an Arc).
+    let raw_ctx = unsafe { ctx.context() }.as_ptr();
+    // SAFETY: reading a plain field of the open context.
+    let async_fd = unsafe { (*raw_ctx).async_fd };
+    // SAFETY: the descriptor belongs to the context; only its flags change.
+    let async_ok = unsafe {
+        let fl = libc::fcntl(async_fd, libc::F_GETFL);
+        fl >= 0 && libc::fcntl(async_fd, libc::F_SETFL, fl | libc::O_NONBLOCK) == 0
+    };
     // SAFETY: the channel outlives this thread (we hold an Arc).
     let chan = unsafe { channel.comp_channel() }.as_ptr();
     loop {
@@ -108,9 +132,15 @@ fn run(
                 events: libc::POLLIN,
                 revents: 0,
             },
+            libc::pollfd {
+                // A negative descriptor is ignored by poll(2).
+                fd: if async_ok { async_fd } else { -1 },
+                events: libc::POLLIN,
+                revents: 0,
+            },
         ];
-        // SAFETY: `fds` is a valid array of two pollfd; infinite timeout.
-        let rc = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
+        // SAFETY: `fds` is a valid array of three pollfd; infinite timeout.
+        let rc = unsafe { libc::poll(fds.as_mut_ptr(), 3, -1) };
         if rc < 0 {
             let e = std::io::Error::last_os_error();
             if e.kind() == std::io::ErrorKind::Interrupted {
@@ -126,6 +156,9 @@ fn run(
             let mut buf = [0u8; 16];
             // SAFETY: reading into a valid buffer from our own non-blocking pipe.
             unsafe { libc::read(wake_rx.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+        }
+        if fds[2].revents != 0 {
+            async_events(raw_ctx, &registry);
         }
         if fds[0].revents == 0 {
             continue;
@@ -149,6 +182,82 @@ fn run(
             if let Some(conn) = conn {
                 conn.drain_cq();
             }
+        }
+    }
+}
+
+/// Event types of `enum ibv_event_type` that concern one QP or CQ.
+const EVENT_CQ_ERR: u32 = 0;
+const EVENT_QP_FATAL: u32 = 1;
+const EVENT_QP_REQ_ERR: u32 = 2;
+const EVENT_QP_ACCESS_ERR: u32 = 3;
+const EVENT_DEVICE_FATAL: u32 = 8;
+
+fn event_name(t: u32) -> &'static str {
+    match t {
+        EVENT_CQ_ERR => "IBV_EVENT_CQ_ERR",
+        EVENT_QP_FATAL => "IBV_EVENT_QP_FATAL",
+        EVENT_QP_REQ_ERR => "IBV_EVENT_QP_REQ_ERR",
+        EVENT_QP_ACCESS_ERR => "IBV_EVENT_QP_ACCESS_ERR",
+        EVENT_DEVICE_FATAL => "IBV_EVENT_DEVICE_FATAL",
+        9 => "IBV_EVENT_PORT_ACTIVE",
+        10 => "IBV_EVENT_PORT_ERR",
+        _ => "another asynchronous event",
+    }
+}
+
+/// Drains the device's asynchronous events; error events break the
+/// connection they name (all of them for a fatal device error).
+fn async_events(ctx: *mut sys::ibv_context, registry: &Registry) {
+    loop {
+        let mut ev = std::mem::MaybeUninit::<sys::ibv_async_event>::zeroed();
+        // SAFETY: valid context; the descriptor is non-blocking, so this
+        // returns -1 when no event is queued.
+        if unsafe { sys::ibv_get_async_event(ctx, ev.as_mut_ptr()) } != 0 {
+            return;
+        }
+        let base = ev.as_mut_ptr().cast::<u8>();
+        // The event type is read as a plain integer (a value unknown to the
+        // bindings' Rust enum must not be materialised as that enum).
+        // SAFETY: the struct was filled by the call; the offset is that of
+        // a 4-byte C enum field.
+        let kind = unsafe {
+            base.add(std::mem::offset_of!(sys::ibv_async_event, event_type))
+                .cast::<u32>()
+                .read()
+        };
+        // SAFETY: the element union starts the struct; for the QP/CQ events
+        // it holds a pointer, otherwise we do not use it.
+        let element = unsafe { base.cast::<usize>().read() };
+        let name = event_name(kind);
+        let targets: Vec<Arc<Conn>> = match kind {
+            EVENT_CQ_ERR | EVENT_QP_FATAL | EVENT_QP_REQ_ERR | EVENT_QP_ACCESS_ERR => {
+                lock(registry)
+                    .get(&element)
+                    .and_then(Weak::upgrade)
+                    .into_iter()
+                    .collect()
+            }
+            EVENT_DEVICE_FATAL => lock(registry).values().filter_map(Weak::upgrade).collect(),
+            _ => Vec::new(),
+        };
+        // SAFETY: acknowledges the event just received (a QP or CQ being
+        // destroyed waits for this).
+        unsafe { sys::ibv_ack_async_event(ev.as_mut_ptr()) };
+        if targets.is_empty() {
+            tracing::debug!(event = name, "verbs asynchronous event");
+        }
+        for c in targets {
+            // Completions already queued carry the precise error: apply them
+            // before failing the rest as flushed.
+            c.drain_cq();
+            tracing::warn!(event = name, peer = %c.peer, "verbs asynchronous error: breaking the connection");
+            c.break_with(Error::PeerLost {
+                peer: c.peer.clone(),
+                reason: format!(
+                    "{name}: the device reported the queue pair or its completion queue in error"
+                ),
+            });
         }
     }
 }
