@@ -20,10 +20,17 @@ use transport_core::{
     Error, Notification, RegionGuard, Result, Side, TransferOp, TransferRequest, TransferState,
 };
 
-use crate::frame::{decode_ids, decode_table, table_contains, Request, Response, Status, MAX_ACKS};
+use crate::frame::{
+    decode_ids, decode_table, table_contains, Request, Response, Status, MAX_ACKS, MAX_SEGMENTS,
+};
 use crate::handshake;
 use crate::io::{write_all, FrameReader, Next};
 use crate::server::{lock, Core};
+
+/// Writes up to this size are gathered into WRITEV frames.
+const WRITEV_MAX_SEGMENT: u64 = 64 * 1024;
+/// Most payload bytes per WRITEV frame.
+const WRITEV_MAX_BYTES: u64 = 4 << 20;
 
 /// Outcome bookkeeping of one batch (or one control request).
 #[derive(Debug)]
@@ -157,12 +164,32 @@ enum PendingKind {
     },
     Notify,
     Table(Arc<TableCache>),
+    /// Several small writes in one frame: `(request index, remote addr,
+    /// len)` per segment; the guards keep the sources registered.
+    WriteV {
+        parts: Vec<(usize, u64, u64)>,
+        _guards: Vec<Arc<RegionGuard>>,
+    },
 }
 
 struct PendingOp {
     batch: Arc<BatchState>,
     index: usize,
     kind: PendingKind,
+}
+
+impl PendingOp {
+    /// Completes the operation (every segment of a WRITEV) with `r`.
+    fn complete(self, r: Result<()>) {
+        match &self.kind {
+            PendingKind::WriteV { parts, .. } => {
+                for (index, _, _) in parts {
+                    self.batch.complete(*index, r.clone());
+                }
+            }
+            _ => self.batch.complete(self.index, r),
+        }
+    }
 }
 
 #[derive(Default)]
@@ -193,7 +220,7 @@ impl ConnShared {
             map.ops.drain().map(|(_, op)| op).collect()
         };
         for op in drained {
-            op.batch.complete(op.index, Err(err.clone()));
+            op.complete(Err(err.clone()));
         }
         let _ = SockRef::from(&self.stream).shutdown(std::net::Shutdown::Both);
     }
@@ -257,10 +284,10 @@ impl ConnShared {
             .ok_or_else(|| self.protocol(format!("response for unknown request id {id}")))?;
         if r.is_ok() && matches!(op.kind, PendingKind::Read { .. } | PendingKind::Table(_)) {
             let err = self.protocol(format!("plain OK for request {id}, which needs data"));
-            op.batch.complete(op.index, Err(err.clone()));
+            op.complete(Err(err.clone()));
             return Err(err);
         }
-        op.batch.complete(op.index, r);
+        op.complete(r);
         Ok(())
     }
 }
@@ -320,7 +347,7 @@ async fn reader_loop(conn: &ConnShared, spin: Duration, spin_pending: Duration) 
                     let err = conn.protocol(format!(
                         "DATA of {len} bytes for request {id}, which expects {want}"
                     ));
-                    op.batch.complete(op.index, Err(err.clone()));
+                    op.complete(Err(err.clone()));
                     return Err(err);
                 }
                 // SAFETY: `dst..dst+len` was bounds-checked against a local
@@ -330,12 +357,47 @@ async fn reader_loop(conn: &ConnShared, spin: Duration, spin_pending: Duration) 
                 // only goes to recv(2).
                 let slice = unsafe { std::slice::from_raw_parts_mut(dst as *mut u8, len as usize) };
                 match rd.read_payload(stream, slice).await {
-                    Ok(()) => op.batch.complete(op.index, Ok(())),
+                    Ok(()) => op.complete(Ok(())),
                     Err(e) => {
                         let err = conn.lost(&e);
-                        op.batch.complete(op.index, Err(err.clone()));
+                        op.complete(Err(err.clone()));
                         return Err(err);
                     }
+                }
+            }
+            Response::ErrV { id, status, count } => {
+                let buf = &mut ids[..count as usize * 4];
+                rd.read_payload(stream, buf)
+                    .await
+                    .map_err(|e| conn.lost(&e))?;
+                let op = conn
+                    .take(id)
+                    .ok_or_else(|| conn.protocol(format!("ERRV for unknown request id {id}")))?;
+                let PendingKind::WriteV { parts, .. } = &op.kind else {
+                    let err = conn.protocol(format!("ERRV for request {id}, not a WRITEV"));
+                    op.complete(Err(err.clone()));
+                    return Err(err);
+                };
+                let mut failed = vec![false; parts.len()];
+                for c in buf.chunks_exact(4) {
+                    let i = u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as usize;
+                    match failed.get_mut(i) {
+                        Some(f) => *f = true,
+                        None => {
+                            let err =
+                                conn.protocol(format!("ERRV names segment {i} of {}", parts.len()));
+                            op.complete(Err(err.clone()));
+                            return Err(err);
+                        }
+                    }
+                }
+                for ((index, addr, len), bad) in parts.iter().zip(failed) {
+                    let r = if bad {
+                        Err(conn.status_error(status, *addr, *len))
+                    } else {
+                        Ok(())
+                    };
+                    op.batch.complete(*index, r);
                 }
             }
             Response::Table { id, count } => {
@@ -351,11 +413,11 @@ async fn reader_loop(conn: &ConnShared, spin: Duration, spin_pending: Duration) 
                 match &op.kind {
                     PendingKind::Table(cache) => {
                         *cache.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(table);
-                        op.batch.complete(op.index, Ok(()));
+                        op.complete(Ok(()));
                     }
                     _ => {
                         let err = conn.protocol(format!("TABLE reply to request {id}"));
-                        op.batch.complete(op.index, Err(err.clone()));
+                        op.complete(Err(err.clone()));
                         return Err(err);
                     }
                 }
@@ -396,10 +458,9 @@ impl Drop for Unsent<'_> {
             ids.iter().filter_map(|id| map.ops.remove(id)).collect()
         };
         for op in ops {
-            op.batch.complete(
-                op.index,
-                Err(Error::Canceled("the transfer was abandoned".to_owned())),
-            );
+            op.complete(Err(Error::Canceled(
+                "the transfer was abandoned".to_owned(),
+            )));
         }
     }
 }
@@ -437,6 +498,9 @@ enum OutKind {
         name_len: u64,
     },
     Table(Arc<TableCache>),
+    /// Small writes sent as one WRITEV frame: `(request index, source
+    /// guard, offset in it, len, remote addr)` per segment.
+    WriteV(Vec<(usize, Arc<RegionGuard>, u64, u64, u64)>),
 }
 
 struct OutOp {
@@ -444,17 +508,33 @@ struct OutOp {
     kind: OutKind,
 }
 
+impl OutOp {
+    /// Fails the operation (every segment of a WRITEV) before it was sent.
+    fn fail(&self, batch: &BatchState, e: &Error) {
+        match &self.kind {
+            OutKind::WriteV(parts) => {
+                for p in parts {
+                    batch.complete(p.0, Err(e.clone()));
+                }
+            }
+            _ => batch.complete(self.index, Err(e.clone())),
+        }
+    }
+}
+
 /// Registers `ops` as pending on `conn` and writes them in as few system
 /// calls as possible. Failures complete the operations with an error.
 async fn send_ops(conn: &ConnShared, batch: &Arc<BatchState>, ops: Vec<OutOp>) {
     let mut hdrs = Vec::with_capacity(ops.len());
     let mut ids = Vec::with_capacity(ops.len());
+    // Segment tables of WRITEV frames, in frame order.
+    let mut tables: Vec<Vec<u8>> = Vec::new();
     {
         let mut map = lock(&conn.pending);
         if let Some(e) = map.closed.clone() {
             drop(map);
             for op in &ops {
-                batch.complete(op.index, Err(e.clone()));
+                op.fail(batch, &e);
             }
             return;
         }
@@ -503,6 +583,27 @@ async fn send_ops(conn: &ConnShared, batch: &Arc<BatchState>, ops: Vec<OutOp>) {
                 OutKind::Table(cache) => {
                     (Request::Table { id }, PendingKind::Table(Arc::clone(cache)))
                 }
+                OutKind::WriteV(parts) => {
+                    let mut table = Vec::with_capacity(parts.len() * 16);
+                    let mut total = 0;
+                    for (_, _, _, len, remote) in parts {
+                        table.extend_from_slice(&remote.to_le_bytes());
+                        table.extend_from_slice(&len.to_le_bytes());
+                        total += len;
+                    }
+                    tables.push(table);
+                    (
+                        Request::WriteV {
+                            id,
+                            count: parts.len() as u32,
+                            total,
+                        },
+                        PendingKind::WriteV {
+                            parts: parts.iter().map(|p| (p.0, p.4, p.3)).collect(),
+                            _guards: parts.iter().map(|p| Arc::clone(&p.1)).collect(),
+                        },
+                    )
+                }
             };
             hdrs.push(req.encode());
             map.ops.insert(
@@ -516,9 +617,22 @@ async fn send_ops(conn: &ConnShared, batch: &Arc<BatchState>, ops: Vec<OutOp>) {
         }
     }
     let mut bufs: Vec<&[u8]> = Vec::with_capacity(ops.len() * 2);
+    let mut tables = tables.iter();
     for (hdr, op) in hdrs.iter().zip(&ops) {
         bufs.push(hdr);
         match &op.kind {
+            OutKind::WriteV(parts) => {
+                if let Some(t) = tables.next() {
+                    bufs.push(t);
+                }
+                for (_, guard, off, len, _) in parts {
+                    // SAFETY: as for Write below.
+                    let src = unsafe {
+                        std::slice::from_raw_parts(guard.as_ptr().add(*off as usize), *len as usize)
+                    };
+                    bufs.push(src);
+                }
+            }
             OutKind::Write {
                 guard, off, len, ..
             } => {
@@ -827,8 +941,45 @@ impl Peer {
         // pipelined, and the other connections stay idle (and do not poll)
         // unless large requests are split over them.
         let home = 0;
+        // Small writes are gathered into WRITEV frames (one system call on
+        // the target for all of them).
+        let mut group: Vec<(usize, Arc<RegionGuard>, u64, u64, u64)> = Vec::new();
+        let mut group_bytes = 0u64;
+        let flush = |group: &mut Vec<(usize, Arc<RegionGuard>, u64, u64, u64)>,
+                     out: &mut Vec<OutOp>| {
+            match group.len() {
+                0 => {}
+                1 => {
+                    if let Some((index, guard, off, len, remote)) = group.pop() {
+                        out.push(OutOp {
+                            index,
+                            kind: OutKind::Write {
+                                guard,
+                                off,
+                                len,
+                                remote,
+                            },
+                        });
+                    }
+                }
+                _ => out.push(OutOp {
+                    index: group[0].0,
+                    kind: OutKind::WriteV(std::mem::take(group)),
+                }),
+            }
+        };
         for (i, (r, g)) in requests.iter().zip(&guards).enumerate() {
             let Some(g) = g else { continue };
+            if r.op == TransferOp::Write && r.len <= WRITEV_MAX_SEGMENT.min(chunk) {
+                if group.len() == MAX_SEGMENTS as usize || group_bytes + r.len > WRITEV_MAX_BYTES {
+                    flush(&mut group, &mut per_conn[home]);
+                    group_bytes = 0;
+                }
+                group.push((i, Arc::clone(g), 0, r.len, r.remote_addr));
+                group_bytes += r.len;
+                counts[i] += 1;
+                continue;
+            }
             let mut off = 0;
             while off < r.len {
                 let len = chunk.min(r.len - off);
@@ -852,11 +1003,17 @@ impl Peer {
                 } else {
                     self.rr.fetch_add(1, Ordering::Relaxed) % n_conns
                 };
+                if c == home {
+                    // Keep the order of requests on the home connection.
+                    flush(&mut group, &mut per_conn[home]);
+                    group_bytes = 0;
+                }
                 per_conn[c].push(OutOp { index: i, kind });
                 counts[i] += 1;
                 off += len;
             }
         }
+        flush(&mut group, &mut per_conn[home]);
         drop(guards);
         state.arm(&counts);
         let used: Vec<usize> = (0..n_conns).filter(|c| !per_conn[*c].is_empty()).collect();
@@ -907,6 +1064,6 @@ impl Peer {
 
 fn fail_ops(state: &BatchState, ops: &[OutOp], e: &Error) {
     for op in ops {
-        state.complete(op.index, Err(e.clone()));
+        op.fail(state, e);
     }
 }

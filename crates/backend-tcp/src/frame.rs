@@ -19,6 +19,8 @@ pub const HEADER_LEN: usize = 32;
 pub const MAX_OP_LEN: u64 = 64 << 20;
 /// Most ids one OKS frame may acknowledge.
 pub const MAX_ACKS: u32 = 512;
+/// Most segments one WRITEV frame may carry.
+pub const MAX_SEGMENTS: u32 = 512;
 /// Most regions a region table (Welcome or TABLE frame) may list.
 pub const MAX_TABLE_ENTRIES: u32 = 65_536;
 /// Longest engine name in a hello.
@@ -42,6 +44,9 @@ pub mod kind {
     pub const NOTIFY: u8 = 0x03;
     /// Send back the current region table.
     pub const TABLE: u8 = 0x04;
+    /// `aux` segments `(addr, len)` of 16 bytes follow, then their payloads
+    /// in order (`b` bytes in total).
+    pub const WRITEV: u8 = 0x05;
     /// Request `id` succeeded.
     pub const OK: u8 = 0x81;
     /// `aux` request ids (u64 each) follow; all succeeded.
@@ -52,6 +57,9 @@ pub mod kind {
     pub const DATA: u8 = 0x84;
     /// TABLE `id` answer; `aux` entries of 16 bytes follow.
     pub const TABLE_REPLY: u8 = 0x85;
+    /// WRITEV `id` landed except `aux` segments (u32 indices follow), which
+    /// failed with `status`.
+    pub const ERRV: u8 = 0x86;
 }
 
 /// Error codes carried in ERR frames and handshake rejections.
@@ -197,6 +205,15 @@ pub enum Request {
         /// Request id.
         id: u64,
     },
+    /// `count` segments of 16 bytes follow, then `total` payload bytes.
+    WriteV {
+        /// Request id.
+        id: u64,
+        /// Segments (1..=[`MAX_SEGMENTS`]).
+        count: u32,
+        /// Sum of the segment lengths (≤ [`MAX_OP_LEN`]).
+        total: u64,
+    },
 }
 
 impl Request {
@@ -233,6 +250,13 @@ impl Request {
                 id,
                 ..Default::default()
             },
+            Request::WriteV { id, count, total } => Header {
+                kind: kind::WRITEV,
+                aux: count,
+                id,
+                b: total,
+                ..Default::default()
+            },
         };
         h.encode()
     }
@@ -241,10 +265,23 @@ impl Request {
     /// [`MAX_OP_LEN`] is an error: its payload cannot be skipped safely.
     pub fn decode(buf: &[u8; HEADER_LEN]) -> Result<Request, DecodeError> {
         let h = Header::decode(buf)?;
-        if h.status != 0 || h.aux != 0 {
+        if h.status != 0 || (h.aux != 0 && h.kind != kind::WRITEV) {
             return Err(bad("request with non-zero status or count field"));
         }
         match h.kind {
+            kind::WRITEV => {
+                if h.aux == 0 || h.aux > MAX_SEGMENTS || h.a != 0 || h.b > MAX_OP_LEN {
+                    return Err(bad(format!(
+                        "WRITEV of {} segments / {} bytes exceeds the limits",
+                        h.aux, h.b
+                    )));
+                }
+                Ok(Request::WriteV {
+                    id: h.id,
+                    count: h.aux,
+                    total: h.b,
+                })
+            }
             kind::WRITE | kind::READ => {
                 if h.b > MAX_OP_LEN {
                     return Err(bad(format!(
@@ -328,6 +365,16 @@ pub enum Response {
         /// Entries (≤ [`MAX_TABLE_ENTRIES`]).
         count: u32,
     },
+    /// WRITEV `id` landed except `count` segments (u32 indices follow),
+    /// which failed with `status`.
+    ErrV {
+        /// Request id.
+        id: u64,
+        /// Why the listed segments failed.
+        status: Status,
+        /// Number of failed segments (1..=[`MAX_SEGMENTS`]).
+        count: u32,
+    },
 }
 
 impl Response {
@@ -365,6 +412,13 @@ impl Response {
             },
             Response::Table { id, count } => Header {
                 kind: kind::TABLE_REPLY,
+                aux: count,
+                id,
+                ..Default::default()
+            },
+            Response::ErrV { id, status, count } => Header {
+                kind: kind::ERRV,
+                status: status as u8,
                 aux: count,
                 id,
                 ..Default::default()
@@ -412,9 +466,45 @@ impl Response {
                     count: h.aux,
                 })
             }
+            kind::ERRV => {
+                let status = Status::from_u8(h.status)
+                    .ok_or_else(|| bad(format!("unknown status code {}", h.status)))?;
+                if h.aux == 0 || h.aux > MAX_SEGMENTS {
+                    return Err(bad(format!("ERRV with {} indices", h.aux)));
+                }
+                Ok(Response::ErrV {
+                    id: h.id,
+                    status,
+                    count: h.aux,
+                })
+            }
             k => Err(bad(format!("unknown response kind {k:#04x}"))),
         }
     }
+}
+
+/// Decodes WRITEV segments (16 bytes each: `addr`, `len`). Every length
+/// must be non-zero and the lengths must add up to `total`.
+pub fn decode_segments(buf: &[u8], total: u64) -> Result<Vec<(u64, u64)>, DecodeError> {
+    if buf.len() % 16 != 0 || buf.len() / 16 > MAX_SEGMENTS as usize {
+        return Err(bad("segment table has a bad length"));
+    }
+    let mut sum = 0u64;
+    let mut out = Vec::with_capacity(buf.len() / 16);
+    for e in buf.chunks_exact(16) {
+        let (addr, len) = (le64(&e[..8]), le64(&e[8..]));
+        if len == 0 {
+            return Err(bad("WRITEV segment of zero bytes"));
+        }
+        sum = sum.saturating_add(len);
+        out.push((addr, len));
+    }
+    if sum != total {
+        return Err(bad(format!(
+            "WRITEV segments add up to {sum} bytes, the header says {total}"
+        )));
+    }
+    Ok(out)
 }
 
 /// Decodes `n` little-endian u64 ids from `buf` (exactly `8*n` bytes).
@@ -568,6 +658,11 @@ mod tests {
                 msg_len: 0,
             },
             Request::Table { id: 9 },
+            Request::WriteV {
+                id: 10,
+                count: MAX_SEGMENTS,
+                total: MAX_OP_LEN,
+            },
         ];
         for r in reqs {
             assert_eq!(Request::decode(&r.encode()), Ok(r));
@@ -583,6 +678,11 @@ mod tests {
             },
             Response::Data { id: 3, len: 77 },
             Response::Table { id: 4, count: 2 },
+            Response::ErrV {
+                id: 5,
+                status: Status::AddressNotRegistered,
+                count: 3,
+            },
         ];
         for r in resps {
             assert_eq!(Response::decode(&r.encode()), Ok(r));
@@ -666,6 +766,8 @@ mod tests {
                     Request::Notify { name_len, msg_len, .. } =>
                         prop_assert!(name_len <= MAX_NOTIFY_NAME && msg_len <= MAX_NOTIFY_MESSAGE),
                     Request::Table { .. } => {}
+                    Request::WriteV { count, total, .. } =>
+                        prop_assert!((1..=MAX_SEGMENTS).contains(&count) && total <= MAX_OP_LEN),
                 }
             }
             if let Ok(r) = Response::decode(&hdr) {
@@ -673,6 +775,7 @@ mod tests {
                     Response::OkMany { count } => prop_assert!((1..=MAX_ACKS).contains(&count)),
                     Response::Table { count, .. } => prop_assert!(count <= MAX_TABLE_ENTRIES),
                     Response::Data { len, .. } => prop_assert!(len <= MAX_OP_LEN),
+                    Response::ErrV { count, .. } => prop_assert!((1..=MAX_SEGMENTS).contains(&count)),
                     _ => {}
                 }
             }
@@ -688,6 +791,9 @@ mod tests {
                 }
             }
             let _ = decode_ids(&bytes).count();
+            if let Ok(segs) = decode_segments(&bytes, bytes.len() as u64) {
+                prop_assert!(segs.iter().all(|s| s.1 > 0));
+            }
         }
 
         /// Valid headers survive a round trip whatever the field values.

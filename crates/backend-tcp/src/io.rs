@@ -53,10 +53,50 @@ pub async fn read_some(
     spin: Duration,
     timeout: Option<Duration>,
 ) -> io::Result<usize> {
+    read_with(stream, || raw_read(stream, a, b), spin, timeout).await
+}
+
+/// One non-blocking `readv` into `segs` (the first from `first_off`) then
+/// `tail`.
+fn raw_readv(
+    stream: &TcpStream,
+    segs: &mut [&mut [u8]],
+    first_off: usize,
+    tail: &mut [u8],
+) -> io::Result<usize> {
+    let n = segs.len().min(IOV_MAX - 1);
+    let all = n == segs.len();
+    let mut iov: Vec<IoSliceMut<'_>> = Vec::with_capacity(n + 1);
+    for (i, s) in segs[..n].iter_mut().enumerate() {
+        iov.push(IoSliceMut::new(if i == 0 {
+            &mut s[first_off..]
+        } else {
+            s
+        }));
+    }
+    // The tail (next header) may only follow the last payload slice.
+    if all && !tail.is_empty() {
+        iov.push(IoSliceMut::new(tail));
+    }
+    let sock = SockRef::from(stream);
+    (&*sock).read_vectored(&mut iov)
+}
+
+/// The polling / sleeping / timeout logic of every read: `attempt` is one
+/// non-blocking read.
+async fn read_with<F>(
+    stream: &TcpStream,
+    mut attempt: F,
+    spin: Duration,
+    timeout: Option<Duration>,
+) -> io::Result<usize>
+where
+    F: FnMut() -> io::Result<usize>,
+{
     // A busy stream never returns Pending on its own: take part in Tokio's
     // cooperative budget so other tasks (and timers) keep running.
     tokio::task::consume_budget().await;
-    match raw_read(stream, a, b) {
+    match attempt() {
         Err(e) if retry(&e) => {}
         other => return other,
     }
@@ -64,7 +104,7 @@ pub async fn read_some(
         let start = Instant::now();
         while start.elapsed() < spin {
             tokio::task::yield_now().await;
-            match raw_read(stream, a, b) {
+            match attempt() {
                 Err(e) if retry(&e) => {}
                 other => return other,
             }
@@ -73,8 +113,7 @@ pub async fn read_some(
     let wait = async {
         loop {
             stream.readable().await?;
-            let r = stream.try_io(tokio::io::Interest::READABLE, || raw_read(stream, a, b));
-            match r {
+            match stream.try_io(tokio::io::Interest::READABLE, &mut attempt) {
                 Err(e) if retry(&e) => continue,
                 other => return other,
             }
@@ -234,14 +273,34 @@ impl FrameReader {
     }
 
     /// Reads exactly `dst.len()` payload bytes into `dst`, topping up the
-    /// next header in the same calls.
+    /// next header in the same calls (so `dst` must end a frame).
     pub async fn read_payload(&mut self, stream: &TcpStream, dst: &mut [u8]) -> io::Result<()> {
+        self.read_into(stream, dst, true).await
+    }
+
+    /// Reads exactly `dst.len()` bytes of a frame that continues after them
+    /// (no top-up of the next header).
+    pub async fn read_part(&mut self, stream: &TcpStream, dst: &mut [u8]) -> io::Result<()> {
+        self.read_into(stream, dst, false).await
+    }
+
+    async fn read_into(
+        &mut self,
+        stream: &TcpStream,
+        dst: &mut [u8],
+        topup: bool,
+    ) -> io::Result<()> {
         let mut done = 0;
         while done < dst.len() {
+            let tail: &mut [u8] = if topup {
+                &mut self.hdr[self.filled..]
+            } else {
+                &mut []
+            };
             let n = read_some(
                 stream,
                 &mut dst[done..],
-                &mut self.hdr[self.filled..],
+                tail,
                 self.spin,
                 Some(self.timeout),
             )
@@ -263,13 +322,69 @@ impl FrameReader {
         Ok(())
     }
 
+    /// Reads exactly the bytes of every slice of `segs`, in order, with as
+    /// few calls as possible (one `readv` over all of them and the next
+    /// header).
+    pub async fn read_payload_v(
+        &mut self,
+        stream: &TcpStream,
+        segs: &mut [&mut [u8]],
+    ) -> io::Result<()> {
+        let (mut idx, mut off) = (0usize, 0usize);
+        loop {
+            while idx < segs.len() && off == segs[idx].len() {
+                idx += 1;
+                off = 0;
+            }
+            if idx == segs.len() {
+                return Ok(());
+            }
+            let rest = &mut segs[idx..];
+            let tail = &mut self.hdr[self.filled..];
+            let n = read_with(
+                stream,
+                || raw_readv(stream, rest, off, tail),
+                self.spin,
+                Some(self.timeout),
+            )
+            .await?;
+            if n == 0 {
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "connection closed inside a frame payload",
+                ));
+            }
+            let mut left = n;
+            while left > 0 && idx < segs.len() {
+                let avail = segs[idx].len() - off;
+                if left >= avail {
+                    left -= avail;
+                    idx += 1;
+                    off = 0;
+                } else {
+                    off += left;
+                    left = 0;
+                }
+            }
+            self.filled += left;
+        }
+    }
+
     /// Reads and throws away `len` payload bytes (a refused WRITE), through
-    /// a small fixed scratch buffer.
-    pub async fn discard(&mut self, stream: &TcpStream, mut len: u64) -> io::Result<()> {
+    /// a small fixed scratch buffer; `ends_frame` as for
+    /// [`FrameReader::read_payload`] versus [`FrameReader::read_part`].
+    pub async fn discard(
+        &mut self,
+        stream: &TcpStream,
+        mut len: u64,
+        ends_frame: bool,
+    ) -> io::Result<()> {
         let mut scratch = [0u8; 8192];
         while len > 0 {
             let n = len.min(scratch.len() as u64) as usize;
-            self.read_payload(stream, &mut scratch[..n]).await?;
+            let last = len == n as u64;
+            self.read_into(stream, &mut scratch[..n], ends_frame && last)
+                .await?;
             len -= n as u64;
         }
         Ok(())

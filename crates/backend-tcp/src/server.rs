@@ -9,7 +9,9 @@ use tokio::task::JoinSet;
 use transport_core::{Error, Notification, RegionTable, Side};
 
 use crate::config::TcpConfig;
-use crate::frame::{Request, Response, Status, HEADER_LEN, MAX_ACKS};
+use crate::frame::{
+    decode_segments, Request, Response, Status, HEADER_LEN, MAX_ACKS, MAX_SEGMENTS,
+};
 use crate::handshake;
 use crate::io::{write_all, FrameReader, Next};
 
@@ -69,6 +71,15 @@ pub async fn accept_loop(listener: TcpListener, core: Arc<Core>) {
     }
 }
 
+/// Whether any two segments share a byte.
+fn overlapping(segs: &[(u64, u64)]) -> bool {
+    let mut sorted = segs.to_vec();
+    sorted.sort_unstable();
+    sorted
+        .windows(2)
+        .any(|w| w[0].0.saturating_add(w[0].1) > w[1].0)
+}
+
 struct Out {
     acks: Vec<u64>,
     frames: Vec<u8>,
@@ -79,6 +90,20 @@ struct Out {
 impl Out {
     fn is_empty(&self) -> bool {
         self.acks.is_empty() && self.frames.is_empty()
+    }
+
+    fn errv(&mut self, id: u64, status: Status, failed: &[u32]) {
+        self.frames.extend_from_slice(
+            &Response::ErrV {
+                id,
+                status,
+                count: failed.len() as u32,
+            }
+            .encode(),
+        );
+        for i in failed {
+            self.frames.extend_from_slice(&i.to_le_bytes());
+        }
     }
 
     fn err(&mut self, id: u64, status: Status, addr: u64, len: u64) {
@@ -209,7 +234,7 @@ async fn serve(stream: TcpStream, peer: &str, core: &Core) -> Result<(), Error> 
                         out.bytes += len;
                     }
                     Err(_) => {
-                        rd.discard(&stream, len)
+                        rd.discard(&stream, len, true)
                             .await
                             .map_err(|e| io_error(peer, e))?;
                         out.err(id, Status::AddressNotRegistered, addr, len);
@@ -261,6 +286,66 @@ async fn serve(stream: TcpStream, peer: &str, core: &Core) -> Result<(), Error> 
                     }
                 }
             }
+            Request::WriteV { id, count, total } => {
+                let mut raw = [0u8; MAX_SEGMENTS as usize * 16];
+                let raw = &mut raw[..count as usize * 16];
+                rd.read_part(&stream, raw)
+                    .await
+                    .map_err(|e| io_error(peer, e))?;
+                let segs = decode_segments(raw, total).map_err(|e| Error::Protocol {
+                    peer: peer.to_owned(),
+                    reason: e.0,
+                })?;
+                let guards: Vec<_> = segs
+                    .iter()
+                    .map(|&(a, l)| core.regions.acquire(a, l, Side::Remote, None).ok())
+                    .collect();
+                if guards.iter().all(Option::is_some) && !overlapping(&segs) {
+                    // One readv straight into every destination.
+                    let mut dsts: Vec<&mut [u8]> = guards
+                        .iter()
+                        .flatten()
+                        // SAFETY: as for WRITE; the segments were checked
+                        // not to overlap, so the slices are disjoint.
+                        .map(|g| unsafe { g.as_mut_slice() })
+                        .collect();
+                    rd.read_payload_v(&stream, &mut dsts)
+                        .await
+                        .map_err(|e| io_error(peer, e))?;
+                    drop(dsts);
+                    out.acks.push(id);
+                } else {
+                    // Segment by segment, in order; refused ones discarded.
+                    // Only the last segment ends the frame (header top-up).
+                    let mut failed = Vec::new();
+                    let last = segs.len() - 1;
+                    for (i, (g, &(_, len))) in guards.iter().zip(&segs).enumerate() {
+                        let r = match g {
+                            Some(g) => {
+                                // SAFETY: as for WRITE (one slice at a time).
+                                let dst = unsafe { g.as_mut_slice() };
+                                if i == last {
+                                    rd.read_payload(&stream, dst).await
+                                } else {
+                                    rd.read_part(&stream, dst).await
+                                }
+                            }
+                            None => {
+                                failed.push(i as u32);
+                                rd.discard(&stream, len, i == last).await
+                            }
+                        };
+                        r.map_err(|e| io_error(peer, e))?;
+                    }
+                    if failed.is_empty() {
+                        out.acks.push(id);
+                    } else {
+                        out.errv(id, Status::AddressNotRegistered, &failed);
+                    }
+                }
+                drop(guards);
+                out.bytes += total;
+            }
             Request::Table { id } => {
                 let meta = out.take();
                 let (count, table) = handshake::table_bytes(&core.regions);
@@ -270,7 +355,10 @@ async fn serve(stream: TcpStream, peer: &str, core: &Core) -> Result<(), Error> 
                     .map_err(|e| io_error(peer, e))?;
             }
         }
-        if out.acks.len() >= MAX_ACKS as usize || out.bytes >= ACK_FLUSH_BYTES {
+        if out.acks.len() >= MAX_ACKS as usize
+            || out.bytes >= ACK_FLUSH_BYTES
+            || out.frames.len() >= 16 * 1024
+        {
             flush(&stream, &mut out, core, peer).await?;
         }
     }

@@ -112,10 +112,10 @@ async fn garbage_from_an_initiator_is_refused_and_nothing_else_changes() {
     let oob = Request::Write {
         id: 7,
         addr: target.addr() + 60 * 1024,
-        len: 8192,
+        len: 20_000,
     };
     s.write_all(&oob.encode()).await.unwrap();
-    s.write_all(&[0xee; 8192]).await.unwrap();
+    s.write_all(&[0xee; 20_000]).await.unwrap();
     let mut hdr = [0u8; HEADER_LEN];
     s.read_exact(&mut hdr).await.unwrap();
     assert_eq!(
@@ -124,7 +124,7 @@ async fn garbage_from_an_initiator_is_refused_and_nothing_else_changes() {
             id: 7,
             status: Status::AddressNotRegistered,
             addr: target.addr() + 60 * 1024,
-            len: 8192
+            len: 20_000
         }
     );
     // A valid write on the same connection lands.
@@ -650,4 +650,110 @@ async fn too_many_inbound_connections_are_refused() {
         matches!(r, Ok(Ok(0))),
         "third connection not refused: {r:?}"
     );
+}
+
+/// WRITEV from a raw peer: refused segments are listed in ERRV and only
+/// they are skipped; overlapping segments land in order; a segment table
+/// that does not add up closes the connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writev_segments_are_checked_one_by_one() {
+    use backend_tcp::frame::encode_table;
+    let b = engine(TcpConfig::default()).await;
+    let target = mem(&b, 4096, 0).await;
+    let (mut s, _) = raw_handshake(b.segment_name()).await;
+    let t = target.addr();
+    let segs = [(t, 100u64), (t + 4000, 200), (t + 200, 50)];
+    let w = Request::WriteV {
+        id: 1,
+        count: 3,
+        total: 350,
+    };
+    s.write_all(&w.encode()).await.unwrap();
+    s.write_all(&encode_table(&segs)).await.unwrap();
+    s.write_all(&[0x11; 100]).await.unwrap();
+    s.write_all(&[0x22; 200]).await.unwrap();
+    s.write_all(&[0x33; 50]).await.unwrap();
+    let mut hdr = [0u8; HEADER_LEN];
+    s.read_exact(&mut hdr).await.unwrap();
+    assert_eq!(
+        Response::decode(&hdr).unwrap(),
+        Response::ErrV {
+            id: 1,
+            status: Status::AddressNotRegistered,
+            count: 1
+        }
+    );
+    let mut idx = [0u8; 4];
+    s.read_exact(&mut idx).await.unwrap();
+    assert_eq!(u32::from_le_bytes(idx), 1);
+    let mut expect = vec![0u8; 4096];
+    expect[..100].fill(0x11);
+    expect[200..250].fill(0x33);
+    assert_eq!(target.to_vec(), expect);
+    // Overlapping segments: applied in order.
+    let segs = [(t + 1000, 100u64), (t + 1050, 100)];
+    let w = Request::WriteV {
+        id: 2,
+        count: 2,
+        total: 200,
+    };
+    s.write_all(&w.encode()).await.unwrap();
+    s.write_all(&encode_table(&segs)).await.unwrap();
+    s.write_all(&[0x44; 100]).await.unwrap();
+    s.write_all(&[0x55; 100]).await.unwrap();
+    s.read_exact(&mut hdr).await.unwrap();
+    assert_eq!(Response::decode(&hdr).unwrap(), Response::Ok { id: 2 });
+    expect[1000..1050].fill(0x44);
+    expect[1050..1150].fill(0x55);
+    assert_eq!(target.to_vec(), expect);
+    // Lengths that do not add up to the header's total: closed, untouched.
+    let w = Request::WriteV {
+        id: 3,
+        count: 1,
+        total: 10,
+    };
+    s.write_all(&w.encode()).await.unwrap();
+    s.write_all(&encode_table(&[(t, 20)])).await.unwrap();
+    let _ = s.write_all(&[0x66; 20]).await;
+    let mut rest = Vec::new();
+    let r = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut rest)).await;
+    assert!(r.is_ok(), "the target kept a malformed connection open");
+    assert_eq!(target.to_vec(), expect);
+}
+
+/// The initiator's copy of the target's table is stale (a region was
+/// unregistered since): the target refuses exactly the affected requests
+/// of a gathered batch and the others land.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stale_table_fails_only_the_affected_requests() {
+    let a = engine(TcpConfig::default()).await;
+    let b = engine(TcpConfig::default()).await;
+    let src = mem(&a, 4096, 0x7a).await;
+    let r1 = mem(&b, 4096, 0).await;
+    let r2 = mem(&b, 4096, 0).await;
+    let seg = a.open_segment(b.segment_name()).await.unwrap();
+    b.unregister(r2.addr()).await.unwrap();
+    let reqs = [
+        TransferRequest::write(src.addr(), r1.addr(), 64),
+        TransferRequest::write(src.addr(), r2.addr(), 64),
+        TransferRequest::write(src.addr(), r1.addr() + 128, 64),
+    ];
+    let report = a.batch_transfer(seg, &reqs, None).await.unwrap();
+    assert!(
+        report.results[0].is_ok() && report.results[2].is_ok(),
+        "{report:?}"
+    );
+    assert!(
+        matches!(
+            &report.results[1],
+            Err(Error::AddressNotRegistered { side: Side::Remote, addr, len: 64, peer: Some(p) })
+                if *addr == r2.addr() && p == b.segment_name()
+        ),
+        "{report:?}"
+    );
+    let mut expect = vec![0u8; 4096];
+    expect[..64].fill(0x7a);
+    expect[128..192].fill(0x7a);
+    assert_eq!(r1.to_vec(), expect);
+    assert_eq!(r2.to_vec(), vec![0u8; 4096], "unregistered region written");
 }
