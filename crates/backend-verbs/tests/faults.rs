@@ -427,3 +427,33 @@ async fn two_processes() {
     a.unregister(local.addr()).await.expect("unregister");
     a.unregister(scratch.addr()).await.expect("unregister");
 }
+
+/// Without a usable device the error names why (library, device list,
+/// feature); with one, a device name that does not exist is refused with
+/// the names that do exist.
+#[tokio::test]
+async fn unavailable_names_the_reason() {
+    let cfg = VerbsConfig::from_url("verbs://nosuchdev9").expect("URL");
+    match VerbsEngine::start(cfg).await {
+        Err(Error::Unavailable { backend, reason }) => {
+            assert_eq!(backend, "verbs");
+            let known = [
+                "`rdma` cargo feature",
+                "libibverbs.so.1 cannot be loaded",
+                "no RDMA device found",
+                "ibv_get_device_list failed",
+                "\"nosuchdev9\"",
+            ];
+            assert!(
+                known.iter().any(|k| reason.contains(k)),
+                "the reason does not say what is missing: {reason}"
+            );
+            if reason.contains("nosuchdev9") {
+                // A real device list: the message names the devices there are.
+                assert!(reason.contains("devices:"), "{reason}");
+            }
+            println!("unavailable_names_the_reason: {reason}");
+        }
+        other => panic!("a device that does not exist: expected Unavailable, got {other:?}"),
+    }
+}
