@@ -24,7 +24,7 @@ use crate::frame::{
     decode_ids, decode_table, table_contains, Request, Response, Status, MAX_ACKS, MAX_SEGMENTS,
 };
 use crate::handshake;
-use crate::io::{write_all, FrameReader, Next};
+use crate::io::{write_all, Bytes, FrameReader, Next};
 use crate::server::{lock, Core};
 
 /// Writes up to this size are gathered into WRITEV frames.
@@ -322,7 +322,7 @@ async fn reader_loop(conn: &ConnShared, spin: Duration, spin_pending: Duration) 
             Response::Ok { id } => conn.ack(id, Ok(()))?,
             Response::OkMany { count } => {
                 let buf = &mut ids[..count as usize * 8];
-                rd.read_payload(stream, buf)
+                rd.read_payload(stream, Bytes::from_mut(buf))
                     .await
                     .map_err(|e| conn.lost(&e))?;
                 for id in decode_ids(buf) {
@@ -353,9 +353,9 @@ async fn reader_loop(conn: &ConnShared, spin: Duration, spin_pending: Duration) 
                 // SAFETY: `dst..dst+len` was bounds-checked against a local
                 // registered region when the request was issued, and the
                 // RegionGuard held in `op` keeps that region registered (so
-                // the memory valid) until `op` is dropped below. The slice
-                // only goes to recv(2).
-                let slice = unsafe { std::slice::from_raw_parts_mut(dst as *mut u8, len as usize) };
+                // the memory valid) until `op` is dropped below. Only
+                // recvmsg(2) writes it.
+                let slice = unsafe { Bytes::from_raw(dst as *mut u8, len as usize) };
                 match rd.read_payload(stream, slice).await {
                     Ok(()) => op.complete(Ok(())),
                     Err(e) => {
@@ -367,7 +367,7 @@ async fn reader_loop(conn: &ConnShared, spin: Duration, spin_pending: Duration) 
             }
             Response::ErrV { id, status, count } => {
                 let buf = &mut ids[..count as usize * 4];
-                rd.read_payload(stream, buf)
+                rd.read_payload(stream, Bytes::from_mut(buf))
                     .await
                     .map_err(|e| conn.lost(&e))?;
                 let op = conn
@@ -403,7 +403,7 @@ async fn reader_loop(conn: &ConnShared, spin: Duration, spin_pending: Duration) 
             Response::Table { id, count } => {
                 // Bounded by the decoder (≤ 65,536 entries, 1 MiB).
                 let mut raw = vec![0u8; count as usize * 16];
-                rd.read_payload(stream, &mut raw)
+                rd.read_payload(stream, Bytes::from_mut(&mut raw))
                     .await
                     .map_err(|e| conn.lost(&e))?;
                 let table = decode_table(&raw).map_err(|e| conn.protocol(e.0))?;
@@ -522,6 +522,15 @@ impl OutOp {
     }
 }
 
+/// `len` bytes at `off` in the range `guard` holds, for sendmsg(2).
+fn source(guard: &RegionGuard, off: u64, len: u64) -> Bytes<'static> {
+    // SAFETY: the guard (held by the operation until it completes, and in
+    // `ops` until `send_ops` returns) keeps the local region registered and
+    // valid; `off + len` lies inside the guarded range (the request was
+    // checked against it when planned). Only sendmsg(2) reads it.
+    unsafe { Bytes::from_raw(guard.as_ptr().wrapping_add(off as usize), len as usize) }
+}
+
 /// Registers `ops` as pending on `conn` and writes them in as few system
 /// calls as possible. Failures complete the operations with an error.
 async fn send_ops(conn: &ConnShared, batch: &Arc<BatchState>, ops: Vec<OutOp>) {
@@ -616,36 +625,23 @@ async fn send_ops(conn: &ConnShared, batch: &Arc<BatchState>, ops: Vec<OutOp>) {
             );
         }
     }
-    let mut bufs: Vec<&[u8]> = Vec::with_capacity(ops.len() * 2);
+    let mut bufs: Vec<Bytes<'_>> = Vec::with_capacity(ops.len() * 2);
     let mut tables = tables.iter();
     for (hdr, op) in hdrs.iter().zip(&ops) {
-        bufs.push(hdr);
+        bufs.push(Bytes::from_ref(hdr));
         match &op.kind {
             OutKind::WriteV(parts) => {
                 if let Some(t) = tables.next() {
-                    bufs.push(t);
+                    bufs.push(Bytes::from_ref(t));
                 }
                 for (_, guard, off, len, _) in parts {
-                    // SAFETY: as for Write below.
-                    let src = unsafe {
-                        std::slice::from_raw_parts(guard.as_ptr().add(*off as usize), *len as usize)
-                    };
-                    bufs.push(src);
+                    bufs.push(source(guard, *off, *len));
                 }
             }
             OutKind::Write {
                 guard, off, len, ..
-            } => {
-                // SAFETY: the guard (alive in `ops` until this function
-                // returns) keeps the local region registered and valid;
-                // `off + len` lies inside the guarded range (checked when the
-                // request was planned). The slice only goes to send(2).
-                let src = unsafe {
-                    std::slice::from_raw_parts(guard.as_ptr().add(*off as usize), *len as usize)
-                };
-                bufs.push(src);
-            }
-            OutKind::Notify { bytes, .. } => bufs.push(bytes),
+            } => bufs.push(source(guard, *off, *len)),
+            OutKind::Notify { bytes, .. } => bufs.push(Bytes::from_ref(bytes)),
             _ => {}
         }
     }

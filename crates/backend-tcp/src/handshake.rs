@@ -12,7 +12,7 @@ use crate::frame::{
     decode_table, encode_table, Hello, FLAG_AUTH, HELLO_FIXED, MAX_REJECT_MSG, MAX_TABLE_ENTRIES,
     NONCE_LEN, REJECT, VERSION, WELCOME,
 };
-use crate::io::{read_some, write_all};
+use crate::io::{read_some, write_all_slices as write_all};
 
 type HmacSha256 = Hmac<Sha256>;
 
@@ -74,14 +74,7 @@ fn io_err(peer: &str, what: &str, e: std::io::Error) -> Error {
 async fn read_exact(stream: &TcpStream, buf: &mut [u8], timeout: Duration) -> std::io::Result<()> {
     let mut done = 0;
     while done < buf.len() {
-        let n = read_some(
-            stream,
-            &mut buf[done..],
-            &mut [],
-            Duration::ZERO,
-            Some(timeout),
-        )
-        .await?;
+        let n = read_some(stream, &mut buf[done..], Some(timeout)).await?;
         if n == 0 {
             return Err(std::io::Error::new(
                 std::io::ErrorKind::UnexpectedEof,

@@ -5,11 +5,18 @@
 //! system call (`readv` of `[payload, header]`), so a pipelined stream of
 //! frames costs about one call per frame while payload bytes still land
 //! directly in their destination.
+//!
+//! Registered memory is addressed through [`Bytes`] — a raw pointer and a
+//! length — and handed to `recvmsg(2)` / `sendmsg(2)` as `iovec`s, so no
+//! Rust reference to registered memory ever exists: peers (and other
+//! connections) may read and write it concurrently, the way a NIC's DMA
+//! does, without breaking Rust's aliasing rules.
 
-use std::io::{self, IoSlice, IoSliceMut, Read, Write};
+use std::io;
+use std::marker::PhantomData;
+use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
-use socket2::SockRef;
 use tokio::net::TcpStream;
 
 use crate::frame::HEADER_LEN;
@@ -17,19 +24,100 @@ use crate::frame::HEADER_LEN;
 /// Most iovecs per system call (Linux `IOV_MAX`).
 const IOV_MAX: usize = 1024;
 
-fn timed_out() -> io::Error {
-    io::Error::new(io::ErrorKind::TimedOut, "peer made no progress in time")
+/// A byte range for socket I/O: a pointer and a length, borrowed for `'a`
+/// from a Rust buffer, or (unsafely) made from registered memory.
+#[derive(Clone, Copy, Debug)]
+pub struct Bytes<'a> {
+    ptr: *mut u8,
+    len: usize,
+    _life: PhantomData<&'a mut [u8]>,
 }
 
-/// One non-blocking `readv` into `a` then `b`, bypassing Tokio's readiness
-/// cache.
-fn raw_read(stream: &TcpStream, a: &mut [u8], b: &mut [u8]) -> io::Result<usize> {
-    let sock = SockRef::from(stream);
-    if b.is_empty() {
-        (&*sock).read(a)
-    } else {
-        (&*sock).read_vectored(&mut [IoSliceMut::new(a), IoSliceMut::new(b)])
+// SAFETY: a `Bytes` is an address range; the memory it names is valid for
+// `'a` by construction (`from_mut` / `from_ref` borrow it, `from_raw`'s
+// caller guarantees it), and it is only ever accessed by the kernel inside a
+// system call, never through a Rust reference. Moving the range to another
+// thread changes nothing about that.
+unsafe impl Send for Bytes<'_> {}
+// SAFETY: as above; sharing the address range is harmless.
+unsafe impl Sync for Bytes<'_> {}
+
+impl<'a> Bytes<'a> {
+    /// A range the kernel may write into.
+    pub fn from_mut(s: &'a mut [u8]) -> Self {
+        Bytes {
+            ptr: s.as_mut_ptr(),
+            len: s.len(),
+            _life: PhantomData,
+        }
     }
+
+    /// A range the kernel only reads (only ever passed to `sendmsg`).
+    pub fn from_ref(s: &'a [u8]) -> Self {
+        Bytes {
+            ptr: s.as_ptr() as *mut u8,
+            len: s.len(),
+            _life: PhantomData,
+        }
+    }
+
+    /// An empty range.
+    pub fn empty() -> Self {
+        Bytes {
+            ptr: std::ptr::NonNull::<u8>::dangling().as_ptr(),
+            len: 0,
+            _life: PhantomData,
+        }
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the range is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The range without its first `n` bytes (`n ≤ len`).
+    fn skip(self, n: usize) -> Self {
+        let n = n.min(self.len);
+        Bytes {
+            // `wrapping_add` keeps this safe code; n ≤ len keeps it in range.
+            ptr: self.ptr.wrapping_add(n),
+            len: self.len - n,
+            _life: PhantomData,
+        }
+    }
+
+    fn iovec(self) -> libc::iovec {
+        libc::iovec {
+            iov_base: self.ptr.cast(),
+            iov_len: self.len,
+        }
+    }
+}
+
+impl Bytes<'static> {
+    /// A range of raw memory.
+    ///
+    /// # Safety
+    ///
+    /// `[ptr, ptr+len)` must stay valid for reads (and, if it is read into,
+    /// for writes) for as long as the value or a copy of it is used — in
+    /// this crate, a [`transport_core::RegionGuard`] covering it is held.
+    pub unsafe fn from_raw(ptr: *mut u8, len: usize) -> Self {
+        Bytes {
+            ptr,
+            len,
+            _life: PhantomData,
+        }
+    }
+}
+
+fn timed_out() -> io::Error {
+    io::Error::new(io::ErrorKind::TimedOut, "peer made no progress in time")
 }
 
 fn retry(e: &io::Error) -> bool {
@@ -39,51 +127,63 @@ fn retry(e: &io::Error) -> bool {
     )
 }
 
-/// Reads at least one byte into `a` then `b` (one `readv`). Polls for up to
-/// `spin` first (yielding to other tasks between attempts), then sleeps until
-/// readable; waiting longer than `timeout` (if given) is a `TimedOut` error.
-/// `Ok(0)` is EOF.
-///
-/// (Slices rather than `IoSliceMut`s cross the awaits: the latter are not
-/// `Send`.)
-pub async fn read_some(
-    stream: &TcpStream,
-    a: &mut [u8],
-    b: &mut [u8],
-    spin: Duration,
-    timeout: Option<Duration>,
-) -> io::Result<usize> {
-    read_with(stream, || raw_read(stream, a, b), spin, timeout).await
+/// `recvmsg(2)` or `sendmsg(2)` (with `MSG_NOSIGNAL`) of `iov` on `stream`'s
+/// socket, non-blocking.
+fn sys_msg(stream: &TcpStream, iov: &mut [libc::iovec], send: bool) -> io::Result<usize> {
+    if iov.is_empty() {
+        return Ok(0);
+    }
+    // SAFETY: an all-zero msghdr is a valid "no address, no control data"
+    // header.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = iov.as_mut_ptr();
+    msg.msg_iovlen = iov.len() as _;
+    let fd = stream.as_raw_fd();
+    // SAFETY: `fd` is the stream's open socket (borrowed for the call);
+    // every iovec names memory that is valid for the access: Rust buffers
+    // borrowed by their `Bytes`, or registered memory kept registered by a
+    // RegionGuard held by the caller (see `Bytes::from_raw`). The kernel
+    // bounds its accesses by the iovec lengths.
+    let r = unsafe {
+        if send {
+            libc::sendmsg(fd, &msg, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT)
+        } else {
+            libc::recvmsg(fd, &mut msg, libc::MSG_DONTWAIT)
+        }
+    };
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(r as usize)
+    }
 }
 
-/// One non-blocking `readv` into `segs` (the first from `first_off`) then
-/// `tail`.
-fn raw_readv(
+/// One non-blocking read into `segs` (the first from `first_off`) then
+/// `tail` — the tail only if every segment fits in this call.
+fn raw_read(
     stream: &TcpStream,
-    segs: &mut [&mut [u8]],
+    segs: &[Bytes<'_>],
     first_off: usize,
-    tail: &mut [u8],
+    tail: Bytes<'_>,
 ) -> io::Result<usize> {
     let n = segs.len().min(IOV_MAX - 1);
-    let all = n == segs.len();
-    let mut iov: Vec<IoSliceMut<'_>> = Vec::with_capacity(n + 1);
-    for (i, s) in segs[..n].iter_mut().enumerate() {
-        iov.push(IoSliceMut::new(if i == 0 {
-            &mut s[first_off..]
-        } else {
-            s
-        }));
+    let mut iov: Vec<libc::iovec> = Vec::with_capacity(n + 1);
+    for (i, s) in segs[..n].iter().enumerate() {
+        let s = if i == 0 { s.skip(first_off) } else { *s };
+        if !s.is_empty() {
+            iov.push(s.iovec());
+        }
     }
-    // The tail (next header) may only follow the last payload slice.
-    if all && !tail.is_empty() {
-        iov.push(IoSliceMut::new(tail));
+    if n == segs.len() && !tail.is_empty() {
+        iov.push(tail.iovec());
     }
-    let sock = SockRef::from(stream);
-    (&*sock).read_vectored(&mut iov)
+    sys_msg(stream, &mut iov, false)
 }
 
 /// The polling / sleeping / timeout logic of every read: `attempt` is one
-/// non-blocking read.
+/// non-blocking read. Polls for up to `spin` first (yielding to other tasks
+/// between attempts), then sleeps until readable; waiting longer than
+/// `timeout` (if given) is a `TimedOut` error. `Ok(0)` is EOF.
 async fn read_with<F>(
     stream: &TcpStream,
     mut attempt: F,
@@ -127,19 +227,41 @@ where
     }
 }
 
-fn raw_write(stream: &TcpStream, bufs: &[&[u8]], first_off: usize) -> io::Result<usize> {
-    let n = bufs.len().min(IOV_MAX);
-    let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(n);
-    for (i, b) in bufs[..n].iter().enumerate() {
-        iov.push(IoSlice::new(if i == 0 { &b[first_off..] } else { b }));
-    }
-    let sock = SockRef::from(stream);
-    (&*sock).write_vectored(&iov)
+/// Reads at least one byte into `buf` (no polling). `Ok(0)` is EOF.
+pub async fn read_some(
+    stream: &TcpStream,
+    buf: &mut [u8],
+    timeout: Option<Duration>,
+) -> io::Result<usize> {
+    let b = Bytes::from_mut(buf);
+    read_with(
+        stream,
+        || raw_read(stream, &[b], 0, Bytes::empty()),
+        Duration::ZERO,
+        timeout,
+    )
+    .await
 }
 
-/// Writes every byte of `bufs` in order, at most [`IOV_MAX`] slices per
+fn raw_write(stream: &TcpStream, bufs: &[Bytes<'_>], first_off: usize) -> io::Result<usize> {
+    let n = bufs.len().min(IOV_MAX);
+    let mut iov: Vec<libc::iovec> = Vec::with_capacity(n);
+    for (i, b) in bufs[..n].iter().enumerate() {
+        let b = if i == 0 { b.skip(first_off) } else { *b };
+        if !b.is_empty() {
+            iov.push(b.iovec());
+        }
+    }
+    sys_msg(stream, &mut iov, true)
+}
+
+/// Writes every byte of `bufs` in order, at most [`IOV_MAX`] ranges per
 /// call. A stall longer than `timeout` is `TimedOut`.
-pub async fn write_all(stream: &TcpStream, bufs: &[&[u8]], timeout: Duration) -> io::Result<()> {
+pub async fn write_all(
+    stream: &TcpStream,
+    bufs: &[Bytes<'_>],
+    timeout: Duration,
+) -> io::Result<()> {
     let mut idx = 0;
     let mut off = 0;
     loop {
@@ -179,7 +301,7 @@ pub async fn write_all(stream: &TcpStream, bufs: &[&[u8]], timeout: Duration) ->
         }
         // Advance (idx, off) by `written` bytes.
         let mut left = written;
-        while left > 0 {
+        while left > 0 && idx < bufs.len() {
             let avail = bufs[idx].len() - off;
             if left >= avail {
                 left -= avail;
@@ -191,6 +313,16 @@ pub async fn write_all(stream: &TcpStream, bufs: &[&[u8]], timeout: Duration) ->
             }
         }
     }
+}
+
+/// Writes plain byte slices (handshake and control messages).
+pub async fn write_all_slices(
+    stream: &TcpStream,
+    bufs: &[&[u8]],
+    timeout: Duration,
+) -> io::Result<()> {
+    let bufs: Vec<Bytes<'_>> = bufs.iter().map(|b| Bytes::from_ref(b)).collect();
+    write_all(stream, &bufs, timeout).await
 }
 
 /// Frame reader over one socket: a header buffer that payload reads top up
@@ -231,7 +363,8 @@ impl FrameReader {
     /// one is complete.
     pub fn poll_header_now(&mut self, stream: &TcpStream) -> io::Result<bool> {
         while self.filled < HEADER_LEN {
-            match raw_read(stream, &mut self.hdr[self.filled..], &mut []) {
+            let tail = Bytes::from_mut(&mut self.hdr[self.filled..]);
+            match raw_read(stream, &[tail], 0, Bytes::empty()) {
                 Ok(0) => return Ok(false),
                 Ok(n) => self.filled += n,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
@@ -248,10 +381,10 @@ impl FrameReader {
     pub async fn next_header(&mut self, stream: &TcpStream) -> io::Result<Next> {
         while self.filled < HEADER_LEN {
             let timeout = (self.filled > 0).then_some(self.timeout);
-            let n = read_some(
+            let tail = Bytes::from_mut(&mut self.hdr[self.filled..]);
+            let n = read_with(
                 stream,
-                &mut self.hdr[self.filled..],
-                &mut [],
+                || raw_read(stream, &[tail], 0, Bytes::empty()),
                 self.spin,
                 timeout,
             )
@@ -274,61 +407,24 @@ impl FrameReader {
 
     /// Reads exactly `dst.len()` payload bytes into `dst`, topping up the
     /// next header in the same calls (so `dst` must end a frame).
-    pub async fn read_payload(&mut self, stream: &TcpStream, dst: &mut [u8]) -> io::Result<()> {
-        self.read_into(stream, dst, true).await
+    pub async fn read_payload(&mut self, stream: &TcpStream, dst: Bytes<'_>) -> io::Result<()> {
+        self.read_v(stream, &[dst], true).await
     }
 
     /// Reads exactly `dst.len()` bytes of a frame that continues after them
     /// (no top-up of the next header).
-    pub async fn read_part(&mut self, stream: &TcpStream, dst: &mut [u8]) -> io::Result<()> {
-        self.read_into(stream, dst, false).await
+    pub async fn read_part(&mut self, stream: &TcpStream, dst: Bytes<'_>) -> io::Result<()> {
+        self.read_v(stream, &[dst], false).await
     }
 
-    async fn read_into(
+    /// Reads exactly the bytes of every range of `segs`, in order, with as
+    /// few calls as possible (one `readv` over all of them and, if `topup`,
+    /// the next header — so they must end the frame).
+    pub async fn read_v(
         &mut self,
         stream: &TcpStream,
-        dst: &mut [u8],
+        segs: &[Bytes<'_>],
         topup: bool,
-    ) -> io::Result<()> {
-        let mut done = 0;
-        while done < dst.len() {
-            let tail: &mut [u8] = if topup {
-                &mut self.hdr[self.filled..]
-            } else {
-                &mut []
-            };
-            let n = read_some(
-                stream,
-                &mut dst[done..],
-                tail,
-                self.spin,
-                Some(self.timeout),
-            )
-            .await?;
-            if n == 0 {
-                return Err(io::Error::new(
-                    io::ErrorKind::UnexpectedEof,
-                    "connection closed inside a frame payload",
-                ));
-            }
-            let rest = dst.len() - done;
-            if n > rest {
-                self.filled += n - rest;
-                done = dst.len();
-            } else {
-                done += n;
-            }
-        }
-        Ok(())
-    }
-
-    /// Reads exactly the bytes of every slice of `segs`, in order, with as
-    /// few calls as possible (one `readv` over all of them and the next
-    /// header).
-    pub async fn read_payload_v(
-        &mut self,
-        stream: &TcpStream,
-        segs: &mut [&mut [u8]],
     ) -> io::Result<()> {
         let (mut idx, mut off) = (0usize, 0usize);
         loop {
@@ -339,11 +435,15 @@ impl FrameReader {
             if idx == segs.len() {
                 return Ok(());
             }
-            let rest = &mut segs[idx..];
-            let tail = &mut self.hdr[self.filled..];
+            let rest = &segs[idx..];
+            let tail = if topup {
+                Bytes::from_mut(&mut self.hdr[self.filled..])
+            } else {
+                Bytes::empty()
+            };
             let n = read_with(
                 stream,
-                || raw_readv(stream, rest, off, tail),
+                || raw_read(stream, rest, off, tail),
                 self.spin,
                 Some(self.timeout),
             )
@@ -383,8 +483,12 @@ impl FrameReader {
         while len > 0 {
             let n = len.min(scratch.len() as u64) as usize;
             let last = len == n as u64;
-            self.read_into(stream, &mut scratch[..n], ends_frame && last)
-                .await?;
+            self.read_v(
+                stream,
+                &[Bytes::from_mut(&mut scratch[..n])],
+                ends_frame && last,
+            )
+            .await?;
             len -= n as u64;
         }
         Ok(())

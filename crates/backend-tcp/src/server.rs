@@ -13,7 +13,7 @@ use crate::frame::{
     decode_segments, Request, Response, Status, HEADER_LEN, MAX_ACKS, MAX_SEGMENTS,
 };
 use crate::handshake;
-use crate::io::{write_all, FrameReader, Next};
+use crate::io::{write_all, write_all_slices, Bytes, FrameReader, Next};
 
 /// Payload bytes received after which pending acknowledgements are sent
 /// even if more requests are already waiting (so large transfers complete
@@ -152,7 +152,7 @@ async fn flush(stream: &TcpStream, out: &mut Out, core: &Core, peer: &str) -> Re
         return Ok(());
     }
     let buf = out.take();
-    write_all(stream, &[&buf], core.config.request_timeout)
+    write_all_slices(stream, &[&buf], core.config.request_timeout)
         .await
         .map_err(|e| io_error(peer, e))
 }
@@ -222,10 +222,10 @@ async fn serve(stream: TcpStream, peer: &str, core: &Core) -> Result<(), Error> 
                     Ok(guard) => {
                         // SAFETY: the guard keeps [addr, addr+len) registered
                         // and therefore valid (MemoryRegion::from_raw_parts
-                        // contract); the slice is only handed to recv(2),
-                        // which writes the payload straight into it, the way
-                        // a NIC's DMA writes registered memory.
-                        let dst = unsafe { guard.as_mut_slice() };
+                        // contract) until it drops below; recvmsg(2) writes
+                        // the payload straight into it, the way a NIC's DMA
+                        // writes registered memory.
+                        let dst = unsafe { Bytes::from_raw(guard.as_ptr(), guard.len() as usize) };
                         rd.read_payload(&stream, dst)
                             .await
                             .map_err(|e| io_error(peer, e))?;
@@ -246,11 +246,15 @@ async fn serve(stream: TcpStream, peer: &str, core: &Core) -> Result<(), Error> 
                     Ok(guard) => {
                         let meta = out.take();
                         let hdr = Response::Data { id, len }.encode();
-                        // SAFETY: as for writes; send(2) only reads the bytes.
-                        let src = unsafe { guard.as_slice() };
-                        write_all(&stream, &[&meta, &hdr, src], cfg.request_timeout)
-                            .await
-                            .map_err(|e| io_error(peer, e))?;
+                        // SAFETY: as for writes; sendmsg(2) only reads it.
+                        let src = unsafe { Bytes::from_raw(guard.as_ptr(), guard.len() as usize) };
+                        write_all(
+                            &stream,
+                            &[Bytes::from_ref(&meta), Bytes::from_ref(&hdr), src],
+                            cfg.request_timeout,
+                        )
+                        .await
+                        .map_err(|e| io_error(peer, e))?;
                         drop(guard);
                     }
                     Err(_) => out.err(id, Status::AddressNotRegistered, addr, len),
@@ -263,7 +267,7 @@ async fn serve(stream: TcpStream, peer: &str, core: &Core) -> Result<(), Error> 
             } => {
                 // Bounded by the decoder: at most 256 + 64 KiB.
                 let mut buf = vec![0u8; (name_len + msg_len) as usize];
-                rd.read_payload(&stream, &mut buf)
+                rd.read_payload(&stream, Bytes::from_mut(&mut buf))
                     .await
                     .map_err(|e| io_error(peer, e))?;
                 let msg = buf.split_off(name_len as usize);
@@ -289,7 +293,7 @@ async fn serve(stream: TcpStream, peer: &str, core: &Core) -> Result<(), Error> 
             Request::WriteV { id, count, total } => {
                 let mut raw = [0u8; MAX_SEGMENTS as usize * 16];
                 let raw = &mut raw[..count as usize * 16];
-                rd.read_part(&stream, raw)
+                rd.read_part(&stream, Bytes::from_mut(raw))
                     .await
                     .map_err(|e| io_error(peer, e))?;
                 let segs = decode_segments(raw, total).map_err(|e| Error::Protocol {
@@ -302,17 +306,16 @@ async fn serve(stream: TcpStream, peer: &str, core: &Core) -> Result<(), Error> 
                     .collect();
                 if guards.iter().all(Option::is_some) && !overlapping(&segs) {
                     // One readv straight into every destination.
-                    let mut dsts: Vec<&mut [u8]> = guards
+                    let dsts: Vec<Bytes<'static>> = guards
                         .iter()
                         .flatten()
-                        // SAFETY: as for WRITE; the segments were checked
-                        // not to overlap, so the slices are disjoint.
-                        .map(|g| unsafe { g.as_mut_slice() })
+                        // SAFETY: as for WRITE: each guard keeps its range
+                        // registered until `guards` drops below.
+                        .map(|g| unsafe { Bytes::from_raw(g.as_ptr(), g.len() as usize) })
                         .collect();
-                    rd.read_payload_v(&stream, &mut dsts)
+                    rd.read_v(&stream, &dsts, true)
                         .await
                         .map_err(|e| io_error(peer, e))?;
-                    drop(dsts);
                     out.acks.push(id);
                 } else {
                     // Segment by segment, in order; refused ones discarded.
@@ -322,8 +325,8 @@ async fn serve(stream: TcpStream, peer: &str, core: &Core) -> Result<(), Error> 
                     for (i, (g, &(_, len))) in guards.iter().zip(&segs).enumerate() {
                         let r = match g {
                             Some(g) => {
-                                // SAFETY: as for WRITE (one slice at a time).
-                                let dst = unsafe { g.as_mut_slice() };
+                                // SAFETY: as for WRITE.
+                                let dst = unsafe { Bytes::from_raw(g.as_ptr(), g.len() as usize) };
                                 if i == last {
                                     rd.read_payload(&stream, dst).await
                                 } else {
@@ -350,7 +353,7 @@ async fn serve(stream: TcpStream, peer: &str, core: &Core) -> Result<(), Error> 
                 let meta = out.take();
                 let (count, table) = handshake::table_bytes(&core.regions);
                 let hdr = Response::Table { id, count }.encode();
-                write_all(&stream, &[&meta, &hdr, &table], cfg.request_timeout)
+                write_all_slices(&stream, &[&meta, &hdr, &table], cfg.request_timeout)
                     .await
                     .map_err(|e| io_error(peer, e))?;
             }
