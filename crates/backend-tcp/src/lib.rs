@@ -10,8 +10,8 @@
 //! Properties (see `PROTOCOL.md` for the wire format):
 //!
 //! - **Zero user-space payload copies**: write payloads go from registered
-//!   memory to the socket with `writev` (header and payload in one call) and
-//!   from the socket straight into the destination region with `readv`;
+//!   memory to the socket with one vectored `sendmsg` (header and payload together) and
+//!   from the socket straight into the destination region with a vectored `recvmsg` (raw iovecs: no Rust reference into registered memory);
 //!   read responses likewise.
 //! - **Never trust the peer**: the initiator validates every request against
 //!   its own regions and the target's table before sending; the target
