@@ -27,10 +27,10 @@ use crate::handshake;
 use crate::io::{write_all, Bytes, FrameReader, Next};
 use crate::server::{lock, Core};
 
-/// Writes up to this size are gathered into WRITEV frames.
-const WRITEV_MAX_SEGMENT: u64 = 64 * 1024;
-/// Most payload bytes per WRITEV frame.
-const WRITEV_MAX_BYTES: u64 = 4 << 20;
+/// Requests up to this size are gathered into WRITEV / READV frames.
+const GATHER_MAX_SEGMENT: u64 = 64 * 1024;
+/// Most payload bytes per WRITEV / READV frame.
+const GATHER_MAX_BYTES: u64 = 4 << 20;
 
 /// Outcome bookkeeping of one batch (or one control request).
 #[derive(Debug)]
@@ -170,6 +170,13 @@ enum PendingKind {
         parts: Vec<(usize, u64, u64)>,
         _guards: Vec<Arc<RegionGuard>>,
     },
+    /// Several small reads in one frame: `(request index, local
+    /// destination, remote addr, len)` per segment; the guards keep the
+    /// destinations registered.
+    ReadV {
+        parts: Vec<(usize, usize, u64, u64)>,
+        _guards: Vec<Arc<RegionGuard>>,
+    },
 }
 
 struct PendingOp {
@@ -184,6 +191,11 @@ impl PendingOp {
         match &self.kind {
             PendingKind::WriteV { parts, .. } => {
                 for (index, _, _) in parts {
+                    self.batch.complete(*index, r.clone());
+                }
+            }
+            PendingKind::ReadV { parts, .. } => {
+                for (index, _, _, _) in parts {
                     self.batch.complete(*index, r.clone());
                 }
             }
@@ -282,7 +294,12 @@ impl ConnShared {
         let op = self
             .take(id)
             .ok_or_else(|| self.protocol(format!("response for unknown request id {id}")))?;
-        if r.is_ok() && matches!(op.kind, PendingKind::Read { .. } | PendingKind::Table(_)) {
+        if r.is_ok()
+            && matches!(
+                op.kind,
+                PendingKind::Read { .. } | PendingKind::ReadV { .. } | PendingKind::Table(_)
+            )
+        {
             let err = self.protocol(format!("plain OK for request {id}, which needs data"));
             op.complete(Err(err.clone()));
             return Err(err);
@@ -363,6 +380,84 @@ async fn reader_loop(conn: &ConnShared, spin: Duration, spin_pending: Duration) 
                         op.complete(Err(err.clone()));
                         return Err(err);
                     }
+                }
+            }
+            Response::DataV {
+                id,
+                status,
+                failed,
+                len,
+            } => {
+                let op = conn
+                    .take(id)
+                    .ok_or_else(|| conn.protocol(format!("DATAV for unknown request id {id}")))?;
+                let PendingKind::ReadV { parts, .. } = &op.kind else {
+                    let err = conn.protocol(format!("DATAV for request {id}, not a READV"));
+                    op.complete(Err(err.clone()));
+                    return Err(err);
+                };
+                let buf = &mut ids[..failed as usize * 4];
+                // The indices end the frame only if no data follows.
+                let r = if len == 0 {
+                    rd.read_payload(stream, Bytes::from_mut(buf)).await
+                } else {
+                    rd.read_part(stream, Bytes::from_mut(buf)).await
+                };
+                if let Err(e) = r {
+                    let err = conn.lost(&e);
+                    op.complete(Err(err.clone()));
+                    return Err(err);
+                }
+                let mut bad = vec![false; parts.len()];
+                let mut wrong = None;
+                for c in buf.chunks_exact(4) {
+                    let i = u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as usize;
+                    match bad.get_mut(i) {
+                        Some(b) => *b = true,
+                        None => wrong = Some(format!("DATAV names segment {i} of {}", parts.len())),
+                    }
+                }
+                let valid: u64 = parts
+                    .iter()
+                    .zip(&bad)
+                    .filter(|(_, b)| !**b)
+                    .map(|(p, _)| p.3)
+                    .sum();
+                if wrong.is_none() && valid != len {
+                    wrong = Some(format!(
+                        "DATAV carries {len} bytes, the segments need {valid}"
+                    ));
+                }
+                if let Some(w) = wrong {
+                    let err = conn.protocol(w);
+                    op.complete(Err(err.clone()));
+                    return Err(err);
+                }
+                let dsts: Vec<Bytes<'static>> = parts
+                    .iter()
+                    .zip(&bad)
+                    .filter(|(_, b)| !**b)
+                    // SAFETY: each destination was bounds-checked against a
+                    // local registered region when the request was issued;
+                    // the guards held in `op` keep those regions registered
+                    // until `op` is dropped. Only recvmsg(2) writes them.
+                    .map(|(p, _)| unsafe { Bytes::from_raw(p.1 as *mut u8, p.3 as usize) })
+                    .collect();
+                if len > 0 {
+                    if let Err(e) = rd.read_v(stream, &dsts, true).await {
+                        let err = conn.lost(&e);
+                        op.complete(Err(err.clone()));
+                        return Err(err);
+                    }
+                }
+                let status = status.unwrap_or(Status::AddressNotRegistered);
+                for ((index, _, remote, n), b) in parts.iter().zip(bad) {
+                    let r = if b {
+                        Err(conn.status_error(status, *remote, *n))
+                    } else {
+                        Ok(())
+                    };
+                    op.batch.complete(*index, r);
                 }
             }
             Response::ErrV { id, status, count } => {
@@ -501,6 +596,8 @@ enum OutKind {
     /// Small writes sent as one WRITEV frame: `(request index, source
     /// guard, offset in it, len, remote addr)` per segment.
     WriteV(Vec<(usize, Arc<RegionGuard>, u64, u64, u64)>),
+    /// Small reads sent as one READV frame, same layout.
+    ReadV(Vec<(usize, Arc<RegionGuard>, u64, u64, u64)>),
 }
 
 struct OutOp {
@@ -512,7 +609,7 @@ impl OutOp {
     /// Fails the operation (every segment of a WRITEV) before it was sent.
     fn fail(&self, batch: &BatchState, e: &Error) {
         match &self.kind {
-            OutKind::WriteV(parts) => {
+            OutKind::WriteV(parts) | OutKind::ReadV(parts) => {
                 for p in parts {
                     batch.complete(p.0, Err(e.clone()));
                 }
@@ -592,6 +689,30 @@ async fn send_ops(conn: &ConnShared, batch: &Arc<BatchState>, ops: Vec<OutOp>) {
                 OutKind::Table(cache) => {
                     (Request::Table { id }, PendingKind::Table(Arc::clone(cache)))
                 }
+                OutKind::ReadV(parts) => {
+                    let mut table = Vec::with_capacity(parts.len() * 16);
+                    let mut total = 0;
+                    for (_, _, _, len, remote) in parts {
+                        table.extend_from_slice(&remote.to_le_bytes());
+                        table.extend_from_slice(&len.to_le_bytes());
+                        total += len;
+                    }
+                    tables.push(table);
+                    (
+                        Request::ReadV {
+                            id,
+                            count: parts.len() as u32,
+                            total,
+                        },
+                        PendingKind::ReadV {
+                            parts: parts
+                                .iter()
+                                .map(|p| (p.0, p.1.as_ptr() as usize + p.2 as usize, p.4, p.3))
+                                .collect(),
+                            _guards: parts.iter().map(|p| Arc::clone(&p.1)).collect(),
+                        },
+                    )
+                }
                 OutKind::WriteV(parts) => {
                     let mut table = Vec::with_capacity(parts.len() * 16);
                     let mut total = 0;
@@ -636,6 +757,11 @@ async fn send_ops(conn: &ConnShared, batch: &Arc<BatchState>, ops: Vec<OutOp>) {
                 }
                 for (_, guard, off, len, _) in parts {
                     bufs.push(source(guard, *off, *len));
+                }
+            }
+            OutKind::ReadV(_) => {
+                if let Some(t) = tables.next() {
+                    bufs.push(Bytes::from_ref(t));
                 }
             }
             OutKind::Write {
@@ -937,42 +1063,56 @@ impl Peer {
         // pipelined, and the other connections stay idle (and do not poll)
         // unless large requests are split over them.
         let home = 0;
-        // Small writes are gathered into WRITEV frames (one system call on
-        // the target for all of them).
-        let mut group: Vec<(usize, Arc<RegionGuard>, u64, u64, u64)> = Vec::new();
-        let mut group_bytes = 0u64;
-        let flush = |group: &mut Vec<(usize, Arc<RegionGuard>, u64, u64, u64)>,
-                     out: &mut Vec<OutOp>| {
-            match group.len() {
+        // Small writes (reads) are gathered into WRITEV (READV) frames: one
+        // system call on the target for all of them.
+        type Group = Vec<(usize, Arc<RegionGuard>, u64, u64, u64)>;
+        let mut groups: [(Group, u64); 2] = [(Vec::new(), 0), (Vec::new(), 0)];
+        let flush = |g: &mut (Group, u64), read: bool, out: &mut Vec<OutOp>| {
+            g.1 = 0;
+            match g.0.len() {
                 0 => {}
                 1 => {
-                    if let Some((index, guard, off, len, remote)) = group.pop() {
-                        out.push(OutOp {
-                            index,
-                            kind: OutKind::Write {
+                    if let Some((index, guard, off, len, remote)) = g.0.pop() {
+                        let kind = if read {
+                            OutKind::Read {
                                 guard,
                                 off,
                                 len,
                                 remote,
-                            },
-                        });
+                            }
+                        } else {
+                            OutKind::Write {
+                                guard,
+                                off,
+                                len,
+                                remote,
+                            }
+                        };
+                        out.push(OutOp { index, kind });
                     }
                 }
-                _ => out.push(OutOp {
-                    index: group[0].0,
-                    kind: OutKind::WriteV(std::mem::take(group)),
-                }),
+                _ => {
+                    let parts = std::mem::take(&mut g.0);
+                    let index = parts[0].0;
+                    let kind = if read {
+                        OutKind::ReadV(parts)
+                    } else {
+                        OutKind::WriteV(parts)
+                    };
+                    out.push(OutOp { index, kind });
+                }
             }
         };
         for (i, (r, g)) in requests.iter().zip(&guards).enumerate() {
             let Some(g) = g else { continue };
-            if r.op == TransferOp::Write && r.len <= WRITEV_MAX_SEGMENT.min(chunk) {
-                if group.len() == MAX_SEGMENTS as usize || group_bytes + r.len > WRITEV_MAX_BYTES {
-                    flush(&mut group, &mut per_conn[home]);
-                    group_bytes = 0;
+            if r.len <= GATHER_MAX_SEGMENT.min(chunk) {
+                let read = r.op == TransferOp::Read;
+                let grp = &mut groups[read as usize];
+                if grp.0.len() == MAX_SEGMENTS as usize || grp.1 + r.len > GATHER_MAX_BYTES {
+                    flush(grp, read, &mut per_conn[home]);
                 }
-                group.push((i, Arc::clone(g), 0, r.len, r.remote_addr));
-                group_bytes += r.len;
+                grp.0.push((i, Arc::clone(g), 0, r.len, r.remote_addr));
+                grp.1 += r.len;
                 counts[i] += 1;
                 continue;
             }
@@ -1001,15 +1141,20 @@ impl Peer {
                 };
                 if c == home {
                     // Keep the order of requests on the home connection.
-                    flush(&mut group, &mut per_conn[home]);
-                    group_bytes = 0;
+                    let [w, rd] = &mut groups;
+                    flush(w, false, &mut per_conn[home]);
+                    flush(rd, true, &mut per_conn[home]);
                 }
                 per_conn[c].push(OutOp { index: i, kind });
                 counts[i] += 1;
                 off += len;
             }
         }
-        flush(&mut group, &mut per_conn[home]);
+        {
+            let [w, rd] = &mut groups;
+            flush(w, false, &mut per_conn[home]);
+            flush(rd, true, &mut per_conn[home]);
+        }
         drop(guards);
         state.arm(&counts);
         let used: Vec<usize> = (0..n_conns).filter(|c| !per_conn[*c].is_empty()).collect();

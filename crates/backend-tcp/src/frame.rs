@@ -47,6 +47,9 @@ pub mod kind {
     /// `aux` segments `(addr, len)` of 16 bytes follow, then their payloads
     /// in order (`b` bytes in total).
     pub const WRITEV: u8 = 0x05;
+    /// `aux` segments `(addr, len)` of 16 bytes follow (`b` bytes in total
+    /// to send back).
+    pub const READV: u8 = 0x06;
     /// Request `id` succeeded.
     pub const OK: u8 = 0x81;
     /// `aux` request ids (u64 each) follow; all succeeded.
@@ -60,6 +63,9 @@ pub mod kind {
     /// WRITEV `id` landed except `aux` segments (u32 indices follow), which
     /// failed with `status`.
     pub const ERRV: u8 = 0x86;
+    /// READV `id` answer: `aux` failed segment indices (u32) follow, then
+    /// `b` bytes: the payloads of the other segments, in order.
+    pub const DATAV: u8 = 0x87;
 }
 
 /// Error codes carried in ERR frames and handshake rejections.
@@ -214,6 +220,15 @@ pub enum Request {
         /// Sum of the segment lengths (≤ [`MAX_OP_LEN`]).
         total: u64,
     },
+    /// `count` segments of 16 bytes follow; send their bytes back.
+    ReadV {
+        /// Request id.
+        id: u64,
+        /// Segments (1..=[`MAX_SEGMENTS`]).
+        count: u32,
+        /// Sum of the segment lengths (≤ [`MAX_OP_LEN`]).
+        total: u64,
+    },
 }
 
 impl Request {
@@ -257,6 +272,13 @@ impl Request {
                 b: total,
                 ..Default::default()
             },
+            Request::ReadV { id, count, total } => Header {
+                kind: kind::READV,
+                aux: count,
+                id,
+                b: total,
+                ..Default::default()
+            },
         };
         h.encode()
     }
@@ -265,10 +287,23 @@ impl Request {
     /// [`MAX_OP_LEN`] is an error: its payload cannot be skipped safely.
     pub fn decode(buf: &[u8; HEADER_LEN]) -> Result<Request, DecodeError> {
         let h = Header::decode(buf)?;
-        if h.status != 0 || (h.aux != 0 && h.kind != kind::WRITEV) {
+        if h.status != 0 || (h.aux != 0 && h.kind != kind::WRITEV && h.kind != kind::READV) {
             return Err(bad("request with non-zero status or count field"));
         }
         match h.kind {
+            kind::READV => {
+                if h.aux == 0 || h.aux > MAX_SEGMENTS || h.a != 0 || h.b > MAX_OP_LEN {
+                    return Err(bad(format!(
+                        "READV of {} segments / {} bytes exceeds the limits",
+                        h.aux, h.b
+                    )));
+                }
+                Ok(Request::ReadV {
+                    id: h.id,
+                    count: h.aux,
+                    total: h.b,
+                })
+            }
             kind::WRITEV => {
                 if h.aux == 0 || h.aux > MAX_SEGMENTS || h.a != 0 || h.b > MAX_OP_LEN {
                     return Err(bad(format!(
@@ -365,6 +400,18 @@ pub enum Response {
         /// Entries (≤ [`MAX_TABLE_ENTRIES`]).
         count: u32,
     },
+    /// READV `id` answer: `failed` segment indices (u32) follow, then `len`
+    /// bytes, the payloads of the other segments in order.
+    DataV {
+        /// Request id.
+        id: u64,
+        /// Why the listed segments failed (`None` when none did).
+        status: Option<Status>,
+        /// Number of failed segments (≤ [`MAX_SEGMENTS`]).
+        failed: u32,
+        /// Payload bytes that follow (≤ [`MAX_OP_LEN`]).
+        len: u64,
+    },
     /// WRITEV `id` landed except `count` segments (u32 indices follow),
     /// which failed with `status`.
     ErrV {
@@ -416,6 +463,19 @@ impl Response {
                 id,
                 ..Default::default()
             },
+            Response::DataV {
+                id,
+                status,
+                failed,
+                len,
+            } => Header {
+                kind: kind::DATAV,
+                status: status.map_or(0, |s| s as u8),
+                aux: failed,
+                id,
+                b: len,
+                ..Default::default()
+            },
             Response::ErrV { id, status, count } => Header {
                 kind: kind::ERRV,
                 status: status as u8,
@@ -464,6 +524,28 @@ impl Response {
                 Ok(Response::Table {
                     id: h.id,
                     count: h.aux,
+                })
+            }
+            kind::DATAV => {
+                let status = match (h.aux, h.status) {
+                    (0, 0) => None,
+                    (0, _) => return Err(bad("DATAV without failures carries a status")),
+                    (_, st) => Some(
+                        Status::from_u8(st)
+                            .ok_or_else(|| bad(format!("unknown status code {st}")))?,
+                    ),
+                };
+                if h.aux > MAX_SEGMENTS || h.b > MAX_OP_LEN || h.a != 0 {
+                    return Err(bad(format!(
+                        "DATAV with {} failures / {} bytes exceeds the limits",
+                        h.aux, h.b
+                    )));
+                }
+                Ok(Response::DataV {
+                    id: h.id,
+                    status,
+                    failed: h.aux,
+                    len: h.b,
                 })
             }
             kind::ERRV => {
@@ -663,6 +745,11 @@ mod tests {
                 count: MAX_SEGMENTS,
                 total: MAX_OP_LEN,
             },
+            Request::ReadV {
+                id: 11,
+                count: 1,
+                total: 1,
+            },
         ];
         for r in reqs {
             assert_eq!(Request::decode(&r.encode()), Ok(r));
@@ -682,6 +769,18 @@ mod tests {
                 id: 5,
                 status: Status::AddressNotRegistered,
                 count: 3,
+            },
+            Response::DataV {
+                id: 6,
+                status: None,
+                failed: 0,
+                len: 100,
+            },
+            Response::DataV {
+                id: 7,
+                status: Some(Status::AddressNotRegistered),
+                failed: 2,
+                len: 0,
             },
         ];
         for r in resps {
@@ -766,7 +865,7 @@ mod tests {
                     Request::Notify { name_len, msg_len, .. } =>
                         prop_assert!(name_len <= MAX_NOTIFY_NAME && msg_len <= MAX_NOTIFY_MESSAGE),
                     Request::Table { .. } => {}
-                    Request::WriteV { count, total, .. } =>
+                    Request::WriteV { count, total, .. } | Request::ReadV { count, total, .. } =>
                         prop_assert!((1..=MAX_SEGMENTS).contains(&count) && total <= MAX_OP_LEN),
                 }
             }
@@ -776,6 +875,8 @@ mod tests {
                     Response::Table { count, .. } => prop_assert!(count <= MAX_TABLE_ENTRIES),
                     Response::Data { len, .. } => prop_assert!(len <= MAX_OP_LEN),
                     Response::ErrV { count, .. } => prop_assert!((1..=MAX_SEGMENTS).contains(&count)),
+                    Response::DataV { failed, len, .. } =>
+                        prop_assert!(failed <= MAX_SEGMENTS && len <= MAX_OP_LEN),
                     _ => {}
                 }
             }

@@ -349,6 +349,54 @@ async fn serve(stream: TcpStream, peer: &str, core: &Core) -> Result<(), Error> 
                 drop(guards);
                 out.bytes += total;
             }
+            Request::ReadV { id, count, total } => {
+                let mut raw = [0u8; MAX_SEGMENTS as usize * 16];
+                let raw = &mut raw[..count as usize * 16];
+                // The segment table ends the frame.
+                rd.read_payload(&stream, Bytes::from_mut(raw))
+                    .await
+                    .map_err(|e| io_error(peer, e))?;
+                let segs = decode_segments(raw, total).map_err(|e| Error::Protocol {
+                    peer: peer.to_owned(),
+                    reason: e.0,
+                })?;
+                let guards: Vec<_> = segs
+                    .iter()
+                    .map(|&(a, l)| core.regions.acquire(a, l, Side::Remote, None).ok())
+                    .collect();
+                let mut failed = Vec::new();
+                let mut valid = 0u64;
+                for (i, (g, &(_, len))) in guards.iter().zip(&segs).enumerate() {
+                    match g {
+                        Some(_) => valid += len,
+                        None => failed.extend_from_slice(&(i as u32).to_le_bytes()),
+                    }
+                }
+                let meta = out.take();
+                let hdr = Response::DataV {
+                    id,
+                    status: (!failed.is_empty()).then_some(Status::AddressNotRegistered),
+                    failed: (failed.len() / 4) as u32,
+                    len: valid,
+                }
+                .encode();
+                let mut bufs = vec![
+                    Bytes::from_ref(&meta),
+                    Bytes::from_ref(&hdr),
+                    Bytes::from_ref(&failed),
+                ];
+                for g in guards.iter().flatten() {
+                    // SAFETY: as for READ: the guard keeps the range
+                    // registered until `guards` drops below; sendmsg(2) only
+                    // reads it.
+                    bufs.push(unsafe { Bytes::from_raw(g.as_ptr(), g.len() as usize) });
+                }
+                write_all(&stream, &bufs, cfg.request_timeout)
+                    .await
+                    .map_err(|e| io_error(peer, e))?;
+                drop(bufs);
+                drop(guards);
+            }
             Request::Table { id } => {
                 let meta = out.take();
                 let (count, table) = handshake::table_bytes(&core.regions);

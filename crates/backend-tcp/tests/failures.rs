@@ -757,3 +757,71 @@ async fn stale_table_fails_only_the_affected_requests() {
     assert_eq!(r1.to_vec(), expect);
     assert_eq!(r2.to_vec(), vec![0u8; 4096], "unregistered region written");
 }
+
+/// READV: refused segments are listed in DATAV and the data of the others
+/// follows (raw peer); through the engine, a stale table fails only the
+/// affected reads of a gathered batch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readv_reports_refused_segments_and_returns_the_rest() {
+    use backend_tcp::frame::encode_table;
+    let b = engine(TcpConfig::default()).await;
+    let target = mem(&b, 4096, 0).await;
+    target.write(0, &pattern(3, 4096)).unwrap();
+    let (mut s, _) = raw_handshake(b.segment_name()).await;
+    let t = target.addr();
+    let segs = [(t + 10, 20u64), (t + 4090, 20), (t + 100, 30)];
+    let r = Request::ReadV {
+        id: 5,
+        count: 3,
+        total: 70,
+    };
+    s.write_all(&r.encode()).await.unwrap();
+    s.write_all(&encode_table(&segs)).await.unwrap();
+    let mut hdr = [0u8; HEADER_LEN];
+    s.read_exact(&mut hdr).await.unwrap();
+    assert_eq!(
+        Response::decode(&hdr).unwrap(),
+        Response::DataV {
+            id: 5,
+            status: Some(Status::AddressNotRegistered),
+            failed: 1,
+            len: 50
+        }
+    );
+    let mut idx = [0u8; 4];
+    s.read_exact(&mut idx).await.unwrap();
+    assert_eq!(u32::from_le_bytes(idx), 1);
+    let mut data = vec![0u8; 50];
+    s.read_exact(&mut data).await.unwrap();
+    let p = pattern(3, 4096);
+    assert_eq!(&data[..20], &p[10..30]);
+    assert_eq!(&data[20..], &p[100..130]);
+
+    // Through the engine, with a stale table.
+    let a = engine(TcpConfig::default()).await;
+    let dst = mem(&a, 4096, 0).await;
+    let gone = mem(&b, 4096, 0x99).await;
+    let seg = a.open_segment(b.segment_name()).await.unwrap();
+    b.unregister(gone.addr()).await.unwrap();
+    let reqs = [
+        TransferRequest::read(dst.addr(), t, 64),
+        TransferRequest::read(dst.addr() + 64, gone.addr(), 64),
+        TransferRequest::read(dst.addr() + 128, t + 64, 64),
+    ];
+    let report = a.batch_transfer(seg, &reqs, None).await.unwrap();
+    assert!(
+        report.results[0].is_ok() && report.results[2].is_ok(),
+        "{report:?}"
+    );
+    assert!(
+        matches!(
+            &report.results[1],
+            Err(Error::AddressNotRegistered { side: Side::Remote, addr, .. }) if *addr == gone.addr()
+        ),
+        "{report:?}"
+    );
+    let got = dst.to_vec();
+    assert_eq!(&got[..64], &p[..64]);
+    assert_eq!(&got[64..128], &[0u8; 64][..], "refused read wrote memory");
+    assert_eq!(&got[128..192], &p[64..128]);
+}
