@@ -275,14 +275,18 @@ async fn backend_blocks(p: &Pair, size: usize, total: usize) -> f64 {
 }
 
 /// 4 KiB writes in batches of `batch`: transfers per second.
-async fn backend_small(p: &Pair, batch: usize, secs: f64) -> f64 {
+async fn backend_small(p: &Pair, batch: usize, secs: f64, read: bool) -> f64 {
     let reqs: Vec<TransferRequest> = (0..batch)
         .map(|i| {
-            TransferRequest::write(
+            let (l, r) = (
                 p.local.addr() + (i * 4 * KIB) as u64,
                 p.remote.addr() + (i * 4 * KIB) as u64,
-                4096,
-            )
+            );
+            if read {
+                TransferRequest::read(l, r, 4096)
+            } else {
+                TransferRequest::write(l, r, 4096)
+            }
         })
         .collect();
     for _ in 0..50 {
@@ -395,16 +399,17 @@ async fn run(o: Opts) {
         }
     }
     if want("small") {
-        println!("\n== 4 KiB writes (transfers/s) ==");
+        println!("\n== 4 KiB transfers (writes unless noted; transfers/s) ==");
         let (mut raw1, mut raw256) = (Vec::new(), Vec::new());
-        let mut tcp = vec![[const { Vec::new() }; 3]; pairs.len()];
+        let mut tcp = vec![[const { Vec::new() }; 4]; pairs.len()];
         for _ in 0..o.reps {
             raw1.push(raw_pingpong(1, o.small_secs).await);
             raw256.push(raw_pingpong(256, o.small_secs).await);
             for (k, p) in pairs.iter().enumerate() {
                 for (j, batch) in [1, 32, 256].into_iter().enumerate() {
-                    tcp[k][j].push(backend_small(p, batch, o.small_secs).await);
+                    tcp[k][j].push(backend_small(p, batch, o.small_secs, false).await);
                 }
+                tcp[k][3].push(backend_small(p, 256, o.small_secs, true).await);
             }
         }
         let (raw1, raw256) = (median(raw1), median(raw256));
@@ -424,6 +429,8 @@ async fn run(o: Opts) {
                     if batch == 1 { "x1" } else { "x256" }
                 );
             }
+            let r = median(std::mem::take(&mut tcp[i][3]));
+            println!("tcp c={c} batch 256 (reads): {r:>10.0}/s");
         }
     }
     if want("latency") {
