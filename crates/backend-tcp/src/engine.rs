@@ -38,7 +38,8 @@ struct AsyncBatch {
     state: Arc<BatchState>,
     /// `None` while running; then the notification outcome of an empty batch.
     done: watch::Receiver<Option<Result<()>>>,
-    task: AbortHandle,
+    /// The task driving the batch (none for a batch completed in `submit`).
+    task: Option<AbortHandle>,
 }
 
 struct Inner {
@@ -155,7 +156,9 @@ impl TcpEngine {
             p.close();
         }
         for (_, b) in lock(&self.inner.batches).drain() {
-            b.task.abort();
+            if let Some(t) = b.task {
+                t.abort();
+            }
         }
     }
 
@@ -392,8 +395,24 @@ impl TransferEngine for TcpEngine {
         let handle = self.handle(segment)?;
         self.check_batch(requests, notify)?;
         let state = BatchState::new(requests.len());
-        let (tx, rx) = watch::channel(None);
         let id = self.inner.next_batch.fetch_add(1, Ordering::Relaxed);
+        if requests.is_empty() {
+            // Nothing to track: complete it here (delivering the
+            // notification, if any), so that status and release agree at
+            // once.
+            let r = run_on(&handle, segment, requests, notify, &state).await;
+            let (_, rx) = watch::channel(Some(r));
+            lock(&self.inner.batches).insert(
+                id,
+                AsyncBatch {
+                    state,
+                    done: rx,
+                    task: None,
+                },
+            );
+            return Ok(BatchId(id));
+        }
+        let (tx, rx) = watch::channel(None);
         let requests = requests.to_vec();
         let notify = notify.cloned();
         let task_state = Arc::clone(&state);
@@ -410,7 +429,7 @@ impl TransferEngine for TcpEngine {
             AsyncBatch {
                 state,
                 done: rx,
-                task,
+                task: Some(task),
             },
         );
         Ok(BatchId(id))
