@@ -10,9 +10,12 @@
 //! Properties (see `PROTOCOL.md` for the wire format):
 //!
 //! - **Zero user-space payload copies**: write payloads go from registered
-//!   memory to the socket with one vectored `sendmsg` (header and payload together) and
-//!   from the socket straight into the destination region with a vectored `recvmsg` (raw iovecs: no Rust reference into registered memory);
-//!   read responses likewise.
+//!   memory to the socket with one vectored `sendmsg` (header and payload
+//!   together) and from the socket straight into the destination region with
+//!   a vectored `recvmsg`; read responses likewise. The I/O uses raw
+//!   `iovec`s, so no Rust reference into registered memory ever exists.
+//! - **Gathering**: the small requests of a batch travel as WRITEV / READV
+//!   frames, one system call per side for up to 512 of them.
 //! - **Never trust the peer**: the initiator validates every request against
 //!   its own regions and the target's table before sending; the target
 //!   validates again under a [`transport_core::RegionGuard`] and answers
