@@ -1,6 +1,6 @@
 //! [`TcpEngine`]: the [`TransferEngine`] implementation.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -15,7 +15,7 @@ use transport_core::{
 use crate::client::{BatchState, Peer};
 use crate::config::TcpConfig;
 use crate::frame::VERSION;
-use crate::server::{accept_loop, lock, Core};
+use crate::server::{accept_loop, lock, Core, NotificationQueue};
 
 const BACKEND: &str = "tcp";
 
@@ -113,7 +113,7 @@ impl TcpEngine {
             name: bound.to_string(),
             config,
             regions: RegionTable::new(),
-            notifications: Mutex::new(VecDeque::new()),
+            notifications: Mutex::new(NotificationQueue::default()),
         });
         let accept = tokio::spawn(accept_loop(listener, Arc::clone(&core))).abort_handle();
         tracing::debug!(segment = %core.name, "tcp engine started");
@@ -482,6 +482,8 @@ impl TransferEngine for TcpEngine {
     }
 
     async fn take_notifications(&self) -> Result<Vec<Notification>> {
-        Ok(lock(&self.inner.core.notifications).drain(..).collect())
+        let mut q = lock(&self.inner.core.notifications);
+        q.bytes = 0;
+        Ok(q.queue.drain(..).collect())
     }
 }

@@ -52,4 +52,4 @@ mod server;
 
 pub use config::TcpConfig;
 pub use engine::TcpEngine;
-pub use server::MAX_QUEUED_NOTIFICATIONS;
+pub use server::{MAX_QUEUED_NOTIFICATIONS, MAX_QUEUED_NOTIFICATION_BYTES};

@@ -20,6 +20,19 @@ use crate::io::{write_all, write_all_slices, Bytes, FrameReader, Next};
 /// progressively).
 const ACK_FLUSH_BYTES: u64 = 512 * 1024;
 
+/// Most notification bytes (names and messages) queued before NOTIFY
+/// requests are refused.
+pub const MAX_QUEUED_NOTIFICATION_BYTES: usize = 64 << 20;
+
+/// Notifications received and not yet taken, with their total size.
+#[derive(Debug, Default)]
+pub struct NotificationQueue {
+    /// Oldest first.
+    pub queue: VecDeque<Notification>,
+    /// Sum of name and message lengths in `queue`.
+    pub bytes: usize,
+}
+
 /// Most notifications queued before NOTIFY requests are refused.
 pub const MAX_QUEUED_NOTIFICATIONS: usize = 65_536;
 
@@ -33,7 +46,7 @@ pub struct Core {
     /// Its registered regions.
     pub regions: RegionTable,
     /// Notifications received, oldest first.
-    pub notifications: Mutex<VecDeque<Notification>>,
+    pub notifications: Mutex<NotificationQueue>,
 }
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -278,12 +291,16 @@ async fn serve(stream: TcpStream, peer: &str, core: &Core) -> Result<(), Error> 
                 match n.filter(|n| n.validate().is_ok()) {
                     None => out.err(id, Status::NotifyInvalid, name_len, msg_len),
                     Some(n) => {
+                        let size = n.name.len() + n.message.len();
                         let mut q = lock(&core.notifications);
-                        if q.len() >= MAX_QUEUED_NOTIFICATIONS {
+                        if q.queue.len() >= MAX_QUEUED_NOTIFICATIONS
+                            || q.bytes + size > MAX_QUEUED_NOTIFICATION_BYTES
+                        {
                             drop(q);
                             out.err(id, Status::NotifyQueueFull, name_len, msg_len);
                         } else {
-                            q.push_back(n);
+                            q.queue.push_back(n);
+                            q.bytes += size;
                             drop(q);
                             out.acks.push(id);
                         }
