@@ -266,21 +266,21 @@ impl TransferEngine for TcpEngine {
     }
 
     async fn batch_register(&self, regions: &[MemoryRegion]) -> Result<()> {
-        for (index, region) in regions.iter().enumerate() {
-            if let Err(source) = self.register(region).await {
-                for done in regions[..index].iter().rev() {
-                    // Inserted by this call; removal waits out any peer
-                    // transfer that raced onto it.
-                    let _ = self.inner.core.regions.remove(done.addr()).await;
-                }
-                return Err(Error::BatchRegisterFailed {
-                    index,
-                    addr: region.addr(),
-                    source: Box::new(source),
-                });
-            }
+        if let Some((index, region)) = regions
+            .iter()
+            .enumerate()
+            .find(|(_, r)| !r.location().is_host())
+        {
+            return Err(Error::BatchRegisterFailed {
+                index,
+                addr: region.addr(),
+                source: Box::new(Error::InvalidArgument(format!(
+                    "the tcp backend registers host memory only, not {}",
+                    region.location()
+                ))),
+            });
         }
-        Ok(())
+        self.inner.core.regions.insert_all(regions)
     }
 
     async fn batch_unregister(&self, addrs: &[u64]) -> Result<()> {

@@ -354,20 +354,21 @@ impl TransferEngine for InprocEngine {
         if !self.core.caps.batch_register {
             return Err(self.unsupported(Operation::BatchRegister));
         }
-        for (index, region) in regions.iter().enumerate() {
-            if let Err(source) = self.register(region).await {
-                for done in regions[..index].iter().rev() {
-                    // Just inserted by this call: removal cannot fail.
-                    let _ = self.core.regions.remove(done.addr()).await;
-                }
-                return Err(Error::BatchRegisterFailed {
-                    index,
-                    addr: region.addr(),
-                    source: Box::new(source),
-                });
-            }
+        if let Some((index, region)) = regions
+            .iter()
+            .enumerate()
+            .find(|(_, r)| !r.location().is_host())
+        {
+            return Err(Error::BatchRegisterFailed {
+                index,
+                addr: region.addr(),
+                source: Box::new(Error::InvalidArgument(format!(
+                    "the inproc engine registers host memory only, not {}",
+                    region.location()
+                ))),
+            });
         }
-        Ok(())
+        self.core.regions.insert_all(regions)
     }
 
     async fn batch_unregister(&self, addrs: &[u64]) -> Result<()> {

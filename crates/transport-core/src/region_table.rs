@@ -51,40 +51,36 @@ impl RegionTable {
     /// wraps around the address space, [`Error::RegionOverlap`] if it shares a
     /// byte with a registered (or closing) region.
     pub fn insert(&self, region: MemoryRegion) -> Result<()> {
-        if region.is_empty() {
-            return Err(Error::InvalidArgument(format!(
-                "cannot register an empty region at {:#x}",
-                region.addr()
-            )));
-        }
-        if region.addr().checked_add(region.len()).is_none() {
-            return Err(Error::InvalidArgument(format!(
-                "region {:#x}+{} wraps around the address space",
-                region.addr(),
-                region.len()
-            )));
-        }
         let mut map = self.lock();
-        let before = map.range(..=region.addr()).next_back();
-        let after = map.range(region.addr()..).next();
-        for (_, e) in before.into_iter().chain(after) {
-            if e.region.overlaps(&region) {
-                return Err(Error::RegionOverlap {
+        check_insertable(&map, &region)?;
+        insert_entry(&mut map, region);
+        Ok(())
+    }
+
+    /// Adds every region or none: all are checked (against the table and
+    /// against each other) under one lock before any is inserted, so a peer
+    /// never sees a region that a failed batch would take back. The error is
+    /// [`Error::BatchRegisterFailed`] naming the first region that cannot be
+    /// added.
+    pub fn insert_all(&self, regions: &[MemoryRegion]) -> Result<()> {
+        let mut map = self.lock();
+        for (index, region) in regions.iter().enumerate() {
+            let earlier = regions[..index].iter().find(|r| r.overlaps(region));
+            let checked = match earlier {
+                Some(e) => Err(overlap(region, e)),
+                None => check_insertable(&map, region),
+            };
+            if let Err(source) = checked {
+                return Err(Error::BatchRegisterFailed {
+                    index,
                     addr: region.addr(),
-                    len: region.len(),
-                    existing_addr: e.region.addr(),
-                    existing_len: e.region.len(),
+                    source: Box::new(source),
                 });
             }
         }
-        map.insert(
-            region.addr(),
-            Entry {
-                region,
-                in_flight: 0,
-                closing: false,
-            },
-        );
+        for region in regions {
+            insert_entry(&mut map, region.clone());
+        }
         Ok(())
     }
 
@@ -213,6 +209,54 @@ impl RegionTable {
     }
 }
 
+fn overlap(region: &MemoryRegion, existing: &MemoryRegion) -> Error {
+    Error::RegionOverlap {
+        addr: region.addr(),
+        len: region.len(),
+        existing_addr: existing.addr(),
+        existing_len: existing.len(),
+    }
+}
+
+/// Whether `region` may join `map`: non-empty, not wrapping, no overlap with
+/// a registered or closing region.
+fn check_insertable(map: &BTreeMap<u64, Entry>, region: &MemoryRegion) -> Result<()> {
+    if region.is_empty() {
+        return Err(Error::InvalidArgument(format!(
+            "cannot register an empty region at {:#x}",
+            region.addr()
+        )));
+    }
+    if region.addr().checked_add(region.len()).is_none() {
+        return Err(Error::InvalidArgument(format!(
+            "region {:#x}+{} wraps around the address space",
+            region.addr(),
+            region.len()
+        )));
+    }
+    let before = map.range(..=region.addr()).next_back();
+    let after = map.range(region.addr()..).next();
+    match before
+        .into_iter()
+        .chain(after)
+        .find(|(_, e)| e.region.overlaps(region))
+    {
+        Some((_, e)) => Err(overlap(region, &e.region)),
+        None => Ok(()),
+    }
+}
+
+fn insert_entry(map: &mut BTreeMap<u64, Entry>, region: MemoryRegion) {
+    map.insert(
+        region.addr(),
+        Entry {
+            region,
+            in_flight: 0,
+            closing: false,
+        },
+    );
+}
+
 /// Keeps one region registered while a transfer uses `[addr, addr+len)` of
 /// it. Dropping the guard lets a pending `remove` of the region finish.
 #[derive(Debug)]
@@ -314,6 +358,44 @@ mod tests {
             t.insert(region(0x3000, 0)),
             Err(Error::InvalidArgument(_))
         ));
+    }
+
+    #[test]
+    fn insert_all_is_all_or_nothing() {
+        let t = RegionTable::new();
+        t.insert(region(0x1000, 0x100)).unwrap();
+        // The third region overlaps the registered one: nothing is added.
+        let batch = [
+            region(0x2000, 0x100),
+            region(0x3000, 0x100),
+            region(0x10f0, 0x20),
+        ];
+        match t.insert_all(&batch) {
+            Err(Error::BatchRegisterFailed {
+                index: 2,
+                addr: 0x10f0,
+                source,
+            }) => {
+                assert!(matches!(
+                    *source,
+                    Error::RegionOverlap {
+                        existing_addr: 0x1000,
+                        ..
+                    }
+                ))
+            }
+            other => panic!("expected BatchRegisterFailed at index 2, got {other:?}"),
+        }
+        assert_eq!(t.len(), 1);
+        // Regions of one batch may not overlap each other either.
+        let twins = [region(0x4000, 0x100), region(0x4080, 0x100)];
+        assert!(matches!(
+            t.insert_all(&twins),
+            Err(Error::BatchRegisterFailed { index: 1, .. })
+        ));
+        assert_eq!(t.len(), 1);
+        t.insert_all(&batch[..2]).unwrap();
+        assert_eq!(t.len(), 3);
     }
 
     #[tokio::test]
