@@ -65,7 +65,8 @@ fn init_tracing(verbose: u8) {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_tracing(cli.verbose);
+    let verbose = cli.verbose;
+    init_tracing(verbose);
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -76,19 +77,27 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let result = runtime.block_on(async {
+    // The command runs on a worker thread, as a server's request handlers
+    // would, not on the thread parked in `block_on`: waking that thread costs
+    // a futex round trip per completion and would inflate every latency.
+    let task = runtime.spawn(async move {
         match cli.command {
             Command::Bench(a) => bench::run(a).await,
             Command::Caps(a) => caps::run(a).await,
             Command::Serve(a) => serve::run(a).await,
         }
     });
+    let result = runtime.block_on(task).unwrap_or_else(|join| {
+        Err(anyhow::anyhow!(
+            "the command's task ended abnormally: {join}"
+        ))
+    });
     // Background tasks (unregister-on-drop, sinks) must not keep us alive.
     runtime.shutdown_timeout(std::time::Duration::from_secs(1));
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            report_error(&e, cli.verbose);
+            report_error(&e, verbose);
             if e.downcast_ref::<caps::MissingRequired>().is_some() {
                 ExitCode::from(3)
             } else {

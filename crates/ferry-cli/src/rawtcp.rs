@@ -1,5 +1,9 @@
 //! The raw-TCP baseline: plain tokio streams, no protocol.
 //!
+//! Like the engines under test, both ends walk through a large buffer
+//! ([`SPAN`] bytes) rather than reusing one cache-hot block, so the baseline
+//! moves the same bytes with the same memory footprint.
+//!
 //! A sink accepts connections, reads each to end of stream, then answers
 //! with the number of bytes it received (8 bytes, little-endian). The
 //! sender writes block-sized chunks for a while, shuts down its write side
@@ -14,6 +18,15 @@ use anyhow::{bail, Context};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
+/// Bytes each end of a raw stream cycles through (at least one block).
+pub const SPAN: usize = 64 << 20;
+
+/// Most raw streams a sink serves at once.
+pub const MAX_SINK_STREAMS: usize = 8;
+
+/// Largest single read of the sink.
+const READ_CHUNK: usize = 1 << 20;
+
 /// What a sink has received so far.
 #[derive(Debug, Default)]
 pub struct SinkStats {
@@ -24,20 +37,33 @@ pub struct SinkStats {
 }
 
 /// Serves `listener` until the task is dropped/aborted.
+/// At most [`MAX_SINK_STREAMS`] streams are served at once (each holds a
+/// [`SPAN`]-byte buffer); further connections wait in the accept queue.
 pub async fn run_sink(listener: TcpListener, stats: Arc<SinkStats>) {
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_SINK_STREAMS));
     loop {
+        let Ok(slot) = Arc::clone(&slots).acquire_owned().await else {
+            return;
+        };
         let Ok((mut stream, peer)) = listener.accept().await else {
             continue;
         };
         let stats = Arc::clone(&stats);
         tokio::spawn(async move {
+            let _slot = slot;
             let _ = stream.set_nodelay(true);
-            let mut buf = vec![0u8; 1 << 20];
+            // Touched up front, like registered memory.
+            let mut buf = vec![1u8; SPAN];
             let mut got = 0u64;
+            let mut off = 0usize;
             loop {
-                match stream.read(&mut buf).await {
+                let end = (off + READ_CHUNK).min(SPAN);
+                match stream.read(&mut buf[off..end]).await {
                     Ok(0) => break,
-                    Ok(n) => got += n as u64,
+                    Ok(n) => {
+                        got += n as u64;
+                        off = (off + n) % SPAN;
+                    }
                     Err(e) => {
                         tracing::debug!(%peer, error = %e, "raw sink stream failed");
                         return;
@@ -71,16 +97,23 @@ pub async fn measure(
         conns.push(s);
     }
     let per_stream = (total / streams as u64).max(block as u64);
+    // Source buffers are filled before the clock starts (page faults are not
+    // the network's cost).
+    let span = SPAN.max(block);
+    let blocks = span / block;
+    let buffers: Vec<Vec<u8>> = (0..streams).map(|_| vec![0x5au8; span]).collect();
     let start = Instant::now();
     let deadline = start + duration;
     let mut tasks = Vec::with_capacity(streams);
-    for mut s in conns {
+    for (mut s, buf) in conns.into_iter().zip(buffers) {
         tasks.push(tokio::spawn(async move {
-            let buf = vec![0x5au8; block];
             let mut sent = 0u64;
-            while sent < per_stream && Instant::now() < deadline {
-                s.write_all(&buf).await?;
+            let mut i = 0usize;
+            while sent < per_stream && (sent == 0 || Instant::now() < deadline) {
+                let off = (i % blocks) * block;
+                s.write_all(&buf[off..off + block]).await?;
                 sent += block as u64;
+                i += 1;
             }
             s.shutdown().await?;
             let mut ack = [0u8; 8];
