@@ -65,3 +65,9 @@ pub use backend_mooncake;
 /// The verbs backend crate (feature `verbs`).
 #[cfg(feature = "verbs")]
 pub use backend_verbs;
+
+/// The repository README's examples, compiled as doc tests so that they stay
+/// true to the API.
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+pub struct ReadmeDoctests;
