@@ -36,10 +36,11 @@ use transport_core::{Error, Result};
 /// | `traffic_class` | GRH traffic class (DSCP << 2 for RoCE) | `0` |
 /// | `sl` | service level | `0` |
 /// | `connect_timeout_ms` | control-channel connect and handshake deadline | `10000` |
+/// | `secret` | shared secret (percent-encoded, non-empty): every control connection starts with a mutual HMAC-SHA256 challenge–response, and a peer that does not prove the same secret gets no queue pair, region table or rkey | none (unauthenticated) |
 ///
 /// An unknown parameter, a repeated one or a malformed value is
-/// [`Error::InvalidArgument`] naming it.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// [`Error::InvalidArgument`] naming it. `Debug` never prints the secret.
+#[derive(Clone, PartialEq, Eq)]
 pub struct VerbsConfig {
     /// Device name (`mlx5_0`, `rxe0`); `None` = the first with an active port.
     pub device: Option<String>,
@@ -77,6 +78,44 @@ pub struct VerbsConfig {
     pub service_level: u8,
     /// Control-channel connect and handshake deadline, in milliseconds.
     pub connect_timeout_ms: u64,
+    /// Shared secret of the control channel; `None` = unauthenticated.
+    ///
+    /// With a secret, every control connection begins with a mutual
+    /// HMAC-SHA256 challenge–response over fresh random nonces,
+    /// before any queue-pair data, region table or rkey is sent and before
+    /// any notification is accepted. Opening a segment whose owner does not
+    /// prove the same secret (or has none) fails with
+    /// [`Error::Authentication`]; an inbound peer that does not prove it is
+    /// refused and disconnected. An engine without a secret cannot open a
+    /// segment of an engine that has one ([`Error::Authentication`] too).
+    /// Must not be empty.
+    pub secret: Option<String>,
+}
+
+impl std::fmt::Debug for VerbsConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VerbsConfig")
+            .field("device", &self.device)
+            .field("port", &self.port)
+            .field("gid_index", &self.gid_index)
+            .field("listen", &self.listen)
+            .field("mtu", &self.mtu)
+            .field("sq_depth", &self.sq_depth)
+            .field("max_sge", &self.max_sge)
+            .field("signal_every", &self.signal_every)
+            .field("max_message", &self.max_message)
+            .field("timeout", &self.timeout)
+            .field("retry_cnt", &self.retry_cnt)
+            .field("rnr_retry", &self.rnr_retry)
+            .field("min_rnr_timer", &self.min_rnr_timer)
+            .field("max_rd_atomic", &self.max_rd_atomic)
+            .field("hop_limit", &self.hop_limit)
+            .field("traffic_class", &self.traffic_class)
+            .field("service_level", &self.service_level)
+            .field("connect_timeout_ms", &self.connect_timeout_ms)
+            .field("secret", &self.secret.as_ref().map(|_| "<redacted>"))
+            .finish()
+    }
 }
 
 impl Default for VerbsConfig {
@@ -100,6 +139,7 @@ impl Default for VerbsConfig {
             traffic_class: 0,
             service_level: 0,
             connect_timeout_ms: 10_000,
+            secret: None,
         }
     }
 }
@@ -122,6 +162,7 @@ const PARAMS: &[&str] = &[
     "traffic_class",
     "sl",
     "connect_timeout_ms",
+    "secret",
 ];
 
 fn bad(param: &str, value: &str, why: &str) -> Error {
@@ -213,7 +254,7 @@ impl VerbsConfig {
         let device = device.trim_end_matches('/');
         if device.contains('/') || device.contains(':') {
             return Err(Error::InvalidArgument(format!(
-                "verbs URL {url:?}: the device part {device:?} must be a bare device name such as `rxe0` or `mlx5_0`"
+                "verbs URL: the device part {device:?} must be a bare device name such as `rxe0` or `mlx5_0`"
             )));
         }
         let mut cfg = VerbsConfig {
@@ -228,7 +269,16 @@ impl VerbsConfig {
                 ))
             })?;
             let key = decode(key)?;
-            let value = decode(raw)?;
+            // A malformed secret is reported without its text.
+            let value = decode(raw).map_err(|e| {
+                if key == "secret" {
+                    Error::InvalidArgument(
+                        "verbs URL parameter `secret`: bad percent escape or not UTF-8".to_owned(),
+                    )
+                } else {
+                    e
+                }
+            })?;
             if !PARAMS.contains(&key.as_str()) {
                 return Err(Error::InvalidArgument(format!(
                     "unknown verbs URL parameter `{key}`; known: {}",
@@ -270,6 +320,14 @@ impl VerbsConfig {
                 "traffic_class" => cfg.traffic_class = num(&key, v, 0u8, 255)?,
                 "sl" => cfg.service_level = num(&key, v, 0u8, 15)?,
                 "connect_timeout_ms" => cfg.connect_timeout_ms = num(&key, v, 1u64, 3_600_000)?,
+                "secret" => {
+                    if v.is_empty() {
+                        return Err(Error::InvalidArgument(
+                            "verbs URL parameter `secret` is empty".to_owned(),
+                        ));
+                    }
+                    cfg.secret = Some(value.clone());
+                }
                 _ => unreachable!("checked against PARAMS above"),
             }
         }
@@ -323,8 +381,19 @@ mod tests {
             (8, 32, 106, 3)
         );
         assert_eq!(c.connect_timeout_ms, 500);
+        assert_eq!(c.secret, None);
         let v6 = VerbsConfig::from_url("verbs://?listen=%5B::1%5D:0").unwrap();
         assert_eq!(v6.listen, "[::1]:0".parse().unwrap());
+    }
+
+    #[test]
+    fn secret_is_decoded_and_never_printed() {
+        let c = VerbsConfig::from_url("verbs://rxe0?secret=s%26x%3Dy&port=1").unwrap();
+        assert_eq!(c.secret.as_deref(), Some("s&x=y"));
+        let shown = format!("{c:?}");
+        assert!(!shown.contains("s&x=y"), "Debug leaks the secret: {shown}");
+        assert!(shown.contains("<redacted>"), "{shown}");
+        assert!(format!("{:?}", VerbsConfig::default()).contains("secret: None"));
     }
 
     #[test]
@@ -338,6 +407,8 @@ mod tests {
         assert!(msg("verbs://?port=1&port=2").contains("twice"));
         assert!(msg("verbs://?port").contains("`port`"));
         assert!(msg("verbs://?max_message=0").contains("`max_message`"));
+        assert!(msg("verbs://?secret=").contains("`secret`"));
+        assert!(msg("verbs://?secret=a&secret=b").contains("twice"));
         assert!(msg("tcp://rxe0").contains("not a verbs URL"));
         assert!(msg("verbs://host:1234").contains("device"));
         for u in ["verbs://?x=%zz", "verbs://?gid_index=-1"] {

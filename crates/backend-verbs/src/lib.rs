@@ -14,6 +14,12 @@
 //!   peer's region table (address, length, rkey), and moves a fresh RC QP
 //!   INIT → RTR → RTS (timeouts and retry counts in [`VerbsConfig`]). The
 //!   same channel carries region-table updates and notifications.
+//! - **Authentication** (optional, [`VerbsConfig::secret`]): every control
+//!   connection starts with a mutual HMAC-SHA256 challenge–response over
+//!   fresh random nonces, before any queue-pair data, region table or rkey
+//!   is exchanged and before any notification is accepted; a peer that does
+//!   not prove the shared secret gets [`transport_core::Error::Authentication`]
+//!   (opener) or is disconnected (owner).
 //! - **Transfers**: a batch becomes a chain of work requests (native batch):
 //!   requests above the maximum message size are split, requests whose
 //!   remote ranges are contiguous share one work request with a
@@ -36,6 +42,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![cfg_attr(not(feature = "rdma"), forbid(unsafe_code))]
 
+mod auth;
 mod config;
 mod plan;
 mod wire;

@@ -5,15 +5,28 @@
 //! byte and the fields, big-endian, strings as `u32` length + UTF-8. Decoding
 //! checks every length against the frame; a malformed frame is
 //! [`Error::Protocol`], never a panic.
+//!
+//! Every connection starts with the authentication exchange (`Auth`,
+//! `Challenge`, then with a shared secret one `Proof` each way; see
+//! `crate::auth`), read with [`HANDSHAKE_MAX_FRAME`] as the frame bound;
+//! only then come `Hello` (queue pair) and `Welcome` (queue pair, regions).
 #![cfg_attr(not(feature = "rdma"), allow(dead_code))]
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use transport_core::{Error, Result};
 
-/// Protocol version carried in `Hello`.
-pub(crate) const VERSION: u16 = 1;
+/// Protocol version carried in `Auth` and `Hello` (2: the authentication
+/// exchange comes first).
+pub(crate) const VERSION: u16 = 2;
 /// Largest frame accepted (a region table of ~700k entries).
 pub(crate) const MAX_FRAME: u32 = 16 << 20;
+/// Largest frame accepted during the handshake (authentication and `Hello`):
+/// an unauthenticated peer cannot make the owner allocate more.
+pub(crate) const HANDSHAKE_MAX_FRAME: u32 = 4096;
+/// Length of an authentication nonce.
+pub(crate) const NONCE_LEN: usize = 32;
+/// Length of an HMAC-SHA256 proof.
+pub(crate) const MAC_LEN: usize = 32;
 
 /// One region of the peer's table, as RDMA needs it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -37,6 +50,21 @@ pub(crate) struct QpEndpoint {
 /// Every control-channel message.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum Msg {
+    /// Opener → owner, first frame: protocol version, whether the opener
+    /// holds a shared secret, and its random nonce.
+    Auth {
+        version: u16,
+        secret: bool,
+        nonce: [u8; NONCE_LEN],
+    },
+    /// Owner → opener: whether the owner holds a shared secret, and its
+    /// random nonce.
+    Challenge {
+        secret: bool,
+        nonce: [u8; NONCE_LEN],
+    },
+    /// Either way: HMAC-SHA256 over a direction label and both nonces.
+    Proof { mac: [u8; MAC_LEN] },
     /// Opener → owner: my queue pair and my name.
     Hello {
         version: u16,
@@ -73,6 +101,9 @@ const REGION_ADDED: u8 = 6;
 const REGION_REMOVED: u8 = 7;
 const NOTIFY: u8 = 8;
 const NOTIFY_ACK: u8 = 9;
+const AUTH: u8 = 10;
+const CHALLENGE: u8 = 11;
+const PROOF: u8 = 12;
 
 fn put_endpoint(out: &mut Vec<u8>, e: &QpEndpoint) {
     out.extend_from_slice(&e.qpn.to_be_bytes());
@@ -143,6 +174,25 @@ impl Msg {
                 put_str(&mut out, message);
             }
             Msg::NotifyAck => out.push(NOTIFY_ACK),
+            Msg::Auth {
+                version,
+                secret,
+                nonce,
+            } => {
+                out.push(AUTH);
+                out.extend_from_slice(&version.to_be_bytes());
+                out.push(u8::from(*secret));
+                out.extend_from_slice(nonce);
+            }
+            Msg::Challenge { secret, nonce } => {
+                out.push(CHALLENGE);
+                out.push(u8::from(*secret));
+                out.extend_from_slice(nonce);
+            }
+            Msg::Proof { mac } => {
+                out.push(PROOF);
+                out.extend_from_slice(mac);
+            }
         }
         out
     }
@@ -174,6 +224,16 @@ impl Msg {
                 message: r.string()?,
             },
             NOTIFY_ACK => Msg::NotifyAck,
+            AUTH => Msg::Auth {
+                version: r.u16()?,
+                secret: r.flag()?,
+                nonce: r.array()?,
+            },
+            CHALLENGE => Msg::Challenge {
+                secret: r.flag()?,
+                nonce: r.array()?,
+            },
+            PROOF => Msg::Proof { mac: r.array()? },
             k => return Err(r.err(format!("unknown frame kind {k}"))),
         };
         if r.pos != buf.len() {
@@ -216,6 +276,13 @@ impl Reader<'_> {
     }
     fn u8(&mut self) -> Result<u8> {
         Ok(self.array::<1>()?[0])
+    }
+    fn flag(&mut self) -> Result<bool> {
+        match self.u8()? {
+            0 => Ok(false),
+            1 => Ok(true),
+            b => Err(self.err(format!("flag byte {b} is neither 0 nor 1"))),
+        }
     }
     fn u16(&mut self) -> Result<u16> {
         Ok(u16::from_be_bytes(self.array()?))
@@ -270,6 +337,15 @@ pub(crate) async fn write_msg<W: AsyncWrite + Unpin>(w: &mut W, msg: &Msg) -> st
 
 /// Reads one frame. `Ok(None)` is a clean end of stream between frames.
 pub(crate) async fn read_msg<R: AsyncRead + Unpin>(r: &mut R, peer: &str) -> Result<Option<Msg>> {
+    read_msg_max(r, peer, MAX_FRAME).await
+}
+
+/// [`read_msg`] refusing frames longer than `max` bytes (before allocating).
+pub(crate) async fn read_msg_max<R: AsyncRead + Unpin>(
+    r: &mut R,
+    peer: &str,
+    max: u32,
+) -> Result<Option<Msg>> {
     let mut len = [0u8; 4];
     match r.read_exact(&mut len).await {
         Ok(_) => {}
@@ -277,10 +353,10 @@ pub(crate) async fn read_msg<R: AsyncRead + Unpin>(r: &mut R, peer: &str) -> Res
         Err(e) => return Err(Error::io(format!("reading from {peer}"), &e)),
     }
     let len = u32::from_be_bytes(len);
-    if len == 0 || len > MAX_FRAME {
+    if len == 0 || len > max {
         return Err(Error::Protocol {
             peer: peer.to_owned(),
-            reason: format!("frame length {len} is outside 1..={MAX_FRAME}"),
+            reason: format!("frame length {len} is outside 1..={max}"),
         });
     }
     let mut buf = vec![0u8; len as usize];
@@ -329,6 +405,18 @@ mod tests {
                 message: "m".into(),
             },
             Msg::NotifyAck,
+            Msg::Auth {
+                version: VERSION,
+                secret: true,
+                nonce: [9; NONCE_LEN],
+            },
+            Msg::Challenge {
+                secret: false,
+                nonce: [3; NONCE_LEN],
+            },
+            Msg::Proof {
+                mac: [0xaa; MAC_LEN],
+            },
         ]
     }
 
@@ -384,6 +472,30 @@ mod tests {
         a.write_all(&(MAX_FRAME + 1).to_be_bytes()).await.unwrap();
         assert!(matches!(
             read_msg(&mut b, "p").await,
+            Err(Error::Protocol { .. })
+        ));
+        // Before authentication, a frame above the small bound is refused
+        // from its length prefix alone.
+        let (mut a, mut b) = tokio::io::duplex(64);
+        a.write_all(&(HANDSHAKE_MAX_FRAME + 1).to_be_bytes())
+            .await
+            .unwrap();
+        assert!(matches!(
+            read_msg_max(&mut b, "p", HANDSHAKE_MAX_FRAME).await,
+            Err(Error::Protocol { .. })
+        ));
+    }
+
+    #[test]
+    fn auth_flag_must_be_a_boolean() {
+        let mut enc = Msg::Challenge {
+            secret: true,
+            nonce: [0; NONCE_LEN],
+        }
+        .encode();
+        enc[1] = 2;
+        assert!(matches!(
+            Msg::decode(&enc, "p"),
             Err(Error::Protocol { .. })
         ));
     }

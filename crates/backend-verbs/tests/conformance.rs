@@ -53,7 +53,8 @@ transport_core::conformance_tests!(VerbsFactory);
 
 /// The same suite with a tiny send queue, tiny messages and two SGEs per
 /// work request: every request is split, chains wait for send-queue room,
-/// and selective signalling covers runs of unsignalled work requests.
+/// and selective signalling covers runs of unsignalled work requests. These
+/// engines share a secret: every control connection is authenticated.
 mod small_queues {
     use super::*;
 
@@ -64,7 +65,7 @@ mod small_queues {
         async fn create(&self) -> Result<Arc<dyn TransferEngine>> {
             let url = with_params(
                 &base_url(),
-                "sq_depth=8&signal_every=3&max_message=4k&max_sge=2",
+                "sq_depth=8&signal_every=3&max_message=4k&max_sge=2&secret=conf%20secret",
             );
             let cfg = VerbsConfig::from_url(&url)?;
             Ok(Arc::new(VerbsEngine::start(cfg).await?))

@@ -1,6 +1,7 @@
 //! Failure handling on a real verbs stack: a queue pair forced to error, an
 //! invalid rkey, an unregistered remote address, a region the peer adds
-//! after the connection, a peer that goes away, and two processes.
+//! after the connection, a peer that goes away, two processes, and the
+//! control channel's shared-secret authentication.
 //!
 //! Each test prints `skipped: <test>: <reason>` and returns when no RDMA
 //! device is usable (or the crate lacks its `rdma` feature).
@@ -18,7 +19,20 @@ fn url() -> String {
 }
 
 async fn engine(test: &str) -> Option<VerbsEngine> {
-    let cfg = VerbsConfig::from_url(&url()).expect("FERRY_VERBS_URL parses");
+    engine_with(test, "").await
+}
+
+/// An engine from `FERRY_VERBS_URL` plus the URL parameters `extra`.
+async fn engine_with(test: &str, extra: &str) -> Option<VerbsEngine> {
+    let base = url();
+    let url = if extra.is_empty() {
+        base
+    } else if base.contains('?') {
+        format!("{base}&{extra}")
+    } else {
+        format!("{base}?{extra}")
+    };
+    let cfg = VerbsConfig::from_url(&url).expect("FERRY_VERBS_URL parses");
     match VerbsEngine::start(cfg).await {
         Ok(e) => Some(e),
         Err(Error::Unavailable { reason, .. }) => {
@@ -456,4 +470,218 @@ async fn unavailable_names_the_reason() {
         }
         other => panic!("a device that does not exist: expected Unavailable, got {other:?}"),
     }
+}
+
+/// Opening a segment whose owner holds a different secret fails with
+/// `Error::Authentication` (and the owner's memory is untouched); the same
+/// secret connects, transfers and notifies.
+#[tokio::test]
+async fn wrong_secret_is_refused_right_secret_works() {
+    let test = "wrong_secret_is_refused_right_secret_works";
+    let Some(a) = engine_with(test, "secret=alpha%26one").await else {
+        return;
+    };
+    let Some(wrong) = engine_with(test, "secret=beta").await else {
+        return;
+    };
+    let Some(right) = engine_with(test, "secret=alpha%26one").await else {
+        return;
+    };
+    let src = registered(&a, LEN, 7).await;
+    let wrong_dst = registered(&wrong, LEN, 0).await;
+    let right_dst = registered(&right, LEN, 0).await;
+
+    match a.open_segment(wrong.segment_name()).await {
+        Err(Error::Authentication { peer, reason }) => {
+            println!("{test}: wrong secret: {peer}: {reason}");
+        }
+        other => {
+            panic!("opening a peer with another secret: expected Authentication, got {other:?}")
+        }
+    }
+    // The refused peer's engine did not connect to us either way round.
+    match wrong.open_segment(a.segment_name()).await {
+        Err(Error::Authentication { .. }) => {}
+        other => panic!("the reverse direction: expected Authentication, got {other:?}"),
+    }
+    assert!(wrong_dst.to_vec().iter().all(|b| *b == 0));
+    assert!(wrong
+        .take_notifications()
+        .await
+        .expect("notifications")
+        .is_empty());
+
+    let seg = a
+        .open_segment(right.segment_name())
+        .await
+        .expect("the same secret connects");
+    let report = a
+        .batch_transfer(
+            seg,
+            &[TransferRequest::write(
+                src.addr(),
+                right_dst.addr(),
+                LEN as u64,
+            )],
+            Some(&Notification::new("auth", "written")),
+        )
+        .await
+        .expect("batch with the right secret");
+    assert!(report.is_success(), "{report:?}");
+    assert_eq!(right_dst.to_vec(), pattern(7, LEN));
+    assert_eq!(
+        right.take_notifications().await.expect("notifications"),
+        vec![Notification::new("auth", "written")]
+    );
+    let info = right.backend_info();
+    assert!(
+        info.details
+            .iter()
+            .any(|(k, v)| k == "authentication" && v.contains("HMAC-SHA256")),
+        "{info:?}"
+    );
+    a.unregister(src.addr()).await.expect("unregister");
+    wrong
+        .unregister(wrong_dst.addr())
+        .await
+        .expect("unregister");
+    right
+        .unregister(right_dst.addr())
+        .await
+        .expect("unregister");
+}
+
+/// An engine without a secret and one with a secret cannot talk, in either
+/// direction, and the error says a secret is missing.
+#[tokio::test]
+async fn missing_secret_fails_clearly() {
+    let test = "missing_secret_fails_clearly";
+    let Some(open) = engine(test).await else {
+        return;
+    };
+    let Some(locked) = engine_with(test, "secret=s3cret").await else {
+        return;
+    };
+    for (from, to, dir) in [
+        (&open, &locked, "no secret -> secret"),
+        (&locked, &open, "secret -> no secret"),
+    ] {
+        match from.open_segment(to.segment_name()).await {
+            Err(Error::Authentication { reason, .. }) => {
+                assert!(reason.contains("secret"), "{dir}: {reason}");
+                println!("{test}: {dir}: {reason}");
+            }
+            other => panic!("{dir}: expected Authentication, got {other:?}"),
+        }
+    }
+}
+
+/// Reads every frame the engine sends on a raw connection until it closes
+/// it (bounded), returning (kind byte, payload) pairs and the raw bytes.
+async fn frames_until_closed(s: &mut tokio::net::TcpStream) -> (Vec<(u8, Vec<u8>)>, Vec<u8>) {
+    use tokio::io::AsyncReadExt;
+    let mut raw = Vec::new();
+    tokio::time::timeout(Duration::from_secs(60), s.read_to_end(&mut raw))
+        .await
+        .expect("the engine must close an unauthenticated connection (liveness bound)")
+        .ok();
+    let mut frames = Vec::new();
+    let mut pos = 0;
+    while pos + 4 <= raw.len() {
+        let len = u32::from_be_bytes(raw[pos..pos + 4].try_into().unwrap()) as usize;
+        let end = (pos + 4 + len).min(raw.len());
+        if len > 0 {
+            frames.push((raw[pos + 4], raw[pos + 5..end].to_vec()));
+        }
+        pos = end;
+    }
+    (frames, raw)
+}
+
+fn frame(payload: &[u8]) -> Vec<u8> {
+    let mut f = (payload.len() as u32).to_be_bytes().to_vec();
+    f.extend_from_slice(payload);
+    f
+}
+
+/// Raw TCP clients that do not prove the secret — one skipping the
+/// authentication (an old-style Hello), one without a secret, one with a
+/// bogus proof, one sending a notification straight away — get nothing but
+/// the challenge or a refusal: no Welcome, no region table, no rkey, not
+/// even the region's address; and no notification is queued.
+#[tokio::test]
+async fn unauthenticated_raw_peer_gets_no_region_table() {
+    use tokio::io::AsyncWriteExt;
+    let test = "unauthenticated_raw_peer_gets_no_region_table";
+    let Some(e) = engine_with(test, "secret=s3cret").await else {
+        return;
+    };
+    let buf = registered(&e, LEN, 5).await;
+    let addr_bytes = buf.addr().to_be_bytes();
+    const REFUSED: u8 = 3;
+    const AUTH: u8 = 10;
+    const CHALLENGE: u8 = 11;
+    const PROOF: u8 = 12;
+
+    let mut old_hello = vec![1u8];
+    old_hello.extend_from_slice(&1u16.to_be_bytes());
+    old_hello.extend_from_slice(&[0u8; 4 + 4 + 2 + 16 + 1]);
+    old_hello.extend_from_slice(&3u32.to_be_bytes());
+    old_hello.extend_from_slice(b"old");
+    let auth = |secret: bool| {
+        let mut a = vec![AUTH];
+        a.extend_from_slice(&2u16.to_be_bytes());
+        a.push(u8::from(secret));
+        a.extend_from_slice(&[0x42; 32]);
+        a
+    };
+    let mut bogus_proof = vec![PROOF];
+    bogus_proof.extend_from_slice(&[0u8; 32]);
+    let attempts: Vec<(&str, Vec<Vec<u8>>)> = vec![
+        ("an old-protocol Hello", vec![old_hello]),
+        ("Auth without a secret", vec![auth(false)]),
+        ("Auth with a bogus proof", vec![auth(true), bogus_proof]),
+        ("a Notify first", vec![notify_frame()]),
+        ("Auth then a Notify", vec![auth(true), notify_frame()]),
+    ];
+    for (what, frames) in attempts {
+        let mut s = tokio::net::TcpStream::connect(e.segment_name())
+            .await
+            .expect("connect to the control port");
+        for f in &frames {
+            // The engine may already have closed the connection.
+            if s.write_all(&frame(f)).await.is_err() {
+                break;
+            }
+        }
+        let (got, raw) = frames_until_closed(&mut s).await;
+        let kinds: Vec<u8> = got.iter().map(|(k, _)| *k).collect();
+        println!("{test}: {what}: frame kinds {kinds:?}, {} bytes", raw.len());
+        assert!(
+            kinds.iter().all(|k| *k == CHALLENGE || *k == REFUSED),
+            "{what}: the engine sent frames other than Challenge/Refused: {kinds:?}"
+        );
+        assert!(
+            !raw.windows(8).any(|w| w == addr_bytes),
+            "{what}: the registered region's address leaked"
+        );
+    }
+    assert!(
+        e.take_notifications()
+            .await
+            .expect("notifications")
+            .is_empty(),
+        "an unauthenticated notification was queued"
+    );
+    e.unregister(buf.addr()).await.expect("unregister");
+}
+
+/// A Notify frame (kind 8, two strings).
+fn notify_frame() -> Vec<u8> {
+    let mut notify = vec![8u8];
+    for s in ["intruder", "hello"] {
+        notify.extend_from_slice(&(s.len() as u32).to_be_bytes());
+        notify.extend_from_slice(s.as_bytes());
+    }
+    notify
 }

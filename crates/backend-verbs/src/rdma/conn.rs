@@ -18,6 +18,7 @@ use transport_core::{Error, Notification, Result, Side, TransferOp};
 use super::batch::Batch;
 use super::device::{self, Device};
 use super::poller::Poller;
+use crate::auth;
 use crate::plan::WrPlan;
 use crate::wire::{self, Msg, QpEndpoint, RemoteRegion};
 
@@ -125,7 +126,11 @@ impl Conn {
             endpoint: local,
             name: local_name.to_owned(),
         };
+        let secret = dev.cfg.secret.as_deref();
         let exchange = async {
+            // Nothing (not even this side's queue pair) is sent before the
+            // peer is authenticated.
+            auth::initiator(&mut stream, name, secret).await?;
             wire::write_msg(&mut stream, &hello)
                 .await
                 .map_err(|e| unavailable(name, format!("sending hello: {e}")))?;

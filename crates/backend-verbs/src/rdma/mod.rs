@@ -145,6 +145,15 @@ impl Inner {
     pub(crate) fn backend_info(&self) -> BackendInfo {
         let mut details = self.dev.details();
         details.push(("segment".into(), self.name.clone()));
+        details.push((
+            "authentication".into(),
+            if self.dev.cfg.secret.is_some() {
+                "HMAC-SHA256 shared secret (mutual challenge–response)"
+            } else {
+                "none"
+            }
+            .into(),
+        ));
         BackendInfo {
             backend: BACKEND.into(),
             details,

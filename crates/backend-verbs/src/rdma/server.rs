@@ -11,6 +11,7 @@ use transport_core::{Error, Notification, Result};
 
 use super::device;
 use super::Inner;
+use crate::auth;
 use crate::wire::{self, Msg};
 
 pub(crate) async fn accept_loop(listener: TcpListener, inner: std::sync::Weak<Inner>) {
@@ -29,8 +30,12 @@ pub(crate) async fn accept_loop(listener: TcpListener, inner: std::sync::Weak<In
         let _ = stream.set_nodelay(true);
         tokio::spawn(async move {
             let peer = addr.to_string();
-            if let Err(e) = serve(stream, &peer, engine).await {
-                tracing::debug!(peer, error = %e, "verbs control connection ended");
+            match serve(stream, &peer, engine).await {
+                Err(e @ Error::Authentication { .. }) => {
+                    tracing::warn!(peer, error = %e, "verbs control connection refused");
+                }
+                Err(e) => tracing::debug!(peer, error = %e, "verbs control connection ended"),
+                Ok(()) => {}
             }
         });
     }
@@ -38,10 +43,17 @@ pub(crate) async fn accept_loop(listener: TcpListener, inner: std::sync::Weak<In
 
 async fn serve(mut stream: TcpStream, peer: &str, inner: Arc<Inner>) -> Result<()> {
     let deadline = Duration::from_millis(inner.dev.cfg.connect_timeout_ms);
-    let hello = tokio::time::timeout(deadline, wire::read_msg(&mut stream, peer))
+    // Authentication first: nothing about this engine (queue pair, regions,
+    // rkeys) is sent, and no notification is taken, before it succeeds.
+    let secret = inner.dev.cfg.secret.as_deref();
+    let handshake = async {
+        auth::target(&mut stream, peer, secret).await?;
+        wire::read_msg_max(&mut stream, peer, wire::HANDSHAKE_MAX_FRAME).await
+    };
+    let hello = tokio::time::timeout(deadline, handshake)
         .await
         .map_err(|_| Error::Timeout {
-            operation: "waiting for the verbs hello".into(),
+            operation: "waiting for the verbs authentication and hello".into(),
             peer: Some(peer.to_owned()),
             after: deadline,
         })??;
