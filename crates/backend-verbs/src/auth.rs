@@ -282,7 +282,8 @@ pub(crate) async fn target<S: AsyncRead + AsyncWrite + Unpin>(
         refuse(
             stream,
             &format!(
-                "{AUTH_REFUSAL}: this engine requires a shared secret and the opener has none"
+                "{AUTH_REFUSAL}: the owner of this segment requires a shared secret \
+                 (`secret=`) and the opener has none"
             ),
         )
         .await;

@@ -36,7 +36,10 @@ async fn engine_with(test: &str, extra: &str) -> Option<VerbsEngine> {
     match VerbsEngine::start(cfg).await {
         Ok(e) => Some(e),
         Err(Error::Unavailable { reason, .. }) => {
-            println!("skipped: {test}: the verbs backend is unavailable: {reason}");
+            // Past the harness's output capture: a skip never looks like a pass.
+            transport_core::conformance::report_skip(&format!(
+                "{test}: the verbs backend is unavailable: {reason}"
+            ));
             None
         }
         Err(e) => panic!("{test}: starting the verbs engine failed: {e}"),
