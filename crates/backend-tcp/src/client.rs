@@ -600,6 +600,19 @@ enum OutKind {
     ReadV(Vec<(usize, Arc<RegionGuard>, u64, u64, u64)>),
 }
 
+/// The segment table of a WRITEV/READV frame (`remote addr, len` per
+/// segment, little-endian) and the segments' total length.
+fn segment_table(parts: &[(usize, Arc<RegionGuard>, u64, u64, u64)]) -> (Vec<u8>, u64) {
+    let mut table = Vec::with_capacity(parts.len() * 16);
+    let mut total = 0;
+    for (_, _, _, len, remote) in parts {
+        table.extend_from_slice(&remote.to_le_bytes());
+        table.extend_from_slice(&len.to_le_bytes());
+        total += len;
+    }
+    (table, total)
+}
+
 struct OutOp {
     index: usize,
     kind: OutKind,
@@ -690,13 +703,7 @@ async fn send_ops(conn: &ConnShared, batch: &Arc<BatchState>, ops: Vec<OutOp>) {
                     (Request::Table { id }, PendingKind::Table(Arc::clone(cache)))
                 }
                 OutKind::ReadV(parts) => {
-                    let mut table = Vec::with_capacity(parts.len() * 16);
-                    let mut total = 0;
-                    for (_, _, _, len, remote) in parts {
-                        table.extend_from_slice(&remote.to_le_bytes());
-                        table.extend_from_slice(&len.to_le_bytes());
-                        total += len;
-                    }
+                    let (table, total) = segment_table(parts);
                     tables.push(table);
                     (
                         Request::ReadV {
@@ -714,13 +721,7 @@ async fn send_ops(conn: &ConnShared, batch: &Arc<BatchState>, ops: Vec<OutOp>) {
                     )
                 }
                 OutKind::WriteV(parts) => {
-                    let mut table = Vec::with_capacity(parts.len() * 16);
-                    let mut total = 0;
-                    for (_, _, _, len, remote) in parts {
-                        table.extend_from_slice(&remote.to_le_bytes());
-                        table.extend_from_slice(&len.to_le_bytes());
-                        total += len;
-                    }
+                    let (table, total) = segment_table(parts);
                     tables.push(table);
                     (
                         Request::WriteV {

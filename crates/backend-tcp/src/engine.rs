@@ -252,12 +252,7 @@ impl TransferEngine for TcpEngine {
     }
 
     async fn register(&self, region: &MemoryRegion) -> Result<()> {
-        if !region.location().is_host() {
-            return Err(Error::InvalidArgument(format!(
-                "the tcp backend registers host memory only, not {}",
-                region.location()
-            )));
-        }
+        region.require_host("tcp")?;
         self.inner.core.regions.insert(region.clone())
     }
 
@@ -266,19 +261,14 @@ impl TransferEngine for TcpEngine {
     }
 
     async fn batch_register(&self, regions: &[MemoryRegion]) -> Result<()> {
-        if let Some((index, region)) = regions
-            .iter()
-            .enumerate()
-            .find(|(_, r)| !r.location().is_host())
-        {
-            return Err(Error::BatchRegisterFailed {
-                index,
-                addr: region.addr(),
-                source: Box::new(Error::InvalidArgument(format!(
-                    "the tcp backend registers host memory only, not {}",
-                    region.location()
-                ))),
-            });
+        for (index, region) in regions.iter().enumerate() {
+            region
+                .require_host("tcp")
+                .map_err(|source| Error::BatchRegisterFailed {
+                    index,
+                    addr: region.addr(),
+                    source: Box::new(source),
+                })?;
         }
         self.inner.core.regions.insert_all(regions)
     }

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
-use transport_core::{Error, Notification, RegionTable, Side};
+use transport_core::{Error, Notification, RegionGuard, RegionTable, Side};
 
 use crate::config::TcpConfig;
 use crate::frame::{
@@ -158,6 +158,26 @@ fn io_error(peer: &str, e: std::io::Error) -> Error {
         peer: peer.to_owned(),
         reason: e.to_string(),
     }
+}
+
+/// Decodes a WRITEV/READV segment table and holds every segment that lies in
+/// a registered region (`None` for the others, which fail individually).
+#[allow(clippy::type_complexity)]
+fn acquire_segments(
+    core: &Core,
+    raw: &[u8],
+    total: u64,
+    peer: &str,
+) -> Result<(Vec<(u64, u64)>, Vec<Option<RegionGuard>>), Error> {
+    let segs = decode_segments(raw, total).map_err(|e| Error::Protocol {
+        peer: peer.to_owned(),
+        reason: e.0,
+    })?;
+    let guards = segs
+        .iter()
+        .map(|&(a, l)| core.regions.acquire(a, l, Side::Remote, None).ok())
+        .collect();
+    Ok((segs, guards))
 }
 
 async fn flush(stream: &TcpStream, out: &mut Out, core: &Core, peer: &str) -> Result<(), Error> {
@@ -313,14 +333,7 @@ async fn serve(stream: TcpStream, peer: &str, core: &Core) -> Result<(), Error> 
                 rd.read_part(&stream, Bytes::from_mut(raw))
                     .await
                     .map_err(|e| io_error(peer, e))?;
-                let segs = decode_segments(raw, total).map_err(|e| Error::Protocol {
-                    peer: peer.to_owned(),
-                    reason: e.0,
-                })?;
-                let guards: Vec<_> = segs
-                    .iter()
-                    .map(|&(a, l)| core.regions.acquire(a, l, Side::Remote, None).ok())
-                    .collect();
+                let (segs, guards) = acquire_segments(core, raw, total, peer)?;
                 if guards.iter().all(Option::is_some) && !overlapping(&segs) {
                     // One readv straight into every destination.
                     let dsts: Vec<Bytes<'static>> = guards
@@ -373,14 +386,7 @@ async fn serve(stream: TcpStream, peer: &str, core: &Core) -> Result<(), Error> 
                 rd.read_payload(&stream, Bytes::from_mut(raw))
                     .await
                     .map_err(|e| io_error(peer, e))?;
-                let segs = decode_segments(raw, total).map_err(|e| Error::Protocol {
-                    peer: peer.to_owned(),
-                    reason: e.0,
-                })?;
-                let guards: Vec<_> = segs
-                    .iter()
-                    .map(|&(a, l)| core.regions.acquire(a, l, Side::Remote, None).ok())
-                    .collect();
+                let (segs, guards) = acquire_segments(core, raw, total, peer)?;
                 let mut failed = Vec::new();
                 let mut valid = 0u64;
                 for (i, (g, &(_, len))) in guards.iter().zip(&segs).enumerate() {

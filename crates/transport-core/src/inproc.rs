@@ -337,12 +337,7 @@ impl TransferEngine for InprocEngine {
     }
 
     async fn register(&self, region: &MemoryRegion) -> Result<()> {
-        if !region.location().is_host() {
-            return Err(Error::InvalidArgument(format!(
-                "the inproc engine registers host memory only, not {}",
-                region.location()
-            )));
-        }
+        region.require_host("inproc")?;
         self.core.regions.insert(region.clone())
     }
 
@@ -354,19 +349,14 @@ impl TransferEngine for InprocEngine {
         if !self.core.caps.batch_register {
             return Err(self.unsupported(Operation::BatchRegister));
         }
-        if let Some((index, region)) = regions
-            .iter()
-            .enumerate()
-            .find(|(_, r)| !r.location().is_host())
-        {
-            return Err(Error::BatchRegisterFailed {
-                index,
-                addr: region.addr(),
-                source: Box::new(Error::InvalidArgument(format!(
-                    "the inproc engine registers host memory only, not {}",
-                    region.location()
-                ))),
-            });
+        for (index, region) in regions.iter().enumerate() {
+            region
+                .require_host("inproc")
+                .map_err(|source| Error::BatchRegisterFailed {
+                    index,
+                    addr: region.addr(),
+                    source: Box::new(source),
+                })?;
         }
         self.core.regions.insert_all(regions)
     }

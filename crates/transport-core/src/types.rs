@@ -132,6 +132,19 @@ impl MemoryRegion {
             None => false,
         }
     }
+    /// `Ok` for host memory; for anything else the
+    /// [`Error::InvalidArgument`] a host-only backend returns.
+    pub fn require_host(&self, backend: &str) -> Result<()> {
+        if self.location.is_host() {
+            Ok(())
+        } else {
+            Err(Error::InvalidArgument(format!(
+                "the {backend} backend registers host memory only, not {}",
+                self.location
+            )))
+        }
+    }
+
     /// Whether the two regions share at least one byte.
     pub fn overlaps(&self, other: &MemoryRegion) -> bool {
         self.addr < other.end() && other.addr < self.end()
