@@ -21,10 +21,18 @@ for a in "$@"; do
   esac
 done
 
+# bindgen dlopens libclang.so itself (libclang-dev); libclang-cpp*.so or
+# libclang.so.1 from other packages do not count.
+has_libclang() {
+  local f
+  for f in /usr/lib/llvm-*/lib/libclang.so /usr/lib/*-linux-gnu/libclang.so /usr/lib/libclang.so; do
+    [ -e "$f" ] && return 0
+  done
+  return 1
+}
 need=()
 command -v cmake >/dev/null || need+=(cmake)
-ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1 || ls /usr/lib/x86_64-linux-gnu/libclang*.so* >/dev/null 2>&1 \
-  || need+=(libclang-dev)
+has_libclang || need+=(libclang-dev)
 if [ ${#need[@]} -gt 0 ]; then
   echo "verbs-tests: installing ${need[*]}"
   apt-get update -qq && apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
@@ -42,5 +50,19 @@ if [ "$bench" -eq 1 ]; then
 fi
 
 printf 'verbs-tests: %s\n' "${bins[@]}"
-# One test at a time: the guest has few vCPUs and TCG is slow.
-RXE_VM_ARGS="${RXE_VM_ARGS:---test-threads=1}" exec scripts/rxe-vm.sh "${bins[@]}"
+# One test at a time: the guest has few vCPUs and TCG is slow. In the guest
+# the verbs backend is required: a test that finds it unavailable fails.
+W=$(realpath -m "${RXE_VM_DIR:-/var/tmp/ferry-rxe-vm}")
+rm -f "$W/guest.log"
+RXE_VM_ARGS="${RXE_VM_ARGS:---test-threads=1}" \
+  RXE_VM_ENV="FERRY_REQUIRE_BACKENDS=verbs ${RXE_VM_ENV:-}" scripts/rxe-vm.sh "${bins[@]}"
+
+# A green run must have run verbs tests for real: some tests passed in the
+# guest, and none reported the backend unavailable.
+passed=$(awk '/^test result: ok\./ {n += $4} END {print n + 0}' "$W/guest.log")
+unavailable=$(grep -c 'verbs backend is unavailable' "$W/guest.log" || true)
+echo "verbs-tests: ${passed:-0} tests passed in the guest, $unavailable reported the backend unavailable"
+if [ "${passed:-0}" -eq 0 ] || [ "$unavailable" -ne 0 ]; then
+  echo "verbs-tests: the guest ran no verbs test for real" >&2
+  exit 1
+fi

@@ -64,7 +64,7 @@ fn pattern(i: usize) -> u8 {
 #[ignore = "helper: run in a child process by cross_process_peer_*"]
 async fn child_peer() {
     let Ok(lib) = std::env::var(CHILD_LIB) else {
-        skip_line!("skipped: child_peer is a helper for cross_process_peer_* tests");
+        // Not a test of its own: only cross_process_peer_* run it, as a child.
         return;
     };
     let engine = MooncakeEngine::start(MooncakeConfig {

@@ -48,8 +48,12 @@ use crate::types::{
 #[async_trait]
 pub trait EngineFactory: Send + Sync + 'static {
     /// A fresh engine, reachable from other engines of the same factory via
-    /// its `segment_name()`. `Err(Error::Unavailable{..})` (or any error)
-    /// makes the checks skip, printing the reason.
+    /// its `segment_name()`.
+    ///
+    /// `Err(Error::Unavailable{..})` means the backend cannot run on this
+    /// machine (no library, no device): the checks skip, printing the reason,
+    /// unless [`REQUIRE_BACKENDS_ENV`] lists that backend. Any other error is
+    /// a broken factory or backend and fails the check.
     async fn create(&self) -> Result<Arc<dyn TransferEngine>>;
 
     /// A segment name that no engine answers to, for
@@ -174,6 +178,64 @@ pub fn __run_test(name: &str, factory: Arc<dyn EngineFactory>, adapted: bool) {
     }
 }
 
+/// The environment variable listing the backends that must run: a
+/// comma-separated list of backend names (`inproc,tcp,mooncake,verbs`).
+///
+/// A test that finds a listed backend [`Error::Unavailable`] fails, with the
+/// reason, instead of skipping. CI sets it for every backend its machine can
+/// reach, so that a backend that silently stops starting cannot turn its
+/// tests into skips.
+pub const REQUIRE_BACKENDS_ENV: &str = "FERRY_REQUIRE_BACKENDS";
+
+/// Whether [`REQUIRE_BACKENDS_ENV`] lists `backend` (case-insensitive).
+pub fn backend_required(backend: &str) -> bool {
+    std::env::var(REQUIRE_BACKENDS_ENV).is_ok_and(|list| {
+        list.split(',')
+            .any(|b| b.trim().eq_ignore_ascii_case(backend.trim()))
+    })
+}
+
+/// The one skip policy of every test in the workspace that needs a backend:
+/// `what` (a test name) could not get an engine because of `err`.
+///
+/// Returns the skip reason when `err` is [`Error::Unavailable`] for a
+/// backend that [`REQUIRE_BACKENDS_ENV`] does not list, after printing
+/// `skipped: <what>: <reason>` with [`report_skip`].
+///
+/// # Panics
+///
+/// When `err` is any other error (a broken factory or start-up is a
+/// failure, never a skip), or when the unavailable backend is required.
+#[track_caller]
+pub fn skip_unavailable(what: &str, err: &Error) -> String {
+    match err {
+        Error::Unavailable { backend, .. } if backend_required(backend) => panic!(
+            "{what}: the {backend} backend is listed in {REQUIRE_BACKENDS_ENV} but is \
+             unavailable: {err}"
+        ),
+        Error::Unavailable { .. } => {
+            let reason = err.to_string();
+            report_skip(&format!("{what}: {reason}"));
+            reason
+        }
+        other => panic!("{what}: creating the engine failed (only Unavailable may skip): {other}"),
+    }
+}
+
+/// A factory error as a check's outcome: [`Outcome::Skipped`] for a backend
+/// that is unavailable and not required, a panic otherwise (see
+/// [`skip_unavailable`]). The skip line itself is printed by the test body.
+#[track_caller]
+fn factory_failed(err: &Error) -> Outcome {
+    match err {
+        Error::Unavailable { backend, .. } if backend_required(backend) => panic!(
+            "the {backend} backend is listed in {REQUIRE_BACKENDS_ENV} but is unavailable: {err}"
+        ),
+        Error::Unavailable { .. } => Outcome::Skipped(err.to_string()),
+        other => panic!("the engine factory failed (only Unavailable may skip): {other}"),
+    }
+}
+
 /// Prints `skipped: <what>` where a person running the tests sees it.
 ///
 /// It writes to the process's standard error directly rather than through
@@ -257,10 +319,7 @@ const LIVENESS: Duration = Duration::from_secs(120);
 type Setup<T> = std::result::Result<T, Outcome>;
 
 async fn engine(factory: &Arc<dyn EngineFactory>, adapted: bool) -> Setup<Arc<dyn TransferEngine>> {
-    let raw = factory
-        .create()
-        .await
-        .map_err(|e| Outcome::Skipped(format!("the engine factory failed: {e}")))?;
+    let raw = factory.create().await.map_err(|e| factory_failed(&e))?;
     Ok(if adapted {
         Arc::new(CapabilityAdapter::from_arc(raw, AdapterConfig::default()))
     } else {
@@ -725,16 +784,78 @@ pub async fn check_write_read_round_trip(
     Outcome::Passed
 }
 
+/// What a default adapter must report over each native capability set a
+/// backend of this workspace declares, written out by hand rather than
+/// computed by the adapter's own rules, so that the check can disagree with
+/// the adapter.
+///
+/// Columns, in [`Operation::OPTIONAL`] order: batch_register,
+/// batch_unregister, batch_transfer, async_batch, batch_wait, notify (`y` =
+/// available, `-` = not). The adapter emulates every batch operation; it
+/// cannot add notifications, and keeps them only when a native batch path
+/// (batch_transfer or async_batch) exists to carry them.
+const EXPECTED_EFFECTIVE: &[(&str, &str)] = &[
+    // inproc `none`; nothing native.
+    ("------", "yyyyy-"),
+    // inproc `all`, tcp, Mooncake ≥ v0.3.5.
+    ("yyyyyy", "yyyyyy"),
+    // Mooncake v0.2.0 and v0.3.0: every batch call, no notify.
+    ("yyyyy-", "yyyyy-"),
+    // verbs: batches and notify, registration one region at a time.
+    ("--yyyy", "yyyyyy"),
+    // inproc `async_notify`.
+    ("---y-y", "yyyyyy"),
+    // inproc `only_*`.
+    ("y-----", "yyyyy-"),
+    ("-y----", "yyyyy-"),
+    ("--y---", "yyyyy-"),
+    ("---y--", "yyyyy-"),
+    ("----y-", "yyyyy-"),
+    // notify without any native batch path to carry it is dropped.
+    ("-----y", "yyyyy-"),
+];
+
+/// The six optional-operation flags of `caps` as in [`EXPECTED_EFFECTIVE`].
+fn caps_flags(caps: &Capabilities) -> String {
+    Operation::OPTIONAL
+        .iter()
+        .map(|op| if caps.supports(*op) { 'y' } else { '-' })
+        .collect()
+}
+
+/// The effective set [`EXPECTED_EFFECTIVE`] gives for `native`: its flags,
+/// no batch-length limit (the adapter splits batches), the same memory kinds.
+///
+/// # Panics
+///
+/// When the table has no row for `native`: add one, worked out by hand.
+fn expected_effective(native: &Capabilities) -> Capabilities {
+    let key = caps_flags(native);
+    let Some((_, flags)) = EXPECTED_EFFECTIVE.iter().find(|(n, _)| *n == key) else {
+        panic!(
+            "conformance::EXPECTED_EFFECTIVE has no row for native capabilities {key}: \
+             add one, worked out by hand"
+        )
+    };
+    let mut eff = Capabilities {
+        max_batch_len: None,
+        memory: native.memory,
+        ..Capabilities::default()
+    };
+    for (op, flag) in Operation::OPTIONAL.iter().zip(flags.chars()) {
+        eff.set(*op, flag == 'y');
+    }
+    eff
+}
+
 /// Every declared optional operation works (never `Unsupported`); every
 /// undeclared one answers `Unsupported`. Through the adapter the declared set
-/// is the effective one, which must equal `AdapterConfig::default().effective`
-/// of the native set.
+/// is the effective one, which must equal the hand-written
+/// [`EXPECTED_EFFECTIVE`] row of the native set.
 pub async fn check_capability_honesty(factory: Arc<dyn EngineFactory>, adapted: bool) -> Outcome {
     let (a_raw, b_raw) = match (factory.create().await, factory.create().await) {
         (Ok(a), Ok(b)) => (a, b),
-        (Err(e), _) | (_, Err(e)) => {
-            return Outcome::Skipped(format!("the engine factory failed: {e}"))
-        }
+        (Err(e), _) | (_, Err(e)) => return factory_failed(&e),
     };
     let native = a_raw.capabilities();
     let (a, b): (Arc<dyn TransferEngine>, Arc<dyn TransferEngine>) = if adapted {
@@ -747,10 +868,14 @@ pub async fn check_capability_honesty(factory: Arc<dyn EngineFactory>, adapted: 
     };
     let caps = a.capabilities();
     if adapted {
+        let expected = expected_effective(&native);
         assert_eq!(
             caps,
-            AdapterConfig::default().effective(&native),
-            "the adapter's capabilities() is not the effective set of the native one"
+            expected,
+            "a default adapter over native {} reports {} instead of {}",
+            caps_flags(&native),
+            caps_flags(&caps),
+            caps_flags(&expected)
         );
     }
     let seg = a
@@ -1193,133 +1318,179 @@ pub async fn check_unaligned(factory: Arc<dyn EngineFactory>, adapted: bool) -> 
 /// destination) returns only when they have finished or failed: no byte of
 /// it changes after `unregister` returns, a transfer that reports success has
 /// moved all its bytes, and new transfers are refused.
+///
+/// The check proves that the transfers really were in flight: right before
+/// `unregister` is called, part of the bytes have landed and the end of at
+/// least one transfer has not. A round that cannot show that (the transfers
+/// were too fast) is repeated with more bytes ([`IN_FLIGHT_SIZES`]); failing
+/// to catch a transfer in flight at all fails the check, so it can never
+/// quietly test the idle case.
 pub async fn check_unregister_in_flight(factory: Arc<dyn EngineFactory>, adapted: bool) -> Outcome {
     let p = match pair(&factory, adapted).await {
         Ok(p) => p,
         Err(o) => return o,
     };
-    const N: usize = 4 << 20;
-    const K: usize = 4;
-    const PART: usize = N / K;
     for remote_side in [true, false] {
-        let src_local = Mem::new(&p.a, N, 61).await;
-        let src_remote = Mem::new(&p.b, N, 62).await;
-        // The region that will be unregistered: the peer's target of writes,
-        // or the local destination of reads.
-        let mut victim = if remote_side {
-            Mem::new(&p.b, N, 0).await
-        } else {
-            Mem::new(&p.a, N, 0).await
-        };
-        let mut tasks = Vec::new();
-        for k in 0..K {
-            let a = Arc::clone(&p.a);
-            let seg = p.seg;
-            let off = (k * PART) as u64;
-            let req = if remote_side {
-                TransferRequest::write(src_local.addr() + off, victim.addr() + off, PART as u64)
-            } else {
-                TransferRequest::read(victim.addr() + off, src_remote.addr() + off, PART as u64)
-            };
-            tasks.push(tokio::spawn(async move { a.transfer(seg, req).await }));
-        }
-        // Wait until the first bytes land (the transfers are in flight),
-        // or until they are all done; the assertions below hold for any
-        // interleaving, this only makes the interesting one likely.
-        let start = Instant::now();
-        loop {
-            let landed = (0..K).any(|k| {
-                let mut head = [0u8; 64];
-                victim
-                    .buf()
-                    .read(k * PART, &mut head)
-                    .expect("reading test memory");
-                head.iter().any(|b| *b != 0)
-            });
-            if landed || tasks.iter().all(|t| t.is_finished()) {
+        let side = if remote_side { "remote" } else { "local" };
+        let mut caught = false;
+        for n in IN_FLIGHT_SIZES {
+            if unregister_round(&p, remote_side, n).await {
+                caught = true;
                 break;
             }
-            assert!(
-                start.elapsed() < LIVENESS,
-                "transfers made no progress in {LIVENESS:?}"
-            );
-            tokio::task::yield_now().await;
         }
-        let owner = if remote_side { &p.b } else { &p.a };
-        owner
-            .unregister(victim.addr())
-            .await
-            .unwrap_or_else(|e| panic!("unregister during transfers failed: {e}"));
-        victim.forget_registration(0);
-        // Sample the region at once (a full copy would take long enough for
-        // a misbehaving engine to finish in the meantime), then in full.
-        const STEP: usize = 8 * 1024;
-        let samples: Vec<[u8; 16]> = (0..N / STEP)
-            .map(|i| {
-                let mut s = [0u8; 16];
-                victim
-                    .buf()
-                    .read(i * STEP + STEP - 16, &mut s)
-                    .expect("reading test memory");
-                s
-            })
-            .collect();
-        let snapshot = victim.bytes();
-        let expected = if remote_side {
-            pattern(61, N)
-        } else {
-            pattern(62, N)
-        };
-        let mut results = Vec::new();
-        for t in tasks {
-            results.push(t.await.expect("transfer task panicked"));
-        }
-        let side = if remote_side { "remote" } else { "local" };
-        let now = victim.bytes();
-        for (i, sample) in samples.iter().enumerate() {
-            let at = i * STEP + STEP - 16;
-            assert_eq!(
-                &now[at..at + 16],
-                sample,
-                "{side} region changed at offset {at} after unregister returned"
-            );
-        }
-        assert_bytes(
-            &victim.bytes(),
-            &snapshot,
-            &format!("{side} region changed after unregister returned"),
+        assert!(
+            caught,
+            "unregister_in_flight ({side} side): in {} rounds of up to {} MiB, every transfer \
+             had finished before unregister could be called; the check could not catch a \
+             transfer in flight",
+            IN_FLIGHT_SIZES.len(),
+            IN_FLIGHT_SIZES[IN_FLIGHT_SIZES.len() - 1] >> 20
         );
-        for (k, r) in results.iter().enumerate() {
-            if r.is_ok() {
-                let part = k * PART..(k + 1) * PART;
-                assert_bytes(
-                    &snapshot[part.clone()],
-                    &expected[part],
-                    &format!("transfer {k} reported success but its bytes were not all there when unregister returned ({side} side)"),
-                );
-            }
-        }
-        // New transfers are refused.
-        let req = if remote_side {
-            TransferRequest::write(src_local.addr(), victim.addr(), 64)
-        } else {
-            TransferRequest::read(victim.addr(), src_remote.addr(), 64)
-        };
-        let want = if remote_side {
-            Side::Remote
-        } else {
-            Side::Local
-        };
-        expect_addr_err(
-            p.a.transfer(p.seg, req).await,
-            Some(want),
-            &format!("transfer after unregister ({side} side)"),
-        );
-        victim.release().await; // frees the memory
-        src_local.release().await;
-        src_remote.release().await;
     }
+    p.a.close_segment(p.seg)
+        .await
+        .unwrap_or_else(|e| panic!("close_segment failed: {e}"));
     Outcome::Passed
+}
+
+/// The region sizes of the rounds of [`check_unregister_in_flight`], until
+/// one catches a transfer in flight. Later rounds repeat the largest size: on
+/// a busy machine the checking thread can lose the processor for the whole of
+/// a fast transfer.
+const IN_FLIGHT_SIZES: [usize; 8] = [
+    4 << 20,
+    16 << 20,
+    64 << 20,
+    64 << 20,
+    64 << 20,
+    64 << 20,
+    64 << 20,
+    64 << 20,
+];
+
+/// One round of [`check_unregister_in_flight`] with a victim region of `n`
+/// bytes; returns whether a transfer was shown to be in flight when
+/// `unregister` was called (every rule is asserted either way).
+async fn unregister_round(p: &Pair, remote_side: bool, n: usize) -> bool {
+    const K: usize = 4;
+    let part_len = n / K;
+    let side = if remote_side { "remote" } else { "local" };
+    let src_local = Mem::new(&p.a, n, 61).await;
+    let src_remote = Mem::new(&p.b, n, 62).await;
+    let expected = if remote_side {
+        pattern(61, n)
+    } else {
+        pattern(62, n)
+    };
+    // The region that will be unregistered: the peer's target of writes, or
+    // the local destination of reads.
+    let mut victim = if remote_side {
+        Mem::new(&p.b, n, 0).await
+    } else {
+        Mem::new(&p.a, n, 0).await
+    };
+    let mut tasks = Vec::new();
+    for k in 0..K {
+        let a = Arc::clone(&p.a);
+        let seg = p.seg;
+        let off = (k * part_len) as u64;
+        let len = part_len as u64;
+        let req = if remote_side {
+            TransferRequest::write(src_local.addr() + off, victim.addr() + off, len)
+        } else {
+            TransferRequest::read(victim.addr() + off, src_remote.addr() + off, len)
+        };
+        tasks.push(tokio::spawn(async move { a.transfer(seg, req).await }));
+    }
+    let landed = |at: usize| {
+        let mut s = [0u8; 16];
+        victim.buf().read(at, &mut s).expect("reading test memory");
+        s[..] == expected[at..at + 16]
+    };
+    // Wait until the first bytes land (the transfers have started), or until
+    // they are all done.
+    let start = Instant::now();
+    loop {
+        if (0..K).any(|k| landed(k * part_len)) || tasks.iter().all(|t| t.is_finished()) {
+            break;
+        }
+        assert!(
+            start.elapsed() < LIVENESS,
+            "transfers made no progress in {LIVENESS:?}"
+        );
+        tokio::task::yield_now().await;
+    }
+    // The proof of overlap: the last bytes of some transfer are not there yet.
+    let in_flight = (0..K).any(|k| !landed((k + 1) * part_len - 16));
+    let owner = if remote_side { &p.b } else { &p.a };
+    owner
+        .unregister(victim.addr())
+        .await
+        .unwrap_or_else(|e| panic!("unregister during transfers failed: {e}"));
+    victim.forget_registration(0);
+    // Sample the region at once (a full copy would take long enough for a
+    // misbehaving engine to finish in the meantime), then in full.
+    const STEP: usize = 8 * 1024;
+    let samples: Vec<[u8; 16]> = (0..n / STEP)
+        .map(|i| {
+            let mut s = [0u8; 16];
+            victim
+                .buf()
+                .read(i * STEP + STEP - 16, &mut s)
+                .expect("reading test memory");
+            s
+        })
+        .collect();
+    let snapshot = victim.bytes();
+    let mut results = Vec::new();
+    for t in tasks {
+        results.push(t.await.expect("transfer task panicked"));
+    }
+    let now = victim.bytes();
+    for (i, sample) in samples.iter().enumerate() {
+        let at = i * STEP + STEP - 16;
+        assert_eq!(
+            &now[at..at + 16],
+            sample,
+            "{side} region changed at offset {at} after unregister returned"
+        );
+    }
+    assert_bytes(
+        &now,
+        &snapshot,
+        &format!("{side} region changed after unregister returned"),
+    );
+    for (k, r) in results.iter().enumerate() {
+        if r.is_ok() {
+            let part = k * part_len..(k + 1) * part_len;
+            assert_bytes(
+                &snapshot[part.clone()],
+                &expected[part],
+                &format!("transfer {k} reported success but its bytes were not all there when unregister returned ({side} side)"),
+            );
+        }
+    }
+    // New transfers are refused.
+    let req = if remote_side {
+        TransferRequest::write(src_local.addr(), victim.addr(), 64)
+    } else {
+        TransferRequest::read(victim.addr(), src_remote.addr(), 64)
+    };
+    let want = if remote_side {
+        Side::Remote
+    } else {
+        Side::Local
+    };
+    expect_addr_err(
+        p.a.transfer(p.seg, req).await,
+        Some(want),
+        &format!("transfer after unregister ({side} side)"),
+    );
+    victim.release().await; // frees the memory
+    src_local.release().await;
+    src_remote.release().await;
+    in_flight
 }
 
 /// Builds `n` write requests of `size` bytes from `local` slots to `remote`
