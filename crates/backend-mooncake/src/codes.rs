@@ -3,7 +3,14 @@
 //! Failures are non-zero: older builds return `ERR_*` macros (negative),
 //! newer ones return `Status` codes (positive) with the same magnitudes,
 //! except "not implemented", which is -303 in older builds and 999 in newer
-//! ones.
+//! ones. Current builds mix both signs: C calls that wrap a `Status` return
+//! it positive, calls that return a plain `int` keep the negative macros.
+//! Code 8 (`kNotSupportedTransport`) exists only as a positive `Status`.
+//!
+//! Some calls return a bare `-1` that is no code at all: `openSegment`
+//! answers `-1` for "the segment could not be found or reached" on every
+//! build, which [`open_segment_failure`] explains instead of calling it
+//! `ERR_INVALID_ARGUMENT`.
 
 use std::fmt;
 
@@ -25,6 +32,8 @@ pub enum MooncakeErrorCode {
     DeviceNotFound,
     /// 7: address overlaps a registered region.
     AddressOverlapped,
+    /// 8 (current builds' `Status` only): the transport is not supported.
+    NotSupportedTransport,
     /// 101: DNS failure.
     Dns,
     /// 102: socket error.
@@ -65,6 +74,7 @@ impl MooncakeErrorCode {
             4 => BatchBusy,
             6 => DeviceNotFound,
             7 => AddressOverlapped,
+            8 => NotSupportedTransport,
             101 => Dns,
             102 => Socket,
             103 => MalformedJson,
@@ -89,6 +99,7 @@ impl MooncakeErrorCode {
             BatchBusy => "ERR_BATCH_BUSY",
             DeviceNotFound => "ERR_DEVICE_NOT_FOUND",
             AddressOverlapped => "ERR_ADDRESS_OVERLAPPED",
+            NotSupportedTransport => "NOT_SUPPORTED_TRANSPORT",
             Dns => "ERR_DNS",
             Socket => "ERR_SOCKET",
             MalformedJson => "ERR_MALFORMED_JSON",
@@ -115,6 +126,29 @@ pub fn code_name(code: i64) -> &'static str {
     MooncakeErrorCode::from_raw(code).map_or("unknown Mooncake error code", |c| c.name())
 }
 
+/// Why `openSegment` returned `rc` (< 0), in words: its `-1` is the
+/// library's generic "no such segment, or unreachable", not a code.
+pub(crate) fn open_segment_failure(rc: i32, generation: crate::Generation) -> String {
+    let hint = if generation >= crate::Generation::V0_3_0 {
+        "with P2PHANDSHAKE the name must be the peer's <host>:<port> as its engine \
+         reports it (segment_name()); with a metadata server, the peer's name= and the same \
+         metadata= on both sides"
+    } else {
+        "the name must be the peer's name= registered with the same metadata server"
+    };
+    if rc == -1 {
+        format!(
+            "openSegment returned -1: the library found no such segment or could not reach \
+             it ({hint}); its log says which"
+        )
+    } else {
+        format!(
+            "openSegment returned {rc} ({}; {hint})",
+            code_name(i64::from(rc))
+        )
+    }
+}
+
 /// [`Error::Backend`] for a failed C call.
 pub(crate) fn call_error(operation: &str, code: i64) -> Error {
     Error::Backend {
@@ -138,6 +172,7 @@ mod tests {
             (-4, 4, "ERR_BATCH_BUSY"),
             (-6, 6, "ERR_DEVICE_NOT_FOUND"),
             (-7, 7, "ERR_ADDRESS_OVERLAPPED"),
+            (-8, 8, "NOT_SUPPORTED_TRANSPORT"),
             (-101, 101, "ERR_DNS"),
             (-102, 102, "ERR_SOCKET"),
             (-103, 103, "ERR_MALFORMED_JSON"),

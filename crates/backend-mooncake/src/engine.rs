@@ -138,6 +138,8 @@ struct Pending {
 struct Core {
     lib: Arc<MooncakeLibrary>,
     raw: RawEngine,
+    /// Released after the C engine (and its metadata entry) is gone.
+    _name: Option<NameReservation>,
 }
 
 impl Drop for Core {
@@ -227,6 +229,142 @@ fn device_matrix(device: &str) -> String {
     format!("{{\"cpu:0\": [[{}], []]}}", nics.join(", "))
 }
 
+/// Names in use by the live engines of this process: `local_server_name`s
+/// given to the library in metadata-server mode. Mooncake keeps one metadata
+/// entry per name, and a second engine with the same name overwrites the
+/// first one's entry (and, on builds that bind the port the entry names,
+/// throws from inside the C API, which aborts the process).
+static LIVE_NAMES: LazyLock<Mutex<std::collections::HashSet<String>>> =
+    LazyLock::new(|| Mutex::new(std::collections::HashSet::new()));
+
+/// The `local_server_name` and RPC port to give `createTransferEngine`.
+///
+/// - `P2PHANDSHAKE` (≥ v0.3.0): Mooncake names the segment
+///   `<host part of local_server_name>:<port it picks>` and ignores
+///   `ip_or_host_name` and `rpc_port`, so the name given is the host, and
+///   `name=` / `port=` are refused as meaningless.
+/// - metadata server, v0.2.0 era (no `getLocalIpAndPort`): the library
+///   publishes `host:port` as given and its TCP transport binds that port;
+///   port 0 would be published as 0 (unreachable), so Ferry picks a free
+///   port, and checks a given one is free (a clash throws a C++ exception
+///   through the C API, which aborts the process).
+/// - metadata server, ≥ v0.3.0: the library picks a random port and
+///   announces `MC_TCP_BIND_ADDRESS` or the first LAN address; `host=` and
+///   `port=` are ignored by the library (logged).
+fn local_identity(
+    lib: &MooncakeLibrary,
+    config: &MooncakeConfig,
+    p2p: bool,
+) -> Result<(String, u16, Option<NameReservation>)> {
+    if p2p {
+        if config.name.is_some() {
+            return Err(Error::InvalidArgument(format!(
+                "mooncake: name= names the segment only with a metadata server; with \
+                 {P2P_HANDSHAKE} Mooncake names it <host>:<port it picks> (set host= to the \
+                 address peers should use)"
+            )));
+        }
+        if config.port != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "mooncake: port= has no effect with {P2P_HANDSHAKE}: Mooncake picks its own \
+                 port (the segment name says which)"
+            )));
+        }
+        if lib.generation() == Generation::V0_3_0 {
+            // v0.3.0–v0.3.4 listen for TCP data on the RPC port + 1 without
+            // checking it is free (a clash throws through the C API and
+            // aborts the process), and honour a port in the name: give them
+            // a pair of free ports.
+            let port = free_port_pair(&config.host)?;
+            return Ok((format!("{}:{port}", config.host), 0, None));
+        }
+        return Ok((config.host.clone(), 0, None));
+    }
+    static NAMES: AtomicU64 = AtomicU64::new(0);
+    let name = config.name.clone().unwrap_or_else(|| {
+        format!(
+            "ferry-{}-{}",
+            std::process::id(),
+            NAMES.fetch_add(1, Ordering::Relaxed)
+        )
+    });
+    if !lock(&LIVE_NAMES).insert(name.clone()) {
+        return Err(Error::InvalidArgument(format!(
+            "mooncake: name {name:?} is in use by a live engine of this process; each \
+             engine needs its own name (it is the key of its metadata entry)"
+        )));
+    }
+    let reservation = NameReservation(name.clone());
+    if lib.generation() >= Generation::V0_3_0 {
+        if std::env::var("MC_TCP_BIND_ADDRESS").map_or(true, |a| a != config.host) {
+            tracing::info!(
+                host = %config.host,
+                "ferry: Mooncake {} in metadata-server mode ignores host= and port=: it \
+                 announces MC_TCP_BIND_ADDRESS or the first LAN address, on a port it picks",
+                lib.generation()
+            );
+        }
+        return Ok((name, config.port, Some(reservation)));
+    }
+    let port = if config.port == 0 {
+        free_port(&config.host)?
+    } else {
+        ensure_port_free(&config.host, config.port)?;
+        config.port
+    };
+    Ok((name, port, Some(reservation)))
+}
+
+/// A name held in [`LIVE_NAMES`] until the C engine that uses it is
+/// destroyed (the reservation lives in its `Core`).
+struct NameReservation(String);
+
+impl Drop for NameReservation {
+    fn drop(&mut self) {
+        lock(&LIVE_NAMES).remove(&self.0);
+    }
+}
+
+/// A port nothing listens on at `host` (bound, then released: another
+/// process could take it in between, a window of microseconds).
+fn free_port(host: &str) -> Result<u16> {
+    let l = std::net::TcpListener::bind((host, 0)).map_err(|e| Error::Unavailable {
+        backend: BACKEND.into(),
+        reason: format!("cannot bind a TCP port on host {host:?} to give the library: {e}"),
+    })?;
+    l.local_addr()
+        .map(|a| a.port())
+        .map_err(|e| Error::io("reading a bound port", &e))
+}
+
+/// A port `p` such that `p` and `p + 1` are both free at `host` (the same
+/// small window as [`free_port`]).
+fn free_port_pair(host: &str) -> Result<u16> {
+    for _ in 0..64 {
+        let p = free_port(host)?;
+        if p < u16::MAX && std::net::TcpListener::bind(("0.0.0.0", p + 1)).is_ok() {
+            return Ok(p);
+        }
+    }
+    Err(Error::Unavailable {
+        backend: BACKEND.into(),
+        reason: format!("found no two consecutive free TCP ports on host {host:?} in 64 tries"),
+    })
+}
+
+/// Fails with `InvalidArgument` when `port` cannot be bound: the library
+/// would throw from inside the C API (process abort) instead of failing.
+fn ensure_port_free(host: &str, port: u16) -> Result<()> {
+    // The library binds the IPv4 wildcard address.
+    match std::net::TcpListener::bind(("0.0.0.0", port)) {
+        Ok(_) => Ok(()),
+        Err(e) => Err(Error::InvalidArgument(format!(
+            "mooncake: port {port} (host {host}) cannot be bound ({e}); this Mooncake build \
+             would abort the process on it, so Ferry refuses it: give a free port, or 0"
+        ))),
+    }
+}
+
 impl MooncakeEngine {
     /// Loads the library (see [`MooncakeLibrary::resolve`]), creates a C
     /// engine, installs the configured transport and returns the engine.
@@ -262,14 +400,7 @@ impl MooncakeEngine {
                 ),
             });
         }
-        static NAMES: AtomicU64 = AtomicU64::new(0);
-        let server_name = config.name.clone().unwrap_or_else(|| {
-            format!(
-                "ferry-{}-{}",
-                std::process::id(),
-                NAMES.fetch_add(1, Ordering::Relaxed)
-            )
-        });
+        let (server_name, port, reservation) = local_identity(&lib, &config, p2p)?;
         let meta = cstring("metadata", &config.metadata)?;
         let name_c = cstring("name", &server_name)?;
         let host = cstring("host", &config.host)?;
@@ -278,7 +409,7 @@ impl MooncakeEngine {
             Some(d) => Some(cstring("device", &device_matrix(d))?),
             None => None,
         };
-        let port = u64::from(config.port);
+        let port = u64::from(port);
         let api = lib.api;
         let created = blocking(move || {
             // SAFETY: `create` has the C API's signature (5 arguments, see
@@ -316,14 +447,14 @@ impl MooncakeEngine {
         let raw = created.map_err(|what| Error::Unavailable {
             backend: BACKEND.into(),
             reason: format!(
-                "{what} ({} {}, metadata {:?}, name {:?}, host {}:{}, protocol {}); \
-                 the library's log says why",
+                "{what} ({} {}, metadata {:?}, local_server_name {:?}, host {}, port {}, \
+                 protocol {}); the library's log says why",
                 lib.path().display(),
                 lib.generation(),
                 config.metadata,
                 server_name,
                 config.host,
-                config.port,
+                port,
                 config.protocol
             ),
         })?;
@@ -331,6 +462,7 @@ impl MooncakeEngine {
         let core = Arc::new(Core {
             lib: Arc::clone(&lib),
             raw,
+            _name: reservation,
         });
         let segment_name = match (p2p, api.get_local_ip_and_port) {
             (true, Some(get)) => {
@@ -428,6 +560,33 @@ impl MooncakeEngine {
             batch_wait: true,
             notify: self.inner.lib.has_notify(),
             ..Default::default()
+        }
+    }
+
+    /// What "completed" means and whether the peer checks addresses, in
+    /// words for the capability report. Mooncake's TCP transport before
+    /// v0.3.12 reports a WRITE completed once its last byte is handed to the
+    /// socket (no acknowledgement), and its target writes wherever the
+    /// request points, registered or not; v0.3.12 added acknowledged framing
+    /// and address checks at the target. Other transports (RDMA) complete on
+    /// the NIC's acknowledgement and check keys in hardware.
+    fn guarantees(&self) -> (&'static str, &'static str) {
+        let old_tcp = self.inner.config.protocol == "tcp"
+            && self.inner.lib.generation() < Generation::V0_3_12;
+        if old_tcp {
+            (
+                "sent, not landed: this build's TCP transport reports a write completed \
+                 when it is handed to the socket, before the peer has written it \
+                 (acknowledged from Mooncake v0.3.12)",
+                "no: this build's TCP transport writes at the peer wherever the address \
+                 points, registered or not, and reports success; Ferry checks peers in this \
+                 process itself (checked at the peer from Mooncake v0.3.12)",
+            )
+        } else {
+            (
+                "landed (acknowledged by the peer)",
+                "yes (the peer refuses addresses outside its registered regions)",
+            )
         }
     }
 
@@ -757,16 +916,19 @@ fn task_result(rc: c_int, st: c_int, l: &Live) -> Option<Result<()>> {
         }),
         status::CANCELED => Err(Error::Canceled("Mooncake canceled the transfer".into())),
         other => {
-            let what = match other {
+            let status = match other {
                 status::FAILED => "FAILED",
                 status::INVALID => "INVALID",
                 _ => "unknown",
             };
-            Err(Error::Backend {
+            Err(Error::TransferFailed {
                 backend: BACKEND.into(),
-                operation: format!("transfer to {}", l.peer),
-                code: i64::from(other),
-                name: format!("transfer status {what}"),
+                peer: l.peer.clone(),
+                status: format!("{status} ({other})"),
+                detail: "the library gives no reason; usual causes: the peer address is \
+                         not inside a region the peer registered (checked by Mooncake's TCP \
+                         transport from v0.3.12), or the peer is unreachable or died"
+                    .into(),
             })
         }
     })
@@ -882,6 +1044,9 @@ impl TransferEngine for MooncakeEngine {
             ("protocol".to_owned(), self.inner.config.protocol.clone()),
             ("segment".to_owned(), self.inner.segment_name.clone()),
         ]);
+        let (completion, validation) = self.guarantees();
+        details.push(("completion".to_owned(), completion.to_owned()));
+        details.push(("peer address validation".to_owned(), validation.to_owned()));
         if lib.has_notify() && lib.api.free_notifs.is_none() {
             details.push((
                 "notification buffers".to_owned(),
@@ -1080,10 +1245,7 @@ impl TransferEngine for MooncakeEngine {
         if c_id < 0 {
             return Err(Error::SegmentUnavailable {
                 name: name.to_owned(),
-                reason: format!(
-                    "openSegment returned {c_id} ({})",
-                    crate::codes::code_name(i64::from(c_id))
-                ),
+                reason: crate::codes::open_segment_failure(c_id, self.inner.lib.generation()),
             });
         }
         let mut segs = lock(&self.inner.segments);

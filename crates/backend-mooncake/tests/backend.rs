@@ -607,3 +607,91 @@ async fn dropping_an_engine_with_a_batch_in_flight_finishes_it_first() {
     b.unregister(dst.addr()).await.unwrap();
     assert_eq!(dst.to_vec(), src.to_vec());
 }
+
+/// P2PHANDSHAKE (≥ v0.3.0): Mooncake names the segment `<host>:<port it
+/// picks>` from the host part of `local_server_name` (real builds ignore
+/// `ip_or_host_name`), so Ferry passes the host and refuses `name=` and
+/// `port=`, which would publish a name no peer can open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn p2p_segments_are_named_host_port_and_name_or_port_are_refused() {
+    for gen in [Lib::V0_3_0, Lib::V0_3_6, Lib::Current] {
+        let e = start(gen, "P2PHANDSHAKE").await;
+        let (host, port) = e.segment_name().rsplit_once(':').expect("host:port");
+        assert_eq!(host, "127.0.0.1", "{gen}");
+        assert!(port.parse::<u16>().is_ok_and(|p| p != 0), "{gen}: {port}");
+        for (what, cfg) in [
+            (
+                "name=",
+                MooncakeConfig {
+                    name: Some("prefill-0".into()),
+                    ..config(gen, "P2PHANDSHAKE", "")
+                },
+            ),
+            (
+                "port=",
+                MooncakeConfig {
+                    port: 15000,
+                    ..config(gen, "P2PHANDSHAKE", "")
+                },
+            ),
+        ] {
+            match MooncakeEngine::start(cfg).await {
+                Err(Error::InvalidArgument(m)) => assert!(m.contains(what), "{gen}: {m}"),
+                other => panic!(
+                    "{gen}: {what} with P2PHANDSHAKE: expected InvalidArgument, got {other:?}"
+                ),
+            }
+        }
+    }
+}
+
+/// v0.2.0 era with a metadata service: a port that is in use would make the
+/// library throw through its C API (process abort; the test library aborts
+/// too), so Ferry refuses it first; and a name a live engine of this
+/// process uses is refused (it would overwrite that engine's metadata entry).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_port_or_a_live_name_is_refused_before_the_library_sees_it() {
+    let gen = Lib::V0_2_0;
+    let meta = metadata_for(gen);
+    let busy = std::net::TcpListener::bind("0.0.0.0:0").expect("bind");
+    let port = busy.local_addr().expect("addr").port();
+    let cfg = MooncakeConfig {
+        port,
+        ..config(gen, &meta, "")
+    };
+    match MooncakeEngine::start(cfg).await {
+        Err(Error::InvalidArgument(m)) => {
+            assert!(m.contains(&format!("port {port}")), "{m}")
+        }
+        other => panic!("busy port: expected InvalidArgument, got {other:?}"),
+    }
+    drop(busy);
+
+    let first = config(gen, &meta, "");
+    let e = MooncakeEngine::start(first.clone())
+        .await
+        .expect("first engine");
+    match MooncakeEngine::start(first.clone()).await {
+        Err(Error::InvalidArgument(m)) => assert!(m.contains("in use by a live engine"), "{m}"),
+        other => panic!("reused name: expected InvalidArgument, got {other:?}"),
+    }
+    // Port 0 on this generation: Ferry picked a real port for the library to
+    // publish (the library would publish 0), so a peer can reach it.
+    let b = start(gen, &meta).await;
+    b.open_segment(e.segment_name())
+        .await
+        .expect("the segment of an engine started with port 0");
+    drop(e);
+    // Once the engine is gone its name is free again (its C engine is
+    // destroyed on the poller thread; wait for it, bounded).
+    let start = std::time::Instant::now();
+    loop {
+        match MooncakeEngine::start(first.clone()).await {
+            Ok(_) => break,
+            Err(Error::InvalidArgument(_)) if start.elapsed() < Duration::from_secs(30) => {
+                tokio::time::sleep(Duration::from_millis(10)).await
+            }
+            Err(e) => panic!("the name of a dropped engine stayed taken: {e}"),
+        }
+    }
+}

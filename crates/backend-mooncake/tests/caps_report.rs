@@ -45,6 +45,24 @@ fn expected(gen: Lib, engine: &MooncakeEngine) -> String {
          segment: {}\n",
         engine.segment_name()
     );
+    // The TCP transport's guarantees: acknowledged writes and address checks
+    // at the target arrived in v0.3.12 (upstream #2850 and #2314).
+    if gen < Lib::Current {
+        s.push_str(
+            "completion: sent, not landed: this build's TCP transport reports a write \
+             completed when it is handed to the socket, before the peer has written it \
+             (acknowledged from Mooncake v0.3.12)\n\
+             peer address validation: no: this build's TCP transport writes at the peer \
+             wherever the address points, registered or not, and reports success; Ferry \
+             checks peers in this process itself (checked at the peer from Mooncake v0.3.12)\n",
+        );
+    } else {
+        s.push_str(
+            "completion: landed (acknowledged by the peer)\n\
+             peer address validation: yes (the peer refuses addresses outside its registered \
+             regions)\n",
+        );
+    }
     if gen == Lib::V0_3_5 {
         s.push_str(
             "notification buffers: released with free() (freeNotifsMsgBuf needs Mooncake v0.3.6)\n",

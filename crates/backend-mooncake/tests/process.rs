@@ -67,10 +67,11 @@ async fn child_peer() {
         // Not a test of its own: only cross_process_peer_* run it, as a child.
         return;
     };
+    let meta = std::env::var(CHILD_META).unwrap_or_else(|_| "P2PHANDSHAKE".into());
     let engine = MooncakeEngine::start(MooncakeConfig {
         library: Some(lib.into()),
-        metadata: std::env::var(CHILD_META).unwrap_or_else(|_| "P2PHANDSHAKE".into()),
-        name: Some(format!("child-peer-{}", std::process::id())),
+        metadata: meta.clone(),
+        name: (meta != "P2PHANDSHAKE").then(|| format!("child-peer-{}", std::process::id())),
         ..MooncakeConfig::default()
     })
     .await
@@ -198,12 +199,11 @@ async fn cross_process(gen: Lib) {
         assert_eq!(r, Ok(()), "{gen}: the old library's quirk changed");
     } else {
         match r {
-            Err(Error::Backend { name, code, .. }) => {
-                assert_eq!(
-                    (name.as_str(), code),
-                    ("transfer status FAILED", 6),
-                    "{gen}"
-                )
+            Err(Error::TransferFailed {
+                status, peer: p, ..
+            }) => {
+                assert_eq!(status, "FAILED (6)", "{gen}");
+                assert_eq!(p, peer.segment, "{gen}");
             }
             other => panic!("{gen}: expected the library to fail it, got {other:?}"),
         }

@@ -1,9 +1,10 @@
-//! `ferry`: benchmark a backend, print its capabilities, or serve a region
-//! for a remote benchmark.
+//! `ferry`: benchmark a backend, print its capabilities, serve a region for a
+//! remote benchmark, or run a Mooncake-compatible HTTP metadata server.
 #![forbid(unsafe_code)]
 
 mod bench;
 mod caps;
+mod metadata_server;
 mod rawtcp;
 mod serve;
 mod util;
@@ -19,6 +20,7 @@ Examples:
   ferry caps --backend 'mooncake://?lib=/opt/mooncake/libtransfer_engine.so&metadata=P2PHANDSHAKE&protocol=tcp&host=127.0.0.1'
   ferry caps --strict --require batch_transfer,notify
   ferry serve --backend tcp://10.0.0.2:7000 --size 256MiB
+  ferry metadata-server --listen 0.0.0.0:8080   # for Mooncake builds without P2PHANDSHAKE
 
 Errors print one line; -v adds the cause chain and info logs, -vv debug logs
 (RUST_LOG overrides the log filter).";
@@ -46,6 +48,10 @@ enum Command {
     Caps(caps::CapsArgs),
     /// Register a region and serve it to a remote `ferry bench` until Ctrl-C.
     Serve(serve::ServeArgs),
+    /// Serve Mooncake Transfer Engine's HTTP metadata protocol
+    /// (GET/PUT/DELETE PATH?key=K) from memory until Ctrl-C, for Mooncake
+    /// builds that need a metadata server.
+    MetadataServer(metadata_server::MetadataServerArgs),
 }
 
 fn init_tracing(verbose: u8) {
@@ -85,6 +91,7 @@ fn main() -> ExitCode {
             Command::Bench(a) => bench::run(a).await,
             Command::Caps(a) => caps::run(a).await,
             Command::Serve(a) => serve::run(a).await,
+            Command::MetadataServer(a) => metadata_server::run(a).await,
         }
     });
     let result = runtime.block_on(task).unwrap_or_else(|join| {

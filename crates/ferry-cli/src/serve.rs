@@ -41,7 +41,8 @@ pub struct ServeArgs {
     #[arg(long, default_value = "cpu:0")]
     location: Location,
 
-    /// Address for the raw-TCP baseline sink (default: the segment's host, any port);
+    /// Address for the raw-TCP baseline sink (default: the segment's host, any port,
+    /// when the segment name is `host:port`; none otherwise);
     /// `off` to disable.
     #[arg(long)]
     raw_listen: Option<String>,
@@ -70,7 +71,13 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let raw_listen = match args.raw_listen.as_deref() {
         Some("off") => None,
         Some(a) => Some(a.to_owned()),
-        None => Some(format!("{}:0", host_of(&segment))),
+        // Only where the segment name is an address (`host:port`); a name
+        // registered with a metadata server says nothing about where to
+        // listen (pass --raw-listen then).
+        None => segment
+            .rsplit_once(':')
+            .filter(|(_, port)| port.parse::<u16>().is_ok())
+            .map(|(host, _)| format!("{host}:0")),
     };
     let stats = Arc::new(SinkStats::default());
     let (raw_addr, sink) = match raw_listen {
@@ -187,22 +194,37 @@ impl Received {
     }
 }
 
-/// The host part of `host:port` (IPv6 in brackets kept as is).
-fn host_of(segment: &str) -> &str {
-    segment.rsplit_once(':').map_or(segment, |(h, _)| h)
-}
-
 /// The URL the bench's own engine would use: for TCP any address and port
-/// with the same parameters; secrets are shown as `…` for the user to fill.
+/// with the same parameters; for Mooncake the same parameters without the
+/// server's own identity (`name=`, `port=`: a second engine with the
+/// server's name would overwrite its metadata entry, and on v0.2.0-era
+/// builds a clash on its port aborts the process); secrets are shown as `…`
+/// for the user to fill.
 fn client_url(url: &str) -> String {
     let redacted = redact(url);
-    match redacted.strip_prefix("tcp://") {
-        Some(rest) => match rest.split_once('?') {
+    if let Some(rest) = redacted.strip_prefix("tcp://") {
+        return match rest.split_once('?') {
             Some((_, q)) => format!("tcp://0.0.0.0:0?{q}"),
             None => "tcp://0.0.0.0:0".to_owned(),
-        },
-        None => redacted,
+        };
     }
+    if let Some((base, query)) = redacted.split_once('?') {
+        if base.starts_with("mooncake:") {
+            let kept: Vec<&str> = query
+                .split('&')
+                .filter(|kv| {
+                    let key = kv.split_once('=').map_or(*kv, |(k, _)| k);
+                    key != "name" && key != "port"
+                })
+                .collect();
+            return if kept.is_empty() {
+                base.to_owned()
+            } else {
+                format!("{base}?{}", kept.join("&"))
+            };
+        }
+    }
+    redacted
 }
 
 /// `key=N` in a space-separated message.
@@ -235,13 +257,17 @@ mod tests {
 
     #[test]
     fn helpers() {
-        assert_eq!(host_of("127.0.0.1:7000"), "127.0.0.1");
-        assert_eq!(host_of("[::1]:7000"), "[::1]");
         assert_eq!(
             client_url("tcp://10.0.0.2:7000?secret=x"),
             "tcp://0.0.0.0:0?secret=…"
         );
         assert_eq!(client_url("tcp://10.0.0.2:7000"), "tcp://0.0.0.0:0");
+        // The server's own name and port never go into the client's URL.
+        assert_eq!(
+            client_url("mooncake://?lib=/l.so&metadata=http://m:8080/metadata&name=srv&port=15000"),
+            "mooncake://?lib=/l.so&metadata=http://m:8080/metadata"
+        );
+        assert_eq!(client_url("mooncake://?name=srv"), "mooncake://");
         assert_eq!(field("write block=4096 bytes=123", "bytes"), Some(123));
         assert_eq!(field("write block=4096", "bytes"), None);
     }

@@ -95,6 +95,7 @@ fn every_subcommand_help_has_examples() {
         &["bench", "--help"],
         &["caps", "--help"],
         &["serve", "--help"],
+        &["metadata-server", "--help"],
     ] {
         let (out, _) = expect_code(sub, 0);
         assert!(out.contains("Examples:"), "ferry {sub:?}:\n{out}");

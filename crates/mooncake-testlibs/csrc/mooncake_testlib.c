@@ -31,21 +31,41 @@
  *    TL_GEN 3 it is FAILED;
  *  - freeBatchID refuses a batch with a task that is not terminal;
  *  - a batch id is the raw pointer of the batch (never reuse a freed one);
- *  - with metadata "P2PHANDSHAKE" (TL_GEN >= 2) the engine ignores the port
- *    it is given, listens on an ephemeral one and its segment name is what
- *    getLocalIpAndPort returns.
+ *  - with metadata "P2PHANDSHAKE" (TL_GEN >= 2) the engine announces the
+ *    host part of local_server_name (ip_or_host_name is ignored), listens on
+ *    an ephemeral port, and its segment name is "<that host>:<port>", what
+ *    getLocalIpAndPort returns (v0.3.0 and later);
+ *  - with a metadata server, TL_GEN >= 2 ignores ip_or_host_name and
+ *    rpc_port: it announces MC_TCP_BIND_ADDRESS or the first LAN address,
+ *    on a port it picks (v0.3.0 and later);
+ *  - with a metadata server, TL_GEN 1 publishes the rpc_port it is given,
+ *    even 0 (it then listens on a port nobody is told about), and a port
+ *    that cannot be bound terminates the process, as the C++ exception that
+ *    leaves v0.2.0's C API does.
+ *
+ * Known differences from real builds, still to be reproduced (measured on
+ * real v0.2.0 … v0.3.6 builds; their TCP transport changed in v0.3.12):
+ *  - real builds before v0.3.12 report a WRITE completed once it is handed
+ *    to the socket, before the peer has written it; this library waits for
+ *    the peer's reply;
+ *  - real builds before v0.3.12 write wherever the request points at the
+ *    peer (mapped but unregistered memory is overwritten, unmapped is
+ *    dropped) and report success; this library reports COMPLETED without
+ *    writing up to TL_GEN 2 and FAILED from TL_GEN 3.
  *
  * Test-only conventions (no real Mooncake has them):
  *  - the metadata service is a directory: "file://<dir>"; an engine writes
  *    "<dir>/<local_server_name>" containing "host:port" (stand-in for the
  *    http/etcd/redis metadata servers real builds need);
- *  - a local_server_name containing "@stall=<ms>" makes that engine's server
+ *  - a NIC priority matrix (installTransport's args[0], which real tcp
+ *    transports ignore) containing "stall=<ms>" makes that engine's server
  *    sleep <ms> milliseconds before serving each read or write (to test
  *    deadlines).
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
 #include <errno.h>
+#include <ifaddrs.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -432,27 +452,76 @@ static engine_t *engine_new(const char *metadata) {
     return e;
 }
 
+/* The first non-loopback IPv4 address of this machine, as current builds'
+ * findLocalIpAddresses() picks it; -1 if there is none. */
+static int first_lan_address(char *out, size_t outlen) {
+    struct ifaddrs *ifs = NULL, *i;
+    if (getifaddrs(&ifs)) return -1;
+    int found = -1;
+    for (i = ifs; i && found; i = i->ifa_next) {
+        if (!i->ifa_addr || i->ifa_addr->sa_family != AF_INET) continue;
+        struct sockaddr_in *sin = (struct sockaddr_in *)i->ifa_addr;
+        if ((ntohl(sin->sin_addr.s_addr) >> 24) == 127) continue;
+        if (inet_ntop(AF_INET, &sin->sin_addr, out, (socklen_t)outlen)) found = 0;
+    }
+    freeifaddrs(ifs);
+    return found;
+}
+
 static int engine_init(engine_t *e, const char *name, const char *host, uint64_t port) {
     if (!name || !host || strlen(name) >= sizeof e->name || strlen(host) >= sizeof e->host)
         return CODE(E_INVALID_ARGUMENT);
     strcpy(e->name, name);
     strcpy(e->host, host);
-    const char *stall = strstr(name, "@stall=");
-    if (stall) e->stall_ms = atoi(stall + 7);
+#if TL_GEN >= 2
+    if (e->p2p) {
+        /* v0.3.0+, P2PHANDSHAKE: the announced host is the host part of
+         * local_server_name (ip_or_host_name is ignored), the port is one
+         * the library picks, and the segment name is host:port. */
+        const char *colon = strrchr(name, ':');
+        size_t n = colon ? (size_t)(colon - name) : strlen(name);
+        if (n == 0 || n >= sizeof e->host) return CODE(E_INVALID_ARGUMENT);
+        memcpy(e->host, name, n);
+        e->host[n] = 0;
+    } else {
+        /* v0.3.0+, metadata server: ip_or_host_name and rpc_port are
+         * ignored; the address is MC_TCP_BIND_ADDRESS or the first LAN
+         * address, the port one the library picks. */
+        const char *bind = getenv("MC_TCP_BIND_ADDRESS");
+        if (bind && *bind && strlen(bind) < sizeof e->host) {
+            strcpy(e->host, bind);
+        } else if (first_lan_address(e->host, sizeof e->host)) {
+            fprintf(stderr, "mooncake-testlib (gen %d): not valid LAN address found\n", TL_GEN);
+            return -1;
+        }
+        port = 0;
+    }
+#endif
 
     struct addrinfo hints, *res = NULL;
     memset(&hints, 0, sizeof hints);
     hints.ai_family = AF_INET;
     hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_PASSIVE;
     char portstr[16];
     snprintf(portstr, sizeof portstr, "%d", e->p2p ? 0 : (int)(port & 0xffff));
-    if (getaddrinfo(host, portstr, &hints, &res) || !res) return CODE(E_SOCKET);
+    /* v0.2.0's TCP transport binds the wildcard address. */
+    if (getaddrinfo(TL_GEN == 1 ? NULL : e->host, portstr, &hints, &res) || !res)
+        return CODE(E_SOCKET);
     int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     int one = 1;
     setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
     if (fd < 0 || bind(fd, res->ai_addr, res->ai_addrlen) || listen(fd, 128)) {
         freeaddrinfo(res);
         if (fd >= 0) close(fd);
+#if TL_GEN == 1
+        /* v0.2.0 era: asio's acceptor throws on a port clash, the exception
+         * leaves through the C API and terminates the process. */
+        fprintf(stderr, "mooncake-testlib (gen %d): bind: address already in use: "
+                        "terminate called after throwing an instance of 'std::system_error'\n",
+                TL_GEN);
+        abort();
+#endif
         return CODE(E_SOCKET);
     }
     freeaddrinfo(res);
@@ -470,7 +539,9 @@ static int engine_init(engine_t *e, const char *name, const char *host, uint64_t
             e->listen_fd = -1;
             return CODE(E_METADATA);
         }
-        fprintf(f, "%s:%d", e->host, e->port);
+        /* v0.2.0 era publishes the rpc_port it was given, even 0 (its
+         * transport then listens on a port nobody is told about). */
+        fprintf(f, "%s:%d", e->host, TL_GEN == 1 ? (int)(port & 0xffff) : e->port);
         fclose(f);
     }
     if (pthread_create(&e->accept_thr, NULL, accept_loop, e)) {
@@ -1003,9 +1074,15 @@ EXPORT int getLocalIpAndPort(void *engine, char *buf_out, size_t buf_len) {
 #endif
 
 EXPORT void *installTransport(void *engine, const char *proto, void **args) {
-    (void)args;
     engine_t *e = as_engine(engine);
     if (!e || !proto || strcmp(proto, "tcp") != 0) return NULL;
+    /* Test-only convention: a NIC priority matrix (ignored by real tcp
+     * transports) naming "stall=<ms>" makes this engine's server sleep <ms>
+     * before serving each read or write. */
+    if (args && args[0]) {
+        const char *stall = strstr((const char *)args[0], "stall=");
+        if (stall) e->stall_ms = atoi(stall + 6);
+    }
     snprintf(e->xport.proto, sizeof e->xport.proto, "%s", proto);
     e->transport_installed = 1;
     return &e->xport;

@@ -239,6 +239,20 @@ pub enum Error {
         /// Its symbolic name.
         name: String,
     },
+    /// A transfer the backend ran reached a failed state with no error
+    /// code of its own (Mooncake's task status FAILED or INVALID): the
+    /// backend cannot tell which of the usual causes it was.
+    #[error("{backend}: transfer to {peer} ended with status {status}: {detail}")]
+    TransferFailed {
+        /// Backend name.
+        backend: String,
+        /// The peer segment.
+        peer: String,
+        /// The backend's status name (`FAILED`).
+        status: String,
+        /// What the status can mean on this backend and build.
+        detail: String,
+    },
     /// The engine is shutting down or the request was canceled.
     #[error("canceled: {0}")]
     Canceled(String),

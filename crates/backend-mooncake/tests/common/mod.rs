@@ -42,18 +42,26 @@ pub fn metadata_for(gen: Lib) -> String {
 
 static NAMES: AtomicU64 = AtomicU64::new(0);
 
-/// A config for `gen` with `metadata` and a unique server name (with
-/// `suffix` appended, e.g. `@stall=300`).
-pub fn config(gen: Lib, metadata: &str, suffix: &str) -> MooncakeConfig {
-    MooncakeConfig {
-        library: Some(library_path(gen)),
-        metadata: metadata.to_owned(),
-        name: Some(format!(
-            "mc-{}-{}-{}{suffix}",
+/// A config for `gen` with `metadata`: a unique server name where the
+/// metadata is a service (with `P2PHANDSHAKE` Mooncake names the segment
+/// `host:port` itself and Ferry refuses `name=`). `stall` is `""` or
+/// `"@stall=<ms>"`: the test libraries' convention, carried in the NIC
+/// matrix (`device=`, ignored by real tcp transports), that makes the
+/// engine's server sleep before serving each read or write.
+pub fn config(gen: Lib, metadata: &str, stall: &str) -> MooncakeConfig {
+    let name = (metadata != P2P_HANDSHAKE).then(|| {
+        format!(
+            "mc-{}-{}-{}",
             gen.version(),
             std::process::id(),
             NAMES.fetch_add(1, Ordering::Relaxed)
-        )),
+        )
+    });
+    MooncakeConfig {
+        library: Some(library_path(gen)),
+        metadata: metadata.to_owned(),
+        name,
+        device: stall.strip_prefix('@').map(str::to_owned),
         ..MooncakeConfig::default()
     }
 }
