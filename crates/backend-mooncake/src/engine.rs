@@ -340,15 +340,23 @@ fn free_port(host: &str) -> Result<u16> {
 /// A port `p` such that `p` and `p + 1` are both free at `host` (the same
 /// small window as [`free_port`]).
 fn free_port_pair(host: &str) -> Result<u16> {
-    for _ in 0..64 {
-        let p = free_port(host)?;
-        if p < u16::MAX && std::net::TcpListener::bind(("0.0.0.0", p + 1)).is_ok() {
+    // Below the kernel's ephemeral range (32768 and up by default), where
+    // the library's own sockets are not competing; start at a point that
+    // differs per process and per call.
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let seed =
+        u64::from(std::process::id()).wrapping_mul(7919) + NEXT.fetch_add(2, Ordering::Relaxed);
+    for i in 0..256u64 {
+        let p = 20000 + ((seed + 2 * i) % 10000) as u16;
+        let both = std::net::TcpListener::bind(("0.0.0.0", p))
+            .and_then(|a| std::net::TcpListener::bind(("0.0.0.0", p + 1)).map(|b| (a, b)));
+        if both.is_ok() {
             return Ok(p);
         }
     }
     Err(Error::Unavailable {
         backend: BACKEND.into(),
-        reason: format!("found no two consecutive free TCP ports on host {host:?} in 64 tries"),
+        reason: format!("found no two consecutive free TCP ports on host {host:?} in 256 tries"),
     })
 }
 

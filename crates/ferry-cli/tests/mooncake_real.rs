@@ -179,6 +179,9 @@ fn conformance_suite_on_every_real_build() {
     };
     // Metadata-server mode on ≥ v0.3.0 engines in this process: loopback.
     std::env::set_var("MC_TCP_BIND_ADDRESS", "127.0.0.1");
+    // A real library named here must run: an engine that cannot start fails
+    // the check instead of skipping it.
+    std::env::set_var(ferry::conformance::REQUIRE_BACKENDS_ENV, "mooncake");
     let mut failures = Vec::new();
     for lib in &libs {
         let gen = generation(lib);
