@@ -208,18 +208,9 @@ pub fn backend_required(backend: &str) -> bool {
 /// failure, never a skip), or when the unavailable backend is required.
 #[track_caller]
 pub fn skip_unavailable(what: &str, err: &Error) -> String {
-    match err {
-        Error::Unavailable { backend, .. } if backend_required(backend) => panic!(
-            "{what}: the {backend} backend is listed in {REQUIRE_BACKENDS_ENV} but is \
-             unavailable: {err}"
-        ),
-        Error::Unavailable { .. } => {
-            let reason = err.to_string();
-            report_skip(&format!("{what}: {reason}"));
-            reason
-        }
-        other => panic!("{what}: creating the engine failed (only Unavailable may skip): {other}"),
-    }
+    let reason = unavailable_reason(what, err);
+    report_skip(&format!("{what}: {reason}"));
+    reason
 }
 
 /// A factory error as a check's outcome: [`Outcome::Skipped`] for a backend
@@ -227,12 +218,19 @@ pub fn skip_unavailable(what: &str, err: &Error) -> String {
 /// [`skip_unavailable`]). The skip line itself is printed by the test body.
 #[track_caller]
 fn factory_failed(err: &Error) -> Outcome {
+    Outcome::Skipped(unavailable_reason("the engine factory", err))
+}
+
+/// The skip reason for `err` if it may skip, else a panic naming `what`.
+#[track_caller]
+fn unavailable_reason(what: &str, err: &Error) -> String {
     match err {
         Error::Unavailable { backend, .. } if backend_required(backend) => panic!(
-            "the {backend} backend is listed in {REQUIRE_BACKENDS_ENV} but is unavailable: {err}"
+            "{what}: the {backend} backend is listed in {REQUIRE_BACKENDS_ENV} but is \
+             unavailable: {err}"
         ),
-        Error::Unavailable { .. } => Outcome::Skipped(err.to_string()),
-        other => panic!("the engine factory failed (only Unavailable may skip): {other}"),
+        Error::Unavailable { .. } => err.to_string(),
+        other => panic!("{what} failed (only Unavailable may skip): {other}"),
     }
 }
 
