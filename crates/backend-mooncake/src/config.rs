@@ -43,6 +43,12 @@ pub struct MooncakeConfig {
     pub timeout: Duration,
     /// Per-byte part of each batch's deadline, in nanoseconds.
     pub timeout_ns_per_byte: u64,
+    /// On builds whose TCP transport reports a write completed when it is
+    /// sent (before v0.3.12), confirm that each write landed by reading its
+    /// last byte back before reporting it completed. `None` = yes (the
+    /// facade says no in strict mode). Ignored where the build acknowledges
+    /// writes itself.
+    pub confirm_writes: Option<bool>,
 }
 
 impl Default for MooncakeConfig {
@@ -57,12 +63,13 @@ impl Default for MooncakeConfig {
             device: None,
             timeout: Duration::from_secs(30),
             timeout_ns_per_byte: 1,
+            confirm_writes: None,
         }
     }
 }
 
 /// The URL parameters [`MooncakeConfig::from_url`] accepts.
-pub const URL_PARAMETERS: [&str; 9] = [
+pub const URL_PARAMETERS: [&str; 10] = [
     "lib",
     "metadata",
     "protocol",
@@ -72,6 +79,7 @@ pub const URL_PARAMETERS: [&str; 9] = [
     "device",
     "timeout_ms",
     "ns_per_byte",
+    "confirm_writes",
 ];
 
 impl MooncakeConfig {
@@ -89,6 +97,7 @@ impl MooncakeConfig {
     /// | `device` | NIC list or NIC priority matrix JSON | none |
     /// | `timeout_ms` | fixed part of each batch's deadline | `30000` |
     /// | `ns_per_byte` | per-byte part of the deadline, ns | `1` |
+    /// | `confirm_writes` | `1`/`0`: on builds before v0.3.12, confirm each write landed before reporting it completed | `1` (`0` in strict mode) |
     ///
     /// Errors ([`Error::InvalidArgument`]): another scheme, a host or path in
     /// the URL (put them in parameters), an unknown or repeated parameter
@@ -139,6 +148,17 @@ impl MooncakeConfig {
                 "device" => cfg.device = Some(value),
                 "timeout_ms" => cfg.timeout = Duration::from_millis(number(&value)?),
                 "ns_per_byte" => cfg.timeout_ns_per_byte = number(&value)?,
+                "confirm_writes" => {
+                    cfg.confirm_writes = Some(match value.as_str() {
+                        "1" | "true" | "yes" => true,
+                        "0" | "false" | "no" => false,
+                        v => {
+                            return Err(bad(format!(
+                                "mooncake URL: `confirm_writes` must be 1 or 0, got {v:?}"
+                            )))
+                        }
+                    })
+                }
                 other => {
                     return Err(bad(format!(
                         "mooncake URL: unknown parameter `{other}` (known: {})",
@@ -203,7 +223,7 @@ mod tests {
         let c = MooncakeConfig::from_url(
             "mooncake://?lib=/opt/mc/libtransfer_engine.so&metadata=http%3A%2F%2Fm%3A8080%2Fmetadata\
              &protocol=rdma&host=10.0.0.2&port=12345&name=prefill-0&device=mlx5_0,mlx5_1\
-             &timeout_ms=5000&ns_per_byte=2",
+             &timeout_ms=5000&ns_per_byte=2&confirm_writes=0",
         )
         .unwrap();
         assert_eq!(
@@ -218,6 +238,7 @@ mod tests {
                 device: Some("mlx5_0,mlx5_1".into()),
                 timeout: Duration::from_secs(5),
                 timeout_ns_per_byte: 2,
+                confirm_writes: Some(false),
             }
         );
         assert_eq!(

@@ -21,6 +21,10 @@ use crate::library::{
     MooncakeLibrary, INVALID_BATCH, OPCODE_READ, OPCODE_WRITE,
 };
 
+mod landed;
+
+use landed::{Probe, Scratch};
+
 const BACKEND: &str = "mooncake";
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -128,9 +132,19 @@ struct Live {
 struct Pending {
     slots: Vec<Slot>,
     live: Option<Arc<Live>>,
+    /// For a batch whose writes are confirmed (see `landed`): the results
+    /// once confirmed; they replace the library's.
+    landing: Option<Arc<Landing>>,
     deadline: Instant,
     budget: Duration,
     peer: String,
+}
+
+/// The final results of a batch whose writes are confirmed after the
+/// library reports them sent.
+struct Landing {
+    results: Mutex<Option<Vec<Result<()>>>>,
+    done: watch::Sender<bool>,
 }
 
 /// The C engine and its library; destroyed when the last holder (the
@@ -140,6 +154,8 @@ struct Core {
     raw: RawEngine,
     /// Released after the C engine (and its metadata entry) is gone.
     _name: Option<NameReservation>,
+    /// Freed after the C engine is gone.
+    _scratch: Option<Arc<Scratch>>,
 }
 
 impl Drop for Core {
@@ -178,6 +194,13 @@ struct Inner {
     segments: Mutex<Segments>,
     batches: Mutex<HashMap<u64, Pending>>,
     next_batch: AtomicU64,
+    /// Probe memory, when writes are confirmed (see `landed`).
+    scratch: Option<Arc<Scratch>>,
+    /// Why notifications do not work with this build, if they do not.
+    notify_gap: Option<MissingCapability>,
+    /// Name of the notification the start-up probe sent to this engine
+    /// itself (filtered out of `take_notifications`).
+    probe_name: String,
 }
 
 impl Inner {
@@ -467,11 +490,35 @@ impl MooncakeEngine {
             ),
         })?;
         // From here on the Core destroys the engine when dropped.
+        let scratch = (sends_unacknowledged(&lib, &config) && config.confirm_writes != Some(false))
+            .then(|| Arc::new(Scratch::new()));
         let core = Arc::new(Core {
             lib: Arc::clone(&lib),
             raw,
             _name: reservation,
+            _scratch: scratch.clone(),
         });
+        if let Some(s) = &scratch {
+            let engine = RawEngine(core.raw.0);
+            let addr = s.addr() as usize;
+            let loc = cstring("location", "cpu:0")?;
+            let rc = blocking(move || {
+                let e = engine;
+                // SAFETY: live engine (the Core keeps it); the scratch buffer
+                // stays allocated until after the engine is destroyed.
+                unsafe { (api.register)(e.0, addr as *mut c_void, Scratch::LEN, loc.as_ptr(), 1) }
+            })
+            .await?;
+            if rc != 0 {
+                return Err(Error::Unavailable {
+                    backend: BACKEND.into(),
+                    reason: format!(
+                        "registering the write-confirmation probe memory failed: {}",
+                        call_error("registerLocalMemory", i64::from(rc))
+                    ),
+                });
+            }
+        }
         let segment_name = match (p2p, api.get_local_ip_and_port) {
             (true, Some(get)) => {
                 let mut buf = vec![0u8; 256];
@@ -493,6 +540,9 @@ impl MooncakeEngine {
             }
             _ => server_name.clone(),
         };
+        let uid = ENGINE_IDS.fetch_add(1, Ordering::Relaxed);
+        let probe_name = format!("ferry-notify-probe-{uid}");
+        let notify_gap = notify_gap(&lib, &config, &core, &segment_name, &probe_name).await;
         let poller = Arc::new(Poller::default());
         // The poller thread is the only owner of the Core from here on, so
         // destroyTransferEngine (which may block: it joins threads and may
@@ -505,7 +555,6 @@ impl MooncakeEngine {
                 .spawn(move || poll_loop(&core, &poller))
                 .map_err(|e| Error::io("starting the Mooncake status poller", &e))?;
         }
-        let uid = ENGINE_IDS.fetch_add(1, Ordering::Relaxed);
         let regions = RegionTable::new();
         lock(&PEERS).insert(segment_name.clone(), (uid, regions.clone()));
         tracing::info!(
@@ -528,6 +577,9 @@ impl MooncakeEngine {
                 segments: Mutex::new(Segments::default()),
                 batches: Mutex::new(HashMap::new()),
                 next_batch: AtomicU64::new(1),
+                scratch,
+                notify_gap,
+                probe_name,
             }),
         })
     }
@@ -566,48 +618,90 @@ impl MooncakeEngine {
             batch_transfer: true,
             async_batch: true,
             batch_wait: true,
-            notify: self.inner.lib.has_notify(),
+            notify: self.has_notify(),
+            landed_writes: !sends_unacknowledged(&self.inner.lib, &self.inner.config)
+                || self.confirms_writes(),
+            peer_validation: !sends_unacknowledged(&self.inner.lib, &self.inner.config),
             ..Default::default()
         }
     }
 
+    /// Whether writes are confirmed by reading them back (see `landed`).
+    fn confirms_writes(&self) -> bool {
+        self.inner.scratch.is_some()
+    }
+
     /// What "completed" means and whether the peer checks addresses, in
-    /// words for the capability report. Mooncake's TCP transport before
-    /// v0.3.12 reports a WRITE completed once its last byte is handed to the
-    /// socket (no acknowledgement), and its target writes wherever the
-    /// request points, registered or not; v0.3.12 added acknowledged framing
-    /// and address checks at the target. Other transports (RDMA) complete on
-    /// the NIC's acknowledgement and check keys in hardware.
-    fn guarantees(&self) -> (&'static str, &'static str) {
-        let old_tcp = self.inner.config.protocol == "tcp"
-            && self.inner.lib.generation() < Generation::V0_3_12;
-        if old_tcp {
-            (
-                "sent, not landed: this build's TCP transport reports a write completed \
-                 when it is handed to the socket, before the peer has written it \
-                 (acknowledged from Mooncake v0.3.12)",
-                "no: this build's TCP transport writes at the peer wherever the address \
-                 points, registered or not, and reports success; Ferry checks peers in this \
-                 process itself (checked at the peer from Mooncake v0.3.12)",
-            )
-        } else {
-            (
-                "landed (acknowledged by the peer)",
+    /// words for the capability report.
+    fn guarantees(&self) -> (String, &'static str) {
+        if !sends_unacknowledged(&self.inner.lib, &self.inner.config) {
+            return (
+                "landed (acknowledged by the peer)".into(),
                 "yes (the peer refuses addresses outside its registered regions)",
-            )
+            );
         }
+        let completion = if self.confirms_writes() {
+            "landed: this build's TCP transport reports a write completed when it is sent, so \
+             Ferry reads each write's last byte back until it shows before reporting it \
+             completed (acknowledged by the library from Mooncake v0.3.12)"
+        } else {
+            "sent, not landed: this build's TCP transport reports a write completed when it \
+             is handed to the socket, before the peer has written it, and confirm_writes is \
+             off (acknowledged from Mooncake v0.3.12)"
+        };
+        (
+            completion.into(),
+            "no: this build's TCP transport writes at the peer wherever the address points, \
+             registered or not, and reports success; Ferry checks peers in this process \
+             itself (checked at the peer from Mooncake v0.3.12)",
+        )
+    }
+
+    /// The guarantees this engine cannot give natively, with reasons.
+    fn guarantees_missing(&self) -> Vec<MissingCapability> {
+        if !sends_unacknowledged(&self.inner.lib, &self.inner.config) {
+            return Vec::new();
+        }
+        let lib = &self.inner.lib;
+        let min_version = Some(Generation::V0_3_12.mooncake_version());
+        vec![
+            MissingCapability {
+                operation: Operation::LandedWrites,
+                reason: format!(
+                    "{} ({}) reports a TCP write completed when it is sent, with no \
+                     acknowledgement from the peer",
+                    lib.path().display(),
+                    lib.generation()
+                ),
+                min_version: min_version.clone(),
+            },
+            MissingCapability {
+                operation: Operation::PeerValidation,
+                reason: format!(
+                    "{} ({}) writes and reads at the peer wherever the address points \
+                     (mapped but unregistered memory is overwritten)",
+                    lib.path().display(),
+                    lib.generation()
+                ),
+                min_version,
+            },
+        ]
     }
 
     fn notify_missing(&self) -> MissingCapability {
-        MissingCapability {
-            operation: Operation::Notify,
-            reason: format!(
-                "{} ({}) has no submitTransferWithNotify/getNotifsFromEngine/genNotifyInEngine",
-                self.inner.lib.path().display(),
-                self.inner.lib.generation()
-            ),
-            min_version: Some(Generation::V0_3_5.mooncake_version()),
-        }
+        self.inner
+            .notify_gap
+            .clone()
+            .unwrap_or_else(|| MissingCapability {
+                operation: Operation::Notify,
+                reason: "notifications work with this build".into(),
+                min_version: None,
+            })
+    }
+
+    /// Whether notifications work with this build and transport.
+    fn has_notify(&self) -> bool {
+        self.inner.notify_gap.is_none()
     }
 
     fn refuse_notify(&self) -> Error {
@@ -631,7 +725,7 @@ impl MooncakeEngine {
     ) -> Result<u64> {
         let inner = &self.inner;
         if let Some(n) = notify {
-            if !inner.lib.has_notify() {
+            if !self.has_notify() {
                 return Err(self.refuse_notify());
             }
             n.validate()?;
@@ -652,6 +746,8 @@ impl MooncakeEngine {
         let mut slots = Vec::with_capacity(requests.len());
         let mut guards = Vec::new();
         let mut entries: Vec<CTransferRequest> = Vec::new();
+        // The slot of each entry, for mapping results back.
+        let mut entry_slot: Vec<usize> = Vec::new();
         let mut bytes = 0u64;
         for r in requests {
             if r.len == 0 {
@@ -680,6 +776,7 @@ impl MooncakeEngine {
             };
             guards.push(local);
             guards.extend(remote);
+            entry_slot.push(slots.len());
             slots.push(Slot::Task(entries.len()));
             bytes = bytes.saturating_add(r.len);
             entries.push(CTransferRequest {
@@ -694,12 +791,86 @@ impl MooncakeEngine {
                 length: r.len,
             });
         }
+        let budget = inner.config.deadline_for(bytes);
+        let deadline = Instant::now() + budget;
+
+        // Writes whose landing is confirmed (see `landed`): make each
+        // target's last byte differ from what the write puts there, and drop
+        // the writes whose target could not be probed.
+        let mut probes: Vec<(usize, Probe)> = Vec::new();
+        if self.confirms_writes() {
+            let writes: Vec<usize> = (0..entries.len())
+                .filter(|&i| entries[i].opcode == OPCODE_WRITE)
+                .collect();
+            let ranges: Vec<(u64, u64)> = writes
+                .iter()
+                .map(|&i| {
+                    let e = &entries[i];
+                    (e.target_offset, e.target_offset.saturating_add(e.length))
+                })
+                .collect();
+            let wanted: Vec<(usize, Probe)> = writes
+                .iter()
+                .zip(landed::probe_addresses(&ranges))
+                .filter_map(|(&i, at)| {
+                    let at = at?;
+                    let e = &entries[i];
+                    let src = e.source as usize as u64 + (at - e.target_offset);
+                    // SAFETY: inside local memory registered with this
+                    // engine (the request's range), held by `guards` until
+                    // the batch is done.
+                    let value = unsafe { (src as usize as *const u8).read_volatile() };
+                    Some((
+                        i,
+                        Probe {
+                            c_id,
+                            last: at,
+                            value,
+                        },
+                    ))
+                })
+                .collect();
+            if !wanted.is_empty() {
+                let just: Vec<Probe> = wanted.iter().map(|(_, p)| *p).collect();
+                let ready = self.prepare_writes(&just, &peer_name, deadline).await;
+                let mut refused: HashMap<usize, Error> = HashMap::new();
+                for ((i, p), r) in wanted.into_iter().zip(ready) {
+                    match r {
+                        Ok(()) => probes.push((i, p)),
+                        Err(e) => {
+                            refused.insert(i, e);
+                        }
+                    }
+                }
+                if !refused.is_empty() {
+                    let mut kept = Vec::with_capacity(entries.len());
+                    let mut kept_slot = Vec::with_capacity(entries.len());
+                    let mut new_index = vec![usize::MAX; entries.len()];
+                    for (i, (e, slot)) in entries.into_iter().zip(entry_slot).enumerate() {
+                        match refused.remove(&i) {
+                            Some(err) => slots[slot] = Slot::Done(Err(err)),
+                            None => {
+                                new_index[i] = kept.len();
+                                slots[slot] = Slot::Task(kept.len());
+                                kept.push(e);
+                                kept_slot.push(slot);
+                            }
+                        }
+                    }
+                    entries = kept;
+                    for (i, _) in &mut probes {
+                        *i = new_index[*i];
+                    }
+                }
+            }
+        }
+
         let all_ok = slots.iter().all(|s| !matches!(s, Slot::Done(Err(_))));
         // The notification goes only with a batch where every request can
         // succeed; one refused up front means it is not sent.
         let notify = notify.filter(|_| all_ok);
-        let budget = inner.config.deadline_for(bytes);
 
+        let mut landing = None;
         let live = if entries.is_empty() {
             if let Some(n) = notify {
                 self.gen_notify(c_id, n).await?;
@@ -708,17 +879,23 @@ impl MooncakeEngine {
         } else {
             let tasks = entries.len();
             let this = Arc::clone(&self.inner);
-            let note = match notify {
-                Some(n) => Some((cstring("name", &n.name)?, cstring("message", &n.message)?)),
-                None => None,
-            };
+            // The notification is sent by the finishing task below once every
+            // request is done (and its writes confirmed), never with the
+            // submission: submitTransferWithNotify of v0.3.5 sends it before
+            // the data, that of v0.3.6 on the first completed task.
+            let finish = !probes.is_empty() || notify.is_some();
             let hold = Hold {
                 _guards: guards,
                 _gate: gate,
             };
+            let (poller_hold, confirm_hold) = if finish {
+                (None, Some(hold))
+            } else {
+                (Some(hold), None)
+            };
             let peer = peer_name.clone();
             let live = blocking(move || {
-                let c_id = this.submit_c(entries, note)?;
+                let c_id = this.submit_c(entries)?;
                 let (done, _) = watch::channel(false);
                 let live = Arc::new(Live {
                     c_id,
@@ -726,7 +903,7 @@ impl MooncakeEngine {
                     peer,
                     budget,
                     results: Mutex::new(vec![None; tasks]),
-                    hold: Mutex::new(Some(hold)),
+                    hold: Mutex::new(poller_hold),
                     done,
                 });
                 let mut q = lock(&this.poller.queue);
@@ -735,6 +912,28 @@ impl MooncakeEngine {
                 Ok::<_, Error>(live)
             })
             .await??;
+            if let Some(hold) = confirm_hold {
+                let (done, _) = watch::channel(false);
+                let l = Arc::new(Landing {
+                    results: Mutex::new(None),
+                    done,
+                });
+                landing = Some(Arc::clone(&l));
+                let engine = self.clone();
+                let live = Arc::clone(&live);
+                let notify = notify.cloned();
+                let peer = peer_name.clone();
+                tokio::spawn(async move {
+                    let results = engine
+                        .confirm_batch(&live, c_id, &probes, notify.as_ref(), &peer, deadline)
+                        .await;
+                    // The bytes are in place (or the batch failed): release
+                    // the memory, then publish.
+                    drop(hold);
+                    *lock(&l.results) = Some(results);
+                    l.done.send_replace(true);
+                });
+            }
             Some(live)
         };
         let id = inner.next_batch.fetch_add(1, Ordering::Relaxed);
@@ -743,12 +942,61 @@ impl MooncakeEngine {
             Pending {
                 slots,
                 live,
-                deadline: Instant::now() + budget,
+                landing,
+                deadline,
                 budget,
                 peer: peer_name,
             },
         );
         Ok(id)
+    }
+
+    /// Runs after a batch with writes to confirm is submitted: waits for the
+    /// library, confirms every write it reported completed, then sends the
+    /// notification if every request succeeded. Returns one result per
+    /// library task.
+    async fn confirm_batch(
+        &self,
+        live: &Arc<Live>,
+        c_id: i32,
+        probes: &[(usize, Probe)],
+        notify: Option<&Notification>,
+        peer: &str,
+        deadline: Instant,
+    ) -> Vec<Result<()>> {
+        // The library must be done with the memory before the guards go,
+        // whatever the deadline says.
+        let mut done = live.done.subscribe();
+        let _ = done.wait_for(|d| *d).await;
+        let mut results: Vec<Result<()>> = lock(&live.results)
+            .iter()
+            .map(|r| {
+                r.clone()
+                    .unwrap_or_else(|| Err(Error::Canceled("task not reported".into())))
+            })
+            .collect();
+        let sent: Vec<(usize, Probe)> = probes
+            .iter()
+            .filter(|(t, _)| results[*t].is_ok())
+            .copied()
+            .collect();
+        let just: Vec<Probe> = sent.iter().map(|(_, p)| *p).collect();
+        let landed = self.confirm_writes(&just, peer, deadline).await;
+        for ((t, _), r) in sent.iter().zip(landed) {
+            results[*t] = r;
+        }
+        if let Some(n) = notify {
+            if results.iter().all(Result::is_ok) {
+                if let Err(e) = self.gen_notify(c_id, n).await {
+                    // The data moved; the notification did not: the last
+                    // request carries the failure.
+                    if let Some(last) = results.last_mut() {
+                        *last = Err(e);
+                    }
+                }
+            }
+        }
+        results
     }
 
     async fn gen_notify(&self, c_id: i32, n: &Notification) -> Result<()> {
@@ -784,7 +1032,12 @@ impl MooncakeEngine {
     }
 
     fn states(p: &Pending) -> Vec<TransferState> {
-        let results = p.live.as_ref().map(|l| lock(&l.results).clone());
+        let results = match &p.landing {
+            Some(l) => lock(&l.results)
+                .clone()
+                .map(|v| v.into_iter().map(Some).collect::<Vec<_>>()),
+            None => p.live.as_ref().map(|l| lock(&l.results).clone()),
+        };
         let timed_out = Instant::now() >= p.deadline;
         p.slots
             .iter()
@@ -821,7 +1074,11 @@ impl MooncakeEngine {
         let (done, deadline) = {
             let batches = lock(&self.inner.batches);
             let p = batches.get(&id).ok_or(Error::UnknownBatch(BatchId(id)))?;
-            (p.live.as_ref().map(|l| l.done.subscribe()), p.deadline)
+            let done = match &p.landing {
+                Some(l) => Some(l.done.subscribe()),
+                None => p.live.as_ref().map(|l| l.done.subscribe()),
+            };
+            (done, p.deadline)
         };
         if let Some(mut done) = done {
             let deadline = tokio::time::Instant::from_std(deadline);
@@ -943,11 +1200,7 @@ fn task_result(rc: c_int, st: c_int, l: &Live) -> Option<Result<()>> {
 }
 
 impl Inner {
-    fn submit_c(
-        &self,
-        mut entries: Vec<CTransferRequest>,
-        notify: Option<(CString, CString)>,
-    ) -> Result<u64> {
+    fn submit_c(&self, mut entries: Vec<CTransferRequest>) -> Result<u64> {
         let api = self.lib.api;
         // SAFETY: live engine.
         let id = unsafe { (api.allocate_batch)(self.raw(), entries.len()) };
@@ -959,19 +1212,9 @@ impl Inner {
                 name: "invalid batch id".into(),
             });
         }
-        let rc = match (&notify, api.submit_with_notify) {
-            (Some((name, msg)), Some(submit)) => {
-                let m = CNotifyMsg {
-                    name: name.as_ptr() as *mut c_char,
-                    msg: msg.as_ptr() as *mut c_char,
-                };
-                // SAFETY: live engine and batch; `entries` and the strings
-                // outlive the call (Mooncake copies requests and message).
-                unsafe { submit(self.raw(), id, entries.as_mut_ptr(), entries.len(), m) }
-            }
-            // SAFETY: as above.
-            _ => unsafe { (api.submit)(self.raw(), id, entries.as_mut_ptr(), entries.len()) },
-        };
+        // SAFETY: live engine and batch; `entries` outlives the call
+        // (Mooncake copies the requests).
+        let rc = unsafe { (api.submit)(self.raw(), id, entries.as_mut_ptr(), entries.len()) };
         if rc != 0 {
             // Nothing was submitted, so the batch is not busy.
             // SAFETY: live batch, freed once.
@@ -979,12 +1222,7 @@ impl Inner {
             if free_rc != 0 {
                 tracing::warn!(code = free_rc, "ferry: freeBatchID after a failed submit");
             }
-            let op = if notify.is_some() {
-                "submitTransferWithNotify"
-            } else {
-                "submitTransfer"
-            };
-            return Err(call_error(op, i64::from(rc)));
+            return Err(call_error("submitTransfer", i64::from(rc)));
         }
         self.poller.in_use.fetch_add(1, Ordering::AcqRel);
         Ok(id)
@@ -1007,6 +1245,13 @@ impl Drop for Inner {
         lock(&self.poller.queue).stop = true;
         self.poller.wake.notify_all();
     }
+}
+
+/// Whether the build's transport reports a write completed when it is sent
+/// (Mooncake's TCP transport before v0.3.12 has no acknowledgement, and no
+/// address check at the target either).
+fn sends_unacknowledged(lib: &MooncakeLibrary, config: &MooncakeConfig) -> bool {
+    config.protocol == "tcp" && lib.generation() < Generation::V0_3_12
 }
 
 fn check_host(region: &MemoryRegion) -> Result<()> {
@@ -1053,22 +1298,32 @@ impl TransferEngine for MooncakeEngine {
             ("segment".to_owned(), self.inner.segment_name.clone()),
         ]);
         let (completion, validation) = self.guarantees();
-        details.push(("completion".to_owned(), completion.to_owned()));
+        details.push(("completion".to_owned(), completion));
         details.push(("peer address validation".to_owned(), validation.to_owned()));
-        if lib.has_notify() && lib.api.free_notifs.is_none() {
+        if self.inner.config.protocol == "tcp" && lib.generation() == Generation::V0_3_6 {
             details.push((
-                "notification buffers".to_owned(),
-                "released with free() (freeNotifsMsgBuf needs Mooncake v0.3.6)".to_owned(),
+                "bad peer addresses".to_owned(),
+                "a TCP transfer to an unmapped address crashes the peer on Mooncake \
+                 v0.3.6–v0.3.8 (its error log prints the address as a C string; fixed in \
+                 v0.3.9; this build's symbols cannot tell which it is)"
+                    .to_owned(),
             ));
         }
         let mut not_native = Vec::new();
-        if !lib.has_notify() {
-            not_native.push(self.notify_missing());
+        not_native.extend(self.inner.notify_gap.clone());
+        not_native.extend(self.guarantees_missing());
+        let mut emulated = Vec::new();
+        if self.confirms_writes() {
+            emulated.push((
+                Operation::LandedWrites,
+                "Ferry reads each write's last byte back until it shows".to_owned(),
+            ));
         }
         BackendInfo {
             backend: BACKEND.into(),
             details,
             not_native,
+            emulated,
         }
     }
 
@@ -1351,7 +1606,7 @@ impl TransferEngine for MooncakeEngine {
 
     async fn take_notifications(&self) -> Result<Vec<Notification>> {
         let lib = &self.inner.lib;
-        let get = match (lib.has_notify(), lib.api.get_notifs) {
+        let get = match (self.has_notify(), lib.api.get_notifs) {
             (true, Some(g)) => g,
             _ => return Err(self.refuse_notify()),
         };
@@ -1377,32 +1632,120 @@ impl TransferEngine for MooncakeEngine {
                         unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
                     }
                 };
-                out.push(Notification::new(text(m.name), text(m.msg)));
+                let n = Notification::new(text(m.name), text(m.msg));
+                if n.name != this.probe_name {
+                    out.push(n);
+                }
             }
             match free_notifs {
                 // SAFETY: the array and size the library returned, freed once.
                 Some(f) => unsafe {
                     f(arr, size);
                 },
-                None => {
-                    // v0.3.5 has no freeNotifsMsgBuf: its getNotifsFromEngine
-                    // returns malloc()ed memory that the caller frees.
-                    for i in 0..n {
-                        // SAFETY: as above; each string and then the array
-                        // were allocated with malloc and are freed once.
-                        unsafe {
-                            let m = *arr.add(i);
-                            free(m.name.cast());
-                            free(m.msg.cast());
-                        }
-                    }
-                    // SAFETY: as above.
-                    unsafe { free(arr.cast()) };
-                }
+                // Only v0.3.5 lacks freeNotifsMsgBuf, and notifications are
+                // refused there (see `notify_gap`): its strings are not ours.
+                // SAFETY: the array was allocated with malloc, freed once.
+                None => unsafe { free(arr.cast()) },
             }
             out
         })
         .await
+    }
+}
+
+/// Why notifications do not work with this build and transport (`None`:
+/// they do). Mooncake v0.3.5's `getNotifsFromEngine` returns names and
+/// messages in strings it has already freed; TCP engines of v0.3.5–v0.3.7
+/// never install the handler that receives notifications (only the RDMA
+/// transport did, until v0.3.8), so the peer rejects them. v0.3.6 and v0.3.8
+/// export the same symbols, so on that generation with TCP the engine sends
+/// one notification to itself at start-up to find out.
+async fn notify_gap(
+    lib: &MooncakeLibrary,
+    config: &MooncakeConfig,
+    core: &Arc<Core>,
+    segment_name: &str,
+    probe_name: &str,
+) -> Option<MissingCapability> {
+    let tcp = config.protocol == "tcp";
+    let gap = |reason: String, version: &str| {
+        Some(MissingCapability {
+            operation: Operation::Notify,
+            reason,
+            min_version: Some(format!("Mooncake {version}")),
+        })
+    };
+    if !lib.has_notify() {
+        return gap(
+            format!(
+                "{} ({}) has no submitTransferWithNotify/getNotifsFromEngine/genNotifyInEngine",
+                lib.path().display(),
+                lib.generation()
+            ),
+            if tcp { "v0.3.8" } else { "v0.3.6" },
+        );
+    }
+    match lib.generation() {
+        Generation::V0_3_5 => gap(
+            format!(
+                "{} (v0.3.5) returns notification names and messages in strings it has \
+                 already freed{}",
+                lib.path().display(),
+                if tcp {
+                    ", and its TCP engines reject incoming notifications"
+                } else {
+                    ""
+                }
+            ),
+            if tcp { "v0.3.8" } else { "v0.3.6" },
+        ),
+        Generation::V0_3_6 if tcp => {
+            let gen = lib.api.gen_notify?;
+            let (open, close) = (lib.api.open_segment, lib.api.close_segment);
+            let engine = RawEngine(core.raw.0);
+            let seg = CString::new(segment_name).ok()?;
+            let name = CString::new(probe_name).ok()?;
+            let probed = blocking(move || {
+                let e = engine;
+                // SAFETY: live engine (the caller holds the Core); the
+                // strings outlive the calls.
+                let id = unsafe { open(e.0, seg.as_ptr()) };
+                if id < 0 {
+                    return Err(format!("openSegment of its own segment returned {id}"));
+                }
+                let msg = CNotifyMsg {
+                    name: name.as_ptr() as *mut c_char,
+                    msg: c"".as_ptr() as *mut c_char,
+                };
+                // SAFETY: live engine and segment; Mooncake copies the strings.
+                let rc = unsafe { gen(e.0, id as u64, msg) };
+                // SAFETY: the segment opened above, closed once.
+                unsafe { close(e.0, id) };
+                if rc == 0 {
+                    Ok(())
+                } else {
+                    Err(format!(
+                        "a notification this engine sent to itself was rejected ({})",
+                        crate::codes::code_name(i64::from(rc))
+                    ))
+                }
+            })
+            .await;
+            match probed {
+                Ok(Ok(())) => None,
+                Ok(Err(why)) | Err(Error::Canceled(why)) => gap(
+                    format!(
+                        "{} ({}, v0.3.6–v0.3.10 by its symbols) is a build whose TCP engines \
+                         reject incoming notifications (v0.3.6 and v0.3.7): {why}",
+                        lib.path().display(),
+                        lib.generation()
+                    ),
+                    "v0.3.8",
+                ),
+                Err(e) => gap(format!("probing notifications failed: {e}"), "v0.3.8"),
+            }
+        }
+        _ => None,
     }
 }
 

@@ -248,6 +248,7 @@ impl TransferEngine for TcpEngine {
                 ),
             ],
             not_native: Vec::new(),
+            emulated: Vec::new(),
         }
     }
 

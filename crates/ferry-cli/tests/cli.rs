@@ -457,7 +457,7 @@ mod mooncake {
             .unwrap_or_else(|| panic!("no notify line:\n{out}"));
         assert!(line.contains("unsupported"), "{line}");
         assert!(line.contains("submitTransferWithNotify"), "{line}");
-        assert!(line.contains("needs Mooncake v0.3.5"), "{line}");
+        assert!(line.contains("needs Mooncake v0.3.8"), "{line}");
 
         let (_, err) = expect_code(
             &[
@@ -474,7 +474,7 @@ mod mooncake {
             err.starts_with("error: the mooncake backend lacks required capabilities: notify"),
             "{err}"
         );
-        assert!(err.contains("v0.3.5"), "{err}");
+        assert!(err.contains("v0.3.8"), "{err}");
 
         let (out, _) = expect_code(&["caps", "--backend", &u, "--json"], 0);
         let v: serde_json::Value = serde_json::from_str(&out).expect("JSON");
@@ -486,7 +486,7 @@ mod mooncake {
             .unwrap()
             .clone();
         assert_eq!(notify["support"], "unsupported");
-        assert_eq!(notify["min_version"], "Mooncake v0.3.5");
+        assert_eq!(notify["min_version"], "Mooncake v0.3.8");
     }
 
     #[test]

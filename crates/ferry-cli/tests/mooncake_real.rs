@@ -80,9 +80,15 @@ struct Proc {
 
 impl Proc {
     fn spawn(mut cmd: Command) -> Proc {
+        // FERRY_REAL_PEER_LOGS=1 shows the children's logs (Mooncake's too).
+        let stderr = if std::env::var_os("FERRY_REAL_PEER_LOGS").is_some() {
+            Stdio::inherit()
+        } else {
+            Stdio::null()
+        };
         let mut child = cmd
             .stdout(Stdio::piped())
-            .stderr(Stdio::null())
+            .stderr(stderr)
             .spawn()
             .expect("spawn ferry");
         let stdout = child.stdout.take().expect("stdout");
@@ -309,16 +315,40 @@ async fn kv_handoff_on_every_real_build_with_notifications() {
     };
     for lib in &libs {
         let gen = generation(lib);
-        if gen < Generation::V0_3_5 {
-            // Not a skip of the backend: the build has no notifications,
-            // which the capability tests check.
+        let server = (gen < Generation::V0_3_0).then(metadata_server);
+        let url = url_for(lib, server.as_ref().map(|(_, u)| u.as_str()));
+        let engine = ferry::Engine::open(&url)
+            .await
+            .unwrap_or_else(|e| panic!("{} ({gen}): {e}", lib.display()));
+        let report = engine.report();
+        drop(engine);
+        if !report.effective.notify {
+            // The build cannot notify: the hand-off must be refused up front,
+            // saying why and which release fixes it.
+            let ferry::Support::Unsupported(why) = report.support(ferry::Operation::Notify) else {
+                panic!(
+                    "{} ({gen}): notify neither available nor unsupported",
+                    lib.display()
+                );
+            };
+            assert!(why.min_version.is_some(), "{}: {why}", lib.display());
+            let e = kv_handoff::run(&url)
+                .await
+                .expect_err("kv_handoff on a build without notifications");
+            assert!(
+                matches!(
+                    e,
+                    ferry::Error::MissingCapabilities { .. } | ferry::Error::Unsupported { .. }
+                ),
+                "{} ({gen}): kv_handoff failed otherwise: {e}",
+                lib.display()
+            );
             eprintln!(
-                "real build {} ({gen}): kv_handoff needs notifications (Mooncake v0.3.5)",
+                "real build {} ({gen}): kv_handoff refused up front as it must: {e}",
                 lib.display()
             );
             continue;
         }
-        let url = url_for(lib, None);
         let s = kv_handoff::run(&url)
             .await
             .unwrap_or_else(|e| panic!("{} ({gen}): kv_handoff failed: {e}", lib.display()));
@@ -328,5 +358,270 @@ async fn kv_handoff_on_every_real_build_with_notifications() {
             lib.display(),
             s.requests
         );
+    }
+}
+
+/// A `ferry serve` peer in its own process: its segment and region.
+struct ServedPeer {
+    proc: Proc,
+    segment: String,
+    addr: u64,
+    len: u64,
+}
+
+fn serve_peer(url: &str, size: &str) -> ServedPeer {
+    let mut cmd = ferry();
+    cmd.args([
+        "serve",
+        "--size",
+        size,
+        "--raw-listen",
+        "off",
+        "--backend",
+        url,
+    ]);
+    let proc = Proc::spawn(cmd);
+    let drive = proc.line_after("drive it with: ");
+    let words: Vec<&str> = drive.split_whitespace().collect();
+    let after = |flag: &str| {
+        let i = words.iter().position(|w| *w == flag).expect(flag);
+        words[i + 1].trim_matches('\'').to_owned()
+    };
+    let addr = u64::from_str_radix(after("--remote-addr").trim_start_matches("0x"), 16)
+        .expect("--remote-addr");
+    let len = after("--remote-len").parse().expect("--remote-len");
+    ServedPeer {
+        segment: after("--peer"),
+        addr,
+        len,
+        proc,
+    }
+}
+
+fn signal(p: &Proc, sig: &str) {
+    let ok = Command::new("kill")
+        .args([sig, &p.child.id().to_string()])
+        .status()
+        .expect("run kill")
+        .success();
+    assert!(ok, "kill {sig} failed");
+}
+
+/// Liveness bound for the error paths: a deadline plus generous slack (the
+/// machines are shared; this catches hangs, it does not time anything).
+const HANG: Duration = Duration::from_secs(60);
+
+async fn bounded<T>(what: &str, f: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(HANG, f)
+        .await
+        .unwrap_or_else(|_| panic!("{what}: no answer within {HANG:?} (a hang)"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn error_paths_against_a_peer_process_on_every_real_build() {
+    let Some(libs) = real_libs("error_paths_against_a_peer_process_on_every_real_build") else {
+        return;
+    };
+    std::env::set_var("MC_TCP_BIND_ADDRESS", "127.0.0.1");
+    for lib in &libs {
+        let gen = generation(lib);
+        let server = (gen < Generation::V0_3_0).then(metadata_server);
+        let base = url_for(lib, server.as_ref().map(|(_, u)| u.as_str()));
+        let url = format!("{base}&timeout_ms=3000");
+        let what = |s: &str| format!("{} ({gen}): {s}", lib.display());
+        let engine = ferry::Engine::open(&url)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        let report = engine.report();
+        const LEN: usize = 4 << 20;
+        let buf = ferry::HostBuffer::new(LEN).expect("buffer");
+        let pattern: Vec<u8> = (0..LEN).map(|i| (i * 7 + 3) as u8).collect();
+        // SAFETY: `buf` is LEN bytes, ours, not yet registered.
+        unsafe { std::ptr::copy_nonoverlapping(pattern.as_ptr(), buf.as_ptr(), LEN) };
+        engine
+            .register(&buf.region(ferry::Location::cpu(0)))
+            .await
+            .unwrap_or_else(|e| panic!("{}", what(&format!("register: {e}"))));
+
+        // Unknown segment: a typed error, no hang.
+        let unknown = if gen >= Generation::V0_3_0 {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+            let a = l.local_addr().expect("addr").to_string();
+            drop(l);
+            a
+        } else {
+            "ferry-real-no-such-segment".to_owned()
+        };
+        let r = bounded(&what("open unknown segment"), engine.open_segment(&unknown)).await;
+        assert!(
+            r.is_err(),
+            "{}",
+            what(&format!("opening {unknown} succeeded"))
+        );
+        eprintln!(
+            "{}",
+            what(&format!("unknown segment refused: {}", r.unwrap_err()))
+        );
+
+        // A peer process with 8 MiB registered.
+        let peer = serve_peer(&base, "8MiB");
+        let seg = bounded(&what("open peer"), engine.open_segment(&peer.segment))
+            .await
+            .unwrap_or_else(|e| panic!("{}", what(&format!("open {}: {e}", peer.segment))));
+        let write = |remote: u64, len: u64| ferry::TransferRequest::write(buf.addr(), remote, len);
+        bounded(
+            &what("write in region"),
+            engine.transfer(seg, write(peer.addr, LEN as u64)),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{}", what(&format!("write inside the region: {e}"))));
+
+        // Unmapped peer address: refused or failed, never "completed".
+        let r = bounded(
+            &what("unmapped write"),
+            engine.transfer(seg, write(0x1000, 4096)),
+        )
+        .await;
+        assert!(
+            r.is_err(),
+            "{}",
+            what("a write to unmapped peer memory completed")
+        );
+        std::thread::sleep(Duration::from_millis(500));
+        let mut peer = peer;
+        let mut seg = seg;
+        if let Ok(Some(st)) = peer.proc.child.try_wait() {
+            // Mooncake v0.3.6–v0.3.8 log a failed TCP session's address as
+            // a C string, so the peer itself crashes (fixed in v0.3.9); the
+            // capability report says so. Any other build must survive.
+            assert_eq!(
+                gen,
+                Generation::V0_3_6,
+                "{}",
+                what(&format!(
+                    "the peer died after a write to unmapped memory: {st}"
+                ))
+            );
+            assert!(
+                report.to_string().contains("crashes the peer"),
+                "{}",
+                what("the report does not warn that bad addresses crash the peer")
+            );
+            eprintln!(
+                "{}",
+                what(&format!(
+                    "the peer crashed ({st}), as this build does; restarting it"
+                ))
+            );
+            let _ = engine.close_segment(seg).await;
+            peer = serve_peer(&base, "8MiB");
+            seg = bounded(&what("open peer"), engine.open_segment(&peer.segment))
+                .await
+                .unwrap_or_else(|e| panic!("{}", what(&format!("open {}: {e}", peer.segment))));
+            bounded(
+                &what("write in region"),
+                engine.transfer(seg, write(peer.addr, LEN as u64)),
+            )
+            .await
+            .unwrap_or_else(|e| panic!("{}", what(&format!("write inside the region: {e}"))));
+        }
+        eprintln!(
+            "{}",
+            what(&format!(
+                "write to unmapped peer memory: {}",
+                r.unwrap_err()
+            ))
+        );
+
+        // Mapped but outside the region: only builds that check addresses
+        // at the peer can refuse it; the others must say so.
+        if report.effective.peer_validation {
+            let past = peer.addr + peer.len;
+            let r = bounded(
+                &what("out-of-region write"),
+                engine.transfer(seg, write(past, 64)),
+            )
+            .await;
+            assert!(r.is_err(), "{}", what("a write past the region completed"));
+            eprintln!(
+                "{}",
+                what(&format!("write past the region: {}", r.unwrap_err()))
+            );
+        } else {
+            match report.support(ferry::Operation::PeerValidation) {
+                ferry::Support::Unsupported(m) => assert_eq!(
+                    m.min_version.as_deref(),
+                    Some("Mooncake v0.3.12"),
+                    "{}",
+                    what("peer validation reason")
+                ),
+                other => panic!("{}", what(&format!("peer validation: {other:?}"))),
+            }
+            eprintln!("{}", what("peer address validation: no, as reported"));
+        }
+        // The region still holds what was written (read back).
+        let back = ferry::HostBuffer::new(LEN).expect("buffer");
+        engine
+            .register(&back.region(ferry::Location::cpu(0)))
+            .await
+            .expect("register");
+        let read = ferry::TransferRequest::read(back.addr(), peer.addr, LEN as u64);
+        bounded(&what("read back"), engine.transfer(seg, read))
+            .await
+            .unwrap_or_else(|e| panic!("{}", what(&format!("read back: {e}"))));
+        // SAFETY: `back` is LEN bytes, the read finished.
+        let got = unsafe { std::slice::from_raw_parts(back.as_ptr(), LEN) };
+        assert!(got == &pattern[..], "{}", what("peer region changed"));
+
+        // Frozen peer: the deadline (3 s) gives a typed error.
+        signal(&peer.proc, "-STOP");
+        let started = std::time::Instant::now();
+        let r = bounded(
+            &what("frozen peer"),
+            engine.transfer(seg, write(peer.addr, LEN as u64)),
+        )
+        .await;
+        signal(&peer.proc, "-CONT");
+        assert!(r.is_err(), "{}", what("a write to a frozen peer completed"));
+        eprintln!(
+            "{}",
+            what(&format!(
+                "frozen peer: {} after {:?}",
+                r.unwrap_err(),
+                started.elapsed()
+            ))
+        );
+
+        // Peer killed mid-batch: every request answers, none hangs.
+        let reqs: Vec<ferry::TransferRequest> = (0..8)
+            .map(|i| {
+                let off = (i % 2) * (LEN as u64);
+                ferry::TransferRequest::write(buf.addr(), peer.addr + off, LEN as u64)
+            })
+            .collect();
+        let id = engine.submit(seg, &reqs, None).await.expect("submit");
+        std::thread::sleep(Duration::from_millis(2));
+        let _ = peer.proc.child.kill();
+        let _ = peer.proc.child.wait();
+        let report = bounded(&what("batch after peer killed"), engine.wait(id))
+            .await
+            .unwrap_or_else(|e| panic!("{}", what(&format!("wait: {e}"))));
+        let failed = report.results.iter().filter(|r| r.is_err()).count();
+        eprintln!(
+            "{}",
+            what(&format!(
+                "peer killed mid-batch: {failed} of {} requests failed, the rest landed before",
+                reqs.len()
+            ))
+        );
+        // After the peer is gone, new transfers fail with a typed error.
+        let r = bounded(
+            &what("after kill"),
+            engine.transfer(seg, write(peer.addr, 4096)),
+        )
+        .await;
+        assert!(r.is_err(), "{}", what("a write to a dead peer completed"));
+        engine.unregister(back.addr()).await.expect("unregister");
+        engine.unregister(buf.addr()).await.expect("unregister");
     }
 }

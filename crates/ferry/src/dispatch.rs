@@ -96,10 +96,15 @@ impl Engine {
                 adapter,
             )),
             #[cfg(feature = "mooncake")]
-            BackendConfig::Mooncake(c) => Engine::Mooncake(CapabilityAdapter::with_config(
-                backend_mooncake::MooncakeEngine::start(c).await?,
-                adapter,
-            )),
+            BackendConfig::Mooncake(mut c) => {
+                // Strict mode emulates nothing, including the backend's own
+                // confirmation of landed writes, unless asked for by name.
+                c.confirm_writes = c.confirm_writes.or(Some(!adapter.strict));
+                Engine::Mooncake(CapabilityAdapter::with_config(
+                    backend_mooncake::MooncakeEngine::start(c).await?,
+                    adapter,
+                ))
+            }
             #[cfg(feature = "verbs")]
             BackendConfig::Verbs(c) => Engine::Verbs(CapabilityAdapter::with_config(
                 backend_verbs::VerbsEngine::start(c).await?,

@@ -29,6 +29,12 @@ pub enum Operation {
     BatchWait,
     /// Notifications with a batch and `take_notifications` (optional).
     Notify,
+    /// Guarantee: a write reported completed has landed in the peer's memory
+    /// (not merely been sent).
+    LandedWrites,
+    /// Guarantee: the peer refuses reads and writes outside the memory it
+    /// registered.
+    PeerValidation,
 }
 
 impl Operation {
@@ -41,6 +47,11 @@ impl Operation {
         Operation::BatchWait,
         Operation::Notify,
     ];
+
+    /// The guarantees, which [`Capabilities`] also describes: not operations
+    /// one calls, but promises about the required ones that some builds of a
+    /// backend cannot make. `require=` accepts them.
+    pub const GUARANTEES: [Operation; 2] = [Operation::LandedWrites, Operation::PeerValidation];
 
     /// The operation's name as used in reports and on command lines.
     pub fn name(self) -> &'static str {
@@ -55,6 +66,8 @@ impl Operation {
             Operation::AsyncBatch => "async_batch",
             Operation::BatchWait => "batch_wait",
             Operation::Notify => "notify",
+            Operation::LandedWrites => "landed_writes",
+            Operation::PeerValidation => "peer_validation",
         }
     }
 
@@ -84,6 +97,8 @@ impl FromStr for Operation {
             Operation::AsyncBatch,
             Operation::BatchWait,
             Operation::Notify,
+            Operation::LandedWrites,
+            Operation::PeerValidation,
         ];
         let wanted = s.trim().replace('-', "_");
         all.into_iter()
@@ -139,10 +154,17 @@ pub struct Capabilities {
     pub max_batch_len: Option<usize>,
     /// Memory kinds that can be registered.
     pub memory: MemoryKinds,
+    /// Guarantee: `Completed` for a write means its bytes are in the peer's
+    /// memory (see [`Operation::LandedWrites`]). `true` by default.
+    pub landed_writes: bool,
+    /// Guarantee: the peer checks every address against its registered
+    /// memory (see [`Operation::PeerValidation`]). `true` by default.
+    pub peer_validation: bool,
 }
 
 impl Default for Capabilities {
-    /// Nothing optional; host memory only; no batch limit.
+    /// Nothing optional; host memory only; no batch limit; both guarantees
+    /// (every backend gives them unless it says otherwise).
     fn default() -> Self {
         Capabilities {
             batch_register: false,
@@ -153,6 +175,8 @@ impl Default for Capabilities {
             notify: false,
             max_batch_len: None,
             memory: MemoryKinds::default(),
+            landed_writes: true,
+            peer_validation: true,
         }
     }
 }
@@ -181,6 +205,8 @@ impl Capabilities {
             Operation::AsyncBatch => self.async_batch,
             Operation::BatchWait => self.batch_wait,
             Operation::Notify => self.notify,
+            Operation::LandedWrites => self.landed_writes,
+            Operation::PeerValidation => self.peer_validation,
             _ => true,
         }
     }
@@ -194,6 +220,8 @@ impl Capabilities {
             Operation::AsyncBatch => self.async_batch = on,
             Operation::BatchWait => self.batch_wait = on,
             Operation::Notify => self.notify = on,
+            Operation::LandedWrites => self.landed_writes = on,
+            Operation::PeerValidation => self.peer_validation = on,
             _ => {}
         }
     }
@@ -232,12 +260,25 @@ pub struct BackendInfo {
     /// For each optional operation that is not native: why, and which version
     /// would make it native. Operations not listed get a generic reason.
     pub not_native: Vec<MissingCapability>,
+    /// Operations or guarantees the backend declares available but provides
+    /// by its own emulation, with how (e.g. confirming each write by reading
+    /// it back). Reported as emulated; the reason and version come from
+    /// `not_native`.
+    pub emulated: Vec<(Operation, String)>,
 }
 
 impl BackendInfo {
     /// The backend's note on `op`, if it gave one.
     pub fn note(&self, op: Operation) -> Option<&MissingCapability> {
         self.not_native.iter().find(|m| m.operation == op)
+    }
+
+    /// How the backend emulates `op` itself, if it does.
+    pub fn emulation(&self, op: Operation) -> Option<&str> {
+        self.emulated
+            .iter()
+            .find(|(o, _)| *o == op)
+            .map(|(_, via)| via.as_str())
     }
 }
 
@@ -284,6 +325,8 @@ pub struct CapabilityReport {
     pub effective: Capabilities,
     /// One entry per optional operation, in [`Operation::OPTIONAL`] order.
     pub operations: Vec<(Operation, Support)>,
+    /// One entry per guarantee, in [`Operation::GUARANTEES`] order.
+    pub guarantees: Vec<(Operation, Support)>,
     /// Whether the adapter runs in strict mode (no emulation).
     pub strict: bool,
 }
@@ -293,6 +336,7 @@ impl CapabilityReport {
     pub fn support(&self, op: Operation) -> Support {
         self.operations
             .iter()
+            .chain(&self.guarantees)
             .find(|(o, _)| *o == op)
             .map(|(_, s)| s.clone())
             .unwrap_or(Support::Native)
@@ -328,31 +372,49 @@ impl fmt::Display for CapabilityReport {
             yes_no(self.native.memory.host),
             yes_no(self.native.memory.cuda)
         )?;
+        writeln!(f, "operations:")?;
         for (op, support) in &self.operations {
-            match support {
-                Support::Native => writeln!(f, "  {:<17} native", op.name())?,
-                Support::Emulated { via, missing } => {
-                    write!(
-                        f,
-                        "  {:<17} emulated ({via}): {}",
-                        op.name(),
-                        missing.reason
-                    )?;
-                    if let Some(v) = &missing.min_version {
-                        write!(f, "; native with {v}")?;
-                    }
-                    writeln!(f)?;
-                }
-                Support::Unsupported(missing) => {
-                    write!(f, "  {:<17} unsupported: {}", op.name(), missing.reason)?;
-                    if let Some(v) = &missing.min_version {
-                        write!(f, "; needs {v}")?;
-                    }
-                    writeln!(f)?;
-                }
-            }
+            write_support(f, *op, support, "native", "unsupported", "needs")?;
+        }
+        writeln!(f, "guarantees:")?;
+        for (op, support) in &self.guarantees {
+            write_support(f, *op, support, "yes", "no", "from")?;
         }
         Ok(())
+    }
+}
+
+/// One line of the report: `native`/`yes`, `emulated (how): why`, or
+/// `unsupported`/`no` with the reason and the version that adds it.
+fn write_support(
+    f: &mut fmt::Formatter<'_>,
+    op: Operation,
+    support: &Support,
+    yes: &str,
+    no: &str,
+    version_word: &str,
+) -> fmt::Result {
+    match support {
+        Support::Native => writeln!(f, "  {:<17} {yes}", op.name()),
+        Support::Emulated { via, missing } => {
+            write!(
+                f,
+                "  {:<17} emulated ({via}): {}",
+                op.name(),
+                missing.reason
+            )?;
+            if let Some(v) = &missing.min_version {
+                write!(f, "; native with {v}")?;
+            }
+            writeln!(f)
+        }
+        Support::Unsupported(missing) => {
+            write!(f, "  {:<17} {no}: {}", op.name(), missing.reason)?;
+            if let Some(v) = &missing.min_version {
+                write!(f, "; {version_word} {v}")?;
+            }
+            writeln!(f)
+        }
     }
 }
 

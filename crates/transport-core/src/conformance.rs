@@ -835,9 +835,12 @@ fn expected_effective(native: &Capabilities) -> Capabilities {
              add one, worked out by hand"
         )
     };
+    // Guarantees pass through the adapter unchanged: it cannot add them.
     let mut eff = Capabilities {
         max_batch_len: None,
         memory: native.memory,
+        landed_writes: native.landed_writes,
+        peer_validation: native.peer_validation,
         ..Capabilities::default()
     };
     for (op, flag) in Operation::OPTIONAL.iter().zip(flags.chars()) {
@@ -1281,12 +1284,13 @@ pub async fn check_unaligned(factory: Arc<dyn EngineFactory>, adapted: bool) -> 
         );
     }
     if batch_path(&p.a.capabilities()).is_some() {
-        // Unaligned, partly contiguous requests in one batch.
+        // Unaligned, scattered requests in one batch; destinations never
+        // overlap (the trait leaves overlapping destinations unspecified).
         let reqs: Vec<TransferRequest> = (0..40)
             .map(|i| {
                 let len = 1 + (i * 37) % 301;
                 let lo = 1 + i * 311;
-                let ro = if i % 3 == 0 { 3 + i * 400 } else { 7 + i * 411 };
+                let ro = if i % 3 == 0 { 3 + i * 400 } else { 7 + i * 400 };
                 TransferRequest::write(local.at(lo), remote.at(ro), len as u64)
             })
             .collect();
@@ -1726,14 +1730,51 @@ pub async fn check_async_batch(factory: Arc<dyn EngineFactory>, adapted: bool) -
     Outcome::Passed
 }
 
+/// An engine without notifications refuses a batch that carries one up
+/// front, with the operation named and nothing moved, and refuses
+/// `take_notifications` too.
+async fn check_notification_refused(p: &Pair) -> Outcome {
+    const N: usize = 4096;
+    let local = Mem::new(&p.a, N, 93).await;
+    let remote = Mem::new(&p.b, N, 0).await;
+    let reqs = [TransferRequest::write(local.at(0), remote.at(0), N as u64)];
+    let note = Notification::new("refused", "never sent");
+    match batch(&p.a, p.seg, &reqs, Some(&note)).await {
+        Err(Error::Unsupported { operation, .. }) => {
+            assert_eq!(
+                operation,
+                Operation::Notify,
+                "refusal names the wrong operation"
+            )
+        }
+        other => panic!("a batch with a notification on an engine without notify: {other:?}"),
+    }
+    assert_bytes(
+        &remote.bytes(),
+        &vec![0u8; N],
+        "peer memory after a refused batch with a notification",
+    );
+    match p.b.take_notifications().await {
+        Err(Error::Unsupported { operation, .. }) => assert_eq!(operation, Operation::Notify),
+        other => panic!("take_notifications on an engine without notify: {other:?}"),
+    }
+    local.release().await;
+    remote.release().await;
+    Outcome::Passed
+}
+
 /// A batch's notification reaches the peer only after every byte of the
-/// batch has landed, and only if every request succeeded.
+/// batch has landed, and only if every request succeeded (engines without
+/// notifications: see `check_notification_refused`).
 pub async fn check_notification(factory: Arc<dyn EngineFactory>, adapted: bool) -> Outcome {
     let p = match pair(&factory, adapted).await {
         Ok(p) => p,
         Err(o) => return o,
     };
     let caps = p.a.capabilities();
+    if !caps.notify && batch_path(&caps).is_some() {
+        return check_notification_refused(&p).await;
+    }
     if !caps.notify {
         return Outcome::Skipped("needs notify".to_owned());
     }

@@ -333,6 +333,7 @@ impl TransferEngine for InprocEngine {
             backend: BACKEND.to_owned(),
             details: vec![("segment".to_owned(), self.core.name.clone())],
             not_native,
+            emulated: Vec::new(),
         }
     }
 

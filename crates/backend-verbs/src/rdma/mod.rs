@@ -169,6 +169,7 @@ impl Inner {
                     min_version: None,
                 },
             ],
+            emulated: Vec::new(),
         }
     }
 

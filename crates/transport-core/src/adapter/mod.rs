@@ -248,27 +248,30 @@ impl<E: TransferEngine + ?Sized> CapabilityAdapter<E> {
     /// it native.
     pub fn report(&self) -> CapabilityReport {
         let s = &self.shared;
-        let operations = Operation::OPTIONAL
-            .into_iter()
-            .map(|op| {
-                let support = if s.native.supports(op) {
-                    Support::Native
-                } else if s.effective.supports(op) {
-                    Support::Emulated {
-                        via: emulation_of(op).to_owned(),
+        let support = |op: Operation| {
+            if s.native.supports(op) {
+                match s.info.emulation(op) {
+                    Some(via) => Support::Emulated {
+                        via: via.to_owned(),
                         missing: s.missing(op),
-                    }
-                } else {
-                    Support::Unsupported(s.missing(op))
-                };
-                (op, support)
-            })
-            .collect();
+                    },
+                    None => Support::Native,
+                }
+            } else if s.effective.supports(op) {
+                Support::Emulated {
+                    via: emulation_of(op).to_owned(),
+                    missing: s.missing(op),
+                }
+            } else {
+                Support::Unsupported(s.missing(op))
+            }
+        };
         CapabilityReport {
             info: s.info.clone(),
             native: s.native,
             effective: s.effective,
-            operations,
+            operations: Operation::OPTIONAL.map(|op| (op, support(op))).to_vec(),
+            guarantees: Operation::GUARANTEES.map(|op| (op, support(op))).to_vec(),
             strict: s.config.strict,
         }
     }
@@ -318,7 +321,11 @@ impl Shared {
                 ),
                 min_version: None,
             });
-        if self.config.strict && !self.native.supports(op) && op != Operation::Notify {
+        let emulable = !matches!(
+            op,
+            Operation::Notify | Operation::LandedWrites | Operation::PeerValidation
+        );
+        if self.config.strict && !self.native.supports(op) && emulable {
             m.reason = format!("{} (strict mode: not emulated)", m.reason);
         }
         if op == Operation::Notify && !self.effective.notify {
