@@ -1,0 +1,538 @@
+//! `ferry._native.Engine`: [`ferry::Engine`] for Python.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::str::FromStr;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use ferry::{
+    BatchId, BatchReport, Engine, Location, MemoryRegion, Notification, SegmentId, TransferEngine,
+    TransferOp, TransferRequest, TransferState,
+};
+use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList, PyTuple};
+
+use crate::convert::{error_object, report_dict, result_object, to_pyerr};
+use crate::memory::{address_of, resolve, Keep, Resolved};
+use crate::runtime::{block_on, runtime};
+
+/// A Ferry engine: a local endpoint with registered memory that opens peer
+/// segments and moves bytes. Every method that waits releases the GIL.
+///
+/// Errors are raised as the classes of `ferry.errors`, one per
+/// `ferry::Error` variant, with the variant's fields as attributes.
+#[pyclass(module = "ferry._native", name = "Engine", frozen, subclass)]
+pub(crate) struct PyEngine {
+    /// `None` only while being dropped.
+    inner: Option<Arc<Engine>>,
+    /// What keeps each registered region's memory valid, by start address.
+    regions: Mutex<HashMap<u64, (u64, Keep)>>,
+}
+
+impl Drop for PyEngine {
+    fn drop(&mut self) {
+        // Dropping a backend may wait for its tasks and threads: do it inside
+        // the runtime's context and without the GIL, so that a task that is
+        // about to call back into Python can finish.
+        if let Some(engine) = self.inner.take() {
+            if let Ok(rt) = runtime() {
+                Python::attach(|py| {
+                    py.detach(|| {
+                        let _guard = rt.enter();
+                        drop(engine);
+                    })
+                });
+            }
+        }
+    }
+}
+
+fn parse_op(op: &str) -> PyResult<TransferOp> {
+    match op.to_ascii_lowercase().as_str() {
+        "write" | "w" => Ok(TransferOp::Write),
+        "read" | "r" => Ok(TransferOp::Read),
+        _ => Err(PyValueError::new_err(format!(
+            "op must be 'read' or 'write', got {op:?}"
+        ))),
+    }
+}
+
+fn parse_location(s: &str) -> PyResult<Location> {
+    Location::from_str(s).map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
+fn notification(notify: Option<(String, String)>) -> Option<Notification> {
+    notify.map(|(name, message)| Notification::new(name, message))
+}
+
+/// The requests of a batch from parallel lists (Mooncake's calling
+/// convention), checked for equal lengths.
+fn requests(
+    op: TransferOp,
+    local: &[u64],
+    remote: &[u64],
+    lengths: &[u64],
+) -> PyResult<Vec<TransferRequest>> {
+    if local.len() != remote.len() || local.len() != lengths.len() {
+        return Err(PyValueError::new_err(format!(
+            "local_addrs, remote_addrs and lengths must have the same length \
+             (got {}, {}, {})",
+            local.len(),
+            remote.len(),
+            lengths.len()
+        )));
+    }
+    Ok(local
+        .iter()
+        .zip(remote)
+        .zip(lengths)
+        .map(|((l, r), n)| TransferRequest {
+            op,
+            local_addr: *l,
+            remote_addr: *r,
+            len: *n,
+        })
+        .collect())
+}
+
+fn report_list<'py>(py: Python<'py>, report: &BatchReport) -> PyResult<Bound<'py, PyList>> {
+    let list = PyList::empty(py);
+    for r in &report.results {
+        list.append(result_object(py, r)?)?;
+    }
+    Ok(list)
+}
+
+/// Runs `fut` on the runtime and calls `callback(error, value)` when it
+/// is done (from a runtime thread, with the GIL): `error` is `None` or the
+/// exception instance, `value` what `convert` made of the output.
+fn spawn_with_callback<T, F, C>(callback: Py<PyAny>, fut: F, convert: C) -> PyResult<()>
+where
+    T: Send + 'static,
+    F: Future<Output = ferry::Result<T>> + Send + 'static,
+    C: for<'py> FnOnce(Python<'py>, T) -> PyResult<Bound<'py, PyAny>> + Send + 'static,
+{
+    let rt = runtime()?;
+    rt.spawn(async move {
+        let out = fut.await;
+        // Waiting for the GIL must not hold up a worker that serves peers.
+        let _ = tokio::task::spawn_blocking(move || {
+            Python::attach(|py| {
+                let args = match out {
+                    Ok(v) => match convert(py, v) {
+                        Ok(obj) => (py.None().into_bound(py), obj),
+                        Err(e) => (
+                            e.into_value(py).into_bound(py).into_any(),
+                            py.None().into_bound(py),
+                        ),
+                    },
+                    Err(e) => match error_object(py, &e) {
+                        Ok(obj) => (obj, py.None().into_bound(py)),
+                        Err(e) => (
+                            e.into_value(py).into_bound(py).into_any(),
+                            py.None().into_bound(py),
+                        ),
+                    },
+                };
+                if let Err(e) = callback.call1(py, args) {
+                    e.write_unraisable(py, None);
+                }
+            })
+        })
+        .await;
+    });
+    Ok(())
+}
+
+impl PyEngine {
+    fn engine(&self) -> PyResult<&Arc<Engine>> {
+        self.inner
+            .as_ref()
+            .ok_or_else(|| PyRuntimeError::new_err("the engine is closed"))
+    }
+
+    fn regions(&self) -> MutexGuard<'_, HashMap<u64, (u64, Keep)>> {
+        // A poisoned lock only means another thread panicked while holding
+        // it; the map itself is still consistent (inserts and removes are
+        // single operations).
+        self.regions.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn region_of(resolved: &Resolved, location: Option<&str>) -> PyResult<MemoryRegion> {
+        let loc = match (location, resolved.location.as_deref()) {
+            (Some(l), _) => parse_location(l)?,
+            (None, Some(l)) => parse_location(l)?,
+            (None, None) => Location::cpu(0),
+        };
+        let len = usize::try_from(resolved.len).map_err(|_| {
+            PyValueError::new_err("length does not fit in this machine's address space")
+        })?;
+        // SAFETY: the region is only handed to the engine, which checks every
+        // transfer against registered regions. The memory stays valid until
+        // `unregister` returns because `resolved.keep` is stored in
+        // `self.regions` from registration until then: a buffer export keeps
+        // its exporter from freeing or resizing it, an object reference
+        // keeps an object that owns its memory alive, and a raw address is the
+        // caller's documented promise (the contract of Mooncake's
+        // `register_memory`, which this API mirrors).
+        Ok(unsafe { MemoryRegion::from_raw_parts(resolved.addr as *mut u8, len, loc) })
+    }
+}
+
+#[pymethods]
+impl PyEngine {
+    /// Opens an engine from a URL (`tcp://127.0.0.1:0`,
+    /// `mooncake://?lib=…&metadata=P2PHANDSHAKE&protocol=tcp`, plus Ferry's
+    /// `strict=1`, `require=op,op`, …). Blocks (GIL released) until started.
+    #[new]
+    fn py_new(py: Python<'_>, url: &str) -> PyResult<PyEngine> {
+        let engine = block_on(py, Engine::open(url))?.map_err(|e| to_pyerr(py, &e))?;
+        Ok(PyEngine {
+            inner: Some(Arc::new(engine)),
+            regions: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The name peers pass to `open_segment` to reach this engine.
+    #[getter]
+    fn segment_name(&self) -> PyResult<String> {
+        Ok(self.engine()?.segment_name().to_owned())
+    }
+
+    /// The backend: `tcp`, `mooncake` or `verbs`.
+    #[getter]
+    fn backend(&self) -> PyResult<String> {
+        Ok(self.engine()?.backend_name().to_owned())
+    }
+
+    /// The capability report as a dict: per optional operation and
+    /// guarantee `native` / `emulated` / `unsupported` with the reason and
+    /// the version that makes it native; `text` is the printed report.
+    fn report<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        report_dict(py, &self.engine()?.report())
+    }
+
+    /// Registers memory: `register(addr, length)` or `register(obj)` for an
+    /// object exposing writable memory (buffer protocol,
+    /// `__array_interface__`, `data_ptr()`/`nbytes`), which is kept alive
+    /// until unregistered. Returns `(addr, length)`.
+    #[pyo3(signature = (target, length=None, location=None))]
+    fn register(
+        &self,
+        py: Python<'_>,
+        target: &Bound<'_, PyAny>,
+        length: Option<u64>,
+        location: Option<&str>,
+    ) -> PyResult<(u64, u64)> {
+        let engine = self.engine()?;
+        let resolved = resolve(target, length)?;
+        let region = Self::region_of(&resolved, location)?;
+        block_on(py, engine.register(&region))?.map_err(|e| to_pyerr(py, &e))?;
+        let (addr, len) = (resolved.addr, resolved.len);
+        self.regions().insert(addr, (len, resolved.keep));
+        Ok((addr, len))
+    }
+
+    /// Unregisters the region starting at `target` (an address or the object
+    /// that was registered). Returns when no transfer uses it any more; the
+    /// object is released then.
+    fn unregister(&self, py: Python<'_>, target: &Bound<'_, PyAny>) -> PyResult<()> {
+        let engine = self.engine()?;
+        let addr = address_of(target)?;
+        block_on(py, engine.unregister(addr))?.map_err(|e| to_pyerr(py, &e))?;
+        let kept = self.regions().remove(&addr);
+        drop(kept);
+        Ok(())
+    }
+
+    /// Registers every target, all or nothing (`BatchRegisterFailed` names
+    /// the index that failed). `lengths`, if given, has one entry per target
+    /// (`None` for objects). Returns `[(addr, length), …]`.
+    #[pyo3(signature = (targets, lengths=None, location=None))]
+    fn batch_register(
+        &self,
+        py: Python<'_>,
+        targets: &Bound<'_, PyAny>,
+        lengths: Option<Vec<Option<u64>>>,
+        location: Option<&str>,
+    ) -> PyResult<Vec<(u64, u64)>> {
+        let engine = self.engine()?;
+        let targets: Vec<Bound<'_, PyAny>> = targets
+            .try_iter()
+            .map_err(|_| PyTypeError::new_err("targets must be a sequence"))?
+            .collect::<PyResult<_>>()?;
+        if let Some(l) = &lengths {
+            if l.len() != targets.len() {
+                return Err(PyValueError::new_err(format!(
+                    "{} targets but {} lengths",
+                    targets.len(),
+                    l.len()
+                )));
+            }
+        }
+        let mut resolved = Vec::with_capacity(targets.len());
+        let mut regions = Vec::with_capacity(targets.len());
+        for (i, t) in targets.iter().enumerate() {
+            let len = lengths.as_ref().and_then(|l| l[i]);
+            let r = resolve(t, len)?;
+            regions.push(Self::region_of(&r, location)?);
+            resolved.push(r);
+        }
+        block_on(py, engine.batch_register(&regions))?.map_err(|e| to_pyerr(py, &e))?;
+        let out = resolved.iter().map(|r| (r.addr, r.len)).collect();
+        let mut table = self.regions();
+        for r in resolved {
+            table.insert(r.addr, (r.len, r.keep));
+        }
+        Ok(out)
+    }
+
+    /// Unregisters the regions starting at each target; every one is
+    /// attempted and the first error is raised.
+    fn batch_unregister(&self, py: Python<'_>, targets: &Bound<'_, PyAny>) -> PyResult<()> {
+        let engine = self.engine()?;
+        let addrs: Vec<u64> = targets
+            .try_iter()
+            .map_err(|_| PyTypeError::new_err("targets must be a sequence"))?
+            .map(|t| address_of(&t?))
+            .collect::<PyResult<_>>()?;
+        let result = block_on(py, engine.batch_unregister(&addrs))?;
+        // On success release every object. On failure the engine does not
+        // say which addresses it did unregister: keep them all (holding an
+        // object too long is a leak until `unregister`; releasing one still
+        // registered would let peers write into freed memory).
+        if result.is_ok() {
+            let released: Vec<_> = {
+                let mut table = self.regions();
+                addrs.iter().filter_map(|a| table.remove(a)).collect()
+            };
+            drop(released);
+        }
+        result.map_err(|e| to_pyerr(py, &e))
+    }
+
+    /// The regions this engine registered from Python: `[(addr, length), …]`
+    /// sorted by address.
+    fn registered(&self) -> Vec<(u64, u64)> {
+        let mut v: Vec<(u64, u64)> = self.regions().iter().map(|(a, (l, _))| (*a, *l)).collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// Opens the peer segment called `name` (`host:port`); returns its
+    /// handle (an int).
+    fn open_segment(&self, py: Python<'_>, name: &str) -> PyResult<u64> {
+        let engine = self.engine()?;
+        let seg = block_on(py, engine.open_segment(name))?.map_err(|e| to_pyerr(py, &e))?;
+        Ok(seg.0)
+    }
+
+    /// Closes a segment handle.
+    fn close_segment(&self, py: Python<'_>, segment: u64) -> PyResult<()> {
+        let engine = self.engine()?;
+        block_on(py, engine.close_segment(SegmentId(segment)))?.map_err(|e| to_pyerr(py, &e))
+    }
+
+    /// One transfer, waited on: `op` is `"write"` (local → peer) or
+    /// `"read"` (peer → local). Raises on failure.
+    fn transfer(
+        &self,
+        py: Python<'_>,
+        segment: u64,
+        op: &str,
+        local_addr: u64,
+        remote_addr: u64,
+        length: u64,
+    ) -> PyResult<()> {
+        let engine = self.engine()?;
+        let req = TransferRequest {
+            op: parse_op(op)?,
+            local_addr,
+            remote_addr,
+            len: length,
+        };
+        block_on(py, engine.transfer(SegmentId(segment), req))?.map_err(|e| to_pyerr(py, &e))
+    }
+
+    /// A batch, waited on. Returns one entry per request: `None` or the
+    /// exception of that request (not raised). Raises only when the batch
+    /// as a whole is refused (nothing moved). `notify=(name, message)` is
+    /// delivered to the peer after every request landed.
+    #[pyo3(signature = (segment, op, local_addrs, remote_addrs, lengths, notify=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn batch_transfer<'py>(
+        &self,
+        py: Python<'py>,
+        segment: u64,
+        op: &str,
+        local_addrs: Vec<u64>,
+        remote_addrs: Vec<u64>,
+        lengths: Vec<u64>,
+        notify: Option<(String, String)>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let engine = self.engine()?;
+        let reqs = requests(parse_op(op)?, &local_addrs, &remote_addrs, &lengths)?;
+        let note = notification(notify);
+        let report = block_on(
+            py,
+            engine.batch_transfer(SegmentId(segment), &reqs, note.as_ref()),
+        )?
+        .map_err(|e| to_pyerr(py, &e))?;
+        report_list(py, &report)
+    }
+
+    /// Starts a batch and returns its id at once (for `status`, `wait`,
+    /// `release_batch`).
+    #[pyo3(signature = (segment, op, local_addrs, remote_addrs, lengths, notify=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn submit(
+        &self,
+        py: Python<'_>,
+        segment: u64,
+        op: &str,
+        local_addrs: Vec<u64>,
+        remote_addrs: Vec<u64>,
+        lengths: Vec<u64>,
+        notify: Option<(String, String)>,
+    ) -> PyResult<u64> {
+        let engine = self.engine()?;
+        let reqs = requests(parse_op(op)?, &local_addrs, &remote_addrs, &lengths)?;
+        let note = notification(notify);
+        let id = block_on(py, engine.submit(SegmentId(segment), &reqs, note.as_ref()))?
+            .map_err(|e| to_pyerr(py, &e))?;
+        Ok(id.0)
+    }
+
+    /// The state of each request of a batch, never waiting: a list of
+    /// `("pending", bytes_so_far)`, `("completed", None)` or
+    /// `("failed", exception)`.
+    fn status<'py>(&self, py: Python<'py>, batch: u64) -> PyResult<Bound<'py, PyList>> {
+        let engine = self.engine()?;
+        let status = engine
+            .status(BatchId(batch))
+            .map_err(|e| to_pyerr(py, &e))?;
+        let list = PyList::empty(py);
+        for s in &status.states {
+            let item = match s {
+                TransferState::Pending { transferred } => PyTuple::new(
+                    py,
+                    [
+                        ("pending").into_pyobject(py)?.into_any(),
+                        transferred.into_pyobject(py)?.into_any(),
+                    ],
+                )?,
+                TransferState::Completed => PyTuple::new(
+                    py,
+                    [
+                        ("completed").into_pyobject(py)?.into_any(),
+                        py.None().into_bound(py),
+                    ],
+                )?,
+                TransferState::Failed(e) => PyTuple::new(
+                    py,
+                    [
+                        ("failed").into_pyobject(py)?.into_any(),
+                        error_object(py, e)?,
+                    ],
+                )?,
+            };
+            list.append(item)?;
+        }
+        Ok(list)
+    }
+
+    /// Waits for every request of a batch, releases it and returns the
+    /// per-request results (as `batch_transfer`).
+    fn wait<'py>(&self, py: Python<'py>, batch: u64) -> PyResult<Bound<'py, PyList>> {
+        let engine = self.engine()?;
+        let report = block_on(py, engine.wait(BatchId(batch)))?.map_err(|e| to_pyerr(py, &e))?;
+        report_list(py, &report)
+    }
+
+    /// Releases a finished batch without waiting (`BatchBusy` if a request
+    /// is still pending).
+    fn release_batch(&self, py: Python<'_>, batch: u64) -> PyResult<()> {
+        let engine = self.engine()?;
+        block_on(py, engine.release_batch(BatchId(batch)))?.map_err(|e| to_pyerr(py, &e))
+    }
+
+    /// The notifications received so far, oldest first, as
+    /// `[(name, message), …]`. Never waits.
+    fn take_notifications(&self, py: Python<'_>) -> PyResult<Vec<(String, String)>> {
+        let engine = self.engine()?;
+        let notes = block_on(py, engine.take_notifications())?.map_err(|e| to_pyerr(py, &e))?;
+        Ok(notes.into_iter().map(|n| (n.name, n.message)).collect())
+    }
+
+    /// `transfer` without blocking: `callback(error, None)` is called from a
+    /// runtime thread when it is done. (`ferry.Engine.transfer_async` wraps
+    /// this in an asyncio future.)
+    #[allow(clippy::too_many_arguments)]
+    fn _transfer_cb(
+        &self,
+        segment: u64,
+        op: &str,
+        local_addr: u64,
+        remote_addr: u64,
+        length: u64,
+        callback: Py<PyAny>,
+    ) -> PyResult<()> {
+        let engine = self.engine()?.clone();
+        let req = TransferRequest {
+            op: parse_op(op)?,
+            local_addr,
+            remote_addr,
+            len: length,
+        };
+        spawn_with_callback(
+            callback,
+            async move { engine.transfer(SegmentId(segment), req).await },
+            |py, ()| Ok(py.None().into_bound(py)),
+        )
+    }
+
+    /// `batch_transfer` without blocking; `callback(error, results)`.
+    #[pyo3(signature = (segment, op, local_addrs, remote_addrs, lengths, notify, callback))]
+    #[allow(clippy::too_many_arguments)]
+    fn _batch_transfer_cb(
+        &self,
+        segment: u64,
+        op: &str,
+        local_addrs: Vec<u64>,
+        remote_addrs: Vec<u64>,
+        lengths: Vec<u64>,
+        notify: Option<(String, String)>,
+        callback: Py<PyAny>,
+    ) -> PyResult<()> {
+        let engine = self.engine()?.clone();
+        let reqs = requests(parse_op(op)?, &local_addrs, &remote_addrs, &lengths)?;
+        let note = notification(notify);
+        spawn_with_callback(
+            callback,
+            async move {
+                engine
+                    .batch_transfer(SegmentId(segment), &reqs, note.as_ref())
+                    .await
+            },
+            |py, report| Ok(report_list(py, &report)?.into_any()),
+        )
+    }
+
+    /// `wait` without blocking; `callback(error, results)`.
+    fn _wait_cb(&self, batch: u64, callback: Py<PyAny>) -> PyResult<()> {
+        let engine = self.engine()?.clone();
+        spawn_with_callback(
+            callback,
+            async move { engine.wait(BatchId(batch)).await },
+            |py, report| Ok(report_list(py, &report)?.into_any()),
+        )
+    }
+
+    fn __repr__(&self) -> String {
+        match &self.inner {
+            Some(e) => format!("<ferry.Engine {} {}>", e.backend_name(), e.segment_name()),
+            None => "<ferry.Engine closed>".to_owned(),
+        }
+    }
+}

@@ -1,0 +1,40 @@
+//! # ferry-py — the Python package `ferry`
+//!
+//! The native half of the wheel (`ferry._native`): one class, `Engine`, a
+//! thin layer over [`ferry::Engine`]. The Python half (`python/ferry`) adds
+//! the exception classes, the `asyncio` flavour of the waiting calls and
+//! `ferry.mooncake.TransferEngine`, the drop-in for Mooncake's Python API.
+//!
+//! Rules this crate keeps:
+//! - every blocking call releases the GIL (`Python::detach`) while it runs
+//!   on the shared tokio runtime;
+//! - no Rust panic reaches Python: every `ferry::Error` becomes an instance
+//!   of the matching class in `ferry.errors`, every bad argument a
+//!   `TypeError`/`ValueError`;
+//! - memory given as an object (buffer protocol, `__array_interface__`,
+//!   `data_ptr()`/`nbytes`) is kept alive — and, for the buffer protocol,
+//!   exported so that it cannot be resized — until it is unregistered.
+#![deny(unsafe_op_in_unsafe_fn)]
+
+mod convert;
+mod engine;
+mod memory;
+mod runtime;
+
+use pyo3::prelude::*;
+
+/// The extension module `ferry._native`.
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<engine::PyEngine>()?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add(
+        "BACKENDS",
+        ferry::BackendKind::ALL
+            .iter()
+            .filter(|k| k.is_enabled())
+            .map(|k| k.scheme())
+            .collect::<Vec<_>>(),
+    )?;
+    Ok(())
+}

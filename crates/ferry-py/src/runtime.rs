@@ -1,0 +1,38 @@
+//! The one tokio runtime every engine of the process runs on, and the
+//! helpers that run a future from Python with the GIL released.
+
+use std::future::Future;
+use std::sync::OnceLock;
+
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::prelude::*;
+use tokio::runtime::Runtime;
+
+static RUNTIME: OnceLock<Result<Runtime, String>> = OnceLock::new();
+
+/// The shared multi-threaded runtime (started on first use). Its worker
+/// threads serve peers and drive transfers while Python threads wait with
+/// the GIL released.
+pub(crate) fn runtime() -> PyResult<&'static Runtime> {
+    RUNTIME
+        .get_or_init(|| {
+            tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .thread_name("ferry-worker")
+                .build()
+                .map_err(|e| format!("cannot start ferry's async runtime: {e}"))
+        })
+        .as_ref()
+        .map_err(|e| PyRuntimeError::new_err(e.clone()))
+}
+
+/// Runs `fut` to completion on the calling thread with the GIL released
+/// (other Python threads run meanwhile; the runtime's workers do the I/O).
+pub(crate) fn block_on<F>(py: Python<'_>, fut: F) -> PyResult<F::Output>
+where
+    F: Future + Send,
+    F::Output: Send,
+{
+    let rt = runtime()?;
+    Ok(py.detach(|| rt.block_on(fut)))
+}
