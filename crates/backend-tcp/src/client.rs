@@ -7,10 +7,10 @@
 //! go from the socket straight into the destination region, which a
 //! [`RegionGuard`] keeps registered until the request completes.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use socket2::SockRef;
 use tokio::net::TcpStream;
@@ -21,16 +21,20 @@ use transport_core::{
 };
 
 use crate::frame::{
-    decode_ids, decode_table, table_contains, Request, Response, Status, MAX_ACKS, MAX_SEGMENTS,
+    decode_ids, decode_table, encode_segments, table_lookup, Request, Response, Segment, Status,
+    TableEntry, MAX_ACKS, MAX_SEGMENTS, TABLE_ENTRY_LEN,
 };
 use crate::handshake;
-use crate::io::{write_all, Bytes, FrameReader, Next};
+use crate::io::{write_all, Bytes, FrameReader, Next, Pace};
 use crate::server::{lock, Core};
 
 /// Requests up to this size are gathered into WRITEV / READV frames.
 const GATHER_MAX_SEGMENT: u64 = 64 * 1024;
 /// Most payload bytes per WRITEV / READV frame.
 const GATHER_MAX_BYTES: u64 = 4 << 20;
+/// Most request ids of expired batches a connection remembers (their late
+/// responses are skipped); beyond it the connection is dropped.
+const MAX_ABANDONED: usize = 1 << 20;
 
 /// Outcome bookkeeping of one batch (or one control request).
 #[derive(Debug)]
@@ -44,6 +48,10 @@ pub struct BatchState {
 struct Slot {
     left: u32,
     err: Option<Error>,
+    /// The target refused part of the request because the region was
+    /// registered again since the table this engine used (`StaleRegion`):
+    /// the request is retried once with a fresh table.
+    stale: bool,
 }
 
 impl BatchState {
@@ -51,7 +59,14 @@ impl BatchState {
     pub fn new(n: usize) -> Arc<Self> {
         Arc::new(BatchState {
             // Every request counts as pending until `arm`.
-            slots: Mutex::new(vec![Slot { left: 1, err: None }; n]),
+            slots: Mutex::new(vec![
+                Slot {
+                    left: 1,
+                    err: None,
+                    stale: false
+                };
+                n
+            ]),
             // Held at 1 until `arm` sets the real count.
             remaining: AtomicUsize::new(1),
             done: Notify::new(),
@@ -130,12 +145,37 @@ impl BatchState {
             .collect()
     }
 
+    /// Marks request `index` for a retry with a fresh table.
+    fn mark_stale(&self, index: usize) {
+        if let Some(s) = lock(&self.slots).get_mut(index) {
+            s.stale = true;
+        }
+    }
+
+    /// The requests marked for a retry.
+    fn stale(&self) -> Vec<usize> {
+        lock(&self.slots)
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.stale)
+            .map(|(i, _)| i)
+            .collect()
+    }
+
+    /// Sets the final result of a retried request.
+    fn resolve(&self, index: usize, r: Result<()>) {
+        if let Some(s) = lock(&self.slots).get_mut(index) {
+            s.stale = false;
+            s.err = r.err();
+        }
+    }
+
     /// Each request's state right now.
     pub fn states(&self) -> Vec<TransferState> {
         lock(&self.slots)
             .iter()
             .map(|s| match (&s.err, s.left) {
-                (_, l) if l > 0 => TransferState::Pending { transferred: 0 },
+                (_, l) if l > 0 || s.stale => TransferState::Pending { transferred: 0 },
                 (Some(e), _) => TransferState::Failed(e.clone()),
                 (None, _) => TransferState::Completed,
             })
@@ -151,7 +191,7 @@ impl BatchState {
 }
 
 /// The cached region table of a peer.
-type TableCache = RwLock<Arc<Vec<(u64, u64)>>>;
+type TableCache = RwLock<Arc<Vec<TableEntry>>>;
 
 enum PendingKind {
     /// Holds the source region registered until the target acknowledges,
@@ -207,6 +247,8 @@ impl PendingOp {
 #[derive(Default)]
 struct PendingMap {
     ops: HashMap<u64, PendingOp>,
+    /// Ids of operations whose batch expired: their responses are skipped.
+    abandoned: HashSet<u64>,
     closed: Option<Error>,
 }
 
@@ -218,7 +260,15 @@ pub struct ConnShared {
     write_lock: tokio::sync::Mutex<()>,
     next_id: AtomicU64,
     dead: AtomicBool,
-    timeout: Duration,
+    /// Closed by this side for idleness (before the target's idle
+    /// deadline): a send that finds it so goes to a new connection.
+    retired: AtomicBool,
+    /// Deadlines for moving bytes inside frames.
+    pace: Pace,
+    /// When the connection was made; `last_rx` counts from it.
+    born: Instant,
+    /// Milliseconds after `born` when the last response header arrived.
+    last_rx: AtomicU64,
 }
 
 impl ConnShared {
@@ -241,6 +291,52 @@ impl ConnShared {
         lock(&self.pending).ops.remove(&id)
     }
 
+    /// Whether `id` belonged to an expired batch (and forgets it).
+    fn forget(&self, id: u64) -> bool {
+        lock(&self.pending).abandoned.remove(&id)
+    }
+
+    fn mark_rx(&self) {
+        let ms = self.born.elapsed().as_millis() as u64;
+        self.last_rx.store(ms, Ordering::Relaxed);
+    }
+
+    /// How long ago the last response header arrived.
+    fn since_rx(&self) -> Duration {
+        let last = Duration::from_millis(self.last_rx.load(Ordering::Relaxed));
+        self.born.elapsed().saturating_sub(last)
+    }
+
+    /// Fails the operations of `batch` pending on this connection with
+    /// `err` (their late responses will be skipped). The connection itself
+    /// is dropped only if the peer has sent nothing for `quiet` (it is
+    /// stuck for every batch) or too many ids are abandoned.
+    fn abandon(&self, batch: &Arc<BatchState>, err: &Error, quiet: Duration) {
+        let (ops, too_many) = {
+            let mut map = lock(&self.pending);
+            let ids: Vec<u64> = map
+                .ops
+                .iter()
+                .filter(|(_, op)| Arc::ptr_eq(&op.batch, batch))
+                .map(|(id, _)| *id)
+                .collect();
+            let mut ops = Vec::with_capacity(ids.len());
+            for id in ids {
+                if let Some(op) = map.ops.remove(&id) {
+                    map.abandoned.insert(id);
+                    ops.push(op);
+                }
+            }
+            (ops, map.abandoned.len() > MAX_ABANDONED)
+        };
+        for op in ops {
+            op.complete(Err(err.clone()));
+        }
+        if too_many || self.since_rx() >= quiet {
+            self.fail_all(err.clone());
+        }
+    }
+
     fn protocol(&self, reason: impl Into<String>) -> Error {
         Error::Protocol {
             peer: self.peer.clone(),
@@ -253,7 +349,7 @@ impl ConnShared {
             Error::Timeout {
                 operation: "receiving a response".to_owned(),
                 peer: Some(self.peer.clone()),
-                after: self.timeout,
+                after: self.pace.stall,
             }
         } else {
             Error::PeerLost {
@@ -275,11 +371,20 @@ impl ConnShared {
                 "peer {} refused the notification as malformed",
                 self.peer
             )),
-            Status::NotifyQueueFull => Error::Backend {
-                backend: "tcp".to_owned(),
-                operation: "notify".to_owned(),
-                code: status as i64,
-                name: format!("notification queue of {} is full", self.peer),
+            // Retryable (WouldBlock): the target drains its queue.
+            Status::NotifyQueueFull => Error::Io {
+                context: format!(
+                    "notifying {}: its notification queue is full, try again later",
+                    self.peer
+                ),
+                kind: std::io::ErrorKind::WouldBlock,
+                message: "notification queue full".to_owned(),
+            },
+            Status::StaleRegion => Error::AddressNotRegistered {
+                side: Side::Remote,
+                addr,
+                len,
+                peer: Some(self.peer.clone()),
             },
             Status::ShuttingDown => Error::PeerLost {
                 peer: self.peer.clone(),
@@ -289,11 +394,15 @@ impl ConnShared {
         }
     }
 
-    /// Completes `id` with a plain acknowledgement.
-    fn ack(&self, id: u64, r: Result<()>) -> Result<()> {
-        let op = self
-            .take(id)
-            .ok_or_else(|| self.protocol(format!("response for unknown request id {id}")))?;
+    /// Completes `id` with a plain acknowledgement or an error status
+    /// (responses for ids of expired batches are skipped).
+    fn ack(&self, id: u64, r: std::result::Result<(), (Status, u64, u64)>) -> Result<()> {
+        let Some(op) = self.take(id) else {
+            if self.forget(id) {
+                return Ok(());
+            }
+            return Err(self.protocol(format!("response for unknown request id {id}")));
+        };
         if r.is_ok()
             && matches!(
                 op.kind,
@@ -304,13 +413,27 @@ impl ConnShared {
             op.complete(Err(err.clone()));
             return Err(err);
         }
-        op.complete(r);
+        match r {
+            Ok(()) => op.complete(Ok(())),
+            Err((status, addr, len)) => {
+                if status == Status::StaleRegion {
+                    op.batch.mark_stale(op.index);
+                }
+                let e = self.status_error(status, addr, len);
+                op.complete(Err(e));
+            }
+        }
         Ok(())
     }
 }
 
-async fn reader_task(conn: Arc<ConnShared>, spin: Duration, spin_pending: Duration) {
-    let err = match reader_loop(&conn, spin, spin_pending).await {
+async fn reader_task(
+    conn: Arc<ConnShared>,
+    spin: Duration,
+    spin_pending: Duration,
+    idle: Option<Duration>,
+) {
+    let err = match reader_loop(&conn, spin, spin_pending, idle).await {
         Ok(()) => Error::PeerLost {
             peer: conn.peer.clone(),
             reason: "the peer closed the connection".to_owned(),
@@ -321,8 +444,16 @@ async fn reader_task(conn: Arc<ConnShared>, spin: Duration, spin_pending: Durati
     conn.fail_all(err);
 }
 
-async fn reader_loop(conn: &ConnShared, spin: Duration, spin_pending: Duration) -> Result<()> {
-    let mut rd = FrameReader::new(spin, conn.timeout);
+/// Reads responses until EOF or an error. `idle`: how long the connection
+/// may stay without requests before this side retires it (half the
+/// target's idle deadline, so the target never closes it under a request).
+async fn reader_loop(
+    conn: &ConnShared,
+    spin: Duration,
+    spin_pending: Duration,
+    idle: Option<Duration>,
+) -> Result<()> {
+    let mut rd = FrameReader::new(spin, conn.pace);
     let mut ids = vec![0u8; MAX_ACKS as usize * 8];
     let stream = &conn.stream;
     let spin_pending = spin_pending.max(spin);
@@ -330,10 +461,28 @@ async fn reader_loop(conn: &ConnShared, spin: Duration, spin_pending: Duration) 
         // Poll longer while responses are expected.
         let busy = !lock(&conn.pending).ops.is_empty();
         rd.set_spin(if busy { spin_pending } else { spin });
-        let hdr = match rd.next_header(stream).await.map_err(|e| conn.lost(&e))? {
+        let hdr = match rd
+            .next_header(stream, if busy { None } else { idle })
+            .await
+            .map_err(|e| conn.lost(&e))?
+        {
             Next::Header(h) => h,
             Next::Eof => return Ok(()),
+            Next::Idle => {
+                let mut map = lock(&conn.pending);
+                if map.ops.is_empty() {
+                    // Retire it: sends that race with this go elsewhere.
+                    conn.retired.store(true, Ordering::Release);
+                    conn.dead.store(true, Ordering::Release);
+                    map.closed.get_or_insert_with(|| {
+                        Error::Canceled(format!("idle connection to {} retired", conn.peer))
+                    });
+                    return Ok(());
+                }
+                continue;
+            }
         };
+        conn.mark_rx();
         let resp = Response::decode(&hdr).map_err(|e| conn.protocol(e.0))?;
         match resp {
             Response::Ok { id } => conn.ack(id, Ok(()))?,
@@ -351,11 +500,17 @@ async fn reader_loop(conn: &ConnShared, spin: Duration, spin_pending: Duration) 
                 status,
                 addr,
                 len,
-            } => conn.ack(id, Err(conn.status_error(status, addr, len)))?,
+            } => conn.ack(id, Err((status, addr, len)))?,
             Response::Data { id, len } => {
-                let op = conn
-                    .take(id)
-                    .ok_or_else(|| conn.protocol(format!("DATA for unknown request id {id}")))?;
+                let Some(op) = conn.take(id) else {
+                    if conn.forget(id) {
+                        rd.discard(stream, len, true)
+                            .await
+                            .map_err(|e| conn.lost(&e))?;
+                        continue;
+                    }
+                    return Err(conn.protocol(format!("DATA for unknown request id {id}")));
+                };
                 let (dst, want) = match &op.kind {
                     PendingKind::Read { dst, len, .. } => (*dst, *len),
                     _ => (0, u64::MAX),
@@ -388,16 +543,30 @@ async fn reader_loop(conn: &ConnShared, spin: Duration, spin_pending: Duration) 
                 failed,
                 len,
             } => {
-                let op = conn
-                    .take(id)
-                    .ok_or_else(|| conn.protocol(format!("DATAV for unknown request id {id}")))?;
+                let buf = &mut ids[..failed as usize * 4];
+                // The indices end the frame only if no data follows.
+                let Some(op) = conn.take(id) else {
+                    if conn.forget(id) {
+                        let r = if len == 0 {
+                            rd.read_payload(stream, Bytes::from_mut(buf)).await
+                        } else {
+                            rd.read_part(stream, Bytes::from_mut(buf)).await
+                        };
+                        r.map_err(|e| conn.lost(&e))?;
+                        if len > 0 {
+                            rd.discard(stream, len, true)
+                                .await
+                                .map_err(|e| conn.lost(&e))?;
+                        }
+                        continue;
+                    }
+                    return Err(conn.protocol(format!("DATAV for unknown request id {id}")));
+                };
                 let PendingKind::ReadV { parts, .. } = &op.kind else {
                     let err = conn.protocol(format!("DATAV for request {id}, not a READV"));
                     op.complete(Err(err.clone()));
                     return Err(err);
                 };
-                let buf = &mut ids[..failed as usize * 4];
-                // The indices end the frame only if no data follows.
                 let r = if len == 0 {
                     rd.read_payload(stream, Bytes::from_mut(buf)).await
                 } else {
@@ -453,6 +622,9 @@ async fn reader_loop(conn: &ConnShared, spin: Duration, spin_pending: Duration) 
                 let status = status.unwrap_or(Status::AddressNotRegistered);
                 for ((index, _, remote, n), b) in parts.iter().zip(bad) {
                     let r = if b {
+                        if status == Status::StaleRegion {
+                            op.batch.mark_stale(*index);
+                        }
                         Err(conn.status_error(status, *remote, *n))
                     } else {
                         Ok(())
@@ -465,9 +637,12 @@ async fn reader_loop(conn: &ConnShared, spin: Duration, spin_pending: Duration) 
                 rd.read_payload(stream, Bytes::from_mut(buf))
                     .await
                     .map_err(|e| conn.lost(&e))?;
-                let op = conn
-                    .take(id)
-                    .ok_or_else(|| conn.protocol(format!("ERRV for unknown request id {id}")))?;
+                let Some(op) = conn.take(id) else {
+                    if conn.forget(id) {
+                        continue;
+                    }
+                    return Err(conn.protocol(format!("ERRV for unknown request id {id}")));
+                };
                 let PendingKind::WriteV { parts, .. } = &op.kind else {
                     let err = conn.protocol(format!("ERRV for request {id}, not a WRITEV"));
                     op.complete(Err(err.clone()));
@@ -488,6 +663,9 @@ async fn reader_loop(conn: &ConnShared, spin: Duration, spin_pending: Duration) 
                 }
                 for ((index, addr, len), bad) in parts.iter().zip(failed) {
                     let r = if bad {
+                        if status == Status::StaleRegion {
+                            op.batch.mark_stale(*index);
+                        }
                         Err(conn.status_error(status, *addr, *len))
                     } else {
                         Ok(())
@@ -496,15 +674,25 @@ async fn reader_loop(conn: &ConnShared, spin: Duration, spin_pending: Duration) 
                 }
             }
             Response::Table { id, count } => {
-                // Bounded by the decoder (≤ 65,536 entries, 1 MiB).
-                let mut raw = vec![0u8; count as usize * 16];
+                // Bounded by the decoder (≤ 65,536 entries, 1.5 MiB).
+                let mut raw = vec![0u8; count as usize * TABLE_ENTRY_LEN];
                 rd.read_payload(stream, Bytes::from_mut(&mut raw))
                     .await
                     .map_err(|e| conn.lost(&e))?;
-                let table = decode_table(&raw).map_err(|e| conn.protocol(e.0))?;
-                let op = conn
-                    .take(id)
-                    .ok_or_else(|| conn.protocol(format!("TABLE for unknown request id {id}")))?;
+                let Some(op) = conn.take(id) else {
+                    if conn.forget(id) {
+                        continue;
+                    }
+                    return Err(conn.protocol(format!("TABLE for unknown request id {id}")));
+                };
+                let table = match decode_table(&raw) {
+                    Ok(t) => t,
+                    Err(e) => {
+                        let err = conn.protocol(e.0);
+                        op.complete(Err(err.clone()));
+                        return Err(err);
+                    }
+                };
                 match &op.kind {
                     PendingKind::Table(cache) => {
                         *cache.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(table);
@@ -581,36 +769,42 @@ enum OutKind {
         off: u64,
         len: u64,
         remote: u64,
+        gen: u32,
     },
     Read {
         guard: Arc<RegionGuard>,
         off: u64,
         len: u64,
         remote: u64,
+        gen: u32,
     },
     Notify {
         bytes: Vec<u8>,
         name_len: u64,
     },
     Table(Arc<TableCache>),
-    /// Small writes sent as one WRITEV frame: `(request index, source
-    /// guard, offset in it, len, remote addr)` per segment.
-    WriteV(Vec<(usize, Arc<RegionGuard>, u64, u64, u64)>),
+    /// Small writes sent as one WRITEV frame (see [`Part`]).
+    WriteV(Vec<Part>),
     /// Small reads sent as one READV frame, same layout.
-    ReadV(Vec<(usize, Arc<RegionGuard>, u64, u64, u64)>),
+    ReadV(Vec<Part>),
 }
 
-/// The segment table of a WRITEV/READV frame (`remote addr, len` per
-/// segment, little-endian) and the segments' total length.
-fn segment_table(parts: &[(usize, Arc<RegionGuard>, u64, u64, u64)]) -> (Vec<u8>, u64) {
-    let mut table = Vec::with_capacity(parts.len() * 16);
-    let mut total = 0;
-    for (_, _, _, len, remote) in parts {
-        table.extend_from_slice(&remote.to_le_bytes());
-        table.extend_from_slice(&len.to_le_bytes());
-        total += len;
-    }
-    (table, total)
+/// One segment of a WRITEV/READV: `(request index, local guard, offset in
+/// it, len, remote addr, remote region generation)`.
+type Part = (usize, Arc<RegionGuard>, u64, u64, u64, u32);
+
+/// The segment table of a WRITEV/READV frame and the segments' total
+/// length.
+fn segment_table(parts: &[Part]) -> (Vec<u8>, u64) {
+    let segs: Vec<Segment> = parts
+        .iter()
+        .map(|p| Segment {
+            addr: p.4,
+            len: p.3,
+            gen: p.5,
+        })
+        .collect();
+    (encode_segments(&segs), parts.iter().map(|p| p.3).sum())
 }
 
 struct OutOp {
@@ -642,8 +836,13 @@ fn source(guard: &RegionGuard, off: u64, len: u64) -> Bytes<'static> {
 }
 
 /// Registers `ops` as pending on `conn` and writes them in as few system
-/// calls as possible. Failures complete the operations with an error.
-async fn send_ops(conn: &ConnShared, batch: &Arc<BatchState>, ops: Vec<OutOp>) {
+/// calls as possible. Failures complete the operations with an error; a
+/// connection this side retired for idleness hands them back untouched.
+async fn send_ops(
+    conn: &ConnShared,
+    batch: &Arc<BatchState>,
+    ops: Vec<OutOp>,
+) -> std::result::Result<(), Vec<OutOp>> {
     let mut hdrs = Vec::with_capacity(ops.len());
     let mut ids = Vec::with_capacity(ops.len());
     // Segment tables of WRITEV frames, in frame order.
@@ -652,10 +851,13 @@ async fn send_ops(conn: &ConnShared, batch: &Arc<BatchState>, ops: Vec<OutOp>) {
         let mut map = lock(&conn.pending);
         if let Some(e) = map.closed.clone() {
             drop(map);
+            if conn.retired.load(Ordering::Acquire) {
+                return Err(ops);
+            }
             for op in &ops {
                 op.fail(batch, &e);
             }
-            return;
+            return Ok(());
         }
         for op in &ops {
             let id = conn.next_id.fetch_add(1, Ordering::Relaxed);
@@ -665,12 +867,14 @@ async fn send_ops(conn: &ConnShared, batch: &Arc<BatchState>, ops: Vec<OutOp>) {
                     guard,
                     len,
                     remote: addr,
+                    gen,
                     ..
                 } => (
                     Request::Write {
                         id,
                         addr: *addr,
                         len: *len,
+                        gen: *gen,
                     },
                     PendingKind::Write(Arc::clone(guard)),
                 ),
@@ -679,11 +883,13 @@ async fn send_ops(conn: &ConnShared, batch: &Arc<BatchState>, ops: Vec<OutOp>) {
                     off,
                     len,
                     remote,
+                    gen,
                 } => (
                     Request::Read {
                         id,
                         addr: *remote,
                         len: *len,
+                        gen: *gen,
                     },
                     PendingKind::Read {
                         dst: guard.as_ptr() as usize + *off as usize,
@@ -756,7 +962,7 @@ async fn send_ops(conn: &ConnShared, batch: &Arc<BatchState>, ops: Vec<OutOp>) {
                 if let Some(t) = tables.next() {
                     bufs.push(Bytes::from_ref(t));
                 }
-                for (_, guard, off, len, _) in parts {
+                for (_, guard, off, len, _, _) in parts {
                     bufs.push(source(guard, *off, *len));
                 }
             }
@@ -779,11 +985,12 @@ async fn send_ops(conn: &ConnShared, batch: &Arc<BatchState>, ops: Vec<OutOp>) {
     let _w = conn.write_lock.lock().await;
     unsent.ids = None;
     let mut poison = PoisonOnDrop(Some(conn));
-    let res = write_all(&conn.stream, &bufs, conn.timeout).await;
+    let res = write_all(&conn.stream, &bufs, conn.pace).await;
     poison.0 = None;
     if let Err(e) = res {
         conn.fail_all(conn.lost(&e));
     }
+    Ok(())
 }
 
 /// One connection slot of a peer.
@@ -836,7 +1043,7 @@ impl Peer {
         }
     }
 
-    fn table(&self) -> Arc<Vec<(u64, u64)>> {
+    fn table(&self) -> Arc<Vec<TableEntry>> {
         Arc::clone(&self.table.read().unwrap_or_else(|p| p.into_inner()))
     }
 
@@ -918,50 +1125,89 @@ impl Peer {
             write_lock: tokio::sync::Mutex::new(()),
             next_id: AtomicU64::new(1),
             dead: AtomicBool::new(false),
-            timeout: cfg.request_timeout,
+            retired: AtomicBool::new(false),
+            pace: Pace {
+                stall: cfg.stall_timeout,
+                min_rate: cfg.min_rate,
+            },
+            born: Instant::now(),
+            last_rx: AtomicU64::new(0),
         });
-        let reader = tokio::spawn(reader_task(Arc::clone(&shared), cfg.spin, cfg.spin_pending))
-            .abort_handle();
+        // Retire idle connections well before the target's idle deadline.
+        let idle = welcome.idle.map(|d| d / 2);
+        let reader = tokio::spawn(reader_task(
+            Arc::clone(&shared),
+            cfg.spin,
+            cfg.spin_pending,
+            idle,
+        ))
+        .abort_handle();
         Ok(Conn { shared, reader })
+    }
+
+    /// Sends `ops` on connection slot `c` (connecting if needed; a
+    /// connection retired for idleness is replaced). Returns the
+    /// connection they went out on, or `None` if they failed up front.
+    async fn send_on(
+        &self,
+        c: usize,
+        state: &Arc<BatchState>,
+        mut ops: Vec<OutOp>,
+    ) -> Option<Arc<ConnShared>> {
+        for _ in 0..3 {
+            match self.conn(c).await {
+                Ok(conn) => match send_ops(&conn, state, ops).await {
+                    Ok(()) => return Some(conn),
+                    Err(back) => ops = back,
+                },
+                Err(e) => {
+                    fail_ops(state, &ops, &e);
+                    return None;
+                }
+            }
+        }
+        let e = Error::PeerLost {
+            peer: self.name.clone(),
+            reason: "every new connection was retired before use".to_owned(),
+        };
+        fail_ops(state, &ops, &e);
+        None
     }
 
     /// Asks the target for its current region table and caches it.
     async fn refresh_table(&self) -> Result<()> {
         let state = BatchState::new(1);
         state.arm(&[1]);
-        let conn = match self.conn(0).await {
-            Ok(c) => c,
-            Err(e) => return Err(e),
-        };
-        send_ops(
-            &conn,
-            &state,
-            vec![OutOp {
-                index: 0,
-                kind: OutKind::Table(Arc::clone(&self.table)),
-            }],
-        )
-        .await;
-        self.await_state(&state, &[conn]).await;
+        let ops = vec![OutOp {
+            index: 0,
+            kind: OutKind::Table(Arc::clone(&self.table)),
+        }];
+        let conns: Vec<_> = self.send_on(0, &state, ops).await.into_iter().collect();
+        self.await_state(&state, &conns, 0).await;
         state
             .results()
             .pop()
             .unwrap_or_else(|| Err(Error::Canceled("no result".into())))
     }
 
-    /// Waits for `state` within the request timeout; on expiry the
-    /// connections involved are dropped and their requests fail with
-    /// [`Error::Timeout`].
-    async fn await_state(&self, state: &BatchState, conns: &[Arc<ConnShared>]) {
-        let t = self.core.config.request_timeout;
+    /// Waits for `state`, which moves `bytes`, within `request_timeout +
+    /// bytes / min_rate`; on expiry only its requests fail, with
+    /// [`Error::Timeout`] (a connection is dropped only if the peer has
+    /// been silent for `request_timeout`).
+    async fn await_state(&self, state: &Arc<BatchState>, conns: &[Arc<ConnShared>], bytes: u64) {
+        let cfg = &self.core.config;
+        let t = cfg.deadline_for(cfg.request_timeout, bytes);
         if tokio::time::timeout(t, state.wait()).await.is_err() {
+            let err = Error::Timeout {
+                operation: format!("a batch of {bytes} bytes"),
+                peer: Some(self.name.clone()),
+                after: t,
+            };
             for c in conns {
-                c.fail_all(Error::Timeout {
-                    operation: "transfer".to_owned(),
-                    peer: Some(self.name.clone()),
-                    after: t,
-                });
+                c.abandon(state, &err, cfg.request_timeout);
             }
+            // What is left is a payload being received right now, which
+            // the minimum rate bounds.
             state.wait().await;
         }
     }
@@ -970,23 +1216,19 @@ impl Peer {
     async fn notify(&self, n: &Notification) -> Result<()> {
         let state = BatchState::new(1);
         state.arm(&[1]);
-        let conn = self.conn(0).await?;
         let mut bytes = Vec::with_capacity(n.name.len() + n.message.len());
         bytes.extend_from_slice(n.name.as_bytes());
         bytes.extend_from_slice(n.message.as_bytes());
-        send_ops(
-            &conn,
-            &state,
-            vec![OutOp {
-                index: 0,
-                kind: OutKind::Notify {
-                    bytes,
-                    name_len: n.name.len() as u64,
-                },
-            }],
-        )
-        .await;
-        self.await_state(&state, &[conn]).await;
+        let size = bytes.len() as u64;
+        let ops = vec![OutOp {
+            index: 0,
+            kind: OutKind::Notify {
+                bytes,
+                name_len: n.name.len() as u64,
+            },
+        }];
+        let conns: Vec<_> = self.send_on(0, &state, ops).await.into_iter().collect();
+        self.await_state(&state, &conns, size).await;
         state
             .results()
             .pop()
@@ -998,13 +1240,49 @@ impl Peer {
     /// connections), waits for them, then sends `notify` if all succeeded.
     /// Results land in `state` (which has `requests.len()` slots); a failed
     /// notification becomes the last request's error, or the `Err` returned
-    /// for an empty batch.
+    /// for an empty batch. Requests the target refused because their region
+    /// was registered again since the table used (a different generation)
+    /// are retried once with a fresh table.
     pub async fn run_batch(
         self: &Arc<Self>,
         requests: &[TransferRequest],
         notify: Option<&Notification>,
         state: &Arc<BatchState>,
     ) -> Result<()> {
+        self.transfer_all(requests, state).await;
+        let stale = state.stale();
+        if !stale.is_empty() {
+            let refreshed = self.refresh_table().await;
+            let retry: Vec<TransferRequest> = stale.iter().map(|&i| requests[i]).collect();
+            let sub = BatchState::new(retry.len());
+            if refreshed.is_ok() {
+                self.transfer_all(&retry, &sub).await;
+            }
+            let results = sub.results();
+            for (k, &i) in stale.iter().enumerate() {
+                match (&refreshed, results.get(k)) {
+                    (Ok(()), Some(r)) => state.resolve(i, r.clone()),
+                    (Err(e), _) => state.resolve(i, Err(e.clone())),
+                    (Ok(()), None) => state.resolve(i, Err(Error::Canceled("no result".into()))),
+                }
+            }
+        }
+        if let Some(n) = notify {
+            let results = state.results();
+            if results.iter().all(Result::is_ok) {
+                if let Err(e) = self.notify(n).await {
+                    match results.len() {
+                        0 => return Err(e),
+                        len => state.set_error(len - 1, e),
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// One pass of [`Peer::run_batch`] without the notification.
+    async fn transfer_all(self: &Arc<Self>, requests: &[TransferRequest], state: &Arc<BatchState>) {
         let chunk = self.core.config.chunk_size as u64;
         let mut guards: Vec<Option<Arc<RegionGuard>>> = Vec::with_capacity(requests.len());
         let mut remote_miss = Vec::new();
@@ -1020,7 +1298,7 @@ impl Peer {
                 .acquire(r.local_addr, r.len, Side::Local, None)
             {
                 Ok(g) => {
-                    if !table_contains(&table, r.remote_addr, r.len) {
+                    if table_lookup(&table, r.remote_addr, r.len).is_none() {
                         remote_miss.push(i);
                     }
                     guards.push(Some(Arc::new(g)));
@@ -1040,7 +1318,7 @@ impl Peer {
                 let r = &requests[i];
                 let err = match &refreshed {
                     Err(e) => Some(e.clone()),
-                    Ok(()) if !table_contains(&table, r.remote_addr, r.len) => {
+                    Ok(()) if table_lookup(&table, r.remote_addr, r.len).is_none() => {
                         Some(Error::AddressNotRegistered {
                             side: Side::Remote,
                             addr: r.remote_addr,
@@ -1056,30 +1334,35 @@ impl Peer {
                 }
             }
         }
+        // The generation each request's remote range is in, from the
+        // table as it is now (frames carry it; the target refuses a frame
+        // whose region was registered again since).
+        let table = self.table();
         // Plan the wire operations.
         let n_conns = self.slots.len();
         let mut per_conn: Vec<Vec<OutOp>> = (0..n_conns).map(|_| Vec::new()).collect();
         let mut counts = vec![0u32; requests.len()];
+        let mut bytes = 0u64;
         // Requests that fit in one chunk all go to connection 0: in order,
         // pipelined, and the other connections stay idle (and do not poll)
         // unless large requests are split over them.
         let home = 0;
         // Small writes (reads) are gathered into WRITEV (READV) frames: one
         // system call on the target for all of them.
-        type Group = Vec<(usize, Arc<RegionGuard>, u64, u64, u64)>;
-        let mut groups: [(Group, u64); 2] = [(Vec::new(), 0), (Vec::new(), 0)];
-        let flush = |g: &mut (Group, u64), read: bool, out: &mut Vec<OutOp>| {
+        let mut groups: [(Vec<Part>, u64); 2] = [(Vec::new(), 0), (Vec::new(), 0)];
+        let flush = |g: &mut (Vec<Part>, u64), read: bool, out: &mut Vec<OutOp>| {
             g.1 = 0;
             match g.0.len() {
                 0 => {}
                 1 => {
-                    if let Some((index, guard, off, len, remote)) = g.0.pop() {
+                    if let Some((index, guard, off, len, remote, gen)) = g.0.pop() {
                         let kind = if read {
                             OutKind::Read {
                                 guard,
                                 off,
                                 len,
                                 remote,
+                                gen,
                             }
                         } else {
                             OutKind::Write {
@@ -1087,6 +1370,7 @@ impl Peer {
                                 off,
                                 len,
                                 remote,
+                                gen,
                             }
                         };
                         out.push(OutOp { index, kind });
@@ -1106,13 +1390,27 @@ impl Peer {
         };
         for (i, (r, g)) in requests.iter().zip(&guards).enumerate() {
             let Some(g) = g else { continue };
+            let Some(gen) = table_lookup(&table, r.remote_addr, r.len) else {
+                // The table changed under a concurrent refresh.
+                state.fail_unsent(
+                    i,
+                    Error::AddressNotRegistered {
+                        side: Side::Remote,
+                        addr: r.remote_addr,
+                        len: r.len,
+                        peer: Some(self.name.clone()),
+                    },
+                );
+                continue;
+            };
+            bytes += r.len;
             if r.len <= GATHER_MAX_SEGMENT.min(chunk) {
                 let read = r.op == TransferOp::Read;
                 let grp = &mut groups[read as usize];
                 if grp.0.len() == MAX_SEGMENTS as usize || grp.1 + r.len > GATHER_MAX_BYTES {
                     flush(grp, read, &mut per_conn[home]);
                 }
-                grp.0.push((i, Arc::clone(g), 0, r.len, r.remote_addr));
+                grp.0.push((i, Arc::clone(g), 0, r.len, r.remote_addr, gen));
                 grp.1 += r.len;
                 counts[i] += 1;
                 continue;
@@ -1126,12 +1424,14 @@ impl Peer {
                         off,
                         len,
                         remote: r.remote_addr + off,
+                        gen,
                     },
                     TransferOp::Read => OutKind::Read {
                         guard: Arc::clone(g),
                         off,
                         len,
                         remote: r.remote_addr + off,
+                        gen,
                     },
                 };
                 // Chunks of requests larger than one chunk are spread.
@@ -1163,44 +1463,15 @@ impl Peer {
         if used.len() == 1 {
             let c = used[0];
             let ops = std::mem::take(&mut per_conn[c]);
-            match self.conn(c).await {
-                Ok(conn) => {
-                    send_ops(&conn, state, ops).await;
-                    conns.push(conn);
-                }
-                Err(e) => fail_ops(state, &ops, &e),
-            }
+            conns.extend(self.send_on(c, state, ops).await);
         } else if !used.is_empty() {
             let sends = used.iter().map(|&c| {
                 let ops = std::mem::take(&mut per_conn[c]);
-                async move {
-                    match self.conn(c).await {
-                        Ok(conn) => {
-                            send_ops(&conn, state, ops).await;
-                            Some(conn)
-                        }
-                        Err(e) => {
-                            fail_ops(state, &ops, &e);
-                            None
-                        }
-                    }
-                }
+                self.send_on(c, state, ops)
             });
             conns.extend(futures::future::join_all(sends).await.into_iter().flatten());
         }
-        self.await_state(state, &conns).await;
-        if let Some(n) = notify {
-            let results = state.results();
-            if results.iter().all(Result::is_ok) {
-                if let Err(e) = self.notify(n).await {
-                    match results.len() {
-                        0 => return Err(e),
-                        len => state.set_error(len - 1, e),
-                    }
-                }
-            }
-        }
-        Ok(())
+        self.await_state(state, &conns, bytes).await;
     }
 }
 

@@ -24,19 +24,44 @@ pub struct TcpConfig {
     /// TCP connections opened to each peer (1..=16). Requests (and chunks of
     /// large requests) are spread over them round-robin.
     pub connections: usize,
-    /// Deadline for connecting to a peer and completing the handshake.
+    /// Deadline for connecting to a peer and completing the handshake (as
+    /// an initiator).
     pub connect_timeout: Duration,
-    /// Deadline for a batch to complete once sent, and for a peer to make
-    /// progress inside a frame. On expiry the requests fail with
-    /// [`Error::Timeout`] and the connection is dropped (the next use
-    /// reconnects).
+    /// Base deadline of a batch once sent: a batch of `n` bytes must
+    /// complete within `request_timeout + n / min_rate`. On expiry only that
+    /// batch's requests fail, with [`Error::Timeout`]; the connection is
+    /// dropped only if the peer has sent nothing for `request_timeout`.
     pub request_timeout: Duration,
+    /// Inside a frame, a peer must make progress within `stall_timeout`
+    /// and finish a payload of `n` bytes within `stall_timeout + n /
+    /// min_rate`; otherwise the connection is dropped. This bounds how long
+    /// a payload in flight holds a region (and so `unregister`).
+    pub stall_timeout: Duration,
+    /// Minimum progress rate, bytes per second, of payloads and batches in
+    /// flight (see `request_timeout` and `stall_timeout`).
+    pub min_rate: u64,
+    /// Deadline for an inbound connection to complete the handshake (as a
+    /// target). Short: a connection in the handshake holds a slot of the
+    /// small handshake budget.
+    pub handshake_timeout: Duration,
+    /// Most inbound connections in the handshake at once, apart from the
+    /// `max_inbound` established ones. When full, a new connection evicts
+    /// the oldest handshake of the source address holding the most of
+    /// them (which receives `Busy`), so a flood from some addresses cannot
+    /// keep peers at other addresses — or a fast legitimate handshake —
+    /// out.
+    pub max_handshakes: usize,
+    /// An established inbound connection with no request for this long is
+    /// closed (whether or not a secret is set). Initiators learn it in the
+    /// handshake and retire their idle connections before it expires.
+    pub idle_timeout: Duration,
     /// Requests longer than this are split into chunks of at most this many
     /// bytes (1..=64 MiB), spread over the connections.
     pub chunk_size: usize,
     /// Most requests one batch may hold.
     pub max_batch: usize,
-    /// Most inbound connections served at once; more are refused.
+    /// Most established inbound connections served at once; more are
+    /// refused with `Busy`.
     pub max_inbound: usize,
     /// How long an idle connection polls the socket before sleeping in the
     /// kernel (bounded busy-poll: lower latency, no spinning while idle).
@@ -61,6 +86,11 @@ impl Default for TcpConfig {
             connections: 1,
             connect_timeout: Duration::from_secs(5),
             request_timeout: Duration::from_secs(30),
+            stall_timeout: Duration::from_secs(10),
+            min_rate: 4 << 20,
+            handshake_timeout: Duration::from_secs(2),
+            max_handshakes: 128,
+            idle_timeout: Duration::from_secs(300),
             chunk_size: 1 << 20,
             max_batch: 65_536,
             max_inbound: 1024,
@@ -79,6 +109,11 @@ impl fmt::Debug for TcpConfig {
             .field("connections", &self.connections)
             .field("connect_timeout", &self.connect_timeout)
             .field("request_timeout", &self.request_timeout)
+            .field("stall_timeout", &self.stall_timeout)
+            .field("min_rate", &self.min_rate)
+            .field("handshake_timeout", &self.handshake_timeout)
+            .field("max_handshakes", &self.max_handshakes)
+            .field("idle_timeout", &self.idle_timeout)
             .field("chunk_size", &self.chunk_size)
             .field("max_batch", &self.max_batch)
             .field("max_inbound", &self.max_inbound)
@@ -100,6 +135,14 @@ fn parse_num(key: &str, value: &str) -> Result<u64> {
 }
 
 impl TcpConfig {
+    /// The deadline for moving `bytes` on top of `base`: `base + bytes /
+    /// min_rate` (saturating).
+    pub fn deadline_for(&self, base: Duration, bytes: u64) -> Duration {
+        let per = Duration::try_from_secs_f64(bytes as f64 / self.min_rate.max(1) as f64)
+            .unwrap_or(Duration::MAX);
+        base.saturating_add(per)
+    }
+
     /// Parses `tcp://HOST:PORT?param=value&...` into a configuration.
     ///
     /// `HOST:PORT` is the listen address (`[::1]:7000` for IPv6; the port
@@ -114,7 +157,12 @@ impl TcpConfig {
     /// | `connect_timeout_ms` | `connect_timeout` | connect + handshake deadline, ms (> 0)   |
     /// | `chunk_size`         | `chunk_size`      | split size in bytes, 1..=67108864        |
     /// | `max_batch`          | `max_batch`       | most requests per batch (> 0)            |
-    /// | `max_inbound`        | `max_inbound`     | most inbound connections (> 0)           |
+    /// | `max_inbound`        | `max_inbound`     | most established inbound connections (> 0) |
+    /// | `stall_timeout_ms`   | `stall_timeout`   | in-frame progress deadline, ms (> 0)     |
+    /// | `min_rate`           | `min_rate`        | minimum bytes/s of payloads in flight (> 0) |
+    /// | `handshake_timeout_ms` | `handshake_timeout` | inbound handshake deadline, ms (> 0) |
+    /// | `max_handshakes`     | `max_handshakes`  | inbound handshakes at once (> 0)         |
+    /// | `idle_timeout_ms`    | `idle_timeout`    | idle inbound connection deadline, ms (> 0) |
     /// | `spin_us`            | `spin`            | busy-poll before sleeping, µs (0: none)  |
     /// | `spin_pending_us`    | `spin_pending`    | same while requests are outstanding, µs  |
     /// | `socket_buffer`      | `socket_buffer`   | SO_SNDBUF/SO_RCVBUF bytes (0: kernel)    |
@@ -166,6 +214,17 @@ impl TcpConfig {
                 "chunk_size" => cfg.chunk_size = parse_num(&key, &value)? as usize,
                 "max_batch" => cfg.max_batch = parse_num(&key, &value)? as usize,
                 "max_inbound" => cfg.max_inbound = parse_num(&key, &value)? as usize,
+                "stall_timeout_ms" => {
+                    cfg.stall_timeout = Duration::from_millis(parse_num(&key, &value)?)
+                }
+                "min_rate" => cfg.min_rate = parse_num(&key, &value)?,
+                "handshake_timeout_ms" => {
+                    cfg.handshake_timeout = Duration::from_millis(parse_num(&key, &value)?)
+                }
+                "max_handshakes" => cfg.max_handshakes = parse_num(&key, &value)? as usize,
+                "idle_timeout_ms" => {
+                    cfg.idle_timeout = Duration::from_millis(parse_num(&key, &value)?)
+                }
                 "spin_us" => cfg.spin = Duration::from_micros(parse_num(&key, &value)?),
                 "spin_pending_us" => {
                     cfg.spin_pending = Duration::from_micros(parse_num(&key, &value)?)
@@ -178,7 +237,8 @@ impl TcpConfig {
                     return Err(invalid(format!(
                         "unknown tcp URL parameter {other:?}; known: secret, connections, \
                          timeout_ms, connect_timeout_ms, chunk_size, max_batch, max_inbound, \
-                         spin_us, spin_pending_us, socket_buffer"
+                         stall_timeout_ms, min_rate, handshake_timeout_ms, max_handshakes, \
+                         idle_timeout_ms, spin_us, spin_pending_us, socket_buffer"
                     )))
                 }
             }
@@ -214,6 +274,24 @@ impl TcpConfig {
         }
         if self.max_inbound == 0 {
             return Err(invalid("max_inbound must be > 0".into()));
+        }
+        if self.max_handshakes == 0 {
+            return Err(invalid("max_handshakes must be > 0".into()));
+        }
+        if self.min_rate == 0 {
+            return Err(invalid("min_rate must be > 0".into()));
+        }
+        for (name, d) in [
+            ("stall_timeout_ms (stall_timeout)", self.stall_timeout),
+            (
+                "handshake_timeout_ms (handshake_timeout)",
+                self.handshake_timeout,
+            ),
+            ("idle_timeout_ms (idle_timeout)", self.idle_timeout),
+        ] {
+            if d.is_zero() {
+                return Err(invalid(format!("{name} must be > 0")));
+            }
         }
         if self.secret.as_deref() == Some("") {
             return Err(invalid("secret must not be empty".into()));

@@ -9,13 +9,13 @@ use tokio::sync::watch;
 use tokio::task::AbortHandle;
 use transport_core::{
     BackendInfo, BatchId, BatchReport, BatchStatus, Capabilities, Error, MemoryKinds, MemoryRegion,
-    Notification, RegionTable, Result, SegmentId, TransferEngine, TransferRequest, TransferState,
+    Notification, Result, SegmentId, TransferEngine, TransferRequest, TransferState,
 };
 
 use crate::client::{BatchState, Peer};
 use crate::config::TcpConfig;
 use crate::frame::VERSION;
-use crate::server::{accept_loop, lock, Core, NotificationQueue};
+use crate::server::{accept_loop, lock, Core};
 
 const BACKEND: &str = "tcp";
 
@@ -109,12 +109,7 @@ impl TcpEngine {
         let bound = listener
             .local_addr()
             .map_err(|e| Error::io("reading the bound address", &e))?;
-        let core = Arc::new(Core {
-            name: bound.to_string(),
-            config,
-            regions: RegionTable::new(),
-            notifications: Mutex::new(NotificationQueue::default()),
-        });
+        let core = Arc::new(Core::new(bound.to_string(), config));
         let accept = tokio::spawn(accept_loop(listener, Arc::clone(&core))).abort_handle();
         tracing::debug!(segment = %core.name, "tcp engine started");
         Ok(TcpEngine {
@@ -254,11 +249,11 @@ impl TransferEngine for TcpEngine {
 
     async fn register(&self, region: &MemoryRegion) -> Result<()> {
         region.require_host("tcp")?;
-        self.inner.core.regions.insert(region.clone())
+        self.inner.core.register(region)
     }
 
     async fn unregister(&self, addr: u64) -> Result<()> {
-        self.inner.core.regions.remove(addr).await.map(drop)
+        self.inner.core.unregister(addr).await
     }
 
     async fn batch_register(&self, regions: &[MemoryRegion]) -> Result<()> {
@@ -271,7 +266,7 @@ impl TransferEngine for TcpEngine {
                     source: Box::new(source),
                 })?;
         }
-        self.inner.core.regions.insert_all(regions)
+        self.inner.core.register_all(regions)
     }
 
     async fn batch_unregister(&self, addrs: &[u64]) -> Result<()> {
@@ -473,8 +468,10 @@ impl TransferEngine for TcpEngine {
     }
 
     async fn take_notifications(&self) -> Result<Vec<Notification>> {
+        // The queue's memory goes to the caller with it (the count restarts
+        // from zero; see MAX_QUEUED_NOTIFICATION_BYTES for the bound).
         let mut q = lock(&self.inner.core.notifications);
         q.bytes = 0;
-        Ok(q.queue.drain(..).collect())
+        Ok(Vec::from(std::mem::take(&mut q.queue)))
     }
 }

@@ -10,8 +10,10 @@ use std::fmt;
 
 /// Magic that opens both hello messages.
 pub const MAGIC: [u8; 4] = *b"FRY\x01";
-/// Protocol version spoken by this crate.
-pub const VERSION: u16 = 1;
+/// Protocol version spoken by this crate (2: region generations in
+/// WRITE/READ frames, segments and tables; typed rejections; idle deadline
+/// in the welcome).
+pub const VERSION: u16 = 2;
 /// Size of every frame header.
 pub const HEADER_LEN: usize = 32;
 /// Largest payload one WRITE, READ or DATA frame may carry (initiators split
@@ -23,6 +25,11 @@ pub const MAX_ACKS: u32 = 512;
 pub const MAX_SEGMENTS: u32 = 512;
 /// Most regions a region table (Welcome or TABLE frame) may list.
 pub const MAX_TABLE_ENTRIES: u32 = 65_536;
+/// Size of one region table entry: `addr u64, len u64, generation u32,
+/// reserved u32`.
+pub const TABLE_ENTRY_LEN: usize = 24;
+/// Size of one WRITEV/READV segment: `addr u64, len u32, generation u32`.
+pub const SEGMENT_LEN: usize = 16;
 /// Longest engine name in a hello.
 pub const MAX_NAME: usize = 256;
 /// Longest reason text in a handshake rejection.
@@ -36,19 +43,20 @@ pub const MAX_NOTIFY_MESSAGE: u64 = transport_core::MAX_NOTIFICATION_MESSAGE as 
 
 /// Request kinds (initiator → target).
 pub mod kind {
-    /// Payload follows; store it at `a` (addr), `b` bytes.
+    /// Payload follows; store it at `a` (addr), `b` bytes, in the region
+    /// of generation `aux`.
     pub const WRITE: u8 = 0x01;
-    /// Send back `b` bytes from `a`.
+    /// Send back `b` bytes from `a`, in the region of generation `aux`.
     pub const READ: u8 = 0x02;
     /// A notification: `a` name bytes then `b` message bytes follow.
     pub const NOTIFY: u8 = 0x03;
     /// Send back the current region table.
     pub const TABLE: u8 = 0x04;
-    /// `aux` segments `(addr, len)` of 16 bytes follow, then their payloads
-    /// in order (`b` bytes in total).
+    /// `aux` segments `(addr u64, len u32, generation u32)` of 16 bytes
+    /// follow, then their payloads in order (`b` bytes in total).
     pub const WRITEV: u8 = 0x05;
-    /// `aux` segments `(addr, len)` of 16 bytes follow (`b` bytes in total
-    /// to send back).
+    /// `aux` segments as for WRITEV follow (`b` bytes in total to send
+    /// back).
     pub const READV: u8 = 0x06;
     /// Request `id` succeeded.
     pub const OK: u8 = 0x81;
@@ -90,6 +98,9 @@ pub enum Status {
     Busy = 8,
     /// Malformed input.
     Malformed = 9,
+    /// `[a, a+b)` lies in a region registered after the frame was sent (its
+    /// generation differs from the frame's): refused, nothing touched.
+    StaleRegion = 10,
 }
 
 impl Status {
@@ -105,6 +116,7 @@ impl Status {
             7 => Status::AuthFailed,
             8 => Status::Busy,
             9 => Status::Malformed,
+            10 => Status::StaleRegion,
             _ => return None,
         })
     }
@@ -187,6 +199,8 @@ pub enum Request {
         addr: u64,
         /// Payload length (≤ [`MAX_OP_LEN`]).
         len: u64,
+        /// Generation of the target region the sender saw.
+        gen: u32,
     },
     /// Send `len` bytes from `addr`.
     Read {
@@ -196,6 +210,8 @@ pub enum Request {
         addr: u64,
         /// Length (≤ [`MAX_OP_LEN`]).
         len: u64,
+        /// Generation of the target region the sender saw.
+        gen: u32,
     },
     /// A notification of `name_len` + `msg_len` bytes follows.
     Notify {
@@ -235,15 +251,17 @@ impl Request {
     /// Encodes the header of this request.
     pub fn encode(&self) -> [u8; HEADER_LEN] {
         let h = match *self {
-            Request::Write { id, addr, len } => Header {
+            Request::Write { id, addr, len, gen } => Header {
                 kind: kind::WRITE,
+                aux: gen,
                 id,
                 a: addr,
                 b: len,
                 ..Default::default()
             },
-            Request::Read { id, addr, len } => Header {
+            Request::Read { id, addr, len, gen } => Header {
                 kind: kind::READ,
+                aux: gen,
                 id,
                 a: addr,
                 b: len,
@@ -287,7 +305,11 @@ impl Request {
     /// [`MAX_OP_LEN`] is an error: its payload cannot be skipped safely.
     pub fn decode(buf: &[u8; HEADER_LEN]) -> Result<Request, DecodeError> {
         let h = Header::decode(buf)?;
-        if h.status != 0 || (h.aux != 0 && h.kind != kind::WRITEV && h.kind != kind::READV) {
+        let aux_allowed = matches!(
+            h.kind,
+            kind::WRITEV | kind::READV | kind::WRITE | kind::READ
+        );
+        if h.status != 0 || (h.aux != 0 && !aux_allowed) {
             return Err(bad("request with non-zero status or count field"));
         }
         match h.kind {
@@ -329,12 +351,14 @@ impl Request {
                         id: h.id,
                         addr: h.a,
                         len: h.b,
+                        gen: h.aux,
                     }
                 } else {
                     Request::Read {
                         id: h.id,
                         addr: h.a,
                         len: h.b,
+                        gen: h.aux,
                     }
                 })
             }
@@ -565,28 +589,55 @@ impl Response {
     }
 }
 
-/// Decodes WRITEV segments (16 bytes each: `addr`, `len`). Every length
-/// must be non-zero and the lengths must add up to `total`.
-pub fn decode_segments(buf: &[u8], total: u64) -> Result<Vec<(u64, u64)>, DecodeError> {
-    if buf.len() % 16 != 0 || buf.len() / 16 > MAX_SEGMENTS as usize {
+/// One WRITEV/READV segment: target address, length and the generation of
+/// the target region the sender saw.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Segment {
+    /// Target address.
+    pub addr: u64,
+    /// Length (> 0).
+    pub len: u64,
+    /// Region generation.
+    pub gen: u32,
+}
+
+/// Decodes WRITEV/READV segments ([`SEGMENT_LEN`] bytes each: `addr u64,
+/// len u32, generation u32`). Every length must be non-zero and the lengths
+/// must add up to `total`.
+pub fn decode_segments(buf: &[u8], total: u64) -> Result<Vec<Segment>, DecodeError> {
+    if buf.len() % SEGMENT_LEN != 0 || buf.len() / SEGMENT_LEN > MAX_SEGMENTS as usize {
         return Err(bad("segment table has a bad length"));
     }
     let mut sum = 0u64;
-    let mut out = Vec::with_capacity(buf.len() / 16);
-    for e in buf.chunks_exact(16) {
-        let (addr, len) = (le64(&e[..8]), le64(&e[8..]));
+    let mut out = Vec::with_capacity(buf.len() / SEGMENT_LEN);
+    for e in buf.chunks_exact(SEGMENT_LEN) {
+        let addr = le64(&e[..8]);
+        let len = u32::from_le_bytes([e[8], e[9], e[10], e[11]]) as u64;
+        let gen = u32::from_le_bytes([e[12], e[13], e[14], e[15]]);
         if len == 0 {
-            return Err(bad("WRITEV segment of zero bytes"));
+            return Err(bad("WRITEV/READV segment of zero bytes"));
         }
         sum = sum.saturating_add(len);
-        out.push((addr, len));
+        out.push(Segment { addr, len, gen });
     }
     if sum != total {
         return Err(bad(format!(
-            "WRITEV segments add up to {sum} bytes, the header says {total}"
+            "WRITEV/READV segments add up to {sum} bytes, the header says {total}"
         )));
     }
     Ok(out)
+}
+
+/// Encodes WRITEV/READV segments; lengths must fit in a u32 (they are at
+/// most [`MAX_OP_LEN`]).
+pub fn encode_segments(segs: &[Segment]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(segs.len() * SEGMENT_LEN);
+    for s in segs {
+        out.extend_from_slice(&s.addr.to_le_bytes());
+        out.extend_from_slice(&(s.len.min(u32::MAX as u64) as u32).to_le_bytes());
+        out.extend_from_slice(&s.gen.to_le_bytes());
+    }
+    out
 }
 
 /// Decodes `n` little-endian u64 ids from `buf` (exactly `8*n` bytes).
@@ -594,18 +645,34 @@ pub fn decode_ids(buf: &[u8]) -> impl Iterator<Item = u64> + '_ {
     buf.chunks_exact(8).map(le64)
 }
 
-/// Decodes a region table: 16-byte entries `(addr, len)`. Entries must be
-/// non-empty, must not wrap and must be sorted without overlap; the result
-/// is what an initiator validates requests against.
-pub fn decode_table(buf: &[u8]) -> Result<Vec<(u64, u64)>, DecodeError> {
-    if buf.len() % 16 != 0 || buf.len() / 16 > MAX_TABLE_ENTRIES as usize {
+/// One entry of a region table: a registered region and its generation
+/// (a number the target gives each registration; frames name it so that a
+/// frame never lands in memory registered after it was sent).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TableEntry {
+    /// Start of the region.
+    pub addr: u64,
+    /// Length (> 0).
+    pub len: u64,
+    /// Generation (never 0).
+    pub gen: u32,
+}
+
+/// Decodes a region table: [`TABLE_ENTRY_LEN`]-byte entries `(addr u64,
+/// len u64, generation u32, reserved u32)`. Entries must be non-empty, must
+/// not wrap and must be sorted without overlap; the result is what an
+/// initiator validates requests against.
+pub fn decode_table(buf: &[u8]) -> Result<Vec<TableEntry>, DecodeError> {
+    if buf.len() % TABLE_ENTRY_LEN != 0 || buf.len() / TABLE_ENTRY_LEN > MAX_TABLE_ENTRIES as usize
+    {
         return Err(bad("region table has a bad length"));
     }
-    let mut out = Vec::with_capacity(buf.len() / 16);
+    let mut out = Vec::with_capacity(buf.len() / TABLE_ENTRY_LEN);
     let mut prev_end = 0u64;
-    for (i, e) in buf.chunks_exact(16).enumerate() {
+    for (i, e) in buf.chunks_exact(TABLE_ENTRY_LEN).enumerate() {
         let addr = le64(&e[..8]);
-        let len = le64(&e[8..]);
+        let len = le64(&e[8..16]);
+        let gen = u32::from_le_bytes([e[16], e[17], e[18], e[19]]);
         let end = addr
             .checked_add(len)
             .ok_or_else(|| bad(format!("region {i} wraps around")))?;
@@ -613,34 +680,38 @@ pub fn decode_table(buf: &[u8]) -> Result<Vec<(u64, u64)>, DecodeError> {
             return Err(bad(format!("region {i} is empty, unsorted or overlapping")));
         }
         prev_end = end;
-        out.push((addr, len));
+        out.push(TableEntry { addr, len, gen });
     }
     Ok(out)
 }
 
 /// Encodes a region table (entries sorted by address).
-pub fn encode_table(regions: &[(u64, u64)]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(regions.len() * 16);
-    for (a, l) in regions {
-        out.extend_from_slice(&a.to_le_bytes());
-        out.extend_from_slice(&l.to_le_bytes());
+pub fn encode_table(regions: &[TableEntry]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(regions.len() * TABLE_ENTRY_LEN);
+    for r in regions {
+        out.extend_from_slice(&r.addr.to_le_bytes());
+        out.extend_from_slice(&r.len.to_le_bytes());
+        out.extend_from_slice(&r.gen.to_le_bytes());
+        out.extend_from_slice(&[0u8; 4]);
     }
     out
 }
 
-/// Whether `[addr, addr+len)` lies inside one entry of a sorted table.
-pub fn table_contains(table: &[(u64, u64)], addr: u64, len: u64) -> bool {
-    let Some(end) = addr.checked_add(len) else {
-        return false;
-    };
+/// The generation of the entry of a sorted table that contains all of
+/// `[addr, addr+len)`, if one does.
+pub fn table_lookup(table: &[TableEntry], addr: u64, len: u64) -> Option<u32> {
+    let end = addr.checked_add(len)?;
     if len == 0 {
-        return false;
+        return None;
     }
-    let i = table.partition_point(|(a, _)| *a <= addr);
-    i > 0 && {
-        let (a, l) = table[i - 1];
-        addr >= a && end <= a + l
-    }
+    let i = table.partition_point(|e| e.addr <= addr);
+    let e = table.get(i.checked_sub(1)?)?;
+    (addr >= e.addr && end <= e.addr + e.len).then_some(e.gen)
+}
+
+/// Whether `[addr, addr+len)` lies inside one entry of a sorted table.
+pub fn table_contains(table: &[TableEntry], addr: u64, len: u64) -> bool {
+    table_lookup(table, addr, len).is_some()
 }
 
 /// Fixed part of a hello: magic, version, flags, nonce, name length.
@@ -713,7 +784,10 @@ impl Hello {
 
 /// First byte of the target's final handshake message: welcome.
 pub const WELCOME: u8 = 0;
-/// First byte of the target's final handshake message: rejection.
+/// First byte of the target's final handshake message: rejection. A
+/// rejection is `REJECT, status u8, len u16, reason` and may also come
+/// instead of the target's hello (a target that is busy refuses before
+/// reading anything).
 pub const REJECT: u8 = 1;
 
 #[cfg(test)]
@@ -728,11 +802,13 @@ mod tests {
                 id: 7,
                 addr: 0x1000,
                 len: 4096,
+                gen: 3,
             },
             Request::Read {
                 id: u64::MAX,
                 addr: 1,
                 len: MAX_OP_LEN,
+                gen: u32::MAX,
             },
             Request::Notify {
                 id: 3,
@@ -808,17 +884,30 @@ mod tests {
             ..Default::default()
         };
         assert!(Response::decode(&table.encode()).is_err());
-        assert!(decode_table(&encode_table(&[(10, 5), (12, 5)])).is_err());
-        assert!(decode_table(&encode_table(&[(u64::MAX, 5)])).is_err());
+        let e = |addr, len| TableEntry { addr, len, gen: 1 };
+        assert!(decode_table(&encode_table(&[e(10, 5), e(12, 5)])).is_err());
+        assert!(decode_table(&encode_table(&[e(u64::MAX, 5)])).is_err());
         assert_eq!(
-            decode_table(&encode_table(&[(10, 5), (15, 5)])).unwrap(),
-            vec![(10, 5), (15, 5)]
+            decode_table(&encode_table(&[e(10, 5), e(15, 5)])).unwrap(),
+            vec![e(10, 5), e(15, 5)]
         );
     }
 
     #[test]
-    fn table_lookup() {
-        let t = [(0x1000, 0x100), (0x2000, 0x10)];
+    fn table_lookups() {
+        let t = [
+            TableEntry {
+                addr: 0x1000,
+                len: 0x100,
+                gen: 1,
+            },
+            TableEntry {
+                addr: 0x2000,
+                len: 0x10,
+                gen: 2,
+            },
+        ];
+        assert_eq!(table_lookup(&t, 0x2008, 8), Some(2));
         assert!(table_contains(&t, 0x1000, 0x100));
         assert!(table_contains(&t, 0x2008, 8));
         assert!(!table_contains(&t, 0x10ff, 2));
@@ -888,19 +977,19 @@ mod tests {
             }
             if let Ok(t) = decode_table(&bytes) {
                 for w in t.windows(2) {
-                    prop_assert!(w[0].0 + w[0].1 <= w[1].0);
+                    prop_assert!(w[0].addr + w[0].len <= w[1].addr);
                 }
             }
             let _ = decode_ids(&bytes).count();
             if let Ok(segs) = decode_segments(&bytes, bytes.len() as u64) {
-                prop_assert!(segs.iter().all(|s| s.1 > 0));
+                prop_assert!(segs.iter().all(|s| s.len > 0));
             }
         }
 
         /// Valid headers survive a round trip whatever the field values.
         #[test]
-        fn request_roundtrip(id in any::<u64>(), addr in any::<u64>(), len in 0..=MAX_OP_LEN, w in any::<bool>()) {
-            let r = if w { Request::Write { id, addr, len } } else { Request::Read { id, addr, len } };
+        fn request_roundtrip(id in any::<u64>(), addr in any::<u64>(), len in 0..=MAX_OP_LEN, gen in any::<u32>(), w in any::<bool>()) {
+            let r = if w { Request::Write { id, addr, len, gen } } else { Request::Read { id, addr, len, gen } };
             prop_assert_eq!(Request::decode(&r.encode()), Ok(r));
         }
     }

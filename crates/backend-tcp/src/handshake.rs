@@ -6,18 +6,18 @@ use std::time::Duration;
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 use tokio::net::TcpStream;
-use transport_core::{Error, RegionTable, Result};
+use transport_core::{Error, Result};
 
 use crate::frame::{
-    decode_table, encode_table, Hello, FLAG_AUTH, HELLO_FIXED, MAX_REJECT_MSG, MAX_TABLE_ENTRIES,
-    NONCE_LEN, REJECT, VERSION, WELCOME,
+    decode_table, Hello, Status, TableEntry, FLAG_AUTH, HELLO_FIXED, MAX_REJECT_MSG,
+    MAX_TABLE_ENTRIES, NONCE_LEN, REJECT, TABLE_ENTRY_LEN, VERSION, WELCOME,
 };
-use crate::io::{read_some, write_all_slices as write_all};
+use crate::io::{read_some, write_all_slices, Pace};
 
 type HmacSha256 = Hmac<Sha256>;
 
-const CLIENT_LABEL: &[u8] = b"ferry-tcp/1 initiator";
-const SERVER_LABEL: &[u8] = b"ferry-tcp/1 target";
+const CLIENT_LABEL: &[u8] = b"ferry-tcp/2 initiator";
+const SERVER_LABEL: &[u8] = b"ferry-tcp/2 target";
 
 /// HMAC-SHA256(secret, label || initiator nonce || target nonce).
 fn mac(secret: &str, label: &[u8], nc: &[u8; NONCE_LEN], ns: &[u8; NONCE_LEN]) -> HmacSha256 {
@@ -51,14 +51,12 @@ fn nonce() -> [u8; NONCE_LEN] {
     rand::random()
 }
 
-fn io_err(peer: &str, what: &str, e: std::io::Error) -> Error {
+fn io_err(peer: &str, what: &str, timeout: Duration, e: std::io::Error) -> Error {
     match e.kind() {
         std::io::ErrorKind::TimedOut => Error::Timeout {
             operation: format!("handshake ({what})"),
             peer: Some(peer.to_owned()),
-            // The handshake as a whole runs under the connect timeout; this
-            // is the stall inside it.
-            after: Duration::ZERO,
+            after: timeout,
         },
         std::io::ErrorKind::UnexpectedEof
         | std::io::ErrorKind::ConnectionReset
@@ -69,6 +67,10 @@ fn io_err(peer: &str, what: &str, e: std::io::Error) -> Error {
         },
         _ => Error::io(format!("handshake with {peer} ({what})"), &e),
     }
+}
+
+async fn write_all(stream: &TcpStream, bufs: &[&[u8]], timeout: Duration) -> std::io::Result<()> {
+    write_all_slices(stream, bufs, Pace::stall_only(timeout)).await
 }
 
 async fn read_exact(stream: &TcpStream, buf: &mut [u8], timeout: Duration) -> std::io::Result<()> {
@@ -86,11 +88,18 @@ async fn read_exact(stream: &TcpStream, buf: &mut [u8], timeout: Duration) -> st
     Ok(())
 }
 
-async fn read_hello(stream: &TcpStream, peer: &str, timeout: Duration) -> Result<Hello> {
+/// Reads a hello whose first byte is `first` (already read).
+async fn read_hello_rest(
+    stream: &TcpStream,
+    peer: &str,
+    first: u8,
+    timeout: Duration,
+) -> Result<Hello> {
     let mut fixed = [0u8; HELLO_FIXED];
-    read_exact(stream, &mut fixed, timeout)
+    fixed[0] = first;
+    read_exact(stream, &mut fixed[1..], timeout)
         .await
-        .map_err(|e| io_err(peer, "hello", e))?;
+        .map_err(|e| io_err(peer, "hello", timeout, e))?;
     let (mut hello, name_len) = Hello::decode_fixed(&fixed).map_err(|e| Error::Protocol {
         peer: peer.to_owned(),
         reason: e.0,
@@ -98,7 +107,7 @@ async fn read_hello(stream: &TcpStream, peer: &str, timeout: Duration) -> Result
     let mut name = vec![0u8; name_len];
     read_exact(stream, &mut name, timeout)
         .await
-        .map_err(|e| io_err(peer, "hello name", e))?;
+        .map_err(|e| io_err(peer, "hello name", timeout, e))?;
     hello.name = String::from_utf8(name).map_err(|_| Error::Protocol {
         peer: peer.to_owned(),
         reason: "engine name is not UTF-8".to_owned(),
@@ -106,20 +115,76 @@ async fn read_hello(stream: &TcpStream, peer: &str, timeout: Duration) -> Result
     Ok(hello)
 }
 
-async fn send_reject(stream: &TcpStream, reason: &str, timeout: Duration) {
+async fn read_first(stream: &TcpStream, peer: &str, what: &str, timeout: Duration) -> Result<u8> {
+    let mut b = [0u8; 1];
+    read_exact(stream, &mut b, timeout)
+        .await
+        .map_err(|e| io_err(peer, what, timeout, e))?;
+    Ok(b[0])
+}
+
+/// Sends a rejection (`REJECT, status, len u16, reason`), best effort: the
+/// connection is closed right after.
+pub async fn send_reject(stream: &TcpStream, status: Status, reason: &str, timeout: Duration) {
+    let _ = write_all(stream, &[&reject_bytes(status, reason)], timeout).await;
+}
+
+/// The bytes of a rejection.
+pub fn reject_bytes(status: Status, reason: &str) -> Vec<u8> {
     let mut msg = reason.as_bytes();
     if msg.len() > MAX_REJECT_MSG {
         msg = &msg[..MAX_REJECT_MSG];
     }
-    let len = (msg.len() as u16).to_le_bytes();
-    // Best effort: the connection is closed right after.
-    let _ = write_all(stream, &[&[REJECT], &len, msg], timeout).await;
+    let mut out = Vec::with_capacity(4 + msg.len());
+    out.push(REJECT);
+    out.push(status as u8);
+    out.extend_from_slice(&(msg.len() as u16).to_le_bytes());
+    out.extend_from_slice(msg);
+    out
+}
+
+/// Reads the rest of a rejection (its `REJECT` byte already read) and turns
+/// it into the initiator's error.
+async fn read_reject(stream: &TcpStream, peer: &str, timeout: Duration) -> Error {
+    let mut head = [0u8; 3];
+    if let Err(e) = read_exact(stream, &mut head, timeout).await {
+        return io_err(peer, "rejection", timeout, e);
+    }
+    let len = (u16::from_le_bytes([head[1], head[2]]) as usize).min(MAX_REJECT_MSG);
+    let mut msg = vec![0u8; len];
+    let _ = read_exact(stream, &mut msg, timeout).await;
+    // The text comes from the peer: keep it printable.
+    let reason: String = String::from_utf8_lossy(&msg)
+        .chars()
+        .flat_map(char::escape_default)
+        .take(MAX_REJECT_MSG)
+        .collect();
+    match Status::from_u8(head[0]) {
+        Some(Status::AuthFailed) => Error::Authentication {
+            peer: peer.to_owned(),
+            reason,
+        },
+        Some(Status::Busy) => Error::SegmentUnavailable {
+            name: peer.to_owned(),
+            reason: format!("the peer is busy, try again: {reason}"),
+        },
+        Some(Status::BadVersion) => Error::Protocol {
+            peer: peer.to_owned(),
+            reason: format!("the peer refused our protocol version {VERSION}: {reason}"),
+        },
+        _ => Error::SegmentUnavailable {
+            name: peer.to_owned(),
+            reason: format!("the peer refused the connection: {reason}"),
+        },
+    }
 }
 
 /// What an initiator learns from a successful handshake.
 pub struct Welcome {
-    /// The target's registered regions, sorted.
-    pub table: Vec<(u64, u64)>,
+    /// The target's registered regions with their generations, sorted.
+    pub table: Vec<TableEntry>,
+    /// The target's idle deadline for this connection (`None`: none).
+    pub idle: Option<Duration>,
 }
 
 /// Initiator side. `peer` is the segment name (for errors). With a secret,
@@ -140,8 +205,13 @@ pub async fn client(
     };
     write_all(stream, &[&hello.encode()], timeout)
         .await
-        .map_err(|e| io_err(peer, "sending hello", e))?;
-    let server = read_hello(stream, peer, timeout).await?;
+        .map_err(|e| io_err(peer, "sending hello", timeout, e))?;
+    // A busy target rejects before its hello.
+    let first = read_first(stream, peer, "hello", timeout).await?;
+    if first == REJECT {
+        return Err(read_reject(stream, peer, timeout).await);
+    }
+    let server = read_hello_rest(stream, peer, first, timeout).await?;
     if server.version != VERSION {
         return Err(Error::Protocol {
             peer: peer.to_owned(),
@@ -158,34 +228,10 @@ pub async fn client(
     };
     write_all(stream, &[&my_proof], timeout)
         .await
-        .map_err(|e| io_err(peer, "sending proof", e))?;
-    let mut status = [0u8; 1];
-    read_exact(stream, &mut status, timeout)
-        .await
-        .map_err(|e| io_err(peer, "waiting for welcome", e))?;
-    match status[0] {
+        .map_err(|e| io_err(peer, "sending proof", timeout, e))?;
+    match read_first(stream, peer, "waiting for welcome", timeout).await? {
         WELCOME => {}
-        REJECT => {
-            let mut len = [0u8; 2];
-            read_exact(stream, &mut len, timeout)
-                .await
-                .map_err(|e| io_err(peer, "rejection", e))?;
-            let len = (u16::from_le_bytes(len) as usize).min(MAX_REJECT_MSG);
-            let mut msg = vec![0u8; len];
-            let _ = read_exact(stream, &mut msg, timeout).await;
-            let reason = String::from_utf8_lossy(&msg).into_owned();
-            return Err(if reason.starts_with("authentication") {
-                Error::Authentication {
-                    peer: peer.to_owned(),
-                    reason,
-                }
-            } else {
-                Error::SegmentUnavailable {
-                    name: peer.to_owned(),
-                    reason: format!("the peer refused the connection: {reason}"),
-                }
-            });
-        }
+        REJECT => return Err(read_reject(stream, peer, timeout).await),
         other => {
             return Err(Error::Protocol {
                 peer: peer.to_owned(),
@@ -196,7 +242,7 @@ pub async fn client(
     let mut server_proof = [0u8; 32];
     read_exact(stream, &mut server_proof, timeout)
         .await
-        .map_err(|e| io_err(peer, "target proof", e))?;
+        .map_err(|e| io_err(peer, "target proof", timeout, e))?;
     if let Some(s) = secret {
         if !verify(s, SERVER_LABEL, &nc, &ns, &server_proof) {
             return Err(Error::Authentication {
@@ -205,52 +251,51 @@ pub async fn client(
             });
         }
     }
-    let mut count = [0u8; 4];
-    read_exact(stream, &mut count, timeout)
+    let mut fixed = [0u8; 8];
+    read_exact(stream, &mut fixed, timeout)
         .await
-        .map_err(|e| io_err(peer, "region table", e))?;
-    let count = u32::from_le_bytes(count);
+        .map_err(|e| io_err(peer, "region table", timeout, e))?;
+    let idle_ms = u32::from_le_bytes([fixed[0], fixed[1], fixed[2], fixed[3]]);
+    let count = u32::from_le_bytes([fixed[4], fixed[5], fixed[6], fixed[7]]);
     if count > MAX_TABLE_ENTRIES {
         return Err(Error::Protocol {
             peer: peer.to_owned(),
             reason: format!("region table of {count} entries exceeds {MAX_TABLE_ENTRIES}"),
         });
     }
-    let mut raw = vec![0u8; count as usize * 16];
+    let mut raw = vec![0u8; count as usize * TABLE_ENTRY_LEN];
     read_exact(stream, &mut raw, timeout)
         .await
-        .map_err(|e| io_err(peer, "region table", e))?;
+        .map_err(|e| io_err(peer, "region table", timeout, e))?;
     let table = decode_table(&raw).map_err(|e| Error::Protocol {
         peer: peer.to_owned(),
         reason: e.0,
     })?;
-    Ok(Welcome { table })
+    Ok(Welcome {
+        table,
+        idle: (idle_ms > 0).then(|| Duration::from_millis(idle_ms as u64)),
+    })
 }
 
-/// The live regions as a wire table (at most [`MAX_TABLE_ENTRIES`]; a target
-/// with more regions advertises the first ones and initiators fall back to
-/// the target's own checks for the rest).
-pub fn table_bytes(regions: &RegionTable) -> (u32, Vec<u8>) {
-    let list: Vec<(u64, u64)> = regions
-        .regions()
-        .iter()
-        .take(MAX_TABLE_ENTRIES as usize)
-        .map(|r| (r.addr(), r.len()))
-        .collect();
-    (list.len() as u32, encode_table(&list))
+/// An initiator that proved itself (or a target without a secret): the
+/// target answers with [`send_welcome`] or [`send_reject`].
+pub struct Verified {
+    /// The initiator's engine name (informational).
+    pub name: String,
+    proof: [u8; 32],
 }
 
-/// Target side. Returns the initiator's engine name. Refuses (and sends a
-/// rejection) on a bad magic, version or proof, before touching memory.
+/// Target side, up to the verdict. Refuses (and sends a rejection) on a bad
+/// magic, version or proof, before touching memory.
 pub async fn server(
     stream: &TcpStream,
     peer_addr: &str,
     my_name: &str,
     secret: Option<&str>,
-    regions: &RegionTable,
     timeout: Duration,
-) -> Result<String> {
-    let client = read_hello(stream, peer_addr, timeout).await?;
+) -> Result<Verified> {
+    let first = read_first(stream, peer_addr, "hello", timeout).await?;
+    let client = read_hello_rest(stream, peer_addr, first, timeout).await?;
     let ns = nonce();
     let hello = Hello {
         version: VERSION,
@@ -260,10 +305,11 @@ pub async fn server(
     };
     write_all(stream, &[&hello.encode()], timeout)
         .await
-        .map_err(|e| io_err(peer_addr, "sending hello", e))?;
+        .map_err(|e| io_err(peer_addr, "sending hello", timeout, e))?;
     if client.version != VERSION {
         send_reject(
             stream,
+            Status::BadVersion,
             &format!("unsupported protocol version {}", client.version),
             timeout,
         )
@@ -277,11 +323,12 @@ pub async fn server(
     let mut client_proof = [0u8; 32];
     read_exact(stream, &mut client_proof, timeout)
         .await
-        .map_err(|e| io_err(peer_addr, "initiator proof", e))?;
+        .map_err(|e| io_err(peer_addr, "initiator proof", timeout, e))?;
     if let Some(s) = secret {
         if !verify(s, CLIENT_LABEL, &nc, &ns, &client_proof) {
             send_reject(
                 stream,
+                Status::AuthFailed,
                 "authentication failed: wrong or missing shared secret",
                 timeout,
             )
@@ -292,17 +339,37 @@ pub async fn server(
             });
         }
     }
-    let my_proof = match secret {
-        Some(s) => proof(s, SERVER_LABEL, &nc, &ns),
-        None => [0u8; 32],
-    };
-    let (count, table) = table_bytes(regions);
+    Ok(Verified {
+        name: client.name,
+        proof: match secret {
+            Some(s) => proof(s, SERVER_LABEL, &nc, &ns),
+            None => [0u8; 32],
+        },
+    })
+}
+
+/// Completes a target's handshake: WELCOME, its proof, the idle deadline
+/// and the region table (`count` entries, encoded).
+pub async fn send_welcome(
+    stream: &TcpStream,
+    peer_addr: &str,
+    v: &Verified,
+    idle: Duration,
+    table: (u32, Vec<u8>),
+    timeout: Duration,
+) -> Result<()> {
+    let idle_ms = u32::try_from(idle.as_millis()).unwrap_or(u32::MAX).max(1);
     write_all(
         stream,
-        &[&[WELCOME], &my_proof, &count.to_le_bytes(), &table],
+        &[
+            &[WELCOME],
+            &v.proof,
+            &idle_ms.to_le_bytes(),
+            &table.0.to_le_bytes(),
+            &table.1,
+        ],
         timeout,
     )
     .await
-    .map_err(|e| io_err(peer_addr, "sending welcome", e))?;
-    Ok(client.name)
+    .map_err(|e| io_err(peer_addr, "sending welcome", timeout, e))
 }

@@ -120,6 +120,54 @@ fn timed_out() -> io::Error {
     io::Error::new(io::ErrorKind::TimedOut, "peer made no progress in time")
 }
 
+fn too_slow() -> io::Error {
+    io::Error::new(
+        io::ErrorKind::TimedOut,
+        "peer moved the payload slower than the minimum rate",
+    )
+}
+
+/// How fast a peer must move bytes inside a frame: some progress every
+/// `stall`, and `n` bytes within `stall + n / min_rate`.
+#[derive(Clone, Copy, Debug)]
+pub struct Pace {
+    /// Longest wait for any progress.
+    pub stall: Duration,
+    /// Minimum bytes per second over a whole payload.
+    pub min_rate: u64,
+}
+
+impl Pace {
+    /// A pace with only a stall deadline (handshake messages, which are
+    /// small).
+    pub fn stall_only(stall: Duration) -> Pace {
+        Pace {
+            stall,
+            min_rate: u64::MAX,
+        }
+    }
+
+    /// When moving `bytes` must have finished, starting now.
+    pub fn deadline(&self, bytes: u64) -> Instant {
+        let per = Duration::try_from_secs_f64(bytes as f64 / self.min_rate.max(1) as f64)
+            .unwrap_or(Duration::MAX);
+        let now = Instant::now();
+        now.checked_add(self.stall.saturating_add(per))
+            .or_else(|| now.checked_add(Duration::from_secs(365 * 86_400)))
+            .unwrap_or(now)
+    }
+
+    /// The wait allowed for the next progress: the stall deadline, cut to
+    /// what is left until `deadline` (an error once it has passed).
+    fn wait(&self, deadline: Instant) -> io::Result<Duration> {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(too_slow());
+        }
+        Ok(self.stall.min(left))
+    }
+}
+
 fn retry(e: &io::Error) -> bool {
     matches!(
         e.kind(),
@@ -256,12 +304,11 @@ fn raw_write(stream: &TcpStream, bufs: &[Bytes<'_>], first_off: usize) -> io::Re
 }
 
 /// Writes every byte of `bufs` in order, at most [`IOV_MAX`] ranges per
-/// call. A stall longer than `timeout` is `TimedOut`.
-pub async fn write_all(
-    stream: &TcpStream,
-    bufs: &[Bytes<'_>],
-    timeout: Duration,
-) -> io::Result<()> {
+/// call. A stall longer than `pace.stall`, or not having finished within
+/// `pace`'s deadline for the total, is `TimedOut`.
+pub async fn write_all(stream: &TcpStream, bufs: &[Bytes<'_>], pace: Pace) -> io::Result<()> {
+    let total: u64 = bufs.iter().map(|b| b.len() as u64).sum();
+    let deadline = pace.deadline(total);
     let mut idx = 0;
     let mut off = 0;
     loop {
@@ -290,7 +337,7 @@ pub async fn write_all(
                         }
                     }
                 };
-                tokio::time::timeout(timeout, wait)
+                tokio::time::timeout(pace.wait(deadline)?, wait)
                     .await
                     .unwrap_or_else(|_| Err(timed_out()))?
             }
@@ -316,13 +363,9 @@ pub async fn write_all(
 }
 
 /// Writes plain byte slices (handshake and control messages).
-pub async fn write_all_slices(
-    stream: &TcpStream,
-    bufs: &[&[u8]],
-    timeout: Duration,
-) -> io::Result<()> {
+pub async fn write_all_slices(stream: &TcpStream, bufs: &[&[u8]], pace: Pace) -> io::Result<()> {
     let bufs: Vec<Bytes<'_>> = bufs.iter().map(|b| Bytes::from_ref(b)).collect();
-    write_all(stream, &bufs, timeout).await
+    write_all(stream, &bufs, pace).await
 }
 
 /// Frame reader over one socket: a header buffer that payload reads top up
@@ -331,7 +374,10 @@ pub struct FrameReader {
     hdr: [u8; HEADER_LEN],
     filled: usize,
     spin: Duration,
-    timeout: Duration,
+    pace: Pace,
+    /// When the payload of the current frame must have arrived (set by
+    /// [`FrameReader::begin_frame`], cleared by the next header).
+    frame_deadline: Option<Instant>,
 }
 
 /// What [`FrameReader::next_header`] found.
@@ -340,6 +386,8 @@ pub enum Next {
     Header([u8; HEADER_LEN]),
     /// The peer closed the connection between frames.
     Eof,
+    /// No frame started within the idle deadline.
+    Idle,
 }
 
 impl FrameReader {
@@ -348,15 +396,23 @@ impl FrameReader {
         self.spin = spin;
     }
 
-    /// A reader polling for `spin` before sleeping; `timeout` bounds waits
+    /// A reader polling for `spin` before sleeping; `pace` bounds waits
     /// inside a frame.
-    pub fn new(spin: Duration, timeout: Duration) -> Self {
+    pub fn new(spin: Duration, pace: Pace) -> Self {
         FrameReader {
             hdr: [0; HEADER_LEN],
             filled: 0,
             spin,
-            timeout,
+            pace,
+            frame_deadline: None,
         }
+    }
+
+    /// Starts the deadline of a frame whose remaining bytes (after the
+    /// header) number `bytes`: every read of the frame must finish by then,
+    /// whatever pieces it is read in.
+    pub fn begin_frame(&mut self, bytes: u64) {
+        self.frame_deadline = Some(self.pace.deadline(bytes));
     }
 
     /// Tries, without waiting, to complete the next header. Returns whether
@@ -375,20 +431,35 @@ impl FrameReader {
         Ok(true)
     }
 
-    /// Reads the next header. Waiting for its first byte has no deadline
-    /// (an idle connection is fine); once it has started, the rest must come
-    /// within the timeout.
-    pub async fn next_header(&mut self, stream: &TcpStream) -> io::Result<Next> {
+    /// Reads the next header. Waiting for its first byte is bounded by
+    /// `idle` (`None`: no deadline; on expiry [`Next::Idle`]); once it has
+    /// started, the rest must come within the stall deadline.
+    pub async fn next_header(
+        &mut self,
+        stream: &TcpStream,
+        idle: Option<Duration>,
+    ) -> io::Result<Next> {
+        self.frame_deadline = None;
         while self.filled < HEADER_LEN {
-            let timeout = (self.filled > 0).then_some(self.timeout);
+            let timeout = if self.filled > 0 {
+                Some(self.pace.stall)
+            } else {
+                idle
+            };
             let tail = Bytes::from_mut(&mut self.hdr[self.filled..]);
-            let n = read_with(
+            let r = read_with(
                 stream,
                 || raw_read(stream, &[tail], 0, Bytes::empty()),
                 self.spin,
                 timeout,
             )
-            .await?;
+            .await;
+            let n = match r {
+                Err(e) if e.kind() == io::ErrorKind::TimedOut && self.filled == 0 => {
+                    return Ok(Next::Idle)
+                }
+                other => other?,
+            };
             if n == 0 {
                 return if self.filled == 0 {
                     Ok(Next::Eof)
@@ -426,6 +497,12 @@ impl FrameReader {
         segs: &[Bytes<'_>],
         topup: bool,
     ) -> io::Result<()> {
+        let deadline = match self.frame_deadline {
+            Some(d) => d,
+            None => self
+                .pace
+                .deadline(segs.iter().map(|s| s.len() as u64).sum()),
+        };
         let (mut idx, mut off) = (0usize, 0usize);
         loop {
             while idx < segs.len() && off == segs[idx].len() {
@@ -441,11 +518,12 @@ impl FrameReader {
             } else {
                 Bytes::empty()
             };
+            let wait = self.pace.wait(deadline)?;
             let n = read_with(
                 stream,
                 || raw_read(stream, rest, off, tail),
                 self.spin,
-                Some(self.timeout),
+                Some(wait),
             )
             .await?;
             if n == 0 {

@@ -1,40 +1,87 @@
 //! The target side: accepts connections, runs the handshake, and serves
 //! WRITE / READ / NOTIFY / TABLE requests against the engine's region table.
+//!
+//! Inbound connections are bounded twice: at most `max_handshakes` in the
+//! handshake (a small budget with a short deadline; when it is full, a new
+//! connection evicts the oldest handshake of the source address holding the
+//! most slots) and at most `max_inbound` established ones (beyond that, new
+//! connections receive `Busy`). Established connections are closed after
+//! `idle_timeout` without a request, and every payload must move at
+//! `min_rate` (after a `stall_timeout` grace), so a region is never held by
+//! a slow peer for longer than that.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::oneshot;
 use tokio::task::JoinSet;
-use transport_core::{Error, Notification, RegionGuard, RegionTable, Side};
+use transport_core::{Error, MemoryRegion, Notification, RegionGuard, RegionTable, Side};
 
 use crate::config::TcpConfig;
 use crate::frame::{
-    decode_segments, Request, Response, Status, HEADER_LEN, MAX_ACKS, MAX_SEGMENTS,
+    decode_segments, encode_table, Request, Response, Segment, Status, TableEntry, HEADER_LEN,
+    MAX_ACKS, MAX_SEGMENTS, MAX_TABLE_ENTRIES, SEGMENT_LEN,
 };
 use crate::handshake;
-use crate::io::{write_all, write_all_slices, Bytes, FrameReader, Next};
+use crate::io::{write_all, write_all_slices, Bytes, FrameReader, Next, Pace};
 
 /// Payload bytes received after which pending acknowledgements are sent
 /// even if more requests are already waiting (so large transfers complete
 /// progressively).
 const ACK_FLUSH_BYTES: u64 = 512 * 1024;
 
-/// Most notification bytes (names and messages) queued before NOTIFY
-/// requests are refused.
-pub const MAX_QUEUED_NOTIFICATION_BYTES: usize = 64 << 20;
+/// Most bytes of memory the queued notifications may occupy, counted as
+/// allocated (string capacities plus a fixed per-notification overhead).
+/// Beyond it NOTIFY requests are refused with `NotifyQueueFull`, which the
+/// sender sees as a retryable error. A consumer that processes what one
+/// `take_notifications` returned before taking again therefore holds at
+/// most twice this much.
+pub const MAX_QUEUED_NOTIFICATION_BYTES: usize = 32 << 20;
 
-/// Notifications received and not yet taken, with their total size.
+/// Bytes counted for each queued notification besides its strings (the
+/// `Notification` itself, its queue slot and allocator headers).
+pub const NOTIFICATION_OVERHEAD: usize = std::mem::size_of::<Notification>() + 64;
+
+/// How long a refused connection's rejection may take to send.
+const REJECT_TIMEOUT: Duration = Duration::from_millis(200);
+
+/// Notifications received and not yet taken, with the memory they occupy.
 #[derive(Debug, Default)]
 pub struct NotificationQueue {
     /// Oldest first.
     pub queue: VecDeque<Notification>,
-    /// Sum of name and message lengths in `queue`.
+    /// Bytes allocated for `queue`'s notifications (see
+    /// [`MAX_QUEUED_NOTIFICATION_BYTES`]).
     pub bytes: usize,
 }
 
 /// Most notifications queued before NOTIFY requests are refused.
 pub const MAX_QUEUED_NOTIFICATIONS: usize = 65_536;
+
+/// Bytes a notification is counted for in the queue.
+pub fn notification_cost(n: &Notification) -> usize {
+    n.name.capacity() + n.message.capacity() + NOTIFICATION_OVERHEAD
+}
+
+/// Generations of the live regions: a number given to each registration
+/// (never 0; wraps after 2³² registrations), sent in the region table and
+/// checked against the one WRITE/READ frames carry.
+#[derive(Debug, Default)]
+struct Generations {
+    last: u32,
+    by_base: HashMap<u64, u32>,
+}
+
+impl Generations {
+    fn bump(&mut self) -> u32 {
+        self.last = self.last.wrapping_add(1).max(1);
+        self.last
+    }
+}
 
 /// State the target side shares with the rest of the engine.
 #[derive(Debug)]
@@ -45,8 +92,11 @@ pub struct Core {
     pub config: TcpConfig,
     /// Its registered regions.
     pub regions: RegionTable,
+    gens: Mutex<Generations>,
     /// Notifications received, oldest first.
     pub notifications: Mutex<NotificationQueue>,
+    /// Established inbound connections.
+    established: AtomicUsize,
 }
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -55,38 +105,291 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+impl Core {
+    /// A core with no regions.
+    pub fn new(name: String, config: TcpConfig) -> Core {
+        Core {
+            name,
+            config,
+            regions: RegionTable::new(),
+            gens: Mutex::new(Generations::default()),
+            notifications: Mutex::new(NotificationQueue::default()),
+            established: AtomicUsize::new(0),
+        }
+    }
+
+    /// Registers `region` under a new generation.
+    pub fn register(&self, region: &MemoryRegion) -> transport_core::Result<()> {
+        // The generation lock is held across the insert so that a guard
+        // acquired on the new region reads its generation, not a missing or
+        // older one.
+        let mut g = lock(&self.gens);
+        self.regions.insert(region.clone())?;
+        let gen = g.bump();
+        g.by_base.insert(region.addr(), gen);
+        Ok(())
+    }
+
+    /// Registers every region or none, each under a new generation.
+    pub fn register_all(&self, regions: &[MemoryRegion]) -> transport_core::Result<()> {
+        let mut g = lock(&self.gens);
+        self.regions.insert_all(regions)?;
+        for r in regions {
+            let gen = g.bump();
+            g.by_base.insert(r.addr(), gen);
+        }
+        Ok(())
+    }
+
+    /// Unregisters the region at `addr` (waiting for the payloads in flight
+    /// into or out of it, which the minimum rate bounds).
+    pub async fn unregister(&self, addr: u64) -> transport_core::Result<()> {
+        let old = lock(&self.gens).by_base.get(&addr).copied();
+        self.regions.remove(addr).await?;
+        let mut g = lock(&self.gens);
+        // A new registration at the same address may have come in between.
+        if g.by_base.get(&addr).copied() == old {
+            g.by_base.remove(&addr);
+        }
+        Ok(())
+    }
+
+    /// Holds `[addr, addr+len)` if it lies in a live region of generation
+    /// `gen`; else the status to answer.
+    fn acquire(&self, addr: u64, len: u64, gen: u32) -> Result<RegionGuard, Status> {
+        let guard = self
+            .regions
+            .acquire(addr, len, Side::Remote, None)
+            .map_err(|_| Status::AddressNotRegistered)?;
+        // The guard keeps the region (and so its generation) in place.
+        let live = lock(&self.gens).by_base.get(&guard.region_addr()).copied();
+        if live == Some(gen) {
+            Ok(guard)
+        } else {
+            Err(Status::StaleRegion)
+        }
+    }
+
+    /// The live regions with their generations, in address order (at most
+    /// [`MAX_TABLE_ENTRIES`]; a target with more regions advertises the
+    /// first ones and initiators fall back to the target's own checks for
+    /// the rest).
+    pub fn table(&self) -> Vec<TableEntry> {
+        let g = lock(&self.gens);
+        self.regions
+            .regions()
+            .iter()
+            .take(MAX_TABLE_ENTRIES as usize)
+            .filter_map(|r| {
+                Some(TableEntry {
+                    addr: r.addr(),
+                    len: r.len(),
+                    gen: *g.by_base.get(&r.addr())?,
+                })
+            })
+            .collect()
+    }
+
+    /// The table as it goes on the wire: entry count and bytes.
+    pub fn table_bytes(&self) -> (u32, Vec<u8>) {
+        let t = self.table();
+        (t.len() as u32, encode_table(&t))
+    }
+
+    /// Established inbound connections right now.
+    pub fn established(&self) -> usize {
+        self.established.load(Ordering::Acquire)
+    }
+
+    fn pace(&self) -> Pace {
+        Pace {
+            stall: self.config.stall_timeout,
+            min_rate: self.config.min_rate,
+        }
+    }
+}
+
+/// Inbound connections in the handshake, by source address; each can be
+/// evicted through its sender.
+#[derive(Default)]
+struct Handshakes {
+    next: u64,
+    total: usize,
+    by_source: HashMap<IpAddr, BTreeMap<u64, oneshot::Sender<()>>>,
+}
+
+impl Handshakes {
+    fn add(&mut self, ip: IpAddr) -> (u64, oneshot::Receiver<()>) {
+        let (tx, rx) = oneshot::channel();
+        self.next += 1;
+        self.by_source.entry(ip).or_default().insert(self.next, tx);
+        self.total += 1;
+        (self.next, rx)
+    }
+
+    fn remove(&mut self, ip: IpAddr, id: u64) {
+        if let Some(m) = self.by_source.get_mut(&ip) {
+            if m.remove(&id).is_some() {
+                self.total -= 1;
+            }
+            if m.is_empty() {
+                self.by_source.remove(&ip);
+            }
+        }
+    }
+
+    /// Evicts the oldest handshake of the source holding the most.
+    fn evict_one(&mut self) {
+        let Some(ip) = self
+            .by_source
+            .iter()
+            .max_by_key(|(_, m)| m.len())
+            .map(|(ip, _)| *ip)
+        else {
+            return;
+        };
+        if let Some(m) = self.by_source.get_mut(&ip) {
+            if let Some((_, tx)) = m.pop_first() {
+                self.total -= 1;
+                let _ = tx.send(());
+            }
+            if m.is_empty() {
+                self.by_source.remove(&ip);
+            }
+        }
+    }
+}
+
+/// Refuses a connection with `Busy` without waiting (a fresh socket's send
+/// buffer is empty, so the rejection fits) and closes it.
+fn refuse_now(stream: TcpStream, reason: &str) {
+    let _ = stream.try_write(&handshake::reject_bytes(Status::Busy, reason));
+    let _ = socket2::SockRef::from(&stream).shutdown(std::net::Shutdown::Write);
+}
+
 /// Accepts connections until aborted; dropping this future aborts every
 /// connection it serves.
 pub async fn accept_loop(listener: TcpListener, core: Arc<Core>) {
     let mut conns = JoinSet::new();
+    let handshakes = Arc::new(Mutex::new(Handshakes::default()));
     loop {
         let (stream, addr) = match listener.accept().await {
             Ok(x) => x,
             Err(e) => {
                 tracing::warn!(error = %e, "accept failed");
-                tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                tokio::time::sleep(Duration::from_millis(10)).await;
                 continue;
             }
         };
         while conns.try_join_next().is_some() {}
-        if conns.len() >= core.config.max_inbound {
-            tracing::warn!(%addr, limit = core.config.max_inbound, "refusing connection: too many inbound connections");
-            drop(stream);
+        if core.established() >= core.config.max_inbound {
+            tracing::debug!(%addr, limit = core.config.max_inbound, "refusing connection: too many established connections");
+            refuse_now(stream, "too many connections");
             continue;
         }
+        let (id, evicted) = {
+            let mut h = lock(&handshakes);
+            while h.total >= core.config.max_handshakes {
+                h.evict_one();
+            }
+            h.add(addr.ip())
+        };
         let core = Arc::clone(&core);
+        let handshakes = Arc::clone(&handshakes);
         conns.spawn(async move {
-            let peer = addr.to_string();
-            if let Err(e) = serve(stream, &peer, &core).await {
-                tracing::debug!(%peer, error = %e, "inbound connection ended");
+            let r = serve_conn(stream, addr, &core, &handshakes, id, evicted).await;
+            if let Err(e) = r {
+                tracing::debug!(peer = %addr, error = %e, "inbound connection ended");
             }
         });
     }
 }
 
+/// Decrements the established count when the connection ends.
+struct Established<'a>(&'a Core);
+
+impl Drop for Established<'_> {
+    fn drop(&mut self) {
+        self.0.established.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Runs the handshake of one inbound connection (within its budget), then
+/// serves it.
+async fn serve_conn(
+    stream: TcpStream,
+    addr: SocketAddr,
+    core: &Core,
+    handshakes: &Mutex<Handshakes>,
+    id: u64,
+    mut evicted: oneshot::Receiver<()>,
+) -> Result<(), Error> {
+    let _ = stream.set_nodelay(true);
+    let cfg = &core.config;
+    let peer = addr.to_string();
+    let hs = tokio::select! {
+        r = tokio::time::timeout(
+            cfg.handshake_timeout,
+            handshake::server(&stream, &peer, &core.name, cfg.secret.as_deref(), cfg.handshake_timeout),
+        ) => Some(r),
+        _ = &mut evicted => None,
+    };
+    lock(handshakes).remove(addr.ip(), id);
+    let verified = match hs {
+        None => {
+            handshake::send_reject(
+                &stream,
+                Status::Busy,
+                "too many connections in the handshake",
+                REJECT_TIMEOUT,
+            )
+            .await;
+            return Err(Error::SegmentUnavailable {
+                name: peer,
+                reason: "evicted from the handshake budget".to_owned(),
+            });
+        }
+        Some(Err(_)) => {
+            return Err(Error::Timeout {
+                operation: "handshake".to_owned(),
+                peer: Some(peer),
+                after: cfg.handshake_timeout,
+            })
+        }
+        Some(Ok(r)) => r?,
+    };
+    if core.established.fetch_add(1, Ordering::AcqRel) >= cfg.max_inbound {
+        core.established.fetch_sub(1, Ordering::AcqRel);
+        handshake::send_reject(
+            &stream,
+            Status::Busy,
+            "too many connections",
+            REJECT_TIMEOUT,
+        )
+        .await;
+        return Err(Error::SegmentUnavailable {
+            name: peer,
+            reason: "refused: too many established connections".to_owned(),
+        });
+    }
+    let _established = Established(core);
+    handshake::send_welcome(
+        &stream,
+        &peer,
+        &verified,
+        cfg.idle_timeout,
+        core.table_bytes(),
+        cfg.handshake_timeout,
+    )
+    .await?;
+    let peer = format!("{} ({peer})", verified.name.escape_default());
+    tracing::debug!(%peer, "peer connected");
+    serve(stream, &peer, core).await
+}
+
 /// Whether any two segments share a byte.
-fn overlapping(segs: &[(u64, u64)]) -> bool {
-    let mut sorted = segs.to_vec();
+fn overlapping(segs: &[Segment]) -> bool {
+    let mut sorted: Vec<(u64, u64)> = segs.iter().map(|s| (s.addr, s.len)).collect();
     sorted.sort_unstable();
     sorted
         .windows(2)
@@ -154,30 +457,37 @@ impl Out {
 }
 
 fn io_error(peer: &str, e: std::io::Error) -> Error {
-    Error::PeerLost {
-        peer: peer.to_owned(),
-        reason: e.to_string(),
+    if e.kind() == std::io::ErrorKind::TimedOut {
+        Error::Timeout {
+            operation: format!("receiving or sending a frame ({e})"),
+            peer: Some(peer.to_owned()),
+            after: Duration::ZERO,
+        }
+    } else {
+        Error::PeerLost {
+            peer: peer.to_owned(),
+            reason: e.to_string(),
+        }
     }
 }
 
-/// Decodes a WRITEV/READV segment table and holds every segment that lies in
-/// a registered region (`None` for the others, which fail individually).
-#[allow(clippy::type_complexity)]
-fn acquire_segments(
-    core: &Core,
-    raw: &[u8],
-    total: u64,
-    peer: &str,
-) -> Result<(Vec<(u64, u64)>, Vec<Option<RegionGuard>>), Error> {
-    let segs = decode_segments(raw, total).map_err(|e| Error::Protocol {
-        peer: peer.to_owned(),
-        reason: e.0,
-    })?;
-    let guards = segs
-        .iter()
-        .map(|&(a, l)| core.regions.acquire(a, l, Side::Remote, None).ok())
-        .collect();
-    Ok((segs, guards))
+/// Holds every segment of a WRITEV/READV that lies in a live region of its
+/// generation (`Err(status)` for the others, which fail individually).
+fn acquire_segments(core: &Core, segs: &[Segment]) -> Vec<Result<RegionGuard, Status>> {
+    segs.iter()
+        .map(|s| core.acquire(s.addr, s.len, s.gen))
+        .collect()
+}
+
+/// The status a v-frame reports for its failed segments: `StaleRegion` if
+/// any failed for that reason (the initiator refreshes its table and
+/// retries them), else `AddressNotRegistered`.
+fn failed_status(guards: &[Result<RegionGuard, Status>]) -> Status {
+    if guards.iter().any(|g| matches!(g, Err(Status::StaleRegion))) {
+        Status::StaleRegion
+    } else {
+        Status::AddressNotRegistered
+    }
 }
 
 async fn flush(stream: &TcpStream, out: &mut Out, core: &Core, peer: &str) -> Result<(), Error> {
@@ -185,37 +495,35 @@ async fn flush(stream: &TcpStream, out: &mut Out, core: &Core, peer: &str) -> Re
         return Ok(());
     }
     let buf = out.take();
-    write_all_slices(stream, &[&buf], core.config.request_timeout)
+    write_all_slices(stream, &[&buf], core.pace())
         .await
         .map_err(|e| io_error(peer, e))
 }
 
-/// Serves one inbound connection until EOF, an error or abort.
-async fn serve(stream: TcpStream, peer: &str, core: &Core) -> Result<(), Error> {
-    let _ = stream.set_nodelay(true);
-    let cfg = &core.config;
-    let peer_name = tokio::time::timeout(
-        cfg.connect_timeout,
-        handshake::server(
-            &stream,
-            peer,
-            &core.name,
-            cfg.secret.as_deref(),
-            &core.regions,
-            cfg.connect_timeout,
-        ),
-    )
-    .await
-    .map_err(|_| Error::Timeout {
-        operation: "handshake".to_owned(),
-        peer: Some(peer.to_owned()),
-        after: cfg.connect_timeout,
-    })??;
-    let peer = format!("{peer_name} ({peer})");
-    let peer = peer.as_str();
-    tracing::debug!(%peer, "peer connected");
+/// Framing is lost: answer what was processed, then `Malformed` for `id`,
+/// and close (PROTOCOL.md §3).
+async fn malformed(
+    stream: &TcpStream,
+    out: &mut Out,
+    core: &Core,
+    peer: &str,
+    id: u64,
+    reason: String,
+) -> Error {
+    out.err(id, Status::Malformed, 0, 0);
+    let _ = flush(stream, out, core, peer).await;
+    Error::Protocol {
+        peer: peer.to_owned(),
+        reason,
+    }
+}
 
-    let mut rd = FrameReader::new(cfg.spin, cfg.request_timeout);
+/// Serves one established connection until EOF, idleness, an error or
+/// abort.
+async fn serve(stream: TcpStream, peer: &str, core: &Core) -> Result<(), Error> {
+    let cfg = &core.config;
+    let pace = core.pace();
+    let mut rd = FrameReader::new(cfg.spin, pace);
     let mut out = Out {
         acks: Vec::with_capacity(MAX_ACKS as usize),
         frames: Vec::new(),
@@ -227,7 +535,7 @@ async fn serve(stream: TcpStream, peer: &str, core: &Core) -> Result<(), Error> 
             flush(&stream, &mut out, core, peer).await?;
         }
         let hdr = match rd
-            .next_header(&stream)
+            .next_header(&stream, Some(cfg.idle_timeout))
             .await
             .map_err(|e| io_error(peer, e))?
         {
@@ -236,22 +544,19 @@ async fn serve(stream: TcpStream, peer: &str, core: &Core) -> Result<(), Error> 
                 flush(&stream, &mut out, core, peer).await?;
                 return Ok(());
             }
+            Next::Idle => {
+                tracing::debug!(%peer, "closing an idle connection");
+                return Ok(());
+            }
         };
         let req = match Request::decode(&hdr) {
             Ok(r) => r,
-            Err(e) => {
-                // Framing is lost: answer what we can and close.
-                out.err(0, Status::Malformed, 0, 0);
-                let _ = flush(&stream, &mut out, core, peer).await;
-                return Err(Error::Protocol {
-                    peer: peer.to_owned(),
-                    reason: e.0,
-                });
-            }
+            Err(e) => return Err(malformed(&stream, &mut out, core, peer, 0, e.0).await),
         };
         match req {
-            Request::Write { id, addr, len } => {
-                match core.regions.acquire(addr, len, Side::Remote, None) {
+            Request::Write { id, addr, len, gen } => {
+                rd.begin_frame(len);
+                match core.acquire(addr, len, gen) {
                     Ok(guard) => {
                         // SAFETY: the guard keeps [addr, addr+len) registered
                         // and therefore valid (MemoryRegion::from_raw_parts
@@ -266,61 +571,65 @@ async fn serve(stream: TcpStream, peer: &str, core: &Core) -> Result<(), Error> 
                         out.acks.push(id);
                         out.bytes += len;
                     }
-                    Err(_) => {
+                    Err(status) => {
                         rd.discard(&stream, len, true)
                             .await
                             .map_err(|e| io_error(peer, e))?;
-                        out.err(id, Status::AddressNotRegistered, addr, len);
+                        out.err(id, status, addr, len);
                     }
                 }
             }
-            Request::Read { id, addr, len } => {
-                match core.regions.acquire(addr, len, Side::Remote, None) {
-                    Ok(guard) => {
-                        let meta = out.take();
-                        let hdr = Response::Data { id, len }.encode();
-                        // SAFETY: as for writes; sendmsg(2) only reads it.
-                        let src = unsafe { Bytes::from_raw(guard.as_ptr(), guard.len() as usize) };
-                        write_all(
-                            &stream,
-                            &[Bytes::from_ref(&meta), Bytes::from_ref(&hdr), src],
-                            cfg.request_timeout,
-                        )
-                        .await
-                        .map_err(|e| io_error(peer, e))?;
-                        drop(guard);
-                    }
-                    Err(_) => out.err(id, Status::AddressNotRegistered, addr, len),
+            Request::Read { id, addr, len, gen } => match core.acquire(addr, len, gen) {
+                Ok(guard) => {
+                    let meta = out.take();
+                    let hdr = Response::Data { id, len }.encode();
+                    // SAFETY: as for writes; sendmsg(2) only reads it.
+                    let src = unsafe { Bytes::from_raw(guard.as_ptr(), guard.len() as usize) };
+                    write_all(
+                        &stream,
+                        &[Bytes::from_ref(&meta), Bytes::from_ref(&hdr), src],
+                        pace,
+                    )
+                    .await
+                    .map_err(|e| io_error(peer, e))?;
+                    drop(guard);
                 }
-            }
+                Err(status) => out.err(id, status, addr, len),
+            },
             Request::Notify {
                 id,
                 name_len,
                 msg_len,
             } => {
+                rd.begin_frame(name_len + msg_len);
                 // Bounded by the decoder: at most 256 + 64 KiB.
                 let mut buf = vec![0u8; (name_len + msg_len) as usize];
                 rd.read_payload(&stream, Bytes::from_mut(&mut buf))
                     .await
                     .map_err(|e| io_error(peer, e))?;
-                let msg = buf.split_off(name_len as usize);
-                let n = match (String::from_utf8(buf), String::from_utf8(msg)) {
-                    (Ok(name), Ok(message)) => Some(Notification { name, message }),
+                // Exact-size copies: the queue holds what it counts.
+                let (name, msg) = buf.split_at(name_len as usize);
+                let n = match (std::str::from_utf8(name), std::str::from_utf8(msg)) {
+                    (Ok(name), Ok(message)) => Some(Notification {
+                        name: name.to_owned(),
+                        message: message.to_owned(),
+                    }),
                     _ => None,
                 };
+                drop(buf);
                 match n.filter(|n| n.validate().is_ok()) {
                     None => out.err(id, Status::NotifyInvalid, name_len, msg_len),
                     Some(n) => {
-                        let size = n.name.len() + n.message.len();
+                        let cost = notification_cost(&n);
                         let mut q = lock(&core.notifications);
                         if q.queue.len() >= MAX_QUEUED_NOTIFICATIONS
-                            || q.bytes + size > MAX_QUEUED_NOTIFICATION_BYTES
+                            || q.bytes + cost > MAX_QUEUED_NOTIFICATION_BYTES
                         {
                             drop(q);
                             out.err(id, Status::NotifyQueueFull, name_len, msg_len);
                         } else {
                             q.queue.push_back(n);
-                            q.bytes += size;
+                            q.bytes += cost;
                             drop(q);
                             out.acks.push(id);
                         }
@@ -328,13 +637,18 @@ async fn serve(stream: TcpStream, peer: &str, core: &Core) -> Result<(), Error> 
                 }
             }
             Request::WriteV { id, count, total } => {
-                let mut raw = [0u8; MAX_SEGMENTS as usize * 16];
-                let raw = &mut raw[..count as usize * 16];
+                rd.begin_frame(count as u64 * SEGMENT_LEN as u64 + total);
+                let mut raw = [0u8; MAX_SEGMENTS as usize * SEGMENT_LEN];
+                let raw = &mut raw[..count as usize * SEGMENT_LEN];
                 rd.read_part(&stream, Bytes::from_mut(raw))
                     .await
                     .map_err(|e| io_error(peer, e))?;
-                let (segs, guards) = acquire_segments(core, raw, total, peer)?;
-                if guards.iter().all(Option::is_some) && !overlapping(&segs) {
+                let segs = match decode_segments(raw, total) {
+                    Ok(s) => s,
+                    Err(e) => return Err(malformed(&stream, &mut out, core, peer, id, e.0).await),
+                };
+                let guards = acquire_segments(core, &segs);
+                if guards.iter().all(Result::is_ok) && !overlapping(&segs) {
                     // One readv straight into every destination.
                     let dsts: Vec<Bytes<'static>> = guards
                         .iter()
@@ -352,9 +666,9 @@ async fn serve(stream: TcpStream, peer: &str, core: &Core) -> Result<(), Error> 
                     // Only the last segment ends the frame (header top-up).
                     let mut failed = Vec::new();
                     let last = segs.len() - 1;
-                    for (i, (g, &(_, len))) in guards.iter().zip(&segs).enumerate() {
+                    for (i, (g, s)) in guards.iter().zip(&segs).enumerate() {
                         let r = match g {
-                            Some(g) => {
+                            Ok(g) => {
                                 // SAFETY: as for WRITE.
                                 let dst = unsafe { Bytes::from_raw(g.as_ptr(), g.len() as usize) };
                                 if i == last {
@@ -363,9 +677,9 @@ async fn serve(stream: TcpStream, peer: &str, core: &Core) -> Result<(), Error> 
                                     rd.read_part(&stream, dst).await
                                 }
                             }
-                            None => {
+                            Err(_) => {
                                 failed.push(i as u32);
-                                rd.discard(&stream, len, i == last).await
+                                rd.discard(&stream, s.len, i == last).await
                             }
                         };
                         r.map_err(|e| io_error(peer, e))?;
@@ -373,32 +687,37 @@ async fn serve(stream: TcpStream, peer: &str, core: &Core) -> Result<(), Error> 
                     if failed.is_empty() {
                         out.acks.push(id);
                     } else {
-                        out.errv(id, Status::AddressNotRegistered, &failed);
+                        out.errv(id, failed_status(&guards), &failed);
                     }
                 }
                 drop(guards);
                 out.bytes += total;
             }
             Request::ReadV { id, count, total } => {
-                let mut raw = [0u8; MAX_SEGMENTS as usize * 16];
-                let raw = &mut raw[..count as usize * 16];
+                rd.begin_frame(count as u64 * SEGMENT_LEN as u64);
+                let mut raw = [0u8; MAX_SEGMENTS as usize * SEGMENT_LEN];
+                let raw = &mut raw[..count as usize * SEGMENT_LEN];
                 // The segment table ends the frame.
                 rd.read_payload(&stream, Bytes::from_mut(raw))
                     .await
                     .map_err(|e| io_error(peer, e))?;
-                let (segs, guards) = acquire_segments(core, raw, total, peer)?;
+                let segs = match decode_segments(raw, total) {
+                    Ok(s) => s,
+                    Err(e) => return Err(malformed(&stream, &mut out, core, peer, id, e.0).await),
+                };
+                let guards = acquire_segments(core, &segs);
                 let mut failed = Vec::new();
                 let mut valid = 0u64;
-                for (i, (g, &(_, len))) in guards.iter().zip(&segs).enumerate() {
+                for (i, (g, s)) in guards.iter().zip(&segs).enumerate() {
                     match g {
-                        Some(_) => valid += len,
-                        None => failed.extend_from_slice(&(i as u32).to_le_bytes()),
+                        Ok(_) => valid += s.len,
+                        Err(_) => failed.extend_from_slice(&(i as u32).to_le_bytes()),
                     }
                 }
                 let meta = out.take();
                 let hdr = Response::DataV {
                     id,
-                    status: (!failed.is_empty()).then_some(Status::AddressNotRegistered),
+                    status: (!failed.is_empty()).then(|| failed_status(&guards)),
                     failed: (failed.len() / 4) as u32,
                     len: valid,
                 }
@@ -414,7 +733,7 @@ async fn serve(stream: TcpStream, peer: &str, core: &Core) -> Result<(), Error> 
                     // reads it.
                     bufs.push(unsafe { Bytes::from_raw(g.as_ptr(), g.len() as usize) });
                 }
-                write_all(&stream, &bufs, cfg.request_timeout)
+                write_all(&stream, &bufs, pace)
                     .await
                     .map_err(|e| io_error(peer, e))?;
                 drop(bufs);
@@ -422,9 +741,9 @@ async fn serve(stream: TcpStream, peer: &str, core: &Core) -> Result<(), Error> 
             }
             Request::Table { id } => {
                 let meta = out.take();
-                let (count, table) = handshake::table_bytes(&core.regions);
+                let (count, table) = core.table_bytes();
                 let hdr = Response::Table { id, count }.encode();
-                write_all_slices(&stream, &[&meta, &hdr, &table], cfg.request_timeout)
+                write_all_slices(&stream, &[&meta, &hdr, &table], pace)
                     .await
                     .map_err(|e| io_error(peer, e))?;
             }

@@ -17,6 +17,15 @@ use transport_core::{Error, Side, TransferEngine, TransferRequest, TransferState
 
 const MIB: usize = 1 << 20;
 
+/// WRITEV/READV segments, all in regions of generation `gen`.
+fn segments(segs: &[(u64, u64)], gen: u32) -> Vec<u8> {
+    let segs: Vec<backend_tcp::frame::Segment> = segs
+        .iter()
+        .map(|&(addr, len)| backend_tcp::frame::Segment { addr, len, gen })
+        .collect();
+    backend_tcp::frame::encode_segments(&segs)
+}
+
 fn secret(s: &str) -> TcpConfig {
     TcpConfig {
         secret: Some(s.to_owned()),
@@ -56,6 +65,7 @@ async fn wrong_secret_is_refused_before_memory_is_touched() {
             id: 1,
             addr: target.addr(),
             len: 4096,
+            gen: 1,
         };
         let _ = s.write_all(&w.encode()).await;
         let _ = s.write_all(&[0xee; 4096]).await;
@@ -105,7 +115,9 @@ async fn garbage_from_an_initiator_is_refused_and_nothing_else_changes() {
     assert!(r.is_ok(), "the target kept a garbage connection open");
 
     // A valid handshake, then requests.
-    let (mut s, table) = raw_handshake(b.segment_name()).await;
+    let (mut s, table) = common::raw_handshake_gens(b.segment_name()).await;
+    let gen = common::gen_of(&table, target.addr());
+    let table: Vec<(u64, u64)> = table.iter().map(|e| (e.addr, e.len)).collect();
     assert_eq!(table, vec![(target.addr(), 64 * 1024)], "advertised table");
     // Out of bounds (straddles the end): ERR AddressNotRegistered, payload
     // skipped, connection still usable.
@@ -113,6 +125,7 @@ async fn garbage_from_an_initiator_is_refused_and_nothing_else_changes() {
         id: 7,
         addr: target.addr() + 60 * 1024,
         len: 20_000,
+        gen,
     };
     s.write_all(&oob.encode()).await.unwrap();
     s.write_all(&[0xee; 20_000]).await.unwrap();
@@ -132,6 +145,7 @@ async fn garbage_from_an_initiator_is_refused_and_nothing_else_changes() {
         id: 8,
         addr: target.addr() + 100,
         len: 10,
+        gen,
     };
     s.write_all(&ok.encode()).await.unwrap();
     s.write_all(&[0x44; 10]).await.unwrap();
@@ -143,6 +157,7 @@ async fn garbage_from_an_initiator_is_refused_and_nothing_else_changes() {
         id: 9,
         addr: target.addr() - 1,
         len: 2,
+        gen,
     };
     s.write_all(&rd.encode()).await.unwrap();
     s.read_exact(&mut hdr).await.unwrap();
@@ -160,6 +175,7 @@ async fn garbage_from_an_initiator_is_refused_and_nothing_else_changes() {
         id: 10,
         addr: target.addr(),
         len: 1,
+        gen,
     }
     .encode();
     huge[24..32].copy_from_slice(&u64::MAX.to_le_bytes());
@@ -214,8 +230,15 @@ where
         // Welcome with a table covering everything the test uses.
         let mut w = vec![backend_tcp::frame::WELCOME];
         w.extend_from_slice(&[0u8; 32]);
+        w.extend_from_slice(&60_000u32.to_le_bytes());
         w.extend_from_slice(&1u32.to_le_bytes());
-        w.extend_from_slice(&backend_tcp::frame::encode_table(&[(0x1000, u64::MAX / 2)]));
+        w.extend_from_slice(&backend_tcp::frame::encode_table(&[
+            backend_tcp::frame::TableEntry {
+                addr: 0x1000,
+                len: u64::MAX / 2,
+                gen: 1,
+            },
+        ]));
         s.write_all(&w).await.unwrap();
         then(s).await;
     });
@@ -338,11 +361,13 @@ async fn stalled_target_times_out_and_others_keep_working() {
 async fn unregister_waits_for_an_inbound_write() {
     let b = engine(TcpConfig::default()).await;
     let target = mem(&b, MIB, 0).await;
-    let (mut s, _) = raw_handshake(b.segment_name()).await;
+    let (mut s, table) = common::raw_handshake_gens(b.segment_name()).await;
+    let gen = common::gen_of(&table, target.addr());
     let w = Request::Write {
         id: 1,
         addr: target.addr(),
         len: MIB as u64,
+        gen,
     };
     s.write_all(&w.encode()).await.unwrap();
     s.write_all(&vec![0x99; MIB / 2]).await.unwrap();
@@ -371,6 +396,7 @@ async fn unregister_waits_for_an_inbound_write() {
         id: 2,
         addr: target.addr(),
         len: 16,
+        gen,
     };
     s.write_all(&w.encode()).await.unwrap();
     s.write_all(&[1; 16]).await.unwrap();
@@ -646,9 +672,12 @@ async fn too_many_inbound_connections_are_refused() {
         .unwrap();
     let mut buf = Vec::new();
     let r = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut buf)).await;
-    assert!(
-        matches!(r, Ok(Ok(0))),
-        "third connection not refused: {r:?}"
+    assert!(matches!(r, Ok(Ok(_))), "third connection not closed: {r:?}");
+    // Refused with Busy, not silently.
+    assert_eq!(
+        buf.get(..2),
+        Some(&[backend_tcp::frame::REJECT, Status::Busy as u8][..]),
+        "third connection not refused with Busy: {buf:?}"
     );
 }
 
@@ -657,10 +686,11 @@ async fn too_many_inbound_connections_are_refused() {
 /// that does not add up closes the connection.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn writev_segments_are_checked_one_by_one() {
-    use backend_tcp::frame::encode_table;
     let b = engine(TcpConfig::default()).await;
     let target = mem(&b, 4096, 0).await;
-    let (mut s, _) = raw_handshake(b.segment_name()).await;
+    let (mut s, table) = common::raw_handshake_gens(b.segment_name()).await;
+    let gen = common::gen_of(&table, target.addr());
+    let encode_table = |segs: &[(u64, u64)]| segments(segs, gen);
     let t = target.addr();
     let segs = [(t, 100u64), (t + 4000, 200), (t + 200, 50)];
     let w = Request::WriteV {
@@ -763,11 +793,12 @@ async fn stale_table_fails_only_the_affected_requests() {
 /// affected reads of a gathered batch.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readv_reports_refused_segments_and_returns_the_rest() {
-    use backend_tcp::frame::encode_table;
     let b = engine(TcpConfig::default()).await;
     let target = mem(&b, 4096, 0).await;
     target.write(0, &pattern(3, 4096)).unwrap();
-    let (mut s, _) = raw_handshake(b.segment_name()).await;
+    let (mut s, table) = common::raw_handshake_gens(b.segment_name()).await;
+    let gen = common::gen_of(&table, target.addr());
+    let encode_table = |segs: &[(u64, u64)]| segments(segs, gen);
     let t = target.addr();
     let segs = [(t + 10, 20u64), (t + 4090, 20), (t + 100, 30)];
     let r = Request::ReadV {

@@ -4,7 +4,8 @@
 use std::sync::Arc;
 
 use backend_tcp::frame::{
-    decode_table, Hello, HELLO_FIXED, MAX_TABLE_ENTRIES, NONCE_LEN, REJECT, VERSION, WELCOME,
+    decode_table, Hello, TableEntry, HELLO_FIXED, MAX_TABLE_ENTRIES, NONCE_LEN, REJECT,
+    TABLE_ENTRY_LEN, VERSION, WELCOME,
 };
 use backend_tcp::{TcpConfig, TcpEngine};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -33,8 +34,23 @@ pub fn pattern(seed: u8, len: usize) -> Vec<u8> {
 }
 
 /// A raw client that performs the handshake by hand (no secret) and
-/// returns the stream and the advertised table.
+/// returns the stream and the advertised table as `(addr, len)`.
 pub async fn raw_handshake(target: &str) -> (TcpStream, Vec<(u64, u64)>) {
+    let (s, t) = raw_handshake_gens(target).await;
+    (s, t.iter().map(|e| (e.addr, e.len)).collect())
+}
+
+/// The generation the raw table gives the region at `addr`.
+pub fn gen_of(table: &[TableEntry], addr: u64) -> u32 {
+    table
+        .iter()
+        .find(|e| e.addr <= addr && addr < e.addr + e.len)
+        .map(|e| e.gen)
+        .expect("address in the advertised table")
+}
+
+/// [`raw_handshake`] with the table's generations.
+pub async fn raw_handshake_gens(target: &str) -> (TcpStream, Vec<TableEntry>) {
     let mut s = TcpStream::connect(target).await.expect("connect");
     let hello = Hello {
         version: VERSION,
@@ -57,11 +73,13 @@ pub async fn raw_handshake(target: &str) -> (TcpStream, Vec<(u64, u64)>) {
     );
     let mut proof = [0u8; 32];
     s.read_exact(&mut proof).await.expect("proof");
+    let mut idle = [0u8; 4];
+    s.read_exact(&mut idle).await.expect("idle deadline");
     let mut count = [0u8; 4];
     s.read_exact(&mut count).await.expect("count");
     let count = u32::from_le_bytes(count);
     assert!(count <= MAX_TABLE_ENTRIES);
-    let mut raw = vec![0u8; count as usize * 16];
+    let mut raw = vec![0u8; count as usize * TABLE_ENTRY_LEN];
     s.read_exact(&mut raw).await.expect("table");
     (s, decode_table(&raw).expect("valid table"))
 }
