@@ -6,9 +6,11 @@ use std::str::FromStr;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use ferry::{
-    BatchId, BatchReport, Engine, Location, MemoryRegion, Notification, SegmentId, TransferEngine,
-    TransferOp, TransferRequest, TransferState,
+    AdapterConfig, BatchId, BatchReport, Capabilities, CapabilityAdapter, CapabilityReport, Engine,
+    Location, MemoryRegion, Notification, Operation, SegmentId, TransferEngine, TransferOp,
+    TransferRequest, TransferState,
 };
+use transport_core::inproc::InprocEngine;
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
@@ -25,7 +27,7 @@ use crate::runtime::{block_on, runtime};
 #[pyclass(module = "ferry._native", name = "Engine", frozen, subclass)]
 pub(crate) struct PyEngine {
     /// `None` only while being dropped.
-    inner: Option<Arc<Engine>>,
+    inner: Option<Handle>,
     /// What keeps each registered region's memory valid, by start address.
     regions: Mutex<HashMap<u64, (u64, Keep)>>,
 }
@@ -35,17 +37,93 @@ impl Drop for PyEngine {
         // Dropping a backend may wait for its tasks and threads: do it inside
         // the runtime's context and without the GIL, so that a task that is
         // about to call back into Python can finish.
-        if let Some(engine) = self.inner.take() {
+        if let Some(Handle { engine, report }) = self.inner.take() {
             if let Ok(rt) = runtime() {
                 Python::attach(|py| {
                     py.detach(|| {
                         let _guard = rt.enter();
+                        drop(report);
                         drop(engine);
                     })
                 });
             }
         }
     }
+}
+
+/// A started engine: the trait object every call goes through, and its
+/// capability report (an inherent method of the adapter, not of the trait).
+struct Handle {
+    engine: Arc<dyn TransferEngine>,
+    report: Box<dyn Fn() -> CapabilityReport + Send + Sync>,
+}
+
+impl Handle {
+    fn ferry(engine: Engine) -> Handle {
+        let engine = Arc::new(engine);
+        let for_report = engine.clone();
+        Handle {
+            engine,
+            report: Box::new(move || for_report.report()),
+        }
+    }
+
+    fn adapter<E: TransferEngine>(adapter: CapabilityAdapter<E>) -> Handle {
+        let adapter = Arc::new(adapter);
+        let for_report = adapter.clone();
+        Handle {
+            engine: adapter,
+            report: Box::new(move || for_report.report()),
+        }
+    }
+}
+
+/// `inproc://[name]?caps=none|all|op,op&pace_us=N&strict=1`: engines of this
+/// process only, moving real bytes, with the native capabilities listed in
+/// `caps` (default `all`): everything else the capability adapter emulates
+/// (or, with `strict=1`, refuses). For tests and for trying an
+/// application against an engine that lacks batch calls.
+fn open_inproc(url: &str) -> ferry::Result<Handle> {
+    let bad = |m: String| ferry::Error::InvalidArgument(m);
+    let rest = url
+        .strip_prefix("inproc://")
+        .ok_or_else(|| bad(format!("{url:?} is not an inproc:// URL")))?;
+    let (name, query) = rest.split_once('?').unwrap_or((rest, ""));
+    let mut caps = Capabilities::all();
+    let mut config = AdapterConfig::default();
+    let mut pace = None;
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+        match key {
+            "caps" => {
+                caps = Capabilities::default();
+                match value {
+                    "none" | "" => {}
+                    "all" => caps = Capabilities::all(),
+                    list => {
+                        for op in list.split(',') {
+                            caps.set(op.parse::<Operation>()?, true);
+                        }
+                    }
+                }
+            }
+            "pace_us" => {
+                let us: u64 = value
+                    .parse()
+                    .map_err(|_| bad(format!("pace_us={value:?} is not an integer")))?;
+                pace = Some(std::time::Duration::from_micros(us));
+            }
+            "strict" => config.strict = matches!(value, "" | "1" | "true" | "yes" | "on"),
+            other => {
+                return Err(bad(format!(
+                    "unknown inproc:// parameter {other:?} (known: caps, pace_us, strict)"
+                )))
+            }
+        }
+    }
+    let engine = InprocEngine::new(name, caps)?;
+    engine.set_pace(pace);
+    Ok(Handle::adapter(CapabilityAdapter::with_config(engine, config)))
 }
 
 fn parse_op(op: &str) -> PyResult<TransferOp> {
@@ -146,10 +224,14 @@ where
 }
 
 impl PyEngine {
-    fn engine(&self) -> PyResult<&Arc<Engine>> {
+    fn handle(&self) -> PyResult<&Handle> {
         self.inner
             .as_ref()
             .ok_or_else(|| PyRuntimeError::new_err("the engine is closed"))
+    }
+
+    fn engine(&self) -> PyResult<&Arc<dyn TransferEngine>> {
+        Ok(&self.handle()?.engine)
     }
 
     fn regions(&self) -> MutexGuard<'_, HashMap<u64, (u64, Keep)>> {
@@ -187,9 +269,16 @@ impl PyEngine {
     /// `strict=1`, `require=op,op`, …). Blocks (GIL released) until started.
     #[new]
     fn py_new(py: Python<'_>, url: &str) -> PyResult<PyEngine> {
-        let engine = block_on(py, Engine::open(url))?.map_err(|e| to_pyerr(py, &e))?;
+        let handle = if url.starts_with("inproc://") {
+            let rt = runtime()?;
+            let _guard = rt.enter();
+            open_inproc(url)
+        } else {
+            block_on(py, Engine::open(url))?.map(Handle::ferry)
+        }
+        .map_err(|e| to_pyerr(py, &e))?;
         Ok(PyEngine {
-            inner: Some(Arc::new(engine)),
+            inner: Some(handle),
             regions: Mutex::new(HashMap::new()),
         })
     }
@@ -210,7 +299,7 @@ impl PyEngine {
     /// guarantee `native` / `emulated` / `unsupported` with the reason and
     /// the version that makes it native; `text` is the printed report.
     fn report<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        report_dict(py, &self.engine()?.report())
+        report_dict(py, &(self.handle()?.report)())
     }
 
     /// Registers memory: `register(addr, length)` or `register(obj)` for an
@@ -531,7 +620,11 @@ impl PyEngine {
 
     fn __repr__(&self) -> String {
         match &self.inner {
-            Some(e) => format!("<ferry.Engine {} {}>", e.backend_name(), e.segment_name()),
+            Some(h) => format!(
+                "<ferry.Engine {} {}>",
+                h.engine.backend_name(),
+                h.engine.segment_name()
+            ),
             None => "<ferry.Engine closed>".to_owned(),
         }
     }

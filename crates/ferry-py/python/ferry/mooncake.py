@@ -1,0 +1,622 @@
+"""A drop-in for ``mooncake.engine.TransferEngine``.
+
+Replace ``from mooncake.engine import TransferEngine`` with
+``from ferry.mooncake import TransferEngine``: the method names, argument
+order and return conventions are Mooncake's Python API (as SGLang and vLLM
+call it), and every method exists on every backend and every Mooncake build:
+
+- synchronous calls return ``0`` on success and a negative int on failure;
+- asynchronous submits return a batch id, ``0`` on failure;
+- ``get_batch_transfer_status`` waits and returns ``0`` / ``-1``;
+- ``transfer_check_status`` returns ``1`` (done), ``0`` (pending),
+  ``-1`` (failed), ``-2`` (timed out).
+
+Where the engine underneath lacks an operation natively (a batch register
+on a build without ``registerLocalMemoryBatch``, say), Ferry's capability
+adapter emulates it with the same semantics; :meth:`TransferEngine.ferry_support`
+and the log line at ``initialize`` say which methods are native, emulated
+or unsupported on this engine. Wrong argument *types* raise ``TypeError`` as
+Mooncake's pybind11 binding does; everything else (unregistered addresses,
+unreachable peers, lists of different lengths) is a negative return, and the
+Ferry exception behind it is kept in :attr:`TransferEngine.last_error`.
+
+The backend comes from the constructor's ``url`` or the ``FERRY_URL``
+environment variable; the default is ``tcp://`` (Ferry's TCP transport, no
+Mooncake installed). ``mooncake://?lib=/path/libtransfer_engine.so`` runs
+over an installed Mooncake library.
+"""
+
+import ctypes
+import enum
+import json
+import logging
+import os
+import threading
+import urllib.parse
+
+from . import Engine
+from .errors import AddressNotRegistered, FerryError
+
+__all__ = ["TransferEngine", "TransferOpcode", "TransferNotify", "Read", "Write"]
+
+logger = logging.getLogger("ferry.mooncake")
+
+
+class TransferOpcode(enum.IntEnum):
+    """Mooncake's ``TransferOpcode``: ``Read`` = 0, ``Write`` = 1."""
+
+    Read = 0
+    Write = 1
+
+
+Read = TransferOpcode.Read
+Write = TransferOpcode.Write
+
+
+class TransferNotify:
+    """Mooncake's ``TransferNotify``: a notification ``name`` and ``msg``."""
+
+    __slots__ = ("name", "msg")
+
+    def __init__(self, name="", msg=""):
+        self.name = name
+        self.msg = msg
+
+    def __repr__(self):
+        return f"TransferNotify(name={self.name!r}, msg={self.msg!r})"
+
+    def __eq__(self, other):
+        return (
+            isinstance(other, TransferNotify)
+            and self.name == other.name
+            and self.msg == other.msg
+        )
+
+
+# Which Ferry operation carries each method (for ferry_support()).
+_METHOD_OPERATION = {
+    "register_memory": "register",
+    "unregister_memory": "unregister",
+    "batch_register_memory": "batch_register",
+    "batch_unregister_memory": "batch_unregister",
+    "transfer_sync_write": "transfer",
+    "transfer_sync_read": "transfer",
+    "transfer_sync": "transfer",
+    "batch_transfer_sync_write": "batch_transfer",
+    "batch_transfer_sync_read": "batch_transfer",
+    "batch_transfer_sync": "batch_transfer",
+    "batch_transfer_async_write": "async_batch",
+    "batch_transfer_async_read": "async_batch",
+    "batch_transfer_async": "async_batch",
+    "transfer_submit_write": "async_batch",
+    "transfer_check_status": "async_batch",
+    "get_batch_transfer_status": "batch_wait",
+    "get_notifies": "notify",
+    "allocate_managed_buffer": "register",
+    "free_managed_buffer": "unregister",
+}
+
+
+def _split_host_port(hostname):
+    """``host[:port]`` (also ``[v6]:port``) → ``(host, port or 0)``."""
+    if hostname.startswith("["):
+        host, _, rest = hostname[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else ""
+    elif hostname.count(":") == 1:
+        host, port = hostname.split(":")
+    else:
+        host, port = hostname, ""
+    try:
+        return host, int(port) if port else 0
+    except ValueError:
+        return hostname, 0
+
+
+def _bracket(host):
+    return f"[{host}]" if ":" in host else host
+
+
+class TransferEngine:
+    """``mooncake.engine.TransferEngine`` on Ferry (see the module docs).
+
+    ``TransferEngine(url=None)``: ``url`` (or ``FERRY_URL``) names the
+    backend and its own parameters, e.g. ``tcp://?secret=s3cret`` or
+    ``mooncake://?lib=/opt/mooncake/libtransfer_engine.so``;
+    ``initialize`` adds the host, metadata server, protocol and device.
+    """
+
+    TransferOpcode = TransferOpcode
+
+    def __init__(self, url=None):
+        self._base_url = url or os.environ.get("FERRY_URL") or "tcp://"
+        self._engine = None
+        self._lock = threading.Lock()
+        self._segments = {}
+        self._batches = {}
+        self._next_batch = 1
+        self._managed = {}
+        #: The Ferry exception behind the last negative return (or ``None``).
+        self.last_error = None
+
+    # -- set-up -------------------------------------------------------------
+
+    def initialize(self, local_hostname, metadata_server, protocol, device_name):
+        """Starts the engine. ``0`` on success, ``-1`` on failure."""
+        return self.initialize_ext(
+            local_hostname, metadata_server, protocol, device_name, ""
+        )
+
+    def initialize_ext(
+        self, local_hostname, metadata_server, protocol, device_name, metadata_type
+    ):
+        """``initialize`` with Mooncake's explicit metadata type (``etcd``,
+        ``redis``, ``http``, ``p2p``)."""
+        try:
+            url = self._url(
+                local_hostname, metadata_server, protocol, device_name, metadata_type
+            )
+            self._engine = Engine.open(url)
+        except FerryError as e:
+            return self._fail("initialize", e, -1)
+        except ValueError as e:
+            return self._fail("initialize", e, -1)
+        self._log_support()
+        return 0
+
+    def _url(self, local_hostname, metadata_server, protocol, device_name, metadata_type):
+        scheme, _, rest = self._base_url.partition("://")
+        base_path, _, base_query = rest.partition("?")
+        params = urllib.parse.parse_qsl(base_query, keep_blank_values=True)
+        host, port = _split_host_port(local_hostname or "")
+        if scheme == "tcp":
+            # Ferry's TCP transport moves the bytes whatever `protocol`
+            # names; the segment name is host:port, the port Ferry's own.
+            if protocol and protocol != "tcp":
+                logger.info(
+                    "protocol %r requested: Ferry's tcp backend moves the bytes over TCP",
+                    protocol,
+                )
+            host = host or (base_path.rsplit(":", 1)[0] if base_path else "127.0.0.1")
+            query = urllib.parse.urlencode(params)
+            return f"tcp://{_bracket(host)}:{port}" + (f"?{query}" if query else "")
+        if scheme == "mooncake":
+            metadata = metadata_server or "P2PHANDSHAKE"
+            if (
+                metadata_type
+                and metadata != "P2PHANDSHAKE"
+                and metadata_type != "p2p"
+                and "://" not in metadata
+            ):
+                metadata = f"{metadata_type}://{metadata}"
+            own = dict(params)
+            own.setdefault("metadata", metadata)
+            own.setdefault("protocol", protocol or "tcp")
+            if host:
+                own.setdefault("host", host)
+            if device_name:
+                own.setdefault("device", device_name)
+            return "mooncake://?" + urllib.parse.urlencode(own)
+        # Any other scheme (verbs://…) is passed through as given.
+        return self._base_url
+
+    def _log_support(self):
+        support = self.ferry_support()
+        emulated = sorted(m for m, s in support.items() if s["support"] == "emulated")
+        unsupported = sorted(
+            m for m, s in support.items() if s["support"] == "unsupported"
+        )
+        logger.info(
+            "ferry.mooncake on %s (%s): emulated: %s; unsupported: %s",
+            self._engine.backend,
+            self._engine.segment_name,
+            ", ".join(emulated) or "none",
+            ", ".join(unsupported) or "none",
+        )
+
+    def ferry_support(self):
+        """For every method: ``{"support": "native" | "emulated" |
+        "unsupported", "operation", "via", "reason", "min_version"}`` on
+        this engine (from Ferry's capability report)."""
+        report = self._require().report()
+        out = {}
+        for method, op in _METHOD_OPERATION.items():
+            entry = report["operations"].get(op) or {
+                "support": "native",
+                "via": None,
+                "reason": None,
+                "min_version": None,
+            }
+            out[method] = dict(entry, operation=op)
+        return out
+
+    def get_rpc_port(self):
+        """The port of this engine's segment name (``host:port``)."""
+        name = self._require().segment_name
+        try:
+            return int(name.rsplit(":", 1)[1])
+        except (IndexError, ValueError):
+            return -1
+
+    def get_engine(self):
+        """The :class:`ferry.Engine` underneath (not a C++ object)."""
+        return self._require()
+
+    def get_local_topology(self, device_name=None):
+        """Mooncake's topology JSON; Ferry has none to report: ``"{}"``."""
+        return json.dumps({})
+
+    def warmup_efa_segment(self, segment_name):
+        """No EFA transport here: nothing to warm up, ``0``."""
+        return 0
+
+    def send_probe(self, peer_server_name):
+        """``0`` if the peer's segment can be opened, else ``-1``."""
+        try:
+            self._segment(peer_server_name)
+            return 0
+        except FerryError as e:
+            with self._lock:
+                self._segments.pop(peer_server_name, None)
+            return self._fail("send_probe", e, -1)
+
+    # -- memory ---------------------------------------------------------------
+
+    def register_memory(self, buffer_addr, capacity, location="*"):
+        """Registers ``capacity`` bytes at ``buffer_addr``: ``0`` / ``-1``."""
+        try:
+            self._require().register(buffer_addr, capacity, location)
+            return 0
+        except (FerryError, ValueError) as e:
+            return self._fail("register_memory", e, -1)
+
+    def unregister_memory(self, buffer_addr):
+        """Unregisters the region at ``buffer_addr`` (waits for transfers
+        using it): ``0`` / ``-1``."""
+        try:
+            self._require().unregister(buffer_addr)
+            return 0
+        except (FerryError, ValueError) as e:
+            return self._fail("unregister_memory", e, -1)
+
+    def batch_register_memory(self, buffer_addresses, capacities, location="*"):
+        """Registers every region, all or nothing: ``0`` / ``-1``."""
+        try:
+            addrs = list(buffer_addresses)
+            caps = list(capacities)
+            if len(addrs) != len(caps):
+                raise ValueError(
+                    f"{len(addrs)} addresses but {len(caps)} capacities"
+                )
+            self._require().batch_register(addrs, caps, location)
+            return 0
+        except (FerryError, ValueError) as e:
+            return self._fail("batch_register_memory", e, -1)
+
+    def batch_unregister_memory(self, buffer_addresses):
+        """Unregisters every region: ``0`` / ``-1`` (every one attempted)."""
+        try:
+            self._require().batch_unregister(list(buffer_addresses))
+            return 0
+        except (FerryError, ValueError) as e:
+            return self._fail("batch_unregister_memory", e, -1)
+
+    def allocate_managed_buffer(self, length):
+        """Allocates and registers ``length`` zeroed bytes; their address,
+        ``0`` on failure."""
+        try:
+            buf = bytearray(length)
+            addr, _ = self._require().register(buf)
+        except (FerryError, ValueError, MemoryError) as e:
+            return self._fail("allocate_managed_buffer", e, 0)
+        with self._lock:
+            self._managed[addr] = buf
+        return addr
+
+    def free_managed_buffer(self, buffer_addr, length):
+        """Unregisters and frees a buffer from ``allocate_managed_buffer``:
+        ``0`` / ``-1``."""
+        with self._lock:
+            known = buffer_addr in self._managed
+        if not known:
+            return self._fail(
+                "free_managed_buffer",
+                ValueError(f"{buffer_addr:#x} was not allocated by allocate_managed_buffer"),
+                -1,
+            )
+        try:
+            self._require().unregister(buffer_addr)
+        except FerryError as e:
+            return self._fail("free_managed_buffer", e, -1)
+        with self._lock:
+            self._managed.pop(buffer_addr, None)
+        return 0
+
+    def _check_local(self, addr, length):
+        for start, size in self._require().registered():
+            if start <= addr and addr + length <= start + size:
+                return
+        raise AddressNotRegistered(
+            f"local address range {addr:#x}+{length} is not inside a region "
+            "registered with this engine",
+            side="local",
+            addr=addr,
+            length=length,
+            peer=None,
+            retryable=False,
+        )
+
+    def write_bytes_to_buffer(self, dest_address, src, length):
+        """Copies ``length`` bytes of ``src`` (bytes or str) into this
+        engine's registered memory at ``dest_address``: ``0`` / ``-1``."""
+        data = src.encode() if isinstance(src, str) else bytes(src)
+        if length < 0 or length > len(data):
+            return self._fail(
+                "write_bytes_to_buffer",
+                ValueError(f"length {length} exceeds the {len(data)} bytes given"),
+                -1,
+            )
+        try:
+            self._check_local(dest_address, length)
+        except FerryError as e:
+            return self._fail("write_bytes_to_buffer", e, -1)
+        ctypes.memmove(dest_address, data, length)
+        return 0
+
+    def read_bytes_from_buffer(self, source_address, length):
+        """``length`` bytes of this engine's registered memory at
+        ``source_address``. Raises ``AddressNotRegistered`` outside it
+        (Mooncake would read whatever is there)."""
+        self._check_local(source_address, length)
+        return ctypes.string_at(source_address, length)
+
+    def get_first_buffer_address(self, segment_name):
+        """The first region registered by the engine called
+        ``segment_name`` — known for this engine only (Ferry does not publish
+        peers' region tables); ``0`` otherwise, as Mooncake returns for a
+        segment without buffers."""
+        engine = self._require()
+        if segment_name == engine.segment_name:
+            regions = engine.registered()
+            return regions[0][0] if regions else 0
+        return 0
+
+    # -- transfers ----------------------------------------------------------------
+
+    def transfer_sync_write(
+        self, target_hostname, buffer, peer_buffer_address, length, transport_hint=""
+    ):
+        """Writes ``length`` bytes to the peer and waits: ``0`` / ``-1``."""
+        return self.transfer_sync(
+            target_hostname, buffer, peer_buffer_address, length, Write
+        )
+
+    def transfer_sync_read(
+        self, target_hostname, buffer, peer_buffer_address, length, transport_hint=""
+    ):
+        """Reads ``length`` bytes from the peer and waits: ``0`` / ``-1``."""
+        return self.transfer_sync(
+            target_hostname, buffer, peer_buffer_address, length, Read
+        )
+
+    def transfer_sync(
+        self,
+        target_hostname,
+        buffer,
+        peer_buffer_address,
+        length,
+        opcode,
+        notify=None,
+        transport_hint="",
+    ):
+        """One transfer, waited on; with ``notify`` (a ``TransferNotify``)
+        the peer gets it after the bytes landed. ``0`` / ``-1``."""
+        op = _op(opcode)
+        try:
+            engine = self._require()
+            seg = self._segment(target_hostname)
+            if notify is None:
+                engine.transfer(seg, op, buffer, peer_buffer_address, length)
+                return 0
+            results = engine.batch_transfer(
+                seg,
+                op,
+                [buffer],
+                [peer_buffer_address],
+                [length],
+                (notify.name, notify.msg),
+            )
+            return self._batch_result("transfer_sync", results)
+        except (FerryError, ValueError) as e:
+            return self._fail("transfer_sync", e, -1)
+
+    def batch_transfer_sync_write(
+        self, target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint=""
+    ):
+        """Writes a batch and waits: ``0`` if every request succeeded, else
+        ``-1``."""
+        return self.batch_transfer_sync(
+            target_hostname, buffers, peer_buffer_addresses, lengths, Write
+        )
+
+    def batch_transfer_sync_read(
+        self, target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint=""
+    ):
+        """Reads a batch and waits: ``0`` / ``-1``."""
+        return self.batch_transfer_sync(
+            target_hostname, buffers, peer_buffer_addresses, lengths, Read
+        )
+
+    def batch_transfer_sync(
+        self,
+        target_hostname,
+        buffers,
+        peer_buffer_addresses,
+        lengths,
+        opcode,
+        notify=None,
+        transport_hint="",
+    ):
+        """A batch, waited on; ``notify`` as in ``transfer_sync``.
+        ``0`` / ``-1``."""
+        op = _op(opcode)
+        try:
+            engine = self._require()
+            seg = self._segment(target_hostname)
+            note = None if notify is None else (notify.name, notify.msg)
+            results = engine.batch_transfer(
+                seg, op, buffers, peer_buffer_addresses, lengths, note
+            )
+            return self._batch_result("batch_transfer_sync", results)
+        except (FerryError, ValueError) as e:
+            return self._fail("batch_transfer_sync", e, -1)
+
+    def batch_transfer_async_write(
+        self, target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint=""
+    ):
+        """Starts a batch of writes: its id, ``0`` on failure."""
+        return self.batch_transfer_async(
+            target_hostname, buffers, peer_buffer_addresses, lengths, Write
+        )
+
+    def batch_transfer_async_read(
+        self, target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint=""
+    ):
+        """Starts a batch of reads: its id, ``0`` on failure."""
+        return self.batch_transfer_async(
+            target_hostname, buffers, peer_buffer_addresses, lengths, Read
+        )
+
+    def batch_transfer_async(
+        self,
+        target_hostname,
+        buffers,
+        peer_buffer_addresses,
+        lengths,
+        opcode,
+        transport_hint="",
+    ):
+        """Starts a batch: its id (for ``get_batch_transfer_status`` or
+        ``transfer_check_status``), ``0`` on failure."""
+        op = _op(opcode)
+        try:
+            engine = self._require()
+            seg = self._segment(target_hostname)
+            native = engine.submit(seg, op, buffers, peer_buffer_addresses, lengths)
+        except (FerryError, ValueError) as e:
+            return self._fail("batch_transfer_async", e, 0)
+        with self._lock:
+            batch_id = self._next_batch
+            self._next_batch += 1
+            self._batches[batch_id] = native
+        return batch_id
+
+    def transfer_submit_write(
+        self, target_hostname, buffer, peer_buffer_address, length, transport_hint=""
+    ):
+        """Starts one write: its batch id (for ``transfer_check_status``),
+        ``0`` on failure."""
+        return self.batch_transfer_async(
+            target_hostname, [buffer], [peer_buffer_address], [length], Write
+        )
+
+    def get_batch_transfer_status(self, batch_ids):
+        """Waits for every batch and releases them: ``0`` if all succeeded,
+        ``-1`` if any failed or an id is unknown."""
+        status = 0
+        for batch_id in list(batch_ids):
+            with self._lock:
+                native = self._batches.pop(batch_id, None)
+            if native is None:
+                self._fail(
+                    "get_batch_transfer_status",
+                    ValueError(f"unknown batch id {batch_id}"),
+                    -1,
+                )
+                status = -1
+                continue
+            try:
+                results = self._require().wait(native)
+            except FerryError as e:
+                status = self._fail("get_batch_transfer_status", e, -1)
+                continue
+            if self._batch_result("get_batch_transfer_status", results) != 0:
+                status = -1
+        return status
+
+    def transfer_check_status(self, batch_id):
+        """Never waits: ``1`` completed, ``0`` pending, ``-1`` failed (or
+        unknown id), ``-2`` timed out. A finished batch is released."""
+        with self._lock:
+            native = self._batches.get(batch_id)
+        if native is None:
+            return self._fail(
+                "transfer_check_status", ValueError(f"unknown batch id {batch_id}"), -1
+            )
+        engine = self._require()
+        try:
+            states = engine.status(native)
+        except FerryError as e:
+            return self._fail("transfer_check_status", e, -1)
+        if any(state == "pending" for state, _ in states):
+            return 0
+        with self._lock:
+            self._batches.pop(batch_id, None)
+        try:
+            engine.release_batch(native)
+        except FerryError as e:
+            logger.debug("release of batch %s: %s", batch_id, e)
+        errors = [detail for state, detail in states if state == "failed"]
+        if not errors:
+            return 1
+        from .errors import Timeout
+
+        code = -2 if any(isinstance(e, Timeout) for e in errors) else -1
+        return self._fail("transfer_check_status", errors[0], code)
+
+    def get_notifies(self):
+        """The notifications received so far (``TransferNotify`` list);
+        empty if the engine cannot receive them."""
+        try:
+            notes = self._require().take_notifications()
+        except FerryError as e:
+            self._fail("get_notifies", e, -1)
+            return []
+        return [TransferNotify(name, msg) for name, msg in notes]
+
+    # -- helpers ----------------------------------------------------------------
+
+    def _require(self):
+        if self._engine is None:
+            raise RuntimeError(
+                "TransferEngine is not initialized: call initialize() first"
+            )
+        return self._engine
+
+    def _segment(self, name):
+        with self._lock:
+            seg = self._segments.get(name)
+        if seg is None:
+            seg = self._require().open_segment(name)
+            with self._lock:
+                self._segments[name] = seg
+        return seg
+
+    def _batch_result(self, method, results):
+        for err in results:
+            if err is not None:
+                return self._fail(method, err, -1)
+        return 0
+
+    def _fail(self, method, error, code):
+        self.last_error = error
+        logger.debug("%s failed: %s", method, error)
+        return code
+
+
+def _op(opcode):
+    if isinstance(opcode, str):
+        return opcode
+    try:
+        return "read" if TransferOpcode(int(opcode)) == TransferOpcode.Read else "write"
+    except (TypeError, ValueError):
+        raise TypeError(f"opcode must be TransferOpcode.Read or .Write, got {opcode!r}")
