@@ -78,7 +78,7 @@ impl Handle {
     }
 }
 
-/// `inproc://[name]?caps=none|all|op,op&pace_us=N&strict=1`: engines of this
+/// `inproc://[name]?caps=none|all|op,op&pace_us=N&strict=1&require=op,op`: engines of this
 /// process only, moving real bytes, with the native capabilities listed in
 /// `caps` (default `all`): everything else the capability adapter emulates
 /// (or, with `strict=1`, refuses). For tests and for trying an
@@ -92,6 +92,7 @@ fn open_inproc(url: &str) -> ferry::Result<Handle> {
     let mut caps = Capabilities::all();
     let mut config = AdapterConfig::default();
     let mut pace = None;
+    let mut require = Vec::new();
     for pair in query.split('&').filter(|p| !p.is_empty()) {
         let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
         match key {
@@ -114,16 +115,23 @@ fn open_inproc(url: &str) -> ferry::Result<Handle> {
                 pace = Some(std::time::Duration::from_micros(us));
             }
             "strict" => config.strict = matches!(value, "" | "1" | "true" | "yes" | "on"),
+            "require" => {
+                for op in value.split(',').filter(|s| !s.is_empty()) {
+                    require.push(op.parse::<Operation>()?);
+                }
+            }
             other => {
                 return Err(bad(format!(
-                    "unknown inproc:// parameter {other:?} (known: caps, pace_us, strict)"
+                    "unknown inproc:// parameter {other:?} (known: caps, pace_us, strict, require)"
                 )))
             }
         }
     }
     let engine = InprocEngine::new(name, caps)?;
     engine.set_pace(pace);
-    Ok(Handle::adapter(CapabilityAdapter::with_config(engine, config)))
+    let adapter = CapabilityAdapter::with_config(engine, config);
+    adapter.require(&require)?;
+    Ok(Handle::adapter(adapter))
 }
 
 fn parse_op(op: &str) -> PyResult<TransferOp> {
