@@ -27,6 +27,11 @@ pub const MAX_SINK_STREAMS: usize = 8;
 /// Largest single read of the sink.
 const READ_CHUNK: usize = 1 << 20;
 
+/// A sink stream that sends nothing for this long is dropped (its slot and
+/// buffer freed). The sink has no authentication: this and
+/// [`MAX_SINK_STREAMS`] bound what an unknown peer can hold.
+pub const SINK_IDLE: Duration = Duration::from_secs(10);
+
 /// What a sink has received so far.
 #[derive(Debug, Default)]
 pub struct SinkStats {
@@ -38,7 +43,10 @@ pub struct SinkStats {
 
 /// Serves `listener` until the task is dropped/aborted.
 /// At most [`MAX_SINK_STREAMS`] streams are served at once (each holds a
-/// [`SPAN`]-byte buffer); further connections wait in the accept queue.
+/// [`SPAN`]-byte buffer, allocated only once its first bytes arrive);
+/// further connections wait in the accept queue. A stream silent for
+/// [`SINK_IDLE`] is dropped, so idle connections cannot hold the slots (or
+/// memory) for long.
 pub async fn run_sink(listener: TcpListener, stats: Arc<SinkStats>) {
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_SINK_STREAMS));
     loop {
@@ -52,26 +60,45 @@ pub async fn run_sink(listener: TcpListener, stats: Arc<SinkStats>) {
         tokio::spawn(async move {
             let _slot = slot;
             let _ = stream.set_nodelay(true);
+            // Nothing is allocated for a connection that sends nothing.
+            let mut first = [0u8; 1];
+            match tokio::time::timeout(SINK_IDLE, stream.peek(&mut first)).await {
+                Ok(Ok(n)) if n > 0 => {}
+                _ => {
+                    tracing::debug!(%peer, "raw sink stream idle, dropped");
+                    return;
+                }
+            }
             // Touched up front, like registered memory.
             let mut buf = vec![1u8; SPAN];
             let mut got = 0u64;
             let mut off = 0usize;
             loop {
                 let end = (off + READ_CHUNK).min(SPAN);
-                match stream.read(&mut buf[off..end]).await {
-                    Ok(0) => break,
-                    Ok(n) => {
-                        got += n as u64;
+                match tokio::time::timeout(SINK_IDLE, stream.read(&mut buf[off..end])).await {
+                    Ok(Ok(0)) => break,
+                    Ok(Ok(n)) => {
+                        got = got.saturating_add(n as u64);
                         off = (off + n) % SPAN;
                     }
-                    Err(e) => {
+                    Ok(Err(e)) => {
                         tracing::debug!(%peer, error = %e, "raw sink stream failed");
+                        return;
+                    }
+                    Err(_) => {
+                        tracing::debug!(%peer, "raw sink stream stalled, dropped");
                         return;
                     }
                 }
             }
-            stats.bytes.fetch_add(got, Ordering::Relaxed);
-            stats.streams.fetch_add(1, Ordering::Relaxed);
+            drop(buf);
+            let add = |c: &AtomicU64, n: u64| {
+                let _ = c.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
+                    Some(v.saturating_add(n))
+                });
+            };
+            add(&stats.bytes, got);
+            add(&stats.streams, 1);
             let _ = stream.write_all(&got.to_le_bytes()).await;
             let _ = stream.shutdown().await;
         });

@@ -1,29 +1,50 @@
 //! `ferry serve`: a target for cross-machine runs.
 
+use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use anyhow::Context;
+use anyhow::{bail, Context};
 use ferry::{Engine, Location, RegisteredBuffer, TransferEngine};
 
-use crate::bench::{redact, TARGET_SEED};
+use crate::bench::TARGET_SEED;
 use crate::rawtcp::{self, SinkStats};
 use crate::util::{count_changed, fill_pattern, human_bytes, parse_positive_size};
 
 const EXAMPLES: &str = "\
 Examples:
-  # on the target machine (listen on an address the other machine can reach)
+  # on the target machine (listen on an address the other machine can reach;
+  # the secret comes from a file or FERRY_SECRET, never the command line)
+  FERRY_SECRET=s3cret ferry serve --backend tcp://10.0.0.2:7000 --size 256MiB
+  ferry serve --backend tcp://10.0.0.2:7000 --secret-file /etc/ferry/secret --size 256MiB
+  # with the raw-TCP baseline sink (off by default; unauthenticated: trusted
+  # networks only)
   ferry serve --backend tcp://10.0.0.2:7000 --size 256MiB --raw-listen 10.0.0.2:7001
   # it prints the command to run on the other machine, e.g.
   ferry bench --peer 10.0.0.2:7000 --remote-addr 0x7f3a5c000000 --remote-len 268435456 --raw-peer 10.0.0.2:7001
   # on one machine, for a try
   ferry serve --size 64MiB
 
-The region is filled with a known pattern. serve prints every notification it
-receives (ferry bench sends one per point), and on Ctrl-C (or SIGTERM) a summary:
-notifications, bytes the peers reported, raw-TCP baseline streams, and how many
-bytes of the region differ from the initial pattern.";
+The region is filled with a known pattern. serve prints the notifications it
+receives (ferry bench sends one per point; at most 20 a second are shown, peer
+text escaped), and on Ctrl-C (or SIGTERM) a summary: notifications, bytes the
+peers reported, raw-TCP baseline streams, and how many bytes of the region
+differ from the initial pattern. A second Ctrl-C / SIGTERM exits at once.";
+
+/// Environment variable holding the backend's shared secret.
+pub const SECRET_ENV: &str = "FERRY_SECRET";
+
+/// Most notifications printed per second; the rest are counted.
+const PRINTED_PER_SECOND: u32 = 20;
+
+/// Longest notification text printed (characters); longer ones are cut.
+const PRINTED_CHARS: usize = 200;
+
+/// How long unregistering the region may take after a stop signal. The TCP
+/// backend bounds it by its payload deadlines (stall + 64 MiB / min_rate);
+/// this is a last resort for any backend.
+const RELEASE_BOUND: Duration = Duration::from_secs(60);
 
 /// Arguments of `ferry serve`.
 #[derive(clap::Args, Debug)]
@@ -41,19 +62,103 @@ pub struct ServeArgs {
     #[arg(long, default_value = "cpu:0")]
     location: Location,
 
-    /// Address for the raw-TCP baseline sink (default: the segment's host, any port,
-    /// when the segment name is `host:port`; none otherwise);
-    /// `off` to disable.
+    /// Address for the raw-TCP baseline sink (`host:port`; port 0 picks
+    /// one). Off by default: the sink has no authentication (it only counts
+    /// bytes; at most 8 streams, each dropped after 10 s without data), so
+    /// enable it on trusted networks only. `off` is accepted too.
     #[arg(long)]
     raw_listen: Option<String>,
+
+    /// Read the backend's shared secret from this file (first line),
+    /// instead of `secret=` in the URL, which other users can see in the
+    /// process list.
+    #[arg(long, value_name = "PATH")]
+    secret_file: Option<PathBuf>,
+}
+
+/// The backend URL with the secret from `--secret-file` or `FERRY_SECRET`
+/// added (percent-encoded). Giving a secret two ways is an error.
+fn with_secret(url: &str, file: Option<&PathBuf>, env: Option<String>) -> anyhow::Result<String> {
+    let from_file = match file {
+        Some(p) => {
+            let text = std::fs::read_to_string(p)
+                .with_context(|| format!("reading the secret file {}", p.display()))?;
+            let line = text.lines().next().unwrap_or("").trim_end_matches('\r');
+            if line.is_empty() {
+                bail!("the secret file {} is empty", p.display());
+            }
+            Some(line.to_owned())
+        }
+        None => None,
+    };
+    let env = env.filter(|s| !s.is_empty());
+    let secret = match (from_file, env) {
+        (Some(_), Some(_)) => bail!("both --secret-file and {SECRET_ENV} give a secret; use one"),
+        (Some(s), None) | (None, Some(s)) => s,
+        (None, None) => return Ok(url.to_owned()),
+    };
+    if query_keys(url).any(|k| k.eq_ignore_ascii_case("secret")) {
+        bail!("the backend URL already has a secret; give it one way only");
+    }
+    let encoded: String =
+        percent_encoding::utf8_percent_encode(&secret, percent_encoding::NON_ALPHANUMERIC)
+            .to_string();
+    let sep = if url.contains('?') { '&' } else { '?' };
+    Ok(format!("{url}{sep}secret={encoded}"))
+}
+
+/// The decoded keys of a URL's query.
+fn query_keys(url: &str) -> impl Iterator<Item = String> + '_ {
+    url.split_once('?')
+        .map_or("", |(_, q)| q)
+        .split('&')
+        .filter(|p| !p.is_empty())
+        .map(|p| decode(p.split_once('=').map_or(p, |(k, _)| k)))
+}
+
+/// Percent-decodes a query component (`+` is a space, as URL parsers read
+/// it).
+fn decode(s: &str) -> String {
+    let s = s.replace('+', " ");
+    percent_encoding::percent_decode_str(&s)
+        .decode_utf8_lossy()
+        .into_owned()
+}
+
+/// A backend URL with every secret hidden, for messages: a parameter whose
+/// key *decodes* to `secret` (in any case, however it is percent-encoded)
+/// has its value replaced by `…`.
+pub fn redact_url(url: &str) -> String {
+    let Some((base, query)) = url.split_once('?') else {
+        return url.to_owned();
+    };
+    let parts: Vec<String> = query
+        .split('&')
+        .map(|p| {
+            let key = p.split_once('=').map_or(p, |(k, _)| k);
+            if decode(key).trim().eq_ignore_ascii_case("secret") {
+                format!("{key}=…")
+            } else {
+                p.to_owned()
+            }
+        })
+        .collect();
+    format!("{base}?{}", parts.join("&"))
 }
 
 /// Runs `ferry serve` until Ctrl-C / SIGTERM.
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
+    // Signals first, so that none is lost while starting.
+    let mut stop = stop_signals()?;
+    let url = with_secret(
+        &args.backend,
+        args.secret_file.as_ref(),
+        std::env::var(SECRET_ENV).ok(),
+    )?;
     let engine = Arc::new(
-        Engine::open(&args.backend)
+        Engine::open(&url)
             .await
-            .with_context(|| format!("opening {}", redact(&args.backend)))?,
+            .with_context(|| format!("opening {}", redact_url(&url)))?,
     );
     let size = usize::try_from(args.size).context("--size is too large for this machine")?;
     let buf = RegisteredBuffer::with_location(Arc::clone(&engine), size, args.location.clone())
@@ -69,15 +174,8 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
 
     let segment = engine.segment_name().to_owned();
     let raw_listen = match args.raw_listen.as_deref() {
-        Some("off") => None,
+        Some("off") | None => None,
         Some(a) => Some(a.to_owned()),
-        // Only where the segment name is an address (`host:port`); a name
-        // registered with a metadata server says nothing about where to
-        // listen (pass --raw-listen then).
-        None => segment
-            .rsplit_once(':')
-            .filter(|(_, port)| port.parse::<u16>().is_ok())
-            .map(|(host, _)| format!("{host}:0")),
     };
     let stats = Arc::new(SinkStats::default());
     let (raw_addr, sink) = match raw_listen {
@@ -113,8 +211,8 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         buf.addr(),
         buf.len()
     );
-    if args.backend != "tcp://127.0.0.1:0" {
-        cmd.push_str(&format!(" --backend '{}'", client_url(&args.backend)));
+    if url != "tcp://127.0.0.1:0" {
+        cmd.push_str(&format!(" --backend '{}'", client_url(&url)));
     }
     if let Some(a) = &raw_addr {
         cmd.push_str(&format!(" --raw-peer {a}"));
@@ -129,12 +227,10 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     println!("serving until Ctrl-C");
 
     let mut received = Received::default();
-    let stop = shutdown_signal();
-    tokio::pin!(stop);
     let mut tick = tokio::time::interval(Duration::from_millis(50));
     loop {
         tokio::select! {
-            r = &mut stop => { r?; break; }
+            _ = &mut stop => break,
             _ = tick.tick(), if notify => received.drain(&engine).await?,
         }
     }
@@ -142,10 +238,12 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     if notify {
         received.drain(&engine).await?;
     }
+    received.flush_hidden();
     let Received {
         notes,
         written,
         read,
+        ..
     } = received;
     if let Some(s) = sink {
         s.abort();
@@ -154,43 +252,125 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     println!(
         "received: {notes} notifications; peers reported {} written and {} read; \
          raw-TCP sink: {} streams, {}; region: {changed} of {} bytes differ from the initial pattern",
-        human_bytes(written),
-        human_bytes(read),
+        reported(written),
+        reported(read),
         stats.streams.load(Ordering::Relaxed),
         human_bytes(stats.bytes.load(Ordering::Relaxed)),
         buf.len()
     );
-    buf.release().await.context("unregistering the region")?;
+    // Bounded: in-flight payloads into the region finish or are cut at the
+    // backend's minimum rate; a second signal exits at once meanwhile.
+    match tokio::time::timeout(RELEASE_BOUND, buf.release()).await {
+        Ok(r) => r.context("unregistering the region")?,
+        Err(_) => bail!(
+            "unregistering the region did not finish within {RELEASE_BOUND:?}; exiting anyway"
+        ),
+    }
     Ok(())
 }
 
-/// Notifications seen so far and the byte counts peers reported in them.
-#[derive(Debug, Default)]
+/// A byte count a peer reported (saturating; peers can claim anything).
+fn reported(n: u64) -> String {
+    if n == u64::MAX {
+        "at least 16 EiB (saturated)".to_owned()
+    } else {
+        human_bytes(n)
+    }
+}
+
+/// Text from a peer, made safe to print: control characters (newlines,
+/// escape sequences) and bidirectional or invisible formatting characters
+/// are escaped, and long text is cut to `max` characters.
+fn printable(s: &str, max: usize) -> String {
+    let mut out = String::new();
+    for (i, c) in s.chars().enumerate() {
+        if i == max {
+            out.push_str(&format!("… ({} bytes)", s.len()));
+            break;
+        }
+        let hidden = matches!(c, '\u{200B}'..='\u{200F}' | '\u{202A}'..='\u{202E}' | '\u{2066}'..='\u{2069}' | '\u{FEFF}');
+        if c.is_control() || c == '\\' || hidden {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// Notifications seen so far and the byte counts peers reported in them
+/// (all saturating: peers control them).
+#[derive(Debug)]
 struct Received {
     notes: u64,
     written: u64,
     read: u64,
+    /// Start of the current one-second printing window.
+    window: Instant,
+    /// Notifications printed in it.
+    printed: u32,
+    /// Notifications not printed since the last notice.
+    hidden: u64,
+}
+
+impl Default for Received {
+    fn default() -> Self {
+        Received {
+            notes: 0,
+            written: 0,
+            read: 0,
+            window: Instant::now(),
+            printed: 0,
+            hidden: 0,
+        }
+    }
 }
 
 impl Received {
-    /// Takes the notifications that arrived, prints and counts them.
+    /// Takes the notifications that arrived, prints (at most
+    /// [`PRINTED_PER_SECOND`]) and counts them.
     async fn drain(&mut self, engine: &Engine) -> anyhow::Result<()> {
-        for n in engine
+        let batch = engine
             .take_notifications()
             .await
-            .context("taking notifications")?
-        {
-            self.notes += 1;
-            println!("notification from {}: {}", n.name, n.message);
+            .context("taking notifications")?;
+        for n in batch {
+            self.notes = self.notes.saturating_add(1);
+            if self.window.elapsed() >= Duration::from_secs(1) {
+                self.flush_hidden();
+                self.window = Instant::now();
+                self.printed = 0;
+            }
+            if self.printed < PRINTED_PER_SECOND {
+                self.printed += 1;
+                println!(
+                    "notification from {}: {}",
+                    printable(&n.name, PRINTED_CHARS),
+                    printable(&n.message, PRINTED_CHARS)
+                );
+            } else {
+                self.hidden += 1;
+            }
             if let Some(bytes) = field(&n.message, "bytes") {
                 if n.message.starts_with("write") {
-                    self.written += bytes;
+                    self.written = self.written.saturating_add(bytes);
                 } else if n.message.starts_with("read") {
-                    self.read += bytes;
+                    self.read = self.read.saturating_add(bytes);
                 }
             }
         }
         Ok(())
+    }
+
+    /// Says how many notifications were not printed, if any.
+    fn flush_hidden(&mut self) {
+        if self.hidden > 0 {
+            println!(
+                "({} more notifications not shown; at most {PRINTED_PER_SECOND} a second are)",
+                self.hidden
+            );
+            self.hidden = 0;
+        }
     }
 }
 
@@ -201,7 +381,7 @@ impl Received {
 /// builds a clash on its port aborts the process); secrets are shown as `…`
 /// for the user to fill.
 fn client_url(url: &str) -> String {
-    let redacted = redact(url);
+    let redacted = redact_url(url);
     if let Some(rest) = redacted.strip_prefix("tcp://") {
         return match rest.split_once('?') {
             Some((_, q)) => format!("tcp://0.0.0.0:0?{q}"),
@@ -234,21 +414,47 @@ fn field(message: &str, key: &str) -> Option<u64> {
         .find_map(|w| w.strip_prefix(key)?.strip_prefix('=')?.parse().ok())
 }
 
-async fn shutdown_signal() -> anyhow::Result<()> {
+/// Resolves on the first SIGINT (Ctrl-C) or SIGTERM; a second one exits
+/// the process at once (status 130).
+fn stop_signals() -> anyhow::Result<tokio::sync::oneshot::Receiver<()>> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
     #[cfg(unix)]
     {
         use tokio::signal::unix::{signal, SignalKind};
         let mut term = signal(SignalKind::terminate()).context("installing a SIGTERM handler")?;
-        tokio::select! {
-            r = tokio::signal::ctrl_c() => r.context("waiting for Ctrl-C")?,
-            _ = term.recv() => {}
-        }
-        Ok(())
+        let mut int = signal(SignalKind::interrupt()).context("installing a SIGINT handler")?;
+        tokio::spawn(async move {
+            let mut tx = Some(tx);
+            loop {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = int.recv() => {}
+                }
+                match tx.take() {
+                    Some(tx) => {
+                        eprintln!("ferry serve: stopping (signal again to exit at once)");
+                        let _ = tx.send(());
+                    }
+                    None => {
+                        eprintln!("ferry serve: second signal, exiting now");
+                        std::process::exit(130);
+                    }
+                }
+            }
+        });
     }
     #[cfg(not(unix))]
     {
-        tokio::signal::ctrl_c().await.context("waiting for Ctrl-C")
+        tokio::spawn(async move {
+            if tokio::signal::ctrl_c().await.is_ok() {
+                let _ = tx.send(());
+            }
+            if tokio::signal::ctrl_c().await.is_ok() {
+                std::process::exit(130);
+            }
+        });
     }
+    Ok(rx)
 }
 
 #[cfg(test)]
@@ -270,5 +476,56 @@ mod tests {
         assert_eq!(client_url("mooncake://?name=srv"), "mooncake://");
         assert_eq!(field("write block=4096 bytes=123", "bytes"), Some(123));
         assert_eq!(field("write block=4096", "bytes"), None);
+    }
+
+    #[test]
+    fn secrets_are_redacted_after_decoding() {
+        for url in [
+            "tcp://h:1?secret=hunter2",
+            "tcp://h:1?%73ecret=hunter2",
+            "tcp://h:1?SECRET=hunter2",
+            "tcp://h:1?connections=2&%53%65%63%72%65%74=hunter2",
+            "tcp://h:1?secret%20=hunter2",
+        ] {
+            let r = redact_url(url);
+            assert!(!r.contains("hunter2"), "{url} -> {r}");
+            assert!(!client_url(url).contains("hunter2"), "{url}");
+        }
+        assert_eq!(
+            redact_url("tcp://h:1?connections=2&secret=x"),
+            "tcp://h:1?connections=2&secret=…"
+        );
+    }
+
+    #[test]
+    fn secret_from_file_or_environment() {
+        let dir = std::env::temp_dir().join(format!("ferry-serve-secret-{}", std::process::id()));
+        std::fs::write(&dir, "s&3 cret\n").unwrap();
+        let url = with_secret("tcp://h:1", Some(&dir), None).unwrap();
+        assert_eq!(url, "tcp://h:1?secret=s%263%20cret");
+        let url = with_secret("tcp://h:1?connections=2", None, Some("e".into())).unwrap();
+        assert_eq!(url, "tcp://h:1?connections=2&secret=e");
+        assert!(with_secret("tcp://h:1", Some(&dir), Some("e".into())).is_err());
+        assert!(with_secret("tcp://h:1?%73ecret=x", None, Some("e".into())).is_err());
+        assert_eq!(with_secret("tcp://h:1", None, None).unwrap(), "tcp://h:1");
+        std::fs::write(&dir, "\n").unwrap();
+        assert!(with_secret("tcp://h:1", Some(&dir), None).is_err());
+        let _ = std::fs::remove_file(&dir);
+    }
+
+    #[test]
+    fn peer_text_is_escaped_and_counters_saturate() {
+        let evil = "x\nreceived: 999 notifications\u{1b}[2J\u{202e}";
+        let p = printable(evil, 200);
+        assert!(
+            !p.contains('\n') && !p.contains('\u{1b}') && !p.contains('\u{202e}'),
+            "{p}"
+        );
+        assert!(printable(&"a".repeat(1000), 10).starts_with("aaaaaaaaaa… (1000 bytes)"));
+        let mut r = Received::default();
+        for _ in 0..2 {
+            r.written = r.written.saturating_add(u64::MAX);
+        }
+        assert_eq!(reported(r.written), "at least 16 EiB (saturated)");
     }
 }

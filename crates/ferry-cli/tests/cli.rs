@@ -329,7 +329,7 @@ mod tcp {
     #[test]
     fn serve_and_bench_peer_on_loopback() {
         let child = ferry()
-            .args(["serve", "--size", "2MiB"])
+            .args(["serve", "--size", "2MiB", "--raw-listen", "127.0.0.1:0"])
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
