@@ -14,6 +14,8 @@ A backend whose library is not given is skipped with the reason, unless
 
 import ctypes
 import os
+import random
+import socket
 import tempfile
 
 import pytest
@@ -53,7 +55,15 @@ class Backend:
         self.metadata = metadata  # metadata server string for initialize()
 
     def url(self):
+        if self.name == "mooncake-v0.2.0":
+            return self.base + f"&port={free_port()}"
         return self.base
+
+    def hostname(self):
+        """``local_hostname`` for the Mooncake API's initialize()."""
+        if self.name == "mooncake-v0.2.0":
+            return f"127.0.0.1:{free_port()}"
+        return "127.0.0.1"
 
     def compat_url(self):
         """Base URL for ferry.mooncake.TransferEngine(url)."""
@@ -112,6 +122,22 @@ def pair(backend):
     a = ferry.Engine.open(backend.url())
     b = ferry.Engine.open(backend.url())
     yield a, b
+
+
+def free_port():
+    """A port for v0.2.0-era engines, which bind the IPv4 wildcard address
+    and abort the process when it is taken (as real builds do): one below the
+    kernel's ephemeral range (where no client socket of this process can be
+    given it meanwhile) that the wildcard address can bind now."""
+    for _ in range(1000):
+        port = random.randint(20000, 29999)
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port in 20000-29999")
 
 
 def address(buf):

@@ -12,8 +12,9 @@ from ferry.mooncake import Read, TransferEngine, TransferNotify, TransferOpcode,
 from conftest import address, pattern
 
 
-def started(backend, hostname="127.0.0.1"):
+def started(backend, hostname=None):
     te = TransferEngine(backend.compat_url())
+    hostname = hostname or backend.hostname()
     metadata = backend.metadata or "P2PHANDSHAKE"
     # SGLang's and vLLM's call: initialize(hostname, "P2PHANDSHAKE", protocol,
     # device). Their default protocol is "rdma": Ferry's own transports accept

@@ -10,10 +10,10 @@ use ferry::{
     Location, MemoryRegion, Notification, Operation, SegmentId, TransferEngine, TransferOp,
     TransferRequest, TransferState,
 };
-use transport_core::inproc::InprocEngine;
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
+use transport_core::inproc::InprocEngine;
 
 use crate::convert::{error_object, report_dict, result_object, to_pyerr};
 use crate::memory::{address_of, resolve, Keep, Resolved};
@@ -624,6 +624,53 @@ impl PyEngine {
             async move { engine.wait(BatchId(batch)).await },
             |py, report| Ok(report_list(py, &report)?.into_any()),
         )
+    }
+
+    /// Benchmark helper (`python -m ferry.bench`): the Rust engine's own
+    /// figure for the same work, with no Python per call. Runs `iterations`
+    /// transfers (one request) or batches (several) in a Rust loop,
+    /// shifting every address by the batch's size each iteration, modulo
+    /// `span` bytes; returns the seconds it took.
+    #[pyo3(signature = (segment, op, local_addrs, remote_addrs, lengths, iterations, span))]
+    #[allow(clippy::too_many_arguments)]
+    fn _bench_loop(
+        &self,
+        py: Python<'_>,
+        segment: u64,
+        op: &str,
+        local_addrs: Vec<u64>,
+        remote_addrs: Vec<u64>,
+        lengths: Vec<u64>,
+        iterations: u64,
+        span: u64,
+    ) -> PyResult<f64> {
+        let engine = self.engine()?;
+        let base = requests(parse_op(op)?, &local_addrs, &remote_addrs, &lengths)?;
+        let size: u64 = lengths.iter().sum();
+        let slots = span.checked_div(size).unwrap_or(1).max(1);
+        let seg = SegmentId(segment);
+        let elapsed = block_on(py, async {
+            let mut reqs = base.clone();
+            let start = std::time::Instant::now();
+            for i in 0..iterations {
+                let shift = (i % slots) * size;
+                for (r, b) in reqs.iter_mut().zip(&base) {
+                    r.local_addr = b.local_addr + shift;
+                    r.remote_addr = b.remote_addr + shift;
+                }
+                if reqs.len() == 1 {
+                    engine.transfer(seg, reqs[0]).await?;
+                } else {
+                    engine
+                        .batch_transfer(seg, &reqs, None)
+                        .await?
+                        .into_result()?;
+                }
+            }
+            Ok::<_, ferry::Error>(start.elapsed())
+        })?
+        .map_err(|e| to_pyerr(py, &e))?;
+        Ok(elapsed.as_secs_f64())
     }
 
     fn __repr__(&self) -> String {

@@ -193,6 +193,10 @@ class TransferEngine:
             own.setdefault("protocol", protocol or "tcp")
             if host:
                 own.setdefault("host", host)
+            if port and metadata != "P2PHANDSHAKE":
+                # Builds with a metadata server listen on the port given in
+                # local_hostname ("host:port"); P2P builds pick their own.
+                own.setdefault("port", str(port))
             if device_name:
                 own.setdefault("device", device_name)
             return "mooncake://?" + urllib.parse.urlencode(own)
