@@ -484,6 +484,15 @@ async fn reader_loop(
         };
         conn.mark_rx();
         let resp = Response::decode(&hdr).map_err(|e| conn.protocol(e.0))?;
+        // The whole frame must arrive at the minimum rate.
+        rd.begin_frame(match resp {
+            Response::Ok { .. } | Response::Err { .. } => 0,
+            Response::OkMany { count } => count as u64 * 8,
+            Response::Data { len, .. } => len,
+            Response::DataV { failed, len, .. } => failed as u64 * 4 + len,
+            Response::ErrV { count, .. } => count as u64 * 4,
+            Response::Table { count, .. } => count as u64 * TABLE_ENTRY_LEN as u64,
+        });
         match resp {
             Response::Ok { id } => conn.ack(id, Ok(()))?,
             Response::OkMany { count } => {

@@ -66,7 +66,7 @@ pub mod kind {
     pub const ERR: u8 = 0x83;
     /// READ `id` succeeded; `b` payload bytes follow.
     pub const DATA: u8 = 0x84;
-    /// TABLE `id` answer; `aux` entries of 16 bytes follow.
+    /// TABLE `id` answer; `aux` entries of 24 bytes follow ([`super::TABLE_ENTRY_LEN`]).
     pub const TABLE_REPLY: u8 = 0x85;
     /// WRITEV `id` landed except `aux` segments (u32 indices follow), which
     /// failed with `status`.
@@ -417,7 +417,7 @@ pub enum Response {
         /// Payload length (≤ [`MAX_OP_LEN`]).
         len: u64,
     },
-    /// TABLE `id` answer; `count` entries of 16 bytes follow.
+    /// TABLE `id` answer; `count` entries of [`TABLE_ENTRY_LEN`] bytes follow.
     Table {
         /// Request id.
         id: u64,

@@ -21,12 +21,20 @@
 //!   validates again under a [`transport_core::RegionGuard`] and answers
 //!   `AddressNotRegistered` without touching memory. Frame sizes and counts
 //!   are bounded; nothing a peer sends makes the engine allocate more than a
-//!   fixed amount or spawn a task (inbound connections are capped).
+//!   fixed amount or spawn a task per frame. Inbound connections are capped
+//!   twice: a small handshake budget with a short deadline and per-source
+//!   eviction, and `max_inbound` established ones (beyond: `Busy`); idle
+//!   ones expire. Frames carry the generation of the region they target, so
+//!   none lands in memory registered after it was sent.
 //! - **Failure isolation**: a peer that dies, stalls or speaks garbage fails
 //!   only the requests on its connections, with [`transport_core::Error::PeerLost`],
 //!   [`transport_core::Error::Timeout`] or [`transport_core::Error::Protocol`];
 //!   the next use reconnects.
-//! - **Unregister waits** for in-flight transfers on both sides.
+//! - **Unregister waits** for in-flight transfers on both sides — for a
+//!   bounded time: payloads must move at `min_rate` after a `stall_timeout`
+//!   grace, and batches expire at `request_timeout + bytes / min_rate`
+//!   (failing only themselves). See the README for the guarantees under
+//!   hostile load.
 //! - **Latency**: `TCP_NODELAY`, a bounded busy-poll before sleeping (no
 //!   core spins while idle), and acknowledgements coalesced per batch.
 //!

@@ -238,15 +238,17 @@ impl Handshakes {
         }
     }
 
-    /// Evicts the oldest handshake of the source holding the most.
-    fn evict_one(&mut self) {
+    /// Evicts the oldest handshake of the source holding the most; false
+    /// if there was none.
+    fn evict_one(&mut self) -> bool {
         let Some(ip) = self
             .by_source
             .iter()
             .max_by_key(|(_, m)| m.len())
             .map(|(ip, _)| *ip)
         else {
-            return;
+            self.total = 0;
+            return false;
         };
         if let Some(m) = self.by_source.get_mut(&ip) {
             if let Some((_, tx)) = m.pop_first() {
@@ -257,6 +259,7 @@ impl Handshakes {
                 self.by_source.remove(&ip);
             }
         }
+        true
     }
 }
 
@@ -289,9 +292,7 @@ pub async fn accept_loop(listener: TcpListener, core: Arc<Core>) {
         }
         let (id, evicted) = {
             let mut h = lock(&handshakes);
-            while h.total >= core.config.max_handshakes {
-                h.evict_one();
-            }
+            while h.total >= core.config.max_handshakes && h.evict_one() {}
             h.add(addr.ip())
         };
         let core = Arc::clone(&core);

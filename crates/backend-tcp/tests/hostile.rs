@@ -545,13 +545,19 @@ async fn deadlines_scale_with_bytes_and_expire_per_batch() {
     assert!(report.results.iter().all(Result::is_ok), "{report:?}");
     assert_eq!(&local.to_vec()[..2 * MIB], &vec![0x3c; 2 * MIB][..]);
 
-    // A batch that is never answered expires alone.
+    // A batch that is never answered expires alone; meanwhile unregistering
+    // its source waits for it, within the batch deadline.
     let a2 = Arc::clone(&a);
     let la = local.addr();
+    let stuck_src = mem(&a, 4096, 0x11).await;
+    let sa = stuck_src.addr();
     let stuck = tokio::spawn(async move {
-        a2.transfer(seg, TransferRequest::write(la, STUCK, 16))
+        a2.transfer(seg, TransferRequest::write(sa, STUCK, 16))
             .await
     });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let a3 = Arc::clone(&a);
+    let unreg = tokio::spawn(async move { a3.unregister(sa).await });
     let mut others = 0;
     while !stuck.is_finished() {
         a.transfer(seg, TransferRequest::write(la, 0x4000, 16))
@@ -563,6 +569,11 @@ async fn deadlines_scale_with_bytes_and_expire_per_batch() {
     }
     let e = stuck.await.unwrap().unwrap_err();
     assert!(matches!(e, Error::Timeout { .. }), "{e:?}");
+    tokio::time::timeout(Duration::from_secs(30), unreg)
+        .await
+        .expect("unregister of the stuck batch's source did not return")
+        .unwrap()
+        .expect("unregister");
     // The same connection (the fake target accepts only one) still works.
     a.transfer(seg, TransferRequest::write(la, 0x4000, 16))
         .await
