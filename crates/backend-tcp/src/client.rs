@@ -34,7 +34,7 @@ const GATHER_MAX_SEGMENT: u64 = 64 * 1024;
 const GATHER_MAX_BYTES: u64 = 4 << 20;
 /// Most request ids of expired batches a connection remembers (their late
 /// responses are skipped); beyond it the connection is dropped.
-const MAX_ABANDONED: usize = 1 << 20;
+const MAX_ABANDONED: usize = 65_536;
 
 /// Outcome bookkeeping of one batch (or one control request).
 #[derive(Debug)]

@@ -263,6 +263,22 @@ impl Handshakes {
     }
 }
 
+/// The "source" a connection counts against for handshake fairness: its
+/// IPv4 address, or the /64 prefix of its IPv6 address (one host commonly
+/// holds a whole /64).
+fn source_of(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => {
+                let bits = u128::from(v6) & !((1u128 << 64) - 1);
+                IpAddr::V6(std::net::Ipv6Addr::from(bits))
+            }
+        },
+        v4 => v4,
+    }
+}
+
 /// Refuses a connection with `Busy` without waiting (a fresh socket's send
 /// buffer is empty, so the rejection fits) and closes it.
 fn refuse_now(stream: TcpStream, reason: &str) {
@@ -293,7 +309,7 @@ pub async fn accept_loop(listener: TcpListener, core: Arc<Core>) {
         let (id, evicted) = {
             let mut h = lock(&handshakes);
             while h.total >= core.config.max_handshakes && h.evict_one() {}
-            h.add(addr.ip())
+            h.add(source_of(addr.ip()))
         };
         let core = Arc::clone(&core);
         let handshakes = Arc::clone(&handshakes);
@@ -335,7 +351,7 @@ async fn serve_conn(
         ) => Some(r),
         _ = &mut evicted => None,
     };
-    lock(handshakes).remove(addr.ip(), id);
+    lock(handshakes).remove(source_of(addr.ip()), id);
     let verified = match hs {
         None => {
             handshake::send_reject(
@@ -755,5 +771,33 @@ async fn serve(stream: TcpStream, peer: &str, core: &Core) -> Result<(), Error> 
         {
             flush(&stream, &mut out, core, peer).await?;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn handshake_sources_and_eviction() {
+        let a: IpAddr = "2001:db8::1".parse().unwrap();
+        let b: IpAddr = "2001:db8::ffff:1".parse().unwrap();
+        assert_eq!(source_of(a), source_of(b), "one /64, one source");
+        let m: IpAddr = "::ffff:10.0.0.1".parse().unwrap();
+        assert_eq!(source_of(m), "10.0.0.1".parse::<IpAddr>().unwrap());
+
+        // The source holding the most slots loses its oldest one.
+        let mut h = Handshakes::default();
+        let x: IpAddr = "10.0.0.1".parse().unwrap();
+        let y: IpAddr = "10.0.0.2".parse().unwrap();
+        let (_, mut legit) = h.add(y);
+        let (_, mut first) = h.add(x);
+        let (_, mut second) = h.add(x);
+        assert!(h.evict_one());
+        assert!(first.try_recv().is_ok(), "the oldest of the biggest source");
+        assert!(second.try_recv().is_err() && legit.try_recv().is_err());
+        assert_eq!(h.total, 2);
+        assert!(h.evict_one() && h.evict_one() && !h.evict_one());
+        assert_eq!(h.total, 0);
     }
 }
