@@ -486,16 +486,13 @@ where
     addr
 }
 
-/// Row 7: a batch of large READs answered steadily but slower than the
-/// base request timeout completes (its deadline scales with its bytes);
-/// a batch that never completes fails alone, with `Timeout`, while other
-/// batches on the same connection go on.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn deadlines_scale_with_bytes_and_expire_per_batch() {
-    const STUCK: u64 = 0x1000;
-    let target = fake_target(|mut s| async move {
-        // READ: answer with DATA at ~2 MiB/s. WRITE: read the payload and
-        // acknowledge it, except writes to STUCK, never answered.
+const STUCK: u64 = 0x1000;
+
+/// A fake target for the deadline tests. READ: answered with DATA at
+/// ~2 MiB/s. WRITE: payload read and acknowledged, except writes to
+/// `STUCK`, never answered.
+async fn slow_target() -> String {
+    fake_target(|mut s| async move {
         let mut hdr = [0u8; HEADER_LEN];
         while s.read_exact(&mut hdr).await.is_ok() {
             match Request::decode(&hdr).unwrap() {
@@ -523,7 +520,16 @@ async fn deadlines_scale_with_bytes_and_expire_per_batch() {
             }
         }
     })
-    .await;
+    .await
+}
+
+/// Row 7: a batch of large READs answered steadily but slower than the
+/// base request timeout completes (its deadline scales with its bytes);
+/// a batch that never completes fails alone, with `Timeout`, while other
+/// batches on the same connection go on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deadlines_scale_with_bytes_and_expire_per_batch() {
+    let target = slow_target().await;
     let a = engine(TcpConfig {
         request_timeout: Duration::from_millis(500),
         min_rate: 512 * 1024,
@@ -546,7 +552,17 @@ async fn deadlines_scale_with_bytes_and_expire_per_batch() {
     assert_eq!(&local.to_vec()[..2 * MIB], &vec![0x3c; 2 * MIB][..]);
 
     // A batch that is never answered expires alone; meanwhile unregistering
-    // its source waits for it, within the batch deadline.
+    // its source waits for it, within the batch deadline. (A new target
+    // and a longer base timeout, so that a descheduled test machine does
+    // not make the connection look silent.)
+    let target = slow_target().await;
+    let a = engine(TcpConfig {
+        request_timeout: Duration::from_millis(1500),
+        ..TcpConfig::default()
+    })
+    .await;
+    let local = mem(&a, 4096, 0).await;
+    let seg = a.open_segment(&target).await.unwrap();
     let a2 = Arc::clone(&a);
     let la = local.addr();
     let stuck_src = mem(&a, 4096, 0x11).await;
