@@ -55,6 +55,11 @@ pub struct TcpConfig {
     /// closed (whether or not a secret is set). Initiators learn it in the
     /// handshake and retire their idle connections before it expires.
     pub idle_timeout: Duration,
+    /// When `max_inbound` connections are established, a newly
+    /// authenticated one evicts an established connection that has been
+    /// idle at least this long (of the source address holding the most,
+    /// the longest idle); if none has, it is refused with `Busy`.
+    pub evict_idle: Duration,
     /// Requests longer than this are split into chunks of at most this many
     /// bytes (1..=64 MiB), spread over the connections.
     pub chunk_size: usize,
@@ -91,6 +96,7 @@ impl Default for TcpConfig {
             handshake_timeout: Duration::from_secs(2),
             max_handshakes: 128,
             idle_timeout: Duration::from_secs(300),
+            evict_idle: Duration::from_secs(1),
             chunk_size: 1 << 20,
             max_batch: 65_536,
             max_inbound: 1024,
@@ -114,6 +120,7 @@ impl fmt::Debug for TcpConfig {
             .field("handshake_timeout", &self.handshake_timeout)
             .field("max_handshakes", &self.max_handshakes)
             .field("idle_timeout", &self.idle_timeout)
+            .field("evict_idle", &self.evict_idle)
             .field("chunk_size", &self.chunk_size)
             .field("max_batch", &self.max_batch)
             .field("max_inbound", &self.max_inbound)
@@ -163,6 +170,7 @@ impl TcpConfig {
     /// | `handshake_timeout_ms` | `handshake_timeout` | inbound handshake deadline, ms (> 0) |
     /// | `max_handshakes`     | `max_handshakes`  | inbound handshakes at once (> 0)         |
     /// | `idle_timeout_ms`    | `idle_timeout`    | idle inbound connection deadline, ms (> 0) |
+    /// | `evict_idle_ms`      | `evict_idle`      | idle time after which a connection may be evicted for a new one, ms |
     /// | `spin_us`            | `spin`            | busy-poll before sleeping, µs (0: none)  |
     /// | `spin_pending_us`    | `spin_pending`    | same while requests are outstanding, µs  |
     /// | `socket_buffer`      | `socket_buffer`   | SO_SNDBUF/SO_RCVBUF bytes (0: kernel)    |
@@ -225,6 +233,7 @@ impl TcpConfig {
                 "idle_timeout_ms" => {
                     cfg.idle_timeout = Duration::from_millis(parse_num(&key, &value)?)
                 }
+                "evict_idle_ms" => cfg.evict_idle = Duration::from_millis(parse_num(&key, &value)?),
                 "spin_us" => cfg.spin = Duration::from_micros(parse_num(&key, &value)?),
                 "spin_pending_us" => {
                     cfg.spin_pending = Duration::from_micros(parse_num(&key, &value)?)
@@ -238,7 +247,7 @@ impl TcpConfig {
                         "unknown tcp URL parameter {other:?}; known: secret, connections, \
                          timeout_ms, connect_timeout_ms, chunk_size, max_batch, max_inbound, \
                          stall_timeout_ms, min_rate, handshake_timeout_ms, max_handshakes, \
-                         idle_timeout_ms, spin_us, spin_pending_us, socket_buffer"
+                         idle_timeout_ms, evict_idle_ms, spin_us, spin_pending_us, socket_buffer"
                     )))
                 }
             }
@@ -308,9 +317,23 @@ mod tests {
     fn parses_every_parameter() {
         let c = TcpConfig::from_url(
             "tcp://0.0.0.0:7000?secret=s%26x&connections=4&timeout_ms=1500&connect_timeout_ms=20\
-             &chunk_size=65536&max_batch=10&max_inbound=3&spin_us=0&spin_pending_us=7&socket_buffer=1048576",
+             &chunk_size=65536&max_batch=10&max_inbound=3&spin_us=0&spin_pending_us=7&socket_buffer=1048576\
+             &stall_timeout_ms=5&min_rate=9&handshake_timeout_ms=6&max_handshakes=7&idle_timeout_ms=8\
+             &evict_idle_ms=0",
         )
         .unwrap();
+        assert_eq!(c.stall_timeout, Duration::from_millis(5));
+        assert_eq!(c.min_rate, 9);
+        assert_eq!(c.handshake_timeout, Duration::from_millis(6));
+        assert_eq!(c.max_handshakes, 7);
+        assert_eq!(c.idle_timeout, Duration::from_millis(8));
+        assert_eq!(c.evict_idle, Duration::ZERO);
+        assert_eq!(
+            c.deadline_for(Duration::from_secs(1), 18),
+            Duration::from_secs(3)
+        );
+        assert!(TcpConfig::from_url("tcp://h:1?min_rate=0").is_err());
+        assert!(TcpConfig::from_url("tcp://h:1?idle_timeout_ms=0").is_err());
         assert_eq!(c.listen, "0.0.0.0:7000");
         assert_eq!(c.secret.as_deref(), Some("s&x"));
         assert_eq!(c.connections, 4);

@@ -4,20 +4,22 @@
 //! Inbound connections are bounded twice: at most `max_handshakes` in the
 //! handshake (a small budget with a short deadline; when it is full, a new
 //! connection evicts the oldest handshake of the source address holding the
-//! most slots) and at most `max_inbound` established ones (beyond that, new
-//! connections receive `Busy`). Established connections are closed after
+//! most slots) and at most `max_inbound` established ones. When those are
+//! full, a newly authenticated connection evicts the established connection
+//! of the source holding the most that has been idle longest (at least
+//! `evict_idle`); if none has, new connections receive `Busy`. Established connections are closed after
 //! `idle_timeout` without a request, and every payload must move at
 //! `min_rate` (after a `stall_timeout` grace), so a region is never held by
 //! a slow peer for longer than that.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::{IpAddr, SocketAddr};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, Notify};
 use tokio::task::JoinSet;
 use transport_core::{Error, MemoryRegion, Notification, RegionGuard, RegionTable, Side};
 
@@ -48,6 +50,19 @@ pub const NOTIFICATION_OVERHEAD: usize = std::mem::size_of::<Notification>() + 6
 
 /// How long a refused connection's rejection may take to send.
 const REJECT_TIMEOUT: Duration = Duration::from_millis(200);
+
+/// An established inbound connection, as the admission logic sees it.
+#[derive(Debug)]
+struct Live {
+    source: IpAddr,
+    /// Milliseconds after the core's epoch when it started waiting idle
+    /// for a request (0: busy).
+    idle_since: AtomicU64,
+    /// Chosen for eviction (not to be chosen again).
+    evicted: AtomicBool,
+    /// Tells the connection to close when it is (or next is) idle.
+    evict: Notify,
+}
 
 /// Notifications received and not yet taken, with the memory they occupy.
 #[derive(Debug, Default)]
@@ -95,8 +110,12 @@ pub struct Core {
     gens: Mutex<Generations>,
     /// Notifications received, oldest first.
     pub notifications: Mutex<NotificationQueue>,
-    /// Established inbound connections.
+    /// Established inbound connections (admitted, not yet ended).
     established: AtomicUsize,
+    /// The established connections, for eviction.
+    live: Mutex<HashMap<u64, Arc<Live>>>,
+    next_live: AtomicU64,
+    epoch: Instant,
 }
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -115,7 +134,66 @@ impl Core {
             gens: Mutex::new(Generations::default()),
             notifications: Mutex::new(NotificationQueue::default()),
             established: AtomicUsize::new(0),
+            live: Mutex::new(HashMap::new()),
+            next_live: AtomicU64::new(1),
+            epoch: Instant::now(),
         }
+    }
+
+    fn now_ms(&self) -> u64 {
+        (self.epoch.elapsed().as_millis() as u64).max(1)
+    }
+
+    /// The established connection to evict for a new one: among those idle
+    /// for at least `evict_idle` and not already chosen, one of the
+    /// source holding the most connections, idle longest.
+    fn pick_evictable(&self) -> Option<Arc<Live>> {
+        let live = lock(&self.live);
+        let mut per_source: HashMap<IpAddr, usize> = HashMap::new();
+        for l in live.values() {
+            *per_source.entry(l.source).or_default() += 1;
+        }
+        let now = self.now_ms();
+        let min = self.config.evict_idle.as_millis() as u64;
+        live.values()
+            .filter(|l| !l.evicted.load(Ordering::Acquire))
+            .filter_map(|l| {
+                let since = l.idle_since.load(Ordering::Acquire);
+                let idle = now.saturating_sub(since);
+                let n = per_source.get(&l.source).copied().unwrap_or(0);
+                (since != 0 && idle >= min).then_some((n, idle, l))
+            })
+            .max_by_key(|(n, idle, _)| (*n, *idle))
+            .map(|(_, _, l)| Arc::clone(l))
+    }
+
+    /// Admits a connection that completed its handshake, evicting an idle
+    /// one if `max_inbound` are established; `None`: refuse it (`Busy`).
+    fn admit(&self, source: IpAddr) -> Option<Admitted<'_>> {
+        if self.established.fetch_add(1, Ordering::AcqRel) >= self.config.max_inbound {
+            match self.pick_evictable() {
+                Some(victim) if !victim.evicted.swap(true, Ordering::AcqRel) => {
+                    victim.evict.notify_one();
+                }
+                _ => {
+                    self.established.fetch_sub(1, Ordering::AcqRel);
+                    return None;
+                }
+            }
+        }
+        let id = self.next_live.fetch_add(1, Ordering::Relaxed);
+        let live = Arc::new(Live {
+            source,
+            idle_since: AtomicU64::new(0),
+            evicted: AtomicBool::new(false),
+            evict: Notify::new(),
+        });
+        lock(&self.live).insert(id, Arc::clone(&live));
+        Some(Admitted {
+            core: self,
+            id,
+            live,
+        })
     }
 
     /// Registers `region` under a new generation.
@@ -301,7 +379,7 @@ pub async fn accept_loop(listener: TcpListener, core: Arc<Core>) {
             }
         };
         while conns.try_join_next().is_some() {}
-        if core.established() >= core.config.max_inbound {
+        if core.established() >= core.config.max_inbound && core.pick_evictable().is_none() {
             tracing::debug!(%addr, limit = core.config.max_inbound, "refusing connection: too many established connections");
             refuse_now(stream, "too many connections");
             continue;
@@ -322,12 +400,17 @@ pub async fn accept_loop(listener: TcpListener, core: Arc<Core>) {
     }
 }
 
-/// Decrements the established count when the connection ends.
-struct Established<'a>(&'a Core);
+/// An admitted connection; leaves the established set when dropped.
+struct Admitted<'a> {
+    core: &'a Core,
+    id: u64,
+    live: Arc<Live>,
+}
 
-impl Drop for Established<'_> {
+impl Drop for Admitted<'_> {
     fn drop(&mut self) {
-        self.0.established.fetch_sub(1, Ordering::AcqRel);
+        lock(&self.core.live).remove(&self.id);
+        self.core.established.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -375,8 +458,7 @@ async fn serve_conn(
         }
         Some(Ok(r)) => r?,
     };
-    if core.established.fetch_add(1, Ordering::AcqRel) >= cfg.max_inbound {
-        core.established.fetch_sub(1, Ordering::AcqRel);
+    let Some(admitted) = core.admit(source_of(addr.ip())) else {
         handshake::send_reject(
             &stream,
             Status::Busy,
@@ -388,8 +470,7 @@ async fn serve_conn(
             name: peer,
             reason: "refused: too many established connections".to_owned(),
         });
-    }
-    let _established = Established(core);
+    };
     handshake::send_welcome(
         &stream,
         &peer,
@@ -401,7 +482,7 @@ async fn serve_conn(
     .await?;
     let peer = format!("{} ({peer})", verified.name.escape_default());
     tracing::debug!(%peer, "peer connected");
-    serve(stream, &peer, core).await
+    serve(stream, &peer, core, &admitted.live).await
 }
 
 /// Whether any two segments share a byte.
@@ -537,7 +618,7 @@ async fn malformed(
 
 /// Serves one established connection until EOF, idleness, an error or
 /// abort.
-async fn serve(stream: TcpStream, peer: &str, core: &Core) -> Result<(), Error> {
+async fn serve(stream: TcpStream, peer: &str, core: &Core, live: &Live) -> Result<(), Error> {
     let cfg = &core.config;
     let pace = core.pace();
     let mut rd = FrameReader::new(cfg.spin, pace);
@@ -551,11 +632,18 @@ async fn serve(stream: TcpStream, peer: &str, core: &Core) -> Result<(), Error> 
         if !rd.poll_header_now(&stream).map_err(|e| io_error(peer, e))? {
             flush(&stream, &mut out, core, peer).await?;
         }
-        let hdr = match rd
-            .next_header(&stream, Some(cfg.idle_timeout))
-            .await
-            .map_err(|e| io_error(peer, e))?
-        {
+        // Idle: evictable (after `evict_idle`) while waiting here.
+        live.idle_since.store(core.now_ms(), Ordering::Release);
+        let next = tokio::select! {
+            r = rd.next_header(&stream, Some(cfg.idle_timeout)) => Some(r),
+            _ = live.evict.notified() => None,
+        };
+        live.idle_since.store(0, Ordering::Release);
+        let Some(next) = next else {
+            tracing::debug!(%peer, "evicted an idle connection for a new one");
+            return Ok(());
+        };
+        let hdr = match next.map_err(|e| io_error(peer, e))? {
             Next::Header(h) => h,
             Next::Eof => {
                 flush(&stream, &mut out, core, peer).await?;

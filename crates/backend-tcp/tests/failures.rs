@@ -662,6 +662,7 @@ async fn reconnects_after_connection_loss() {
 async fn too_many_inbound_connections_are_refused() {
     let b = engine(TcpConfig {
         max_inbound: 2,
+        evict_idle: Duration::from_secs(3600),
         ..TcpConfig::default()
     })
     .await;

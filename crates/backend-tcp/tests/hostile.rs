@@ -183,6 +183,7 @@ async fn idle_connections_are_closed_and_do_not_lock_peers_out() {
     let b = engine(TcpConfig {
         max_inbound: 32,
         idle_timeout: Duration::from_millis(1500),
+        evict_idle: Duration::from_secs(3600),
         ..TcpConfig::default()
     })
     .await;
@@ -220,6 +221,39 @@ async fn idle_connections_are_closed_and_do_not_lock_peers_out() {
         );
     }
     a.close_segment(seg).await.unwrap();
+}
+
+/// Row 3 with the default (long) idle deadline: `max_inbound` idle
+/// connections from another address are evicted, oldest first, for new
+/// peers, so they cannot lock anyone out for the idle deadline either.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_connections_are_evicted_for_new_peers() {
+    let b = engine(TcpConfig {
+        max_inbound: 32,
+        ..TcpConfig::default()
+    })
+    .await;
+    let _m = mem(&b, 4096, 0).await;
+    let target: SocketAddr = b.segment_name().parse().unwrap();
+    let mut idle = Vec::new();
+    for _ in 0..32 {
+        let s = silent_conn("127.0.0.2", target).await.expect("connect");
+        idle.push(common::raw_handshake_on(s).await.0);
+    }
+    // Idle long enough to be evictable.
+    tokio::time::sleep(TcpConfig::default().evict_idle + Duration::from_millis(200)).await;
+    let a = engine(TcpConfig::default()).await;
+    let tries = 20;
+    let ok = legit_handshakes(&a, b.segment_name(), tries).await;
+    eprintln!("legitimate handshakes {ok}/{tries} with max_inbound held by idle connections");
+    assert!(ok * 100 >= tries * 95, "only {ok}/{tries} got in");
+    let mut closed = 0;
+    for s in &mut idle {
+        if closed_within(s, Duration::from_millis(100)).await {
+            closed += 1;
+        }
+    }
+    assert!(closed >= 1, "no idle connection was evicted");
 }
 
 /// Row 3, the legitimate side: an initiator's connection that idles past
@@ -691,6 +725,7 @@ async fn handshake_timeouts_name_their_deadline() {
 async fn refused_initiators_get_a_retryable_busy() {
     let b = engine(TcpConfig {
         max_inbound: 1,
+        evict_idle: Duration::from_secs(3600),
         ..TcpConfig::default()
     })
     .await;

@@ -51,7 +51,12 @@ pub fn gen_of(table: &[TableEntry], addr: u64) -> u32 {
 
 /// [`raw_handshake`] with the table's generations.
 pub async fn raw_handshake_gens(target: &str) -> (TcpStream, Vec<TableEntry>) {
-    let mut s = TcpStream::connect(target).await.expect("connect");
+    let s = TcpStream::connect(target).await.expect("connect");
+    raw_handshake_on(s).await
+}
+
+/// [`raw_handshake_gens`] on a connected stream.
+pub async fn raw_handshake_on(mut s: TcpStream) -> (TcpStream, Vec<TableEntry>) {
     let hello = Hello {
         version: VERSION,
         flags: 0,
