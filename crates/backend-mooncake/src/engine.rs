@@ -669,9 +669,14 @@ impl MooncakeEngine {
                 operation: Operation::LandedWrites,
                 reason: format!(
                     "{} ({}) reports a TCP write completed when it is sent, with no \
-                     acknowledgement from the peer",
+                     acknowledgement from the peer{}",
                     lib.path().display(),
-                    lib.generation()
+                    lib.generation(),
+                    if self.confirms_writes() {
+                        ""
+                    } else {
+                        " (Ferry confirms landings itself unless confirm_writes=0 or strict=1)"
+                    }
                 ),
                 min_version: min_version.clone(),
             },

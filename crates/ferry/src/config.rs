@@ -168,7 +168,7 @@ impl fmt::Debug for BackendConfig {
 /// | `strict` | `0` | `1`/`true`: emulate nothing; missing optional operations are refused ([`AdapterConfig::strict`]) |
 /// | `coalesce` | `1` | merge contiguous requests of a batch ([`AdapterConfig::coalesce`]) |
 /// | `max_concurrency` | `16` | emulated single transfers in flight ([`AdapterConfig::max_concurrency`]) |
-/// | `require` | none | comma-separated operations (`batch_transfer,notify`) that must be available, else opening fails with [`Error::MissingCapabilities`] |
+/// | `require` | none | comma-separated operations (`batch_transfer,notify`) or guarantees (`landed_writes`, `peer_validation`) that must be available, else opening fails with [`Error::MissingCapabilities`] |
 #[derive(Debug)]
 pub struct EngineConfig {
     /// The backend and its configuration.

@@ -252,7 +252,9 @@ impl MooncakeEngine {
         deadline: Instant,
         results: &mut [Option<Result<()>>],
     ) {
-        let mut pause = Duration::from_micros(50);
+        // Each round is a network round trip, which paces the first ones;
+        // after those, sleep (tokio's timer has millisecond resolution).
+        let mut rounds = 0u32;
         let started = Instant::now();
         loop {
             let open: Vec<usize> = (0..probes.len())
@@ -308,8 +310,11 @@ impl MooncakeEngine {
                 }
                 return;
             }
-            tokio::time::sleep(pause).await;
-            pause = (pause * 2).min(Duration::from_millis(5));
+            rounds += 1;
+            if rounds > 8 {
+                let ms = u64::from((rounds - 8).min(5));
+                tokio::time::sleep(Duration::from_millis(ms)).await;
+            }
         }
     }
 
