@@ -222,3 +222,38 @@ def test_first_buffer_address_and_topology():
     assert te.get_first_buffer_address("127.0.0.1:1") == 0
     assert te.get_local_topology() == "{}"
     assert te.warmup_efa_segment("x") == 0
+
+
+def test_concurrent_threads(backend):
+    """SGLang transfers from a thread pool: one engine, many threads."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    a = started(backend)
+    b = started(backend)
+    threads, rounds, blk = 8, 20, 8192
+    src = bytearray(pattern(threads * blk, seed=4))
+    dst = bytearray(threads * blk)
+    assert a.register_memory(address(src), len(src)) == 0
+    assert b.register_memory(address(dst), len(dst)) == 0
+    sid = session(backend, b)
+
+    def worker(t):
+        codes = []
+        for r in range(rounds):
+            half = blk // 2
+            codes.append(
+                a.batch_transfer_sync_write(
+                    sid,
+                    [address(src) + t * blk, address(src) + t * blk + half],
+                    [address(dst) + t * blk, address(dst) + t * blk + half],
+                    [half, half],
+                )
+            )
+            bid = a.batch_transfer_async_write(sid, [address(src) + t * blk], [address(dst) + t * blk], [blk])
+            codes.append(a.get_batch_transfer_status([bid]) if bid else -99)
+        return codes
+
+    with ThreadPoolExecutor(threads) as pool:
+        results = list(pool.map(worker, range(threads)))
+    assert all(c == 0 for codes in results for c in codes), results
+    assert dst == src

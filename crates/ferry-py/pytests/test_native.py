@@ -361,3 +361,27 @@ def test_asyncio_flavour(pair):
     ticks = asyncio.run(main())
     assert dst == src
     assert ticks > 0, "the event loop kept running while transfers were in flight"
+
+
+def test_dropping_an_engine_unregisters_then_releases(backend):
+    """An engine dropped with regions registered unregisters them (waiting
+    for transfers) before it lets go of the objects."""
+    np = pytest.importorskip("numpy")
+    a = ferry.Engine.open(backend.url())
+    b = ferry.Engine.open(backend.url())
+    arr = np.zeros(1 << 20, dtype=np.uint8)
+    ref = weakref.ref(arr)
+    addr, n = b.register(arr)
+    del arr
+    src = bytearray(pattern(n))
+    sa, _ = a.register(src)
+    seg = a.open_segment(b.segment_name)
+    bid = a.submit(seg, "write", [sa], [addr], [n])
+    del b
+    gc.collect()
+    assert ref() is None, "the engine's objects are released once it is dropped"
+    # the transfer in flight finished before the memory was released, or
+    # failed; either way the peer is gone for new requests
+    a.wait(bid)
+    with pytest.raises(ferry.FerryError):
+        a.write(seg, sa, addr, 16)

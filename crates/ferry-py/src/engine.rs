@@ -17,7 +17,7 @@ use transport_core::inproc::InprocEngine;
 
 use crate::convert::{error_object, report_dict, result_object, to_pyerr};
 use crate::memory::{address_of, resolve, Keep, Resolved};
-use crate::runtime::{block_on, runtime};
+use crate::runtime::{block_on, run, runtime};
 
 /// A Ferry engine: a local endpoint with registered memory that opens peer
 /// segments and moves bytes. Every method that waits releases the GIL.
@@ -34,20 +34,39 @@ pub(crate) struct PyEngine {
 
 impl Drop for PyEngine {
     fn drop(&mut self) {
-        // Dropping a backend may wait for its tasks and threads: do it inside
-        // the runtime's context and without the GIL, so that a task that is
-        // about to call back into Python can finish.
-        if let Some(Handle { engine, report }) = self.inner.take() {
-            if let Ok(rt) = runtime() {
-                Python::attach(|py| {
-                    py.detach(|| {
-                        let _guard = rt.enter();
-                        drop(report);
-                        drop(engine);
-                    })
+        let Some(Handle { engine, report }) = self.inner.take() else {
+            return;
+        };
+        let Ok(rt) = runtime() else {
+            return;
+        };
+        // Unregister what Python registered before its objects are released
+        // (the map is dropped after this function): `unregister` waits for
+        // transfers in flight, local or from peers, and refuses new ones, so
+        // no byte is written into memory that Python frees next. Then drop the
+        // backend — inside the runtime's context and without the GIL, so that
+        // a task about to call back into Python can finish.
+        let addrs: Vec<u64> = self
+            .regions
+            .get_mut()
+            .unwrap_or_else(|p| p.into_inner())
+            .keys()
+            .copied()
+            .collect();
+        Python::attach(|py| {
+            py.detach(|| {
+                run(rt, async {
+                    for addr in addrs {
+                        // An error means the region is not registered any
+                        // more: nothing left to wait for.
+                        let _ = engine.unregister(addr).await;
+                    }
                 });
-            }
-        }
+                let _guard = rt.enter();
+                drop(report);
+                drop(engine);
+            })
+        });
     }
 }
 

@@ -18,6 +18,7 @@ pub(crate) enum Keep {
     /// `array.array`, numpy, `mmap`); otherwise the object itself, which owns
     /// its memory (`__array_interface__` or `data_ptr()`/`nbytes` objects such
     /// as torch tensors).
+    // Never read: held only so that dropping it releases the object.
     Object(#[allow(dead_code)] Py<PyAny>),
 }
 

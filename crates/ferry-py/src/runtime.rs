@@ -65,30 +65,33 @@ where
     F::Output: Send,
 {
     let rt = runtime()?;
-    Ok(py.detach(|| {
-        // Futures may use the runtime (timers, spawned tasks).
-        let _guard = rt.enter();
-        let signal = Arc::new(Signal {
-            woken: AtomicBool::new(false),
-            thread: std::thread::current(),
-        });
-        let waker = Waker::from(signal.clone());
-        let mut cx = Context::from_waker(&waker);
-        let mut fut = pin!(fut);
-        loop {
-            if let Poll::Ready(out) = fut.as_mut().poll(&mut cx) {
-                return out;
-            }
-            let start = Instant::now();
-            while !signal.woken.swap(false, Ordering::AcqRel) {
-                if start.elapsed() < SPIN {
-                    std::thread::yield_now();
-                } else {
-                    // `unpark` before `park` makes `park` return at once, so
-                    // no wake-up is lost between the check and the sleep.
-                    std::thread::park();
-                }
+    Ok(py.detach(|| run(rt, fut)))
+}
+
+/// The body of [`block_on`], for a caller that has already released the GIL.
+pub(crate) fn run<F: Future>(rt: &Runtime, fut: F) -> F::Output {
+    // Futures may use the runtime (timers, spawned tasks).
+    let _guard = rt.enter();
+    let signal = Arc::new(Signal {
+        woken: AtomicBool::new(false),
+        thread: std::thread::current(),
+    });
+    let waker = Waker::from(signal.clone());
+    let mut cx = Context::from_waker(&waker);
+    let mut fut = pin!(fut);
+    loop {
+        if let Poll::Ready(out) = fut.as_mut().poll(&mut cx) {
+            return out;
+        }
+        let start = Instant::now();
+        while !signal.woken.swap(false, Ordering::AcqRel) {
+            if start.elapsed() < SPIN {
+                std::thread::yield_now();
+            } else {
+                // `unpark` before `park` makes `park` return at once, so no
+                // wake-up is lost between the check and the sleep.
+                std::thread::park();
             }
         }
-    }))
+    }
 }
