@@ -43,13 +43,13 @@ extern "C" {
 
 /// Region tables of the Mooncake engines of this process, by segment name.
 ///
-/// Mooncake's C API cannot list a remote segment's buffers, and older builds
-/// report a write to an unregistered remote address as completed without
-/// writing. For peers in this process Ferry knows the regions and checks
+/// Mooncake's C API cannot list a remote segment's buffers, and builds
+/// before v0.3.12 write at the peer wherever the address points, registered
+/// or not. For peers in this process Ferry knows the regions and checks
 /// every remote range before submitting (and holds the peer's region while
 /// the transfer runs, so the peer's `unregister` waits for it). Peers in
-/// other processes are checked by the library alone (current builds fail
-/// such a transfer; see the crate docs for old builds).
+/// other processes are checked by the library alone (from v0.3.12; older
+/// builds do not check, which the capability report says).
 static PEERS: LazyLock<Mutex<HashMap<String, (u64, RegionTable)>>> =
     LazyLock::new(|| Mutex::new(HashMap::new()));
 static ENGINE_IDS: AtomicU64 = AtomicU64::new(1);

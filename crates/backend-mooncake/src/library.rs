@@ -27,9 +27,10 @@ pub const DEFAULT_LIBRARY: &str = "libtransfer_engine.so";
 /// `transfer_engine_t` / `transport_t`.
 pub(crate) type Handle = *mut c_void;
 
-/// `struct transfer_request`. Newer headers put a `uint32 file_id` in what is
-/// padding in older ones (between `target_id` and `target_offset`); Ferry
-/// declares it explicitly and always writes 0, which matches both layouts.
+/// `struct transfer_request`. The four bytes between `target_id` and
+/// `target_offset` are alignment padding in every released header (v0.2.0
+/// to v0.3.12); Ferry declares them explicitly and always writes 0, so that
+/// no uninitialised byte reaches the library.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct CTransferRequest {
