@@ -49,7 +49,7 @@ class Backend:
     def __init__(self, name, base, p2p, notify, emulated, metadata=None):
         self.name = name
         self.base = base  # URL the native API opens
-        self.p2p = p2p  # segment name is host:port (SGLang's session id)
+        self.p2p = p2p  # the native API's segment name is host:port
         self.notify = notify  # notifications available
         self.emulated = emulated  # batch methods emulated by the adapter
         self.metadata = metadata  # metadata server string for initialize()

@@ -26,13 +26,15 @@ def started(backend, hostname=None):
 
 
 def session(backend, te):
-    """The name peers use: SGLang's f"{hostname}:{get_rpc_port()}" where the
-    segment name is host:port, else the engine's own name."""
-    if backend.p2p:
-        sid = f"127.0.0.1:{te.get_rpc_port()}"
-        assert sid == te.get_engine().segment_name
-        return sid
-    return te.get_engine().segment_name
+    """The name peers use: SGLang's f"{hostname}:{get_rpc_port()}" — on
+    every backend whose names are addresses (all but inproc://), including
+    v0.2.0-era Mooncake with a metadata server, which publishes
+    local_hostname "host:port" as the name."""
+    if backend.name.startswith("inproc"):
+        return te.get_engine().segment_name
+    sid = f"127.0.0.1:{te.get_rpc_port()}"
+    assert sid == te.get_engine().segment_name
+    return sid
 
 
 def test_sglang_flow(backend):

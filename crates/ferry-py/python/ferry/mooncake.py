@@ -194,9 +194,11 @@ class TransferEngine:
             if host:
                 own.setdefault("host", host)
             if port and metadata != "P2PHANDSHAKE":
-                # Builds with a metadata server listen on the port given in
-                # local_hostname ("host:port"); P2P builds pick their own.
+                # With a metadata server Mooncake publishes local_hostname
+                # ("host:port") as the segment name and listens on its port;
+                # P2P builds pick their own port and name.
                 own.setdefault("port", str(port))
+                own.setdefault("name", f"{_bracket(host)}:{port}")
             if device_name:
                 own.setdefault("device", device_name)
             return "mooncake://?" + urllib.parse.urlencode(own)
