@@ -209,6 +209,16 @@ impl Inner {
     }
 }
 
+/// Who chose the native library a [`MooncakeConfig`] resolves to; see
+/// [`MooncakeEngine::start_trusted`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LibraryTrust {
+    /// The configuration (`lib=`, `FERRY_MOONCAKE_LIB`, the loader's search
+    /// path) comes from the operator, who vouches for the library as they
+    /// would for one linked at build time; never from a peer or a request.
+    OperatorConfigured,
+}
+
 /// A Mooncake Transfer Engine, loaded at run time (see the crate docs).
 ///
 /// Cloning gives another handle to the same engine; the C engine is
@@ -405,11 +415,36 @@ impl MooncakeEngine {
     /// not Mooncake, is older than v0.2.0, or cannot create the engine or the
     /// transport (the message says which and why); [`Error::MissingSymbol`]
     /// when a required symbol is missing.
-    pub async fn start(config: MooncakeConfig) -> Result<MooncakeEngine> {
+    ///
+    /// # Safety
+    ///
+    /// This loads native code into the process and runs it: the library
+    /// `config.library` names (the `lib=` URL parameter), else the one
+    /// `FERRY_MOONCAKE_LIB` names, else `libtransfer_engine.so` from the
+    /// loader's search path. Whoever sets those chooses code that runs with
+    /// the process's rights, so they must come from the operator, never from
+    /// a peer or a request. The library must be a Mooncake Transfer Engine
+    /// build (or implement the same C API), as [`MooncakeLibrary::load`]
+    /// requires.
+    pub async unsafe fn start(config: MooncakeConfig) -> Result<MooncakeEngine> {
         config.validate()?;
         let cfg = config.clone();
-        let lib = blocking(move || MooncakeLibrary::resolve(&cfg)).await??;
+        // SAFETY: forwarded to the caller (see above).
+        let lib = blocking(move || unsafe { MooncakeLibrary::resolve(&cfg) }).await??;
         Self::start_with_library(lib, config).await
+    }
+
+    /// [`MooncakeEngine::start`] for code that states, with `trust`, that
+    /// the library the configuration resolves to was chosen by the operator
+    /// (the `ferry` facade does so for URLs, which it documents as trusted
+    /// configuration).
+    pub async fn start_trusted(
+        config: MooncakeConfig,
+        trust: LibraryTrust,
+    ) -> Result<MooncakeEngine> {
+        let LibraryTrust::OperatorConfigured = trust;
+        // SAFETY: `trust` is the caller's statement of `start`'s contract.
+        unsafe { Self::start(config) }.await
     }
 
     /// As [`MooncakeEngine::start`], with a library already loaded (its

@@ -18,7 +18,7 @@ mod library;
 
 pub use codes::{code_name, MooncakeErrorCode};
 pub use config::{MooncakeConfig, P2P_HANDSHAKE, URL_PARAMETERS};
-pub use engine::MooncakeEngine;
+pub use engine::{LibraryTrust, MooncakeEngine};
 pub use library::{
     Generation, LibrarySource, MooncakeLibrary, DEFAULT_LIBRARY, LIBRARY_ENV, OPTIONAL_SYMBOLS,
     REQUIRED_SYMBOLS,

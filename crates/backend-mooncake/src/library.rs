@@ -396,7 +396,13 @@ impl MooncakeLibrary {
     /// Only the first source that is set is tried: an explicit choice that
     /// fails is an error, never a silent fall-back to another library. The
     /// error ([`Error::Unavailable`]) names what was tried and why it failed.
-    pub fn resolve(config: &MooncakeConfig) -> Result<Arc<MooncakeLibrary>> {
+    ///
+    /// # Safety
+    ///
+    /// As [`MooncakeLibrary::load`], for whichever library the order above
+    /// picks: `lib=` and `FERRY_MOONCAKE_LIB` choose native code that runs
+    /// in this process, so they must come from the operator.
+    pub unsafe fn resolve(config: &MooncakeConfig) -> Result<Arc<MooncakeLibrary>> {
         let (path, source) = if let Some(p) = &config.library {
             (p.clone(), LibrarySource::Config)
         } else if let Some(p) = std::env::var_os(LIBRARY_ENV).filter(|v| !v.is_empty()) {
@@ -405,11 +411,8 @@ impl MooncakeLibrary {
             (PathBuf::from(DEFAULT_LIBRARY), LibrarySource::LoaderSearch)
         };
         tracing::debug!(path = %path.display(), source = %source, "ferry: loading the Mooncake library");
-        // SAFETY: loading runs the library's initialisers. The library is the
-        // one the user configured (or the system's libtransfer_engine.so),
-        // which is the same trust a program linking it at build time places
-        // in it; `load` then checks it exports Mooncake's C API before any of
-        // its functions is called.
+        // SAFETY: forwarded to the caller; `load_from` checks that the
+        // library exports Mooncake's C API before any of its functions runs.
         let lib = unsafe { Self::load_from(&path, source) }?;
         tracing::info!(
             path = %lib.path.display(),

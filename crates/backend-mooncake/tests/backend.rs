@@ -7,8 +7,8 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use backend_mooncake::{MooncakeConfig, MooncakeEngine};
-use common::{config, detected, metadata_for, start, SUPPORTED};
+use backend_mooncake::MooncakeConfig;
+use common::{config, detected, metadata_for, start, start_engine, SUPPORTED};
 use mooncake_testlibs::{broken_library_path, library_path, Broken, Generation as Lib};
 use transport_core::{
     Error, HostBuffer, Location, Notification, Operation, Side, TransferEngine, TransferRequest,
@@ -84,7 +84,7 @@ async fn every_supported_generation_is_detected_and_moves_bytes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pre_v0_2_0_is_refused_with_a_clear_error() {
-    let err = MooncakeEngine::start(MooncakeConfig {
+    let err = start_engine(MooncakeConfig {
         library: Some(library_path(Lib::PreV0_2_0)),
         ..MooncakeConfig::default()
     })
@@ -107,7 +107,7 @@ async fn pre_v0_2_0_is_refused_with_a_clear_error() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn missing_required_symbol_is_a_typed_error() {
     let path = broken_library_path(Broken::MissingSubmitTransfer);
-    let err = MooncakeEngine::start(MooncakeConfig {
+    let err = start_engine(MooncakeConfig {
         library: Some(path.clone()),
         ..MooncakeConfig::default()
     })
@@ -126,7 +126,7 @@ async fn missing_required_symbol_is_a_typed_error() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_library_that_is_not_mooncake_is_refused() {
     let path = broken_library_path(Broken::NotMooncake);
-    let err = MooncakeEngine::start(MooncakeConfig {
+    let err = start_engine(MooncakeConfig {
         library: Some(path.clone()),
         ..MooncakeConfig::default()
     })
@@ -143,7 +143,7 @@ async fn a_library_that_is_not_mooncake_is_refused() {
         other => panic!("expected Unavailable, got {other:?}"),
     }
     let missing = std::env::temp_dir().join("ferry-no-such-dir/libtransfer_engine.so");
-    match MooncakeEngine::start(MooncakeConfig {
+    match start_engine(MooncakeConfig {
         library: Some(missing.clone()),
         ..MooncakeConfig::default()
     })
@@ -160,7 +160,7 @@ async fn a_library_that_is_not_mooncake_is_refused() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn p2p_metadata_on_v0_2_0_is_refused_up_front() {
-    let err = MooncakeEngine::start(config(Lib::V0_2_0, "P2PHANDSHAKE", ""))
+    let err = start_engine(config(Lib::V0_2_0, "P2PHANDSHAKE", ""))
         .await
         .unwrap_err();
     match err {
@@ -268,7 +268,7 @@ async fn async_batches_poll_wait_and_refuse_busy_release() {
     let a = start(gen, &meta).await;
     // The peer stalls every read/write it serves by 300 ms (test-library
     // convention), so the batch is certainly still pending when released.
-    let b = MooncakeEngine::start(config(gen, &meta, "@stall=300"))
+    let b = start_engine(config(gen, &meta, "@stall=300"))
         .await
         .unwrap();
     let src = buffer(8192, 3);
@@ -313,8 +313,8 @@ async fn deadline_fails_the_batch_and_the_library_batch_is_still_freed() {
         let mut cfg = config(gen, &meta, "");
         cfg.timeout = Duration::from_millis(50);
         cfg.timeout_ns_per_byte = 0;
-        let a = MooncakeEngine::start(cfg).await.unwrap();
-        let b = MooncakeEngine::start(config(gen, &meta, "@stall=600"))
+        let a = start_engine(cfg).await.unwrap();
+        let b = start_engine(config(gen, &meta, "@stall=600"))
             .await
             .unwrap();
         let src = buffer(4096, 5);
@@ -354,7 +354,7 @@ async fn unregister_waits_for_a_transfer_in_flight() {
     let gen = Lib::V0_3_6;
     let meta = metadata_for(gen);
     let a = Arc::new(start(gen, &meta).await);
-    let b = MooncakeEngine::start(config(gen, &meta, "@stall=300"))
+    let b = start_engine(config(gen, &meta, "@stall=300"))
         .await
         .unwrap();
     let src = buffer(4096, 8);
@@ -565,7 +565,7 @@ async fn a_transport_the_library_cannot_install_is_unavailable() {
     let mut cfg = config(Lib::Current, "P2PHANDSHAKE", "");
     cfg.protocol = "rdma".into();
     cfg.device = Some("mlx5_0,mlx5_1".into());
-    match MooncakeEngine::start(cfg).await.unwrap_err() {
+    match start_engine(cfg).await.unwrap_err() {
         Error::Unavailable { reason, .. } => {
             assert!(
                 reason.starts_with("installTransport(\"rdma\") returned NULL"),
@@ -585,7 +585,7 @@ async fn dropping_an_engine_with_a_batch_in_flight_finishes_it_first() {
     let gen = Lib::V0_3_5;
     let meta = metadata_for(gen);
     let a = start(gen, &meta).await;
-    let b = MooncakeEngine::start(config(gen, &meta, "@stall=300"))
+    let b = start_engine(config(gen, &meta, "@stall=300"))
         .await
         .unwrap();
     let src = buffer(4096, 0x5A);
@@ -635,7 +635,7 @@ async fn p2p_segments_are_named_host_port_and_name_or_port_are_refused() {
                 },
             ),
         ] {
-            match MooncakeEngine::start(cfg).await {
+            match start_engine(cfg).await {
                 Err(Error::InvalidArgument(m)) => assert!(m.contains(what), "{gen}: {m}"),
                 other => panic!(
                     "{gen}: {what} with P2PHANDSHAKE: expected InvalidArgument, got {other:?}"
@@ -659,7 +659,7 @@ async fn a_busy_port_or_a_live_name_is_refused_before_the_library_sees_it() {
         port,
         ..config(gen, &meta, "")
     };
-    match MooncakeEngine::start(cfg).await {
+    match start_engine(cfg).await {
         Err(Error::InvalidArgument(m)) => {
             assert!(m.contains(&format!("port {port}")), "{m}")
         }
@@ -668,10 +668,8 @@ async fn a_busy_port_or_a_live_name_is_refused_before_the_library_sees_it() {
     drop(busy);
 
     let first = config(gen, &meta, "");
-    let e = MooncakeEngine::start(first.clone())
-        .await
-        .expect("first engine");
-    match MooncakeEngine::start(first.clone()).await {
+    let e = start_engine(first.clone()).await.expect("first engine");
+    match start_engine(first.clone()).await {
         Err(Error::InvalidArgument(m)) => assert!(m.contains("in use by a live engine"), "{m}"),
         other => panic!("reused name: expected InvalidArgument, got {other:?}"),
     }
@@ -686,7 +684,7 @@ async fn a_busy_port_or_a_live_name_is_refused_before_the_library_sees_it() {
     // destroyed on the poller thread; wait for it, bounded).
     let start = std::time::Instant::now();
     loop {
-        match MooncakeEngine::start(first.clone()).await {
+        match start_engine(first.clone()).await {
             Ok(_) => break,
             Err(Error::InvalidArgument(_)) if start.elapsed() < Duration::from_secs(30) => {
                 tokio::time::sleep(Duration::from_millis(10)).await

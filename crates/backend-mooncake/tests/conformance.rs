@@ -7,8 +7,7 @@ mod common;
 
 use std::sync::Arc;
 
-use backend_mooncake::MooncakeEngine;
-use common::{config, metadata_for};
+use common::{config, metadata_for, start_engine};
 use mooncake_testlibs::Generation as Lib;
 use transport_core::conformance::EngineFactory;
 use transport_core::{Result, TransferEngine};
@@ -33,7 +32,7 @@ impl Factory {
 impl EngineFactory for Factory {
     async fn create(&self) -> Result<Arc<dyn TransferEngine>> {
         Ok(Arc::new(
-            MooncakeEngine::start(config(self.gen, &self.metadata, "")).await?,
+            start_engine(config(self.gen, &self.metadata, "")).await?,
         ))
     }
 

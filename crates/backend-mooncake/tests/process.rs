@@ -11,8 +11,8 @@ mod common;
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, Command, Stdio};
 
-use backend_mooncake::{MooncakeConfig, MooncakeEngine, LIBRARY_ENV};
-use common::{metadata_for, start};
+use backend_mooncake::{MooncakeConfig, LIBRARY_ENV};
+use common::{metadata_for, start, start_engine};
 use mooncake_testlibs::{library_path, Generation as Lib};
 use transport_core::{Error, HostBuffer, Location, TransferEngine, TransferRequest};
 
@@ -68,7 +68,7 @@ async fn child_peer() {
         return;
     };
     let meta = std::env::var(CHILD_META).unwrap_or_else(|_| "P2PHANDSHAKE".into());
-    let engine = MooncakeEngine::start(MooncakeConfig {
+    let engine = start_engine(MooncakeConfig {
         library: Some(lib.into()),
         metadata: meta.clone(),
         name: (meta != "P2PHANDSHAKE").then(|| format!("child-peer-{}", std::process::id())),
@@ -239,7 +239,7 @@ async fn cross_process_peer_v0_2_0_with_a_metadata_service() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "helper: run in a child process by library_resolution_order"]
 async fn child_resolve() {
-    match MooncakeEngine::start(MooncakeConfig::default()).await {
+    match start_engine(MooncakeConfig::default()).await {
         Ok(e) => println!(
             "RESOLVED {} | {} | {}",
             e.library().path().display(),

@@ -73,6 +73,14 @@ impl Engine {
     ///
     /// Errors: everything [`EngineConfig::from_url`] and [`Engine::start`]
     /// return.
+    ///
+    /// # Trust
+    ///
+    /// The URL is configuration, to be taken from the operator only: a
+    /// `mooncake://` URL's `lib=` (or, without it, the `FERRY_MOONCAKE_LIB`
+    /// environment variable) chooses a shared library that is loaded and run
+    /// inside this process. Never build one from a peer's or a request's
+    /// input.
     pub async fn open(url: &str) -> Result<Engine> {
         Engine::start(EngineConfig::from_url(url)?).await
     }
@@ -100,10 +108,15 @@ impl Engine {
                 // Strict mode emulates nothing, including the backend's own
                 // confirmation of landed writes, unless asked for by name.
                 c.confirm_writes = c.confirm_writes.or(Some(!adapter.strict));
-                Engine::Mooncake(CapabilityAdapter::with_config(
-                    backend_mooncake::MooncakeEngine::start(c).await?,
-                    adapter,
-                ))
+                // The URL's `lib=` (or FERRY_MOONCAKE_LIB) names the library;
+                // `Engine::open` documents that the configuration chooses
+                // native code run in this process.
+                let engine = backend_mooncake::MooncakeEngine::start_trusted(
+                    c,
+                    backend_mooncake::LibraryTrust::OperatorConfigured,
+                )
+                .await?;
+                Engine::Mooncake(CapabilityAdapter::with_config(engine, adapter))
             }
             #[cfg(feature = "verbs")]
             BackendConfig::Verbs(c) => Engine::Verbs(CapabilityAdapter::with_config(

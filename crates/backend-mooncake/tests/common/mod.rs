@@ -68,7 +68,16 @@ pub fn config(gen: Lib, metadata: &str, stall: &str) -> MooncakeConfig {
 
 /// Starts an engine on `gen`.
 pub async fn start(gen: Lib, metadata: &str) -> MooncakeEngine {
-    MooncakeEngine::start(config(gen, metadata, ""))
+    start_engine(config(gen, metadata, ""))
         .await
         .unwrap_or_else(|e| panic!("starting an engine on the {gen} test library: {e}"))
+}
+
+/// `MooncakeEngine::start` for the tests, whose libraries are the ones this
+/// workspace builds (or deliberately broken ones it builds to be refused).
+pub async fn start_engine(config: MooncakeConfig) -> transport_core::Result<MooncakeEngine> {
+    // SAFETY: every library the tests name is built by mooncake-testlibs
+    // from this repository's sources (Mooncake's C API, or a library that
+    // is meant to be refused before any of its functions is called).
+    unsafe { MooncakeEngine::start(config) }.await
 }
