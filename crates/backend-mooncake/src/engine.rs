@@ -782,6 +782,9 @@ impl MooncakeEngine {
         if !lock(&inner.segments).by_id.contains_key(&segment.0) {
             return Err(Error::UnknownSegment(segment));
         }
+        if lock(&inner.batches).len() >= transport_core::MAX_LIVE_BATCHES {
+            return Err(transport_core::live_batches_full(BACKEND));
+        }
 
         let mut slots = Vec::with_capacity(requests.len());
         let mut guards = Vec::new();

@@ -256,6 +256,18 @@ pub enum Error {
     /// The engine is shutting down or the request was canceled.
     #[error("canceled: {0}")]
     Canceled(String),
+    /// A bounded queue or table is full (batches not yet released,
+    /// notifications not yet taken): nothing was done; try again once the
+    /// consumer has caught up.
+    #[error("{backend}: {what} is full ({limit}); release or consume some and try again")]
+    QueueFull {
+        /// Backend name (or `adapter`).
+        backend: String,
+        /// What is full (e.g. "live batches", "the peer's notification queue").
+        what: String,
+        /// The bound that was reached (e.g. "65536 batches").
+        limit: String,
+    },
 }
 
 impl Error {
@@ -265,6 +277,7 @@ impl Error {
             Error::PeerLost { .. }
             | Error::Timeout { .. }
             | Error::SegmentUnavailable { .. }
+            | Error::QueueFull { .. }
             | Error::BatchBusy(_) => true,
             Error::Io { kind, .. } => matches!(
                 kind,
@@ -299,5 +312,15 @@ impl Error {
             kind: err.kind(),
             message: err.to_string(),
         }
+    }
+}
+
+/// [`Error::QueueFull`] for an engine holding [`crate::MAX_LIVE_BATCHES`]
+/// batches.
+pub fn live_batches_full(backend: &str) -> Error {
+    Error::QueueFull {
+        backend: backend.to_owned(),
+        what: "the table of submitted, not yet released batches".to_owned(),
+        limit: format!("{} batches", crate::MAX_LIVE_BATCHES),
     }
 }

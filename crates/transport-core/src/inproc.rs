@@ -27,14 +27,20 @@ use tokio::sync::watch;
 
 use crate::caps::{BackendInfo, Capabilities, MemoryKinds, MissingCapability, Operation};
 use crate::engine::TransferEngine;
-use crate::error::{Error, Result, Side};
+use crate::error::{live_batches_full, Error, Result, Side};
 use crate::region_table::RegionTable;
 use crate::types::{
     BatchId, BatchReport, BatchStatus, MemoryRegion, Notification, SegmentId, TransferOp,
-    TransferRequest, TransferState,
+    TransferRequest, TransferState, MAX_LIVE_BATCHES,
 };
 
 const BACKEND: &str = "inproc";
+
+/// Most notifications an engine holds before `take_notifications` (with the
+/// size limits of [`Notification::validate`], at most about 66 MiB); a batch
+/// whose notification finds the queue full fails its last request with
+/// [`Error::QueueFull`].
+pub const MAX_QUEUED_NOTIFICATIONS: usize = 1024;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // Every critical section here is a single collection operation, so a
@@ -294,7 +300,22 @@ async fn run_batch(
     if let Some(note) = notify {
         if results.iter().all(Result::is_ok) {
             match segment.peer.upgrade() {
-                Some(peer) => lock(&peer.notifications).push_back(note),
+                Some(peer) => {
+                    let mut q = lock(&peer.notifications);
+                    if q.len() >= MAX_QUEUED_NOTIFICATIONS {
+                        // The data moved; the notification did not: the last
+                        // request carries the failure.
+                        if let Some(last) = results.last_mut() {
+                            *last = Err(Error::QueueFull {
+                                backend: BACKEND.into(),
+                                what: format!("{}'s notification queue", segment.name),
+                                limit: format!("{MAX_QUEUED_NOTIFICATIONS} notifications"),
+                            });
+                        }
+                    } else {
+                        q.push_back(note);
+                    }
+                }
                 None => tracing::warn!(peer = %segment.name, "notification dropped: peer gone"),
             }
         }
@@ -441,6 +462,9 @@ impl TransferEngine for InprocEngine {
         }
         let seg = self.segment(segment)?;
         self.check_batch(requests, notify)?;
+        if lock(&self.core.batches).len() >= MAX_LIVE_BATCHES {
+            return Err(live_batches_full(BACKEND));
+        }
         if requests.is_empty() {
             // Nothing to wait for: deliver the notification now, so that a
             // batch that `status` shows finished has delivered it.

@@ -112,11 +112,12 @@ pub use caps::{
     BackendInfo, Capabilities, CapabilityReport, MemoryKinds, MissingCapability, Operation, Support,
 };
 pub use engine::TransferEngine;
-pub use error::{Error, Result, Side};
+pub use error::{live_batches_full, Error, Result, Side};
 pub use region_table::{RegionGuard, RegionTable};
 pub use types::{
     BatchId, BatchReport, BatchStatus, Location, MemoryRegion, Notification, SegmentId, TransferOp,
-    TransferRequest, TransferState, MAX_NOTIFICATION_MESSAGE, MAX_NOTIFICATION_NAME,
+    TransferRequest, TransferState, MAX_LIVE_BATCHES, MAX_NOTIFICATION_MESSAGE,
+    MAX_NOTIFICATION_NAME,
 };
 
 #[doc(hidden)]

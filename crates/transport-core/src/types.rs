@@ -233,6 +233,11 @@ impl fmt::Display for BatchId {
 
 /// Longest notification name, in bytes.
 pub const MAX_NOTIFICATION_NAME: usize = 256;
+
+/// Most asynchronous batches an engine keeps that were submitted and not yet
+/// waited for or released; `submit` beyond that fails with
+/// [`Error::QueueFull`] (nothing is submitted).
+pub const MAX_LIVE_BATCHES: usize = 65_536;
 /// Longest notification message, in bytes.
 pub const MAX_NOTIFICATION_MESSAGE: usize = 64 * 1024;
 

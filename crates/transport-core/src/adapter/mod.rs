@@ -630,6 +630,9 @@ impl<E: TransferEngine + ?Sized> TransferEngine for CapabilityAdapter<E> {
         if !s.native.async_batch {
             s.announce(Operation::AsyncBatch);
         }
+        if lock(&s.batches).len() >= crate::MAX_LIVE_BATCHES {
+            return Err(crate::live_batches_full("adapter"));
+        }
         if requests.is_empty() {
             // Nothing to run but the notification: do it now, so that the
             // batch is finished (for `status`) exactly when it has been sent.
