@@ -12,7 +12,10 @@ target through the API's Python methods, cycling through the span:
 
 For Ferry the same points are also run by the Rust engine itself, looping in
 Rust on the same engines (``Engine._bench_loop``): the ratio is the cost of
-the Python call. Mooncake comes from the ``mooncake-transfer-engine-non-cuda``
+the Python call. The three series (Ferry from Python, Ferry from Rust,
+Mooncake from Python) are interleaved in short rounds, so that they see the
+same machine conditions; the figures are medians, the ratios medians of the
+per-round ratios. Mooncake comes from the ``mooncake-transfer-engine-non-cuda``
 wheel (``pip install mooncake-transfer-engine-non-cuda``); without it only
 Ferry is measured. ``--json`` prints the figures as JSON.
 """
@@ -119,78 +122,142 @@ def _run_rust(te, session, local, remote, block, batch, duration):
     return iters * batch / secs, moved / secs / 1e9
 
 
-def measure(api, duration, rust=False):
-    """Figures for one API: {point: {"ops": transfers/s, "gbps": GB/s}}."""
-    server = subprocess.Popen(
-        [sys.executable, "-m", "ferry.bench", "--serve", api],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        line = server.stdout.readline()
+class _Side:
+    """One API's target process and initiator engine."""
+
+    def __init__(self, api):
+        self.api = api
+        self.server = subprocess.Popen(
+            [sys.executable, "-m", "ferry.bench", "--serve", api],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        line = self.server.stdout.readline()
         if not line:
-            raise RuntimeError(f"{api} target exited: {server.wait()}")
+            raise RuntimeError(f"{api} target exited: {self.server.wait()}")
         info = json.loads(line)
-        te, buf, local = _start(api)
-        session, remote = info["session"], info["addr"]
-        out = {}
+        self.te, self.buf, self.local = _start(api)
+        self.session, self.remote = info["session"], info["addr"]
+
+    def python(self, block, batch, duration):
+        return _run_python(self.te, self.session, self.local, self.remote, block, batch, duration)
+
+    def rust(self, block, batch, duration):
+        return _run_rust(self.te, self.session, self.local, self.remote, block, batch, duration)
+
+    def close(self):
+        try:
+            self.te.unregister_memory(self.local)
+        finally:
+            self.server.stdin.close()
+            try:
+                self.server.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.server.kill()
+
+
+def measure(duration, rounds, with_mooncake):
+    """Interleaved measurement: for every point, `rounds` rounds of (Ferry
+    from Python, Ferry from Rust, Mooncake from Python), each for
+    duration / rounds seconds, so that all three see the same machine
+    conditions. Returns {series: {point: [{"ops", "gbps"} per round]}}."""
+    sides = {"ferry": _Side("ferry")}
+    try:
+        if with_mooncake:
+            sides["mooncake"] = _Side("mooncake")
+        out = {"ferry": {}, "rust": {}, "mooncake": {}}
+        slice_ = duration / rounds
         for name, block, batch, _ in POINTS:
-            _run_python(te, session, local, remote, block, batch, 0.2)  # warm-up
-            ops, gbps = _run_python(te, session, local, remote, block, batch, duration)
-            out[name] = {"ops": ops, "gbps": gbps}
-            if rust:
-                ops, gbps = _run_rust(te, session, local, remote, block, batch, duration)
-                out[name + " (Rust)"] = {"ops": ops, "gbps": gbps}
-        te.unregister_memory(local)
+            for side in sides.values():
+                side.python(block, batch, 0.2)  # warm-up
+            for _ in range(rounds):
+                ops, gbps = sides["ferry"].python(block, batch, slice_)
+                out["ferry"].setdefault(name, []).append({"ops": ops, "gbps": gbps})
+                ops, gbps = sides["ferry"].rust(block, batch, slice_)
+                out["rust"].setdefault(name, []).append({"ops": ops, "gbps": gbps})
+                if "mooncake" in sides:
+                    ops, gbps = sides["mooncake"].python(block, batch, slice_)
+                    out["mooncake"].setdefault(name, []).append({"ops": ops, "gbps": gbps})
         return out
     finally:
-        server.stdin.close()
-        try:
-            server.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        for side in sides.values():
+            side.close()
 
 
-def _fmt(v, unit):
-    return f"{v['ops'] / 1e3:8.1f}k/s" if unit == "ops" else f"{v['gbps']:7.2f} GB/s"
+def _median(xs):
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+
+
+def summarize(raw):
+    """Medians per series and point, and the medians of the per-round
+    ratios (ferry/rust, ferry/mooncake)."""
+    summary = {}
+    for name, _, _, unit in POINTS:
+        key = "ops" if unit == "ops" else "gbps"
+        f = [r[key] for r in raw["ferry"][name]]
+        r = [x[key] for x in raw["rust"][name]]
+        row = {
+            "unit": key,
+            "ferry": _median(f),
+            "rust": _median(r),
+            "python_over_rust": _median([a / b for a, b in zip(f, r)]),
+        }
+        if raw["mooncake"].get(name):
+            m = [x[key] for x in raw["mooncake"][name]]
+            row["mooncake"] = _median(m)
+            row["ferry_over_mooncake"] = _median([a / b for a, b in zip(f, m)])
+        summary[name] = row
+    return summary
+
+
+def _fmt(v, key):
+    return f"{v / 1e3:8.1f}k/s" if key == "ops" else f"{v:7.2f} GB/s"
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m ferry.bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--duration", type=float, default=2.0, help="seconds per point and API")
-    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--duration", type=float, default=3.0, help="seconds per point and series")
+    p.add_argument("--rounds", type=int, default=6, help="interleaved rounds per point")
+    p.add_argument("--json", action="store_true", help="print JSON (medians and every round)")
     p.add_argument("--serve", choices=["ferry", "mooncake"], help=argparse.SUPPRESS)
     p.add_argument("--no-mooncake", action="store_true", help="measure Ferry only")
     args = p.parse_args(argv)
     if args.serve:
         return serve(args.serve)
-    results = {"ferry": measure("ferry", args.duration, rust=True)}
     mooncake_error = None
-    if not args.no_mooncake:
+    with_mooncake = not args.no_mooncake
+    if with_mooncake:
         try:
             import mooncake.engine  # noqa: F401
-
-            results["mooncake"] = measure("mooncake", args.duration)
         except ImportError as e:
             mooncake_error = f"mooncake.engine is not installed ({e})"
+            with_mooncake = False
+    raw = measure(args.duration, args.rounds, with_mooncake)
+    summary = summarize(raw)
     if args.json:
-        print(json.dumps({"results": results, "mooncake_error": mooncake_error}, indent=2))
+        print(json.dumps({"summary": summary, "rounds": raw, "mooncake_error": mooncake_error}, indent=2))
         return 0
-    print(f"python -m ferry.bench: TCP on loopback, {args.duration:g} s per point, pid {os.getpid()}")
+    print(
+        f"python -m ferry.bench: TCP on loopback, {args.rounds} interleaved rounds, "
+        f"{args.duration:g} s per point and series; medians"
+    )
     head = f"{'point':<12} {'ferry.mooncake':>16} {'Rust engine':>14} {'Python/Rust':>12}"
-    if "mooncake" in results:
+    if with_mooncake:
         head += f" {'mooncake.engine':>16} {'ferry/mooncake':>15}"
     print(head)
-    for name, _, _, unit in POINTS:
-        f = results["ferry"][name]
-        r = results["ferry"][name + " (Rust)"]
-        key = "ops" if unit == "ops" else "gbps"
-        row = f"{name:<12} {_fmt(f, unit):>16} {_fmt(r, unit):>14} {f[key] / r[key]:>11.2f}x"
-        if "mooncake" in results:
-            m = results["mooncake"][name]
-            row += f" {_fmt(m, unit):>16} {f[key] / m[key]:>14.2f}x"
-        print(row)
+    for name, _, _, _ in POINTS:
+        row = summary[name]
+        key = row["unit"]
+        line = (
+            f"{name:<12} {_fmt(row['ferry'], key):>16} {_fmt(row['rust'], key):>14} "
+            f"{row['python_over_rust']:>11.2f}x"
+        )
+        if "mooncake" in row:
+            line += f" {_fmt(row['mooncake'], key):>16} {row['ferry_over_mooncake']:>14.2f}x"
+        print(line)
     if mooncake_error:
         print(f"mooncake not measured: {mooncake_error}")
     return 0
