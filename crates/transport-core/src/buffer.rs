@@ -1,6 +1,8 @@
-//! Safe owned memory: [`HostBuffer`] (page-aligned, zeroed allocation) and
-//! [`RegisteredBuffer`] (a `HostBuffer` registered with an engine on creation
-//! and unregistered before it is freed).
+//! Owned memory: [`HostBuffer`] (page-aligned, zeroed allocation) and
+//! [`RegisteredBuffer`] (a `HostBuffer` registered with one or more engines
+//! and unregistered from all of them before it is freed). Safe code can
+//! register memory only through `RegisteredBuffer`, so it cannot free memory
+//! a peer may still write.
 
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::ptr::NonNull;
@@ -64,11 +66,18 @@ impl HostBuffer {
         self.ptr.as_ptr()
     }
 
-    /// The buffer as a region to register at `location`.
+    /// The buffer as a region to register at `location`. Safe code
+    /// registers owned memory with [`RegisteredBuffer::from_owned`] instead.
+    ///
+    /// # Safety
+    ///
+    /// As [`MemoryRegion::from_raw_parts`]: an engine that registers the
+    /// region may write into it until it is unregistered, so `self` must
+    /// not be dropped (freed) while the region is registered with any
+    /// engine.
     pub fn region(&self, location: Location) -> MemoryRegion {
-        // SAFETY: the allocation lives as long as `self`; callers that
-        // register this region must unregister it before dropping `self`
-        // (RegisteredBuffer does so).
+        // SAFETY: the allocation is valid for `len` bytes while `self`
+        // lives; keeping it alive while registered is the caller's duty.
         unsafe { MemoryRegion::from_raw_parts(self.as_ptr(), self.len, location) }
     }
 
@@ -129,23 +138,29 @@ impl Drop for HostBuffer {
     }
 }
 
-/// Host memory registered with an engine for as long as the value lives.
+/// Host memory registered with one or more engines for as long as the value
+/// lives: the only safe way to register memory (registering raw parts is
+/// `unsafe`), because it ties the memory's lifetime to its registrations.
 ///
-/// Dropping it unregisters the memory before freeing it: on a Tokio runtime
-/// the unregister (which waits for in-flight transfers) runs on a spawned
-/// task that owns the memory until it finishes; without a runtime, or if the
-/// runtime drops that task, the memory is leaked rather than freed while
-/// possibly registered. Call
-/// [`RegisteredBuffer::release`] to unregister deterministically.
+/// Dropping it unregisters the memory from every engine before freeing it:
+/// on a Tokio runtime the unregisters (which wait for in-flight transfers)
+/// run on a spawned task that owns the memory until they finish; without a
+/// runtime, or if the runtime drops that task, the memory is leaked rather
+/// than freed while possibly registered. Call [`RegisteredBuffer::release`]
+/// to unregister deterministically.
 pub struct RegisteredBuffer<E: TransferEngine + ?Sized = dyn TransferEngine> {
-    engine: Arc<E>,
+    /// Every engine the memory is registered with; never empty.
+    engines: Vec<Arc<E>>,
+    location: Location,
     memory: Option<HostBuffer>,
 }
 
 impl<E: TransferEngine + ?Sized> std::fmt::Debug for RegisteredBuffer<E> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let backends: Vec<&str> = self.engines.iter().map(|e| e.backend_name()).collect();
         f.debug_struct("RegisteredBuffer")
-            .field("backend", &self.engine.backend_name())
+            .field("backends", &backends)
+            .field("location", &self.location)
             .field("memory", &self.memory)
             .finish()
     }
@@ -159,12 +174,37 @@ impl<E: TransferEngine + ?Sized> RegisteredBuffer<E> {
 
     /// Allocates `len` zeroed bytes and registers them at `location`.
     pub async fn with_location(engine: Arc<E>, len: usize, location: Location) -> Result<Self> {
-        let memory = HostBuffer::new(len)?;
-        engine.register(&memory.region(location)).await?;
+        Self::from_owned(engine, HostBuffer::new(len)?, location).await
+    }
+
+    /// Registers `memory`, which the buffer then owns, with `engine` at
+    /// `location`. On error the memory is not registered and is freed.
+    pub async fn from_owned(
+        engine: Arc<E>,
+        memory: HostBuffer,
+        location: Location,
+    ) -> Result<Self> {
+        // SAFETY: `memory` moves into the returned value, which unregisters
+        // it from every engine before freeing it (or leaks it).
+        let region = unsafe { raw_region(&memory, location.clone()) };
+        engine.register(&region).await?;
         Ok(RegisteredBuffer {
-            engine,
+            engines: vec![engine],
+            location,
             memory: Some(memory),
         })
+    }
+
+    /// Registers the same memory with one more engine (e.g. a second NIC's
+    /// engine), at the same location; it is unregistered from that one too
+    /// before the memory is freed.
+    pub async fn register_with(&mut self, engine: Arc<E>) -> Result<()> {
+        // SAFETY: as in `from_owned`: the memory is unregistered from every
+        // engine in `self.engines` before it is freed.
+        let region = unsafe { raw_region(self.mem(), self.location.clone()) };
+        engine.register(&region).await?;
+        self.engines.push(engine);
+        Ok(())
     }
 
     fn mem(&self) -> &HostBuffer {
@@ -190,23 +230,35 @@ impl<E: TransferEngine + ?Sized> RegisteredBuffer<E> {
     pub fn memory(&self) -> &HostBuffer {
         self.mem()
     }
-    /// The engine it is registered with.
+    /// The engine it was first registered with.
     pub fn engine(&self) -> &Arc<E> {
-        &self.engine
+        &self.engines[0]
+    }
+    /// Every engine it is registered with.
+    pub fn engines(&self) -> &[Arc<E>] {
+        &self.engines
     }
 
-    /// Unregisters (waiting for transfers in flight) and frees the memory.
+    /// Unregisters from every engine (waiting for transfers in flight) and
+    /// frees the memory.
     ///
-    /// If the unregister fails for any reason other than the region not
+    /// If an unregister fails for any reason other than the region not
     /// being registered, the memory may still be registered and is leaked
     /// rather than freed. If this future is dropped before it completes, the
     /// memory is leaked too.
     pub async fn release(mut self) -> Result<()> {
+        let engines = std::mem::take(&mut self.engines);
         match self.memory.take() {
-            Some(m) => unregister_then_free(self.engine.as_ref(), m).await,
+            Some(m) => unregister_then_free(&engines, m).await,
             None => Ok(()),
         }
     }
+}
+
+/// `memory` as a region. Safety: as [`HostBuffer::region`].
+unsafe fn raw_region(memory: &HostBuffer, location: Location) -> MemoryRegion {
+    // SAFETY: forwarded to the caller.
+    unsafe { MemoryRegion::from_raw_parts(memory.as_ptr(), memory.len(), location) }
 }
 
 /// Owns memory that may be registered: dropping it leaks the memory unless
@@ -232,24 +284,33 @@ impl Drop for Pending {
     }
 }
 
+/// Unregisters `memory` from every engine, last registered first, then
+/// frees it; leaks it if any unregister may have left it registered.
 async fn unregister_then_free<E: TransferEngine + ?Sized>(
-    engine: &E,
+    engines: &[Arc<E>],
     memory: HostBuffer,
 ) -> Result<()> {
     let addr = memory.addr();
     let pending = Pending(Some(memory));
-    match engine.unregister(addr).await {
-        Ok(()) => {
-            pending.free();
-            Ok(())
+    let mut first_err = None;
+    let mut may_be_registered = false;
+    for engine in engines.iter().rev() {
+        match engine.unregister(addr).await {
+            Ok(()) => {}
+            Err(e @ Error::RegionNotRegistered { .. }) => {
+                first_err.get_or_insert(e);
+            }
+            Err(e) => {
+                may_be_registered = true;
+                first_err.get_or_insert(e);
+            }
         }
-        Err(e @ Error::RegionNotRegistered { .. }) => {
-            pending.free();
-            Err(e)
-        }
-        // `pending` leaks the memory: it may still be registered.
-        Err(e) => Err(e),
     }
+    if !may_be_registered {
+        pending.free();
+    }
+    // Otherwise `pending` leaks the memory: it may still be registered.
+    first_err.map_or(Ok(()), Err)
 }
 
 impl<E: TransferEngine + ?Sized> Drop for RegisteredBuffer<E> {
@@ -257,14 +318,14 @@ impl<E: TransferEngine + ?Sized> Drop for RegisteredBuffer<E> {
         let Some(memory) = self.memory.take() else {
             return;
         };
-        let engine = Arc::clone(&self.engine);
+        let engines = std::mem::take(&mut self.engines);
         match tokio::runtime::Handle::try_current() {
             Ok(handle) => {
                 // If the runtime shuts down before the task finishes, the
                 // task is dropped and `unregister_then_free` leaks the memory.
                 handle.spawn(async move {
                     let addr = memory.addr();
-                    if let Err(e) = unregister_then_free(engine.as_ref(), memory).await {
+                    if let Err(e) = unregister_then_free(&engines, memory).await {
                         tracing::warn!(addr, error = %e, "unregister on drop failed");
                     }
                 });

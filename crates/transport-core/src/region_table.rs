@@ -288,32 +288,6 @@ impl RegionGuard {
     pub fn as_ptr(&self) -> *mut u8 {
         self.addr as usize as *mut u8
     }
-
-    /// The guarded range as a byte slice.
-    ///
-    /// # Safety
-    ///
-    /// The region's registrant promised (in
-    /// [`MemoryRegion::from_raw_parts`]) that the memory stays valid while
-    /// registered, and this guard keeps it registered; the caller must still
-    /// ensure no `&mut` to the same bytes is live for the slice's lifetime.
-    pub unsafe fn as_slice(&self) -> &[u8] {
-        // SAFETY: valid for `len` bytes while the guard lives (see above);
-        // aliasing is the caller's obligation.
-        unsafe { std::slice::from_raw_parts(self.as_ptr(), self.len as usize) }
-    }
-
-    /// The guarded range as a mutable byte slice.
-    ///
-    /// # Safety
-    ///
-    /// As for [`RegionGuard::as_slice`], and no other reference to the same
-    /// bytes may be live for the slice's lifetime.
-    #[allow(clippy::mut_from_ref)]
-    pub unsafe fn as_mut_slice(&self) -> &mut [u8] {
-        // SAFETY: as above; exclusivity is the caller's obligation.
-        unsafe { std::slice::from_raw_parts_mut(self.as_ptr(), self.len as usize) }
-    }
 }
 
 impl Drop for RegionGuard {
