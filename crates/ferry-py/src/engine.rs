@@ -390,7 +390,7 @@ impl PyEngine {
         let mut resolved = Vec::with_capacity(targets.len());
         let mut regions = Vec::with_capacity(targets.len());
         for (i, t) in targets.iter().enumerate() {
-            let len = lengths.as_ref().and_then(|l| l[i]);
+            let len = lengths.as_ref().and_then(|l| l.get(i).copied().flatten());
             let r = resolve(t, len)?;
             regions.push(Self::region_of(&r, location)?);
             resolved.push(r);
