@@ -20,9 +20,10 @@ use transport_core::{
     Error, Notification, RegionGuard, Result, Side, TransferOp, TransferRequest, TransferState,
 };
 
+use crate::cma::SameHost;
 use crate::frame::{
-    decode_ids, decode_table, encode_segments, table_lookup, Request, Response, Segment, Status,
-    TableEntry, MAX_ACKS, MAX_SEGMENTS, TABLE_ENTRY_LEN,
+    decode_ids, decode_table, encode_cma_segments, encode_segments, table_lookup, CmaSegment,
+    Request, Response, Segment, Status, TableEntry, MAX_ACKS, MAX_SEGMENTS, TABLE_ENTRY_LEN,
 };
 use crate::handshake;
 use crate::io::{write_all, Bytes, FrameReader, Next, Pace};
@@ -217,6 +218,13 @@ enum PendingKind {
         parts: Vec<(usize, usize, u64, u64)>,
         _guards: Vec<Arc<RegionGuard>>,
     },
+    /// A CWRITE / CREAD (the target copies): `(request index, remote addr,
+    /// len)` per segment; the guards keep the local sources or
+    /// destinations registered until the target has answered.
+    Cma {
+        parts: Vec<(usize, u64, u64)>,
+        _guards: Vec<Arc<RegionGuard>>,
+    },
 }
 
 struct PendingOp {
@@ -229,7 +237,7 @@ impl PendingOp {
     /// Completes the operation (every segment of a WRITEV) with `r`.
     fn complete(self, r: Result<()>) {
         match &self.kind {
-            PendingKind::WriteV { parts, .. } => {
+            PendingKind::WriteV { parts, .. } | PendingKind::Cma { parts, .. } => {
                 for (index, _, _) in parts {
                     self.batch.complete(*index, r.clone());
                 }
@@ -269,6 +277,8 @@ pub struct ConnShared {
     born: Instant,
     /// Milliseconds after `born` when the last response header arrived.
     last_rx: AtomicU64,
+    /// Payloads move by cross-memory attach (the target copies).
+    cma: bool,
 }
 
 impl ConnShared {
@@ -329,6 +339,12 @@ impl ConnShared {
             }
             (ops, map.abandoned.len() > MAX_ABANDONED)
         };
+        if self.cma && !ops.is_empty() {
+            // The target copies into (out of) memory these operations
+            // name: close the connection before releasing it, so the
+            // target (which checks before each copy) touches it no more.
+            self.fail_all(err.clone());
+        }
         for op in ops {
             op.complete(Err(err.clone()));
         }
@@ -385,6 +401,11 @@ impl ConnShared {
                 addr,
                 len,
                 peer: Some(self.peer.clone()),
+            },
+            Status::CopyFailed => Error::Io {
+                context: format!("cross-memory copy by {} at [{addr:#x}, +{len})", self.peer),
+                kind: std::io::ErrorKind::Other,
+                message: "the target could not reach this process's memory".to_owned(),
             },
             Status::ShuttingDown => Error::PeerLost {
                 peer: self.peer.clone(),
@@ -652,7 +673,8 @@ async fn reader_loop(
                     }
                     return Err(conn.protocol(format!("ERRV for unknown request id {id}")));
                 };
-                let PendingKind::WriteV { parts, .. } = &op.kind else {
+                let (PendingKind::WriteV { parts, .. } | PendingKind::Cma { parts, .. }) = &op.kind
+                else {
                     let err = conn.protocol(format!("ERRV for request {id}, not a WRITEV"));
                     op.complete(Err(err.clone()));
                     return Err(err);
@@ -822,6 +844,36 @@ struct OutOp {
 }
 
 impl OutOp {
+    /// The segments of a transfer operation as a CWRITE / CREAD sends
+    /// them (`true`: a read); `None` for control operations.
+    fn cma_parts(&self) -> Option<(bool, Vec<Part>)> {
+        match &self.kind {
+            OutKind::Write {
+                guard,
+                off,
+                len,
+                remote,
+                gen,
+            } => Some((
+                false,
+                vec![(self.index, Arc::clone(guard), *off, *len, *remote, *gen)],
+            )),
+            OutKind::Read {
+                guard,
+                off,
+                len,
+                remote,
+                gen,
+            } => Some((
+                true,
+                vec![(self.index, Arc::clone(guard), *off, *len, *remote, *gen)],
+            )),
+            OutKind::WriteV(parts) => Some((false, parts.clone())),
+            OutKind::ReadV(parts) => Some((true, parts.clone())),
+            _ => None,
+        }
+    }
+
     /// Fails the operation (every segment of a WRITEV) before it was sent.
     fn fail(&self, batch: &BatchState, e: &Error) {
         match &self.kind {
@@ -871,6 +923,41 @@ async fn send_ops(
         for op in &ops {
             let id = conn.next_id.fetch_add(1, Ordering::Relaxed);
             ids.push(id);
+            if conn.cma {
+                if let Some((read, parts)) = op.cma_parts() {
+                    let segs: Vec<CmaSegment> = parts
+                        .iter()
+                        .map(|p| CmaSegment {
+                            seg: Segment {
+                                addr: p.4,
+                                len: p.3,
+                                gen: p.5,
+                            },
+                            local: p.1.as_ptr() as u64 + p.2,
+                        })
+                        .collect();
+                    tables.push(encode_cma_segments(&segs));
+                    let req = Request::Cma {
+                        id,
+                        read,
+                        count: parts.len() as u32,
+                        total: parts.iter().map(|p| p.3).sum(),
+                    };
+                    hdrs.push(req.encode());
+                    map.ops.insert(
+                        id,
+                        PendingOp {
+                            batch: Arc::clone(batch),
+                            index: op.index,
+                            kind: PendingKind::Cma {
+                                parts: parts.iter().map(|p| (p.0, p.4, p.3)).collect(),
+                                _guards: parts.iter().map(|p| Arc::clone(&p.1)).collect(),
+                            },
+                        },
+                    );
+                    continue;
+                }
+            }
             let (req, kind) = match &op.kind {
                 OutKind::Write {
                     guard,
@@ -966,6 +1053,13 @@ async fn send_ops(
     let mut tables = tables.iter();
     for (hdr, op) in hdrs.iter().zip(&ops) {
         bufs.push(Bytes::from_ref(hdr));
+        if conn.cma && op.cma_parts().is_some() {
+            // Segment table only: the target copies the payload.
+            if let Some(t) = tables.next() {
+                bufs.push(Bytes::from_ref(t));
+            }
+            continue;
+        }
         match &op.kind {
             OutKind::WriteV(parts) => {
                 if let Some(t) = tables.next() {
@@ -1017,6 +1111,8 @@ pub struct Peer {
     slots: Vec<SlotState>,
     table: Arc<TableCache>,
     rr: AtomicUsize,
+    /// The payload path of the latest connection, as reported.
+    path: Mutex<Option<String>>,
 }
 
 impl std::fmt::Debug for Peer {
@@ -1042,7 +1138,14 @@ impl Peer {
             slots: (0..n).map(|_| SlotState::default()).collect(),
             table: Arc::new(RwLock::new(Arc::new(Vec::new()))),
             rr: AtomicUsize::new(0),
+            path: Mutex::new(None),
         })
+    }
+
+    /// The payload path in use: `cma`, or `tcp (reason)`; `None` before
+    /// the first connection.
+    pub fn path(&self) -> Option<String> {
+        lock(&self.path).clone()
     }
 
     /// Closes every connection (pending requests fail with `Canceled`).
@@ -1127,6 +1230,31 @@ impl Peer {
         )
         .await?;
         *self.table.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(welcome.table);
+        let cma = match cfg.same_host {
+            SameHost::Off => {
+                *lock(&self.path) = Some("tcp (same_host=off)".to_owned());
+                false
+            }
+            mode => {
+                match handshake::offer_same_host(&stream, &self.name, cfg.connect_timeout).await? {
+                    handshake::SameHostVerdict::Cma => {
+                        *lock(&self.path) = Some("cma".to_owned());
+                        true
+                    }
+                    handshake::SameHostVerdict::Refused(reason) => {
+                        tracing::debug!(peer = %self.name, %reason, "same-host path not used");
+                        *lock(&self.path) = Some(format!("tcp ({reason})"));
+                        if mode == SameHost::Cma {
+                            return Err(Error::SegmentUnavailable {
+                                name: self.name.clone(),
+                                reason: format!("same_host=cma, but the path is refused: {reason}"),
+                            });
+                        }
+                        false
+                    }
+                }
+            }
+        };
         let shared = Arc::new(ConnShared {
             stream,
             peer: self.name.clone(),
@@ -1141,6 +1269,7 @@ impl Peer {
             },
             born: Instant::now(),
             last_rx: AtomicU64::new(0),
+            cma,
         });
         // Retire idle connections well before the target's idle deadline.
         let idle = welcome.idle.map(|d| d / 2);

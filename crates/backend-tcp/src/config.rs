@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use transport_core::{Error, Result};
 
+use crate::cma::SameHost;
 use crate::frame::MAX_OP_LEN;
 
 /// Configuration of a [`crate::TcpEngine`].
@@ -81,6 +82,12 @@ pub struct TcpConfig {
     /// `SO_SNDBUF`/`SO_RCVBUF` in bytes; `None` leaves the kernel's
     /// auto-tuning alone.
     pub socket_buffer: Option<usize>,
+    /// The same-host path (cross-memory attach between engines on one
+    /// machine): `Auto` uses it when the peer is on this host and the
+    /// kernel allows it, `Cma` requires it (connecting fails with the
+    /// reason otherwise), `Off` never uses it (and refuses initiators that
+    /// ask). See the README for requirements and the security model.
+    pub same_host: SameHost,
 }
 
 impl Default for TcpConfig {
@@ -103,6 +110,7 @@ impl Default for TcpConfig {
             spin: Duration::from_micros(50),
             spin_pending: Duration::from_micros(200),
             socket_buffer: None,
+            same_host: SameHost::Auto,
         }
     }
 }
@@ -127,6 +135,7 @@ impl fmt::Debug for TcpConfig {
             .field("spin", &self.spin)
             .field("spin_pending", &self.spin_pending)
             .field("socket_buffer", &self.socket_buffer)
+            .field("same_host", &self.same_host)
             .finish()
     }
 }
@@ -174,6 +183,7 @@ impl TcpConfig {
     /// | `spin_us`            | `spin`            | busy-poll before sleeping, µs (0: none)  |
     /// | `spin_pending_us`    | `spin_pending`    | same while requests are outstanding, µs  |
     /// | `socket_buffer`      | `socket_buffer`   | SO_SNDBUF/SO_RCVBUF bytes (0: kernel)    |
+    /// | `same_host`          | `same_host`       | `auto`, `cma` or `off` (same-host path)  |
     ///
     /// An unknown parameter, a repeated one, a value out of range or another
     /// scheme than `tcp` is [`Error::InvalidArgument`] naming it.
@@ -242,12 +252,19 @@ impl TcpConfig {
                     let n = parse_num(&key, &value)? as usize;
                     cfg.socket_buffer = (n > 0).then_some(n);
                 }
+                "same_host" => {
+                    cfg.same_host = SameHost::parse(&value).ok_or_else(|| {
+                        invalid(format!(
+                            "tcp URL parameter same_host={value:?} must be auto, cma or off"
+                        ))
+                    })?
+                }
                 other => {
                     return Err(invalid(format!(
                         "unknown tcp URL parameter {other:?}; known: secret, connections, \
                          timeout_ms, connect_timeout_ms, chunk_size, max_batch, max_inbound, \
                          stall_timeout_ms, min_rate, handshake_timeout_ms, max_handshakes, \
-                         idle_timeout_ms, evict_idle_ms, spin_us, spin_pending_us, socket_buffer"
+                         idle_timeout_ms, evict_idle_ms, spin_us, spin_pending_us, socket_buffer, same_host"
                     )))
                 }
             }
@@ -319,7 +336,7 @@ mod tests {
             "tcp://0.0.0.0:7000?secret=s%26x&connections=4&timeout_ms=1500&connect_timeout_ms=20\
              &chunk_size=65536&max_batch=10&max_inbound=3&spin_us=0&spin_pending_us=7&socket_buffer=1048576\
              &stall_timeout_ms=5&min_rate=9&handshake_timeout_ms=6&max_handshakes=7&idle_timeout_ms=8\
-             &evict_idle_ms=0",
+             &evict_idle_ms=0&same_host=off",
         )
         .unwrap();
         assert_eq!(c.stall_timeout, Duration::from_millis(5));
@@ -328,6 +345,9 @@ mod tests {
         assert_eq!(c.max_handshakes, 7);
         assert_eq!(c.idle_timeout, Duration::from_millis(8));
         assert_eq!(c.evict_idle, Duration::ZERO);
+        assert_eq!(c.same_host, SameHost::Off);
+        assert_eq!(TcpConfig::default().same_host, SameHost::Auto);
+        assert!(TcpConfig::from_url("tcp://h:1?same_host=yes").is_err());
         assert_eq!(
             c.deadline_for(Duration::from_secs(1), 18),
             Duration::from_secs(3)

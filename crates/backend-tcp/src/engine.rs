@@ -227,21 +227,34 @@ impl TransferEngine for TcpEngine {
 
     fn backend_info(&self) -> BackendInfo {
         let c = &self.inner.core.config;
+        let mut peers: Vec<(String, String)> = lock(&self.inner.segments)
+            .by_name
+            .iter()
+            .map(|(name, (p, _))| {
+                let path = p.path().unwrap_or_else(|| "not connected".to_owned());
+                (format!("peer {name}"), format!("path: {path}"))
+            })
+            .collect();
+        peers.sort();
+        let mut details = vec![
+            ("segment".to_owned(), self.inner.core.name.clone()),
+            ("protocol".to_owned(), format!("ferry-tcp v{VERSION}")),
+            ("connections per peer".to_owned(), c.connections.to_string()),
+            (
+                "authentication".to_owned(),
+                if c.secret.is_some() {
+                    "HMAC-SHA256 shared secret".to_owned()
+                } else {
+                    "none".to_owned()
+                },
+            ),
+            ("same_host".to_owned(), c.same_host.to_string()),
+        ];
+        // Per open peer: the payload path and why.
+        details.extend(peers);
         BackendInfo {
             backend: BACKEND.to_owned(),
-            details: vec![
-                ("segment".to_owned(), self.inner.core.name.clone()),
-                ("protocol".to_owned(), format!("ferry-tcp v{VERSION}")),
-                ("connections per peer".to_owned(), c.connections.to_string()),
-                (
-                    "authentication".to_owned(),
-                    if c.secret.is_some() {
-                        "HMAC-SHA256 shared secret".to_owned()
-                    } else {
-                        "none".to_owned()
-                    },
-                ),
-            ],
+            details,
             not_native: Vec::new(),
             emulated: Vec::new(),
         }

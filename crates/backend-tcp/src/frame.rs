@@ -12,8 +12,8 @@ use std::fmt;
 pub const MAGIC: [u8; 4] = *b"FRY\x01";
 /// Protocol version spoken by this crate (2: region generations in
 /// WRITE/READ frames, segments and tables; typed rejections; idle deadline
-/// in the welcome).
-pub const VERSION: u16 = 2;
+/// in the welcome; 3: the same-host path, SAME_HOST / CWRITE / CREAD).
+pub const VERSION: u16 = 3;
 /// Size of every frame header.
 pub const HEADER_LEN: usize = 32;
 /// Largest payload one WRITE, READ or DATA frame may carry (initiators split
@@ -58,6 +58,15 @@ pub mod kind {
     /// `aux` segments as for WRITEV follow (`b` bytes in total to send
     /// back).
     pub const READV: u8 = 0x06;
+    /// Same-host negotiation: an offer of [`crate::cma::OFFER_LEN`] bytes
+    /// follows.
+    pub const SAME_HOST: u8 = 0x07;
+    /// Cross-memory write: `aux` segments of 24 bytes follow (target addr,
+    /// len, generation, initiator source addr); the target copies them.
+    pub const CWRITE: u8 = 0x08;
+    /// Cross-memory read: same segments; the target copies its ranges into
+    /// the initiator's destinations.
+    pub const CREAD: u8 = 0x09;
     /// Request `id` succeeded.
     pub const OK: u8 = 0x81;
     /// `aux` request ids (u64 each) follow; all succeeded.
@@ -101,6 +110,12 @@ pub enum Status {
     /// `[a, a+b)` lies in a region registered after the frame was sent (its
     /// generation differs from the frame's): refused, nothing touched.
     StaleRegion = 10,
+    /// SAME_HOST refused: `a` is the reason code
+    /// ([`crate::cma::Refusal`]), `b` an errno or 0.
+    SameHostRefused = 11,
+    /// A cross-memory copy failed (`a`/`b`: the target range); the
+    /// initiator's range could not be read or written.
+    CopyFailed = 12,
 }
 
 impl Status {
@@ -117,6 +132,8 @@ impl Status {
             8 => Status::Busy,
             9 => Status::Malformed,
             10 => Status::StaleRegion,
+            11 => Status::SameHostRefused,
+            12 => Status::CopyFailed,
             _ => return None,
         })
     }
@@ -245,6 +262,23 @@ pub enum Request {
         /// Sum of the segment lengths (≤ [`MAX_OP_LEN`]).
         total: u64,
     },
+    /// Same-host negotiation; an offer follows.
+    SameHost {
+        /// Request id.
+        id: u64,
+    },
+    /// Cross-memory write (read when `read`): `count` segments of
+    /// [`CMA_SEGMENT_LEN`] bytes follow, no payload.
+    Cma {
+        /// Request id.
+        id: u64,
+        /// CREAD rather than CWRITE.
+        read: bool,
+        /// Segments (1..=[`MAX_SEGMENTS`]).
+        count: u32,
+        /// Sum of the segment lengths (≤ [`MAX_OP_LEN`]).
+        total: u64,
+    },
 }
 
 impl Request {
@@ -297,6 +331,23 @@ impl Request {
                 b: total,
                 ..Default::default()
             },
+            Request::SameHost { id } => Header {
+                kind: kind::SAME_HOST,
+                id,
+                ..Default::default()
+            },
+            Request::Cma {
+                id,
+                read,
+                count,
+                total,
+            } => Header {
+                kind: if read { kind::CREAD } else { kind::CWRITE },
+                aux: count,
+                id,
+                b: total,
+                ..Default::default()
+            },
         };
         h.encode()
     }
@@ -307,7 +358,7 @@ impl Request {
         let h = Header::decode(buf)?;
         let aux_allowed = matches!(
             h.kind,
-            kind::WRITEV | kind::READV | kind::WRITE | kind::READ
+            kind::WRITEV | kind::READV | kind::WRITE | kind::READ | kind::CWRITE | kind::CREAD
         );
         if h.status != 0 || (h.aux != 0 && !aux_allowed) {
             return Err(bad("request with non-zero status or count field"));
@@ -380,6 +431,26 @@ impl Request {
                     return Err(bad("TABLE request with operands"));
                 }
                 Ok(Request::Table { id: h.id })
+            }
+            kind::SAME_HOST => {
+                if h.a != 0 || h.b != 0 {
+                    return Err(bad("SAME_HOST request with operands"));
+                }
+                Ok(Request::SameHost { id: h.id })
+            }
+            kind::CWRITE | kind::CREAD => {
+                if h.aux == 0 || h.aux > MAX_SEGMENTS || h.a != 0 || h.b > MAX_OP_LEN {
+                    return Err(bad(format!(
+                        "CWRITE/CREAD of {} segments / {} bytes exceeds the limits",
+                        h.aux, h.b
+                    )));
+                }
+                Ok(Request::Cma {
+                    id: h.id,
+                    read: h.kind == kind::CREAD,
+                    count: h.aux,
+                    total: h.b,
+                })
             }
             k => Err(bad(format!("unknown request kind {k:#04x}"))),
         }
@@ -640,6 +711,49 @@ pub fn encode_segments(segs: &[Segment]) -> Vec<u8> {
     out
 }
 
+/// Size of one CWRITE/CREAD segment: `addr u64, len u32, generation
+/// u32, initiator addr u64`.
+pub const CMA_SEGMENT_LEN: usize = 24;
+
+/// One CWRITE/CREAD segment: a WRITEV/READV segment plus the initiator's
+/// own (registered) source or destination address.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CmaSegment {
+    /// The target range and its generation.
+    pub seg: Segment,
+    /// The initiator's address.
+    pub local: u64,
+}
+
+/// Decodes CWRITE/CREAD segments (same rules as [`decode_segments`]).
+pub fn decode_cma_segments(buf: &[u8], total: u64) -> Result<Vec<CmaSegment>, DecodeError> {
+    if buf.len() % CMA_SEGMENT_LEN != 0 || buf.len() / CMA_SEGMENT_LEN > MAX_SEGMENTS as usize {
+        return Err(bad("CWRITE/CREAD segment table has a bad length"));
+    }
+    let mut plain = Vec::with_capacity(buf.len() / CMA_SEGMENT_LEN * SEGMENT_LEN);
+    let mut locals = Vec::with_capacity(buf.len() / CMA_SEGMENT_LEN);
+    for e in buf.chunks_exact(CMA_SEGMENT_LEN) {
+        plain.extend_from_slice(&e[..SEGMENT_LEN]);
+        locals.push(le64(&e[SEGMENT_LEN..]));
+    }
+    let segs = decode_segments(&plain, total)?;
+    Ok(segs
+        .into_iter()
+        .zip(locals)
+        .map(|(seg, local)| CmaSegment { seg, local })
+        .collect())
+}
+
+/// Encodes CWRITE/CREAD segments.
+pub fn encode_cma_segments(segs: &[CmaSegment]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(segs.len() * CMA_SEGMENT_LEN);
+    for s in segs {
+        out.extend_from_slice(&encode_segments(std::slice::from_ref(&s.seg)));
+        out.extend_from_slice(&s.local.to_le_bytes());
+    }
+    out
+}
+
 /// Decodes `n` little-endian u64 ids from `buf` (exactly `8*n` bytes).
 pub fn decode_ids(buf: &[u8]) -> impl Iterator<Item = u64> + '_ {
     buf.chunks_exact(8).map(le64)
@@ -826,6 +940,19 @@ mod tests {
                 count: 1,
                 total: 1,
             },
+            Request::SameHost { id: 12 },
+            Request::Cma {
+                id: 13,
+                read: true,
+                count: 2,
+                total: 9,
+            },
+            Request::Cma {
+                id: 14,
+                read: false,
+                count: MAX_SEGMENTS,
+                total: MAX_OP_LEN,
+            },
         ];
         for r in reqs {
             assert_eq!(Request::decode(&r.encode()), Ok(r));
@@ -954,8 +1081,10 @@ mod tests {
                     Request::Notify { name_len, msg_len, .. } =>
                         prop_assert!(name_len <= MAX_NOTIFY_NAME && msg_len <= MAX_NOTIFY_MESSAGE),
                     Request::Table { .. } => {}
-                    Request::WriteV { count, total, .. } | Request::ReadV { count, total, .. } =>
+                    Request::WriteV { count, total, .. } | Request::ReadV { count, total, .. }
+                    | Request::Cma { count, total, .. } =>
                         prop_assert!((1..=MAX_SEGMENTS).contains(&count) && total <= MAX_OP_LEN),
+                    Request::SameHost { .. } => {}
                 }
             }
             if let Ok(r) = Response::decode(&hdr) {

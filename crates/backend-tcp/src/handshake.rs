@@ -373,3 +373,51 @@ pub async fn send_welcome(
     .await
     .map_err(|e| io_err(peer_addr, "sending welcome", timeout, e))
 }
+
+/// The outcome of the same-host negotiation on one connection.
+pub enum SameHostVerdict {
+    /// Payloads move by cross-memory attach.
+    Cma,
+    /// Payloads move on the socket, for this reason.
+    Refused(String),
+}
+
+/// Initiator side, right after the welcome: offers the same-host path
+/// (SAME_HOST with this process's boot id, PID namespace, PID and a probe
+/// word) and reads the target's verdict. Errors are I/O or protocol
+/// failures of the connection itself.
+pub async fn offer_same_host(
+    stream: &TcpStream,
+    peer: &str,
+    timeout: Duration,
+) -> Result<SameHostVerdict> {
+    let (probe, offer) = match crate::cma::make_offer() {
+        Ok(x) => x,
+        Err(reason) => return Ok(SameHostVerdict::Refused(reason)),
+    };
+    let hdr = crate::frame::Request::SameHost { id: 0 }.encode();
+    write_all(stream, &[&hdr, &offer.encode()], timeout)
+        .await
+        .map_err(|e| io_err(peer, "same-host offer", timeout, e))?;
+    let mut resp = [0u8; crate::frame::HEADER_LEN];
+    read_exact(stream, &mut resp, timeout)
+        .await
+        .map_err(|e| io_err(peer, "same-host verdict", timeout, e))?;
+    // The target has read the probe (or given up) once it answered.
+    drop(probe);
+    match crate::frame::Response::decode(&resp) {
+        Ok(crate::frame::Response::Ok { id: 0 }) => Ok(SameHostVerdict::Cma),
+        Ok(crate::frame::Response::Err {
+            id: 0,
+            status: Status::SameHostRefused,
+            addr,
+            len,
+        }) => Ok(SameHostVerdict::Refused(crate::cma::Refusal::describe(
+            addr, len,
+        ))),
+        other => Err(Error::Protocol {
+            peer: peer.to_owned(),
+            reason: format!("unexpected answer to the same-host offer: {other:?}"),
+        }),
+    }
+}

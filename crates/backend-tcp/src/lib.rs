@@ -51,6 +51,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 mod client;
+pub mod cma;
 mod config;
 mod engine;
 pub mod frame;
@@ -58,6 +59,7 @@ mod handshake;
 mod io;
 mod server;
 
+pub use cma::SameHost;
 pub use config::TcpConfig;
 pub use engine::TcpEngine;
 pub use server::{MAX_QUEUED_NOTIFICATIONS, MAX_QUEUED_NOTIFICATION_BYTES};

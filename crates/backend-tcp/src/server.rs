@@ -23,10 +23,12 @@ use tokio::sync::{oneshot, Notify};
 use tokio::task::JoinSet;
 use transport_core::{Error, MemoryRegion, Notification, RegionGuard, RegionTable, Side};
 
+use crate::cma::{self, SameHost};
 use crate::config::TcpConfig;
 use crate::frame::{
-    decode_segments, encode_table, Request, Response, Segment, Status, TableEntry, HEADER_LEN,
-    MAX_ACKS, MAX_SEGMENTS, MAX_TABLE_ENTRIES, SEGMENT_LEN,
+    decode_cma_segments, decode_segments, encode_table, Request, Response, Segment, Status,
+    TableEntry, CMA_SEGMENT_LEN, HEADER_LEN, MAX_ACKS, MAX_SEGMENTS, MAX_TABLE_ENTRIES,
+    SEGMENT_LEN,
 };
 use crate::handshake;
 use crate::io::{write_all, write_all_slices, Bytes, FrameReader, Next, Pace};
@@ -577,6 +579,63 @@ fn acquire_segments(core: &Core, segs: &[Segment]) -> Vec<Result<RegionGuard, St
         .collect()
 }
 
+/// Performs the copies of a CWRITE (`read` false: from the initiator into
+/// the guarded target ranges) or CREAD (from them into the initiator) for
+/// the segments whose guard was acquired; `None` if every segment moved,
+/// else the status and indices of those that did not. `one_call`: the
+/// segments do not overlap, so all of them may go in one system call.
+fn cma_copy(
+    pid: i32,
+    read: bool,
+    segs: &[crate::frame::CmaSegment],
+    guards: &[Result<RegionGuard, Status>],
+    one_call: bool,
+) -> Option<(Status, Vec<u32>)> {
+    let total: u64 = segs.iter().map(|s| s.seg.len).sum();
+    if one_call && guards.iter().all(Result::is_ok) {
+        let local: Vec<libc::iovec> = guards
+            .iter()
+            .flatten()
+            .map(|g| cma::iov(g.as_ptr(), g.len() as usize))
+            .collect();
+        let remote: Vec<libc::iovec> = segs
+            .iter()
+            .map(|s| cma::iov(s.local as usize as *mut u8, s.seg.len as usize))
+            .collect();
+        // SAFETY: every local range is held registered (and so valid) by
+        // its guard for the duration of the call; the kernel checks the
+        // initiator's ranges (EFAULT, never a fault here).
+        if unsafe { cma::copy(pid, read, &local, &remote) } == Ok(total as usize) {
+            return None;
+        }
+        // A short or refused call: redo segment by segment to find which.
+    }
+    let mut failed = Vec::new();
+    let mut status = None;
+    for (i, (g, s)) in guards.iter().zip(segs).enumerate() {
+        let st = match g {
+            // SAFETY: as above, for this guard's range.
+            Ok(g) => {
+                match unsafe { cma::copy_all(pid, read, g.as_ptr(), s.local, g.len() as usize) } {
+                    Ok(()) => continue,
+                    Err(_) => Status::CopyFailed,
+                }
+            }
+            Err(st) => *st,
+        };
+        failed.push(i as u32);
+        // StaleRegion first (the initiator retries), then unregistered.
+        status = Some(match (status, st) {
+            (Some(Status::StaleRegion), _) | (_, Status::StaleRegion) => Status::StaleRegion,
+            (Some(Status::AddressNotRegistered), _) | (_, Status::AddressNotRegistered) => {
+                Status::AddressNotRegistered
+            }
+            _ => st,
+        });
+    }
+    status.map(|st| (st, failed))
+}
+
 /// The status a v-frame reports for its failed segments: `StaleRegion` if
 /// any failed for that reason (the initiator refreshes its table and
 /// retries them), else `AddressNotRegistered`.
@@ -627,6 +686,8 @@ async fn serve(stream: TcpStream, peer: &str, core: &Core, live: &Live) -> Resul
         frames: Vec::new(),
         bytes: 0,
     };
+    // The initiator's PID once the same-host path is agreed.
+    let mut cma_pid: Option<i32> = None;
     loop {
         // Answer everything processed so far before waiting for more input.
         if !rd.poll_header_now(&stream).map_err(|e| io_error(peer, e))? {
@@ -843,6 +904,68 @@ async fn serve(stream: TcpStream, peer: &str, core: &Core, live: &Live) -> Resul
                     .map_err(|e| io_error(peer, e))?;
                 drop(bufs);
                 drop(guards);
+            }
+            Request::SameHost { id } => {
+                rd.begin_frame(cma::OFFER_LEN as u64);
+                let mut raw = [0u8; cma::OFFER_LEN];
+                rd.read_payload(&stream, Bytes::from_mut(&mut raw))
+                    .await
+                    .map_err(|e| io_error(peer, e))?;
+                let offer = cma::Offer::decode(&raw);
+                let verdict = if cfg.same_host == SameHost::Off {
+                    Err((cma::Refusal::Disabled, 0))
+                } else {
+                    cma::check_offer(&stream, &offer)
+                };
+                match verdict {
+                    Ok(pid) => {
+                        tracing::debug!(%peer, pid, "same-host path agreed");
+                        cma_pid = Some(pid);
+                        out.acks.push(id);
+                    }
+                    Err((why, errno)) => {
+                        tracing::debug!(%peer, ?why, errno, "same-host path refused");
+                        out.err(id, Status::SameHostRefused, why as u64, errno as u64);
+                    }
+                }
+            }
+            Request::Cma {
+                id,
+                read,
+                count,
+                total,
+            } => {
+                rd.begin_frame(count as u64 * CMA_SEGMENT_LEN as u64);
+                let mut raw = [0u8; MAX_SEGMENTS as usize * CMA_SEGMENT_LEN];
+                let raw = &mut raw[..count as usize * CMA_SEGMENT_LEN];
+                rd.read_payload(&stream, Bytes::from_mut(raw))
+                    .await
+                    .map_err(|e| io_error(peer, e))?;
+                let Some(pid) = cma_pid else {
+                    let reason = "CWRITE/CREAD without an agreed same-host path".to_owned();
+                    return Err(malformed(&stream, &mut out, core, peer, id, reason).await);
+                };
+                let segs = match decode_cma_segments(raw, total) {
+                    Ok(s) => s,
+                    Err(e) => return Err(malformed(&stream, &mut out, core, peer, id, e.0).await),
+                };
+                let plain: Vec<Segment> = segs.iter().map(|s| s.seg).collect();
+                let guards = acquire_segments(core, &plain);
+                // An initiator that gave up on this connection (its batch
+                // expired) may reuse the memory it named: copy nothing.
+                if cma::peer_closed(&stream) {
+                    return Err(Error::PeerLost {
+                        peer: peer.to_owned(),
+                        reason: "closed by the initiator".to_owned(),
+                    });
+                }
+                let failed = cma_copy(pid, read, &segs, &guards, !overlapping(&plain));
+                drop(guards);
+                match failed {
+                    None => out.acks.push(id),
+                    Some((status, idx)) => out.errv(id, status, &idx),
+                }
+                out.bytes += total;
             }
             Request::Table { id } => {
                 let meta = out.take();

@@ -1,9 +1,10 @@
 //! The transport-core conformance suite, raw and behind the adapter, over
-//! real loopback sockets.
+//! real loopback sockets: on the same-host path (cross-memory attach;
+//! engines in one process reach each other by it too) and forced off.
 
 use std::sync::Arc;
 
-use backend_tcp::{TcpConfig, TcpEngine};
+use backend_tcp::{SameHost, TcpConfig, TcpEngine};
 use transport_core::conformance::EngineFactory;
 use transport_core::{Result, TransferEngine};
 
@@ -47,6 +48,7 @@ mod chunked {
                 connections: 3,
                 chunk_size: 1000,
                 spin: std::time::Duration::ZERO,
+                same_host: SameHost::Off,
                 ..TcpConfig::default()
             };
             Ok(Arc::new(TcpEngine::start(cfg).await?))
@@ -58,4 +60,58 @@ mod chunked {
     }
 
     transport_core::conformance_tests!(ChunkedFactory);
+}
+
+/// Forced on (`same_host=cma`: a peer that cannot use it is an error), with
+/// small chunks so that requests become many CWRITE / CREAD frames.
+mod cma_forced {
+    use super::*;
+
+    struct CmaFactory;
+
+    #[async_trait::async_trait]
+    impl EngineFactory for CmaFactory {
+        async fn create(&self) -> Result<Arc<dyn TransferEngine>> {
+            let cfg = TcpConfig {
+                secret: Some("conformance".to_owned()),
+                connections: 2,
+                chunk_size: 4096,
+                same_host: SameHost::Cma,
+                ..TcpConfig::default()
+            };
+            Ok(Arc::new(TcpEngine::start(cfg).await?))
+        }
+
+        fn unknown_segment_name(&self) -> String {
+            "127.0.0.1:1".to_owned()
+        }
+    }
+
+    transport_core::conformance_tests!(CmaFactory);
+}
+
+/// Forced off: every payload on the socket.
+mod socket_forced {
+    use super::*;
+
+    struct OffFactory;
+
+    #[async_trait::async_trait]
+    impl EngineFactory for OffFactory {
+        async fn create(&self) -> Result<Arc<dyn TransferEngine>> {
+            let cfg = TcpConfig {
+                secret: Some("conformance".to_owned()),
+                connections: 2,
+                same_host: SameHost::Off,
+                ..TcpConfig::default()
+            };
+            Ok(Arc::new(TcpEngine::start(cfg).await?))
+        }
+
+        fn unknown_segment_name(&self) -> String {
+            "127.0.0.1:1".to_owned()
+        }
+    }
+
+    transport_core::conformance_tests!(OffFactory);
 }

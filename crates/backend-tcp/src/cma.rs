@@ -1,0 +1,448 @@
+//! The same-host path: cross-memory attach (`process_vm_readv` /
+//! `process_vm_writev`) between two engines on one machine.
+//!
+//! The **target stays in control of its memory**. An initiator that has
+//! negotiated the path sends CWRITE / CREAD frames naming, per segment,
+//! the target range (with its generation) and its own registered source or
+//! destination; the target checks the target range under its
+//! [`transport_core::RegionGuard`] exactly as for socket frames, then
+//! itself copies with `process_vm_readv` (CWRITE: from the initiator into
+//! its region) or `process_vm_writev` (CREAD: from its region into the
+//! initiator), and acknowledges. No process ever writes another's memory:
+//! the target writes only its own regions, and the initiator's memory is
+//! written only at the addresses the initiator named (which it checked
+//! against its own regions and keeps registered until the answer).
+//!
+//! Negotiation (one SAME_HOST request per connection, after the
+//! authenticated handshake): the initiator announces its boot id, PID
+//! namespace, PID and the address of a probe word holding a fresh random
+//! nonce. The target accepts only if the boot id and PID namespace are its
+//! own, a `process_vm_readv` of the probe returns the nonce (the kernel
+//! grants it ptrace-level access to the initiator), and the initiator's PID
+//! holds the very socket of this connection (`/proc/net/tcp*` inode found
+//! in `/proc/PID/fd`). Otherwise it answers with a reason code and an
+//! errno, and the connection carries payloads on the socket as before.
+
+use std::fmt;
+use std::os::fd::AsRawFd;
+
+use tokio::net::TcpStream;
+
+/// The `same_host` setting.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum SameHost {
+    /// Use cross-memory attach when the peer is on this host and the
+    /// kernel allows it; otherwise the socket (with the reason reported).
+    #[default]
+    Auto,
+    /// Require it: connecting to a peer that cannot use it fails with the
+    /// reason. As a target, same as `Auto`.
+    Cma,
+    /// Never: payloads always travel on the socket; as a target, refuse
+    /// initiators that ask.
+    Off,
+}
+
+impl SameHost {
+    /// Parses `auto`, `cma` or `off`.
+    pub fn parse(s: &str) -> Option<SameHost> {
+        match s {
+            "auto" => Some(SameHost::Auto),
+            "cma" => Some(SameHost::Cma),
+            "off" => Some(SameHost::Off),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for SameHost {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            SameHost::Auto => "auto",
+            SameHost::Cma => "cma",
+            SameHost::Off => "off",
+        })
+    }
+}
+
+/// Length of the boot id field of a SAME_HOST request.
+pub const BOOT_ID_LEN: usize = 48;
+/// Length of a SAME_HOST request's payload: boot id, PID namespace inode
+/// u64, PID u64, probe address u64, probe nonce (16 bytes).
+pub const OFFER_LEN: usize = BOOT_ID_LEN + 8 + 8 + 8 + 16;
+
+/// What an initiator announces in its SAME_HOST request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Offer {
+    /// `/proc/sys/kernel/random/boot_id`, ASCII, zero-padded.
+    pub boot_id: [u8; BOOT_ID_LEN],
+    /// Inode of `/proc/self/ns/pid`.
+    pub pidns: u64,
+    /// The initiator's PID.
+    pub pid: u64,
+    /// Address of the probe word in the initiator.
+    pub probe_addr: u64,
+    /// The probe word's contents.
+    pub nonce: [u8; 16],
+}
+
+impl Offer {
+    /// Encodes the payload.
+    pub fn encode(&self) -> [u8; OFFER_LEN] {
+        let mut out = [0u8; OFFER_LEN];
+        out[..BOOT_ID_LEN].copy_from_slice(&self.boot_id);
+        let mut o = BOOT_ID_LEN;
+        for v in [self.pidns, self.pid, self.probe_addr] {
+            out[o..o + 8].copy_from_slice(&v.to_le_bytes());
+            o += 8;
+        }
+        out[o..].copy_from_slice(&self.nonce);
+        out
+    }
+
+    /// Decodes the payload (any bytes are a valid offer; the target checks
+    /// every field against the system).
+    pub fn decode(buf: &[u8; OFFER_LEN]) -> Offer {
+        let mut boot_id = [0u8; BOOT_ID_LEN];
+        boot_id.copy_from_slice(&buf[..BOOT_ID_LEN]);
+        let u = |o: usize| {
+            let mut a = [0u8; 8];
+            a.copy_from_slice(&buf[o..o + 8]);
+            u64::from_le_bytes(a)
+        };
+        let mut nonce = [0u8; 16];
+        nonce.copy_from_slice(&buf[BOOT_ID_LEN + 24..]);
+        Offer {
+            boot_id,
+            pidns: u(BOOT_ID_LEN),
+            pid: u(BOOT_ID_LEN + 8),
+            probe_addr: u(BOOT_ID_LEN + 16),
+            nonce,
+        }
+    }
+}
+
+/// Why a target refused the path (ERR `SameHostRefused`, `a` = code, `b` =
+/// errno or 0).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u64)]
+pub enum Refusal {
+    /// The target runs with `same_host=off`.
+    Disabled = 1,
+    /// Boot ids differ: another machine (or kernel).
+    OtherHost = 2,
+    /// PID namespaces differ.
+    OtherPidNamespace = 3,
+    /// `process_vm_readv` of the probe failed (errno in `b`).
+    ProbeFailed = 4,
+    /// The probe read back other bytes than the nonce.
+    ProbeMismatch = 5,
+    /// The announced PID does not hold this connection's socket (errno in
+    /// `b` if the lookup itself failed).
+    NotTheOwner = 6,
+    /// The target's platform has no cross-memory attach.
+    Unsupported = 7,
+}
+
+impl Refusal {
+    /// Parses a code.
+    pub fn from_u64(v: u64) -> Option<Refusal> {
+        Some(match v {
+            1 => Refusal::Disabled,
+            2 => Refusal::OtherHost,
+            3 => Refusal::OtherPidNamespace,
+            4 => Refusal::ProbeFailed,
+            5 => Refusal::ProbeMismatch,
+            6 => Refusal::NotTheOwner,
+            7 => Refusal::Unsupported,
+            _ => return None,
+        })
+    }
+
+    /// The reason, as the capability report shows it.
+    pub fn describe(code: u64, errno: u64) -> String {
+        let e = errno_name(errno as i32);
+        match Refusal::from_u64(code) {
+            Some(Refusal::Disabled) => "the peer disables it (same_host=off)".to_owned(),
+            Some(Refusal::OtherHost) => "peer on another host (boot ids differ)".to_owned(),
+            Some(Refusal::OtherPidNamespace) => "peer in another PID namespace".to_owned(),
+            Some(Refusal::ProbeFailed) => format!("process_vm_readv: {e}"),
+            Some(Refusal::ProbeMismatch) => {
+                "process_vm_readv read back other bytes than the probe".to_owned()
+            }
+            Some(Refusal::NotTheOwner) if errno != 0 => {
+                format!("the peer cannot verify that this process holds the connection: {e}")
+            }
+            Some(Refusal::NotTheOwner) => {
+                "the peer found the connection held by another process".to_owned()
+            }
+            Some(Refusal::Unsupported) => "the peer's platform has no process_vm_*".to_owned(),
+            None => format!("refused by the peer (code {code}, {e})"),
+        }
+    }
+}
+
+/// `EPERM`, `ESRCH`, … for the common errnos, else `errno N`.
+pub fn errno_name(errno: i32) -> String {
+    let name = match errno {
+        libc::EPERM => "EPERM",
+        libc::ESRCH => "ESRCH",
+        libc::EFAULT => "EFAULT",
+        libc::EACCES => "EACCES",
+        libc::ENOSYS => "ENOSYS",
+        libc::EINVAL => "EINVAL",
+        libc::ENOMEM => "ENOMEM",
+        libc::ENOENT => "ENOENT",
+        _ => return format!("errno {errno}"),
+    };
+    name.to_owned()
+}
+
+/// This process's boot id (zero-padded), or the reason it is unknown.
+pub fn boot_id() -> Result<[u8; BOOT_ID_LEN], String> {
+    let s = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map_err(|e| format!("cannot read the boot id: {e}"))?;
+    let s = s.trim().as_bytes();
+    let mut out = [0u8; BOOT_ID_LEN];
+    let n = s.len().min(BOOT_ID_LEN);
+    out[..n].copy_from_slice(&s[..n]);
+    Ok(out)
+}
+
+/// The inode of this process's PID namespace.
+pub fn pid_namespace() -> Result<u64, String> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata("/proc/self/ns/pid")
+        .map(|m| m.ino())
+        .map_err(|e| format!("cannot read the PID namespace: {e}"))
+}
+
+/// A probe word the target reads to test its access, and the offer that
+/// announces it. The word must stay alive until the target answered.
+pub fn make_offer() -> Result<(Box<[u8; 16]>, Offer), String> {
+    let probe: Box<[u8; 16]> = Box::new(rand::random());
+    let offer = Offer {
+        boot_id: boot_id()?,
+        pidns: pid_namespace()?,
+        pid: std::process::id() as u64,
+        probe_addr: probe.as_ptr() as u64,
+        nonce: *probe,
+    };
+    Ok((probe, offer))
+}
+
+/// Target side: whether the initiator behind `stream` may be reached by
+/// cross-memory attach; `Err((refusal, errno))` otherwise.
+pub fn check_offer(stream: &TcpStream, offer: &Offer) -> Result<i32, (Refusal, i32)> {
+    if boot_id().ok().as_ref() != Some(&offer.boot_id) {
+        return Err((Refusal::OtherHost, 0));
+    }
+    if pid_namespace().ok() != Some(offer.pidns) {
+        return Err((Refusal::OtherPidNamespace, 0));
+    }
+    let pid = i32::try_from(offer.pid)
+        .ok()
+        .filter(|p| *p > 0)
+        .ok_or((Refusal::NotTheOwner, 0))?;
+    // The kernel's verdict first: this is the errno users need to see.
+    let mut got = [0u8; 16];
+    let dst = [iov(got.as_mut_ptr(), got.len())];
+    let src = [iov(offer.probe_addr as *mut u8, 16)];
+    // SAFETY: `dst` covers `got`, a local array alive for the call; the
+    // remote range is only read, in another address space.
+    match unsafe { copy(pid, false, &dst, &src) } {
+        Ok(16) => {}
+        Ok(_) => return Err((Refusal::ProbeMismatch, 0)),
+        Err(e) => return Err((Refusal::ProbeFailed, e)),
+    }
+    if got != offer.nonce {
+        return Err((Refusal::ProbeMismatch, 0));
+    }
+    match socket_owned_by(stream, pid) {
+        Ok(true) => Ok(pid),
+        Ok(false) => Err((Refusal::NotTheOwner, 0)),
+        Err(e) => Err((Refusal::NotTheOwner, e)),
+    }
+}
+
+/// The `/proc/net/tcp*` form of a socket address.
+fn proc_addr(a: &std::net::SocketAddr) -> String {
+    match a.ip() {
+        std::net::IpAddr::V4(v4) => {
+            format!("{:08X}:{:04X}", u32::from_ne_bytes(v4.octets()), a.port())
+        }
+        std::net::IpAddr::V6(v6) => {
+            let o = v6.octets();
+            let words: String = o
+                .chunks_exact(4)
+                .map(|c| format!("{:08X}", u32::from_ne_bytes([c[0], c[1], c[2], c[3]])))
+                .collect();
+            format!("{words}:{:04X}", a.port())
+        }
+    }
+}
+
+/// Whether process `pid` holds the other end of `stream` (a socket whose
+/// local address is our peer address and remote address ours). `Err`:
+/// errno of a lookup that failed.
+fn socket_owned_by(stream: &TcpStream, pid: i32) -> Result<bool, i32> {
+    let errno = |e: std::io::Error| e.raw_os_error().unwrap_or(libc::EIO);
+    let (ours, theirs) = (
+        stream.local_addr().map_err(errno)?,
+        stream.peer_addr().map_err(errno)?,
+    );
+    let (want_local, want_remote) = (proc_addr(&theirs), proc_addr(&ours));
+    let mut inode = None;
+    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        let Ok(text) = std::fs::read_to_string(table) else {
+            continue;
+        };
+        for line in text.lines().skip(1) {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            if f.len() > 9 && f[1] == want_local && f[2] == want_remote {
+                inode = Some(f[9].to_owned());
+            }
+        }
+    }
+    let Some(inode) = inode else { return Ok(false) };
+    let want = format!("socket:[{inode}]");
+    for entry in std::fs::read_dir(format!("/proc/{pid}/fd")).map_err(errno)? {
+        let Ok(entry) = entry else { continue };
+        if std::fs::read_link(entry.path()).is_ok_and(|l| l.as_os_str() == want.as_str()) {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
+/// An iovec.
+pub fn iov(ptr: *mut u8, len: usize) -> libc::iovec {
+    libc::iovec {
+        iov_base: ptr.cast(),
+        iov_len: len,
+    }
+}
+
+/// One `process_vm_readv` (`write_remote` false: from `remote` in `pid`
+/// into `local`) or `process_vm_writev` (true: from `local` into `remote`)
+/// call; returns the bytes moved or the errno.
+///
+/// # Safety
+///
+/// Every `local` range must be valid for writes (readv) or reads (writev)
+/// for the duration of the call. The remote ranges are checked by the
+/// kernel (a bad one is `EFAULT`, never a fault in this process).
+pub unsafe fn copy(
+    pid: i32,
+    write_remote: bool,
+    local: &[libc::iovec],
+    remote: &[libc::iovec],
+) -> Result<usize, i32> {
+    // SAFETY: the caller guarantees the local ranges; the iovec arrays are
+    // live slices of the lengths passed.
+    let n = unsafe {
+        if write_remote {
+            libc::process_vm_writev(
+                pid,
+                local.as_ptr(),
+                local.len() as libc::c_ulong,
+                remote.as_ptr(),
+                remote.len() as libc::c_ulong,
+                0,
+            )
+        } else {
+            libc::process_vm_readv(
+                pid,
+                local.as_ptr(),
+                local.len() as libc::c_ulong,
+                remote.as_ptr(),
+                remote.len() as libc::c_ulong,
+                0,
+            )
+        }
+    };
+    if n < 0 {
+        Err(std::io::Error::last_os_error()
+            .raw_os_error()
+            .unwrap_or(libc::EIO))
+    } else {
+        Ok(n as usize)
+    }
+}
+
+/// Moves `len` bytes between `local` and `remote` (one range each),
+/// continuing after short counts. `Err(errno)` if the kernel refuses or
+/// makes no progress.
+///
+/// # Safety
+///
+/// As for [`copy`], for `[local, local+len)`.
+pub unsafe fn copy_all(
+    pid: i32,
+    write_remote: bool,
+    local: *mut u8,
+    remote: u64,
+    len: usize,
+) -> Result<(), i32> {
+    let mut done = 0;
+    while done < len {
+        let l = [iov(local.wrapping_add(done), len - done)];
+        let r = [iov(
+            (remote as usize).wrapping_add(done) as *mut u8,
+            len - done,
+        )];
+        // SAFETY: the caller guarantees the local range.
+        match unsafe { copy(pid, write_remote, &l, &r) }? {
+            0 => return Err(libc::EFAULT),
+            n => done += n,
+        }
+    }
+    Ok(())
+}
+
+/// Whether the initiator has closed (or reset) `stream`: checked right
+/// before each copy, so a target never copies for a connection its
+/// initiator has given up (see the README for the remaining window).
+pub fn peer_closed(stream: &TcpStream) -> bool {
+    let mut p = libc::pollfd {
+        fd: stream.as_raw_fd(),
+        events: libc::POLLRDHUP,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd, zero timeout.
+    let n = unsafe { libc::poll(&mut p, 1, 0) };
+    n > 0 && p.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn offers_round_trip_and_reasons_are_named() {
+        let (_probe, offer) = make_offer().expect("linux");
+        assert_eq!(Offer::decode(&offer.encode()), offer);
+        assert_eq!(
+            Refusal::describe(Refusal::ProbeFailed as u64, libc::EPERM as u64),
+            "process_vm_readv: EPERM"
+        );
+        assert_eq!(SameHost::parse("cma"), Some(SameHost::Cma));
+        assert_eq!(SameHost::parse("on"), None);
+        assert_eq!(errno_name(12345), "errno 12345");
+    }
+
+    #[test]
+    fn copies_within_this_process() {
+        let src = vec![7u8; 100_000];
+        let mut dst = vec![0u8; 100_000];
+        let pid = std::process::id() as i32;
+        // SAFETY: `dst` is a live local buffer of that length.
+        unsafe { copy_all(pid, false, dst.as_mut_ptr(), src.as_ptr() as u64, dst.len()) }
+            .expect("copy");
+        assert_eq!(src, dst);
+        // SAFETY: as above; the remote address is unmapped, which the
+        // kernel reports as EFAULT.
+        let e = unsafe { copy_all(pid, false, dst.as_mut_ptr(), 8, 16) };
+        assert_eq!(e, Err(libc::EFAULT));
+    }
+}
