@@ -240,6 +240,7 @@ where
             },
         ]));
         s.write_all(&w).await.unwrap();
+        common::refuse_same_host(&mut s).await;
         then(s).await;
     });
     addr

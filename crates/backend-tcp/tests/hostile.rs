@@ -515,6 +515,7 @@ where
             gen: 1,
         }]));
         s.write_all(&w).await.unwrap();
+        common::refuse_same_host(&mut s).await;
         then(s).await;
     });
     addr

@@ -32,6 +32,9 @@ Examples:
   ferry bench --api async --backend 'tcp://127.0.0.1:0?strict=1'
   # another backend
   ferry bench --backend 'mooncake://?lib=/opt/mooncake/libtransfer_engine.so&metadata=P2PHANDSHAKE&protocol=tcp&host=127.0.0.1'
+  # same host, two processes: the cross-memory path and the socket path,
+  # raw TCP and memcpy, in one run (tcp backend)
+  ferry bench --same-host --blocks 4KiB,1MiB,16MiB --batches 1 --json
   # against `ferry serve` on another machine (copy the line it prints)
   ferry bench --peer 10.0.0.2:7000 --remote-addr 0x7f3a5c000000 --remote-len 268435456 --raw-peer 10.0.0.2:7001
 
@@ -43,7 +46,7 @@ size: raw TCP is the better of one and two plain tokio streams writing block-siz
 chunks to a sink; memcpy is one thread copying block-sized chunks.";
 
 /// Arguments of `ferry bench`.
-#[derive(clap::Args, Debug)]
+#[derive(clap::Args, Debug, Clone)]
 #[command(after_help = EXAMPLES)]
 pub struct BenchArgs {
     /// Backend URL for the engines of this process (`ferry caps --help` lists the schemes).
@@ -67,6 +70,14 @@ pub struct BenchArgs {
     /// baseline over the same network. Without it, that baseline is left out.
     #[arg(long, requires = "peer")]
     raw_peer: Option<String>,
+
+    /// Same host, two processes: start `ferry serve` as a child process on
+    /// loopback and measure against it twice, with the same-host path
+    /// (`same_host=cma`: cross-memory attach) and without it
+    /// (`same_host=off`: the socket), next to the raw-TCP and memcpy
+    /// baselines of the same run. Rows carry the path. TCP backend only.
+    #[arg(long, conflicts_with = "peer")]
+    same_host: bool,
 
     /// Block sizes (bytes per request), comma-separated.
     #[arg(long, value_delimiter = ',', value_parser = parse_positive_size,
@@ -148,6 +159,9 @@ struct Point {
     backend: String,
     /// `loopback` or the peer's segment name.
     target: String,
+    /// The payload path to the target as the engine reports it (tcp
+    /// backend: `cma`, or `tcp (reason)`), when known.
+    path: Option<String>,
     op: &'static str,
     api: &'static str,
     block: u64,
@@ -194,6 +208,115 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     if args.ops.is_empty() || args.blocks.is_empty() || args.batches.is_empty() {
         bail!("--ops, --blocks and --batches each need at least one value");
     }
+    if args.same_host {
+        return run_same_host(args).await;
+    }
+    let (results, base_by_block, setup) = sweep(&args).await?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&results)?);
+    } else {
+        print_table(&args, &setup, &results, &base_by_block);
+    }
+    setup.close().await
+}
+
+/// A `ferry serve` child process (killed on drop).
+struct ServeChild(std::process::Child);
+
+impl Drop for ServeChild {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// `--same-host`: a `ferry serve` child on loopback, measured with the
+/// cross-memory path forced on, then off; one table (or JSON array).
+async fn run_same_host(args: BenchArgs) -> anyhow::Result<()> {
+    use std::io::BufRead;
+    if !args.backend.starts_with("tcp://") {
+        bail!("--same-host needs the tcp backend (--backend tcp://127.0.0.1:0?...)");
+    }
+    let exe = std::env::current_exe().context("finding the ferry executable")?;
+    let mut child = std::process::Command::new(exe)
+        .args([
+            "serve",
+            "--backend",
+            "tcp://127.0.0.1:0",
+            "--raw-listen",
+            "127.0.0.1:0",
+        ])
+        .arg("--size")
+        .arg(args.region_size.to_string())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .context("starting `ferry serve` as the target process")?;
+    let stdout = child.stdout.take().context("no stdout from ferry serve")?;
+    let child = ServeChild(child);
+    // Read until the line with the target's coordinates, then keep
+    // draining so the child never blocks on a full pipe.
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut sent = false;
+        for line in std::io::BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if !sent && line.starts_with("drive it with:") {
+                let _ = tx.send(line);
+                sent = true;
+            }
+        }
+    });
+    let line = tokio::task::spawn_blocking(move || rx.recv_timeout(Duration::from_secs(30)))
+        .await?
+        .context("`ferry serve` did not print its coordinates")?;
+    let words: Vec<&str> = line.split_whitespace().collect();
+    let after = |flag: &str| {
+        words
+            .iter()
+            .position(|w| *w == flag)
+            .and_then(|i| words.get(i + 1))
+            .map(|w| w.to_string())
+    };
+    let peer = after("--peer").context("no --peer in ferry serve's line")?;
+    let addr = after("--remote-addr").context("no --remote-addr")?;
+    let len = after("--remote-len").context("no --remote-len")?;
+    let mut results = Vec::new();
+    let mut bases = BTreeMap::new();
+    let mut last_setup = None;
+    for mode in ["cma", "off"] {
+        let sep = if args.backend.contains('?') { '&' } else { '?' };
+        let mut a = args.clone();
+        a.same_host = false;
+        a.backend = format!("{}{sep}same_host={mode}", args.backend);
+        a.peer = Some(peer.clone());
+        a.remote_addr = Some(parse_addr(&addr).map_err(anyhow::Error::msg)?);
+        a.remote_len = Some(parse_positive_size(&len).map_err(anyhow::Error::msg)?);
+        a.raw_peer = after("--raw-peer");
+        let (r, b, setup) = sweep(&a)
+            .await
+            .with_context(|| format!("same_host={mode}"))?;
+        results.extend(r);
+        bases.extend(b);
+        if let Some(old) = last_setup.replace((a, setup)) {
+            old.1.close().await?;
+        }
+    }
+    if let Some((a, setup)) = last_setup {
+        if args.json {
+            println!("{}", serde_json::to_string_pretty(&results)?);
+        } else {
+            print_table(&a, &setup, &results, &bases);
+        }
+        setup.close().await?;
+    }
+    drop(child);
+    Ok(())
+}
+
+/// Runs every point of `args` (with its baselines); returns the rows, the
+/// baselines by block size and the setup (to close).
+async fn sweep(args: &BenchArgs) -> anyhow::Result<(Vec<Point>, BTreeMap<u64, Baseline>, Setup)> {
     let max_block = *args.blocks.iter().max().unwrap_or(&4096);
     let setup = setup(&args, max_block).await?;
 
@@ -276,19 +399,30 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             results.push(Point {
                 backend: backend.clone(),
                 target: setup.target_label.clone(),
+                path: path_to_target(&setup),
                 ..p
             });
             bar.inc(1);
         }
     }
     bar.finish_and_clear();
+    Ok((results, base_by_block, setup))
+}
 
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&results)?);
-    } else {
-        print_table(&args, &setup, &results, &base_by_block);
-    }
-    setup.close().await
+/// The path the engine reports to the target (`peer NAME` in its details).
+fn path_to_target(setup: &Setup) -> Option<String> {
+    let name = match &setup.target {
+        Some((t, _)) => t.segment_name().to_owned(),
+        None => setup.target_label.clone(),
+    };
+    let key = format!("peer {name}");
+    setup
+        .engine
+        .backend_info()
+        .details
+        .into_iter()
+        .find(|(k, _)| *k == key)
+        .map(|(_, v)| v.trim_start_matches("path: ").to_owned())
 }
 
 impl Setup {
@@ -322,7 +456,16 @@ async fn setup(args: &BenchArgs, max_block: u64) -> anyhow::Result<Setup> {
     };
     let engine = Arc::new(open("local").await?);
     let region = usize::try_from(args.region_size).context("--region-size is too large")?;
-    let (target, segment, remote_addr, remote_len, label, raw_sink, sink_task) = match &args.peer {
+    type Target = Option<(Arc<Engine>, RegisteredBuffer<Engine>)>;
+    let (target, segment, remote_addr, remote_len, label, raw_sink, sink_task): (
+        Target,
+        _,
+        _,
+        _,
+        _,
+        _,
+        _,
+    ) = match &args.peer {
         None => {
             let target = Arc::new(open("target").await?);
             let buf = RegisteredBuffer::new(Arc::clone(&target), region)
@@ -589,6 +732,7 @@ async fn measure_point(
     Ok(Point {
         backend: String::new(),
         target: String::new(),
+        path: None,
         op: op.name(),
         api: match args.api {
             Api::Sync => "sync",
@@ -628,7 +772,9 @@ fn print_table(
     baselines: &BTreeMap<u64, Baseline>,
 ) {
     let backend = setup.engine.kind().scheme();
-    let where_ = if args.peer.is_some() {
+    let where_ = if args.same_host {
+        "two processes on this host (a `ferry serve` child)".to_owned()
+    } else if args.peer.is_some() {
         format!("against {}", setup.target_label)
     } else {
         "two engines on loopback in this process".to_owned()
@@ -640,7 +786,7 @@ fn print_table(
     );
     println!();
     println!(
-        "{:<9} {:<5} {:>8} {:>5} {:>8} {:>13} {:>9} {:>9} {:>8} {:>8}",
+        "{:<9} {:<5} {:>8} {:>5} {:>8} {:>13} {:>9} {:>9} {:>8} {:>8}  {}",
         "backend",
         "op",
         "block",
@@ -650,11 +796,12 @@ fn print_table(
         "p50 µs",
         "p99 µs",
         "×rawTCP",
-        "×memcpy"
+        "×memcpy",
+        "path"
     );
     for p in results {
         println!(
-            "{:<9} {:<5} {:>8} {:>5} {:>8.3} {:>13.0} {:>9.1} {:>9.1} {:>8} {:>8}",
+            "{:<9} {:<5} {:>8} {:>5} {:>8.3} {:>13.0} {:>9.1} {:>9.1} {:>8} {:>8}  {}",
             p.backend,
             p.op,
             human_bytes(p.block),
@@ -665,6 +812,7 @@ fn print_table(
             p.p99_us,
             ratio(p.ratio_raw_tcp),
             ratio(p.ratio_memcpy),
+            p.path.as_deref().unwrap_or("-"),
         );
     }
     if baselines

@@ -88,3 +88,19 @@ pub async fn raw_handshake_on(mut s: TcpStream) -> (TcpStream, Vec<TableEntry>) 
     s.read_exact(&mut raw).await.expect("table");
     (s, decode_table(&raw).expect("valid table"))
 }
+
+/// A fake target's answer to the initiator's same-host offer (the first
+/// frame after the welcome): refused as disabled, so the connection
+/// carries payloads on the socket, which these fakes speak.
+pub async fn refuse_same_host(s: &mut TcpStream) {
+    use backend_tcp::frame::{Response, Status, HEADER_LEN};
+    let mut offer = [0u8; HEADER_LEN + backend_tcp::cma::OFFER_LEN];
+    s.read_exact(&mut offer).await.expect("same-host offer");
+    let no = Response::Err {
+        id: 0,
+        status: Status::SameHostRefused,
+        addr: backend_tcp::cma::Refusal::Disabled as u64,
+        len: 0,
+    };
+    s.write_all(&no.encode()).await.expect("refusal");
+}
