@@ -12,7 +12,15 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use transport_core::{HostBuffer, Location, TransferEngine};
 
-pub async fn engine(cfg: TcpConfig) -> Arc<TcpEngine> {
+/// An engine. `FERRY_TEST_SAME_HOST=off|cma` overrides the default
+/// `same_host=auto` (under which engines of one host use the cross-memory
+/// path), so the fault tests run on either path.
+pub async fn engine(mut cfg: TcpConfig) -> Arc<TcpEngine> {
+    if cfg.same_host == backend_tcp::SameHost::Auto {
+        if let Ok(v) = std::env::var("FERRY_TEST_SAME_HOST") {
+            cfg.same_host = backend_tcp::SameHost::parse(&v).expect("auto, cma or off");
+        }
+    }
     Arc::new(TcpEngine::start(cfg).await.expect("engine starts"))
 }
 

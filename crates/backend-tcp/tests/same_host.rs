@@ -1,0 +1,429 @@
+//! The same-host path (issue 14): used and reported between engines of one
+//! host, refused with the reason (by the target's setting, by the kernel
+//! for another user), the target's checks on CWRITE / CREAD from a raw
+//! peer, and a frozen target process on the path.
+
+mod common;
+
+use std::os::unix::process::CommandExt;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use backend_tcp::cma::{Offer, Refusal, OFFER_LEN};
+use backend_tcp::frame::{
+    encode_cma_segments, CmaSegment, Request, Response, Segment, Status, HEADER_LEN,
+};
+use backend_tcp::{SameHost, TcpConfig, TcpEngine};
+use common::{gen_of, mem, pattern};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use transport_core::{Error, TransferEngine, TransferRequest};
+
+const MIB: usize = 1 << 20;
+
+fn path_to(e: &TcpEngine, peer: &str) -> String {
+    let key = format!("peer {peer}");
+    e.backend_info()
+        .details
+        .into_iter()
+        .find(|(k, _)| *k == key)
+        .map(|(_, v)| v)
+        .unwrap_or_else(|| panic!("no {key:?} in the report"))
+}
+
+/// An engine exactly as configured (no `FERRY_TEST_SAME_HOST` override).
+async fn start(cfg: TcpConfig) -> std::sync::Arc<TcpEngine> {
+    std::sync::Arc::new(TcpEngine::start(cfg).await.expect("engine starts"))
+}
+
+fn cfg(mode: SameHost) -> TcpConfig {
+    TcpConfig {
+        same_host: mode,
+        ..TcpConfig::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_path_is_used_and_reported_per_peer() {
+    let a = start(cfg(SameHost::Auto)).await;
+    let b = start(cfg(SameHost::Auto)).await;
+    let off = start(cfg(SameHost::Off)).await;
+    let src = mem(&a, 3 * MIB, 0).await;
+    src.write(0, &pattern(1, 3 * MIB)).unwrap();
+    let dst = mem(&b, 3 * MIB, 0).await;
+    let odst = mem(&off, 3 * MIB, 0).await;
+    let sb = a.open_segment(b.segment_name()).await.unwrap();
+    let so = a.open_segment(off.segment_name()).await.unwrap();
+    assert_eq!(path_to(&a, b.segment_name()), "path: cma");
+    assert_eq!(
+        path_to(&a, off.segment_name()),
+        "path: tcp (the peer disables it (same_host=off))"
+    );
+    for seg in [sb, so] {
+        let remote = if seg == sb { dst.addr() } else { odst.addr() };
+        // A large write (chunks), small ones (gathered), reads back.
+        let mut reqs = vec![TransferRequest::write(src.addr(), remote, 2 * MIB as u64)];
+        for i in 0..64u64 {
+            reqs.push(TransferRequest::write(
+                src.addr() + 2 * MIB as u64 + i * 100,
+                remote + 2 * MIB as u64 + i * 100,
+                100,
+            ));
+        }
+        a.batch_transfer(seg, &reqs, None)
+            .await
+            .unwrap()
+            .into_result()
+            .unwrap();
+    }
+    assert!(dst.to_vec()[..2 * MIB + 6400] == pattern(1, 3 * MIB)[..2 * MIB + 6400]);
+    assert!(odst.to_vec()[..2 * MIB + 6400] == pattern(1, 3 * MIB)[..2 * MIB + 6400]);
+    let back = mem(&a, 3 * MIB, 0).await;
+    a.transfer(
+        sb,
+        TransferRequest::read(back.addr(), dst.addr(), 2 * MIB as u64),
+    )
+    .await
+    .unwrap();
+    assert!(back.to_vec()[..2 * MIB] == pattern(1, 3 * MIB)[..2 * MIB]);
+    // The target's own report has no outbound peers; its setting is there.
+    assert!(b
+        .backend_info()
+        .details
+        .contains(&("same_host".to_owned(), "auto".to_owned())));
+    // Forcing the path against a target that refuses it fails with the reason.
+    let forced = start(cfg(SameHost::Cma)).await;
+    let e = forced.open_segment(off.segment_name()).await.unwrap_err();
+    assert!(
+        matches!(&e, Error::SegmentUnavailable { reason, .. } if reason.contains("same_host=off")),
+        "got {e:?}"
+    );
+    // Forced off at the initiator: the socket, and it says so.
+    let plain = start(cfg(SameHost::Off)).await;
+    plain.open_segment(b.segment_name()).await.unwrap();
+    assert_eq!(
+        path_to(&plain, b.segment_name()),
+        "path: tcp (same_host=off)"
+    );
+}
+
+const CHILD_ENV: &str = "FERRY_TCP_SAME_HOST_CHILD";
+
+/// Helper process: an engine (URL in the environment) with a 16 MiB region
+/// that prints its name and address, then serves until killed.
+#[test]
+#[ignore = "helper process spawned by the tests of this file"]
+fn same_host_child_engine() {
+    let Ok(url) = std::env::var(CHILD_ENV) else {
+        return;
+    };
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let e = start(TcpConfig::from_url(&url).unwrap()).await;
+        let m = mem(&e, 16 * MIB, 0).await;
+        println!("READY {} {}", e.segment_name(), m.addr());
+        tokio::time::sleep(Duration::from_secs(600)).await;
+        drop(m);
+    });
+}
+
+struct Child(std::process::Child);
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+async fn spawn_child(url: &str, uid: Option<u32>) -> (Child, String, u64) {
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args([
+        "--exact",
+        "same_host_child_engine",
+        "--ignored",
+        "--nocapture",
+        "--test-threads=1",
+    ])
+    .env(CHILD_ENV, url)
+    .stdout(Stdio::piped())
+    .stderr(Stdio::null());
+    if let Some(u) = uid {
+        cmd.uid(u).gid(u);
+    }
+    let mut child = cmd.spawn().unwrap();
+    let stdout = tokio::process::ChildStdout::from_std(child.stdout.take().unwrap()).unwrap();
+    let child = Child(child);
+    let mut lines = BufReader::new(stdout).lines();
+    loop {
+        let line = tokio::time::timeout(Duration::from_secs(60), lines.next_line())
+            .await
+            .expect("child did not start")
+            .unwrap()
+            .expect("child exited early");
+        if let Some(pos) = line.find("READY ") {
+            let mut it = line[pos + 6..].split_whitespace();
+            let name = it.next().unwrap().to_owned();
+            let addr = it.next().unwrap().parse().unwrap();
+            tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+            return (child, name, addr);
+        }
+    }
+}
+
+/// Two processes of one user: the path is used, and data moves both ways.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_processes_use_the_path() {
+    let (_child, name, addr) = spawn_child("tcp://127.0.0.1:0", None).await;
+    let a = start(cfg(SameHost::Cma)).await;
+    let src = mem(&a, 4 * MIB, 0).await;
+    src.write(0, &pattern(5, 4 * MIB)).unwrap();
+    let back = mem(&a, 4 * MIB, 0).await;
+    let seg = a.open_segment(&name).await.unwrap();
+    assert_eq!(path_to(&a, &name), "path: cma");
+    a.transfer(
+        seg,
+        TransferRequest::write(src.addr(), addr, 4 * MIB as u64),
+    )
+    .await
+    .unwrap();
+    a.transfer(
+        seg,
+        TransferRequest::read(back.addr(), addr, 4 * MIB as u64),
+    )
+    .await
+    .unwrap();
+    assert!(back.to_vec() == pattern(5, 4 * MIB));
+    // Out of the target's region: refused, named.
+    let e = a
+        .transfer(
+            seg,
+            TransferRequest::write(src.addr(), addr + 16 * MIB as u64 - 8, 16),
+        )
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::AddressNotRegistered { .. }), "got {e:?}");
+}
+
+/// The kernel refuses a target of another user (it cannot ptrace this
+/// process): transfers go on the socket and the report carries the errno.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kernel_refusal_falls_back_to_the_socket_with_the_errno() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        println!("skipped: needs root to start a target as another user (uid 65534)");
+        return;
+    }
+    let (_child, name, addr) = spawn_child("tcp://127.0.0.1:0", Some(65534)).await;
+    let a = start(cfg(SameHost::Auto)).await;
+    let src = mem(&a, MIB, 0).await;
+    src.write(0, &pattern(6, MIB)).unwrap();
+    let back = mem(&a, MIB, 0).await;
+    let seg = a.open_segment(&name).await.unwrap();
+    assert_eq!(path_to(&a, &name), "path: tcp (process_vm_readv: EPERM)");
+    a.transfer(seg, TransferRequest::write(src.addr(), addr, MIB as u64))
+        .await
+        .unwrap();
+    a.transfer(seg, TransferRequest::read(back.addr(), addr, MIB as u64))
+        .await
+        .unwrap();
+    assert!(back.to_vec() == pattern(6, MIB));
+    // Forced on, the same target is an error naming the errno.
+    let forced = start(cfg(SameHost::Cma)).await;
+    let e = forced.open_segment(&name).await.unwrap_err();
+    assert!(
+        matches!(&e, Error::SegmentUnavailable { reason, .. } if reason.contains("EPERM")),
+        "got {e:?}"
+    );
+}
+
+/// A frozen target process on the path: the batch times out naming the
+/// peer, the initiator's source can be unregistered at once (the
+/// connection is dropped first), and the target, once resumed, copies
+/// nothing from memory the initiator has given up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frozen_target_process_times_out_and_copies_nothing_later() {
+    let (child, name, addr) = spawn_child("tcp://127.0.0.1:0", None).await;
+    let pid = child.0.id() as i32;
+    let a = start(TcpConfig {
+        request_timeout: Duration::from_millis(500),
+        same_host: SameHost::Cma,
+        ..TcpConfig::default()
+    })
+    .await;
+    let src = mem(&a, MIB, 0xaa).await;
+    let back = mem(&a, MIB, 0x11).await;
+    let seg = a.open_segment(&name).await.unwrap();
+    // SAFETY: signalling our own child.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+    let e = a
+        .transfer(seg, TransferRequest::write(src.addr(), addr, MIB as u64))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&e, Error::Timeout { peer: Some(p), .. } if *p == name),
+        "got {e:?}"
+    );
+    let t = Instant::now();
+    a.unregister(src.addr()).await.unwrap();
+    assert!(
+        t.elapsed() < Duration::from_secs(10),
+        "unregister waited for a frozen target"
+    );
+    // The memory is reused for something else.
+    src.fill(0xbb);
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    a.transfer(seg, TransferRequest::read(back.addr(), addr, MIB as u64))
+        .await
+        .expect("the resumed target serves a new connection");
+    assert!(
+        !back.to_vec().contains(&0xbb),
+        "the target copied from memory the initiator had given up"
+    );
+}
+
+/// Raw initiator: offers that fail the target's checks are refused with a
+/// reason; CWRITE / CREAD are refused before an agreement, checked segment
+/// by segment after it, and never touch memory outside the target's
+/// regions.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn raw_offers_and_copies_are_checked_by_the_target() {
+    let b = start(cfg(SameHost::Auto)).await;
+    let target = mem(&b, 64 * 1024, 0x33).await;
+    let mut expect = vec![0x33u8; 64 * 1024];
+
+    async fn ask(s: &mut tokio::net::TcpStream, offer: &Offer) -> Response {
+        s.write_all(&Request::SameHost { id: 5 }.encode())
+            .await
+            .unwrap();
+        s.write_all(&offer.encode()).await.unwrap();
+        let mut hdr = [0u8; HEADER_LEN];
+        s.read_exact(&mut hdr).await.unwrap();
+        Response::decode(&hdr).unwrap()
+    }
+    let refused = |r: Response, why: Refusal| {
+        assert!(
+            matches!(r, Response::Err { id: 5, status: Status::SameHostRefused, addr, .. } if addr == why as u64),
+            "expected {why:?}, got {r:?}"
+        );
+    };
+    let probe: Box<[u8; 16]> = Box::new([9; 16]);
+    let good = Offer {
+        boot_id: backend_tcp::cma::boot_id().unwrap(),
+        pidns: backend_tcp::cma::pid_namespace().unwrap(),
+        pid: std::process::id() as u64,
+        probe_addr: probe.as_ptr() as u64,
+        nonce: *probe,
+    };
+    let (mut s, table) = common::raw_handshake_gens(b.segment_name()).await;
+    let gen = gen_of(&table, target.addr());
+    let mut other_host = good.clone();
+    other_host.boot_id[0] ^= 1;
+    refused(ask(&mut s, &other_host).await, Refusal::OtherHost);
+    let mut other_ns = good.clone();
+    other_ns.pidns ^= 1;
+    refused(ask(&mut s, &other_ns).await, Refusal::OtherPidNamespace);
+    let mut wrong = good.clone();
+    wrong.nonce = [8; 16];
+    refused(ask(&mut s, &wrong).await, Refusal::ProbeMismatch);
+    let mut unmapped = good.clone();
+    unmapped.probe_addr = 8;
+    match ask(&mut s, &unmapped).await {
+        Response::Err {
+            status: Status::SameHostRefused,
+            addr,
+            len,
+            ..
+        } => {
+            assert_eq!(addr, Refusal::ProbeFailed as u64);
+            assert_eq!(len, libc::EFAULT as u64);
+        }
+        r => panic!("got {r:?}"),
+    }
+    // Another process's PID (which does not hold this socket).
+    let mut sleeper = Command::new("sleep").arg("30").spawn().unwrap();
+    let mut not_mine = good.clone();
+    not_mine.pid = sleeper.id() as u64;
+    assert!(matches!(
+        ask(&mut s, &not_mine).await,
+        Response::Err {
+            status: Status::SameHostRefused,
+            ..
+        }
+    ));
+    let _ = sleeper.kill();
+    let _ = sleeper.wait();
+
+    // A CWRITE before any agreement: Malformed, connection closed.
+    let src = vec![0x44u8; 4096];
+    let seg = |addr: u64, len: u64, local: u64| CmaSegment {
+        seg: Segment { addr, len, gen },
+        local,
+    };
+    let table1 = encode_cma_segments(&[seg(target.addr(), 16, src.as_ptr() as u64)]);
+    let cw = |id, n, total| {
+        Request::Cma {
+            id,
+            read: false,
+            count: n,
+            total,
+        }
+        .encode()
+    };
+    s.write_all(&cw(6, 1, 16)).await.unwrap();
+    s.write_all(&table1).await.unwrap();
+    let mut rest = Vec::new();
+    let r = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut rest)).await;
+    assert!(r.is_ok(), "the target kept the connection open");
+    assert_eq!(target.to_vec(), expect, "memory changed without agreement");
+
+    // After an agreement: a good segment lands, an out-of-region one and
+    // one whose source is unmapped in the initiator fail, named.
+    let (mut s, _) = common::raw_handshake_gens(b.segment_name()).await;
+    assert_eq!(ask(&mut s, &good).await, Response::Ok { id: 5 });
+    let segs = [
+        seg(target.addr() + 100, 10, src.as_ptr() as u64),
+        seg(target.addr() + 64 * 1024 - 4, 8, src.as_ptr() as u64),
+        seg(target.addr() + 200, 10, 8),
+    ];
+    s.write_all(&cw(7, 3, 28)).await.unwrap();
+    s.write_all(&encode_cma_segments(&segs)).await.unwrap();
+    let mut hdr = [0u8; HEADER_LEN];
+    s.read_exact(&mut hdr).await.unwrap();
+    let r = Response::decode(&hdr).unwrap();
+    assert_eq!(
+        r,
+        Response::ErrV {
+            id: 7,
+            status: Status::AddressNotRegistered,
+            count: 2
+        }
+    );
+    let mut idx = [0u8; 8];
+    s.read_exact(&mut idx).await.unwrap();
+    assert_eq!(idx, [1, 0, 0, 0, 2, 0, 0, 0]);
+    expect[100..110].fill(0x44);
+    assert_eq!(target.to_vec(), expect);
+    // A CREAD into the initiator's memory.
+    let mut got = vec![0u8; 10];
+    let rd = Request::Cma {
+        id: 8,
+        read: true,
+        count: 1,
+        total: 10,
+    };
+    s.write_all(&rd.encode()).await.unwrap();
+    s.write_all(&encode_cma_segments(&[seg(
+        target.addr() + 100,
+        10,
+        got.as_mut_ptr() as u64,
+    )]))
+    .await
+    .unwrap();
+    s.read_exact(&mut hdr).await.unwrap();
+    assert_eq!(Response::decode(&hdr).unwrap(), Response::Ok { id: 8 });
+    assert_eq!(got, vec![0x44; 10]);
+    drop(probe);
+    let _ = OFFER_LEN;
+}
