@@ -648,9 +648,9 @@ impl PyEngine {
     /// Benchmark helper (`python -m ferry.bench`): the Rust engine's own
     /// figure for the same work, with no Python per call. Runs `iterations`
     /// transfers (one request) or batches (several) in a Rust loop,
-    /// shifting every address by the batch's size each iteration, modulo
-    /// `span` bytes; returns the seconds it took.
-    #[pyo3(signature = (segment, op, local_addrs, remote_addrs, lengths, iterations, span))]
+    /// shifting every address by `stride` (default: the batch's size) each
+    /// iteration, modulo `span` bytes; returns the seconds it took.
+    #[pyo3(signature = (segment, op, local_addrs, remote_addrs, lengths, iterations, span, stride=None))]
     #[allow(clippy::too_many_arguments)]
     fn _bench_loop(
         &self,
@@ -662,10 +662,11 @@ impl PyEngine {
         lengths: Vec<u64>,
         iterations: u64,
         span: u64,
+        stride: Option<u64>,
     ) -> PyResult<f64> {
         let engine = self.engine()?;
         let base = requests(parse_op(op)?, &local_addrs, &remote_addrs, &lengths)?;
-        let size: u64 = lengths.iter().sum();
+        let size: u64 = stride.unwrap_or_else(|| lengths.iter().sum());
         let slots = span.checked_div(size).unwrap_or(1).max(1);
         let seg = SegmentId(segment);
         let elapsed = block_on(py, async {

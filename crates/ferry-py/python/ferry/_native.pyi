@@ -85,4 +85,5 @@ class Engine:
         lengths: Sequence[int],
         iterations: int,
         span: int,
+        stride: Optional[int] = ...,
     ) -> float: ...

@@ -3,7 +3,8 @@ mooncake.engine.TransferEngine, both over TCP on loopback, in one run.
 
 Each API gets the same treatment: a target process (``--serve``) registers a
 64 MiB region; this process registers its own 64 MiB and writes into the
-target through the API's Python methods, cycling through the span:
+target through the API's Python methods, cycling through the span. The
+blocks of a batch land with gaps between them (no layer can merge them):
 
 - single 4 KiB writes (``transfer_sync_write``), transfers/s;
 - 4 KiB x 256 batches (``batch_transfer_sync_write``), transfers/s;
@@ -69,11 +70,15 @@ def serve(api):
 
 
 def _offsets(block, batch, i):
-    """Local and remote offsets of iteration i: cycle through the span."""
-    size = block * batch
+    """Local and remote offsets of iteration i, cycling through the span.
+    Local blocks are contiguous; remote blocks leave a block-sized gap after
+    each, as a decode side's free KV blocks do, so that no layer can merge
+    the requests of a batch into fewer, larger ones (Ferry's adapter merges
+    requests contiguous on both sides; SGLang merges them before calling)."""
+    size = 2 * block * batch
     slots = SPAN // size
     base = (i % slots) * size
-    return [base + k * block for k in range(batch)]
+    return [base + k * block for k in range(batch)], [base + 2 * k * block for k in range(batch)]
 
 
 def _run_python(te, session, local, remote, block, batch, duration):
@@ -82,12 +87,12 @@ def _run_python(te, session, local, remote, block, batch, duration):
     deadline = time.perf_counter() + duration
     t0 = time.perf_counter()
     while True:
-        offs = _offsets(block, batch, n)
+        loffs, roffs = _offsets(block, batch, n)
         if batch == 1:
-            ret = te.transfer_sync_write(session, local + offs[0], remote + offs[0], block)
+            ret = te.transfer_sync_write(session, local + loffs[0], remote + roffs[0], block)
         else:
             ret = te.batch_transfer_sync_write(
-                session, [local + o for o in offs], [remote + o for o in offs], [block] * batch
+                session, [local + o for o in loffs], [remote + o for o in roffs], [block] * batch
             )
         if ret != 0:
             raise RuntimeError(f"transfer failed: {ret}")
@@ -102,22 +107,19 @@ def _run_python(te, session, local, remote, block, batch, duration):
 def _run_rust(te, session, local, remote, block, batch, duration):
     engine = te.get_engine()
     seg = te._segment(session)
-    offs = list(range(0, block * batch, block))
-    # calibrate, then run for about `duration`
+    loffs, roffs = _offsets(block, batch, 0)
+    locals_ = [local + o for o in loffs]
+    remotes = [remote + o for o in roffs]
+    # _bench_loop shifts every address by 2 * block * batch per iteration
+    # (modulo SPAN), as _offsets does. Calibrate, then run for `duration`.
     iters = 8
     while True:
-        secs = engine._bench_loop(
-            seg, "write", [local + o for o in offs], [remote + o for o in offs],
-            [block] * batch, iters, SPAN,
-        )
+        secs = engine._bench_loop(seg, "write", locals_, remotes, [block] * batch, iters, SPAN, 2 * block * batch)
         if secs >= duration / 4 or iters >= 1 << 22:
             break
         iters *= 4
     iters = max(1, int(iters * duration / max(secs, 1e-9)))
-    secs = engine._bench_loop(
-        seg, "write", [local + o for o in offs], [remote + o for o in offs],
-        [block] * batch, iters, SPAN,
-    )
+    secs = engine._bench_loop(seg, "write", locals_, remotes, [block] * batch, iters, SPAN, 2 * block * batch)
     moved = iters * block * batch
     return iters * batch / secs, moved / secs / 1e9
 
