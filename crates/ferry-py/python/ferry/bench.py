@@ -226,7 +226,15 @@ def main(argv=None):
     p.add_argument("--json", action="store_true", help="print JSON (medians and every round)")
     p.add_argument("--serve", choices=["ferry", "mooncake"], help=argparse.SUPPRESS)
     p.add_argument("--no-mooncake", action="store_true", help="measure Ferry only")
+    p.add_argument(
+        "--ferry-url",
+        default=os.environ.get("FERRY_URL", "tcp://?same_host=off"),
+        help="Ferry's backend URL (default: TCP with the same-host path off, as "
+        "Mooncake's TCP transport; `tcp://` lets two processes on one host use it)",
+    )
     args = p.parse_args(argv)
+    # ferry.mooncake.TransferEngine() and the --serve child read FERRY_URL.
+    os.environ["FERRY_URL"] = args.ferry_url
     if args.serve:
         return serve(args.serve)
     mooncake_error = None
@@ -240,11 +248,21 @@ def main(argv=None):
     raw = measure(args.duration, args.rounds, with_mooncake)
     summary = summarize(raw)
     if args.json:
-        print(json.dumps({"summary": summary, "rounds": raw, "mooncake_error": mooncake_error}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "ferry_url": args.ferry_url,
+                    "summary": summary,
+                    "rounds": raw,
+                    "mooncake_error": mooncake_error,
+                },
+                indent=2,
+            )
+        )
         return 0
     print(
-        f"python -m ferry.bench: TCP on loopback, {args.rounds} interleaved rounds, "
-        f"{args.duration:g} s per point and series; medians"
+        f"python -m ferry.bench: loopback, Ferry on {args.ferry_url}, {args.rounds} "
+        f"interleaved rounds, {args.duration:g} s per point and series; medians"
     )
     head = f"{'point':<12} {'ferry.mooncake':>16} {'Rust engine':>14} {'Python/Rust':>12}"
     if with_mooncake:
