@@ -219,6 +219,11 @@ async fn pair(connections: usize, params: &str, buf: usize) -> Pair {
         url.push('&');
         url.push_str(params);
     }
+    // The socket path unless --params chooses (same_host=auto measures the
+    // cross-memory path; `ferry bench --same-host` compares both).
+    if !params.contains("same_host=") {
+        url.push_str("&same_host=off");
+    }
     let cfg = TcpConfig::from_url(&url).expect("valid --params");
     let a = Arc::new(TcpEngine::start(cfg.clone()).await.expect("start a"));
     let b = Arc::new(TcpEngine::start(cfg).await.expect("start b"));

@@ -593,19 +593,32 @@ fn cma_copy(
 ) -> Option<(Status, Vec<u32>)> {
     let total: u64 = segs.iter().map(|s| s.seg.len).sum();
     if one_call && guards.iter().all(Result::is_ok) {
-        let local: Vec<libc::iovec> = guards
-            .iter()
-            .flatten()
-            .map(|g| cma::iov(g.as_ptr(), g.len() as usize))
-            .collect();
-        let remote: Vec<libc::iovec> = segs
-            .iter()
-            .map(|s| cma::iov(s.local as usize as *mut u8, s.seg.len as usize))
-            .collect();
-        // SAFETY: every local range is held registered (and so valid) by
-        // its guard for the duration of the call; the kernel checks the
-        // initiator's ranges (EFAULT, never a fault here).
-        if unsafe { cma::copy(pid, read, &local, &remote) } == Ok(total as usize) {
+        let ok = if total as usize >= cma::PARALLEL_MIN {
+            let pairs: Vec<(usize, u64, usize)> = guards
+                .iter()
+                .flatten()
+                .zip(segs)
+                .map(|(g, s)| (g.as_ptr() as usize, s.local, g.len() as usize))
+                .collect();
+            // SAFETY: every local range is held registered (and so valid)
+            // by its guard until after copy_split has returned (it waits
+            // for its helper threads); the kernel checks the initiator's
+            // ranges (EFAULT, never a fault here).
+            unsafe { cma::copy_split(pid, read, &pairs) }.is_ok()
+        } else {
+            let local: Vec<libc::iovec> = guards
+                .iter()
+                .flatten()
+                .map(|g| cma::iov(g.as_ptr(), g.len() as usize))
+                .collect();
+            let remote: Vec<libc::iovec> = segs
+                .iter()
+                .map(|s| cma::iov(s.local as usize as *mut u8, s.seg.len as usize))
+                .collect();
+            // SAFETY: as above, for one system call.
+            (unsafe { cma::copy(pid, read, &local, &remote) }) == Ok(total as usize)
+        };
+        if ok {
             return None;
         }
         // A short or refused call: redo segment by segment to find which.

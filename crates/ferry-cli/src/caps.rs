@@ -11,6 +11,8 @@ const EXAMPLES: &str = "\
 Examples:
   ferry caps
   ferry caps --backend 'tcp://127.0.0.1:0?strict=1'
+  # the payload path to a peer (tcp: `cma` on the same host, else `tcp (reason)`)
+  ferry caps --peer 127.0.0.1:7000
   ferry caps --backend 'mooncake://?lib=/opt/mooncake/libtransfer_engine.so&metadata=P2PHANDSHAKE&protocol=tcp&host=127.0.0.1'
   ferry caps --backend 'verbs://mlx5_0?port=1&gid_index=3'
   # in a start-up script: fail unless batches and notifications are native
@@ -45,6 +47,12 @@ pub struct CapsArgs {
     /// Strict mode (as `?strict=1`): emulated operations count as missing.
     #[arg(long)]
     strict: bool,
+
+    /// Open these peers' segments first (repeatable), so that the report
+    /// shows the path to each (tcp: `peer HOST:PORT  path: cma` or
+    /// `path: tcp (reason)`).
+    #[arg(long)]
+    peer: Vec<String>,
 
     /// Print the report as JSON.
     #[arg(long)]
@@ -98,7 +106,16 @@ pub async fn run(args: CapsArgs) -> anyhow::Result<()> {
     let engine = Engine::open(&url)
         .await
         .with_context(|| format!("opening {}", redact(&url)))?;
-    let report = engine.report();
+    for p in &args.peer {
+        engine
+            .open_segment(p)
+            .await
+            .with_context(|| format!("opening the peer segment {p}"))?;
+    }
+    let mut report = engine.report();
+    // The report's details were taken at start-up; the per-peer paths are
+    // live (backend_info is not cached).
+    report.info.details = engine.backend_info().details;
     let missing = report.missing(&args.require);
 
     if args.json {
