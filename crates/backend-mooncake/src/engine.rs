@@ -358,38 +358,38 @@ impl Drop for NameReservation {
     }
 }
 
-/// A port nothing listens on at `host` (bound, then released: another
-/// process could take it in between, a window of microseconds).
+/// A port nothing listens on at `host` (see [`free_ports`]).
 fn free_port(host: &str) -> Result<u16> {
-    let l = std::net::TcpListener::bind((host, 0)).map_err(|e| Error::Unavailable {
-        backend: BACKEND.into(),
-        reason: format!("cannot bind a TCP port on host {host:?} to give the library: {e}"),
-    })?;
-    l.local_addr()
-        .map(|a| a.port())
-        .map_err(|e| Error::io("reading a bound port", &e))
+    free_ports(host, 1)
 }
 
-/// A port `p` such that `p` and `p + 1` are both free at `host` (the same
-/// small window as [`free_port`]).
+/// A port `p` such that `p` and `p + 1` are both free at `host`.
 fn free_port_pair(host: &str) -> Result<u16> {
-    // Below the kernel's ephemeral range (32768 and up by default), where
-    // the library's own sockets are not competing; start at a point that
-    // differs per process and per call.
+    free_ports(host, 2)
+}
+
+/// A port `p` such that `p .. p + n` are all free at `host` (bound, then
+/// released: another process could take one in between, a window of
+/// microseconds). Chosen below the kernel's ephemeral range (32768 and up
+/// by default), where the outgoing connections of the library itself (old
+/// builds open one per request) do not compete, starting at a point that
+/// differs per process and per call.
+fn free_ports(host: &str, n: u16) -> Result<u16> {
     static NEXT: AtomicU64 = AtomicU64::new(0);
-    let seed =
-        u64::from(std::process::id()).wrapping_mul(7919) + NEXT.fetch_add(2, Ordering::Relaxed);
+    let seed = u64::from(std::process::id()).wrapping_mul(7919)
+        + NEXT.fetch_add(u64::from(n), Ordering::Relaxed);
     for i in 0..256u64 {
-        let p = 20000 + ((seed + 2 * i) % 10000) as u16;
-        let both = std::net::TcpListener::bind(("0.0.0.0", p))
-            .and_then(|a| std::net::TcpListener::bind(("0.0.0.0", p + 1)).map(|b| (a, b)));
-        if both.is_ok() {
+        let p = 20000 + ((seed + u64::from(n) * i) % 10000) as u16;
+        let all: std::io::Result<Vec<std::net::TcpListener>> = (0..n)
+            .map(|k| std::net::TcpListener::bind(("0.0.0.0", p + k)))
+            .collect();
+        if all.is_ok() {
             return Ok(p);
         }
     }
     Err(Error::Unavailable {
         backend: BACKEND.into(),
-        reason: format!("found no two consecutive free TCP ports on host {host:?} in 256 tries"),
+        reason: format!("found no {n} consecutive free TCP ports on host {host:?} in 256 tries"),
     })
 }
 
@@ -880,6 +880,18 @@ impl MooncakeEngine {
                 for ((i, p), r) in wanted.into_iter().zip(ready) {
                     match r {
                         Ok(()) => probes.push((i, p)),
+                        // The probe used up the batch's deadline: the batch
+                        // timed out, as it would have waiting for the write.
+                        Err(Error::Timeout { .. }) => {
+                            refused.insert(
+                                i,
+                                Error::Timeout {
+                                    operation: "mooncake batch".into(),
+                                    peer: Some(peer_name.clone()),
+                                    after: budget,
+                                },
+                            );
+                        }
                         Err(e) => {
                             refused.insert(i, e);
                         }

@@ -345,7 +345,14 @@ async fn deadline_fails_the_batch_and_the_library_batch_is_still_freed() {
             assert!(spins < 12_000, "{gen}: the reaper never freed the batch");
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
-        assert_eq!(dst.to_vec(), src.to_vec(), "{gen}: the late write landed");
+        if gen.has_old_tcp_transport() {
+            // Ferry probes the target before writing on builds whose writes
+            // complete when sent; the probe used up the deadline against the
+            // stalled peer, so the write was never sent.
+            assert_eq!(dst.to_vec(), vec![0u8; 4096], "{gen}: nothing was sent");
+        } else {
+            assert_eq!(dst.to_vec(), src.to_vec(), "{gen}: the late write landed");
+        }
     }
 }
 
@@ -383,10 +390,22 @@ async fn unregister_waits_for_a_transfer_in_flight() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn notifications_where_the_library_has_them() {
-    for gen in SUPPORTED {
+    // (generation, test-library arguments, why notify is refused or None).
+    let cases: [(Lib, &str, Option<&str>); 6] = [
+        (Lib::V0_2_0, "", Some("has no submitTransferWithNotify")),
+        (Lib::V0_3_0, "", Some("has no submitTransferWithNotify")),
+        (Lib::V0_3_5, "", Some("strings it has already freed")),
+        // v0.3.6/v0.3.7 TCP engines reject notifications; the start-up
+        // probe finds out.
+        (Lib::V0_3_6, "", Some("rejected (ERR_METADATA)")),
+        // v0.3.8–v0.3.10 (same symbols) accept them.
+        (Lib::V0_3_6, "@notify=accept", None),
+        (Lib::Current, "", None),
+    ];
+    for (gen, args, refused) in cases {
         let meta = metadata_for(gen);
-        let a = start(gen, &meta).await;
-        let b = start(gen, &meta).await;
+        let a = start_engine(config(gen, &meta, args)).await.unwrap();
+        let b = start_engine(config(gen, &meta, args)).await.unwrap();
         let src = buffer(4096, 4);
         let dst = buffer(4096, 0);
         a.register(&src.region(Location::cpu(0))).await.unwrap();
@@ -395,26 +414,29 @@ async fn notifications_where_the_library_has_them() {
         let note = Notification::new("req-17", "kv blocks 0..4 landed");
         let reqs = [TransferRequest::write(src.addr(), dst.addr(), 4096)];
         let got = a.batch_transfer(seg, &reqs, Some(&note)).await;
-        if gen < Lib::V0_3_5 {
-            assert_eq!(
-                got,
+        if let Some(why) = refused {
+            assert!(!a.capabilities().notify, "{gen} {args}");
+            match got {
                 Err(Error::Unsupported {
-                    backend: "mooncake".into(),
                     operation: Operation::Notify,
-                    reason: format!(
-                        "{} ({}) has no submitTransferWithNotify/getNotifsFromEngine/genNotifyInEngine",
-                        library_path(gen).display(),
-                        gen.version()
-                    ),
-                    min_version: Some("Mooncake v0.3.5".into()),
-                })
-            );
+                    reason,
+                    min_version,
+                    ..
+                }) => {
+                    assert!(reason.contains(why), "{gen}: {reason}");
+                    assert_eq!(min_version.as_deref(), Some("Mooncake v0.3.8"), "{gen}");
+                }
+                other => panic!("{gen} {args}: expected Unsupported, got {other:?}"),
+            }
+            // Refused up front: nothing moved.
+            assert_eq!(dst.to_vec(), vec![0u8; 4096], "{gen}");
             assert!(matches!(
                 b.take_notifications().await,
                 Err(Error::Unsupported { .. })
             ));
             continue;
         }
+        assert!(a.capabilities().notify, "{gen} {args}");
         assert!(got.unwrap().is_success(), "{gen}");
         // Delivered after the data; a zero-request batch sends one alone.
         a.batch_transfer(seg, &[], Some(&Notification::new("solo", "")))
@@ -691,5 +713,58 @@ async fn a_busy_port_or_a_live_name_is_refused_before_the_library_sees_it() {
             }
             Err(e) => panic!("the name of a dropped engine stayed taken: {e}"),
         }
+    }
+}
+
+/// On builds whose TCP writes complete when sent, a completed write has
+/// landed only because Ferry confirms it: with `confirm_writes` off the
+/// bytes are not there yet when the write completes (the library's own
+/// semantics, reported as such), with it on they are.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_are_landed_when_completed_only_with_confirmation() {
+    for gen in [Lib::V0_2_0, Lib::V0_3_6] {
+        let meta = metadata_for(gen);
+        // The peer lands each write 300 ms after receiving it.
+        let b = start_engine(config(gen, &meta, "@land_delay=300"))
+            .await
+            .unwrap();
+        let dst = buffer(1 << 20, 0);
+        b.register(&dst.region(Location::cpu(0))).await.unwrap();
+        for confirm in [false, true] {
+            let mut cfg = config(gen, &meta, "");
+            cfg.confirm_writes = Some(confirm);
+            let a = start_engine(cfg).await.unwrap();
+            assert_eq!(a.capabilities().landed_writes, confirm, "{gen}");
+            let fill = if confirm { 2 } else { 1 };
+            let src = buffer(1 << 20, fill);
+            a.register(&src.region(Location::cpu(0))).await.unwrap();
+            let seg = a.open_segment(b.segment_name()).await.unwrap();
+            a.transfer(seg, TransferRequest::write(src.addr(), dst.addr(), 1 << 20))
+                .await
+                .unwrap();
+            let right_after = dst.to_vec();
+            if confirm {
+                assert_eq!(
+                    right_after,
+                    src.to_vec(),
+                    "{gen}: confirmed write not landed"
+                );
+            } else {
+                assert_ne!(
+                    right_after[(1 << 20) - 1],
+                    fill,
+                    "{gen}: an unconfirmed write landed within 300 ms of its delay"
+                );
+                // It lands later all the same.
+                let mut waited = 0;
+                while dst.to_vec() != src.to_vec() {
+                    waited += 1;
+                    assert!(waited < 6000, "{gen}: the write never landed");
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+            }
+            a.unregister(src.addr()).await.unwrap();
+        }
+        b.unregister(dst.addr()).await.unwrap();
     }
 }

@@ -46,12 +46,14 @@ fn expected(gen: Lib, engine: &MooncakeEngine) -> String {
         engine.segment_name()
     );
     // The TCP transport's guarantees: acknowledged writes and address checks
-    // at the target arrived in v0.3.12 (upstream #2850 and #2314).
-    if gen < Lib::Current {
+    // at the target arrived in v0.3.12 (upstream #2850 and #2314); before,
+    // Ferry confirms writes itself.
+    let old = gen < Lib::Current;
+    if old {
         s.push_str(
-            "completion: sent, not landed: this build's TCP transport reports a write \
-             completed when it is handed to the socket, before the peer has written it \
-             (acknowledged from Mooncake v0.3.12)\n\
+            "completion: landed: this build's TCP transport reports a write completed when \
+             it is sent, so Ferry reads each write's last byte back until it shows before \
+             reporting it completed (acknowledged by the library from Mooncake v0.3.12)\n\
              peer address validation: no: this build's TCP transport writes at the peer \
              wherever the address points, registered or not, and reports success; Ferry \
              checks peers in this process itself (checked at the peer from Mooncake v0.3.12)\n",
@@ -63,28 +65,54 @@ fn expected(gen: Lib, engine: &MooncakeEngine) -> String {
              regions)\n",
         );
     }
-    if gen == Lib::V0_3_5 {
+    if gen == Lib::V0_3_6 {
         s.push_str(
-            "notification buffers: released with free() (freeNotifsMsgBuf needs Mooncake v0.3.6)\n",
+            "bad peer addresses: a TCP transfer to an unmapped address crashes the peer on \
+             Mooncake v0.3.6–v0.3.8 (its error log prints the address as a C string; fixed in \
+             v0.3.9; this build's symbols cannot tell which it is)\n",
         );
     }
     s.push_str(
         "max batch length: unlimited\n\
-         memory: host yes, cuda no\n  \
+         memory: host yes, cuda no\n\
+         operations:\n  \
          batch_register    native\n  \
          batch_unregister  native\n  \
          batch_transfer    native\n  \
          async_batch       native\n  \
          batch_wait        native\n",
     );
-    if gen >= Lib::V0_3_5 {
-        s.push_str("  notify            native\n");
-    } else {
+    let v = gen.version();
+    match gen {
+        Lib::V0_2_0 | Lib::V0_3_0 => s.push_str(&format!(
+            "  notify            unsupported: {path} ({v}) has no \
+             submitTransferWithNotify/getNotifsFromEngine/genNotifyInEngine; needs Mooncake v0.3.8\n"
+        )),
+        Lib::V0_3_5 => s.push_str(&format!(
+            "  notify            unsupported: {path} (v0.3.5) returns notification names and \
+             messages in strings it has already freed, and its TCP engines reject incoming \
+             notifications; needs Mooncake v0.3.8\n"
+        )),
+        Lib::V0_3_6 => s.push_str(&format!(
+            "  notify            unsupported: {path} ({v}, v0.3.6–v0.3.10 by its symbols) is a \
+             build whose TCP engines reject incoming notifications (v0.3.6 and v0.3.7): a \
+             notification this engine sent to itself was rejected (ERR_METADATA); needs \
+             Mooncake v0.3.8\n"
+        )),
+        _ => s.push_str("  notify            native\n"),
+    }
+    s.push_str("guarantees:\n");
+    if old {
         s.push_str(&format!(
-            "  notify            unsupported: {path} ({}) has no \
-             submitTransferWithNotify/getNotifsFromEngine/genNotifyInEngine; needs Mooncake v0.3.5\n",
-            gen.version()
+            "  landed_writes     emulated (Ferry reads each write's last byte back until it \
+             shows): {path} ({v}) reports a TCP write completed when it is sent, with no \
+             acknowledgement from the peer; native with Mooncake v0.3.12\n  \
+             peer_validation   no: {path} ({v}) writes and reads at the peer wherever the \
+             address points (mapped but unregistered memory is overwritten); from Mooncake \
+             v0.3.12\n"
         ));
+    } else {
+        s.push_str("  landed_writes     yes\n  peer_validation   yes\n");
     }
     s
 }
@@ -102,13 +130,13 @@ async fn capability_report_of_every_generation() {
         assert_eq!(text, want, "{gen}");
         assert_eq!(
             report.native, report.effective,
-            "{gen}: nothing is emulated"
+            "{gen}: the adapter emulates nothing here (the backend confirms writes itself)"
         );
         let notify = report.info.note(Operation::Notify);
-        if gen < Lib::V0_3_5 {
+        if gen < Lib::Current {
             assert_eq!(
                 notify.and_then(|m| m.min_version.clone()),
-                Some("Mooncake v0.3.5".into())
+                Some("Mooncake v0.3.8".into())
             );
         } else {
             assert!(notify.is_none());
@@ -128,13 +156,13 @@ async fn capability_report_of_every_generation() {
             Operation::AsyncBatch,
             Operation::Notify,
         ]);
-        if gen < Lib::V0_3_5 {
+        if gen < Lib::Current {
             match got {
                 Err(Error::MissingCapabilities { backend, missing }) => {
                     assert_eq!(backend, "mooncake");
                     assert_eq!(missing.len(), 1);
                     assert_eq!(missing[0].operation, Operation::Notify);
-                    assert_eq!(missing[0].min_version.as_deref(), Some("Mooncake v0.3.5"));
+                    assert_eq!(missing[0].min_version.as_deref(), Some("Mooncake v0.3.8"));
                 }
                 other => panic!("{gen}: expected MissingCapabilities, got {other:?}"),
             }

@@ -14,7 +14,7 @@ use std::process::{Child, Command, Stdio};
 use backend_mooncake::{MooncakeConfig, LIBRARY_ENV};
 use common::{metadata_for, start, start_engine};
 use mooncake_testlibs::{library_path, Generation as Lib};
-use transport_core::{Error, HostBuffer, Location, TransferEngine, TransferRequest};
+use transport_core::{Error, HostBuffer, Location, MemoryRegion, TransferEngine, TransferRequest};
 
 /// Prints a skip notice past the test harness's output capture (which hides
 /// `println!` of passing tests), so a skip never looks like a silent pass.
@@ -57,9 +57,10 @@ fn pattern(i: usize) -> u8 {
     (i % 253) as u8
 }
 
-/// Child: a peer engine with one 64 KiB region filled with `pattern`;
-/// prints `READY <segment> <addr>`, then answers `DUMP` with the region in
-/// hex and exits on `QUIT` or end of input.
+/// Child: a peer engine with one 64 KiB region filled with `pattern`,
+/// followed by 64 KiB of its own memory it does not register; prints
+/// `READY <segment> <addr>`, then answers `DUMP` with both in hex and exits
+/// on `QUIT` or end of input.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "helper: run in a child process by cross_process_peer_*"]
 async fn child_peer() {
@@ -76,13 +77,15 @@ async fn child_peer() {
     })
     .await
     .expect("child engine");
-    let buf = HostBuffer::new(BUF).unwrap();
+    // Twice BUF allocated, the first half registered: the second half is
+    // mapped memory of this process that no engine registered, where old
+    // builds' unchecked writes land harmlessly (and visibly in DUMP).
+    let buf = HostBuffer::new(2 * BUF).unwrap();
     let data: Vec<u8> = (0..BUF).map(pattern).collect();
     buf.write(0, &data).unwrap();
-    engine
-        .register(&buf.region(Location::cpu(0)))
-        .await
-        .unwrap();
+    // SAFETY: `buf` lives until after the unregister at the end.
+    let region = unsafe { MemoryRegion::from_raw_parts(buf.as_ptr(), BUF, Location::cpu(0)) };
+    engine.register(&region).await.unwrap();
     println!("READY {} {}", engine.segment_name(), buf.addr());
     let stdin = std::io::stdin();
     for line in stdin.lock().lines() {
@@ -193,10 +196,15 @@ async fn cross_process(gen: Lib) {
     // peer's regions, so the library decides.
     let outside = TransferRequest::write(local.addr(), peer.addr + BUF as u64 + 4096, 64);
     let r = a.transfer(seg, outside).await;
-    if gen.has_unregistered_write_quirk() {
-        // Known gap (documented in the crate docs): old builds report this
-        // write completed although nothing was written.
-        assert_eq!(r, Ok(()), "{gen}: the old library's quirk changed");
+    let mut expect = want.clone();
+    expect[8192..12288].fill(0xA5);
+    expect.resize(2 * BUF, 0);
+    if gen.has_old_tcp_transport() {
+        // Builds before v0.3.12 check no address at the peer: the write
+        // lands in memory the peer never registered (the capability report
+        // says `peer_validation: no`), and Ferry's confirmation sees it land.
+        assert_eq!(r, Ok(()), "{gen}: an unchecked write outside the region");
+        expect[BUF + 4096..BUF + 4096 + 64].fill(0xA5);
     } else {
         match r {
             Err(Error::TransferFailed {
@@ -208,8 +216,6 @@ async fn cross_process(gen: Lib) {
             other => panic!("{gen}: expected the library to fail it, got {other:?}"),
         }
     }
-    let mut expect = want.clone();
-    expect[8192..12288].fill(0xA5);
     assert_eq!(peer.dump(), expect, "{gen}: the peer's memory");
     a.close_segment(seg).await.unwrap();
     a.unregister(local.addr()).await.unwrap();

@@ -26,9 +26,29 @@
  *    memory;
  *  - error codes are negative up to TL_GEN 2 and positive from TL_GEN 3
  *    (not implemented: -303 / 999);
- *  - up to TL_GEN 2, a WRITE to an address the peer has not registered is
- *    reported COMPLETED without writing anything (the old quirk); from
- *    TL_GEN 3 it is FAILED;
+ *  - TCP transport before v0.3.12 (TL_GEN <= 4; measured on v0.2.0,
+ *    v0.3.0, v0.3.5, v0.3.6): a WRITE is reported COMPLETED once its payload
+ *    is handed over, before the peer has written it; the bytes land some
+ *    time later (land_delay, below), front to back, the last byte of a
+ *    request last, and a READ meanwhile sees the old bytes;
+ *  - TCP transport before v0.3.12 (TL_GEN <= 4): the serving side checks no
+ *    address: a WRITE lands wherever the request points (mapped but
+ *    unregistered memory is overwritten; unmapped or read-only memory makes
+ *    the landing fail with EFAULT and it is silently dropped, the client
+ *    having seen COMPLETED); a READ is served from wherever it points and is
+ *    FAILED when that memory cannot be read;
+ *  - from v0.3.12 (TL_GEN 5) a READ or WRITE outside the peer's registered
+ *    regions is FAILED (nothing written), and a WRITE is COMPLETED only
+ *    after its bytes are in the peer's memory;
+ *  - notifications (measured on v0.3.5, v0.3.6 and the current build, read
+ *    in their sources): a TCP engine of TL_GEN 3 and 4 rejects every
+ *    notification sent to it (only the RDMA transport installed the handler
+ *    before v0.3.8) and the sender's genNotifyInEngine returns ERR_METADATA;
+ *    "notify=accept" (below) gives TL_GEN 4 the behaviour of v0.3.8-v0.3.10,
+ *    which export the same symbols; TL_GEN 5 accepts them;
+ *  - TL_GEN 3 (v0.3.5): getNotifsFromEngine returns name/msg pointers to
+ *    strings it has already destroyed (here: a static garbage buffer);
+ *    only the array is the caller's to free();
  *  - freeBatchID refuses a batch with a task that is not terminal;
  *  - a batch id is the raw pointer of the batch (never reuse a freed one);
  *  - with metadata "P2PHANDSHAKE" (TL_GEN >= 2) the engine announces the
@@ -43,15 +63,14 @@
  *    that cannot be bound terminates the process, as the C++ exception that
  *    leaves v0.2.0's C API does.
  *
- * Known differences from real builds, still to be reproduced (measured on
- * real v0.2.0 … v0.3.6 builds; their TCP transport changed in v0.3.12):
- *  - real builds before v0.3.12 report a WRITE completed once it is handed
- *    to the socket, before the peer has written it; this library waits for
- *    the peer's reply;
- *  - real builds before v0.3.12 write wherever the request points at the
- *    peer (mapped but unregistered memory is overwritten, unmapped is
- *    dropped) and report success; this library reports COMPLETED without
- *    writing up to TL_GEN 2 and FAILED from TL_GEN 3.
+ * Known differences from real builds: none measured so far in what Ferry
+ * uses. Structural ones: old builds open one TCP connection per request,
+ * this library keeps one per opened segment and serves the requests on it
+ * one after the other; submitTransferWithNotify sends the notification after
+ * the batch's tasks here, right after submitting on v0.3.5 and on the first
+ * completed status poll on v0.3.6 (Ferry never calls it); v0.3.6-v0.3.8
+ * crash the serving process on a transfer to unmapped memory (their error
+ * log prints the address as a string), which this library does not.
  *
  * Test-only conventions (no real Mooncake has them):
  *  - the metadata service is a directory: "file://<dir>"; an engine writes
@@ -60,7 +79,15 @@
  *  - a NIC priority matrix (installTransport's args[0], which real tcp
  *    transports ignore) containing "stall=<ms>" makes that engine's server
  *    sleep <ms> milliseconds before serving each read or write (to test
- *    deadlines).
+ *    deadlines);
+ *  - on TL_GEN <= 4, the same matrix containing "land_delay=<ms>" (default
+ *    2, 0 allowed) sets how long after receiving a WRITE's payload that
+ *    engine lands it; the payloads received but not landed yet are held in
+ *    memory, at most 256 MiB per engine or "land_cap_mib=<n>" MiB (a sender
+ *    then waits for room: back-pressure, not an error), and those still
+ *    pending when the engine is destroyed are dropped;
+ *  - the same matrix containing "notify=accept" makes a TL_GEN 4 engine
+ *    accept notifications (v0.3.8-v0.3.10).
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
@@ -76,6 +103,7 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/types.h>
+#include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -89,12 +117,14 @@
 #if TL_GEN <= 2
 #define CODE(x) (-(x))
 #define NOT_IMPLEMENTED (-303)
-#define OLD_WRITE_QUIRK 1
 #else
 #define CODE(x) (x)
 #define NOT_IMPLEMENTED 999
-#define OLD_WRITE_QUIRK 0
 #endif
+
+/* The TCP transport before v0.3.12: no address check on the serving side,
+ * and a WRITE is complete for the client before the peer has written it. */
+#define OLD_TCP (TL_GEN <= 4)
 
 #define E_INVALID_ARGUMENT 1
 #define E_TOO_MANY_REQUESTS 2
@@ -120,6 +150,13 @@
 #define STATUS_TIMEOUT 5
 #define STATUS_FAILED 6
 
+/* Old TCP transport (TL_GEN <= 4) landings: default delay between the
+ * server receiving a WRITE's payload and applying it, the most payload bytes
+ * one engine holds (received but not yet applied; a server connection waits
+ * for room beyond that), and the most one landing carries. */
+#define LAND_DELAY_DEFAULT_MS 2
+#define LAND_CAP_BYTES ((size_t)256 << 20)
+#define LAND_CHUNK_BYTES ((size_t)16 << 20)
 #define MAX_SEGS 1024
 #define MAX_CONNS 1024
 #define ENGINE_MAGIC 0x4d43454eu
@@ -163,6 +200,16 @@ typedef struct {
 
 struct engine;
 struct work;
+
+/* A WRITE payload received by an old-TCP server (TL_GEN <= 4), waiting for
+ * the engine's lander thread to apply it at `due`. */
+typedef struct landing {
+    struct landing *next;
+    uintptr_t addr;
+    char *buf;
+    size_t len;
+    struct timespec due; /* CLOCK_MONOTONIC */
+} landing_t;
 
 /* A served connection. Every thread the library starts is joined before
  * destroyTransferEngine returns, so no thread runs library code once the
@@ -208,8 +255,26 @@ typedef struct engine {
     char metadata_dir[512];
     int p2p;
     int stall_ms;
+    int land_delay_ms;
+    /* Whether this engine's server accepts notifications (TCP engines of
+     * v0.3.5-v0.3.7 reject them: only the RDMA transport installed the
+     * handler until v0.3.8). */
+    int notify_accept;
     xport_t xport;
     int transport_installed;
+
+    /* Old TCP transport (TL_GEN <= 4): the lander applies received WRITE
+     * payloads in FIFO order. land_bytes counts the payload bytes reserved
+     * by server connections plus those queued, at most LAND_CAP_BYTES. */
+    pthread_mutex_t land_mu;
+    pthread_cond_t land_cv; /* the lander waits for work or for a due time */
+    pthread_cond_t room_cv; /* server connections wait for room */
+    landing_t *land_head, *land_tail;
+    size_t land_bytes;
+    size_t land_cap;
+    int land_stop;
+    int lander_started;
+    pthread_t lander;
 } engine_t;
 
 typedef struct {
@@ -294,6 +359,258 @@ static int covered(engine_t *e, uint64_t addr, uint64_t len) {
     return 0;
 }
 
+/* ---------------------------------------------------------------- old TCP */
+
+/* The TCP transport of real builds before v0.3.12 (TL_GEN <= 4) serves a
+ * request without looking at the registered regions: it recv()s a WRITE's
+ * payload straight into the address the request names (front to back, in
+ * 64 KiB chunks) and send()s a READ's bytes straight from it. Its client
+ * reports a WRITE completed once the payload is handed to the socket.
+ *
+ * Here a server connection receives a WRITE's payload into heap buffers,
+ * answers at once (so the client's task is COMPLETED before the bytes land)
+ * and queues the buffers for the engine's lander thread, which applies each
+ * one land_delay_ms later: front to back, the last byte strictly last,
+ * through process_vm_writev on this process, so that an unmapped or
+ * read-only target is dropped (EFAULT, as recv() fails there) instead of
+ * crashing, and mapped but unregistered memory is written. READs go through
+ * process_vm_readv and never wait for pending landings. */
+
+/* Copies len bytes from src (ours) to dst with the kernel checking dst;
+ * returns how many bytes were copied, front to back, before a failure. */
+static size_t vm_write(uintptr_t dst, const char *src, size_t len) {
+    size_t done = 0;
+    while (done < len) {
+        struct iovec l = {(void *)(src + done), len - done};
+        struct iovec r = {(void *)(dst + done), len - done};
+        ssize_t n = process_vm_writev(getpid(), &l, 1, &r, 1, 0);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) break;
+        done += (size_t)n;
+    }
+    return done;
+}
+
+/* Copies len bytes from src (checked by the kernel) to dst (ours); 0 when
+ * all of them were copied. */
+static int vm_read(char *dst, uintptr_t src, size_t len) {
+    size_t done = 0;
+    while (done < len) {
+        struct iovec l = {dst + done, len - done};
+        struct iovec r = {(void *)(src + done), len - done};
+        ssize_t n = process_vm_readv(getpid(), &l, 1, &r, 1, 0);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) return -1;
+        done += (size_t)n;
+    }
+    return 0;
+}
+
+/* Whether every page of [addr, addr+len) can be read (one byte of each page
+ * is read through process_vm_readv). */
+static int vm_readable(uint64_t addr, uint64_t len) {
+    uint64_t end;
+    if (len == 0) return 1;
+    if (__builtin_add_overflow(addr, len, &end)) return 0;
+    uint64_t pg = (uint64_t)sysconf(_SC_PAGESIZE);
+    enum { K = 256 };
+    struct iovec rem[K];
+    char sink[K];
+    uint64_t p = addr;
+    while (p < end) {
+        int k = 0;
+        while (k < K && p < end) {
+            rem[k].iov_base = (void *)(uintptr_t)p;
+            rem[k].iov_len = 1;
+            k++;
+            if (__builtin_add_overflow(p & ~(pg - 1), pg, &p)) p = end;
+        }
+        struct iovec loc = {sink, (size_t)k};
+        ssize_t n;
+        do {
+            n = process_vm_readv(getpid(), &loc, 1, rem, (unsigned long)k, 0);
+        } while (n < 0 && errno == EINTR);
+        if (n != k) return 0;
+    }
+    return 1;
+}
+
+static void ts_add_ms(struct timespec *t, int ms) {
+    t->tv_sec += ms / 1000;
+    t->tv_nsec += (long)(ms % 1000) * 1000000L;
+    if (t->tv_nsec >= 1000000000L) {
+        t->tv_sec++;
+        t->tv_nsec -= 1000000000L;
+    }
+}
+
+static int ts_before(const struct timespec *a, const struct timespec *b) {
+    return a->tv_sec < b->tv_sec || (a->tv_sec == b->tv_sec && a->tv_nsec < b->tv_nsec);
+}
+
+/* Applies one landing: all but the last byte, front to back, then (after a
+ * release fence) the last byte, so that whoever sees the last byte sees the
+ * whole payload. A target that faults drops the rest of the landing. */
+static void land_apply(const landing_t *l) {
+    if (l->len == 0) return;
+    size_t front = l->len - 1;
+    if (vm_write(l->addr, l->buf, front) != front) return;
+    __atomic_thread_fence(__ATOMIC_RELEASE);
+    vm_write(l->addr + front, l->buf + front, 1);
+}
+
+static void *lander_loop(void *p) {
+    engine_t *e = p;
+    pthread_mutex_lock(&e->land_mu);
+    for (;;) {
+        while (!e->land_stop && !e->land_head) pthread_cond_wait(&e->land_cv, &e->land_mu);
+        if (e->land_stop) break;
+        landing_t *l = e->land_head;
+        struct timespec now;
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        if (ts_before(&now, &l->due)) {
+            /* Only this thread dequeues, and the engine frees the queue only
+             * after joining it: l stays valid; look again after the wait. */
+            pthread_cond_timedwait(&e->land_cv, &e->land_mu, &l->due);
+            continue;
+        }
+        e->land_head = l->next;
+        if (!e->land_head) e->land_tail = NULL;
+        pthread_mutex_unlock(&e->land_mu);
+        land_apply(l);
+        free(l->buf);
+        pthread_mutex_lock(&e->land_mu);
+        e->land_bytes -= l->len;
+        pthread_cond_broadcast(&e->room_cv);
+        free(l);
+    }
+    pthread_mutex_unlock(&e->land_mu);
+    return NULL;
+}
+
+/* Reserves room for n payload bytes, waiting while the engine would hold
+ * more than land_cap (back-pressure; a reservation larger than the cap
+ * waits for an empty queue); -1 once the engine is being destroyed. */
+static int land_reserve(engine_t *e, size_t n) {
+    pthread_mutex_lock(&e->land_mu);
+    while (!e->land_stop && e->land_bytes > 0 && e->land_bytes + n > e->land_cap)
+        pthread_cond_wait(&e->room_cv, &e->land_mu);
+    int ok = !e->land_stop;
+    if (ok) e->land_bytes += n;
+    pthread_mutex_unlock(&e->land_mu);
+    return ok ? 0 : -1;
+}
+
+static void land_unreserve_locked(engine_t *e, size_t n) {
+    e->land_bytes -= n;
+    pthread_cond_broadcast(&e->room_cv);
+}
+
+static void land_unreserve(engine_t *e, size_t n) {
+    pthread_mutex_lock(&e->land_mu);
+    land_unreserve_locked(e, n);
+    pthread_mutex_unlock(&e->land_mu);
+}
+
+/* Queues buf (n reserved bytes, taken over) to land at addr after the
+ * engine's land delay; -1 (buf freed) once the engine is being destroyed. */
+static int land_push(engine_t *e, uintptr_t addr, char *buf, size_t n) {
+    landing_t *l = malloc(sizeof *l);
+    pthread_mutex_lock(&e->land_mu);
+    if (!l || e->land_stop) {
+        land_unreserve_locked(e, n);
+        pthread_mutex_unlock(&e->land_mu);
+        free(l);
+        free(buf);
+        return -1;
+    }
+    l->next = NULL;
+    l->addr = addr;
+    l->buf = buf;
+    l->len = n;
+    clock_gettime(CLOCK_MONOTONIC, &l->due);
+    ts_add_ms(&l->due, __atomic_load_n(&e->land_delay_ms, __ATOMIC_RELAXED));
+    if (e->land_tail)
+        e->land_tail->next = l;
+    else
+        e->land_head = l;
+    e->land_tail = l;
+    pthread_cond_signal(&e->land_cv);
+    pthread_mutex_unlock(&e->land_mu);
+    return 0;
+}
+
+/* Stops the lander: landings not yet applied are dropped. */
+static void lander_stop(engine_t *e) {
+    pthread_mutex_lock(&e->land_mu);
+    e->land_stop = 1;
+    pthread_cond_broadcast(&e->land_cv);
+    pthread_cond_broadcast(&e->room_cv);
+    pthread_mutex_unlock(&e->land_mu);
+    if (e->lander_started) pthread_join(e->lander, NULL);
+    e->lander_started = 0;
+    pthread_mutex_lock(&e->land_mu);
+    landing_t *l = e->land_head;
+    e->land_head = e->land_tail = NULL;
+    while (l) {
+        landing_t *next = l->next;
+        e->land_bytes -= l->len;
+        free(l->buf);
+        free(l);
+        l = next;
+    }
+    pthread_mutex_unlock(&e->land_mu);
+}
+
+/* Serves an old-TCP WRITE: no address check; the reply goes out once the
+ * payload is received, before it lands. Non-zero: drop the connection. */
+static int old_serve_write(engine_t *e, int fd, const frame_t *f) {
+    reply_t r = {0, 0};
+    if (write_all(fd, &r, sizeof r)) return -1;
+    pthread_mutex_lock(&e->land_mu);
+    size_t chunk = e->land_cap < LAND_CHUNK_BYTES ? e->land_cap : LAND_CHUNK_BYTES;
+    pthread_mutex_unlock(&e->land_mu);
+    uint64_t addr = f->a, left = f->b;
+    while (left > 0) {
+        size_t n = left < chunk ? (size_t)left : chunk;
+        if (land_reserve(e, n)) return -1;
+        char *buf = malloc(n);
+        if (!buf || read_all(fd, buf, n)) {
+            free(buf);
+            land_unreserve(e, n);
+            return -1;
+        }
+        if (land_push(e, (uintptr_t)addr, buf, n)) return -1;
+        addr += n;
+        left -= n;
+    }
+    return write_all(fd, &r, sizeof r);
+}
+
+/* Serves an old-TCP READ: no address check, the bytes as they are now
+ * (pending landings are not waited for); memory that cannot be read fails
+ * the request. Non-zero: drop the connection. */
+static int old_serve_read(engine_t *e, int fd, const frame_t *f) {
+    (void)e;
+    reply_t r = {0, 0};
+    if (!vm_readable(f->a, f->b)) {
+        r.rc = CODE(E_SOCKET);
+        return write_all(fd, &r, sizeof r);
+    }
+    if (write_all(fd, &r, sizeof r)) return -1;
+    size_t chunk = f->b < ((uint64_t)1 << 20) ? (size_t)f->b : ((size_t)1 << 20);
+    char *buf = malloc(chunk ? chunk : 1);
+    if (!buf) return -1;
+    int broken = 0;
+    for (uint64_t off = 0; off < f->b && !broken; off += chunk) {
+        size_t n = f->b - off < chunk ? (size_t)(f->b - off) : chunk;
+        /* Unmapped since the check: the stream cannot go on. */
+        broken = vm_read(buf, (uintptr_t)(f->a + off), n) || write_all(fd, buf, n);
+    }
+    free(buf);
+    return broken ? -1 : 0;
+}
+
 /* ---------------------------------------------------------------- server */
 
 typedef struct {
@@ -333,6 +650,9 @@ static void *serve_conn(void *p) {
             if (write_all(fd, &r, sizeof r)) break;
         } else if (f.op == OP_READ || f.op == OP_WRITE) {
             if (e->stall_ms > 0) sleep_ms(e->stall_ms);
+#if OLD_TCP
+            if (f.op == OP_READ ? old_serve_read(e, fd, &f) : old_serve_write(e, fd, &f)) break;
+#else
             pthread_rwlock_rdlock(&e->mem);
             int ok = covered(e, f.a, f.b);
             r.rc = ok ? 0 : CODE(E_ADDRESS_NOT_REGISTERED);
@@ -347,12 +667,16 @@ static void *serve_conn(void *p) {
             }
             pthread_rwlock_unlock(&e->mem);
             if (broken) break;
+#endif
         } else if (f.op == OP_NOTIFY) {
             if (f.a > (1u << 20) || f.b > (1u << 24)) break;
             char *name = calloc(1, f.a + 1), *msg = calloc(1, f.b + 1);
             int broken = !name || !msg || read_all(fd, name, f.a) || read_all(fd, msg, f.b);
             if (!broken) {
-                push_notify(e, name, msg);
+                if (__atomic_load_n(&e->notify_accept, __ATOMIC_RELAXED))
+                    push_notify(e, name, msg);
+                else
+                    r.rc = CODE(E_METADATA); /* the empty reply real builds send */
                 broken = write_all(fd, &r, sizeof r) != 0;
             }
             free(name);
@@ -437,6 +761,16 @@ static engine_t *engine_new(const char *metadata) {
     e->listen_fd = -1;
     e->xport.magic = XPORT_MAGIC;
     e->xport.eng = e;
+    e->land_delay_ms = LAND_DELAY_DEFAULT_MS;
+    e->notify_accept = TL_GEN >= 5;
+    e->land_cap = LAND_CAP_BYTES;
+    pthread_mutex_init(&e->land_mu, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&e->land_cv, &ca);
+    pthread_condattr_destroy(&ca);
+    pthread_cond_init(&e->room_cv, NULL);
     if (metadata && strcmp(metadata, "P2PHANDSHAKE") == 0 && TL_GEN >= 2) {
         e->p2p = 1;
     } else if (metadata && strncmp(metadata, "file://", 7) == 0 && strlen(metadata + 7) > 0 &&
@@ -544,6 +878,14 @@ static int engine_init(engine_t *e, const char *name, const char *host, uint64_t
         fprintf(f, "%s:%d", e->host, TL_GEN == 1 ? (int)(port & 0xffff) : e->port);
         fclose(f);
     }
+#if OLD_TCP
+    if (pthread_create(&e->lander, NULL, lander_loop, e)) {
+        close(fd);
+        e->listen_fd = -1;
+        return CODE(E_CONTEXT);
+    }
+    e->lander_started = 1;
+#endif
     if (pthread_create(&e->accept_thr, NULL, accept_loop, e)) {
         close(fd);
         e->listen_fd = -1;
@@ -568,6 +910,8 @@ static void engine_destroy(engine_t *e) {
     if (e->listen_fd >= 0) shutdown(e->listen_fd, SHUT_RDWR);
     if (e->accept_started) pthread_join(e->accept_thr, NULL);
     if (e->listen_fd >= 0) close(e->listen_fd);
+    /* Before the connections: one may be waiting for room to land. */
+    lander_stop(e);
     pthread_mutex_lock(&e->mu);
     for (int i = 0; i < e->nconns; i++)
         if (!e->conns[i].done) shutdown(e->conns[i].fd, SHUT_RDWR);
@@ -590,6 +934,9 @@ static void engine_destroy(engine_t *e) {
     }
     free(e->notifs);
     free(e->regions);
+    pthread_cond_destroy(&e->land_cv);
+    pthread_cond_destroy(&e->room_cv);
+    pthread_mutex_destroy(&e->land_mu);
     e->magic = 0;
     free(e);
 }
@@ -830,14 +1177,17 @@ EXPORT int unregisterLocalMemoryBatch(void *engine, void **addrs, size_t n) {
 
 /* ---------------------------------------------------------------- transfers */
 
+/* 0 when the peer took the notification, CODE(E_METADATA) when it rejected
+ * it (as real builds report a rejection), CODE(E_SOCKET) otherwise. */
 static int send_notify_on(seg_t *s, const char *name, const char *msg) {
     frame_t f = {OP_NOTIFY, 0, strlen(name), strlen(msg)};
-    reply_t r;
+    reply_t r = {0, 0};
     pthread_mutex_lock(&s->mu);
     int bad = !s->used || write_all(s->fd, &f, sizeof f) || write_all(s->fd, name, f.a) ||
-              write_all(s->fd, msg, f.b) || read_all(s->fd, &r, sizeof r) || r.rc != 0;
+              write_all(s->fd, msg, f.b) || read_all(s->fd, &r, sizeof r);
     pthread_mutex_unlock(&s->mu);
-    return bad ? -1 : 0;
+    if (bad) return CODE(E_SOCKET);
+    return r.rc == 0 ? 0 : CODE(E_METADATA);
 }
 
 static int run_task(engine_t *e, struct transfer_request *q) {
@@ -856,11 +1206,7 @@ static int run_task(engine_t *e, struct transfer_request *q) {
         reply_t r;
         if (!write_all(s->fd, &f, sizeof f) && !read_all(s->fd, &r, sizeof r)) {
             if (r.rc != 0) {
-                /* Old builds: a write to an unregistered remote address is
-                 * reported completed although nothing was written. */
-                if (OLD_WRITE_QUIRK && q->opcode == 1 &&
-                    r.rc == CODE(E_ADDRESS_NOT_REGISTERED))
-                    status = STATUS_COMPLETED;
+                /* Refused by the peer (status stays FAILED). */
             } else if (q->opcode == 0) {
                 if (!read_all(s->fd, q->source, q->length)) status = STATUS_COMPLETED;
             } else {
@@ -1021,6 +1367,35 @@ EXPORT int freeBatchID(void *handle, uint64_t batch_id) {
 
 /* ---------------------------------------------------------------- creation */
 
+/* Test-only convention: a NIC priority matrix (args[0], ignored by real tcp
+ * transports) naming "stall=<ms>" makes this engine's server sleep <ms>
+ * before serving each read or write; on TL_GEN <= 4, "land_delay=<ms>" (0
+ * allowed) sets how long after receiving a WRITE's payload it lands, and
+ * "land_cap_mib=<n>" (n >= 1) how many MiB of received payload it holds
+ * before a sender waits for room. */
+static void parse_test_args(engine_t *e, void **args) {
+    if (!args || !args[0]) return;
+    const char *m = args[0];
+    const char *stall = strstr(m, "stall=");
+    if (stall) e->stall_ms = atoi(stall + 6);
+    if (strstr(m, "notify=accept")) __atomic_store_n(&e->notify_accept, 1, __ATOMIC_RELAXED);
+    const char *delay = strstr(m, "land_delay=");
+    if (delay) {
+        int ms = atoi(delay + 11);
+        if (ms >= 0) __atomic_store_n(&e->land_delay_ms, ms, __ATOMIC_RELAXED);
+    }
+    const char *cap = strstr(m, "land_cap_mib=");
+    if (cap) {
+        long mib = atol(cap + 13);
+        if (mib >= 1 && (unsigned long)mib <= (SIZE_MAX >> 20)) {
+            pthread_mutex_lock(&e->land_mu);
+            e->land_cap = (size_t)mib << 20;
+            pthread_cond_broadcast(&e->room_cv);
+            pthread_mutex_unlock(&e->land_mu);
+        }
+    }
+}
+
 #if TL_GEN == 0
 EXPORT void *createTransferEngine(const char *metadata_uri) { return engine_new(metadata_uri); }
 
@@ -1032,9 +1407,9 @@ EXPORT int initTransferEngine(void *engine, const char *local_server_name,
 }
 
 EXPORT void *installOrGetTransport(void *engine, const char *proto, void **args) {
-    (void)args;
     engine_t *e = as_engine(engine);
     if (!e || !proto || strcmp(proto, "tcp") != 0) return NULL;
+    parse_test_args(e, args);
     snprintf(e->xport.proto, sizeof e->xport.proto, "%s", proto);
     e->transport_installed = 1;
     return &e->xport;
@@ -1076,13 +1451,7 @@ EXPORT int getLocalIpAndPort(void *engine, char *buf_out, size_t buf_len) {
 EXPORT void *installTransport(void *engine, const char *proto, void **args) {
     engine_t *e = as_engine(engine);
     if (!e || !proto || strcmp(proto, "tcp") != 0) return NULL;
-    /* Test-only convention: a NIC priority matrix (ignored by real tcp
-     * transports) naming "stall=<ms>" makes this engine's server sleep <ms>
-     * before serving each read or write. */
-    if (args && args[0]) {
-        const char *stall = strstr((const char *)args[0], "stall=");
-        if (stall) e->stall_ms = atoi(stall + 6);
-    }
+    parse_test_args(e, args);
     snprintf(e->xport.proto, sizeof e->xport.proto, "%s", proto);
     e->transport_installed = 1;
     return &e->xport;
@@ -1111,7 +1480,16 @@ EXPORT int submitTransferWithNotify(void *engine, uint64_t batch_id,
     return submit_impl(as_engine(engine), batch_id, entries, count, &notify_msg);
 }
 
-/* Returns a malloc'd array of malloc'd strings, NULL when there is none. */
+#if TL_GEN == 3
+/* What v0.3.5's name/msg pointers point at: strings it destroyed before
+ * returning. Here: a static buffer of garbage (not heap memory), so that
+ * reading gives nonsense and freeing crashes, as with the real build. */
+static char destroyed_string[] = "\xdd\xdd\xdd\xdd\xdd\xdd\xdd\xdd";
+#endif
+
+/* Returns a malloc'd array, NULL when there is none. From TL_GEN 4 its
+ * strings are malloc'd too (freeNotifsMsgBuf frees all); on TL_GEN 3 they
+ * are already destroyed (v0.3.5): only the array is the caller's. */
 EXPORT notify_msg_t *getNotifsFromEngine(void *engine, int *size) {
     engine_t *e = as_engine(engine);
     if (!size) return NULL;
@@ -1126,6 +1504,13 @@ EXPORT notify_msg_t *getNotifsFromEngine(void *engine, int *size) {
         e->nnotifs = e->capnotifs = 0;
     }
     pthread_mutex_unlock(&e->mu);
+#if TL_GEN == 3
+    for (int i = 0; i < *size; i++) {
+        free(out[i].name);
+        free(out[i].msg);
+        out[i].name = out[i].msg = destroyed_string;
+    }
+#endif
     return out;
 }
 
@@ -1133,9 +1518,7 @@ EXPORT int genNotifyInEngine(void *engine, uint64_t target_id, notify_msg_t noti
     engine_t *e = as_engine(engine);
     if (!e || target_id == 0 || target_id >= MAX_SEGS || !notify_msg.name || !notify_msg.msg)
         return CODE(E_INVALID_ARGUMENT);
-    return send_notify_on(&e->segs[target_id], notify_msg.name, notify_msg.msg)
-               ? CODE(E_SOCKET)
-               : 0;
+    return send_notify_on(&e->segs[target_id], notify_msg.name, notify_msg.msg);
 }
 #endif
 

@@ -15,11 +15,13 @@
 //! any crate that lists `mooncake-testlibs` as a (dev-)dependency can load
 //! them from its own tests.
 //!
-//! What the libraries reproduce from real builds, and the two test-only
+//! What the libraries reproduce from real builds, and the test-only
 //! conventions they add (a `file://<dir>` metadata "server" for generations
-//! that have no `P2PHANDSHAKE`, and a `@stall=<ms>` suffix on the local
-//! server name that delays every read/write the engine serves), are listed at
-//! the top of `csrc/mooncake_testlib.c`.
+//! that have no `P2PHANDSHAKE`; in `installTransport`'s NIC priority matrix,
+//! `stall=<ms>`, which delays every read/write the engine serves, and, up to
+//! v0.3.6, `land_delay=<ms>` and `land_cap_mib=<n>`, which time and bound
+//! the old TCP transport's late landing of written bytes), are listed at the
+//! top of `csrc/mooncake_testlib.c`.
 #![forbid(unsafe_code)]
 
 use std::fmt;
@@ -84,10 +86,14 @@ impl Generation {
         self <= Generation::V0_3_0
     }
 
-    /// Whether the library reproduces the old quirk: a write to an address
-    /// the peer has not registered is reported completed, nothing written.
-    pub fn has_unregistered_write_quirk(self) -> bool {
-        self <= Generation::V0_3_0
+    /// Whether the library reproduces the TCP transport of real builds
+    /// before v0.3.12 (up to v0.3.6 here): a WRITE is reported completed
+    /// before its bytes land in the peer's memory (some milliseconds later,
+    /// the last byte last), and the peer checks no address (a WRITE lands
+    /// wherever it points, an unmapped target is silently dropped; a READ is
+    /// served from wherever it points, FAILED only if that is unmapped).
+    pub fn has_old_tcp_transport(self) -> bool {
+        self <= Generation::V0_3_6
     }
 
     /// Exactly the symbols the library exports, sorted.

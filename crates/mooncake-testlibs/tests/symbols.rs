@@ -128,6 +128,18 @@ fn pre_v0_2_0_library_moves_bytes_through_its_own_abi() {
         }
         assert_eq!(st.status, 4, "completed");
         assert_eq!(free(xa, batch), 0);
+        // Before v0.3.12 a completed write lands some time later (the TCP
+        // transport does not wait for the peer): wait for its last byte,
+        // which lands last, before destroying the engines.
+        let last = dst.as_ptr().add(1099);
+        let started = std::time::Instant::now();
+        while last.read_volatile() != 7 {
+            assert!(
+                started.elapsed() < std::time::Duration::from_secs(30),
+                "the write never landed"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
         destroy(a);
         destroy(b);
         assert!(dst[..100].iter().all(|&x| x == 0));
