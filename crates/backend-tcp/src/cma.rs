@@ -572,6 +572,45 @@ pub unsafe fn copy_split(
     result
 }
 
+/// The initiator process a connection copies with, pinned by a pidfd
+/// where the kernel has them (Linux ≥ 5.3): a copy is never made once
+/// that process has exited, so a PID reused by another process is never
+/// reached.
+#[derive(Debug)]
+pub struct Initiator {
+    /// Its PID.
+    pub pid: i32,
+    pidfd: Option<std::os::fd::OwnedFd>,
+}
+
+impl Initiator {
+    /// Pins `pid` (verified by [`check_offer`]).
+    pub fn new(pid: i32) -> Initiator {
+        // SAFETY: pidfd_open takes a PID and flags and returns a new fd
+        // (or -1), which we own.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+        let pidfd = (fd >= 0).then(|| {
+            use std::os::fd::FromRawFd;
+            // SAFETY: a fresh descriptor returned to us above.
+            unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) }
+        });
+        Initiator { pid, pidfd }
+    }
+
+    /// False once the process has exited (a pidfd polls readable then).
+    pub fn alive(&self) -> bool {
+        let Some(fd) = &self.pidfd else { return true };
+        let mut p = libc::pollfd {
+            fd: fd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd, zero timeout.
+        let n = unsafe { libc::poll(&mut p, 1, 0) };
+        n == 0
+    }
+}
+
 /// Whether the initiator has closed (or reset) `stream`: checked right
 /// before each copy, so a target never copies for a connection its
 /// initiator has given up (see the README for the remaining window).

@@ -627,9 +627,10 @@ fn cma_copy(
     let mut status = None;
     for (i, (g, s)) in guards.iter().zip(segs).enumerate() {
         let st = match g {
-            // SAFETY: as above, for this guard's range.
             Ok(g) => {
-                match unsafe { cma::copy_all(pid, read, g.as_ptr(), s.local, g.len() as usize) } {
+                // SAFETY: as above, for this guard's range.
+                let r = unsafe { cma::copy_all(pid, read, g.as_ptr(), s.local, g.len() as usize) };
+                match r {
                     Ok(()) => continue,
                     Err(_) => Status::CopyFailed,
                 }
@@ -700,7 +701,7 @@ async fn serve(stream: TcpStream, peer: &str, core: &Core, live: &Live) -> Resul
         bytes: 0,
     };
     // The initiator's PID once the same-host path is agreed.
-    let mut cma_pid: Option<i32> = None;
+    let mut cma_pid: Option<cma::Initiator> = None;
     loop {
         // Answer everything processed so far before waiting for more input.
         if !rd.poll_header_now(&stream).map_err(|e| io_error(peer, e))? {
@@ -933,7 +934,7 @@ async fn serve(stream: TcpStream, peer: &str, core: &Core, live: &Live) -> Resul
                 match verdict {
                     Ok(pid) => {
                         tracing::debug!(%peer, pid, "same-host path agreed");
-                        cma_pid = Some(pid);
+                        cma_pid = Some(cma::Initiator::new(pid));
                         out.acks.push(id);
                     }
                     Err((why, errno)) => {
@@ -954,7 +955,7 @@ async fn serve(stream: TcpStream, peer: &str, core: &Core, live: &Live) -> Resul
                 rd.read_payload(&stream, Bytes::from_mut(raw))
                     .await
                     .map_err(|e| io_error(peer, e))?;
-                let Some(pid) = cma_pid else {
+                let Some(initiator) = &cma_pid else {
                     let reason = "CWRITE/CREAD without an agreed same-host path".to_owned();
                     return Err(malformed(&stream, &mut out, core, peer, id, reason).await);
                 };
@@ -966,13 +967,13 @@ async fn serve(stream: TcpStream, peer: &str, core: &Core, live: &Live) -> Resul
                 let guards = acquire_segments(core, &plain);
                 // An initiator that gave up on this connection (its batch
                 // expired) may reuse the memory it named: copy nothing.
-                if cma::peer_closed(&stream) {
+                if cma::peer_closed(&stream) || !initiator.alive() {
                     return Err(Error::PeerLost {
                         peer: peer.to_owned(),
-                        reason: "closed by the initiator".to_owned(),
+                        reason: "closed by the initiator, or its process exited".to_owned(),
                     });
                 }
-                let failed = cma_copy(pid, read, &segs, &guards, !overlapping(&plain));
+                let failed = cma_copy(initiator.pid, read, &segs, &guards, !overlapping(&plain));
                 drop(guards);
                 match failed {
                     None => out.acks.push(id),

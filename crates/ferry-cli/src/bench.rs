@@ -318,7 +318,7 @@ async fn run_same_host(args: BenchArgs) -> anyhow::Result<()> {
 /// baselines by block size and the setup (to close).
 async fn sweep(args: &BenchArgs) -> anyhow::Result<(Vec<Point>, BTreeMap<u64, Baseline>, Setup)> {
     let max_block = *args.blocks.iter().max().unwrap_or(&4096);
-    let setup = setup(&args, max_block).await?;
+    let setup = setup(args, max_block).await?;
 
     // The points to run, grouped by block size so that each block's
     // baselines are measured right before its points.
@@ -380,7 +380,7 @@ async fn sweep(args: &BenchArgs) -> anyhow::Result<(Vec<Point>, BTreeMap<u64, Ba
         let block = *block;
         let base = if baselines {
             bar.set_message(format!("baselines at {}", human_bytes(block)));
-            let b = measure_baselines(&args, &setup, block).await?;
+            let b = measure_baselines(args, &setup, block).await?;
             bar.inc(1);
             b
         } else {
@@ -393,7 +393,7 @@ async fn sweep(args: &BenchArgs) -> anyhow::Result<(Vec<Point>, BTreeMap<u64, Ba
                 op.name(),
                 human_bytes(block)
             ));
-            let p = measure_point(&args, &setup, block, batch, op, seed as u64, base)
+            let p = measure_point(args, &setup, block, batch, op, seed as u64, base)
                 .await
                 .with_context(|| format!("{} of {} × {batch}", op.name(), human_bytes(block)))?;
             results.push(Point {
@@ -786,7 +786,7 @@ fn print_table(
     );
     println!();
     println!(
-        "{:<9} {:<5} {:>8} {:>5} {:>8} {:>13} {:>9} {:>9} {:>8} {:>8}  {}",
+        "{:<9} {:<5} {:>8} {:>5} {:>8} {:>13} {:>9} {:>9} {:>8} {:>8}  path",
         "backend",
         "op",
         "block",
@@ -797,7 +797,6 @@ fn print_table(
         "p99 µs",
         "×rawTCP",
         "×memcpy",
-        "path"
     );
     for p in results {
         println!(
