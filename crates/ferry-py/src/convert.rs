@@ -223,6 +223,16 @@ fn describe(py: Python<'_>, e: &Error, f: &Bound<'_, PyDict>) -> PyResult<&'stat
             f.set_item("reason", reason)?;
             "Canceled"
         }
+        Error::QueueFull {
+            backend,
+            what,
+            limit,
+        } => {
+            f.set_item("backend", backend)?;
+            f.set_item("what", what)?;
+            f.set_item("limit", limit)?;
+            "QueueFull"
+        }
         // `ferry::Error` is non-exhaustive: a variant added later is still
         // an exception, of the base class.
         _ => "FerryError",

@@ -33,6 +33,7 @@ __all__ = [
     "Backend",
     "TransferFailed",
     "Canceled",
+    "QueueFull",
 ]
 
 
@@ -161,3 +162,8 @@ class TransferFailed(FerryError):
 class Canceled(FerryError):
     """The engine is shutting down or the request was canceled
     (``reason``)."""
+
+
+class QueueFull(FerryError):
+    """A bounded queue or table is full (``what``, ``limit``); nothing was
+    done. Retryable once the consumer has caught up."""
