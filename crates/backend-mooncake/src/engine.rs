@@ -170,6 +170,9 @@ impl Drop for Core {
 struct PollQueue {
     live: Vec<Arc<Live>>,
     stop: bool,
+    /// A batch was added since the poller last looked: poll it at the
+    /// fastest pace (a new batch must not wait out an idle backoff).
+    fresh: bool,
 }
 
 /// Shared between an engine and its poller thread.
@@ -963,6 +966,7 @@ impl MooncakeEngine {
                 });
                 let mut q = lock(&this.poller.queue);
                 q.live.push(Arc::clone(&live));
+                q.fresh = true;
                 this.poller.wake.notify_one();
                 Ok::<_, Error>(live)
             })
@@ -1167,6 +1171,9 @@ fn poll_loop(core: &Core, poller: &Poller) {
                 }
                 q = poller.wake.wait(q).unwrap_or_else(|p| p.into_inner());
             }
+            if std::mem::take(&mut q.fresh) {
+                idle = Duration::from_micros(10);
+            }
             q.live.clone()
         };
         let mut progressed = false;
@@ -1216,6 +1223,10 @@ fn poll_loop(core: &Core, poller: &Poller) {
             continue;
         }
         let q = lock(&poller.queue);
+        if q.fresh {
+            // Added while this pass ran (its wake-up was missed): go again.
+            continue;
+        }
         let _ = poller.wake.wait_timeout(q, idle);
         idle = (idle * 2).min(Duration::from_millis(1));
     }

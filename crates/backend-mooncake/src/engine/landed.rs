@@ -202,6 +202,7 @@ impl MooncakeEngine {
             });
             let mut q = lock(&this.poller.queue);
             q.live.push(Arc::clone(&live));
+            q.fresh = true;
             this.poller.wake.notify_one();
             Ok::<_, Error>(live)
         })
