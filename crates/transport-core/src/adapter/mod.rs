@@ -13,8 +13,12 @@
 //! | `batch_register` | single registers, all-or-nothing (rollback on failure) |
 //! | `batch_unregister` | single unregisters, every address attempted |
 //! | `batch_transfer` | native async batch, else single transfers with bounded concurrency |
-//! | `submit`/`status`/`release_batch` | a task per batch driving the above; `status` reads its state |
+//! | `submit`/`status`/`release_batch` | a task per batch driving the above (run inline outside a runtime); `status` reads its state |
 //! | `wait` | awaiting that task (never polling a core hot) |
+//!
+//! A native async batch is forwarded as it is (its own `status`, `wait`,
+//! `release_batch`) when nothing in it needs the adapter: no requests to
+//! merge, within the backend's batch length, notification native.
 //! | notifications | not emulable: needs a channel to the peer |
 
 mod coalesce;
@@ -152,10 +156,16 @@ impl<E: TransferEngine> Layer<E> for AdapterLayer {
     }
 }
 
-/// State of one asynchronous batch the adapter manages.
-struct BatchSlot {
-    states: Arc<Mutex<Vec<TransferState>>>,
-    done: watch::Receiver<bool>,
+/// One asynchronous batch the adapter hands out.
+enum BatchSlot {
+    /// Forwarded to the backend's own async batch (its id there); its
+    /// requests are the caller's, one for one.
+    Native(BatchId),
+    /// Driven by an adapter task (or inline, outside a runtime).
+    Task {
+        states: Arc<Mutex<Vec<TransferState>>>,
+        done: watch::Receiver<bool>,
+    },
 }
 
 /// Gives any engine the whole [`TransferEngine`] trait (see the module docs).
@@ -633,6 +643,24 @@ impl<E: TransferEngine + ?Sized> TransferEngine for CapabilityAdapter<E> {
         if lock(&s.batches).len() >= crate::MAX_LIVE_BATCHES {
             return Err(crate::live_batches_full("adapter"));
         }
+        let id = s.next_batch.fetch_add(1, Ordering::Relaxed);
+        // The backend's own async batch, when it can take this one as is:
+        // nothing to coalesce (a merged request failing on a straddled
+        // region boundary needs the adapter's retry), within its length
+        // limit, and the notification native too.
+        let fits = s
+            .native
+            .max_batch_len
+            .is_none_or(|max| requests.len() <= max);
+        let unmerged = coalesce(requests, s.config.coalesce, s.config.max_coalesced_len)
+            .requests
+            .len()
+            == requests.len();
+        if s.native.async_batch && fits && unmerged && (notify.is_none() || s.native.notify) {
+            let inner_id = self.inner.submit(segment, requests, notify).await?;
+            lock(&s.batches).insert(id, BatchSlot::Native(inner_id));
+            return Ok(BatchId(id));
+        }
         if requests.is_empty() {
             // Nothing to run but the notification: do it now, so that the
             // batch is finished (for `status`) exactly when it has been sent.
@@ -643,10 +671,9 @@ impl<E: TransferEngine + ?Sized> TransferEngine for CapabilityAdapter<E> {
             requests.len()
         ]));
         let (done_tx, done_rx) = watch::channel(requests.is_empty());
-        let id = s.next_batch.fetch_add(1, Ordering::Relaxed);
         lock(&s.batches).insert(
             id,
-            BatchSlot {
+            BatchSlot::Task {
                 states: Arc::clone(&states),
                 done: done_rx,
             },
@@ -658,7 +685,7 @@ impl<E: TransferEngine + ?Sized> TransferEngine for CapabilityAdapter<E> {
         let shared = Arc::clone(&self.shared);
         let requests = requests.to_vec();
         let notify = notify.cloned();
-        tokio::spawn(async move {
+        let drive = async move {
             let n = requests.len();
             let results = run_batch(&inner, &shared, segment, &requests, notify.as_ref())
                 .await
@@ -673,7 +700,15 @@ impl<E: TransferEngine + ?Sized> TransferEngine for CapabilityAdapter<E> {
                 }
             }
             let _ = done_tx.send(true);
-        });
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => {
+                rt.spawn(drive);
+            }
+            // Outside a runtime there is nothing to run a task on: the batch
+            // runs to the end here (the backend must work without one).
+            Err(_) => drive.await,
+        }
         Ok(BatchId(id))
     }
 
@@ -682,10 +717,16 @@ impl<E: TransferEngine + ?Sized> TransferEngine for CapabilityAdapter<E> {
         if !s.effective.async_batch {
             return Err(s.refuse(Operation::AsyncBatch));
         }
-        let batches = lock(&s.batches);
-        let slot = batches.get(&batch.0).ok_or(Error::UnknownBatch(batch))?;
-        let states = lock(&slot.states).clone();
-        Ok(BatchStatus { states })
+        let native = {
+            let batches = lock(&s.batches);
+            match batches.get(&batch.0).ok_or(Error::UnknownBatch(batch))? {
+                BatchSlot::Native(inner) => Err(*inner),
+                BatchSlot::Task { states, .. } => Ok(BatchStatus {
+                    states: lock(states).clone(),
+                }),
+            }
+        };
+        native.or_else(|inner| self.inner.status(inner))
     }
 
     async fn wait(&self, batch: BatchId) -> Result<BatchReport> {
@@ -693,17 +734,28 @@ impl<E: TransferEngine + ?Sized> TransferEngine for CapabilityAdapter<E> {
         if !s.effective.batch_wait || !s.effective.async_batch {
             return Err(s.refuse(Operation::BatchWait));
         }
+        let found = {
+            let batches = lock(&s.batches);
+            match batches.get(&batch.0).ok_or(Error::UnknownBatch(batch))? {
+                BatchSlot::Native(inner) => Err(*inner),
+                BatchSlot::Task { done, .. } => Ok(done.clone()),
+            }
+        };
+        let mut done = match found {
+            Ok(done) => done,
+            Err(inner) => {
+                if !s.native.batch_wait {
+                    s.announce(Operation::BatchWait);
+                }
+                // `wait_inner` releases the backend's batch when done.
+                let report = wait_inner(&self.inner, s, inner).await?;
+                lock(&s.batches).remove(&batch.0);
+                return Ok(report);
+            }
+        };
         if !s.native.batch_wait {
             s.announce(Operation::BatchWait);
         }
-        let mut done = {
-            let batches = lock(&s.batches);
-            batches
-                .get(&batch.0)
-                .ok_or(Error::UnknownBatch(batch))?
-                .done
-                .clone()
-        };
         // The driver task always sends `true` before it ends; if it was
         // dropped (runtime shutting down) `wait_for` errors instead of hanging.
         done.wait_for(|d| *d)
@@ -712,8 +764,11 @@ impl<E: TransferEngine + ?Sized> TransferEngine for CapabilityAdapter<E> {
         let slot = lock(&s.batches)
             .remove(&batch.0)
             .ok_or(Error::UnknownBatch(batch))?;
+        let BatchSlot::Task { states, .. } = slot else {
+            return Err(Error::UnknownBatch(batch));
+        };
         let status = BatchStatus {
-            states: lock(&slot.states).clone(),
+            states: lock(&states).clone(),
         };
         status
             .to_report()
@@ -725,11 +780,28 @@ impl<E: TransferEngine + ?Sized> TransferEngine for CapabilityAdapter<E> {
         if !s.effective.async_batch {
             return Err(s.refuse(Operation::AsyncBatch));
         }
+        let native = {
+            let batches = lock(&s.batches);
+            match batches.get(&batch.0).ok_or(Error::UnknownBatch(batch))? {
+                BatchSlot::Native(inner) => Some(*inner),
+                BatchSlot::Task { .. } => None,
+            }
+        };
+        if let Some(inner) = native {
+            self.inner.release_batch(inner).await.map_err(|e| match e {
+                Error::BatchBusy(_) => Error::BatchBusy(batch),
+                other => other,
+            })?;
+            lock(&s.batches).remove(&batch.0);
+            return Ok(());
+        }
         let mut batches = lock(&s.batches);
-        let slot = batches.get(&batch.0).ok_or(Error::UnknownBatch(batch))?;
+        let Some(BatchSlot::Task { states, .. }) = batches.get(&batch.0) else {
+            return Err(Error::UnknownBatch(batch));
+        };
         // Finished exactly when `status` says so: the driver task publishes
         // every state at once, after the notification was sent.
-        let finished = lock(&slot.states).iter().all(TransferState::is_terminal);
+        let finished = lock(states).iter().all(TransferState::is_terminal);
         if !finished {
             return Err(Error::BatchBusy(batch));
         }
