@@ -98,10 +98,15 @@ pub async fn raw_handshake_on(mut s: TcpStream) -> (TcpStream, Vec<TableEntry>) 
 }
 
 /// A fake target's answer to the initiator's same-host offer (the first
-/// frame after the welcome): refused as disabled, so the connection
+/// frame after the welcome, if any): refused as disabled, so the connection
 /// carries payloads on the socket, which these fakes speak.
 pub async fn refuse_same_host(s: &mut TcpStream) {
-    use backend_tcp::frame::{Response, Status, HEADER_LEN};
+    use backend_tcp::frame::{kind, Response, Status, HEADER_LEN};
+    // An initiator with same_host=off sends no offer.
+    let mut first = [0u8; 1];
+    if s.peek(&mut first).await.unwrap_or(0) == 0 || first[0] != kind::SAME_HOST {
+        return;
+    }
     let mut offer = [0u8; HEADER_LEN + backend_tcp::cma::OFFER_LEN];
     s.read_exact(&mut offer).await.expect("same-host offer");
     let no = Response::Err {
