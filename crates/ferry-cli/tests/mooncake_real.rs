@@ -24,8 +24,8 @@ use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
 use ferry::backend_mooncake::{Generation, MooncakeConfig, MooncakeEngine, MooncakeLibrary};
-use ferry::conformance::{report_skip, run_check, EngineFactory, Outcome, CHECKS};
 use ferry::{Result, TransferEngine};
+use transport_core::conformance::{report_skip, run_check, EngineFactory, Outcome, CHECKS};
 
 #[allow(dead_code)]
 #[path = "../../ferry/examples/kv_handoff.rs"]
@@ -189,7 +189,10 @@ fn conformance_suite_on_every_real_build() {
     std::env::set_var("MC_TCP_BIND_ADDRESS", "127.0.0.1");
     // A real library named here must run: an engine that cannot start fails
     // the check instead of skipping it.
-    std::env::set_var(ferry::conformance::REQUIRE_BACKENDS_ENV, "mooncake");
+    std::env::set_var(
+        transport_core::conformance::REQUIRE_BACKENDS_ENV,
+        "mooncake",
+    );
     let mut failures = Vec::new();
     for lib in &libs {
         let gen = generation(lib);

@@ -35,8 +35,8 @@
 //! # Ok(()) }
 //! ```
 //!
-//! Everything public in `transport_core` is re-exported here, so users
-//! depend on `ferry` alone.
+//! The user's API of `transport_core` is re-exported here, so users depend
+//! on `ferry` alone; what only backend authors need is in [`raw`].
 #![forbid(unsafe_code)]
 // With no backend feature on, `Engine` and `BackendConfig` are empty enums:
 // the dispatch code is then unreachable by construction.
@@ -51,8 +51,19 @@ mod dispatch;
 pub use config::{BackendConfig, BackendKind, EngineConfig};
 pub use dispatch::Engine;
 
-pub use transport_core;
-pub use transport_core::*;
+pub use transport_core::{
+    AdapterConfig, BackendInfo, BatchId, BatchReport, BatchStatus, Capabilities, CapabilityAdapter,
+    CapabilityReport, Error, HostBuffer, Location, MemoryKinds, MemoryRegion, MissingCapability,
+    Notification, Operation, RegisteredBuffer, Result, SegmentId, Side, Support, TransferEngine,
+    TransferOp, TransferRequest, TransferState, MAX_LIVE_BATCHES, MAX_NOTIFICATION_MESSAGE,
+    MAX_NOTIFICATION_NAME,
+};
+
+/// What backend authors need and users do not: the region table, the
+/// adapter as a layer, request coalescing (see `transport_core::raw`). The
+/// conformance suite and the in-process engine are in `transport_core`
+/// behind its `conformance` and `inproc` features.
+pub use transport_core::raw;
 
 /// The TCP backend crate (feature `tcp`).
 #[cfg(feature = "tcp")]

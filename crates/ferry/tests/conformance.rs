@@ -4,8 +4,8 @@
 
 use std::sync::Arc;
 
-use ferry::conformance::EngineFactory;
 use ferry::{Engine, Result, TransferEngine};
+use transport_core::conformance::EngineFactory;
 
 /// Engines opened from a URL through the facade.
 struct UrlFactory(&'static str);

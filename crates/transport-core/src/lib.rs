@@ -120,6 +120,16 @@ pub use types::{
     MAX_NOTIFICATION_NAME,
 };
 
+/// What backend authors need and users do not (OpenDAL's `raw`): the
+/// region table that guards memory while transfers use it, the adapter as a
+/// tower-style layer, request coalescing, and the error for a full batch
+/// table.
+pub mod raw {
+    pub use crate::adapter::{coalesce, AdapterLayer, CoalescedBatch, Layer};
+    pub use crate::error::live_batches_full;
+    pub use crate::region_table::{RegionGuard, RegionTable};
+}
+
 #[doc(hidden)]
 pub mod __private {
     pub use tokio;
