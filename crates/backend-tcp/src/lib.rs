@@ -35,6 +35,12 @@
 //!   grace, and batches expire at `request_timeout + bytes / min_rate`
 //!   (failing only themselves). See the README for the guarantees under
 //!   hostile load.
+//! - **Same-host path**: between engines of one machine (same boot id and
+//!   PID namespace, and the kernel lets the target `ptrace` the
+//!   initiator), payloads move by `process_vm_readv` / `process_vm_writev`
+//!   performed by the target after its usual checks; the socket carries
+//!   only requests and acknowledgements. `same_host=auto|cma|off`; the path
+//!   to each peer (or why not) is in `backend_info()`. See the README.
 //! - **Latency**: `TCP_NODELAY`, a bounded busy-poll before sleeping (no
 //!   core spins while idle), and acknowledgements coalesced per batch.
 //!
