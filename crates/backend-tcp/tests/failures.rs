@@ -424,6 +424,7 @@ async fn unregister_waits_for_an_outbound_transfer() {
     src.write(0, &pattern(5, len)).unwrap();
     let dst = mem(&b, len, 0).await;
     let seg = a.open_segment(b.segment_name()).await.unwrap();
+    common::assert_path(&a, b.segment_name());
     let a2 = a.clone();
     let (sa, da) = (src.addr(), dst.addr());
     let xfer = tokio::spawn(async move {
@@ -601,6 +602,8 @@ async fn killed_peer_process_mid_batch() {
     let cm = mem(&c, 4 * MIB, 0).await;
     let seg = a.open_segment(&name).await.unwrap();
     let sc = a.open_segment(c.segment_name()).await.unwrap();
+    // Two processes: the cross-memory path unless FERRY_TEST_SAME_HOST=off.
+    common::assert_path(&a, &name);
     let reqs: Vec<_> = (0..256)
         .map(|i| TransferRequest::write(src.addr(), addr + ((i % 16) * 4 * MIB) as u64, 4 << 20))
         .collect();

@@ -255,6 +255,25 @@ async fn frozen_target_process_times_out_and_copies_nothing_later() {
     let seg = a.open_segment(&name).await.unwrap();
     // SAFETY: signalling our own child.
     assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+    // SIGSTOP takes effect asynchronously: wait until the child is stopped.
+    let stopped = || {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|st| {
+                st.rsplit(')')
+                    .next()
+                    .map(|r| r.trim_start().starts_with('T'))
+            })
+            .unwrap_or(false)
+    };
+    let t = Instant::now();
+    while !stopped() {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "the child did not stop"
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
     let e = a
         .transfer(seg, TransferRequest::write(src.addr(), addr, MIB as u64))
         .await
@@ -426,4 +445,70 @@ async fn raw_offers_and_copies_are_checked_by_the_target() {
     assert_eq!(got, vec![0x44; 10]);
     drop(probe);
     let _ = OFFER_LEN;
+}
+
+/// Target side on the path: unregistering a region while a 64 MiB CWRITE
+/// into it is being copied returns only once the copy is over — either it
+/// landed completely (and was acknowledged) or it was refused before
+/// touching anything.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unregister_waits_for_an_inbound_copy() {
+    let b = start(cfg(SameHost::Auto)).await;
+    let len = 64 * MIB;
+    let target = mem(&b, len, 0).await;
+    let src = pattern(3, len);
+    let probe: Box<[u8; 16]> = Box::new([4; 16]);
+    let offer = Offer {
+        boot_id: backend_tcp::cma::boot_id().unwrap(),
+        pidns: backend_tcp::cma::pid_namespace().unwrap(),
+        pid: std::process::id() as u64,
+        probe_addr: probe.as_ptr() as u64,
+        nonce: *probe,
+    };
+    let (mut s, table) = common::raw_handshake_gens(b.segment_name()).await;
+    let gen = gen_of(&table, target.addr());
+    s.write_all(&Request::SameHost { id: 1 }.encode())
+        .await
+        .unwrap();
+    s.write_all(&offer.encode()).await.unwrap();
+    let mut hdr = [0u8; HEADER_LEN];
+    s.read_exact(&mut hdr).await.unwrap();
+    assert_eq!(Response::decode(&hdr).unwrap(), Response::Ok { id: 1 });
+    let seg = CmaSegment {
+        seg: Segment {
+            addr: target.addr(),
+            len: len as u64,
+            gen,
+        },
+        local: src.as_ptr() as u64,
+    };
+    let w = Request::Cma {
+        id: 2,
+        read: false,
+        count: 1,
+        total: len as u64,
+    };
+    let mut frame = w.encode().to_vec();
+    frame.extend_from_slice(&encode_cma_segments(&[seg]));
+    s.write_all(&frame).await.unwrap();
+    // Race the copy.
+    tokio::time::sleep(Duration::from_micros(200)).await;
+    b.unregister(target.addr()).await.unwrap();
+    let snapshot = target.to_vec();
+    s.read_exact(&mut hdr).await.unwrap();
+    match Response::decode(&hdr).unwrap() {
+        Response::Ok { id: 2 } => assert!(
+            snapshot == src,
+            "unregister returned before the acknowledged copy had landed"
+        ),
+        Response::ErrV { id: 2, status, .. } => {
+            assert_eq!(status, Status::AddressNotRegistered);
+            assert!(
+                snapshot.iter().all(|b| *b == 0),
+                "a refused copy moved bytes"
+            );
+        }
+        r => panic!("unexpected {r:?}"),
+    }
+    drop(probe);
 }

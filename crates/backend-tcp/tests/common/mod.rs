@@ -117,3 +117,21 @@ pub async fn refuse_same_host(s: &mut TcpStream) {
     };
     s.write_all(&no.encode()).await.expect("refusal");
 }
+
+/// Asserts that `e` reaches `peer` on the path this run is about: the
+/// cross-memory path unless `FERRY_TEST_SAME_HOST=off` (then the socket).
+pub fn assert_path(e: &TcpEngine, peer: &str) {
+    let key = format!("peer {peer}");
+    let path = e
+        .backend_info()
+        .details
+        .into_iter()
+        .find(|(k, _)| *k == key)
+        .map(|(_, v)| v)
+        .unwrap_or_default();
+    let want = match std::env::var("FERRY_TEST_SAME_HOST").as_deref() {
+        Ok("off") => "path: tcp (same_host=off)",
+        _ => "path: cma",
+    };
+    assert_eq!(path, want, "the path to {peer}");
+}
