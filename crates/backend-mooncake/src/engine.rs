@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, LazyLock, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, LazyLock, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
@@ -27,11 +27,7 @@ use landed::{Probe, Scratch};
 
 const BACKEND: &str = "mooncake";
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Every critical section below is a map operation that leaves the data
-    // consistent even if a panic interrupts it, so poisoning is ignored.
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
+use transport_core::raw::lock;
 
 extern "C" {
     /// libc's `free`, for notification buffers of v0.3.5 (see

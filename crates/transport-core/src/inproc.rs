@@ -19,7 +19,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -42,11 +42,7 @@ const BACKEND: &str = "inproc";
 /// [`Error::QueueFull`].
 pub const MAX_QUEUED_NOTIFICATIONS: usize = 1024;
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Every critical section here is a single collection operation, so a
-    // poisoned lock still holds consistent data.
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
+use crate::raw::lock;
 
 /// The process-wide name → engine registry.
 fn registry() -> &'static Mutex<HashMap<String, Weak<Core>>> {

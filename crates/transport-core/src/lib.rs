@@ -128,6 +128,15 @@ pub mod raw {
     pub use crate::adapter::{coalesce, AdapterLayer, CoalescedBatch, Layer};
     pub use crate::error::live_batches_full;
     pub use crate::region_table::{RegionGuard, RegionTable};
+
+    use std::sync::{Mutex, MutexGuard};
+
+    /// Locks `m`, using the data even if a thread panicked while holding it.
+    /// For critical sections that leave the data consistent at every step
+    /// (single map or vector operations), where poisoning says nothing.
+    pub fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+        m.lock().unwrap_or_else(|p| p.into_inner())
+    }
 }
 
 #[doc(hidden)]

@@ -4,7 +4,7 @@
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rdma_mummy_sys as sys;
@@ -79,10 +79,7 @@ pub(crate) struct Conn {
     qp_key: usize,
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Critical sections leave their data consistent; a poisoned lock is usable.
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
+use transport_core::raw::lock;
 
 fn unavailable(name: &str, reason: impl Into<String>) -> Error {
     Error::SegmentUnavailable {

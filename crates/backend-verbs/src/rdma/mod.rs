@@ -53,10 +53,7 @@ pub(crate) struct Inner {
     next_sub: AtomicU64,
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Critical sections are single map operations; poisoning is ignored.
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
+use transport_core::raw::lock;
 
 impl Inner {
     pub(crate) async fn start(cfg: VerbsConfig) -> Result<Arc<Inner>> {

@@ -7,7 +7,7 @@
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::thread::JoinHandle;
 
 use rdma_mummy_sys as sys;
@@ -26,9 +26,7 @@ pub(crate) struct Poller {
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
+use transport_core::raw::lock;
 
 impl Poller {
     pub(crate) fn start(

@@ -25,7 +25,7 @@ mod coalesce;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -196,11 +196,7 @@ impl<E: TransferEngine + ?Sized> std::fmt::Debug for CapabilityAdapter<E> {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Critical sections here are single map/vector operations that cannot
-    // leave the data inconsistent, so a poisoned lock is still usable.
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
+use crate::raw::lock;
 
 impl<E: TransferEngine> CapabilityAdapter<E> {
     /// Wraps `inner` with the default (emulating) configuration.
