@@ -844,6 +844,14 @@ struct OutOp {
 }
 
 impl OutOp {
+    /// Whether it moves payload (WRITE, READ, WRITEV, READV).
+    fn is_transfer(&self) -> bool {
+        matches!(
+            self.kind,
+            OutKind::Write { .. } | OutKind::Read { .. } | OutKind::WriteV(_) | OutKind::ReadV(_)
+        )
+    }
+
     /// The segments of a transfer operation as a CWRITE / CREAD sends
     /// them (`true`: a read); `None` for control operations.
     fn cma_parts(&self) -> Option<(bool, Vec<Part>)> {
@@ -1053,7 +1061,7 @@ async fn send_ops(
     let mut tables = tables.iter();
     for (hdr, op) in hdrs.iter().zip(&ops) {
         bufs.push(Bytes::from_ref(hdr));
-        if conn.cma && op.cma_parts().is_some() {
+        if conn.cma && op.is_transfer() {
             // Segment table only: the target copies the payload.
             if let Some(t) = tables.next() {
                 bufs.push(Bytes::from_ref(t));
