@@ -638,6 +638,12 @@ impl MooncakeEngine {
         &self.inner.server_name
     }
 
+    /// Batches submitted and not yet waited for or released (at most
+    /// [`transport_core::MAX_LIVE_BATCHES`]).
+    pub fn live_batches(&self) -> usize {
+        lock(&self.inner.batches).len()
+    }
+
     /// Library batches allocated and not yet freed (including batches whose
     /// deadline passed: the engine's poller thread frees them once the
     /// library reports every task terminal).
@@ -1309,6 +1315,19 @@ impl Drop for Inner {
     }
 }
 
+/// Removes batch `id` from the engine's table when dropped (see
+/// `batch_transfer`).
+struct ForgetOnDrop<'a> {
+    inner: &'a Inner,
+    id: u64,
+}
+
+impl Drop for ForgetOnDrop<'_> {
+    fn drop(&mut self) {
+        lock(&self.inner.batches).remove(&self.id);
+    }
+}
+
 /// Whether the build's transport reports a write completed when it is sent
 /// (Mooncake's TCP transport before v0.3.12 has no acknowledgement, and no
 /// address check at the target either).
@@ -1617,8 +1636,7 @@ impl TransferEngine for MooncakeEngine {
     }
 
     async fn transfer(&self, segment: SegmentId, request: TransferRequest) -> Result<()> {
-        let id = self.submit_batch(segment, &[request], None).await?;
-        let report = self.wait_batch(id).await?;
+        let report = self.batch_transfer(segment, &[request], None).await?;
         report.results.into_iter().next().unwrap_or(Ok(()))
     }
 
@@ -1629,7 +1647,16 @@ impl TransferEngine for MooncakeEngine {
         notify: Option<&Notification>,
     ) -> Result<BatchReport> {
         let id = self.submit_batch(segment, requests, notify).await?;
-        self.wait_batch(id).await
+        // Dropped before the wait ends, the caller can no longer name the
+        // batch: forget it (the library batch stays with the poller, which
+        // frees it and its memory when the library is done).
+        let forget = ForgetOnDrop {
+            inner: &self.inner,
+            id,
+        };
+        let report = self.wait_batch(id).await;
+        std::mem::forget(forget);
+        report
     }
 
     async fn submit(

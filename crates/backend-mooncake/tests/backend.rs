@@ -768,3 +768,46 @@ async fn writes_are_landed_when_completed_only_with_confirmation() {
         b.unregister(dst.addr()).await.unwrap();
     }
 }
+
+/// A `transfer` or `batch_transfer` future dropped mid-flight leaves no
+/// batch behind in the engine's table, and the library batch is still
+/// freed once the library is done with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_transfer_futures_leave_no_batch_behind() {
+    for gen in [Lib::V0_3_0, Lib::Current] {
+        let meta = metadata_for(gen);
+        let a = start(gen, &meta).await;
+        let b = start_engine(config(gen, &meta, "@stall=200"))
+            .await
+            .unwrap();
+        let src = buffer(4096, 3);
+        let dst = buffer(4096, 0);
+        a.register(&src.region(Location::cpu(0))).await.unwrap();
+        b.register(&dst.region(Location::cpu(0))).await.unwrap();
+        let seg = a.open_segment(b.segment_name()).await.unwrap();
+        let w = TransferRequest::write(src.addr(), dst.addr(), 4096);
+        for _ in 0..3 {
+            let r = tokio::time::timeout(Duration::from_millis(20), a.transfer(seg, w)).await;
+            assert!(
+                r.is_err(),
+                "{gen}: the stalled transfer finished within 20 ms"
+            );
+            let r = tokio::time::timeout(
+                Duration::from_millis(20),
+                a.batch_transfer(seg, &[w, w], None),
+            )
+            .await;
+            assert!(r.is_err(), "{gen}: the stalled batch finished within 20 ms");
+        }
+        assert_eq!(a.live_batches(), 0, "{gen}: dropped futures left batches");
+        // Unregistering the source waits for the library to be done with it.
+        a.unregister(src.addr()).await.unwrap();
+        let mut spins = 0;
+        while a.library_batches_in_use() != 0 {
+            spins += 1;
+            assert!(spins < 12_000, "{gen}: library batches never freed");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        b.unregister(dst.addr()).await.unwrap();
+    }
+}
