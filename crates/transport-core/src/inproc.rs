@@ -154,6 +154,11 @@ impl InprocEngine {
         self.core.pace_us.store(us, Ordering::Relaxed);
     }
 
+    /// Asynchronous batches submitted and not yet waited for or released.
+    pub fn live_batches(&self) -> usize {
+        lock(&self.core.batches).len()
+    }
+
     /// The registered regions, in address order (for tests and tools).
     pub fn regions(&self) -> Vec<MemoryRegion> {
         self.core.regions.regions()

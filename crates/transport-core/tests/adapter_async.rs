@@ -92,3 +92,36 @@ fn an_emulated_async_batch_works_outside_a_runtime() {
         peer.unregister(dst.addr()).await.unwrap();
     });
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_emulated_batch_transfer_leaves_no_backend_batch() {
+    // Native async batches only: the adapter's batch_transfer submits one
+    // for itself and waits; dropping that future must not leak it.
+    let caps = Capabilities {
+        async_batch: true,
+        ..Capabilities::default()
+    };
+    let inner = Arc::new(InprocEngine::auto(caps));
+    inner.set_pace(Some(Duration::from_millis(20)));
+    let peer = InprocEngine::auto(caps);
+    let a = CapabilityAdapter::from_arc(Arc::clone(&inner), AdapterConfig::default());
+    let src = HostBuffer::new(BLOCK).unwrap();
+    let dst = HostBuffer::new(BLOCK).unwrap();
+    register(&a, &src).await;
+    register(&peer, &dst).await;
+    let seg = a.open_segment(peer.segment_name()).await.unwrap();
+    let req = [TransferRequest::write(src.addr(), dst.addr(), BLOCK as u64)];
+    for _ in 0..3 {
+        let r = tokio::time::timeout(Duration::from_millis(10), a.batch_transfer(seg, &req, None))
+            .await;
+        assert!(r.is_err(), "the paced batch finished within 10 ms");
+    }
+    let mut spins = 0;
+    while inner.live_batches() != 0 {
+        spins += 1;
+        assert!(spins < 2000, "abandoned batches stay in the backend");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    a.unregister(src.addr()).await.unwrap();
+    peer.unregister(dst.addr()).await.unwrap();
+}

@@ -395,7 +395,14 @@ async fn execute<E: TransferEngine + ?Sized>(
                 inner.batch_transfer(segment, part, note).await
             } else {
                 match inner.submit(segment, part, note).await {
-                    Ok(id) => wait_inner(inner, shared, id).await,
+                    Ok(id) => {
+                        // The caller never sees this id: if this future is
+                        // dropped, finish and release the batch anyway.
+                        let orphan = Orphan::new(inner, shared.native.batch_wait, id);
+                        let r = wait_inner(inner, shared, id).await;
+                        orphan.disarm();
+                        r
+                    }
                     Err(e) => Err(e),
                 }
             };
@@ -456,7 +463,14 @@ async fn wait_inner<E: TransferEngine + ?Sized>(
     }
     let mut polls = 0u32;
     loop {
-        let status = inner.status(id)?;
+        let status = match inner.status(id) {
+            Ok(st) => st,
+            Err(e) => {
+                // Best effort, so that the backend does not keep the batch.
+                let _ = inner.release_batch(id).await;
+                return Err(e);
+            }
+        };
         if let Some(report) = status.to_report() {
             inner.release_batch(id).await?;
             return Ok(report);
@@ -468,6 +482,58 @@ async fn wait_inner<E: TransferEngine + ?Sized>(
             let ms = u64::from((polls - 15).min(5));
             tokio::time::sleep(Duration::from_millis(ms)).await;
         }
+    }
+}
+
+/// A backend batch the adapter submitted for itself; dropped while armed
+/// (the waiting future was dropped), it finishes and releases the batch on
+/// a spawned task, so that the backend's batch table does not keep it.
+struct Orphan<E: TransferEngine + ?Sized> {
+    inner: Option<Arc<E>>,
+    native_wait: bool,
+    id: BatchId,
+}
+
+impl<E: TransferEngine + ?Sized> Orphan<E> {
+    fn new(inner: &Arc<E>, native_wait: bool, id: BatchId) -> Self {
+        Orphan {
+            inner: Some(Arc::clone(inner)),
+            native_wait,
+            id,
+        }
+    }
+
+    fn disarm(mut self) {
+        self.inner = None;
+    }
+}
+
+impl<E: TransferEngine + ?Sized> Drop for Orphan<E> {
+    fn drop(&mut self) {
+        let Some(inner) = self.inner.take() else {
+            return;
+        };
+        let (id, native_wait) = (self.id, self.native_wait);
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            tracing::warn!(batch = %id, "an abandoned batch stays in the backend (no runtime)");
+            return;
+        };
+        rt.spawn(async move {
+            if native_wait {
+                let _ = inner.wait(id).await;
+                return;
+            }
+            loop {
+                match inner.status(id) {
+                    Ok(st) if st.is_finished() => {
+                        let _ = inner.release_batch(id).await;
+                        return;
+                    }
+                    Ok(_) => tokio::time::sleep(Duration::from_millis(5)).await,
+                    Err(_) => return,
+                }
+            }
+        });
     }
 }
 
