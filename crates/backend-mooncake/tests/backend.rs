@@ -44,9 +44,18 @@ async fn every_supported_generation_is_detected_and_moves_bytes() {
         }
         let dst = buffer(64 << 10, 0xEE);
         let back = buffer(64 << 10, 0);
-        a.register(&src.region(Location::cpu(0))).await.unwrap();
-        a.register(&back.region(Location::cpu(0))).await.unwrap();
-        b.register(&dst.region(Location::cpu(0))).await.unwrap();
+        // SAFETY: test buffers outlive their registrations: each test's transfers have finished before its engines and buffers are dropped.
+        a.register(&unsafe { src.region(Location::cpu(0)) })
+            .await
+            .unwrap();
+        // SAFETY: test buffers outlive their registrations: each test's transfers have finished before its engines and buffers are dropped.
+        a.register(&unsafe { back.region(Location::cpu(0)) })
+            .await
+            .unwrap();
+        // SAFETY: test buffers outlive their registrations: each test's transfers have finished before its engines and buffers are dropped.
+        b.register(&unsafe { dst.region(Location::cpu(0)) })
+            .await
+            .unwrap();
         let seg = a.open_segment(b.segment_name()).await.unwrap();
 
         // Write 40000 bytes at dst+1000, then read them back into `back`.
@@ -183,8 +192,14 @@ async fn unregistered_remote_address_fails_on_every_generation() {
         let src = buffer(4096, 1);
         let dst = buffer(4096, 0);
         let elsewhere = buffer(4096, 9);
-        a.register(&src.region(Location::cpu(0))).await.unwrap();
-        b.register(&dst.region(Location::cpu(0))).await.unwrap();
+        // SAFETY: test buffers outlive their registrations: each test's transfers have finished before its engines and buffers are dropped.
+        a.register(&unsafe { src.region(Location::cpu(0)) })
+            .await
+            .unwrap();
+        // SAFETY: test buffers outlive their registrations: each test's transfers have finished before its engines and buffers are dropped.
+        b.register(&unsafe { dst.region(Location::cpu(0)) })
+            .await
+            .unwrap();
         let seg = a.open_segment(b.segment_name()).await.unwrap();
         let peer = b.segment_name().to_owned();
         for (req, addr, len) in [
@@ -273,8 +288,14 @@ async fn async_batches_poll_wait_and_refuse_busy_release() {
         .unwrap();
     let src = buffer(8192, 3);
     let dst = buffer(8192, 0);
-    a.register(&src.region(Location::cpu(0))).await.unwrap();
-    b.register(&dst.region(Location::cpu(0))).await.unwrap();
+    // SAFETY: test buffers outlive their registrations: each test's transfers have finished before its engines and buffers are dropped.
+    a.register(&unsafe { src.region(Location::cpu(0)) })
+        .await
+        .unwrap();
+    // SAFETY: test buffers outlive their registrations: each test's transfers have finished before its engines and buffers are dropped.
+    b.register(&unsafe { dst.region(Location::cpu(0)) })
+        .await
+        .unwrap();
     let seg = a.open_segment(b.segment_name()).await.unwrap();
     let reqs = [
         TransferRequest::write(src.addr(), dst.addr(), 4096),
@@ -319,8 +340,14 @@ async fn deadline_fails_the_batch_and_the_library_batch_is_still_freed() {
             .unwrap();
         let src = buffer(4096, 5);
         let dst = buffer(4096, 0);
-        a.register(&src.region(Location::cpu(0))).await.unwrap();
-        b.register(&dst.region(Location::cpu(0))).await.unwrap();
+        // SAFETY: test buffers outlive their registrations: each test's transfers have finished before its engines and buffers are dropped.
+        a.register(&unsafe { src.region(Location::cpu(0)) })
+            .await
+            .unwrap();
+        // SAFETY: test buffers outlive their registrations: each test's transfers have finished before its engines and buffers are dropped.
+        b.register(&unsafe { dst.region(Location::cpu(0)) })
+            .await
+            .unwrap();
         let seg = a.open_segment(b.segment_name()).await.unwrap();
         let err = a
             .transfer(seg, TransferRequest::write(src.addr(), dst.addr(), 4096))
@@ -366,8 +393,14 @@ async fn unregister_waits_for_a_transfer_in_flight() {
         .unwrap();
     let src = buffer(4096, 8);
     let dst = buffer(4096, 0);
-    a.register(&src.region(Location::cpu(0))).await.unwrap();
-    b.register(&dst.region(Location::cpu(0))).await.unwrap();
+    // SAFETY: test buffers outlive their registrations: each test's transfers have finished before its engines and buffers are dropped.
+    a.register(&unsafe { src.region(Location::cpu(0)) })
+        .await
+        .unwrap();
+    // SAFETY: test buffers outlive their registrations: each test's transfers have finished before its engines and buffers are dropped.
+    b.register(&unsafe { dst.region(Location::cpu(0)) })
+        .await
+        .unwrap();
     let seg = a.open_segment(b.segment_name()).await.unwrap();
     let id = a
         .submit(
@@ -408,8 +441,14 @@ async fn notifications_where_the_library_has_them() {
         let b = start_engine(config(gen, &meta, args)).await.unwrap();
         let src = buffer(4096, 4);
         let dst = buffer(4096, 0);
-        a.register(&src.region(Location::cpu(0))).await.unwrap();
-        b.register(&dst.region(Location::cpu(0))).await.unwrap();
+        // SAFETY: test buffers outlive their registrations: each test's transfers have finished before its engines and buffers are dropped.
+        a.register(&unsafe { src.region(Location::cpu(0)) })
+            .await
+            .unwrap();
+        // SAFETY: test buffers outlive their registrations: each test's transfers have finished before its engines and buffers are dropped.
+        b.register(&unsafe { dst.region(Location::cpu(0)) })
+            .await
+            .unwrap();
         let seg = a.open_segment(b.segment_name()).await.unwrap();
         let note = Notification::new("req-17", "kv blocks 0..4 landed");
         let reqs = [TransferRequest::write(src.addr(), dst.addr(), 4096)];
@@ -494,8 +533,10 @@ async fn batch_register_is_all_or_nothing() {
         };
         let err = a
             .batch_register(&[
-                x.region(Location::cpu(0)),
-                y.region(Location::cpu(0)),
+                // SAFETY: test buffers outlive their registrations: each test's transfers have finished before its engines and buffers are dropped.
+                unsafe { x.region(Location::cpu(0)) },
+                // SAFETY: test buffers outlive their registrations: each test's transfers have finished before its engines and buffers are dropped.
+                unsafe { y.region(Location::cpu(0)) },
                 overlapping,
             ])
             .await
@@ -505,15 +546,22 @@ async fn batch_register_is_all_or_nothing() {
             "{gen}: {err:?}"
         );
         // Nothing stayed registered: registering each alone works.
-        a.batch_register(&[x.region(Location::cpu(0)), y.region(Location::cpu(0))])
-            .await
-            .unwrap();
+        // SAFETY: test buffers outlive their registrations: each test's transfers have finished before its engines and buffers are dropped.
+        a.batch_register(&[unsafe { x.region(Location::cpu(0)) }, unsafe {
+            y.region(Location::cpu(0))
+        }])
+        .await
+        .unwrap();
         a.batch_unregister(&[x.addr(), y.addr()]).await.unwrap();
         assert_eq!(
             a.unregister(x.addr()).await,
             Err(Error::RegionNotRegistered { addr: x.addr() })
         );
-        let cuda = a.register(&y.region(Location::cuda(0))).await.unwrap_err();
+        let cuda = a
+            // SAFETY: test buffers outlive their registrations: each test's transfers have finished before its engines and buffers are dropped.
+            .register(&unsafe { y.region(Location::cuda(0)) })
+            .await
+            .unwrap_err();
         assert!(matches!(cuda, Error::InvalidArgument(_)), "{cuda:?}");
     }
 }
@@ -526,8 +574,14 @@ async fn segments_refcount_and_unknown_ones_fail() {
     let b = start(gen, &meta).await;
     let src = buffer(4096, 6);
     let dst = buffer(4096, 0);
-    a.register(&src.region(Location::cpu(0))).await.unwrap();
-    b.register(&dst.region(Location::cpu(0))).await.unwrap();
+    // SAFETY: test buffers outlive their registrations: each test's transfers have finished before its engines and buffers are dropped.
+    a.register(&unsafe { src.region(Location::cpu(0)) })
+        .await
+        .unwrap();
+    // SAFETY: test buffers outlive their registrations: each test's transfers have finished before its engines and buffers are dropped.
+    b.register(&unsafe { dst.region(Location::cpu(0)) })
+        .await
+        .unwrap();
     let s1 = a.open_segment(b.segment_name()).await.unwrap();
     let s2 = a.open_segment(b.segment_name()).await.unwrap();
     assert_ne!(s1, s2, "each open returns its own handle");
@@ -612,8 +666,14 @@ async fn dropping_an_engine_with_a_batch_in_flight_finishes_it_first() {
         .unwrap();
     let src = buffer(4096, 0x5A);
     let dst = buffer(4096, 0);
-    a.register(&src.region(Location::cpu(0))).await.unwrap();
-    b.register(&dst.region(Location::cpu(0))).await.unwrap();
+    // SAFETY: test buffers outlive their registrations: each test's transfers have finished before its engines and buffers are dropped.
+    a.register(&unsafe { src.region(Location::cpu(0)) })
+        .await
+        .unwrap();
+    // SAFETY: test buffers outlive their registrations: each test's transfers have finished before its engines and buffers are dropped.
+    b.register(&unsafe { dst.region(Location::cpu(0)) })
+        .await
+        .unwrap();
     let seg = a.open_segment(b.segment_name()).await.unwrap();
     let id = a
         .submit(
@@ -729,7 +789,10 @@ async fn writes_are_landed_when_completed_only_with_confirmation() {
             .await
             .unwrap();
         let dst = buffer(1 << 20, 0);
-        b.register(&dst.region(Location::cpu(0))).await.unwrap();
+        // SAFETY: test buffers outlive their registrations: each test's transfers have finished before its engines and buffers are dropped.
+        b.register(&unsafe { dst.region(Location::cpu(0)) })
+            .await
+            .unwrap();
         for confirm in [false, true] {
             let mut cfg = config(gen, &meta, "");
             cfg.confirm_writes = Some(confirm);
@@ -737,7 +800,10 @@ async fn writes_are_landed_when_completed_only_with_confirmation() {
             assert_eq!(a.capabilities().landed_writes, confirm, "{gen}");
             let fill = if confirm { 2 } else { 1 };
             let src = buffer(1 << 20, fill);
-            a.register(&src.region(Location::cpu(0))).await.unwrap();
+            // SAFETY: test buffers outlive their registrations: each test's transfers have finished before its engines and buffers are dropped.
+            a.register(&unsafe { src.region(Location::cpu(0)) })
+                .await
+                .unwrap();
             let seg = a.open_segment(b.segment_name()).await.unwrap();
             a.transfer(seg, TransferRequest::write(src.addr(), dst.addr(), 1 << 20))
                 .await
@@ -782,8 +848,14 @@ async fn dropped_transfer_futures_leave_no_batch_behind() {
             .unwrap();
         let src = buffer(4096, 3);
         let dst = buffer(4096, 0);
-        a.register(&src.region(Location::cpu(0))).await.unwrap();
-        b.register(&dst.region(Location::cpu(0))).await.unwrap();
+        // SAFETY: test buffers outlive their registrations: each test's transfers have finished before its engines and buffers are dropped.
+        a.register(&unsafe { src.region(Location::cpu(0)) })
+            .await
+            .unwrap();
+        // SAFETY: test buffers outlive their registrations: each test's transfers have finished before its engines and buffers are dropped.
+        b.register(&unsafe { dst.region(Location::cpu(0)) })
+            .await
+            .unwrap();
         let seg = a.open_segment(b.segment_name()).await.unwrap();
         let w = TransferRequest::write(src.addr(), dst.addr(), 4096);
         for _ in 0..3 {

@@ -172,7 +172,10 @@ async fn cross_process(gen: Lib) {
     let mut peer = Peer::spawn(gen, &metadata);
     let a = start(gen, &metadata).await;
     let local = HostBuffer::new(BUF).unwrap();
-    a.register(&local.region(Location::cpu(0))).await.unwrap();
+    // SAFETY: the buffer outlives its registration (unregistered before the test ends).
+    a.register(&unsafe { local.region(Location::cpu(0)) })
+        .await
+        .unwrap();
     let seg = a.open_segment(&peer.segment).await.unwrap();
 
     // Read the peer's bytes, then write some of ours back.

@@ -231,10 +231,12 @@ async fn pair(connections: usize, params: &str, buf: usize) -> Pair {
     let remote = HostBuffer::new(buf).expect("alloc");
     local.fill(0x5a);
     remote.fill(1);
-    a.register(&local.region(Location::cpu(0)))
+    // SAFETY: the buffers live until the end of the benchmark, after the engines.
+    a.register(&unsafe { local.region(Location::cpu(0)) })
         .await
         .expect("register");
-    b.register(&remote.region(Location::cpu(0)))
+    // SAFETY: the buffers live until the end of the benchmark, after the engines.
+    b.register(&unsafe { remote.region(Location::cpu(0)) })
         .await
         .expect("register");
     let seg = a.open_segment(b.segment_name()).await.expect("open");

@@ -40,7 +40,10 @@ async fn main() -> transport_core::Result<()> {
         Some("serve") if args.len() == 3 => {
             let engine = TcpEngine::start(TcpConfig::from_url(&args[1])?).await?;
             let buf = HostBuffer::new(parse_u64(&args[2]) as usize)?;
-            engine.register(&buf.region(Location::cpu(0))).await?;
+            engine
+                // SAFETY: the buffer outlives its registration (unregistered before it is dropped).
+                .register(&unsafe { buf.region(Location::cpu(0)) })
+                .await?;
             println!(
                 "segment {} buffer {:#x} len {}",
                 engine.segment_name(),
@@ -67,8 +70,14 @@ async fn main() -> transport_core::Result<()> {
             let pattern: Vec<u8> = (0..len).map(|i| (i * 7 + i / 4096) as u8).collect();
             src.write(0, &pattern)?;
             let back = HostBuffer::new(len)?;
-            engine.register(&src.region(Location::cpu(0))).await?;
-            engine.register(&back.region(Location::cpu(0))).await?;
+            engine
+                // SAFETY: the buffer outlives its registration (unregistered before it is dropped).
+                .register(&unsafe { src.region(Location::cpu(0)) })
+                .await?;
+            engine
+                // SAFETY: the buffer outlives its registration (unregistered before it is dropped).
+                .register(&unsafe { back.region(Location::cpu(0)) })
+                .await?;
             let seg = engine.open_segment(&args[2]).await?;
             let block = 4 << 20;
             let reqs: Vec<TransferRequest> = (0..len.div_ceil(block))

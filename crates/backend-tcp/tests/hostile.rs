@@ -388,7 +388,8 @@ async fn frames_never_land_in_memory_registered_after_they_were_sent() {
     let old = gen_of(&table, buf.addr());
     // Re-registered at the same address (the same buffer).
     b.unregister(buf.addr()).await.unwrap();
-    b.register(&buf.region(transport_core::Location::cpu(0)))
+    // SAFETY: the buffer outlives its registration (the test's transfers finish first).
+    b.register(&unsafe { buf.region(transport_core::Location::cpu(0)) })
         .await
         .unwrap();
     let w = Request::Write {
@@ -463,7 +464,8 @@ async fn frames_never_land_in_memory_registered_after_they_were_sent() {
     let src = mem(&a, 4096, 0x5e).await;
     let seg = a.open_segment(b.segment_name()).await.unwrap();
     b.unregister(buf.addr()).await.unwrap();
-    b.register(&buf.region(transport_core::Location::cpu(0)))
+    // SAFETY: the buffer outlives its registration (the test's transfers finish first).
+    b.register(&unsafe { buf.region(transport_core::Location::cpu(0)) })
         .await
         .unwrap();
     let reqs = [

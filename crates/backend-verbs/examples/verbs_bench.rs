@@ -51,10 +51,12 @@ async fn main() {
     let src = HostBuffer::new(total).expect("alloc");
     let dst = HostBuffer::new(total).expect("alloc");
     src.fill(0xa5);
-    a.register(&src.region(Location::cpu(0)))
+    // SAFETY: the buffers live until the end of the benchmark, after the engines.
+    a.register(&unsafe { src.region(Location::cpu(0)) })
         .await
         .expect("register");
-    b.register(&dst.region(Location::cpu(0)))
+    // SAFETY: the buffers live until the end of the benchmark, after the engines.
+    b.register(&unsafe { dst.region(Location::cpu(0)) })
         .await
         .expect("register");
     let seg = a.open_segment(b.segment_name()).await.expect("open");

@@ -56,7 +56,8 @@ async fn registered(e: &VerbsEngine, len: usize, seed: u8) -> HostBuffer {
     if seed != 0 {
         b.write(0, &pattern(seed, len)).expect("fill");
     }
-    e.register(&b.region(Location::cpu(0)))
+    // SAFETY: callers keep the buffer alive until it is unregistered or its engine is dropped.
+    e.register(&unsafe { b.region(Location::cpu(0)) })
         .await
         .expect("register");
     b

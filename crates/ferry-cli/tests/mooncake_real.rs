@@ -444,7 +444,8 @@ async fn error_paths_against_a_peer_process_on_every_real_build() {
         // SAFETY: `buf` is LEN bytes, ours, not yet registered.
         unsafe { std::ptr::copy_nonoverlapping(pattern.as_ptr(), buf.as_ptr(), LEN) };
         engine
-            .register(&buf.region(ferry::Location::cpu(0)))
+            // SAFETY: the buffer outlives its registration (unregistered below, before it is dropped).
+            .register(&unsafe { buf.region(ferry::Location::cpu(0)) })
             .await
             .unwrap_or_else(|e| panic!("{}", what(&format!("register: {e}"))));
 
@@ -567,7 +568,8 @@ async fn error_paths_against_a_peer_process_on_every_real_build() {
         // The region still holds what was written (read back).
         let back = ferry::HostBuffer::new(LEN).expect("buffer");
         engine
-            .register(&back.region(ferry::Location::cpu(0)))
+            // SAFETY: the buffer outlives its registration (unregistered below, before it is dropped).
+            .register(&unsafe { back.region(ferry::Location::cpu(0)) })
             .await
             .expect("register");
         let read = ferry::TransferRequest::read(back.addr(), peer.addr, LEN as u64);

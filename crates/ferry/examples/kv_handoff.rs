@@ -74,7 +74,8 @@ impl KvCache {
             .map(|_| HostBuffer::new(BLOCKS * BLOCK_BYTES))
             .collect::<ferry::Result<Vec<_>>>()?;
         let regions: Vec<MemoryRegion> =
-            layers.iter().map(|l| l.region(Location::cpu(0))).collect();
+            // SAFETY: KvCache owns the layers and frees them only after unregistering them (`close`), or leaks them (`Drop`).
+            layers.iter().map(|l| unsafe { l.region(Location::cpu(0)) }).collect();
         // All layers or none (emulated with single registers where the
         // backend has no native batch register).
         engine.batch_register(&regions).await?;

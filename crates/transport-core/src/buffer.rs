@@ -75,10 +75,10 @@ impl HostBuffer {
     /// region may write into it until it is unregistered, so `self` must
     /// not be dropped (freed) while the region is registered with any
     /// engine.
-    pub fn region(&self, location: Location) -> MemoryRegion {
+    pub unsafe fn region(&self, location: Location) -> MemoryRegion {
         // SAFETY: the allocation is valid for `len` bytes while `self`
         // lives; keeping it alive while registered is the caller's duty.
-        unsafe { MemoryRegion::from_raw_parts(self.as_ptr(), self.len, location) }
+        unsafe { raw_region(self, location) }
     }
 
     fn check(&self, offset: usize, n: usize) -> Result<()> {

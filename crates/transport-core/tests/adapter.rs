@@ -143,10 +143,12 @@ async fn rig(probe: Probe, peer_caps: Capabilities, config: AdapterConfig, len: 
         .write(0, &transport_core::conformance::pattern(7, len))
         .unwrap();
     adapter
-        .register(&local.region(Location::cpu(0)))
+        // SAFETY: the buffer outlives its registration (the test's transfers finish first).
+        .register(&unsafe { local.region(Location::cpu(0)) })
         .await
         .unwrap();
-    peer.register(&remote.region(Location::cpu(0)))
+    // SAFETY: the buffer outlives its registration (the test's transfers finish first).
+    peer.register(&unsafe { remote.region(Location::cpu(0)) })
         .await
         .unwrap();
     let seg = adapter.open_segment(peer.segment_name()).await.unwrap();

@@ -28,7 +28,8 @@ pub async fn engine(mut cfg: TcpConfig) -> Arc<TcpEngine> {
 pub async fn mem(e: &TcpEngine, len: usize, byte: u8) -> HostBuffer {
     let b = HostBuffer::new(len).expect("alloc");
     b.fill(byte);
-    e.register(&b.region(Location::cpu(0)))
+    // SAFETY: callers keep the buffer alive until it is unregistered or its engine is dropped.
+    e.register(&unsafe { b.region(Location::cpu(0)) })
         .await
         .expect("register");
     b
