@@ -937,7 +937,6 @@ impl MooncakeEngine {
             }
             None
         } else {
-            let tasks = entries.len();
             let this = Arc::clone(&self.inner);
             // The notification is sent by the finishing task below once every
             // request is done (and its writes confirmed), never with the
@@ -954,25 +953,7 @@ impl MooncakeEngine {
                 (Some(hold), None)
             };
             let peer = peer_name.clone();
-            let live = blocking(move || {
-                let c_id = this.submit_c(entries)?;
-                let (done, _) = watch::channel(false);
-                let live = Arc::new(Live {
-                    c_id,
-                    tasks,
-                    peer,
-                    budget,
-                    results: Mutex::new(vec![None; tasks]),
-                    hold: Mutex::new(poller_hold),
-                    done,
-                });
-                let mut q = lock(&this.poller.queue);
-                q.live.push(Arc::clone(&live));
-                q.fresh = true;
-                this.poller.wake.notify_one();
-                Ok::<_, Error>(live)
-            })
-            .await??;
+            let live = blocking(move || this.launch(entries, peer, budget, poller_hold)).await??;
             if let Some(hold) = confirm_hold {
                 let (done, _) = watch::channel(false);
                 let l = Arc::new(Landing {
@@ -1268,6 +1249,35 @@ fn task_result(rc: c_int, st: c_int, l: &Live) -> Option<Result<()>> {
 }
 
 impl Inner {
+    /// Submits `entries` as one library batch and hands it to the poller
+    /// (blocking: call on the blocking pool). `hold` is released by the
+    /// poller once the library is done (`None`: the caller keeps it).
+    fn launch(
+        &self,
+        entries: Vec<CTransferRequest>,
+        peer: String,
+        budget: Duration,
+        hold: Option<Hold>,
+    ) -> Result<Arc<Live>> {
+        let tasks = entries.len();
+        let c_id = self.submit_c(entries)?;
+        let (done, _) = watch::channel(false);
+        let live = Arc::new(Live {
+            c_id,
+            tasks,
+            peer,
+            budget,
+            results: Mutex::new(vec![None; tasks]),
+            hold: Mutex::new(hold),
+            done,
+        });
+        let mut q = lock(&self.poller.queue);
+        q.live.push(Arc::clone(&live));
+        q.fresh = true;
+        self.poller.wake.notify_one();
+        Ok(live)
+    }
+
     fn submit_c(&self, mut entries: Vec<CTransferRequest>) -> Result<u64> {
         let api = self.lib.api;
         // SAFETY: live engine.

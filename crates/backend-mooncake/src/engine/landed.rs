@@ -24,7 +24,7 @@ use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use transport_core::{Error, Result};
 
 use super::{blocking, lock, Live, MooncakeEngine, BACKEND};
@@ -188,26 +188,9 @@ impl MooncakeEngine {
         let this = Arc::clone(&self.inner);
         let budget = deadline.saturating_duration_since(Instant::now());
         let peer_owned = peer.to_owned();
-        let submitted = blocking(move || {
-            let c_id = this.submit_c(entries)?;
-            let (done, _) = watch::channel(false);
-            let live = Arc::new(Live {
-                c_id,
-                tasks: n,
-                peer: peer_owned,
-                budget,
-                results: Mutex::new(vec![None; n]),
-                hold: Mutex::new(None),
-                done,
-            });
-            let mut q = lock(&this.poller.queue);
-            q.live.push(Arc::clone(&live));
-            q.fresh = true;
-            this.poller.wake.notify_one();
-            Ok::<_, Error>(live)
-        })
-        .await
-        .and_then(|r| r);
+        let submitted = blocking(move || this.launch(entries, peer_owned, budget, None))
+            .await
+            .and_then(|r| r);
         let live = match submitted {
             Ok(l) => l,
             Err(e) => return vec![Err(e); n],
