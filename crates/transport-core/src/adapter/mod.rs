@@ -710,15 +710,18 @@ impl<E: TransferEngine + ?Sized> TransferEngine for CapabilityAdapter<E> {
         // nothing to coalesce (a merged request failing on a straddled
         // region boundary needs the adapter's retry), within its length
         // limit, and the notification native too.
-        let fits = s
-            .native
-            .max_batch_len
-            .is_none_or(|max| requests.len() <= max);
-        let unmerged = coalesce(requests, s.config.coalesce, s.config.max_coalesced_len)
-            .requests
-            .len()
-            == requests.len();
-        if s.native.async_batch && fits && unmerged && (notify.is_none() || s.native.notify) {
+        let forward = s.native.async_batch
+            && (notify.is_none() || s.native.notify)
+            && s.native
+                .max_batch_len
+                .is_none_or(|max| requests.len() <= max)
+            // Coalesced only when the rest allows forwarding (the task path
+            // coalesces again itself).
+            && coalesce(requests, s.config.coalesce, s.config.max_coalesced_len)
+                .requests
+                .len()
+                == requests.len();
+        if forward {
             let inner_id = self.inner.submit(segment, requests, notify).await?;
             lock(&s.batches).insert(id, BatchSlot::Native(inner_id));
             return Ok(BatchId(id));
