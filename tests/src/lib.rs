@@ -135,6 +135,9 @@ impl TransferEngine for Masked {
         self.check(Operation::Notify)?;
         self.inner.take_notifications().await
     }
+    fn live_batches(&self) -> Option<usize> {
+        self.inner.live_batches()
+    }
 }
 
 /// The outcome with peer names removed (they differ between engine pairs

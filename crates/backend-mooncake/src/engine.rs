@@ -1703,6 +1703,10 @@ impl TransferEngine for MooncakeEngine {
         Ok(())
     }
 
+    fn live_batches(&self) -> Option<usize> {
+        Some(MooncakeEngine::live_batches(self))
+    }
+
     async fn take_notifications(&self) -> Result<Vec<Notification>> {
         let lib = &self.inner.lib;
         let get = match (self.has_notify(), lib.api.get_notifs) {

@@ -480,6 +480,10 @@ impl TransferEngine for TcpEngine {
         Ok(())
     }
 
+    fn live_batches(&self) -> Option<usize> {
+        Some(lock(&self.inner.batches).len())
+    }
+
     async fn take_notifications(&self) -> Result<Vec<Notification>> {
         // The queue's memory goes to the caller with it (the count restarts
         // from zero; see MAX_QUEUED_NOTIFICATION_BYTES for the bound).

@@ -280,6 +280,10 @@ impl TransferEngine for VerbsEngine {
     async fn take_notifications(&self) -> Result<Vec<Notification>> {
         forward!(self, i => Ok(i.take_notifications()))
     }
+
+    fn live_batches(&self) -> Option<usize> {
+        forward!(self, i => Some(i.live_batches()))
+    }
 }
 
 /// Starts an engine from a `verbs://` URL (see [`VerbsConfig::from_url`]),

@@ -251,4 +251,8 @@ impl TransferEngine for Engine {
     async fn take_notifications(&self) -> Result<Vec<Notification>> {
         dispatch!(self, e => e.take_notifications().await)
     }
+
+    fn live_batches(&self) -> Option<usize> {
+        dispatch!(self, e => TransferEngine::live_batches(e))
+    }
 }

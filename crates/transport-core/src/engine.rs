@@ -138,6 +138,15 @@ pub trait TransferEngine: Send + Sync + 'static {
     async fn take_notifications(&self) -> Result<Vec<Notification>> {
         Err(unsupported(self.backend_name(), Operation::Notify))
     }
+
+    /// How many asynchronous batches the engine holds: submitted (by the
+    /// caller, or by the engine or a layer for itself) and not yet waited
+    /// for or released. A caller that drops every id it got should see it
+    /// return to zero once those batches finish; `None` if the backend does
+    /// not count them.
+    fn live_batches(&self) -> Option<usize> {
+        None
+    }
 }
 
 fn unsupported(backend: &str, op: Operation) -> Error {

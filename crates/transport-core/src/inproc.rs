@@ -23,15 +23,15 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use tokio::sync::watch;
 
+use crate::batch::{BatchDriver, BatchTable};
 use crate::caps::{BackendInfo, Capabilities, MemoryKinds, MissingCapability, Operation};
 use crate::engine::TransferEngine;
-use crate::error::{live_batches_full, Error, Result, Side};
+use crate::error::{Error, Result, Side};
 use crate::region_table::RegionTable;
 use crate::types::{
     BatchId, BatchReport, BatchStatus, MemoryRegion, Notification, SegmentId, TransferOp,
-    TransferRequest, TransferState, MAX_LIVE_BATCHES,
+    TransferRequest,
 };
 
 const BACKEND: &str = "inproc";
@@ -61,8 +61,9 @@ struct Core {
     notifications: Mutex<VecDeque<Notification>>,
     segments: Mutex<HashMap<u64, Arc<Segment>>>,
     next_segment: AtomicU64,
-    batches: Mutex<HashMap<u64, NativeBatch>>,
-    next_batch: AtomicU64,
+    batches: BatchTable,
+    /// Notifications sent to this engine are refused (for fault tests).
+    refuse_notifications: std::sync::atomic::AtomicBool,
     /// Pause after each copied chunk, in microseconds (0: just yield).
     pace_us: AtomicU64,
 }
@@ -75,12 +76,6 @@ struct Segment {
     /// Transfers hold a read lock; `close_segment` takes the write lock to
     /// wait for them.
     gate: tokio::sync::RwLock<bool>,
-}
-
-#[derive(Debug)]
-struct NativeBatch {
-    states: Arc<Mutex<Vec<TransferState>>>,
-    done: watch::Receiver<bool>,
 }
 
 /// An engine that moves bytes between engines of the same process (see the
@@ -122,8 +117,8 @@ impl InprocEngine {
             notifications: Mutex::new(VecDeque::new()),
             segments: Mutex::new(HashMap::new()),
             next_segment: AtomicU64::new(1),
-            batches: Mutex::new(HashMap::new()),
-            next_batch: AtomicU64::new(1),
+            batches: BatchTable::new(BACKEND),
+            refuse_notifications: std::sync::atomic::AtomicBool::new(false),
             pace_us: AtomicU64::new(0),
         });
         let mut reg = lock(registry());
@@ -154,9 +149,25 @@ impl InprocEngine {
         self.core.pace_us.store(us, Ordering::Relaxed);
     }
 
-    /// Asynchronous batches submitted and not yet waited for or released.
-    pub fn live_batches(&self) -> usize {
-        lock(&self.core.batches).len()
+    /// Makes this engine refuse (`true`) or accept the notifications peers
+    /// send it; a refused notification fails the sender's last request
+    /// after its data landed (for fault tests).
+    pub fn set_refuse_notifications(&self, refuse: bool) {
+        self.core
+            .refuse_notifications
+            .store(refuse, Ordering::Relaxed);
+    }
+
+    /// [`InprocEngine::set_refuse_notifications`] for the live engine of
+    /// this process called `name`; whether there is one.
+    pub fn refuse_notifications_of(name: &str, refuse: bool) -> bool {
+        match lock(registry()).get(name).and_then(Weak::upgrade) {
+            Some(core) => {
+                core.refuse_notifications.store(refuse, Ordering::Relaxed);
+                true
+            }
+            None => false,
+        }
     }
 
     /// The registered regions, in address order (for tests and tools).
@@ -270,61 +281,50 @@ async fn copy(local: &Core, segment: &Segment, request: TransferRequest) -> Resu
     Ok(())
 }
 
-/// Runs every request in order, recording states, then delivers `notify` to
-/// the peer if all succeeded.
+/// Runs every request in order, reporting each to `driver`, then hands
+/// `notify` to the peer if all succeeded, and finishes the batch.
 async fn run_batch(
     local: Arc<Core>,
     segment: Arc<Segment>,
     requests: Vec<TransferRequest>,
     notify: Option<Notification>,
-    states: Option<Arc<Mutex<Vec<TransferState>>>>,
-) -> Vec<Result<()>> {
-    let n = requests.len();
-    let mut results = Vec::with_capacity(n);
-    let publish = |i: usize, res: &Result<()>| {
-        if let Some(states) = &states {
-            lock(states)[i] = match res {
-                Ok(()) => TransferState::Completed,
-                Err(e) => TransferState::Failed(e.clone()),
-            };
-        }
-    };
+    driver: BatchDriver,
+) -> Result<BatchReport> {
     for (i, r) in requests.into_iter().enumerate() {
         let res = copy(&local, &segment, r).await;
-        // The last state is published after the notification, so a caller
-        // that sees the batch finished also finds the notification delivered.
-        if i + 1 < n {
-            publish(i, &res);
-        }
-        results.push(res);
+        driver.complete(i, res);
     }
-    if let Some(note) = notify {
-        if results.iter().all(Result::is_ok) {
-            match segment.peer.upgrade() {
-                Some(peer) => {
-                    let mut q = lock(&peer.notifications);
-                    if q.len() >= MAX_QUEUED_NOTIFICATIONS {
-                        // The data moved; the notification did not: the last
-                        // request carries the failure.
-                        if let Some(last) = results.last_mut() {
-                            *last = Err(Error::QueueFull {
-                                backend: BACKEND.into(),
-                                what: format!("{}'s notification queue", segment.name),
-                                limit: format!("{MAX_QUEUED_NOTIFICATIONS} notifications"),
-                            });
-                        }
-                    } else {
-                        q.push_back(note);
-                    }
-                }
-                None => tracing::warn!(peer = %segment.name, "notification dropped: peer gone"),
-            }
-        }
+    let notified = match notify {
+        Some(note) if driver.all_ok() => Some(deliver(&segment, note)),
+        _ => None,
+    };
+    driver.finish(notified)
+}
+
+/// Puts `note` in the queue of the engine behind `segment`.
+fn deliver(segment: &Segment, note: Notification) -> Result<()> {
+    let Some(peer) = segment.peer.upgrade() else {
+        return Err(Error::SegmentUnavailable {
+            name: segment.name.clone(),
+            reason: "the peer engine is gone; the notification was not delivered".to_owned(),
+        });
+    };
+    if peer.refuse_notifications.load(Ordering::Relaxed) {
+        return Err(Error::SegmentUnavailable {
+            name: segment.name.clone(),
+            reason: "the peer refuses notifications".to_owned(),
+        });
     }
-    if let Some(last) = results.last() {
-        publish(n - 1, last);
+    let mut q = lock(&peer.notifications);
+    if q.len() >= MAX_QUEUED_NOTIFICATIONS {
+        return Err(Error::QueueFull {
+            backend: BACKEND.into(),
+            what: format!("{}'s notification queue", segment.name),
+            limit: format!("{MAX_QUEUED_NOTIFICATIONS} notifications"),
+        });
     }
-    results
+    q.push_back(note);
+    Ok(())
 }
 
 #[async_trait]
@@ -441,15 +441,14 @@ impl TransferEngine for InprocEngine {
         }
         let seg = self.segment(segment)?;
         self.check_batch(requests, notify)?;
-        let results = run_batch(
+        run_batch(
             Arc::clone(&self.core),
             seg,
             requests.to_vec(),
             notify.cloned(),
-            None,
+            BatchDriver::detached(requests.len()),
         )
-        .await;
-        Ok(BatchReport { results })
+        .await
     }
 
     async fn submit(
@@ -463,93 +462,45 @@ impl TransferEngine for InprocEngine {
         }
         let seg = self.segment(segment)?;
         self.check_batch(requests, notify)?;
-        if lock(&self.core.batches).len() >= MAX_LIVE_BATCHES {
-            return Err(live_batches_full(BACKEND));
-        }
-        if requests.is_empty() {
-            // Nothing to wait for: deliver the notification now, so that a
-            // batch that `status` shows finished has delivered it.
-            run_batch(
-                Arc::clone(&self.core),
-                Arc::clone(&seg),
-                Vec::new(),
-                notify.cloned(),
-                None,
-            )
-            .await;
-        }
-        let states = Arc::new(Mutex::new(vec![
-            TransferState::Pending { transferred: 0 };
-            requests.len()
-        ]));
-        let (tx, rx) = watch::channel(requests.is_empty());
-        let id = self.core.next_batch.fetch_add(1, Ordering::Relaxed);
-        lock(&self.core.batches).insert(
-            id,
-            NativeBatch {
-                states: Arc::clone(&states),
-                done: rx,
-            },
+        let admission = self.core.batches.admit(requests.len())?;
+        let run = run_batch(
+            Arc::clone(&self.core),
+            seg,
+            requests.to_vec(),
+            notify.cloned(),
+            admission.driver().clone(),
         );
         if requests.is_empty() {
-            return Ok(BatchId(id));
+            // Nothing to wait for: deliver the notification now, so that a
+            // batch that `status` shows finished has delivered it; a refused
+            // notification refuses the batch (nothing moved) and the
+            // unclaimed admission takes the id back.
+            run.await?;
+        } else {
+            tokio::spawn(run);
         }
-        let core = Arc::clone(&self.core);
-        let requests = requests.to_vec();
-        let notify = notify.cloned();
-        tokio::spawn(async move {
-            run_batch(core, seg, requests, notify, Some(states)).await;
-            let _ = tx.send(true);
-        });
-        Ok(BatchId(id))
+        Ok(admission.claim())
     }
 
     fn status(&self, batch: BatchId) -> Result<BatchStatus> {
         if !self.core.caps.async_batch {
             return Err(self.unsupported(Operation::AsyncBatch));
         }
-        let batches = lock(&self.core.batches);
-        let b = batches.get(&batch.0).ok_or(Error::UnknownBatch(batch))?;
-        let states = lock(&b.states).clone();
-        Ok(BatchStatus { states })
+        self.core.batches.status(batch)
     }
 
     async fn wait(&self, batch: BatchId) -> Result<BatchReport> {
         if !self.core.caps.batch_wait {
             return Err(self.unsupported(Operation::BatchWait));
         }
-        let mut done = lock(&self.core.batches)
-            .get(&batch.0)
-            .ok_or(Error::UnknownBatch(batch))?
-            .done
-            .clone();
-        done.wait_for(|d| *d)
-            .await
-            .map_err(|_| Error::Canceled(format!("batch {batch} was abandoned")))?;
-        let b = lock(&self.core.batches)
-            .remove(&batch.0)
-            .ok_or(Error::UnknownBatch(batch))?;
-        let status = BatchStatus {
-            states: lock(&b.states).clone(),
-        };
-        status
-            .to_report()
-            .ok_or_else(|| Error::Canceled(format!("batch {batch} ended unfinished")))
+        self.core.batches.wait(batch).await
     }
 
     async fn release_batch(&self, batch: BatchId) -> Result<()> {
         if !self.core.caps.async_batch {
             return Err(self.unsupported(Operation::AsyncBatch));
         }
-        let mut batches = lock(&self.core.batches);
-        let b = batches.get(&batch.0).ok_or(Error::UnknownBatch(batch))?;
-        // Finished exactly when `status` says so (the last state is
-        // published after the notification went out).
-        if !lock(&b.states).iter().all(TransferState::is_terminal) {
-            return Err(Error::BatchBusy(batch));
-        }
-        batches.remove(&batch.0);
-        Ok(())
+        self.core.batches.release(batch)
     }
 
     async fn take_notifications(&self) -> Result<Vec<Notification>> {
@@ -557,5 +508,9 @@ impl TransferEngine for InprocEngine {
             return Err(self.unsupported(Operation::Notify));
         }
         Ok(lock(&self.core.notifications).drain(..).collect())
+    }
+
+    fn live_batches(&self) -> Option<usize> {
+        Some(self.core.batches.len())
     }
 }

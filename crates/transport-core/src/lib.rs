@@ -94,6 +94,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 pub mod adapter;
+pub mod batch;
 pub mod buffer;
 pub mod caps;
 pub mod engine;
@@ -126,6 +127,7 @@ pub use types::{
 /// table.
 pub mod raw {
     pub use crate::adapter::{coalesce, AdapterLayer, CoalescedBatch, Layer};
+    pub use crate::batch::{BatchDriver, BatchTable};
     pub use crate::error::live_batches_full;
     pub use crate::region_table::{RegionGuard, RegionTable};
 

@@ -119,6 +119,9 @@ impl TransferEngine for Probe {
     async fn take_notifications(&self) -> Result<Vec<Notification>> {
         self.inner.take_notifications().await
     }
+    fn live_batches(&self) -> Option<usize> {
+        self.inner.live_batches()
+    }
 }
 
 /// An issuing probe behind an adapter, a peer, registered memories of

@@ -117,7 +117,7 @@ async fn a_dropped_emulated_batch_transfer_leaves_no_backend_batch() {
         assert!(r.is_err(), "the paced batch finished within 10 ms");
     }
     let mut spins = 0;
-    while inner.live_batches() != 0 {
+    while inner.live_batches() != Some(0) {
         spins += 1;
         assert!(spins < 2000, "abandoned batches stay in the backend");
         tokio::time::sleep(Duration::from_millis(5)).await;

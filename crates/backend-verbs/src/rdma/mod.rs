@@ -373,6 +373,10 @@ impl Inner {
         Ok(BatchId(id))
     }
 
+    pub(crate) fn live_batches(&self) -> usize {
+        lock(&self.batches).len()
+    }
+
     pub(crate) fn status(&self, id: BatchId) -> Result<BatchStatus> {
         let b = lock(&self.batches)
             .get(&id.0)

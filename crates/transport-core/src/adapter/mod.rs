@@ -23,17 +23,17 @@
 
 mod coalesce;
 
-use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use futures::stream::{self, StreamExt};
-use tokio::sync::{watch, Semaphore};
+use tokio::sync::Semaphore;
 
 pub use coalesce::{coalesce, CoalescedBatch};
 
+use crate::batch::{BatchDriver, BatchTable};
 use crate::caps::{
     BackendInfo, Capabilities, CapabilityReport, MissingCapability, Operation, Support,
 };
@@ -41,7 +41,6 @@ use crate::engine::TransferEngine;
 use crate::error::{Error, Result};
 use crate::types::{
     BatchId, BatchReport, BatchStatus, MemoryRegion, Notification, SegmentId, TransferRequest,
-    TransferState,
 };
 
 /// Builds a wrapper around an engine (tower's `Layer` shape).
@@ -156,18 +155,6 @@ impl<E: TransferEngine> Layer<E> for AdapterLayer {
     }
 }
 
-/// One asynchronous batch the adapter hands out.
-enum BatchSlot {
-    /// Forwarded to the backend's own async batch (its id there); its
-    /// requests are the caller's, one for one.
-    Native(BatchId),
-    /// Driven by an adapter task (or inline, outside a runtime).
-    Task {
-        states: Arc<Mutex<Vec<TransferState>>>,
-        done: watch::Receiver<bool>,
-    },
-}
-
 /// Gives any engine the whole [`TransferEngine`] trait (see the module docs).
 pub struct CapabilityAdapter<E: TransferEngine + ?Sized> {
     inner: Arc<E>,
@@ -179,8 +166,9 @@ struct Shared {
     native: Capabilities,
     effective: Capabilities,
     info: BackendInfo,
-    batches: Mutex<HashMap<u64, BatchSlot>>,
-    next_batch: AtomicU64,
+    /// The batches handed out: driven by an adapter task, or aliases of
+    /// the backend's own batches (forwarded as they are).
+    batches: BatchTable,
     announced: Mutex<HashSet<Operation>>,
     permits: Arc<Semaphore>,
 }
@@ -224,8 +212,7 @@ impl<E: TransferEngine + ?Sized> CapabilityAdapter<E> {
                 native,
                 effective,
                 info,
-                batches: Mutex::new(HashMap::new()),
-                next_batch: AtomicU64::new(1),
+                batches: BatchTable::new("adapter"),
                 announced: Mutex::new(HashSet::new()),
                 permits,
             }),
@@ -616,20 +603,24 @@ impl<E: TransferEngine + ?Sized> TransferEngine for CapabilityAdapter<E> {
             return Err(s.refuse(Operation::BatchRegister));
         }
         s.announce(Operation::BatchRegister);
+        // All or nothing, also when this future is dropped half-way: the
+        // rollback then runs on a task of its own.
+        let mut done = Rollback {
+            inner: Arc::clone(&self.inner),
+            addrs: Vec::with_capacity(regions.len()),
+        };
         for (index, region) in regions.iter().enumerate() {
             if let Err(source) = self.inner.register(region).await {
-                for done in regions[..index].iter().rev() {
-                    if let Err(e) = self.inner.unregister(done.addr()).await {
-                        tracing::warn!(addr = done.addr(), error = %e, "rollback unregister failed");
-                    }
-                }
+                done.run().await;
                 return Err(Error::BatchRegisterFailed {
                     index,
                     addr: region.addr(),
                     source: Box::new(source),
                 });
             }
+            done.addrs.push(region.addr());
         }
+        done.addrs.clear();
         Ok(())
     }
 
@@ -702,10 +693,6 @@ impl<E: TransferEngine + ?Sized> TransferEngine for CapabilityAdapter<E> {
         if !s.native.async_batch {
             s.announce(Operation::AsyncBatch);
         }
-        if lock(&s.batches).len() >= crate::MAX_LIVE_BATCHES {
-            return Err(crate::live_batches_full("adapter"));
-        }
-        let id = s.next_batch.fetch_add(1, Ordering::Relaxed);
         // The backend's own async batch, when it can take this one as is:
         // nothing to coalesce (a merged request failing on a straddled
         // region boundary needs the adapter's retry), within its length
@@ -722,59 +709,42 @@ impl<E: TransferEngine + ?Sized> TransferEngine for CapabilityAdapter<E> {
                 .len()
                 == requests.len();
         if forward {
+            if s.batches.len() >= crate::MAX_LIVE_BATCHES {
+                return Err(crate::live_batches_full("adapter"));
+            }
             let inner_id = self.inner.submit(segment, requests, notify).await?;
-            lock(&s.batches).insert(id, BatchSlot::Native(inner_id));
-            return Ok(BatchId(id));
+            return match s.batches.forward(inner_id) {
+                Ok(id) => Ok(id),
+                Err(e) => {
+                    // Filled up meanwhile: the backend's batch is nobody's.
+                    drop(Orphan::new(&self.inner, s.native.batch_wait, inner_id));
+                    Err(e)
+                }
+            };
         }
-        if requests.is_empty() {
-            // Nothing to run but the notification: do it now, so that the
-            // batch is finished (for `status`) exactly when it has been sent.
-            run_batch(&self.inner, s, segment, requests, notify).await?;
-        }
-        let states = Arc::new(Mutex::new(vec![
-            TransferState::Pending { transferred: 0 };
-            requests.len()
-        ]));
-        let (done_tx, done_rx) = watch::channel(requests.is_empty());
-        lock(&s.batches).insert(
-            id,
-            BatchSlot::Task {
-                states: Arc::clone(&states),
-                done: done_rx,
-            },
-        );
-        if requests.is_empty() {
-            return Ok(BatchId(id));
-        }
+        let admission = s.batches.admit(requests.len())?;
+        let inline = requests.is_empty() || tokio::runtime::Handle::try_current().is_err();
         let inner = Arc::clone(&self.inner);
         let shared = Arc::clone(&self.shared);
         let requests = requests.to_vec();
         let notify = notify.cloned();
+        let driver = admission.driver().clone();
         let drive = async move {
             let n = requests.len();
-            let results = run_batch(&inner, &shared, segment, &requests, notify.as_ref())
-                .await
-                .unwrap_or_else(|e| vec![Err(e); n]);
-            {
-                let mut st = lock(&states);
-                for (slot, r) in st.iter_mut().zip(results) {
-                    *slot = match r {
-                        Ok(()) => TransferState::Completed,
-                        Err(e) => TransferState::Failed(e),
-                    };
-                }
-            }
-            let _ = done_tx.send(true);
+            let results = run_batch(&inner, &shared, segment, &requests, notify.as_ref()).await;
+            report_into(&driver, n, results)
         };
-        match tokio::runtime::Handle::try_current() {
-            Ok(rt) => {
-                rt.spawn(drive);
-            }
-            // Outside a runtime there is nothing to run a task on: the batch
-            // runs to the end here (the backend must work without one).
-            Err(_) => drive.await,
+        if inline {
+            // Nothing to run but the notification (do it now, so that the
+            // batch is finished for `status` exactly when it has been sent,
+            // and a refused one refuses the batch), or no runtime to run a
+            // task on (the batch runs to the end here: the backend must work
+            // without one).
+            drive.await?;
+        } else {
+            tokio::spawn(drive);
         }
-        Ok(BatchId(id))
+        Ok(admission.claim())
     }
 
     fn status(&self, batch: BatchId) -> Result<BatchStatus> {
@@ -782,16 +752,10 @@ impl<E: TransferEngine + ?Sized> TransferEngine for CapabilityAdapter<E> {
         if !s.effective.async_batch {
             return Err(s.refuse(Operation::AsyncBatch));
         }
-        let native = {
-            let batches = lock(&s.batches);
-            match batches.get(&batch.0).ok_or(Error::UnknownBatch(batch))? {
-                BatchSlot::Native(inner) => Err(*inner),
-                BatchSlot::Task { states, .. } => Ok(BatchStatus {
-                    states: lock(states).clone(),
-                }),
-            }
-        };
-        native.or_else(|inner| self.inner.status(inner))
+        match s.batches.forwarded(batch)? {
+            Some(inner) => self.inner.status(inner),
+            None => s.batches.status(batch),
+        }
     }
 
     async fn wait(&self, batch: BatchId) -> Result<BatchReport> {
@@ -799,45 +763,18 @@ impl<E: TransferEngine + ?Sized> TransferEngine for CapabilityAdapter<E> {
         if !s.effective.batch_wait || !s.effective.async_batch {
             return Err(s.refuse(Operation::BatchWait));
         }
-        let found = {
-            let batches = lock(&s.batches);
-            match batches.get(&batch.0).ok_or(Error::UnknownBatch(batch))? {
-                BatchSlot::Native(inner) => Err(*inner),
-                BatchSlot::Task { done, .. } => Ok(done.clone()),
-            }
-        };
-        let mut done = match found {
-            Ok(done) => done,
-            Err(inner) => {
-                if !s.native.batch_wait {
-                    s.announce(Operation::BatchWait);
-                }
-                // `wait_inner` releases the backend's batch when done.
-                let report = wait_inner(&self.inner, s, inner).await?;
-                lock(&s.batches).remove(&batch.0);
-                return Ok(report);
-            }
-        };
         if !s.native.batch_wait {
             s.announce(Operation::BatchWait);
         }
-        // The driver task always sends `true` before it ends; if it was
-        // dropped (runtime shutting down) `wait_for` errors instead of hanging.
-        done.wait_for(|d| *d)
-            .await
-            .map_err(|_| Error::Canceled(format!("batch {batch} was abandoned")))?;
-        let slot = lock(&s.batches)
-            .remove(&batch.0)
-            .ok_or(Error::UnknownBatch(batch))?;
-        let BatchSlot::Task { states, .. } = slot else {
-            return Err(Error::UnknownBatch(batch));
-        };
-        let status = BatchStatus {
-            states: lock(&states).clone(),
-        };
-        status
-            .to_report()
-            .ok_or_else(|| Error::Canceled(format!("batch {batch} ended unfinished")))
+        match s.batches.forwarded(batch)? {
+            Some(inner) => {
+                // `wait_inner` releases the backend's batch when done.
+                let report = wait_inner(&self.inner, s, inner).await?;
+                s.batches.remove(batch);
+                Ok(report)
+            }
+            None => s.batches.wait(batch).await,
+        }
     }
 
     async fn release_batch(&self, batch: BatchId) -> Result<()> {
@@ -845,33 +782,17 @@ impl<E: TransferEngine + ?Sized> TransferEngine for CapabilityAdapter<E> {
         if !s.effective.async_batch {
             return Err(s.refuse(Operation::AsyncBatch));
         }
-        let native = {
-            let batches = lock(&s.batches);
-            match batches.get(&batch.0).ok_or(Error::UnknownBatch(batch))? {
-                BatchSlot::Native(inner) => Some(*inner),
-                BatchSlot::Task { .. } => None,
+        match s.batches.forwarded(batch)? {
+            Some(inner) => {
+                self.inner.release_batch(inner).await.map_err(|e| match e {
+                    Error::BatchBusy(_) => Error::BatchBusy(batch),
+                    other => other,
+                })?;
+                s.batches.remove(batch);
+                Ok(())
             }
-        };
-        if let Some(inner) = native {
-            self.inner.release_batch(inner).await.map_err(|e| match e {
-                Error::BatchBusy(_) => Error::BatchBusy(batch),
-                other => other,
-            })?;
-            lock(&s.batches).remove(&batch.0);
-            return Ok(());
+            None => s.batches.release(batch),
         }
-        let mut batches = lock(&s.batches);
-        let Some(BatchSlot::Task { states, .. }) = batches.get(&batch.0) else {
-            return Err(Error::UnknownBatch(batch));
-        };
-        // Finished exactly when `status` says so: the driver task publishes
-        // every state at once, after the notification was sent.
-        let finished = lock(states).iter().all(TransferState::is_terminal);
-        if !finished {
-            return Err(Error::BatchBusy(batch));
-        }
-        batches.remove(&batch.0);
-        Ok(())
     }
 
     async fn take_notifications(&self) -> Result<Vec<Notification>> {
@@ -881,5 +802,80 @@ impl<E: TransferEngine + ?Sized> TransferEngine for CapabilityAdapter<E> {
             return Err(self.shared.refuse(Operation::Notify));
         }
         self.inner.take_notifications().await
+    }
+
+    fn live_batches(&self) -> Option<usize> {
+        // The backend's count includes the batches forwarded as aliases and
+        // those the adapter submitted for itself.
+        self.inner
+            .live_batches()
+            .map(|n| n + self.shared.batches.tracked_len())
+    }
+}
+
+/// Reports the results of a batch run by the adapter to `driver` and
+/// finishes it (its notification, if any, was sent by `run_batch`). `Err`
+/// when the batch was refused as a whole.
+fn report_into(
+    driver: &BatchDriver,
+    n: usize,
+    results: Result<Vec<Result<()>>>,
+) -> Result<BatchReport> {
+    match results {
+        Ok(results) => {
+            for (i, r) in results.into_iter().enumerate() {
+                driver.complete(i, r);
+            }
+            driver.finish(None)
+        }
+        // Refused as a whole: nothing moved. An empty batch's refusal is
+        // the batch's error; otherwise every request carries it.
+        Err(e) if n == 0 => driver.finish(Some(Err(e))),
+        Err(e) => {
+            driver.fail_unreported(&e);
+            driver.finish(None)
+        }
+    }
+}
+
+/// Registrations made by an emulated `batch_register` that are undone if
+/// it fails, or if its future is dropped before it finished.
+struct Rollback<E: TransferEngine + ?Sized> {
+    inner: Arc<E>,
+    /// Registered so far, in order.
+    addrs: Vec<u64>,
+}
+
+impl<E: TransferEngine + ?Sized> Rollback<E> {
+    async fn run(&mut self) {
+        for addr in std::mem::take(&mut self.addrs).into_iter().rev() {
+            if let Err(e) = self.inner.unregister(addr).await {
+                tracing::warn!(addr, error = %e, "rollback unregister failed");
+            }
+        }
+    }
+}
+
+impl<E: TransferEngine + ?Sized> Drop for Rollback<E> {
+    fn drop(&mut self) {
+        if self.addrs.is_empty() {
+            return;
+        }
+        let mut rest = Rollback {
+            inner: Arc::clone(&self.inner),
+            addrs: std::mem::take(&mut self.addrs),
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => {
+                rt.spawn(async move { rest.run().await });
+            }
+            Err(_) => {
+                tracing::warn!(
+                    regions = rest.addrs.len(),
+                    "a canceled batch_register left regions registered (no runtime to undo them)"
+                );
+                rest.addrs.clear();
+            }
+        }
     }
 }
