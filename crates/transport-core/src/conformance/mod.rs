@@ -62,6 +62,16 @@ pub trait EngineFactory: Send + Sync + 'static {
     fn unknown_segment_name(&self) -> String {
         "ferry-conformance-no-such-segment".to_owned()
     }
+
+    /// Makes `engine` (made by this factory, possibly wrapped in an
+    /// adapter) refuse every notification its peers send it from now on,
+    /// for [`check_notify_failure_after_data`]: the sender's data lands,
+    /// the notification fails. `Ok(false)` when the backend has no way to do
+    /// that (the check then skips, saying so).
+    async fn refuse_notifications(&self, engine: &Arc<dyn TransferEngine>) -> Result<bool> {
+        let _ = engine;
+        Ok(false)
+    }
 }
 
 /// Result of a check that did not fail (failures panic).
@@ -104,6 +114,13 @@ impl EngineFactory for InprocFactory {
         let e = InprocEngine::auto(self.caps);
         e.set_pace(self.pace);
         Ok(Arc::new(e))
+    }
+
+    async fn refuse_notifications(&self, engine: &Arc<dyn TransferEngine>) -> Result<bool> {
+        Ok(InprocEngine::refuse_notifications_of(
+            engine.segment_name(),
+            true,
+        ))
     }
 }
 
