@@ -145,6 +145,9 @@ pub const CHECKS: &[&str] = &[
     "batch_register_rollback",
     "unknown_segment",
     "open_unknown_segment",
+    "finished_after_notification",
+    "notify_failure_after_data",
+    "cancellation",
 ];
 
 /// Runs the check called `name` (one of [`CHECKS`]).
@@ -174,6 +177,9 @@ pub async fn run_check(name: &str, factory: Arc<dyn EngineFactory>, adapted: boo
         "batch_register_rollback" => check_batch_register_rollback(f, a).await,
         "unknown_segment" => check_unknown_segment(f, a).await,
         "open_unknown_segment" => check_open_unknown_segment(f, a).await,
+        "finished_after_notification" => check_finished_after_notification(f, a).await,
+        "notify_failure_after_data" => check_notify_failure_after_data(f, a).await,
+        "cancellation" => check_cancellation(f, a).await,
         other => panic!("unknown conformance check {other:?}; known: {CHECKS:?}"),
     }
 }
@@ -301,7 +307,10 @@ macro_rules! __conformance_mode {
                 notification,
                 batch_register_rollback,
                 unknown_segment,
-                open_unknown_segment
+                open_unknown_segment,
+                finished_after_notification,
+                notify_failure_after_data,
+                cancellation
             );
         }
     };
@@ -324,8 +333,10 @@ macro_rules! __conformance_cases {
 
 mod basics;
 mod batches;
+mod cancellation;
 mod harness;
 mod notifications;
+mod rules;
 mod segments;
 mod transfers;
 
@@ -334,8 +345,10 @@ pub use basics::{
     check_write_read_round_trip,
 };
 pub use batches::{check_async_batch, check_batch_many, check_batch_one, check_batch_thousands};
+pub use cancellation::check_cancellation;
 pub use harness::pattern;
 pub use notifications::check_notification;
+pub use rules::{check_finished_after_notification, check_notify_failure_after_data};
 pub use segments::{
     check_batch_register_rollback, check_open_unknown_segment, check_unknown_segment,
 };

@@ -1,0 +1,233 @@
+//! Cancellation: futures dropped at any await point leave nothing behind.
+//!
+//! A property test: random plans of operations (`transfer`,
+//! `batch_transfer`, `submit` then `wait`, `batch_register`), each future
+//! polled a random number of times and then dropped. After every plan:
+//! no batch is left in either engine once the ids the plan obtained are
+//! waited for, no region of a dropped `batch_register` is half registered,
+//! and after `unregister` returns no byte of the unregistered memory changes.
+
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use proptest::strategy::{Strategy, ValueTree};
+use proptest::test_runner::{Config, TestRunner};
+
+use super::harness::*;
+use super::*;
+
+const CHUNK: usize = 64 * 1024;
+const CHUNKS: usize = 8;
+const LEN: usize = CHUNK * CHUNKS;
+/// Plans per check (each plan re-registers memory, so keep it modest).
+const PLANS: usize = 12;
+
+#[derive(Clone, Copy, Debug)]
+enum Op {
+    /// One write of the whole buffer.
+    Write,
+    /// One read of the whole buffer.
+    Read,
+    /// A batch of `CHUNKS` writes.
+    Batch,
+    /// `submit` of `CHUNKS` writes, then `wait` (each may be dropped).
+    SubmitWait,
+    /// `batch_register` of three regions.
+    BatchRegister,
+}
+
+const OPS: [Op; 5] = [
+    Op::Write,
+    Op::Read,
+    Op::Batch,
+    Op::SubmitWait,
+    Op::BatchRegister,
+];
+
+/// Polls `fut` up to `polls` times, letting the runtime run between polls;
+/// `Some` if it completed, else it is dropped still pending.
+async fn poll_then_drop<T>(
+    mut fut: Pin<Box<dyn Future<Output = T> + Send + '_>>,
+    polls: u32,
+) -> Option<T> {
+    for i in 0..polls {
+        let ready = std::future::poll_fn(|cx: &mut Context<'_>| {
+            Poll::Ready(match fut.as_mut().poll(cx) {
+                Poll::Ready(v) => Some(v),
+                Poll::Pending => None,
+            })
+        })
+        .await;
+        if ready.is_some() {
+            return ready;
+        }
+        if i % 2 == 0 {
+            tokio::task::yield_now().await;
+        } else {
+            tokio::time::sleep(Duration::from_micros(200)).await;
+        }
+    }
+    None
+}
+
+/// Drops futures of every operation at random poll counts and checks that
+/// nothing is left behind (see the module docs).
+pub async fn check_cancellation(factory: Arc<dyn EngineFactory>, adapted: bool) -> Outcome {
+    let p = match pair(&factory, adapted).await {
+        Ok(p) => p,
+        Err(o) => return o,
+    };
+    if p.a.live_batches().is_none() {
+        return Outcome::Skipped("the engine does not count its live batches".to_owned());
+    }
+    let caps = p.a.capabilities();
+    let ops: Vec<Op> = OPS
+        .into_iter()
+        .filter(|op| match op {
+            Op::Batch => caps.batch_transfer && caps.max_batch_len.is_none_or(|m| m >= CHUNKS),
+            Op::SubmitWait => caps.async_batch && caps.max_batch_len.is_none_or(|m| m >= CHUNKS),
+            Op::BatchRegister => caps.batch_register,
+            _ => true,
+        })
+        .collect();
+    let mut local = Mem::new(&p.a, LEN, 121).await;
+    let mut remote = Mem::new(&p.b, LEN, 0).await;
+    let spare = Mem::unregistered(&p.a, 3 * CHUNK, 0);
+    let strategy = proptest::collection::vec((0..ops.len(), 0u32..12, 0u32..6), 1..5);
+    let mut runner = TestRunner::new(Config {
+        cases: PLANS as u32,
+        ..Config::default()
+    });
+    for case in 0..PLANS {
+        let plan: Vec<(Op, u32, u32)> = strategy
+            .new_tree(&mut runner)
+            .expect("generating a cancellation plan")
+            .current()
+            .into_iter()
+            .map(|(i, polls, wait_polls)| (ops[i], polls, wait_polls))
+            .collect();
+        let what = format!("plan {case} {plan:?}");
+        let mut ids = Vec::new();
+        for &(op, polls, wait_polls) in &plan {
+            let writes: Vec<TransferRequest> = (0..CHUNKS)
+                .map(|i| {
+                    TransferRequest::write(
+                        local.at(i * CHUNK),
+                        remote.at((CHUNKS - 1 - i) * CHUNK),
+                        CHUNK as u64,
+                    )
+                })
+                .collect();
+            match op {
+                Op::Write => {
+                    let r = TransferRequest::write(local.addr(), remote.addr(), LEN as u64);
+                    poll_then_drop(p.a.transfer(p.seg, r), polls).await;
+                }
+                Op::Read => {
+                    let r = TransferRequest::read(local.addr(), remote.addr(), LEN as u64);
+                    poll_then_drop(p.a.transfer(p.seg, r), polls).await;
+                }
+                Op::Batch => {
+                    poll_then_drop(p.a.batch_transfer(p.seg, &writes, None), polls).await;
+                }
+                Op::SubmitWait => {
+                    if let Some(Ok(id)) =
+                        poll_then_drop(p.a.submit(p.seg, &writes, None), polls).await
+                    {
+                        // The id is ours now: a dropped wait must leave the
+                        // batch for a later one.
+                        if caps.batch_wait
+                            && poll_then_drop(p.a.wait(id), wait_polls).await.is_some()
+                        {
+                            continue;
+                        }
+                        ids.push(id);
+                    }
+                }
+                Op::BatchRegister => {
+                    let regions: Vec<MemoryRegion> =
+                        (0..3).map(|i| spare.region(i * CHUNK, CHUNK)).collect();
+                    poll_then_drop(p.a.batch_register(&regions), polls).await;
+                    // All or nothing, once any rollback of the dropped call
+                    // has run: either every region is registered or none.
+                    let state = poll_until(&format!("{what}: batch_register settles"), || {
+                        let a = Arc::clone(&p.a);
+                        let regions = regions.clone();
+                        async move {
+                            let mut reg = Vec::new();
+                            for r in &regions {
+                                // Registering again tells: Overlap means the
+                                // region is registered.
+                                reg.push(match a.register(r).await {
+                                    Ok(()) => {
+                                        a.unregister(r.addr()).await.unwrap_or_else(|e| {
+                                            panic!("unregister of a probe failed: {e}")
+                                        });
+                                        false
+                                    }
+                                    Err(Error::RegionOverlap { .. }) => true,
+                                    Err(e) => panic!("register probe failed: {e}"),
+                                });
+                            }
+                            let all = reg.iter().all(|x| *x);
+                            let none = reg.iter().all(|x| !*x);
+                            (all || none).then_some(all)
+                        }
+                    })
+                    .await;
+                    if state {
+                        for r in &regions {
+                            p.a.unregister(r.addr()).await.unwrap_or_else(|e| {
+                                panic!("{what}: unregister after a dropped batch_register: {e}")
+                            });
+                        }
+                    }
+                }
+            }
+        }
+        for id in ids {
+            let _ = finish(&p.a, id).await;
+        }
+        for (name, e) in [("initiator", &p.a), ("target", &p.b)] {
+            poll_until(&format!("{what}: no batch left in the {name}"), || async {
+                (e.live_batches() == Some(0)).then_some(())
+            })
+            .await;
+        }
+        // Once unregister returns, nothing writes the memory any more: not
+        // the dropped writes into the target, not the dropped reads into the
+        // initiator.
+        remote.unregister(0).await;
+        local.unregister(0).await;
+        let (r0, l0) = (remote.bytes(), local.bytes());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert_bytes(
+            &remote.bytes(),
+            &r0,
+            &format!("{what}: target memory after unregister returned"),
+        );
+        assert_bytes(
+            &local.bytes(),
+            &l0,
+            &format!("{what}: initiator memory after unregister returned"),
+        );
+        remote.write(0, &vec![0u8; LEN]);
+        local.write(0, &pattern(121 + case as u64, LEN));
+        remote.register(0, LEN).await;
+        local.register(0, LEN).await;
+    }
+    // Still working: a batch after all that moves every byte.
+    let r = TransferRequest::write(local.addr(), remote.addr(), LEN as u64);
+    p.a.transfer(p.seg, r)
+        .await
+        .unwrap_or_else(|e| panic!("a transfer after the cancellation plans failed: {e}"));
+    assert_bytes(
+        &remote.bytes(),
+        &local.bytes(),
+        "a transfer after the cancellation plans",
+    );
+    drop(spare);
+    local.release().await;
+    remote.release().await;
+    Outcome::Passed
+}
