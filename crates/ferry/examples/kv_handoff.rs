@@ -20,8 +20,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ferry::{
-    Engine, Error, HostBuffer, Location, MemoryRegion, Notification, RegisteredBuffer,
-    TransferEngine, TransferRequest,
+    Engine, Error, Notification, RegisteredBuffer, RegisteredBuffers, TransferEngine,
+    TransferRequest,
 };
 
 /// Transformer layers in the model.
@@ -62,47 +62,26 @@ fn kv_bytes(layer: usize, j: usize, out: &mut [u8]) {
     }
 }
 
-/// The decode engine's KV cache: per-layer host buffers registered together.
+/// The decode engine's KV cache: one host buffer per layer, registered
+/// together (all layers or none; emulated with single registers where the
+/// backend has no native batch register) for as long as the cache lives.
 struct KvCache {
-    engine: Arc<Engine>,
-    layers: Vec<HostBuffer>,
+    layers: RegisteredBuffers<Engine>,
 }
 
 impl KvCache {
     async fn new(engine: Arc<Engine>) -> ferry::Result<Self> {
-        let layers = (0..LAYERS)
-            .map(|_| HostBuffer::new(BLOCKS * BLOCK_BYTES))
-            .collect::<ferry::Result<Vec<_>>>()?;
-        let regions: Vec<MemoryRegion> =
-            // SAFETY: KvCache owns the layers and frees them only after unregistering them (`close`), or leaks them (`Drop`).
-            layers.iter().map(|l| unsafe { l.region(Location::cpu(0)) }).collect();
-        // All layers or none (emulated with single registers where the
-        // backend has no native batch register).
-        engine.batch_register(&regions).await?;
-        Ok(KvCache { engine, layers })
+        let layers = RegisteredBuffers::new(engine, &[BLOCKS * BLOCK_BYTES; LAYERS]).await?;
+        Ok(KvCache { layers })
     }
 
     fn layer_addrs(&self) -> Vec<u64> {
-        self.layers.iter().map(HostBuffer::addr).collect()
+        self.layers.addrs()
     }
 
     /// Unregisters every layer; only then is the memory freed.
-    async fn close(mut self) -> ferry::Result<()> {
-        let addrs = self.layer_addrs();
-        self.engine.batch_unregister(&addrs).await?;
-        // Unregistered: now the buffers may be freed.
-        drop(std::mem::take(&mut self.layers));
-        Ok(())
-    }
-}
-
-impl Drop for KvCache {
-    fn drop(&mut self) {
-        // Not closed (an error path): the layers may still be registered and
-        // written by a peer, so leak them rather than free them.
-        for layer in self.layers.drain(..) {
-            std::mem::forget(layer);
-        }
+    async fn close(self) -> ferry::Result<()> {
+        self.layers.release().await
     }
 }
 
@@ -203,7 +182,7 @@ pub async fn run(url: &str) -> ferry::Result<Summary> {
     }
     let mut want = vec![0u8; BLOCK_BYTES];
     let mut have = vec![0u8; BLOCK_BYTES];
-    for (layer, mem) in cache.layers.iter().enumerate() {
+    for (layer, mem) in cache.layers.buffers().iter().enumerate() {
         for id in 0..BLOCKS {
             mem.read(id * BLOCK_BYTES, &mut have)?;
             match block_ids.iter().position(|&b| b == id) {

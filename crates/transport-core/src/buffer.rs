@@ -187,12 +187,21 @@ impl<E: TransferEngine + ?Sized> RegisteredBuffer<E> {
         // SAFETY: `memory` moves into the returned value, which unregisters
         // it from every engine before freeing it (or leaks it).
         let region = unsafe { raw_region(&memory, location.clone()) };
-        engine.register(&region).await?;
-        Ok(RegisteredBuffer {
-            engines: vec![engine],
-            location,
-            memory: Some(memory),
-        })
+        // If this future is dropped while the register runs, the memory may
+        // end up registered: it is leaked then, never freed.
+        let held = Pending(Some(memory));
+        match engine.register(&region).await {
+            Ok(()) => Ok(RegisteredBuffer {
+                engines: vec![engine],
+                location,
+                memory: held.keep(),
+            }),
+            Err(e) => {
+                // A failed register registered nothing.
+                held.free();
+                Err(e)
+            }
+        }
     }
 
     /// Registers the same memory with one more engine (e.g. a second NIC's
@@ -202,9 +211,16 @@ impl<E: TransferEngine + ?Sized> RegisteredBuffer<E> {
         // SAFETY: as in `from_owned`: the memory is unregistered from every
         // engine in `self.engines` before it is freed.
         let region = unsafe { raw_region(self.mem(), self.location.clone()) };
-        engine.register(&region).await?;
-        self.engines.push(engine);
-        Ok(())
+        // Listed before the register runs: if this future is dropped half
+        // way, the memory is still unregistered from it before being freed.
+        self.engines.push(Arc::clone(&engine));
+        match engine.register(&region).await {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                self.engines.pop();
+                Err(e)
+            }
+        }
     }
 
     fn mem(&self) -> &HostBuffer {
@@ -269,6 +285,10 @@ struct Pending(Option<HostBuffer>);
 impl Pending {
     fn free(mut self) {
         drop(self.0.take());
+    }
+
+    fn keep(mut self) -> Option<HostBuffer> {
+        self.0.take()
     }
 }
 
@@ -336,6 +356,133 @@ impl<E: TransferEngine + ?Sized> Drop for RegisteredBuffer<E> {
                     "RegisteredBuffer dropped outside a Tokio runtime: leaking it rather than freeing registered memory"
                 );
                 std::mem::forget(memory);
+            }
+        }
+    }
+}
+
+/// Several host buffers registered together with one engine by one
+/// `batch_register` (all or none), for as long as the value lives: the safe
+/// way to register, say, the layers of a KV cache in one call.
+///
+/// Dropping it, [`RegisteredBuffers::release`] and a failed or dropped
+/// registration follow the rules of [`RegisteredBuffer`]: memory that may
+/// be registered is never freed, only leaked.
+pub struct RegisteredBuffers<E: TransferEngine + ?Sized = dyn TransferEngine> {
+    engine: Arc<E>,
+    buffers: Vec<HostBuffer>,
+}
+
+impl<E: TransferEngine + ?Sized> std::fmt::Debug for RegisteredBuffers<E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RegisteredBuffers")
+            .field("backend", &self.engine.backend_name())
+            .field("buffers", &self.buffers)
+            .finish()
+    }
+}
+
+impl<E: TransferEngine + ?Sized> RegisteredBuffers<E> {
+    /// Allocates one zeroed buffer per length in `lens` and registers them
+    /// all with `engine` as `cpu:0`, with one `batch_register`.
+    pub async fn new(engine: Arc<E>, lens: &[usize]) -> Result<Self> {
+        let buffers = lens
+            .iter()
+            .map(|&len| HostBuffer::new(len))
+            .collect::<Result<Vec<_>>>()?;
+        Self::from_owned(engine, buffers, Location::cpu(0)).await
+    }
+
+    /// Registers every buffer of `buffers`, which the value then owns, with
+    /// `engine` at `location`, all or none ([`TransferEngine::batch_register`]).
+    /// On error nothing is registered and the memory is freed.
+    pub async fn from_owned(
+        engine: Arc<E>,
+        buffers: Vec<HostBuffer>,
+        location: Location,
+    ) -> Result<Self> {
+        let regions: Vec<MemoryRegion> = buffers
+            .iter()
+            // SAFETY: the buffers move into the returned value, which
+            // unregisters them before freeing them (or leaks them).
+            .map(|b| unsafe { raw_region(b, location.clone()) })
+            .collect();
+        // Dropped half way, the registration may go on: leak, never free.
+        let held: Vec<Pending> = buffers.into_iter().map(|b| Pending(Some(b))).collect();
+        match engine.batch_register(&regions).await {
+            Ok(()) => Ok(RegisteredBuffers {
+                engine,
+                buffers: held.into_iter().filter_map(Pending::keep).collect(),
+            }),
+            Err(e) => {
+                // All or nothing: a failed batch registered nothing.
+                held.into_iter().for_each(Pending::free);
+                Err(e)
+            }
+        }
+    }
+
+    /// The buffers, in the order they were given.
+    pub fn buffers(&self) -> &[HostBuffer] {
+        &self.buffers
+    }
+
+    /// The start address of every buffer, in order.
+    pub fn addrs(&self) -> Vec<u64> {
+        self.buffers.iter().map(HostBuffer::addr).collect()
+    }
+
+    /// The engine they are registered with.
+    pub fn engine(&self) -> &Arc<E> {
+        &self.engine
+    }
+
+    /// Unregisters every buffer (waiting for transfers in flight) and frees
+    /// the memory; memory whose unregister failed is leaked.
+    pub async fn release(mut self) -> Result<()> {
+        let buffers = std::mem::take(&mut self.buffers);
+        unregister_all_then_free(&self.engine, buffers).await
+    }
+}
+
+/// Unregisters every buffer from `engine`, one by one (every address is
+/// attempted), and frees those that are surely unregistered.
+async fn unregister_all_then_free<E: TransferEngine + ?Sized>(
+    engine: &Arc<E>,
+    buffers: Vec<HostBuffer>,
+) -> Result<()> {
+    let mut first_err = None;
+    for b in buffers {
+        let engines = std::slice::from_ref(engine);
+        if let Err(e) = unregister_then_free(engines, b).await {
+            first_err.get_or_insert(e);
+        }
+    }
+    first_err.map_or(Ok(()), Err)
+}
+
+impl<E: TransferEngine + ?Sized> Drop for RegisteredBuffers<E> {
+    fn drop(&mut self) {
+        let buffers = std::mem::take(&mut self.buffers);
+        if buffers.is_empty() {
+            return;
+        }
+        let engine = Arc::clone(&self.engine);
+        match tokio::runtime::Handle::try_current() {
+            Ok(handle) => {
+                // A dropped task leaks (see `unregister_then_free`).
+                handle.spawn(async move {
+                    if let Err(e) = unregister_all_then_free(&engine, buffers).await {
+                        tracing::warn!(error = %e, "unregister on drop failed");
+                    }
+                });
+            }
+            Err(_) => {
+                tracing::warn!(
+                    buffers = buffers.len(),
+                    "RegisteredBuffers dropped outside a Tokio runtime: leaking registered memory"
+                );
+                buffers.into_iter().for_each(std::mem::forget);
             }
         }
     }

@@ -68,6 +68,17 @@ struct Core {
     pace_us: AtomicU64,
 }
 
+impl Core {
+    /// Sleeps for the engine's pace, if it has one (see
+    /// [`InprocEngine::set_pace`]).
+    async fn pause(&self) {
+        match self.pace_us.load(Ordering::Relaxed) {
+            0 => {}
+            us => tokio::time::sleep(Duration::from_micros(us)).await,
+        }
+    }
+}
+
 /// An open handle to a peer engine.
 #[derive(Debug)]
 struct Segment {
@@ -142,8 +153,9 @@ impl InprocEngine {
     }
 
     /// Makes every transfer this engine issues pause for `pace` after each
-    /// chunk of [`InprocEngine::CHUNK`] bytes (`None`: only yield), so that
-    /// tests can observe transfers in flight on a busy machine.
+    /// chunk of [`InprocEngine::CHUNK`] bytes (`None`: only yield), and
+    /// `register` and `submit` pause once, so that tests can observe
+    /// transfers in flight on a busy machine and drop futures half way.
     pub fn set_pace(&self, pace: Option<Duration>) {
         let us = pace.map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX));
         self.core.pace_us.store(us, Ordering::Relaxed);
@@ -273,7 +285,7 @@ async fn copy(local: &Core, segment: &Segment, request: TransferRequest) -> Resu
         if done < len {
             match local.pace_us.load(Ordering::Relaxed) {
                 0 => tokio::task::yield_now().await,
-                us => tokio::time::sleep(Duration::from_micros(us)).await,
+                _ => local.pause().await,
             }
         }
     }
@@ -361,6 +373,8 @@ impl TransferEngine for InprocEngine {
 
     async fn register(&self, region: &MemoryRegion) -> Result<()> {
         region.require_host("inproc")?;
+        // A paced engine takes its time, as pinning memory does.
+        self.core.pause().await;
         self.core.regions.insert(region.clone())
     }
 
@@ -463,6 +477,8 @@ impl TransferEngine for InprocEngine {
         let seg = self.segment(segment)?;
         self.check_batch(requests, notify)?;
         let admission = self.core.batches.admit(requests.len())?;
+        // A paced engine takes its time to post the batch, as a NIC does.
+        self.core.pause().await;
         let run = run_batch(
             Arc::clone(&self.core),
             seg,

@@ -12,7 +12,8 @@
 //!   strict mode;
 //! - [`RegionTable`]: the bounds-checked, in-flight-aware table of registered
 //!   regions that backends share;
-//! - [`HostBuffer`] / [`RegisteredBuffer`]: safe owned memory;
+//! - [`HostBuffer`] / [`RegisteredBuffer`] / [`RegisteredBuffers`]: safe owned
+//!   memory, registered for as long as it lives;
 //! - `conformance` (feature): the behaviour suite every backend passes;
 //! - `inproc` (feature): an in-process engine with configurable capabilities.
 //!
@@ -94,6 +95,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 pub mod adapter;
+mod auth;
 pub mod batch;
 pub mod buffer;
 pub mod caps;
@@ -108,7 +110,7 @@ pub mod conformance;
 pub mod inproc;
 
 pub use adapter::{AdapterConfig, AdapterLayer, CapabilityAdapter, Layer};
-pub use buffer::{HostBuffer, RegisteredBuffer};
+pub use buffer::{HostBuffer, RegisteredBuffer, RegisteredBuffers};
 pub use caps::{
     BackendInfo, Capabilities, CapabilityReport, MemoryKinds, MissingCapability, Operation, Support,
 };
@@ -130,6 +132,12 @@ pub mod raw {
     pub use crate::batch::{BatchDriver, BatchTable};
     pub use crate::error::live_batches_full;
     pub use crate::region_table::{RegionGuard, RegionTable};
+
+    /// HMAC-SHA256 challenge–response primitives for the backends'
+    /// shared-secret handshakes.
+    pub mod auth {
+        pub use crate::auth::{nonce, proof, verify, MAC_LEN, NONCE_LEN};
+    }
 
     use std::sync::{Mutex, MutexGuard};
 

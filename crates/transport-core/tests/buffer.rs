@@ -4,7 +4,10 @@
 use std::sync::Arc;
 
 use transport_core::inproc::InprocEngine;
-use transport_core::{Capabilities, Error, HostBuffer, Location, RegisteredBuffer};
+use transport_core::{
+    Capabilities, CapabilityAdapter, Error, HostBuffer, Location, RegisteredBuffer,
+    RegisteredBuffers, TransferEngine,
+};
 
 #[tokio::test]
 async fn one_buffer_registered_with_two_engines_is_unregistered_from_both() {
@@ -61,4 +64,50 @@ async fn dropping_unregisters_from_every_engine() {
         a.regions(),
         b.regions()
     );
+}
+
+#[tokio::test]
+async fn buffers_register_together_and_release_together() {
+    // Native batch register, and the adapter's emulation of it.
+    for caps in [Capabilities::all(), Capabilities::default()] {
+        let e: Arc<dyn TransferEngine> = Arc::new(CapabilityAdapter::new(InprocEngine::auto(caps)));
+        let bufs = RegisteredBuffers::new(Arc::clone(&e), &[4096, 8192, 4096])
+            .await
+            .unwrap();
+        let addrs = bufs.addrs();
+        assert_eq!(addrs.len(), 3);
+        // Each is registered: registering it again overlaps.
+        for b in bufs.buffers() {
+            // SAFETY: refused (overlap), so never registered by this call.
+            let again = unsafe { b.region(Location::cpu(0)) };
+            assert!(matches!(
+                e.register(&again).await,
+                Err(Error::RegionOverlap { .. })
+            ));
+        }
+        bufs.release().await.unwrap();
+        assert_eq!(e.live_batches(), Some(0));
+    }
+}
+
+#[tokio::test]
+async fn a_refused_batch_registers_none_of_the_buffers() {
+    let a = Arc::new(InprocEngine::auto(Capabilities::all()));
+    let kept = RegisteredBuffer::new(Arc::clone(&a), 4096).await.unwrap();
+    // Host-only engine: device memory is refused, and so is the whole batch.
+    let bufs = vec![
+        HostBuffer::new(4096).unwrap(),
+        HostBuffer::new(4096).unwrap(),
+    ];
+    match RegisteredBuffers::from_owned(Arc::clone(&a), bufs, Location::cuda(0)).await {
+        Err(Error::BatchRegisterFailed { index: 0, .. }) => {}
+        other => panic!("expected BatchRegisterFailed at index 0, got {other:?}"),
+    }
+    assert_eq!(
+        a.regions().len(),
+        1,
+        "only the earlier buffer is registered"
+    );
+    kept.release().await.unwrap();
+    assert!(a.regions().is_empty());
 }
