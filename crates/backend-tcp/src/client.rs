@@ -16,9 +16,7 @@ use socket2::SockRef;
 use tokio::net::TcpStream;
 use tokio::sync::Notify;
 use tokio::task::AbortHandle;
-use transport_core::{
-    Error, Notification, RegionGuard, Result, Side, TransferOp, TransferRequest, TransferState,
-};
+use transport_core::{Error, Notification, RegionGuard, Result, Side, TransferOp, TransferRequest};
 
 use crate::cma::SameHost;
 use crate::frame::{
@@ -27,7 +25,8 @@ use crate::frame::{
 };
 use crate::handshake;
 use crate::io::{write_all, Bytes, FrameReader, Next, Pace};
-use crate::server::{lock, Core};
+use crate::server::Core;
+use transport_core::raw::{lock, BatchDriver};
 
 /// Requests up to this size are gathered into WRITEV / READV frames.
 const GATHER_MAX_SEGMENT: u64 = 64 * 1024;
@@ -37,12 +36,29 @@ const GATHER_MAX_BYTES: u64 = 4 << 20;
 /// responses are skipped); beyond it the connection is dropped.
 const MAX_ABANDONED: usize = 65_536;
 
-/// Outcome bookkeeping of one batch (or one control request).
+/// Wire-operation bookkeeping of one pass over a batch (or of one control
+/// request): how many frames each request still waits for, and its first
+/// error. When the last operation of a request completes, its outcome goes
+/// to the batch's [`BatchDriver`] (if any); the batch rules (finishing,
+/// the notification, cancellation) are the driver's.
 #[derive(Debug)]
-pub struct BatchState {
+pub struct WireOps {
     slots: Mutex<Vec<Slot>>,
     remaining: AtomicUsize,
     done: Notify,
+    /// Where finished requests are reported.
+    sink: Option<Sink>,
+}
+
+/// The driver a [`WireOps`] reports to.
+#[derive(Debug)]
+struct Sink {
+    driver: BatchDriver,
+    /// The driver's index of each request here (a retry pass covers some
+    /// requests of the batch); `None`: the same.
+    indices: Option<Vec<usize>>,
+    /// Requests refused as stale are held back (not reported) for a retry.
+    hold_stale: bool,
 }
 
 #[derive(Debug, Default, Clone)]
@@ -55,10 +71,9 @@ struct Slot {
     stale: bool,
 }
 
-impl BatchState {
-    /// State for `n` requests, none of them started.
-    pub fn new(n: usize) -> Arc<Self> {
-        Arc::new(BatchState {
+impl WireOps {
+    fn with_sink(n: usize, sink: Option<Sink>) -> Arc<Self> {
+        Arc::new(WireOps {
             // Every request counts as pending until `arm`.
             slots: Mutex::new(vec![
                 Slot {
@@ -71,17 +86,74 @@ impl BatchState {
             // Held at 1 until `arm` sets the real count.
             remaining: AtomicUsize::new(1),
             done: Notify::new(),
+            sink,
         })
     }
 
+    /// Bookkeeping for `n` requests reported nowhere (control requests:
+    /// read [`WireOps::results`]).
+    pub fn new(n: usize) -> Arc<Self> {
+        Self::with_sink(n, None)
+    }
+
+    /// Bookkeeping for the requests of `driver`'s batch; requests the
+    /// target refused as stale are held back for a retry.
+    pub fn reporting(driver: &BatchDriver) -> Arc<Self> {
+        Self::with_sink(
+            driver.len(),
+            Some(Sink {
+                driver: driver.clone(),
+                indices: None,
+                hold_stale: true,
+            }),
+        )
+    }
+
+    /// Bookkeeping for a retry of the requests `indices` of `driver`'s
+    /// batch; every outcome, stale again or not, is final.
+    pub fn retrying(driver: &BatchDriver, indices: Vec<usize>) -> Arc<Self> {
+        Self::with_sink(
+            indices.len(),
+            Some(Sink {
+                driver: driver.clone(),
+                indices: Some(indices),
+                hold_stale: false,
+            }),
+        )
+    }
+
+    /// Reports request `index` to the driver if it is over.
+    fn report(&self, index: usize, slot: &Slot) {
+        let Some(sink) = &self.sink else { return };
+        if slot.left > 0 || (slot.stale && sink.hold_stale) {
+            return;
+        }
+        let to = match &sink.indices {
+            Some(map) => match map.get(index) {
+                Some(&i) => i,
+                None => return,
+            },
+            None => index,
+        };
+        let r = match &slot.err {
+            Some(e) => Err(e.clone()),
+            None => Ok(()),
+        };
+        sink.driver.complete(to, r);
+    }
+
     /// Sets each request's number of wire operations; must be called once
-    /// before any operation is sent.
+    /// before any operation is sent. Requests with none (zero length, or
+    /// failed before the wire) are over now.
     fn arm(&self, ops_per_request: &[u32]) {
         let mut slots = lock(&self.slots);
         let mut total = 0usize;
-        for (s, &n) in slots.iter_mut().zip(ops_per_request) {
+        for (i, (s, &n)) in slots.iter_mut().zip(ops_per_request).enumerate() {
             s.left = n;
             total += n as usize;
+            if n == 0 {
+                self.report(i, s);
+            }
         }
         drop(slots);
         // Replace the placeholder 1 with the real count.
@@ -108,9 +180,13 @@ impl BatchState {
         {
             let mut slots = lock(&self.slots);
             if let Some(s) = slots.get_mut(index) {
+                let before = s.left;
                 s.left = s.left.saturating_sub(1);
                 if let Err(e) = r {
                     s.err.get_or_insert(e);
+                }
+                if before > 0 {
+                    self.report(index, s);
                 }
             }
         }
@@ -162,33 +238,6 @@ impl BatchState {
             .map(|(i, _)| i)
             .collect()
     }
-
-    /// Sets the final result of a retried request.
-    fn resolve(&self, index: usize, r: Result<()>) {
-        if let Some(s) = lock(&self.slots).get_mut(index) {
-            s.stale = false;
-            s.err = r.err();
-        }
-    }
-
-    /// Each request's state right now.
-    pub fn states(&self) -> Vec<TransferState> {
-        lock(&self.slots)
-            .iter()
-            .map(|s| match (&s.err, s.left) {
-                (_, l) if l > 0 || s.stale => TransferState::Pending { transferred: 0 },
-                (Some(e), _) => TransferState::Failed(e.clone()),
-                (None, _) => TransferState::Completed,
-            })
-            .collect()
-    }
-
-    /// Overrides the result of request `index` (notification failures).
-    pub fn set_error(&self, index: usize, err: Error) {
-        if let Some(s) = lock(&self.slots).get_mut(index) {
-            s.err = Some(err);
-        }
-    }
 }
 
 /// The cached region table of a peer.
@@ -228,7 +277,7 @@ enum PendingKind {
 }
 
 struct PendingOp {
-    batch: Arc<BatchState>,
+    batch: Arc<WireOps>,
     index: usize,
     kind: PendingKind,
 }
@@ -321,7 +370,7 @@ impl ConnShared {
     /// `err` (their late responses will be skipped). The connection itself
     /// is dropped only if the peer has sent nothing for `quiet` (it is
     /// stuck for every batch) or too many ids are abandoned.
-    fn abandon(&self, batch: &Arc<BatchState>, err: &Error, quiet: Duration) {
+    fn abandon(&self, batch: &Arc<WireOps>, err: &Error, quiet: Duration) {
         let (ops, too_many) = {
             let mut map = lock(&self.pending);
             let ids: Vec<u64> = map
@@ -883,7 +932,7 @@ impl OutOp {
     }
 
     /// Fails the operation (every segment of a WRITEV) before it was sent.
-    fn fail(&self, batch: &BatchState, e: &Error) {
+    fn fail(&self, batch: &WireOps, e: &Error) {
         match &self.kind {
             OutKind::WriteV(parts) | OutKind::ReadV(parts) => {
                 for p in parts {
@@ -909,7 +958,7 @@ fn source(guard: &RegionGuard, off: u64, len: u64) -> Bytes<'static> {
 /// connection this side retired for idleness hands them back untouched.
 async fn send_ops(
     conn: &ConnShared,
-    batch: &Arc<BatchState>,
+    batch: &Arc<WireOps>,
     ops: Vec<OutOp>,
 ) -> std::result::Result<(), Vec<OutOp>> {
     let mut hdrs = Vec::with_capacity(ops.len());
@@ -1297,7 +1346,7 @@ impl Peer {
     async fn send_on(
         &self,
         c: usize,
-        state: &Arc<BatchState>,
+        state: &Arc<WireOps>,
         mut ops: Vec<OutOp>,
     ) -> Option<Arc<ConnShared>> {
         for _ in 0..3 {
@@ -1322,7 +1371,7 @@ impl Peer {
 
     /// Asks the target for its current region table and caches it.
     async fn refresh_table(&self) -> Result<()> {
-        let state = BatchState::new(1);
+        let state = WireOps::new(1);
         state.arm(&[1]);
         let ops = vec![OutOp {
             index: 0,
@@ -1340,7 +1389,7 @@ impl Peer {
     /// bytes / min_rate`; on expiry only its requests fail, with
     /// [`Error::Timeout`] (a connection is dropped only if the peer has
     /// been silent for `request_timeout`).
-    async fn await_state(&self, state: &Arc<BatchState>, conns: &[Arc<ConnShared>], bytes: u64) {
+    async fn await_state(&self, state: &Arc<WireOps>, conns: &[Arc<ConnShared>], bytes: u64) {
         let cfg = &self.core.config;
         let t = cfg.deadline_for(cfg.request_timeout, bytes);
         if tokio::time::timeout(t, state.wait()).await.is_err() {
@@ -1360,7 +1409,7 @@ impl Peer {
 
     /// Delivers a notification (after the batch it follows has landed).
     async fn notify(&self, n: &Notification) -> Result<()> {
-        let state = BatchState::new(1);
+        let state = WireOps::new(1);
         state.arm(&[1]);
         let mut bytes = Vec::with_capacity(n.name.len() + n.message.len());
         bytes.extend_from_slice(n.name.as_bytes());
@@ -1383,52 +1432,48 @@ impl Peer {
 
     /// Runs a batch: validates every request locally and against the
     /// peer's table, sends the valid ones (chunked, spread over the
-    /// connections), waits for them, then sends `notify` if all succeeded.
-    /// Results land in `state` (which has `requests.len()` slots); a failed
-    /// notification becomes the last request's error, or the `Err` returned
-    /// for an empty batch. Requests the target refused because their region
-    /// was registered again since the table used (a different generation)
-    /// are retried once with a fresh table.
+    /// connections), reports each request's outcome to `driver` as its
+    /// last wire operation completes, then hands `notify` to the peer if
+    /// every request succeeded and finishes the batch with the
+    /// notification's outcome (a failed notification fails the last
+    /// request; see [`BatchDriver::finish`]). Requests the target refused
+    /// because their region was registered again since the table used (a
+    /// different generation) are retried once with a fresh table.
+    ///
+    /// Dropped before it returns, the batch is canceled by the driver's
+    /// rules (unreported requests fail [`Error::Canceled`]).
     pub async fn run_batch(
         self: &Arc<Self>,
         requests: &[TransferRequest],
         notify: Option<&Notification>,
-        state: &Arc<BatchState>,
-    ) -> Result<()> {
-        self.transfer_all(requests, state).await;
-        let stale = state.stale();
+        driver: &BatchDriver,
+    ) -> Result<transport_core::BatchReport> {
+        let ops = WireOps::reporting(driver);
+        self.transfer_all(requests, &ops).await;
+        let stale = ops.stale();
         if !stale.is_empty() {
-            let refreshed = self.refresh_table().await;
-            let retry: Vec<TransferRequest> = stale.iter().map(|&i| requests[i]).collect();
-            let sub = BatchState::new(retry.len());
-            if refreshed.is_ok() {
-                self.transfer_all(&retry, &sub).await;
-            }
-            let results = sub.results();
-            for (k, &i) in stale.iter().enumerate() {
-                match (&refreshed, results.get(k)) {
-                    (Ok(()), Some(r)) => state.resolve(i, r.clone()),
-                    (Err(e), _) => state.resolve(i, Err(e.clone())),
-                    (Ok(()), None) => state.resolve(i, Err(Error::Canceled("no result".into()))),
+            match self.refresh_table().await {
+                Ok(()) => {
+                    let retry: Vec<TransferRequest> = stale.iter().map(|&i| requests[i]).collect();
+                    let sub = WireOps::retrying(driver, stale);
+                    self.transfer_all(&retry, &sub).await;
                 }
-            }
-        }
-        if let Some(n) = notify {
-            let results = state.results();
-            if results.iter().all(Result::is_ok) {
-                if let Err(e) = self.notify(n).await {
-                    match results.len() {
-                        0 => return Err(e),
-                        len => state.set_error(len - 1, e),
+                Err(e) => {
+                    for i in stale {
+                        driver.complete(i, Err(e.clone()));
                     }
                 }
             }
         }
-        Ok(())
+        let notified = match notify {
+            Some(n) if driver.all_ok() => Some(self.notify(n).await),
+            _ => None,
+        };
+        driver.finish(notified)
     }
 
     /// One pass of [`Peer::run_batch`] without the notification.
-    async fn transfer_all(self: &Arc<Self>, requests: &[TransferRequest], state: &Arc<BatchState>) {
+    async fn transfer_all(self: &Arc<Self>, requests: &[TransferRequest], state: &Arc<WireOps>) {
         let chunk = self.core.config.chunk_size as u64;
         let mut guards: Vec<Option<Arc<RegionGuard>>> = Vec::with_capacity(requests.len());
         let mut remote_miss = Vec::new();
@@ -1621,7 +1666,7 @@ impl Peer {
     }
 }
 
-fn fail_ops(state: &BatchState, ops: &[OutOp], e: &Error) {
+fn fail_ops(state: &WireOps, ops: &[OutOp], e: &Error) {
     for op in ops {
         op.fail(state, e);
     }

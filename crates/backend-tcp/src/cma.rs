@@ -452,7 +452,7 @@ fn pool() -> &'static Pool {
 fn helper(rx: &std::sync::Mutex<std::sync::mpsc::Receiver<Job>>) {
     loop {
         let job = {
-            let rx = rx.lock().unwrap_or_else(|p| p.into_inner());
+            let rx = transport_core::raw::lock(rx);
             // Spin briefly for the next part of a stream of copies.
             let spin_until = std::time::Instant::now() + std::time::Duration::from_micros(50);
             let mut got = None;
@@ -537,11 +537,7 @@ pub unsafe fn copy_split(
             parts: part,
             done,
         };
-        let sent = pool
-            .jobs
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .send(job);
+        let sent = transport_core::raw::lock(&pool.jobs).send(job);
         match sent {
             Ok(()) => waits.push(wait),
             // No helper left: do it here.

@@ -5,17 +5,17 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
-use tokio::sync::watch;
 use tokio::task::AbortHandle;
+use transport_core::raw::{lock, BatchDriver, BatchTable};
 use transport_core::{
     BackendInfo, BatchId, BatchReport, BatchStatus, Capabilities, Error, MemoryKinds, MemoryRegion,
-    Notification, Result, SegmentId, TransferEngine, TransferRequest, TransferState,
+    Notification, Result, SegmentId, TransferEngine, TransferRequest,
 };
 
-use crate::client::{BatchState, Peer};
+use crate::client::Peer;
 use crate::config::TcpConfig;
 use crate::frame::VERSION;
-use crate::server::{accept_loop, lock, Core};
+use crate::server::{accept_loop, Core};
 
 const BACKEND: &str = "tcp";
 
@@ -34,20 +34,15 @@ struct Segments {
     by_name: HashMap<String, (Arc<Peer>, usize)>,
 }
 
-struct AsyncBatch {
-    state: Arc<BatchState>,
-    /// `None` while running; then the notification outcome of an empty batch.
-    done: watch::Receiver<Option<Result<()>>>,
-    /// The task driving the batch (none for a batch completed in `submit`).
-    task: Option<AbortHandle>,
-}
-
 struct Inner {
     core: Arc<Core>,
     segments: Mutex<Segments>,
-    batches: Mutex<HashMap<u64, AsyncBatch>>,
+    /// The asynchronous batches callers hold ids for.
+    batches: BatchTable,
+    /// The tasks driving asynchronous batches (finished ones are pruned
+    /// as new ones start); aborted by `shutdown`.
+    tasks: Mutex<Vec<AbortHandle>>,
     next_segment: AtomicU64,
-    next_batch: AtomicU64,
     accept: Mutex<Option<AbortHandle>>,
 }
 
@@ -116,9 +111,9 @@ impl TcpEngine {
             inner: Arc::new(Inner {
                 core,
                 segments: Mutex::new(Segments::default()),
-                batches: Mutex::new(HashMap::new()),
+                batches: BatchTable::new(BACKEND),
+                tasks: Mutex::new(Vec::new()),
                 next_segment: AtomicU64::new(1),
-                next_batch: AtomicU64::new(1),
                 accept: Mutex::new(Some(accept)),
             }),
         })
@@ -150,11 +145,22 @@ impl TcpEngine {
         for p in peers {
             p.close();
         }
-        for (_, b) in lock(&self.inner.batches).drain() {
-            if let Some(t) = b.task {
-                t.abort();
-            }
+        // An aborted task drops its batch's driver, which fails what the
+        // batch had not reported with `Canceled`: no waiter hangs.
+        for t in lock(&self.inner.tasks).drain(..) {
+            t.abort();
         }
+    }
+
+    /// Makes this engine refuse (`true`) or accept again (`false`) the
+    /// notifications peers send it. A refused notification is answered
+    /// `NotifyQueueFull`: the sender's batch (whose data has landed) fails
+    /// its last request. For fault tests.
+    pub fn set_refuse_notifications(&self, refuse: bool) {
+        self.inner
+            .core
+            .refuse_notifications
+            .store(refuse, Ordering::Relaxed);
     }
 
     fn handle(&self, segment: SegmentId) -> Result<Arc<Handle>> {
@@ -190,18 +196,20 @@ impl Drop for TcpEngine {
     }
 }
 
+/// Runs a batch on the peer behind `handle`, reporting to `driver`;
+/// [`Error::UnknownSegment`] (nothing moved) if the handle is being closed.
 async fn run_on(
     handle: &Handle,
     segment: SegmentId,
     requests: &[TransferRequest],
     notify: Option<&Notification>,
-    state: &Arc<BatchState>,
-) -> Result<()> {
+    driver: &BatchDriver,
+) -> Result<BatchReport> {
     let open = handle.gate.read().await;
     if !*open {
         return Err(Error::UnknownSegment(segment));
     }
-    handle.peer.run_batch(requests, notify, state).await
+    handle.peer.run_batch(requests, notify, driver).await
 }
 
 #[async_trait]
@@ -355,18 +363,19 @@ impl TransferEngine for TcpEngine {
 
     async fn transfer(&self, segment: SegmentId, request: TransferRequest) -> Result<()> {
         let handle = self.handle(segment)?;
-        let state = BatchState::new(1);
-        run_on(
+        let driver = BatchDriver::detached(1);
+        let report = run_on(
             &handle,
             segment,
             std::slice::from_ref(&request),
             None,
-            &state,
+            &driver,
         )
         .await?;
-        state
-            .results()
-            .pop()
+        report
+            .results
+            .into_iter()
+            .next()
             .unwrap_or_else(|| Err(Error::Canceled("no result".into())))
     }
 
@@ -378,11 +387,8 @@ impl TransferEngine for TcpEngine {
     ) -> Result<BatchReport> {
         let handle = self.handle(segment)?;
         self.check_batch(requests, notify)?;
-        let state = BatchState::new(requests.len());
-        run_on(&handle, segment, requests, notify, &state).await?;
-        Ok(BatchReport {
-            results: state.results(),
-        })
+        let driver = BatchDriver::detached(requests.len());
+        run_on(&handle, segment, requests, notify, &driver).await
     }
 
     async fn submit(
@@ -393,95 +399,51 @@ impl TransferEngine for TcpEngine {
     ) -> Result<BatchId> {
         let handle = self.handle(segment)?;
         self.check_batch(requests, notify)?;
-        let state = BatchState::new(requests.len());
-        let id = self.inner.next_batch.fetch_add(1, Ordering::Relaxed);
+        // Claimed only when the id is returned: a submit dropped before
+        // that takes the id back.
+        let admission = self.inner.batches.admit(requests.len())?;
+        let driver = admission.driver().clone();
         if requests.is_empty() {
-            // Nothing to track: complete it here (delivering the
-            // notification, if any), so that status and release agree at
-            // once.
-            let r = run_on(&handle, segment, requests, notify, &state).await;
-            let (_, rx) = watch::channel(Some(r));
-            lock(&self.inner.batches).insert(
-                id,
-                AsyncBatch {
-                    state,
-                    done: rx,
-                    task: None,
-                },
-            );
-            return Ok(BatchId(id));
+            // Nothing to wait for: deliver the notification now, so that a
+            // batch that `status` shows finished has delivered it; a failed
+            // notification refuses the batch (nothing moved) and the
+            // unclaimed admission takes the id back.
+            run_on(&handle, segment, requests, notify, &driver).await?;
+            return Ok(admission.claim());
         }
-        let (tx, rx) = watch::channel(None);
         let requests = requests.to_vec();
         let notify = notify.cloned();
-        let task_state = Arc::clone(&state);
-        // Hold the batch table lock while spawning so the task cannot be
-        // missing from it when `shutdown` aborts the others.
-        let mut batches = lock(&self.inner.batches);
+        // Hold the task list while spawning, so that `shutdown` cannot miss
+        // the task.
+        let mut tasks = lock(&self.inner.tasks);
+        tasks.retain(|t| !t.is_finished());
         let task = tokio::spawn(async move {
-            let r = run_on(&handle, segment, &requests, notify.as_ref(), &task_state).await;
-            let _ = tx.send(Some(r));
+            if let Err(e) = run_on(&handle, segment, &requests, notify.as_ref(), &driver).await {
+                // Refused before anything moved (the handle was closing).
+                driver.fail_unreported(&e);
+                let _ = driver.finish(None);
+            }
         })
         .abort_handle();
-        batches.insert(
-            id,
-            AsyncBatch {
-                state,
-                done: rx,
-                task: Some(task),
-            },
-        );
-        Ok(BatchId(id))
+        tasks.push(task);
+        drop(tasks);
+        Ok(admission.claim())
     }
 
     fn status(&self, batch: BatchId) -> Result<BatchStatus> {
-        let batches = lock(&self.inner.batches);
-        let b = batches.get(&batch.0).ok_or(Error::UnknownBatch(batch))?;
-        let mut states = b.state.states();
-        let finished = b.done.borrow().is_some();
-        if !finished {
-            // A notification may still be on its way: keep the last request
-            // pending until the batch is really over.
-            if let Some(last) = states.last_mut() {
-                if last.is_terminal() {
-                    *last = TransferState::Pending { transferred: 0 };
-                }
-            }
-        }
-        Ok(BatchStatus { states })
+        self.inner.batches.status(batch)
     }
 
     async fn wait(&self, batch: BatchId) -> Result<BatchReport> {
-        let mut done = lock(&self.inner.batches)
-            .get(&batch.0)
-            .ok_or(Error::UnknownBatch(batch))?
-            .done
-            .clone();
-        let outcome = match done.wait_for(Option::is_some).await {
-            Ok(v) => v.clone().unwrap_or(Ok(())),
-            Err(_) => Err(Error::Canceled(format!("batch {batch} was canceled"))),
-        };
-        let b = lock(&self.inner.batches)
-            .remove(&batch.0)
-            .ok_or(Error::UnknownBatch(batch))?;
-        outcome?;
-        Ok(BatchReport {
-            results: b.state.results(),
-        })
+        self.inner.batches.wait(batch).await
     }
 
     async fn release_batch(&self, batch: BatchId) -> Result<()> {
-        let mut batches = lock(&self.inner.batches);
-        let b = batches.get(&batch.0).ok_or(Error::UnknownBatch(batch))?;
-        if b.done.borrow().is_none() {
-            return Err(Error::BatchBusy(batch));
-        }
-        batches.remove(&batch.0);
-        Ok(())
+        self.inner.batches.release(batch)
     }
 
     fn live_batches(&self) -> Option<usize> {
-        Some(lock(&self.inner.batches).len())
+        Some(self.inner.batches.len())
     }
 
     async fn take_notifications(&self) -> Result<Vec<Notification>> {

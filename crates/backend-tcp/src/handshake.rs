@@ -3,53 +3,21 @@
 
 use std::time::Duration;
 
-use hmac::{Hmac, Mac};
-use sha2::Sha256;
 use tokio::net::TcpStream;
+use transport_core::raw::auth::{nonce, proof, verify};
 use transport_core::{Error, Result};
 
 use crate::frame::{
     decode_table, Hello, Status, TableEntry, FLAG_AUTH, HELLO_FIXED, MAX_REJECT_MSG,
-    MAX_TABLE_ENTRIES, NONCE_LEN, REJECT, TABLE_ENTRY_LEN, VERSION, WELCOME,
+    MAX_TABLE_ENTRIES, REJECT, TABLE_ENTRY_LEN, VERSION, WELCOME,
 };
 use crate::io::{read_some, write_all_slices, Pace};
-
-type HmacSha256 = Hmac<Sha256>;
 
 const CLIENT_LABEL: &[u8] = b"ferry-tcp/2 initiator";
 const SERVER_LABEL: &[u8] = b"ferry-tcp/2 target";
 
-/// HMAC-SHA256(secret, label || initiator nonce || target nonce).
-fn mac(secret: &str, label: &[u8], nc: &[u8; NONCE_LEN], ns: &[u8; NONCE_LEN]) -> HmacSha256 {
-    // HMAC accepts keys of any length; new_from_slice cannot fail for it.
-    let mut m = match HmacSha256::new_from_slice(secret.as_bytes()) {
-        Ok(m) => m,
-        Err(_) => unreachable!("HMAC takes keys of any length"),
-    };
-    m.update(label);
-    m.update(nc);
-    m.update(ns);
-    m
-}
-
-fn proof(secret: &str, label: &[u8], nc: &[u8; NONCE_LEN], ns: &[u8; NONCE_LEN]) -> [u8; 32] {
-    mac(secret, label, nc, ns).finalize().into_bytes().into()
-}
-
-fn verify(
-    secret: &str,
-    label: &[u8],
-    nc: &[u8; NONCE_LEN],
-    ns: &[u8; NONCE_LEN],
-    got: &[u8],
-) -> bool {
-    // Constant-time comparison.
-    mac(secret, label, nc, ns).verify_slice(got).is_ok()
-}
-
-fn nonce() -> [u8; NONCE_LEN] {
-    rand::random()
-}
+// The proofs are `transport_core::raw::auth`'s: HMAC-SHA256(secret,
+// label || initiator nonce || target nonce) with the labels above.
 
 fn io_err(peer: &str, what: &str, timeout: Duration, e: std::io::Error) -> Error {
     match e.kind() {

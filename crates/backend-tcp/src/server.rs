@@ -15,12 +15,13 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{oneshot, Notify};
 use tokio::task::JoinSet;
+use transport_core::raw::lock;
 use transport_core::{Error, MemoryRegion, Notification, RegionGuard, RegionTable, Side};
 
 use crate::cma::{self, SameHost};
@@ -112,18 +113,15 @@ pub struct Core {
     gens: Mutex<Generations>,
     /// Notifications received, oldest first.
     pub notifications: Mutex<NotificationQueue>,
+    /// Refuse every notification (answer `NotifyQueueFull`); for fault
+    /// tests (see `TcpEngine::set_refuse_notifications`).
+    pub refuse_notifications: AtomicBool,
     /// Established inbound connections (admitted, not yet ended).
     established: AtomicUsize,
     /// The established connections, for eviction.
     live: Mutex<HashMap<u64, Arc<Live>>>,
     next_live: AtomicU64,
     epoch: Instant,
-}
-
-pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Critical sections are single collection operations; a poisoned lock
-    // still holds consistent data.
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Core {
@@ -135,6 +133,7 @@ impl Core {
             regions: RegionTable::new(),
             gens: Mutex::new(Generations::default()),
             notifications: Mutex::new(NotificationQueue::default()),
+            refuse_notifications: AtomicBool::new(false),
             established: AtomicUsize::new(0),
             live: Mutex::new(HashMap::new()),
             next_live: AtomicU64::new(1),
@@ -802,7 +801,8 @@ async fn serve(stream: TcpStream, peer: &str, core: &Core, live: &Live) -> Resul
                     Some(n) => {
                         let cost = notification_cost(&n);
                         let mut q = lock(&core.notifications);
-                        if q.queue.len() >= MAX_QUEUED_NOTIFICATIONS
+                        if core.refuse_notifications.load(Ordering::Relaxed)
+                            || q.queue.len() >= MAX_QUEUED_NOTIFICATIONS
                             || q.bytes + cost > MAX_QUEUED_NOTIFICATION_BYTES
                         {
                             drop(q);

@@ -2,15 +2,45 @@
 //! real loopback sockets: on the same-host path (cross-memory attach;
 //! engines in one process reach each other by it too) and forced off.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, Weak};
 
 use backend_tcp::{SameHost, TcpConfig, TcpEngine};
 use transport_core::conformance::EngineFactory;
 use transport_core::{Result, TransferEngine};
 
+/// The engines a factory made, by segment name, so that
+/// `refuse_notifications` can reach the [`TcpEngine`] behind an
+/// `Arc<dyn TransferEngine>` (weak: the factory keeps no engine alive).
+#[derive(Default)]
+struct Made(Mutex<HashMap<String, Weak<TcpEngine>>>);
+
+impl Made {
+    async fn start(&self, cfg: TcpConfig) -> Result<Arc<dyn TransferEngine>> {
+        let e = Arc::new(TcpEngine::start(cfg).await?);
+        let mut m = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        m.retain(|_, w| w.strong_count() > 0);
+        m.insert(e.segment_name().to_owned(), Arc::downgrade(&e));
+        Ok(e)
+    }
+
+    /// Makes the engine named like `engine` refuse notifications.
+    fn refuse(&self, engine: &Arc<dyn TransferEngine>) -> bool {
+        let m = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        match m.get(engine.segment_name()).and_then(Weak::upgrade) {
+            Some(e) => {
+                e.set_refuse_notifications(true);
+                true
+            }
+            None => false,
+        }
+    }
+}
+
 /// Engines on ephemeral loopback ports, two connections per peer,
 /// authenticated with a shared secret.
-struct TcpFactory;
+#[derive(Default)]
+struct TcpFactory(Made);
 
 #[async_trait::async_trait]
 impl EngineFactory for TcpFactory {
@@ -20,7 +50,7 @@ impl EngineFactory for TcpFactory {
             connections: 2,
             ..TcpConfig::default()
         };
-        Ok(Arc::new(TcpEngine::start(cfg).await?))
+        self.0.start(cfg).await
     }
 
     fn unknown_segment_name(&self) -> String {
@@ -30,16 +60,21 @@ impl EngineFactory for TcpFactory {
         drop(l);
         addr.to_string()
     }
+
+    async fn refuse_notifications(&self, engine: &Arc<dyn TransferEngine>) -> Result<bool> {
+        Ok(self.0.refuse(engine))
+    }
 }
 
-transport_core::conformance_tests!(TcpFactory);
+transport_core::conformance_tests!(TcpFactory::default());
 
 /// The same suite with three connections per peer, tiny chunks (requests
 /// are split into many wire operations over all of them) and no polling.
 mod chunked {
     use super::*;
 
-    struct ChunkedFactory;
+    #[derive(Default)]
+    struct ChunkedFactory(Made);
 
     #[async_trait::async_trait]
     impl EngineFactory for ChunkedFactory {
@@ -51,15 +86,19 @@ mod chunked {
                 same_host: SameHost::Off,
                 ..TcpConfig::default()
             };
-            Ok(Arc::new(TcpEngine::start(cfg).await?))
+            self.0.start(cfg).await
         }
 
         fn unknown_segment_name(&self) -> String {
             "127.0.0.1:1".to_owned()
         }
+
+        async fn refuse_notifications(&self, engine: &Arc<dyn TransferEngine>) -> Result<bool> {
+            Ok(self.0.refuse(engine))
+        }
     }
 
-    transport_core::conformance_tests!(ChunkedFactory);
+    transport_core::conformance_tests!(ChunkedFactory::default());
 }
 
 /// Forced on (`same_host=cma`: a peer that cannot use it is an error), with
@@ -67,7 +106,8 @@ mod chunked {
 mod cma_forced {
     use super::*;
 
-    struct CmaFactory;
+    #[derive(Default)]
+    struct CmaFactory(Made);
 
     #[async_trait::async_trait]
     impl EngineFactory for CmaFactory {
@@ -79,22 +119,27 @@ mod cma_forced {
                 same_host: SameHost::Cma,
                 ..TcpConfig::default()
             };
-            Ok(Arc::new(TcpEngine::start(cfg).await?))
+            self.0.start(cfg).await
         }
 
         fn unknown_segment_name(&self) -> String {
             "127.0.0.1:1".to_owned()
         }
+
+        async fn refuse_notifications(&self, engine: &Arc<dyn TransferEngine>) -> Result<bool> {
+            Ok(self.0.refuse(engine))
+        }
     }
 
-    transport_core::conformance_tests!(CmaFactory);
+    transport_core::conformance_tests!(CmaFactory::default());
 }
 
 /// Forced off: every payload on the socket.
 mod socket_forced {
     use super::*;
 
-    struct OffFactory;
+    #[derive(Default)]
+    struct OffFactory(Made);
 
     #[async_trait::async_trait]
     impl EngineFactory for OffFactory {
@@ -105,13 +150,17 @@ mod socket_forced {
                 same_host: SameHost::Off,
                 ..TcpConfig::default()
             };
-            Ok(Arc::new(TcpEngine::start(cfg).await?))
+            self.0.start(cfg).await
         }
 
         fn unknown_segment_name(&self) -> String {
             "127.0.0.1:1".to_owned()
         }
+
+        async fn refuse_notifications(&self, engine: &Arc<dyn TransferEngine>) -> Result<bool> {
+            Ok(self.0.refuse(engine))
+        }
     }
 
-    transport_core::conformance_tests!(OffFactory);
+    transport_core::conformance_tests!(OffFactory::default());
 }

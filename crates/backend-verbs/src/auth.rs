@@ -19,14 +19,11 @@
 //! under the connect deadline.
 #![cfg_attr(not(feature = "rdma"), allow(dead_code))]
 
-use hmac::{Hmac, Mac};
-use sha2::Sha256;
 use tokio::io::{AsyncRead, AsyncWrite};
+use transport_core::raw::auth::{nonce, proof, verify};
 use transport_core::{Error, Result};
 
-use crate::wire::{self, Msg, HANDSHAKE_MAX_FRAME, MAC_LEN, NONCE_LEN, VERSION};
-
-type HmacSha256 = Hmac<Sha256>;
+use crate::wire::{self, Msg, HANDSHAKE_MAX_FRAME, VERSION};
 
 const INITIATOR_LABEL: &[u8] = b"ferry-verbs/2 initiator";
 const TARGET_LABEL: &[u8] = b"ferry-verbs/2 target";
@@ -35,37 +32,8 @@ const TARGET_LABEL: &[u8] = b"ferry-verbs/2 target";
 /// opener maps such a refusal to [`Error::Authentication`]).
 const AUTH_REFUSAL: &str = "authentication failed";
 
-/// HMAC-SHA256(secret, label ‖ opener nonce ‖ owner nonce).
-fn mac(secret: &str, label: &[u8], no: &[u8; NONCE_LEN], nt: &[u8; NONCE_LEN]) -> HmacSha256 {
-    // HMAC takes keys of any length: new_from_slice cannot fail here.
-    let mut m = match HmacSha256::new_from_slice(secret.as_bytes()) {
-        Ok(m) => m,
-        Err(_) => unreachable!("HMAC accepts keys of any length"),
-    };
-    m.update(label);
-    m.update(no);
-    m.update(nt);
-    m
-}
-
-fn proof(secret: &str, label: &[u8], no: &[u8; NONCE_LEN], nt: &[u8; NONCE_LEN]) -> [u8; MAC_LEN] {
-    mac(secret, label, no, nt).finalize().into_bytes().into()
-}
-
-/// Constant-time check of a peer's proof.
-fn verify(
-    secret: &str,
-    label: &[u8],
-    no: &[u8; NONCE_LEN],
-    nt: &[u8; NONCE_LEN],
-    got: &[u8],
-) -> bool {
-    mac(secret, label, no, nt).verify_slice(got).is_ok()
-}
-
-fn nonce() -> [u8; NONCE_LEN] {
-    rand::random()
-}
+// The proofs are `transport_core::raw::auth`'s: HMAC-SHA256(secret,
+// label ‖ opener nonce ‖ owner nonce) with the labels above.
 
 fn auth_error(peer: &str, reason: impl Into<String>) -> Error {
     Error::Authentication {
@@ -339,6 +307,7 @@ pub(crate) async fn target<S: AsyncRead + AsyncWrite + Unpin>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::wire::NONCE_LEN;
     use tokio::io::{duplex, AsyncReadExt};
 
     async fn run(
