@@ -147,6 +147,22 @@ impl VerbsEngine {
         }
     }
 
+    /// Makes this engine refuse (`true`) or accept the notifications its
+    /// peers send: a refused notification is answered as such, and the
+    /// sender's batch — whose data landed — fails its last request with
+    /// [`Error::SegmentUnavailable`]. For tests of that path.
+    pub fn set_refuse_notifications(&self, refuse: bool) {
+        #[cfg(feature = "rdma")]
+        {
+            self.inner.set_refuse_notifications(refuse);
+        }
+        #[cfg(not(feature = "rdma"))]
+        {
+            let _ = refuse;
+            match self.never {}
+        }
+    }
+
     /// The local queue pair number currently serving `segment`, if it is
     /// connected and healthy (a new number after a reconnect).
     pub async fn queue_pair_number(&self, segment: SegmentId) -> Option<u32> {

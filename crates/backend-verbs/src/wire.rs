@@ -10,14 +10,21 @@
 //! `Challenge`, then with a shared secret one `Proof` each way; see
 //! `crate::auth`), read with [`HANDSHAKE_MAX_FRAME`] as the frame bound;
 //! only then come `Hello` (queue pair) and `Welcome` (queue pair, regions).
+//!
+//! Notifications do not travel here (protocol 3): the opener SENDs them on
+//! the queue pair, after the batch's work requests
+//! ([`encode_notification`]), so that the owner sees one only after the
+//! data it announces. The owner answers each, in the order received, here:
+//! `NotifyAck` (queued) or `Notify` (not queued, and why).
 #![cfg_attr(not(feature = "rdma"), allow(dead_code))]
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use transport_core::{Error, Result};
 
 /// Protocol version carried in `Auth` and `Hello` (2: the authentication
-/// exchange comes first).
-pub(crate) const VERSION: u16 = 2;
+/// exchange comes first; 3: notifications are SENT on the queue pair and
+/// answered here in order).
+pub(crate) const VERSION: u16 = 3;
 /// Largest frame accepted (a region table of ~700k entries).
 pub(crate) const MAX_FRAME: u32 = 16 << 20;
 /// Largest frame accepted during the handshake (authentication and `Hello`):
@@ -86,9 +93,11 @@ pub(crate) enum Msg {
     RegionAdded(RemoteRegion),
     /// Owner → opener: the region at `addr` was unregistered.
     RegionRemoved { addr: u64 },
-    /// Opener → owner: a notification (after a batch landed).
-    Notify { name: String, message: String },
-    /// Owner → opener: the notification is queued.
+    /// Owner → opener: the oldest unanswered notification the opener SENT
+    /// on the queue pair was NOT queued: the owner's queue is full (`full`;
+    /// `reason` names the bound) or the owner refuses notifications.
+    Notify { full: bool, reason: String },
+    /// Owner → opener: the oldest unanswered notification is queued.
     NotifyAck,
 }
 
@@ -104,6 +113,32 @@ const NOTIFY_ACK: u8 = 9;
 const AUTH: u8 = 10;
 const CHALLENGE: u8 = 11;
 const PROOF: u8 = 12;
+
+/// Largest SEND payload of a notification: name and message, each as `u32`
+/// length + UTF-8.
+pub(crate) const NOTIFICATION_MAX_PAYLOAD: usize =
+    4 + transport_core::MAX_NOTIFICATION_NAME + 4 + transport_core::MAX_NOTIFICATION_MESSAGE;
+
+/// The SEND payload of a notification.
+pub(crate) fn encode_notification(n: &transport_core::Notification) -> Vec<u8> {
+    let mut out = Vec::with_capacity(8 + n.name.len() + n.message.len());
+    put_str(&mut out, &n.name);
+    put_str(&mut out, &n.message);
+    out
+}
+
+/// Decodes (and validates) a notification SEND payload.
+pub(crate) fn decode_notification(buf: &[u8], peer: &str) -> Result<transport_core::Notification> {
+    let mut r = Reader { buf, pos: 0, peer };
+    let name = r.string()?;
+    let message = r.string()?;
+    if r.pos != buf.len() {
+        return Err(r.err("trailing bytes after a notification".into()));
+    }
+    let n = transport_core::Notification::new(name, message);
+    n.validate()?;
+    Ok(n)
+}
 
 fn put_endpoint(out: &mut Vec<u8>, e: &QpEndpoint) {
     out.extend_from_slice(&e.qpn.to_be_bytes());
@@ -168,10 +203,10 @@ impl Msg {
                 out.push(REGION_REMOVED);
                 out.extend_from_slice(&addr.to_be_bytes());
             }
-            Msg::Notify { name, message } => {
+            Msg::Notify { full, reason } => {
                 out.push(NOTIFY);
-                put_str(&mut out, name);
-                put_str(&mut out, message);
+                out.push(u8::from(*full));
+                put_str(&mut out, reason);
             }
             Msg::NotifyAck => out.push(NOTIFY_ACK),
             Msg::Auth {
@@ -220,8 +255,8 @@ impl Msg {
             REGION_ADDED => Msg::RegionAdded(r.region()?),
             REGION_REMOVED => Msg::RegionRemoved { addr: r.u64()? },
             NOTIFY => Msg::Notify {
-                name: r.string()?,
-                message: r.string()?,
+                full: r.flag()?,
+                reason: r.string()?,
             },
             NOTIFY_ACK => Msg::NotifyAck,
             AUTH => Msg::Auth {
@@ -401,8 +436,8 @@ mod tests {
             Msg::RegionAdded(r),
             Msg::RegionRemoved { addr: 42 },
             Msg::Notify {
-                name: "n".into(),
-                message: "m".into(),
+                full: true,
+                reason: "1024 notifications".into(),
             },
             Msg::NotifyAck,
             Msg::Auth {
@@ -484,6 +519,23 @@ mod tests {
             read_msg_max(&mut b, "p", HANDSHAKE_MAX_FRAME).await,
             Err(Error::Protocol { .. })
         ));
+    }
+
+    #[test]
+    fn notification_payloads_round_trip_and_malformed_ones_are_refused() {
+        let n = transport_core::Notification::new("name", "message");
+        let enc = encode_notification(&n);
+        assert_eq!(decode_notification(&enc, "p").unwrap(), n);
+        for cut in 0..enc.len() {
+            assert!(decode_notification(&enc[..cut], "p").is_err());
+        }
+        let big = transport_core::Notification::new(
+            "n".repeat(transport_core::MAX_NOTIFICATION_NAME),
+            "m".repeat(transport_core::MAX_NOTIFICATION_MESSAGE),
+        );
+        assert_eq!(encode_notification(&big).len(), NOTIFICATION_MAX_PAYLOAD);
+        let too_big = transport_core::Notification::new("n", "m".repeat(NOTIFICATION_MAX_PAYLOAD));
+        assert!(decode_notification(&encode_notification(&too_big), "p").is_err());
     }
 
     #[test]

@@ -7,7 +7,8 @@
 //! `FERRY_VERBS_URL` selects the device (default `verbs://`, the first
 //! active one); `scripts/verbs-tests.sh` runs these on soft-RoCE in a VM.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use backend_verbs::{VerbsConfig, VerbsEngine};
 use transport_core::conformance::EngineFactory;
@@ -34,18 +35,50 @@ fn unused_port() -> String {
     addr.to_string()
 }
 
+/// The engines the factories made, by segment name: the conformance hook
+/// `refuse_notifications` gets an engine possibly wrapped in an adapter and
+/// finds the verbs engine behind it here.
+fn made() -> &'static Mutex<HashMap<String, Weak<VerbsEngine>>> {
+    static MADE: OnceLock<Mutex<HashMap<String, Weak<VerbsEngine>>>> = OnceLock::new();
+    MADE.get_or_init(Default::default)
+}
+
+async fn start(url: &str) -> Result<Arc<dyn TransferEngine>> {
+    let cfg = VerbsConfig::from_url(url)?;
+    let e = Arc::new(VerbsEngine::start(cfg).await?);
+    let mut m = made().lock().unwrap_or_else(|p| p.into_inner());
+    m.retain(|_, w| w.strong_count() > 0);
+    m.insert(e.segment_name().to_owned(), Arc::downgrade(&e));
+    Ok(e)
+}
+
+/// Makes the engine behind `engine` refuse the notifications its peers send.
+fn refuse(engine: &Arc<dyn TransferEngine>) -> bool {
+    let m = made().lock().unwrap_or_else(|p| p.into_inner());
+    match m.get(engine.segment_name()).and_then(Weak::upgrade) {
+        Some(e) => {
+            e.set_refuse_notifications(true);
+            true
+        }
+        None => false,
+    }
+}
+
 /// Engines with the default configuration.
 struct VerbsFactory;
 
 #[async_trait::async_trait]
 impl EngineFactory for VerbsFactory {
     async fn create(&self) -> Result<Arc<dyn TransferEngine>> {
-        let cfg = VerbsConfig::from_url(&base_url())?;
-        Ok(Arc::new(VerbsEngine::start(cfg).await?))
+        start(&base_url()).await
     }
 
     fn unknown_segment_name(&self) -> String {
         unused_port()
+    }
+
+    async fn refuse_notifications(&self, engine: &Arc<dyn TransferEngine>) -> Result<bool> {
+        Ok(refuse(engine))
     }
 }
 
@@ -67,12 +100,15 @@ mod small_queues {
                 &base_url(),
                 "sq_depth=8&signal_every=3&max_message=4k&max_sge=2&secret=conf%20secret",
             );
-            let cfg = VerbsConfig::from_url(&url)?;
-            Ok(Arc::new(VerbsEngine::start(cfg).await?))
+            start(&url).await
         }
 
         fn unknown_segment_name(&self) -> String {
             unused_port()
+        }
+
+        async fn refuse_notifications(&self, engine: &Arc<dyn TransferEngine>) -> Result<bool> {
+            Ok(refuse(engine))
         }
     }
 

@@ -206,6 +206,138 @@ async fn qp_error_with_outstanding_requests() {
     b.unregister(dst.addr()).await.expect("unregister");
 }
 
+/// RDMA READs in flight when the queue pair is forced to error: a request
+/// is reported failed only once the device is done with its memory (its
+/// flush completion, or the queue pair destroyed), so a buffer the caller
+/// reuses after the failure is never written by a READ afterwards, and the
+/// region can be unregistered at once.
+#[tokio::test]
+async fn read_in_flight_qp_error_buffer_reused_is_not_written() {
+    let test = "read_in_flight_qp_error_buffer_reused_is_not_written";
+    let Some(a) = engine(test).await else { return };
+    let Some(b) = engine(test).await else { return };
+    const N: u64 = 4096;
+    const SIZE: u64 = 8192;
+    const SENTINEL: u8 = 0xee;
+    let big = (N * SIZE) as usize;
+    let s = SIZE as usize;
+    let src = registered(&b, big, 9).await;
+    let dst = registered(&a, big, 0).await;
+    let scratch = registered(&a, 4096, 0).await;
+    let seg = a.open_segment(b.segment_name()).await.expect("open");
+    // Connected before the batch, so the READs are posted at once.
+    a.transfer(seg, TransferRequest::read(scratch.addr(), src.addr(), 64))
+        .await
+        .expect("first read");
+    let reqs: Vec<_> = (0..N)
+        .map(|i| TransferRequest::read(dst.addr() + i * SIZE, src.addr() + i * SIZE, SIZE))
+        .collect();
+    let id = a.submit(seg, &reqs, None).await.expect("submit");
+    a.inject_fault(seg, Fault::QpError).await.expect("inject");
+    let report = tokio::time::timeout(Duration::from_secs(300), a.wait(id))
+        .await
+        .expect("a batch on an errored QP must finish (liveness bound)")
+        .expect("wait");
+    assert_eq!(report.len(), reqs.len());
+    // The caller reuses the memory of every failed request at once.
+    let failed: Vec<usize> = report
+        .results
+        .iter()
+        .enumerate()
+        .filter(|(_, r)| r.is_err())
+        .map(|(i, _)| i)
+        .collect();
+    for &i in &failed {
+        dst.write(i * s, &vec![SENTINEL; s]).expect("reuse");
+    }
+    // Nothing holds the region any more: unregister does not wait.
+    tokio::time::timeout(Duration::from_secs(60), a.unregister(dst.addr()))
+        .await
+        .expect("unregister after the batch was reported must not wait for the device")
+        .expect("unregister");
+    // Give a straggling READ every chance to land: traffic on the segment
+    // (a new queue pair), and time.
+    let mut next = a
+        .transfer(seg, TransferRequest::read(scratch.addr(), src.addr(), 4096))
+        .await;
+    if let Err(e) = &next {
+        assert!(typed_transfer_error(e), "untyped {e:?}");
+        next = a
+            .transfer(seg, TransferRequest::read(scratch.addr(), src.addr(), 4096))
+            .await;
+    }
+    next.expect("read on the new QP");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let want = pattern(9, big);
+    let got = dst.to_vec();
+    for (i, r) in report.results.iter().enumerate() {
+        let range = i * s..(i + 1) * s;
+        match r {
+            Ok(()) => assert_eq!(
+                got[range.clone()],
+                want[range],
+                "request {i} reported success without its bytes"
+            ),
+            Err(e) => {
+                assert!(typed_transfer_error(e), "request {i}: untyped {e:?}");
+                assert!(
+                    got[range].iter().all(|b| *b == SENTINEL),
+                    "request {i} was reported failed, its buffer reused, and then written"
+                );
+            }
+        }
+    }
+    println!(
+        "{test}: {} of {} READs failed after the QP error; none wrote after",
+        failed.len(),
+        report.len()
+    );
+    a.unregister(scratch.addr()).await.expect("unregister");
+    b.unregister(src.addr()).await.expect("unregister");
+}
+
+/// The owner's notification queue is bounded: notifications beyond it are
+/// refused with the typed, retryable `QueueFull` (the sender's data landed,
+/// its last request fails), and accepted again once the queue is taken.
+#[tokio::test]
+async fn notification_queue_full_is_retryable() {
+    let test = "notification_queue_full_is_retryable";
+    let Some(p) = pair(test).await else { return };
+    let _ = p.b.take_notifications().await;
+    let mut full = None;
+    // 1024 notifications fit (MAX_QUEUED_NOTIFICATIONS); the bytes bound
+    // (16 MiB) is reached first with 64 KiB messages: 256 of them.
+    let message = "x".repeat(transport_core::MAX_NOTIFICATION_MESSAGE);
+    for k in 0..2048 {
+        let note = Notification::new(format!("n{k}"), message.clone());
+        let report =
+            p.a.batch_transfer(p.seg, &[p.write(64)], Some(&note))
+                .await
+                .expect("a batch whose data moved is not an error");
+        match &report.results[0] {
+            Ok(()) => {}
+            Err(e @ Error::QueueFull { .. }) => {
+                assert!(e.is_retryable());
+                full = Some(k);
+                break;
+            }
+            Err(e) => panic!("notification {k}: expected Ok or QueueFull, got {e:?}"),
+        }
+    }
+    let k = full.expect("the notification queue never filled");
+    println!("{test}: the queue took {k} notifications of 64 KiB");
+    let taken = p.b.take_notifications().await.expect("take");
+    assert_eq!(taken.len(), k);
+    let note = Notification::new("again", "after the queue was taken");
+    let report =
+        p.a.batch_transfer(p.seg, &[p.write(64)], Some(&note))
+            .await
+            .expect("batch");
+    assert!(report.is_success(), "{report:?}");
+    assert_eq!(p.b.take_notifications().await.expect("take"), vec![note]);
+    p.release().await;
+}
+
 #[tokio::test]
 async fn invalid_rkey_is_a_remote_address_error() {
     let Some(p) = pair("invalid_rkey_is_a_remote_address_error").await else {

@@ -1,9 +1,15 @@
 //! The opener's side of one connection: an RC queue pair with its own
 //! completion queue, the peer's region table, the send-queue accounting with
-//! selective signalling, and the control-channel client.
+//! selective signalling, notifications SENT on the queue pair after the
+//! data, and the control-channel client.
+//!
+//! Memory the device may still touch stays guarded: a request's region
+//! guards are released only when a completion covers its work requests —
+//! after the queue pair breaks, that is its flush completion — or when the
+//! queue pair has been destroyed (`Drop`).
 
 use std::collections::{BTreeMap, VecDeque};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -15,52 +21,66 @@ use tokio::sync::{mpsc, oneshot, Semaphore};
 use tokio::task::AbortHandle;
 use transport_core::{Error, Notification, Result, Side, TransferOp};
 
-use super::batch::Batch;
-use super::device::{self, Device};
-use super::poller::Poller;
+use super::device::{self, Device, Slots};
+use super::poller::{Poller, Watched};
+use super::progress::Progress;
 use crate::auth;
 use crate::plan::WrPlan;
 use crate::wire::{self, Msg, QpEndpoint, RemoteRegion};
 
+/// Notifications one connection has in flight (SENT, not yet answered):
+/// the owner posts this many receives for the connection.
+pub(crate) const NOTIFY_RING: usize = 8;
+/// Bytes of one notification slot (the largest SEND payload).
+pub(crate) const NOTIFY_SLOT: usize = wire::NOTIFICATION_MAX_PAYLOAD;
+/// Region-table requests queued for the control channel's writer.
+const CTL_QUEUE: usize = 64;
+
+/// What an outstanding work request carries.
+enum Work {
+    /// Bytes of the requests `reqs` of a batch.
+    Data {
+        progress: Arc<Progress>,
+        reqs: Vec<u32>,
+        op: TransferOp,
+    },
+    /// The notification in send slot `slot`.
+    Notify { slot: usize, id: u64 },
+}
+
 /// A work request on the send queue whose completion is not yet known.
 struct Outstanding {
     seq: u64,
-    batch: Arc<Batch>,
-    reqs: Vec<u32>,
-    op: TransferOp,
+    work: Work,
     remote: u64,
     len: u64,
 }
 
 struct Sq {
-    qp: BasicQueuePair,
+    /// `None` once destroyed (only in `Drop`).
+    qp: Option<BasicQueuePair>,
     next_seq: u64,
     since_signal: u32,
     outstanding: VecDeque<Outstanding>,
     broken: Option<Error>,
 }
 
-enum CtlRequest {
-    Table(oneshot::Sender<Result<Vec<RemoteRegion>>>),
-    Notify(Notification, oneshot::Sender<Result<()>>),
-}
-
-enum Pending {
-    Table(oneshot::Sender<Result<Vec<RemoteRegion>>>),
-    Notify(oneshot::Sender<Result<()>>),
-}
-
-impl Pending {
-    fn fail(self, e: Error) {
-        match self {
-            Pending::Table(tx) => {
-                let _ = tx.send(Err(e));
-            }
-            Pending::Notify(tx) => {
-                let _ = tx.send(Err(e));
-            }
+impl Sq {
+    fn qp_ptr(&self) -> *mut sys::ibv_qp {
+        match &self.qp {
+            // SAFETY: only the pointer is taken; the QP lives in `self`.
+            Some(qp) => unsafe { qp.qp() }.as_ptr(),
+            None => std::ptr::null_mut(),
         }
     }
+}
+
+type TableReply = oneshot::Sender<Result<Vec<RemoteRegion>>>;
+
+/// A notification SENT and waiting for the owner's answer.
+struct NoteWait {
+    id: u64,
+    tx: oneshot::Sender<Result<()>>,
 }
 
 /// One connection to a peer segment.
@@ -71,12 +91,19 @@ pub(crate) struct Conn {
     sq: Mutex<Sq>,
     credits: Arc<Semaphore>,
     regions: Mutex<BTreeMap<u64, RemoteRegion>>,
-    ctl: mpsc::UnboundedSender<CtlRequest>,
+    ctl: mpsc::Sender<TableReply>,
     tasks: Mutex<Vec<AbortHandle>>,
     corrupt_next_rkey: AtomicBool,
     poller: Arc<Poller>,
     qpn: u32,
     qp_key: usize,
+    /// Registered buffer the notification SENDs read from.
+    send_slots: Slots,
+    free_slots: Mutex<Vec<usize>>,
+    slot_permits: Arc<Semaphore>,
+    /// Notifications SENT, in order, waiting for the owner's answer.
+    notes: Mutex<VecDeque<NoteWait>>,
+    next_note: AtomicU64,
 }
 
 use transport_core::raw::lock;
@@ -114,8 +141,17 @@ impl Conn {
             }
         };
         let _ = stream.set_nodelay(true);
+        // Registering the notification buffer is a blocking verbs call.
+        let send_slots = {
+            let dev = Arc::clone(&dev);
+            tokio::task::spawn_blocking(move || Slots::new(&dev, NOTIFY_RING, NOTIFY_SLOT))
+                .await
+                .map_err(|e| {
+                    Error::Canceled(format!("registering the notification buffer: {e}"))
+                })??
+        };
         let cq = dev.create_cq(dev.sq_depth + 16, true)?;
-        let mut qp = dev.create_qp(&cq, dev.sq_depth, dev.max_sge)?;
+        let mut qp = dev.create_qp(&cq, dev.sq_depth, 1, dev.max_sge)?;
         let psn = device::random_psn();
         let local = dev.endpoint(&qp, psn);
         let hello = Msg::Hello {
@@ -165,14 +201,14 @@ impl Conn {
         let qpn = qp.qp_number();
         // SAFETY: only the address is used, as a map key.
         let qp_key = unsafe { qp.qp() }.as_ptr() as usize;
-        let (ctl_tx, ctl_rx) = mpsc::unbounded_channel();
+        let (ctl_tx, ctl_rx) = mpsc::channel(CTL_QUEUE);
         let conn = Arc::new(Conn {
             peer: name.to_owned(),
             credits: Arc::new(Semaphore::new(dev.sq_depth as usize)),
             dev,
             cq,
             sq: Mutex::new(Sq {
-                qp,
+                qp: Some(qp),
                 next_seq: 1,
                 since_signal: 0,
                 outstanding: VecDeque::new(),
@@ -185,8 +221,15 @@ impl Conn {
             poller,
             qpn,
             qp_key,
+            send_slots,
+            free_slots: Mutex::new((0..NOTIFY_RING).collect()),
+            slot_permits: Arc::new(Semaphore::new(NOTIFY_RING)),
+            notes: Mutex::new(VecDeque::new()),
+            next_note: AtomicU64::new(1),
         });
-        conn.poller.watch(&conn.cq, &conn)?;
+        let weak: std::sync::Weak<dyn Watched> = Arc::downgrade(&conn) as _;
+        conn.poller
+            .watch(&conn.cq, [conn.cq_key(), conn.qp_key], weak)?;
         let (rd, wr) = stream.into_split();
         let pending = Arc::new(Mutex::new(VecDeque::new()));
         let w = tokio::spawn(ctl_writer(
@@ -222,11 +265,13 @@ impl Conn {
         })
     }
 
-    /// Fetches the peer's current region table over the control channel.
+    /// Fetches the peer's current region table over the control channel
+    /// (waiting for room in its bounded request queue).
     pub(crate) async fn refresh_regions(&self) -> Result<()> {
         let (tx, rx) = oneshot::channel();
         self.ctl
-            .send(CtlRequest::Table(tx))
+            .send(tx)
+            .await
             .map_err(|_| self.lost("the control channel is closed"))?;
         let regions = rx
             .await
@@ -235,14 +280,137 @@ impl Conn {
         Ok(())
     }
 
-    /// Delivers a notification and waits for the peer's acknowledgement.
-    pub(crate) async fn notify(&self, n: Notification) -> Result<()> {
+    /// SENDs a notification on the queue pair — after every work request
+    /// posted before it, so the owner receives it only after their data —
+    /// and waits for the owner's answer: queued, or refused (its queue is
+    /// full: [`Error::QueueFull`]; it refuses notifications:
+    /// [`Error::SegmentUnavailable`]).
+    pub(crate) async fn notify(&self, n: &Notification) -> Result<()> {
+        let payload = wire::encode_notification(n);
+        let permit = Arc::clone(&self.slot_permits)
+            .acquire_owned()
+            .await
+            .map_err(|_| self.lost("the connection is closed"))?;
+        permit.forget();
+        let Some(slot) = lock(&self.free_slots).pop() else {
+            // Cannot happen: a permit is a free slot.
+            self.slot_permits.add_permits(1);
+            return Err(self.lost("no free notification slot"));
+        };
+        let credit = match Arc::clone(&self.credits).acquire_owned().await {
+            Ok(c) => c,
+            Err(_) => {
+                self.release_slot(slot);
+                return Err(self.broken_error());
+            }
+        };
+        credit.forget();
         let (tx, rx) = oneshot::channel();
-        self.ctl
-            .send(CtlRequest::Notify(n, tx))
-            .map_err(|_| self.lost("the control channel is closed"))?;
-        rx.await
-            .map_err(|_| self.lost("the control channel closed"))?
+        {
+            let mut sq = lock(&self.sq);
+            if sq.broken.is_some() {
+                self.credits.add_permits(1);
+                self.release_slot(slot);
+                return Err(self.broken_error_locked(&sq));
+            }
+            // SAFETY: the slot was free: no work request uses it.
+            unsafe { self.send_slots.write(slot, &payload) };
+            let id = self.next_note.fetch_add(1, Ordering::Relaxed);
+            let seq = sq.next_seq;
+            sq.next_seq += 1;
+            sq.since_signal = 0;
+            let mut sge = sys::ibv_sge {
+                addr: self.send_slots.addr(slot),
+                length: payload.len() as u32,
+                lkey: self.send_slots.lkey(),
+            };
+            // SAFETY: plain C data; all-zero is a valid empty value.
+            let mut wr: sys::ibv_send_wr = unsafe { std::mem::zeroed() };
+            wr.wr_id = seq;
+            wr.sg_list = &mut sge;
+            wr.num_sge = 1;
+            wr.opcode = sys::ibv_wr_opcode::IBV_WR_SEND;
+            // Fenced: it waits for the RDMA READs before it too.
+            wr.send_flags =
+                sys::ibv_send_flags::IBV_SEND_SIGNALED.0 | sys::ibv_send_flags::IBV_SEND_FENCE.0;
+            lock(&self.notes).push_back(NoteWait { id, tx });
+            sq.outstanding.push_back(Outstanding {
+                seq,
+                work: Work::Notify { slot, id },
+                remote: 0,
+                len: payload.len() as u64,
+            });
+            let mut bad: *mut sys::ibv_send_wr = std::ptr::null_mut();
+            // SAFETY: the QP is alive (locked in `sq`); the WR and its SGE
+            // live until the call returns; the SGE lies in the registered
+            // notification buffer, whose slot stays reserved until the
+            // completion.
+            let rc = unsafe { sys::ibv_post_send(sq.qp_ptr(), &mut wr, &mut bad) };
+            if rc != 0 {
+                let err =
+                    device::verbs_error("ibv_post_send", &std::io::Error::from_raw_os_error(rc));
+                if let Some(o) = sq.outstanding.pop_back() {
+                    self.retire(o, &Err(err.clone()));
+                }
+                self.credits.add_permits(1);
+                self.break_locked(&mut sq, err);
+            }
+        }
+        rx.await.map_err(|_| {
+            self.lost("the connection closed before the peer answered the notification")
+        })?
+    }
+
+    /// The owner's answer to the oldest notification waiting for one.
+    fn answer(&self, result: Result<()>) -> bool {
+        match lock(&self.notes).pop_front() {
+            Some(w) => {
+                let _ = w.tx.send(result);
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn fail_notes(&self, err: &Error) {
+        for w in lock(&self.notes).drain(..) {
+            let _ = w.tx.send(Err(err.clone()));
+        }
+    }
+
+    fn release_slot(&self, slot: usize) {
+        lock(&self.free_slots).push(slot);
+        self.slot_permits.add_permits(1);
+    }
+
+    /// Applies the outcome of one work request the device is done with.
+    fn retire(&self, o: Outstanding, result: &Result<()>) {
+        match o.work {
+            Work::Data { progress, reqs, .. } => progress.wr_done(&reqs, result),
+            Work::Notify { slot, id } => {
+                if let Err(e) = result {
+                    // The owner did not get it: it will not answer.
+                    let mut notes = lock(&self.notes);
+                    if let Some(k) = notes.iter().position(|w| w.id == id) {
+                        if let Some(w) = notes.remove(k) {
+                            let _ = w.tx.send(Err(e.clone()));
+                        }
+                    }
+                }
+                self.release_slot(slot);
+            }
+        }
+    }
+
+    fn broken_error(&self) -> Error {
+        let sq = lock(&self.sq);
+        self.broken_error_locked(&sq)
+    }
+
+    fn broken_error_locked(&self, sq: &Sq) -> Error {
+        sq.broken
+            .clone()
+            .unwrap_or_else(|| self.lost("the connection is closed"))
     }
 
     fn lost(&self, reason: &str) -> Error {
@@ -260,11 +428,17 @@ impl Conn {
     /// (the completion path discovers it).
     pub(crate) fn force_qp_error(&self) -> Result<()> {
         let mut sq = lock(&self.sq);
-        device::qp_to_error(&mut sq.qp)
+        match sq.qp.as_mut() {
+            Some(qp) => device::qp_to_error(qp),
+            None => Ok(()),
+        }
     }
 
-    /// Marks the connection broken: the queue pair goes to Error, every
-    /// outstanding work request fails with `err`, later posts fail at once.
+    /// Marks the connection broken: the queue pair goes to Error and later
+    /// posts fail at once. Outstanding work requests stay outstanding —
+    /// with their region guards — until their flush completions arrive (or
+    /// the queue pair is destroyed): until then the device may still write
+    /// their memory (an RDMA READ in flight).
     pub(crate) fn break_with(&self, err: Error) {
         let mut sq = lock(&self.sq);
         self.break_locked(&mut sq, err);
@@ -273,27 +447,29 @@ impl Conn {
     fn break_locked(&self, sq: &mut Sq, err: Error) {
         if sq.broken.is_none() {
             tracing::debug!(peer = %self.peer, qpn = self.qpn, error = %err, "verbs connection broken");
-            sq.broken = Some(err.clone());
-            // After this the device executes none of the QP's work requests.
-            if let Err(e) = device::qp_to_error(&mut sq.qp) {
-                tracing::warn!(peer = %self.peer, error = %e, "moving the QP to the error state failed");
+            sq.broken = Some(err);
+            // After this the device executes none of the QP's work requests
+            // and flushes them all, each with a completion.
+            if let Some(qp) = sq.qp.as_mut() {
+                if let Err(e) = device::qp_to_error(qp) {
+                    tracing::warn!(peer = %self.peer, error = %e, "moving the QP to the error state failed");
+                }
             }
             self.credits.close();
+            self.slot_permits.close();
         }
-        let flushed = Error::PeerLost {
+    }
+
+    fn flushed(&self, err: &Error) -> Error {
+        Error::PeerLost {
             peer: self.peer.clone(),
             reason: format!("request flushed: the queue pair entered the error state ({err})"),
-        };
-        let n = sq.outstanding.len();
-        for o in sq.outstanding.drain(..) {
-            o.batch.wr_done(&o.reqs, &Err(flushed.clone()));
         }
-        self.credits.add_permits(n);
     }
 
     /// Posts `wrs` as one chain of work requests for `batch`, waiting for
     /// send-queue room first. Failures are recorded in the batch.
-    pub(crate) async fn post_chain(&self, batch: &Arc<Batch>, wrs: &[WrPlan]) {
+    pub(crate) async fn post_chain(&self, batch: &Arc<Progress>, wrs: &[WrPlan]) {
         let n = wrs.len();
         if n == 0 {
             return;
@@ -331,9 +507,11 @@ impl Conn {
             sq.since_signal = if signaled { 0 } else { sq.since_signal + 1 };
             sq.outstanding.push_back(Outstanding {
                 seq,
-                batch: Arc::clone(batch),
-                reqs: w.reqs.clone(),
-                op: w.op,
+                work: Work::Data {
+                    progress: Arc::clone(batch),
+                    reqs: w.reqs.clone(),
+                    op: w.op,
+                },
                 remote: w.remote,
                 len: w.len,
             });
@@ -385,7 +563,7 @@ impl Conn {
         // its SGE arrays live until the call returns (the device copies
         // them); every SGE lies in memory registered with this PD and held
         // registered by the requests' region guards until their completions.
-        let rc = unsafe { sys::ibv_post_send(sq.qp.qp().as_ptr(), raw.as_mut_ptr(), &mut bad) };
+        let rc = unsafe { sys::ibv_post_send(sq.qp_ptr(), raw.as_mut_ptr(), &mut bad) };
         if rc != 0 {
             let posted = if bad.is_null() {
                 0
@@ -397,7 +575,7 @@ impl Conn {
             // The unposted tail never reaches the device.
             for _ in posted..n {
                 if let Some(o) = sq.outstanding.pop_back() {
-                    o.batch.wr_done(&o.reqs, &Err(err.clone()));
+                    self.retire(o, &Err(err.clone()));
                 }
             }
             self.credits.add_permits(n - posted);
@@ -410,20 +588,26 @@ impl Conn {
         let mut sq = lock(&self.sq);
         let mut covered = 0;
         if status == sys::ibv_wc_status::IBV_WC_SUCCESS {
+            // In-order completion on an RC send queue: one completion
+            // retires every work request up to it.
             while sq.outstanding.front().is_some_and(|o| o.seq <= wr_id) {
                 if let Some(o) = sq.outstanding.pop_front() {
-                    o.batch.wr_done(&o.reqs, &Ok(()));
+                    self.retire(o, &Ok(()));
                     covered += 1;
                 }
             }
             self.credits.add_permits(covered);
             return;
         }
-        // In-order completion on an RC send queue: everything before the
-        // failed WR completed.
+        // Before the connection broke, everything before the first failed
+        // WR completed; after, every WR completes on its own (errors always
+        // produce a completion), and unsignalled ones before a flushed one
+        // are not known to have completed.
+        let earlier = sq.broken.as_ref().map(|e| self.flushed(e));
         while sq.outstanding.front().is_some_and(|o| o.seq < wr_id) {
             if let Some(o) = sq.outstanding.pop_front() {
-                o.batch.wr_done(&o.reqs, &Ok(()));
+                let r = earlier.clone().map_or(Ok(()), Err);
+                self.retire(o, &r);
                 covered += 1;
             }
         }
@@ -431,7 +615,7 @@ impl Conn {
         if sq.outstanding.front().is_some_and(|o| o.seq == wr_id) {
             if let Some(o) = sq.outstanding.pop_front() {
                 let e = self.wc_error(status, vendor_err, &o);
-                o.batch.wr_done(&o.reqs, &Err(e.clone()));
+                self.retire(o, &Err(e.clone()));
                 covered += 1;
                 err = Some(e);
             }
@@ -450,26 +634,33 @@ impl Conn {
     fn wc_error(&self, status: u32, vendor_err: u32, o: &Outstanding) -> Error {
         use sys::ibv_wc_status as st;
         let name = device::wc_status_name(status);
+        let what = match &o.work {
+            Work::Data { op, .. } => format!("RDMA {op}"),
+            Work::Notify { .. } => "notification SEND".to_owned(),
+        };
         match status {
-            st::IBV_WC_REM_ACCESS_ERR | st::IBV_WC_REM_INV_REQ_ERR => Error::AddressNotRegistered {
-                side: Side::Remote,
-                addr: o.remote,
-                len: o.len,
-                peer: Some(self.peer.clone()),
-            },
+            st::IBV_WC_REM_ACCESS_ERR | st::IBV_WC_REM_INV_REQ_ERR
+                if matches!(o.work, Work::Data { .. }) =>
+            {
+                Error::AddressNotRegistered {
+                    side: Side::Remote,
+                    addr: o.remote,
+                    len: o.len,
+                    peer: Some(self.peer.clone()),
+                }
+            }
             st::IBV_WC_RETRY_EXC_ERR
             | st::IBV_WC_RNR_RETRY_EXC_ERR
             | st::IBV_WC_RESP_TIMEOUT_ERR
             | st::IBV_WC_WR_FLUSH_ERR => Error::PeerLost {
                 peer: self.peer.clone(),
                 reason: format!(
-                    "{name}: the peer did not answer the RDMA {} (vendor error {vendor_err:#x})",
-                    o.op
+                    "{name}: the peer did not answer the {what} (vendor error {vendor_err:#x})"
                 ),
             },
             _ => Error::Backend {
                 backend: crate::BACKEND.to_owned(),
-                operation: format!("RDMA {} of {} bytes to {:#x}", o.op, o.len, o.remote),
+                operation: format!("{what} of {} bytes to {:#x}", o.len, o.remote),
                 code: i64::from(status),
                 name: name.to_owned(),
             },
@@ -514,10 +705,6 @@ impl Conn {
         Ok(())
     }
 
-    pub(crate) fn qp_key(&self) -> usize {
-        self.qp_key
-    }
-
     pub(crate) fn cq_key(&self) -> usize {
         // SAFETY: only the address is used, as a map key.
         unsafe { self.cq.cq() }.as_ptr() as usize
@@ -537,6 +724,25 @@ impl Conn {
     }
 }
 
+impl Watched for Conn {
+    fn drain_cq(&self) {
+        Conn::drain_cq(self);
+    }
+
+    fn fail(&self, event: &str) {
+        self.break_with(Error::PeerLost {
+            peer: self.peer.clone(),
+            reason: format!(
+                "{event}: the device reported the queue pair or its completion queue in error"
+            ),
+        });
+    }
+
+    fn peer(&self) -> &str {
+        &self.peer
+    }
+}
+
 impl Drop for Conn {
     fn drop(&mut self) {
         self.poller.unwatch(&[self.cq_key(), self.qp_key]);
@@ -544,40 +750,39 @@ impl Drop for Conn {
             t.abort();
         }
         let err = self.lost("the connection was closed");
-        let sq = self.sq.get_mut().unwrap_or_else(|p| p.into_inner());
-        for o in sq.outstanding.drain(..) {
-            o.batch.wr_done(&o.reqs, &Err(err.clone()));
+        let outstanding: Vec<Outstanding> = {
+            let sq = self.sq.get_mut().unwrap_or_else(|p| p.into_inner());
+            // Destroy the queue pair first: once ibv_destroy_qp returns the
+            // device touches none of the memory of its work requests, and
+            // only then may their guards go and their requests fail.
+            drop(sq.qp.take());
+            sq.outstanding.drain(..).collect()
+        };
+        for o in outstanding {
+            self.retire(o, &Err(err.clone()));
         }
+        self.fail_notes(&err);
     }
 }
 
 async fn ctl_writer(
     mut wr: tokio::net::tcp::OwnedWriteHalf,
-    mut rx: mpsc::UnboundedReceiver<CtlRequest>,
-    pending: Arc<Mutex<VecDeque<Pending>>>,
+    mut rx: mpsc::Receiver<TableReply>,
+    pending: Arc<Mutex<VecDeque<TableReply>>>,
     conn: std::sync::Weak<Conn>,
 ) {
-    while let Some(req) = rx.recv().await {
-        let (msg, p) = match req {
-            CtlRequest::Table(tx) => (Msg::TableRequest, Pending::Table(tx)),
-            CtlRequest::Notify(n, tx) => (
-                Msg::Notify {
-                    name: n.name,
-                    message: n.message,
-                },
-                Pending::Notify(tx),
-            ),
-        };
-        lock(&pending).push_back(p);
-        if let Err(e) = wire::write_msg(&mut wr, &msg).await {
+    while let Some(tx) = rx.recv().await {
+        lock(&pending).push_back(tx);
+        if let Err(e) = wire::write_msg(&mut wr, &Msg::TableRequest).await {
             let err = Error::PeerLost {
                 peer: conn.upgrade().map(|c| c.peer.clone()).unwrap_or_default(),
                 reason: format!("control channel write failed: {e}"),
             };
             for p in lock(&pending).drain(..) {
-                p.fail(err.clone());
+                let _ = p.send(Err(err.clone()));
             }
             if let Some(c) = conn.upgrade() {
+                c.fail_notes(&err);
                 c.break_with(err);
             }
             return;
@@ -587,24 +792,42 @@ async fn ctl_writer(
 
 async fn ctl_reader(
     mut rd: tokio::net::tcp::OwnedReadHalf,
-    pending: Arc<Mutex<VecDeque<Pending>>>,
+    pending: Arc<Mutex<VecDeque<TableReply>>>,
     conn: std::sync::Weak<Conn>,
 ) {
     let peer = conn.upgrade().map(|c| c.peer.clone()).unwrap_or_default();
     let reason = loop {
         match wire::read_msg(&mut rd, &peer).await {
             Ok(Some(Msg::Table { regions })) => match lock(&pending).pop_front() {
-                Some(Pending::Table(tx)) => {
+                Some(tx) => {
                     let _ = tx.send(Ok(regions));
                 }
-                _ => break "unexpected Table frame".to_owned(),
+                None => break "unexpected Table frame".to_owned(),
             },
-            Ok(Some(Msg::NotifyAck)) => match lock(&pending).pop_front() {
-                Some(Pending::Notify(tx)) => {
-                    let _ = tx.send(Ok(()));
+            Ok(Some(Msg::NotifyAck)) => match conn.upgrade() {
+                Some(c) if c.answer(Ok(())) => {}
+                Some(_) => break "unexpected NotifyAck frame".to_owned(),
+                None => return,
+            },
+            Ok(Some(Msg::Notify { full, reason })) => {
+                let err = if full {
+                    Error::QueueFull {
+                        backend: crate::BACKEND.to_owned(),
+                        what: format!("{peer}'s notification queue"),
+                        limit: reason,
+                    }
+                } else {
+                    Error::SegmentUnavailable {
+                        name: peer.clone(),
+                        reason: format!("the notification was refused: {reason}"),
+                    }
+                };
+                match conn.upgrade() {
+                    Some(c) if c.answer(Err(err)) => {}
+                    Some(_) => break "unexpected Notify frame".to_owned(),
+                    None => return,
                 }
-                _ => break "unexpected NotifyAck frame".to_owned(),
-            },
+            }
             Ok(Some(m @ (Msg::RegionAdded(_) | Msg::RegionRemoved { .. }))) => {
                 match conn.upgrade() {
                     Some(c) => c.apply_push(m),
@@ -618,9 +841,10 @@ async fn ctl_reader(
     };
     let err = Error::PeerLost { peer, reason };
     for p in lock(&pending).drain(..) {
-        p.fail(err.clone());
+        let _ = p.send(Err(err.clone()));
     }
     if let Some(c) = conn.upgrade() {
+        c.fail_notes(&err);
         c.break_with(err);
     }
 }

@@ -366,18 +366,20 @@ impl Device {
             .map_err(|e| verbs_error("ibv_create_cq", &io_of(&e)))
     }
 
-    /// An RC queue pair on `cq`, moved to INIT.
+    /// An RC queue pair on `cq` with room for `send_wr` send and `recv_wr`
+    /// receive work requests, moved to INIT.
     pub(crate) fn create_qp(
         &self,
         cq: &Arc<BasicCompletionQueue>,
         send_wr: u32,
+        recv_wr: u32,
         sge: u32,
     ) -> Result<BasicQueuePair> {
         let mut qp = self
             .pd
             .create_qp_builder()
             .setup_max_send_wr(send_wr)
-            .setup_max_recv_wr(1)
+            .setup_max_recv_wr(recv_wr.max(1))
             .setup_max_send_sge(sge)
             .setup_max_recv_sge(1)
             .setup_send_cq(Arc::clone(cq))
@@ -526,4 +528,111 @@ pub(crate) fn wc_status_name(status: u32) -> &'static str {
         .get(status as usize)
         .copied()
         .unwrap_or("IBV_WC_UNKNOWN")
+}
+
+/// A zeroed heap buffer of `count` slots of `slot` bytes, registered with
+/// the protection domain (local write; no remote access): the notification
+/// SENDs of an opener and the receive ring of an owner. Only raw pointers
+/// ever touch the memory, since the device writes it behind Rust's back.
+pub(crate) struct Slots {
+    mr: Option<Arc<sideway::ibverbs::memory_region::MemoryRegion>>,
+    ptr: *mut u8,
+    layout: std::alloc::Layout,
+    slot: usize,
+    count: usize,
+}
+
+// SAFETY: the buffer is plain bytes owned by this value; callers coordinate
+// which slot the device may use (see `write` / `read`).
+unsafe impl Send for Slots {}
+// SAFETY: as above; `&self` methods only hand out copies.
+unsafe impl Sync for Slots {}
+
+impl Slots {
+    /// Allocates and registers the buffer (a blocking verbs call: run it
+    /// off the async workers).
+    pub(crate) fn new(dev: &Device, count: usize, slot: usize) -> Result<Slots> {
+        let layout = std::alloc::Layout::from_size_align(count * slot, 64)
+            .map_err(|e| Error::InvalidArgument(format!("notification buffer: {e}")))?;
+        // SAFETY: the layout has a non-zero size (count, slot > 0).
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        if ptr.is_null() {
+            return Err(Error::io(
+                "allocating a notification buffer",
+                &std::io::Error::from(std::io::ErrorKind::OutOfMemory),
+            ));
+        }
+        let mut s = Slots {
+            mr: None,
+            ptr,
+            layout,
+            slot,
+            count,
+        };
+        // SAFETY: the range is the allocation above, which lives until this
+        // value drops, after the MR (deregistered first in Drop).
+        let mr = unsafe {
+            dev.pd
+                .reg_mr(ptr as usize, count * slot, AccessFlags::LocalWrite)
+        }
+        .map_err(|e| verbs_error("ibv_reg_mr (notification buffer)", &io_of(&e)))?;
+        s.mr = Some(mr);
+        Ok(s)
+    }
+
+    pub(crate) fn lkey(&self) -> u32 {
+        self.mr.as_ref().map_or(0, |m| m.lkey())
+    }
+
+    pub(crate) fn count(&self) -> usize {
+        self.count
+    }
+
+    pub(crate) fn slot_len(&self) -> usize {
+        self.slot
+    }
+
+    /// Device address of slot `i`.
+    pub(crate) fn addr(&self, i: usize) -> u64 {
+        self.ptr as u64 + (i.min(self.count - 1) * self.slot) as u64
+    }
+
+    /// Copies `bytes` (at most a slot) into slot `i`.
+    ///
+    /// # Safety
+    ///
+    /// No work request that uses slot `i` may be outstanding.
+    pub(crate) unsafe fn write(&self, i: usize, bytes: &[u8]) {
+        let n = bytes.len().min(self.slot);
+        // SAFETY: slot `i` (clamped) lies in the allocation; nothing else
+        // accesses it (the caller's promise).
+        unsafe {
+            std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.addr(i) as *mut u8, n);
+        }
+    }
+
+    /// The first `len` bytes (at most a slot) of slot `i`.
+    ///
+    /// # Safety
+    ///
+    /// The device must be done writing slot `i` (its receive completed) and
+    /// no new receive on it be posted yet.
+    pub(crate) unsafe fn read(&self, i: usize, len: usize) -> Vec<u8> {
+        let n = len.min(self.slot);
+        let mut out = vec![0u8; n];
+        // SAFETY: as for `write`.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.addr(i) as *const u8, out.as_mut_ptr(), n);
+        }
+        out
+    }
+}
+
+impl Drop for Slots {
+    fn drop(&mut self) {
+        // Deregister before the memory goes.
+        self.mr.take();
+        // SAFETY: allocated in `new` with this layout.
+        unsafe { std::alloc::dealloc(self.ptr, self.layout) };
+    }
 }

@@ -1,28 +1,28 @@
 //! The RDMA implementation (feature `rdma`).
 
-mod batch;
 mod conn;
 mod device;
 mod poller;
+mod progress;
 mod server;
 
-use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use sideway::ibverbs::memory_region::MemoryRegion as Mr;
 use sideway::ibverbs::AccessFlags;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, Notify};
+use transport_core::raw::{BatchDriver, BatchTable, RegionTable};
 use transport_core::{
     BackendInfo, BatchId, BatchReport, BatchStatus, Capabilities, Error, MemoryKinds, MemoryRegion,
-    MissingCapability, Notification, Operation, RegionTable, Result, SegmentId, Side,
-    TransferRequest,
+    MissingCapability, Notification, Operation, Result, SegmentId, Side, TransferRequest,
 };
 
-use self::batch::Batch;
 use self::conn::Conn;
 use self::device::Device;
 use self::poller::Poller;
+use self::progress::Progress;
 use crate::config::VerbsConfig;
 use crate::plan::{self, Piece};
 use crate::wire::{Msg, RemoteRegion};
@@ -30,6 +30,25 @@ use crate::{Fault, BACKEND};
 
 /// Most work requests posted as one chain.
 const MAX_CHAIN: usize = 64;
+
+/// Most notifications an engine holds before `take_notifications`; one
+/// arriving beyond that (or beyond [`MAX_QUEUED_NOTIFICATION_BYTES`]) is
+/// refused, and the sender's batch fails its last request with
+/// [`Error::QueueFull`].
+pub const MAX_QUEUED_NOTIFICATIONS: usize = 1024;
+/// Most bytes (names and messages) of the notifications an engine holds.
+pub const MAX_QUEUED_NOTIFICATION_BYTES: usize = 16 << 20;
+
+/// The notifications received and not yet taken, with their size.
+#[derive(Default)]
+struct Notes {
+    queue: VecDeque<Notification>,
+    bytes: usize,
+}
+
+/// The control queue of one connected opener and the switch that
+/// disconnects it when the queue overflows.
+type Subscriber = (mpsc::Sender<Msg>, Arc<Notify>);
 
 struct Segment {
     name: String,
@@ -46,10 +65,10 @@ pub(crate) struct Inner {
     mrs: Mutex<BTreeMap<u64, Arc<Mr>>>,
     segments: Mutex<HashMap<u64, Arc<Segment>>>,
     next_segment: AtomicU64,
-    batches: Mutex<HashMap<u64, Arc<Batch>>>,
-    next_batch: AtomicU64,
-    notifications: Mutex<Vec<Notification>>,
-    subs: Mutex<HashMap<u64, mpsc::UnboundedSender<Msg>>>,
+    batches: BatchTable,
+    notifications: Mutex<Notes>,
+    refuse_notifications: AtomicBool,
+    subs: Mutex<HashMap<u64, Subscriber>>,
     next_sub: AtomicU64,
 }
 
@@ -90,9 +109,9 @@ impl Inner {
             mrs: Mutex::new(BTreeMap::new()),
             segments: Mutex::new(HashMap::new()),
             next_segment: AtomicU64::new(1),
-            batches: Mutex::new(HashMap::new()),
-            next_batch: AtomicU64::new(1),
-            notifications: Mutex::new(Vec::new()),
+            batches: BatchTable::new(BACKEND),
+            notifications: Mutex::new(Notes::default()),
+            refuse_notifications: AtomicBool::new(false),
             subs: Mutex::new(HashMap::new()),
             next_sub: AtomicU64::new(1),
         });
@@ -105,20 +124,26 @@ impl Inner {
         Ok(inner)
     }
 
-    /// Stops the completion thread and the control runtime (closing every
-    /// control connection and passive queue pair).
+    /// Stops the control runtime (closing every control connection and
+    /// passive queue pair) and then the completion thread, on a detached
+    /// helper thread: the caller (often a Tokio worker dropping the engine)
+    /// never blocks on either.
     pub(crate) fn shutdown(&self) {
-        if let Some(rt) = lock(&self.runtime).take() {
-            // Drop every control task now (closing its socket and passive
-            // queue pair) so that peers see this engine go away at once. A
-            // helper thread does the blocking wait, which is not allowed on
-            // a Tokio worker; the bound covers a drop from a control task.
-            let stopper = std::thread::spawn(move || {
-                rt.shutdown_timeout(std::time::Duration::from_secs(5));
+        let rt = lock(&self.runtime).take();
+        let poller = Arc::clone(&self.poller);
+        let stopper = std::thread::Builder::new()
+            .name("ferry-verbs-stop".into())
+            .spawn(move || {
+                if let Some(rt) = rt {
+                    // Drops every control task (its socket and queue pair),
+                    // so peers see this engine go away.
+                    rt.shutdown_timeout(std::time::Duration::from_secs(5));
+                }
+                poller.stop();
             });
-            let _ = stopper.join();
+        if let Err(e) = stopper {
+            tracing::warn!(error = %e, "verbs: no thread to stop the engine on; stopping in place");
         }
-        self.poller.stop();
     }
 
     pub(crate) fn segment_name(&self) -> &str {
@@ -170,13 +195,18 @@ impl Inner {
         }
     }
 
-    fn subscribers(&self) -> MutexGuard<'_, HashMap<u64, mpsc::UnboundedSender<Msg>>> {
+    fn subscribers(&self) -> MutexGuard<'_, HashMap<u64, Subscriber>> {
         lock(&self.subs)
     }
 
+    /// Queues `msg` to every connected opener; one whose queue is full
+    /// (it does not read) is disconnected and rebuilds its table when it
+    /// reconnects.
     fn broadcast(&self, msg: &Msg) {
-        for tx in self.subscribers().values() {
-            let _ = tx.send(msg.clone());
+        for (tx, kill) in self.subscribers().values() {
+            if let Err(mpsc::error::TrySendError::Full(_)) = tx.try_send(msg.clone()) {
+                kill.notify_one();
+            }
         }
     }
 
@@ -191,12 +221,40 @@ impl Inner {
             .collect()
     }
 
-    fn push_notification(&self, n: Notification) {
-        lock(&self.notifications).push(n);
+    /// Queues a notification a peer SENT, or says why not: `(true, bound)`
+    /// when the queue is full, `(false, reason)` when refused.
+    fn accept_notification(&self, n: Notification) -> std::result::Result<(), (bool, String)> {
+        if self.refuse_notifications.load(Ordering::Relaxed) {
+            return Err((false, "this engine refuses notifications".to_owned()));
+        }
+        let size = n.name.len() + n.message.len();
+        let mut q = lock(&self.notifications);
+        if q.queue.len() >= MAX_QUEUED_NOTIFICATIONS
+            || q.bytes + size > MAX_QUEUED_NOTIFICATION_BYTES
+        {
+            return Err((
+                true,
+                format!(
+                    "{MAX_QUEUED_NOTIFICATIONS} notifications or {MAX_QUEUED_NOTIFICATION_BYTES} bytes \
+                     (holding {} notifications of {} bytes)",
+                    q.queue.len(),
+                    q.bytes
+                ),
+            ));
+        }
+        q.bytes += size;
+        q.queue.push_back(n);
+        Ok(())
     }
 
     pub(crate) fn take_notifications(&self) -> Vec<Notification> {
-        std::mem::take(&mut *lock(&self.notifications))
+        let mut q = lock(&self.notifications);
+        q.bytes = 0;
+        std::mem::take(&mut q.queue).into()
+    }
+
+    pub(crate) fn set_refuse_notifications(&self, refuse: bool) {
+        self.refuse_notifications.store(refuse, Ordering::Relaxed);
     }
 
     pub(crate) async fn register(&self, region: &MemoryRegion) -> Result<()> {
@@ -212,24 +270,34 @@ impl Inner {
                 region.len()
             )));
         }
-        self.local.insert(region.clone())?;
-        // SAFETY: the caller promised (MemoryRegion::from_raw_parts) that the
-        // range stays valid until `unregister` returns; the MR is dropped
-        // (deregistered) in `unregister` before that.
-        let mr = unsafe {
-            self.dev.pd.reg_mr(
-                region.addr() as usize,
-                region.len() as usize,
-                AccessFlags::LocalWrite | AccessFlags::RemoteWrite | AccessFlags::RemoteRead,
-            )
-        };
-        let mr = match mr {
-            Ok(mr) => mr,
-            Err(e) => {
-                let _ = self.local.remove(region.addr()).await;
-                return Err(device::verbs_error("ibv_reg_mr", &device::io_of(&e)));
+        // ibv_reg_mr pins the pages (seconds for gigabytes): off the async
+        // workers. If this future is dropped meanwhile, the MR is dropped
+        // (deregistered) when the blocking call returns and nothing stays
+        // registered.
+        let pd = Arc::clone(&self.dev.pd);
+        let (addr, len) = (region.addr() as usize, region.len() as usize);
+        let mr = tokio::task::spawn_blocking(move || {
+            // SAFETY: the caller promised (MemoryRegion::from_raw_parts)
+            // that the range stays valid until `unregister` returns; the MR
+            // is dropped (deregistered) in `unregister` before that, or
+            // below if the registration does not complete.
+            unsafe {
+                pd.reg_mr(
+                    addr,
+                    len,
+                    AccessFlags::LocalWrite | AccessFlags::RemoteWrite | AccessFlags::RemoteRead,
+                )
             }
-        };
+            .map_err(|e| device::verbs_error("ibv_reg_mr", &device::io_of(&e)))
+        })
+        .await
+        .map_err(|e| Error::Canceled(format!("ibv_reg_mr did not finish: {e}")))??;
+        // From here on nothing awaits: the registration completes or fails
+        // as a whole.
+        if let Err(e) = self.local.insert(region.clone()) {
+            drop_off_workers(mr);
+            return Err(e);
+        }
         let remote = RemoteRegion {
             addr: region.addr(),
             len: region.len(),
@@ -241,12 +309,16 @@ impl Inner {
     }
 
     pub(crate) async fn unregister(&self, addr: u64) -> Result<()> {
-        // Waits for local transfers using the region.
+        // Waits for local transfers using the region (cancel-safe).
         self.local.remove(addr).await?;
         let mr = lock(&self.mrs).remove(&addr);
         self.broadcast(&Msg::RegionRemoved { addr });
-        // Deregistering makes the device refuse every later access by peers.
-        drop(mr);
+        // Deregistering makes the device refuse every later access by
+        // peers; ibv_dereg_mr blocks (unpinning), so it runs off the async
+        // workers, and this returns only once it is done.
+        if let Some(mr) = mr {
+            let _ = tokio::task::spawn_blocking(move || drop(mr)).await;
+        }
         Ok(())
     }
 
@@ -357,8 +429,10 @@ impl Inner {
         requests: &[TransferRequest],
         notify: Option<&Notification>,
     ) -> Result<BatchReport> {
-        let batch = self.start_batch(segment, requests, notify).await?;
-        batch.finished().await
+        let driver = BatchDriver::detached(requests.len());
+        self.start_batch(segment, requests, notify, driver.clone())
+            .await?;
+        driver.wait().await
     }
 
     pub(crate) async fn submit(
@@ -367,60 +441,57 @@ impl Inner {
         requests: &[TransferRequest],
         notify: Option<&Notification>,
     ) -> Result<BatchId> {
-        let batch = self.start_batch(segment, requests, notify).await?;
-        let id = self.next_batch.fetch_add(1, Ordering::Relaxed);
-        lock(&self.batches).insert(id, batch);
-        Ok(BatchId(id))
+        if let Some(n) = notify {
+            n.validate()?;
+        }
+        // Admitted first (bounded table); the id is taken back if the batch
+        // is refused or this future is dropped before it is handed out.
+        let admission = self.batches.admit(requests.len())?;
+        let task = self
+            .start_batch(segment, requests, notify, admission.driver().clone())
+            .await?;
+        if requests.is_empty() {
+            // Nothing but the notification: wait for it, so that a refused
+            // one refuses the batch (nothing moved).
+            task.await
+                .map_err(|e| Error::Canceled(format!("the batch task ended: {e}")))??;
+        }
+        Ok(admission.claim())
     }
 
     pub(crate) fn live_batches(&self) -> usize {
-        lock(&self.batches).len()
+        self.batches.len()
     }
 
     pub(crate) fn status(&self, id: BatchId) -> Result<BatchStatus> {
-        let b = lock(&self.batches)
-            .get(&id.0)
-            .cloned()
-            .ok_or(Error::UnknownBatch(id))?;
-        Ok(b.status())
+        self.batches.status(id)
     }
 
     pub(crate) async fn wait(&self, id: BatchId) -> Result<BatchReport> {
-        let b = lock(&self.batches)
-            .get(&id.0)
-            .cloned()
-            .ok_or(Error::UnknownBatch(id))?;
-        let r = b.finished().await;
-        lock(&self.batches).remove(&id.0);
-        r
+        self.batches.wait(id).await
     }
 
     pub(crate) fn release_batch(&self, id: BatchId) -> Result<()> {
-        let mut map = lock(&self.batches);
-        match map.get(&id.0) {
-            None => Err(Error::UnknownBatch(id)),
-            Some(b) if !b.status().is_finished() => Err(Error::BatchBusy(id)),
-            Some(_) => {
-                map.remove(&id.0);
-                Ok(())
-            }
-        }
+        self.batches.release(id)
     }
 
     /// Validates every request, plans the work requests and starts posting
-    /// them on the control runtime. `Err` only when the batch as a whole is
-    /// refused (unknown or unreachable segment, bad notification).
+    /// them on the control runtime; the task reports through `driver` and
+    /// finishes the batch after the notification (if any) was answered.
+    /// `Err` only when the batch as a whole is refused (unknown or
+    /// unreachable segment, bad notification): then nothing was posted.
     async fn start_batch(
         &self,
         segment: SegmentId,
         requests: &[TransferRequest],
         notify: Option<&Notification>,
-    ) -> Result<Arc<Batch>> {
+        driver: BatchDriver,
+    ) -> Result<tokio::task::JoinHandle<Result<BatchReport>>> {
         if let Some(n) = notify {
             n.validate()?;
         }
         let conn = self.conn(segment).await?;
-        let batch = Arc::new(Batch::new(requests.len()));
+        let batch = Arc::new(Progress::new(driver));
         let mut pieces = Vec::new();
         let mut guards = Vec::new();
         let mut refreshed = false;
@@ -494,22 +565,33 @@ impl Inner {
             batch.arm(i, counts[i], g);
         }
         let notify = notify.cloned();
-        let b = Arc::clone(&batch);
-        self.handle.spawn(async move {
+        Ok(self.handle.spawn(async move {
             for chain in wrs.chunks(MAX_CHAIN.min(conn_chain_limit(&conn))) {
-                conn.post_chain(&b, chain).await;
+                conn.post_chain(&batch, chain).await;
             }
-            let ok = b.all_terminal().await;
-            let notify_error = match notify {
-                Some(n) if ok => conn.notify(n).await.err(),
+            let ok = batch.all_reported().await;
+            // The notification is SENT on the same queue pair, after the
+            // data; the batch finishes once the peer answered it.
+            let notified = match notify {
+                Some(n) if ok => Some(conn.notify(&n).await),
                 _ => None,
             };
-            b.finish(notify_error);
-        });
-        Ok(batch)
+            batch.driver().finish(notified)
+        }))
     }
 }
 
 fn conn_chain_limit(c: &Conn) -> usize {
     c.chain_limit()
+}
+
+/// Drops `v` (an MR: deregistration blocks) on the blocking pool when there
+/// is a runtime, else here.
+fn drop_off_workers<T: Send + 'static>(v: T) {
+    match tokio::runtime::Handle::try_current() {
+        Ok(h) => {
+            h.spawn_blocking(move || drop(v));
+        }
+        Err(_) => drop(v),
+    }
 }

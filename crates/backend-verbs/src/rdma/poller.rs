@@ -17,7 +17,18 @@ use transport_core::{Error, Result};
 
 use super::conn::Conn;
 
-type Registry = Arc<Mutex<HashMap<usize, Weak<Conn>>>>;
+/// A connection the completion thread serves: an opener's [`Conn`] or an
+/// owner's passive queue pair.
+pub(crate) trait Watched: Send + Sync {
+    /// Re-arms the CQ and applies every queued completion.
+    fn drain_cq(&self);
+    /// An asynchronous error event (`event`) named the QP or CQ.
+    fn fail(&self, event: &str);
+    /// The peer, for logs.
+    fn peer(&self) -> &str;
+}
+
+type Registry = Arc<Mutex<HashMap<usize, Weak<dyn Watched>>>>;
 
 pub(crate) struct Poller {
     registry: Registry,
@@ -62,13 +73,19 @@ impl Poller {
         }))
     }
 
-    /// Routes the events of `cq` and of the connection's QP to `conn` and
-    /// arms the CQ.
-    pub(crate) fn watch(&self, cq: &BasicCompletionQueue, conn: &Arc<Conn>) -> Result<()> {
+    /// Routes the events of `cq` and of the QP (`keys`: CQ and QP
+    /// addresses) to `target` and arms the CQ.
+    pub(crate) fn watch(
+        &self,
+        cq: &BasicCompletionQueue,
+        keys: [usize; 2],
+        target: Weak<dyn Watched>,
+    ) -> Result<()> {
         {
             let mut reg = lock(&self.registry);
-            reg.insert(conn.cq_key(), Arc::downgrade(conn));
-            reg.insert(conn.qp_key(), Arc::downgrade(conn));
+            for k in keys {
+                reg.insert(k, target.clone());
+            }
         }
         Conn::arm_cq(cq)
     }
@@ -228,7 +245,7 @@ fn async_events(ctx: *mut sys::ibv_context, registry: &Registry) {
         // it holds a pointer, otherwise we do not use it.
         let element = unsafe { base.cast::<usize>().read() };
         let name = event_name(kind);
-        let targets: Vec<Arc<Conn>> = match kind {
+        let targets: Vec<Arc<dyn Watched>> = match kind {
             EVENT_CQ_ERR | EVENT_QP_FATAL | EVENT_QP_REQ_ERR | EVENT_QP_ACCESS_ERR => {
                 lock(registry)
                     .get(&element)
@@ -249,13 +266,8 @@ fn async_events(ctx: *mut sys::ibv_context, registry: &Registry) {
             // Completions already queued carry the precise error: apply them
             // before failing the rest as flushed.
             c.drain_cq();
-            tracing::warn!(event = name, peer = %c.peer, "verbs asynchronous error: breaking the connection");
-            c.break_with(Error::PeerLost {
-                peer: c.peer.clone(),
-                reason: format!(
-                    "{name}: the device reported the queue pair or its completion queue in error"
-                ),
-            });
+            tracing::warn!(event = name, peer = %c.peer(), "verbs asynchronous error: breaking the connection");
+            c.fail(name);
         }
     }
 }
