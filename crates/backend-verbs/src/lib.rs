@@ -13,7 +13,13 @@
 //!   (tokio) to the peer, exchanges QP number, LID, GID, PSN, MTU and the
 //!   peer's region table (address, length, rkey), and moves a fresh RC QP
 //!   INIT → RTR → RTS (timeouts and retry counts in [`VerbsConfig`]). The
-//!   same channel carries region-table updates and notifications.
+//!   same channel carries region-table updates and the answers to
+//!   notifications; the notifications themselves are SENT on the queue
+//!   pair after the batch's data, so the peer sees them only after it.
+//! - **Batches** follow `transport_core::batch`: finished only after the
+//!   notification was answered; a notification failing after the data
+//!   fails the last request (a full peer queue: the retryable
+//!   [`transport_core::Error::QueueFull`]). Every queue is bounded.
 //! - **Authentication** (optional, [`VerbsConfig::secret`]): every control
 //!   connection starts with a mutual HMAC-SHA256 challenge–response over
 //!   fresh random nonces, before any queue-pair data, region table or rkey
@@ -31,8 +37,9 @@
 //!   core spins while idle.
 //! - **Failures**: remote addresses are checked against the peer's table
 //!   before anything is posted; a work completion error moves the connection
-//!   to "broken", fails every outstanding request with a typed error, and the
-//!   next use of the segment builds a new queue pair.
+//!   to "broken", fails every outstanding request with a typed error — once
+//!   its flush completion shows the device is done with its memory — and
+//!   the next use of the segment builds a new queue pair.
 //!
 //! The RDMA code sits behind the cargo feature **`rdma`** (it needs `cmake`
 //! and `libclang-dev` to build, and `libibverbs.so.1` plus a provider at run
