@@ -1,0 +1,316 @@
+//! One connection to a peer: its operations in flight, how responses and
+//! failures complete them, and expiry of a batch's operations.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use socket2::SockRef;
+use tokio::net::TcpStream;
+use tokio::task::AbortHandle;
+use transport_core::raw::lock;
+use transport_core::{Error, RegionGuard, Result, Side};
+
+use super::wire_ops::WireOps;
+use crate::frame::{Status, TableEntry};
+use crate::io::Pace;
+
+/// Most request ids of expired batches a connection remembers (their late
+/// responses are skipped); beyond it the connection is dropped.
+pub(crate) const MAX_ABANDONED: usize = 65_536;
+
+/// The cached region table of a peer.
+pub(crate) type TableCache = RwLock<Arc<Vec<TableEntry>>>;
+
+/// What an operation in flight holds until its response: the region
+/// guards that keep its local memory registered, and where a READ
+/// payload goes.
+pub(crate) enum PendingKind {
+    /// Holds the source region registered until the target acknowledges,
+    /// so `unregister` returns only after the transfer has finished.
+    Write(#[allow(dead_code)] Arc<RegionGuard>),
+    Read {
+        dst: usize,
+        len: u64,
+        _guard: Arc<RegionGuard>,
+    },
+    Notify,
+    Table(Arc<TableCache>),
+    /// Several small writes in one frame: `(request index, remote addr,
+    /// len)` per segment; the guards keep the sources registered.
+    WriteV {
+        parts: Vec<(usize, u64, u64)>,
+        _guards: Vec<Arc<RegionGuard>>,
+    },
+    /// Several small reads in one frame: `(request index, local
+    /// destination, remote addr, len)` per segment; the guards keep the
+    /// destinations registered.
+    ReadV {
+        parts: Vec<(usize, usize, u64, u64)>,
+        _guards: Vec<Arc<RegionGuard>>,
+    },
+    /// A CWRITE / CREAD (the target copies): `(request index, remote addr,
+    /// len)` per segment; the guards keep the local sources or
+    /// destinations registered until the target has answered.
+    Cma {
+        parts: Vec<(usize, u64, u64)>,
+        _guards: Vec<Arc<RegionGuard>>,
+    },
+}
+
+/// An operation sent and not yet answered.
+pub(crate) struct PendingOp {
+    /// The pass of the batch it belongs to.
+    pub(crate) batch: Arc<WireOps>,
+    /// Its request (the first one for a gathered frame).
+    pub(crate) index: usize,
+    /// What it holds.
+    pub(crate) kind: PendingKind,
+}
+
+impl PendingOp {
+    /// Completes the operation (every segment of a WRITEV) with `r`.
+    pub(crate) fn complete(self, r: Result<()>) {
+        match &self.kind {
+            PendingKind::WriteV { parts, .. } | PendingKind::Cma { parts, .. } => {
+                for (index, _, _) in parts {
+                    self.batch.complete(*index, r.clone());
+                }
+            }
+            PendingKind::ReadV { parts, .. } => {
+                for (index, _, _, _) in parts {
+                    self.batch.complete(*index, r.clone());
+                }
+            }
+            _ => self.batch.complete(self.index, r),
+        }
+    }
+}
+
+#[derive(Default)]
+/// The operations in flight on a connection.
+pub(crate) struct PendingMap {
+    /// By request id.
+    pub(crate) ops: HashMap<u64, PendingOp>,
+    /// Ids of operations whose batch expired: their responses are skipped.
+    pub(crate) abandoned: HashSet<u64>,
+    /// Why the connection is closed, once it is: later sends fail with it.
+    pub(crate) closed: Option<Error>,
+}
+
+/// One connection to a peer, shared by callers and its reader task.
+pub(crate) struct ConnShared {
+    /// The socket.
+    pub(crate) stream: TcpStream,
+    /// The peer's segment name (for errors).
+    pub(crate) peer: String,
+    /// Operations in flight.
+    pub(crate) pending: Mutex<PendingMap>,
+    /// Held while a caller writes its frames.
+    pub(crate) write_lock: tokio::sync::Mutex<()>,
+    /// The next request id.
+    pub(crate) next_id: AtomicU64,
+    /// No longer usable (failed, closed or retired).
+    pub(crate) dead: AtomicBool,
+    /// Closed by this side for idleness (before the target's idle
+    /// deadline): a send that finds it so goes to a new connection.
+    pub(crate) retired: AtomicBool,
+    /// Deadlines for moving bytes inside frames.
+    pub(crate) pace: Pace,
+    /// When the connection was made; `last_rx` counts from it.
+    pub(crate) born: Instant,
+    /// Milliseconds after `born` when the last response header arrived.
+    pub(crate) last_rx: AtomicU64,
+    /// Payloads move by cross-memory attach (the target copies).
+    pub(crate) cma: bool,
+}
+
+impl ConnShared {
+    /// Marks the connection dead, fails every pending operation with `err`
+    /// and shuts the socket down. Idempotent.
+    pub(crate) fn fail_all(&self, err: Error) {
+        self.dead.store(true, Ordering::Release);
+        let drained: Vec<PendingOp> = {
+            let mut map = lock(&self.pending);
+            map.closed.get_or_insert_with(|| err.clone());
+            map.ops.drain().map(|(_, op)| op).collect()
+        };
+        for op in drained {
+            op.complete(Err(err.clone()));
+        }
+        let _ = SockRef::from(&self.stream).shutdown(std::net::Shutdown::Both);
+    }
+
+    pub(crate) fn take(&self, id: u64) -> Option<PendingOp> {
+        lock(&self.pending).ops.remove(&id)
+    }
+
+    /// Whether `id` belonged to an expired batch (and forgets it).
+    pub(crate) fn forget(&self, id: u64) -> bool {
+        lock(&self.pending).abandoned.remove(&id)
+    }
+
+    pub(crate) fn mark_rx(&self) {
+        let ms = self.born.elapsed().as_millis() as u64;
+        self.last_rx.store(ms, Ordering::Relaxed);
+    }
+
+    /// How long ago the last response header arrived.
+    pub(crate) fn since_rx(&self) -> Duration {
+        let last = Duration::from_millis(self.last_rx.load(Ordering::Relaxed));
+        self.born.elapsed().saturating_sub(last)
+    }
+
+    /// Fails the operations of `batch` pending on this connection with
+    /// `err` (their late responses will be skipped). The connection itself
+    /// is dropped only if the peer has sent nothing for `quiet` (it is
+    /// stuck for every batch) or too many ids are abandoned.
+    pub(crate) fn abandon(&self, batch: &Arc<WireOps>, err: &Error, quiet: Duration) {
+        let (ops, too_many) = {
+            let mut map = lock(&self.pending);
+            let ids: Vec<u64> = map
+                .ops
+                .iter()
+                .filter(|(_, op)| Arc::ptr_eq(&op.batch, batch))
+                .map(|(id, _)| *id)
+                .collect();
+            let mut ops = Vec::with_capacity(ids.len());
+            for id in ids {
+                if let Some(op) = map.ops.remove(&id) {
+                    map.abandoned.insert(id);
+                    ops.push(op);
+                }
+            }
+            (ops, map.abandoned.len() > MAX_ABANDONED)
+        };
+        if self.cma && !ops.is_empty() {
+            // The target copies into (out of) memory these operations
+            // name: close the connection before releasing it, so the
+            // target (which checks before each copy) touches it no more.
+            self.fail_all(err.clone());
+        }
+        for op in ops {
+            op.complete(Err(err.clone()));
+        }
+        if too_many || self.since_rx() >= quiet {
+            self.fail_all(err.clone());
+        }
+    }
+
+    pub(crate) fn protocol(&self, reason: impl Into<String>) -> Error {
+        Error::Protocol {
+            peer: self.peer.clone(),
+            reason: reason.into(),
+        }
+    }
+
+    pub(crate) fn lost(&self, e: &std::io::Error) -> Error {
+        if e.kind() == std::io::ErrorKind::TimedOut {
+            Error::Timeout {
+                operation: "receiving a response".to_owned(),
+                peer: Some(self.peer.clone()),
+                after: self.pace.stall,
+            }
+        } else {
+            Error::PeerLost {
+                peer: self.peer.clone(),
+                reason: e.to_string(),
+            }
+        }
+    }
+
+    pub(crate) fn status_error(&self, status: Status, addr: u64, len: u64) -> Error {
+        match status {
+            Status::AddressNotRegistered => Error::AddressNotRegistered {
+                side: Side::Remote,
+                addr,
+                len,
+                peer: Some(self.peer.clone()),
+            },
+            Status::NotifyInvalid => Error::InvalidArgument(format!(
+                "peer {} refused the notification as malformed",
+                self.peer
+            )),
+            // Retryable (WouldBlock): the target drains its queue.
+            Status::NotifyQueueFull => Error::Io {
+                context: format!(
+                    "notifying {}: its notification queue is full, try again later",
+                    self.peer
+                ),
+                kind: std::io::ErrorKind::WouldBlock,
+                message: "notification queue full".to_owned(),
+            },
+            Status::StaleRegion => Error::AddressNotRegistered {
+                side: Side::Remote,
+                addr,
+                len,
+                peer: Some(self.peer.clone()),
+            },
+            Status::CopyFailed => Error::Io {
+                context: format!("cross-memory copy by {} at [{addr:#x}, +{len})", self.peer),
+                kind: std::io::ErrorKind::Other,
+                message: "the target could not reach this process's memory".to_owned(),
+            },
+            Status::ShuttingDown => Error::PeerLost {
+                peer: self.peer.clone(),
+                reason: "the peer is shutting down".to_owned(),
+            },
+            other => self.protocol(format!("peer reported {other:?}")),
+        }
+    }
+
+    /// Completes `id` with a plain acknowledgement or an error status
+    /// (responses for ids of expired batches are skipped).
+    pub(crate) fn ack(
+        &self,
+        id: u64,
+        r: std::result::Result<(), (Status, u64, u64)>,
+    ) -> Result<()> {
+        let Some(op) = self.take(id) else {
+            if self.forget(id) {
+                return Ok(());
+            }
+            return Err(self.protocol(format!("response for unknown request id {id}")));
+        };
+        if r.is_ok()
+            && matches!(
+                op.kind,
+                PendingKind::Read { .. } | PendingKind::ReadV { .. } | PendingKind::Table(_)
+            )
+        {
+            let err = self.protocol(format!("plain OK for request {id}, which needs data"));
+            op.complete(Err(err.clone()));
+            return Err(err);
+        }
+        match r {
+            Ok(()) => op.complete(Ok(())),
+            Err((status, addr, len)) => {
+                if status == Status::StaleRegion {
+                    op.batch.mark_stale(op.index);
+                }
+                let e = self.status_error(status, addr, len);
+                op.complete(Err(e));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A connection: its shared state and its reader task (aborted on drop).
+pub(crate) struct Conn {
+    /// What callers and the reader share.
+    pub(crate) shared: Arc<ConnShared>,
+    /// The reader task.
+    pub(crate) reader: AbortHandle,
+}
+
+impl Drop for Conn {
+    fn drop(&mut self) {
+        self.reader.abort();
+        self.shared.fail_all(Error::Canceled(format!(
+            "connection to {} closed",
+            self.shared.peer
+        )));
+    }
+}

@@ -1,0 +1,114 @@
+//! Making a connection to a peer: dialing, the handshake, and the
+//! same-host path negotiation (whether payloads move by cross-memory
+//! attach on it); then its reader task.
+
+use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use transport_core::raw::lock;
+use transport_core::{Error, Result};
+
+use super::conn::{Conn, ConnShared, PendingMap};
+use super::peer::Peer;
+use super::reader::reader_task;
+use crate::cma::SameHost;
+use crate::handshake;
+use crate::io::Pace;
+
+/// The error for a peer that cannot be reached.
+fn connect_error(name: &str, e: &std::io::Error) -> Error {
+    Error::SegmentUnavailable {
+        name: name.to_owned(),
+        reason: format!("cannot connect: {e}"),
+    }
+}
+
+impl Peer {
+    pub(crate) async fn connect(&self) -> Result<Conn> {
+        let cfg = &self.core.config;
+        let addr = tokio::net::lookup_host(&self.name)
+            .await
+            .map_err(|e| connect_error(&self.name, &e))?
+            .next()
+            .ok_or_else(|| Error::SegmentUnavailable {
+                name: self.name.clone(),
+                reason: "the name resolves to no address".to_owned(),
+            })?;
+        let sock = if addr.is_ipv4() {
+            tokio::net::TcpSocket::new_v4()
+        } else {
+            tokio::net::TcpSocket::new_v6()
+        }
+        .map_err(|e| Error::io("creating a socket", &e))?;
+        if let Some(n) = cfg.socket_buffer {
+            let _ = sock.set_send_buffer_size(n as u32);
+            let _ = sock.set_recv_buffer_size(n as u32);
+        }
+        let stream = sock
+            .connect(addr)
+            .await
+            .map_err(|e| connect_error(&self.name, &e))?;
+        let _ = stream.set_nodelay(true);
+        let welcome = handshake::client(
+            &stream,
+            &self.name,
+            &self.core.name,
+            cfg.secret.as_deref(),
+            cfg.connect_timeout,
+        )
+        .await?;
+        *self.table.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(welcome.table);
+        let cma = match cfg.same_host {
+            SameHost::Off => {
+                *lock(&self.path) = Some("tcp (same_host=off)".to_owned());
+                false
+            }
+            mode => {
+                match handshake::offer_same_host(&stream, &self.name, cfg.connect_timeout).await? {
+                    handshake::SameHostVerdict::Cma => {
+                        *lock(&self.path) = Some("cma".to_owned());
+                        true
+                    }
+                    handshake::SameHostVerdict::Refused(reason) => {
+                        tracing::debug!(peer = %self.name, %reason, "same-host path not used");
+                        *lock(&self.path) = Some(format!("tcp ({reason})"));
+                        if mode == SameHost::Cma {
+                            return Err(Error::SegmentUnavailable {
+                                name: self.name.clone(),
+                                reason: format!("same_host=cma, but the path is refused: {reason}"),
+                            });
+                        }
+                        false
+                    }
+                }
+            }
+        };
+        let shared = Arc::new(ConnShared {
+            stream,
+            peer: self.name.clone(),
+            pending: Mutex::new(PendingMap::default()),
+            write_lock: tokio::sync::Mutex::new(()),
+            next_id: AtomicU64::new(1),
+            dead: AtomicBool::new(false),
+            retired: AtomicBool::new(false),
+            pace: Pace {
+                stall: cfg.stall_timeout,
+                min_rate: cfg.min_rate,
+            },
+            born: Instant::now(),
+            last_rx: AtomicU64::new(0),
+            cma,
+        });
+        // Retire idle connections well before the target's idle deadline.
+        let idle = welcome.idle.map(|d| d / 2);
+        let reader = tokio::spawn(reader_task(
+            Arc::clone(&shared),
+            cfg.spin,
+            cfg.spin_pending,
+            idle,
+        ))
+        .abort_handle();
+        Ok(Conn { shared, reader })
+    }
+}

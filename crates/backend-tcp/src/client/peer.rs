@@ -1,0 +1,210 @@
+//! An opened peer: its connection slots (connected on demand, replaced
+//! when dead or retired), its cached region table, and the control
+//! requests (table refresh, notification) sent to it.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+
+use transport_core::raw::lock;
+use transport_core::{Error, Notification, Result};
+
+use super::conn::{Conn, ConnShared, TableCache};
+use super::send::{fail_ops, send_ops, OutKind, OutOp};
+use super::wire_ops::WireOps;
+use crate::frame::TableEntry;
+use crate::server::Core;
+
+/// One connection slot of a peer.
+#[derive(Default)]
+pub(crate) struct SlotState {
+    /// The connection, if made.
+    pub(crate) cur: RwLock<Option<Arc<Conn>>>,
+    /// Held while connecting.
+    pub(crate) connect: tokio::sync::Mutex<()>,
+}
+
+/// An opened peer segment.
+pub struct Peer {
+    /// Segment name (`host:port`).
+    pub(crate) name: String,
+    /// This engine's state (configuration, regions, name).
+    pub(crate) core: Arc<Core>,
+    /// `connections` connection slots.
+    pub(crate) slots: Vec<SlotState>,
+    /// The peer's region table as last received.
+    pub(crate) table: Arc<TableCache>,
+    /// Round-robin counter spreading chunks over the slots.
+    pub(crate) rr: AtomicUsize,
+    /// The payload path of the latest connection, as reported.
+    pub(crate) path: Mutex<Option<String>>,
+}
+
+impl std::fmt::Debug for Peer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Peer").field("name", &self.name).finish()
+    }
+}
+
+impl Peer {
+    /// A peer with no connection yet.
+    pub(crate) fn new(name: &str, core: Arc<Core>) -> Arc<Peer> {
+        let n = core.config.connections;
+        Arc::new(Peer {
+            name: name.to_owned(),
+            core,
+            slots: (0..n).map(|_| SlotState::default()).collect(),
+            table: Arc::new(RwLock::new(Arc::new(Vec::new()))),
+            rr: AtomicUsize::new(0),
+            path: Mutex::new(None),
+        })
+    }
+
+    /// The payload path in use: `cma`, or `tcp (reason)`; `None` before
+    /// the first connection.
+    pub(crate) fn path(&self) -> Option<String> {
+        lock(&self.path).clone()
+    }
+
+    /// Closes every connection (pending requests fail with `Canceled`).
+    pub(crate) fn close(&self) {
+        for s in &self.slots {
+            s.cur.write().unwrap_or_else(|p| p.into_inner()).take();
+        }
+    }
+
+    pub(crate) fn table(&self) -> Arc<Vec<TableEntry>> {
+        Arc::clone(&self.table.read().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// The live connection of slot `i`, connecting (and handshaking) if it
+    /// is absent or dead.
+    pub(crate) async fn conn(&self, i: usize) -> Result<Arc<ConnShared>> {
+        let slot = &self.slots[i];
+        let live = |slot: &SlotState| {
+            slot.cur
+                .read()
+                .unwrap_or_else(|p| p.into_inner())
+                .as_ref()
+                .filter(|c| !c.shared.dead.load(Ordering::Acquire))
+                .map(|c| Arc::clone(&c.shared))
+        };
+        if let Some(c) = live(slot) {
+            return Ok(c);
+        }
+        let _g = slot.connect.lock().await;
+        if let Some(c) = live(slot) {
+            return Ok(c);
+        }
+        let cfg = &self.core.config;
+        let conn = tokio::time::timeout(cfg.connect_timeout, self.connect())
+            .await
+            .map_err(|_| Error::Timeout {
+                operation: "connect and handshake".to_owned(),
+                peer: Some(self.name.clone()),
+                after: cfg.connect_timeout,
+            })??;
+        let shared = Arc::clone(&conn.shared);
+        let old = slot
+            .cur
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .replace(Arc::new(conn));
+        drop(old);
+        Ok(shared)
+    }
+
+    /// Sends `ops` on connection slot `c` (connecting if needed; a
+    /// connection retired for idleness is replaced). Returns the
+    /// connection they went out on, or `None` if they failed up front.
+    pub(crate) async fn send_on(
+        &self,
+        c: usize,
+        state: &Arc<WireOps>,
+        mut ops: Vec<OutOp>,
+    ) -> Option<Arc<ConnShared>> {
+        for _ in 0..3 {
+            match self.conn(c).await {
+                Ok(conn) => match send_ops(&conn, state, ops).await {
+                    Ok(()) => return Some(conn),
+                    Err(back) => ops = back,
+                },
+                Err(e) => {
+                    fail_ops(state, &ops, &e);
+                    return None;
+                }
+            }
+        }
+        let e = Error::PeerLost {
+            peer: self.name.clone(),
+            reason: "every new connection was retired before use".to_owned(),
+        };
+        fail_ops(state, &ops, &e);
+        None
+    }
+
+    /// Asks the target for its current region table and caches it.
+    pub(crate) async fn refresh_table(&self) -> Result<()> {
+        let state = WireOps::new(1);
+        state.arm(&[1]);
+        let ops = vec![OutOp {
+            index: 0,
+            kind: OutKind::Table(Arc::clone(&self.table)),
+        }];
+        let conns: Vec<_> = self.send_on(0, &state, ops).await.into_iter().collect();
+        self.await_state(&state, &conns, 0).await;
+        state
+            .results()
+            .pop()
+            .unwrap_or_else(|| Err(Error::Canceled("no result".into())))
+    }
+
+    /// Waits for `state`, which moves `bytes`, within `request_timeout +
+    /// bytes / min_rate`; on expiry only its requests fail, with
+    /// [`Error::Timeout`] (a connection is dropped only if the peer has
+    /// been silent for `request_timeout`).
+    pub(crate) async fn await_state(
+        &self,
+        state: &Arc<WireOps>,
+        conns: &[Arc<ConnShared>],
+        bytes: u64,
+    ) {
+        let cfg = &self.core.config;
+        let t = cfg.deadline_for(cfg.request_timeout, bytes);
+        if tokio::time::timeout(t, state.wait()).await.is_err() {
+            let err = Error::Timeout {
+                operation: format!("a batch of {bytes} bytes"),
+                peer: Some(self.name.clone()),
+                after: t,
+            };
+            for c in conns {
+                c.abandon(state, &err, cfg.request_timeout);
+            }
+            // What is left is a payload being received right now, which
+            // the minimum rate bounds.
+            state.wait().await;
+        }
+    }
+
+    /// Delivers a notification (after the batch it follows has landed).
+    pub(crate) async fn notify(&self, n: &Notification) -> Result<()> {
+        let state = WireOps::new(1);
+        state.arm(&[1]);
+        let mut bytes = Vec::with_capacity(n.name.len() + n.message.len());
+        bytes.extend_from_slice(n.name.as_bytes());
+        bytes.extend_from_slice(n.message.as_bytes());
+        let size = bytes.len() as u64;
+        let ops = vec![OutOp {
+            index: 0,
+            kind: OutKind::Notify {
+                bytes,
+                name_len: n.name.len() as u64,
+            },
+        }];
+        let conns: Vec<_> = self.send_on(0, &state, ops).await.into_iter().collect();
+        self.await_state(&state, &conns, size).await;
+        state
+            .results()
+            .pop()
+            .unwrap_or_else(|| Err(Error::Canceled("no result".into())))
+    }
+}
