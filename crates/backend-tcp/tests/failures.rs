@@ -861,3 +861,48 @@ async fn readv_reports_refused_segments_and_returns_the_rest() {
     assert_eq!(&got[64..128], &[0u8; 64][..], "refused read wrote memory");
     assert_eq!(&got[128..192], &p[64..128]);
 }
+
+/// `shutdown` with an asynchronous batch in flight to a silent target: the
+/// batch finishes with its requests failed (no waiter hangs), and a
+/// `submit` dropped while it delivers a notification leaves no batch
+/// behind (`live_batches` counts the batches callers hold ids for).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_and_dropped_submits_leave_no_batch_hanging() {
+    let a = engine(TcpConfig::default()).await;
+    let local = mem(&a, 4096, 0x34).await;
+    let addr = fake_target(|s| async move {
+        // Read nothing, answer nothing.
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        drop(s);
+    })
+    .await;
+    let seg = a.open_segment(&addr).await.unwrap();
+    assert_eq!(a.live_batches(), Some(0));
+
+    // A notification-only submit waits for the silent target; dropping it
+    // takes its id back.
+    let note = transport_core::Notification::new("t", "never acknowledged");
+    let dropped =
+        tokio::time::timeout(Duration::from_millis(200), a.submit(seg, &[], Some(&note))).await;
+    assert!(dropped.is_err(), "the silent target answered: {dropped:?}");
+    assert_eq!(a.live_batches(), Some(0), "a dropped submit left its batch");
+
+    let reqs = [
+        TransferRequest::write(local.addr(), 0x2000, 64),
+        TransferRequest::write(local.addr() + 64, 0x3000, 64),
+    ];
+    let id = a.submit(seg, &reqs, None).await.unwrap();
+    assert_eq!(a.live_batches(), Some(1));
+    assert!(!a.status(id).unwrap().is_finished());
+    a.shutdown();
+    let report = tokio::time::timeout(Duration::from_secs(30), a.wait(id))
+        .await
+        .expect("wait hung after shutdown")
+        .unwrap();
+    assert_eq!(report.len(), 2);
+    assert!(
+        report.results.iter().all(|r| r.is_err()),
+        "requests to a silent target succeeded: {report:?}"
+    );
+    assert_eq!(a.live_batches(), Some(0));
+}
