@@ -19,8 +19,12 @@ use super::*;
 const CHUNK: usize = 64 * 1024;
 const CHUNKS: usize = 8;
 const LEN: usize = CHUNK * CHUNKS;
-/// Plans per check (each plan re-registers memory, so keep it modest).
+/// Random plans per check, after the sweep (each plan re-registers memory,
+/// so keep it modest).
 const PLANS: usize = 12;
+/// Poll counts the sweep drops every operation at (the random plans use the
+/// same range).
+const MAX_POLLS: u32 = 12;
 
 #[derive(Clone, Copy, Debug)]
 enum Op {
@@ -93,19 +97,29 @@ pub async fn check_cancellation(factory: Arc<dyn EngineFactory>, adapted: bool) 
     let mut local = Mem::new(&p.a, LEN, 121).await;
     let mut remote = Mem::new(&p.b, LEN, 0).await;
     let spare = Mem::unregistered(&p.a, 3 * CHUNK, 0);
-    let strategy = proptest::collection::vec((0..ops.len(), 0u32..12, 0u32..6), 1..5);
+    let strategy = proptest::collection::vec((0..ops.len(), 0..MAX_POLLS, 0u32..6), 1..5);
     let mut runner = TestRunner::new(Config {
         cases: PLANS as u32,
         ..Config::default()
     });
-    for case in 0..PLANS {
-        let plan: Vec<(Op, u32, u32)> = strategy
-            .new_tree(&mut runner)
-            .expect("generating a cancellation plan")
-            .current()
-            .into_iter()
-            .map(|(i, polls, wait_polls)| (ops[i], polls, wait_polls))
-            .collect();
+    // First a sweep: every operation alone, dropped after each poll count;
+    // then random plans of several operations.
+    let mut plans: Vec<Vec<(Op, u32, u32)>> = ops
+        .iter()
+        .flat_map(|&op| (0..MAX_POLLS).map(move |polls| vec![(op, polls, polls / 2)]))
+        .collect();
+    for _ in 0..PLANS {
+        plans.push(
+            strategy
+                .new_tree(&mut runner)
+                .expect("generating a cancellation plan")
+                .current()
+                .into_iter()
+                .map(|(i, polls, wait_polls)| (ops[i], polls, wait_polls))
+                .collect(),
+        );
+    }
+    for (case, plan) in plans.into_iter().enumerate() {
         let what = format!("plan {case} {plan:?}");
         let mut ids = Vec::new();
         for &(op, polls, wait_polls) in &plan {
@@ -200,7 +214,7 @@ pub async fn check_cancellation(factory: Arc<dyn EngineFactory>, adapted: bool) 
         remote.unregister(0).await;
         local.unregister(0).await;
         let (r0, l0) = (remote.bytes(), local.bytes());
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        tokio::time::sleep(Duration::from_millis(10)).await;
         assert_bytes(
             &remote.bytes(),
             &r0,
