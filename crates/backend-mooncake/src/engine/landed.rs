@@ -27,7 +27,8 @@ use std::time::{Duration, Instant};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use transport_core::{Error, Result};
 
-use super::{blocking, lock, Live, MooncakeEngine, BACKEND};
+use super::poller::Live;
+use super::{blocking, lock, MooncakeEngine, BACKEND};
 use crate::library::{CTransferRequest, OPCODE_READ, OPCODE_WRITE};
 
 /// Probe slots in one engine's scratch memory (two bytes each: the byte read
@@ -188,7 +189,7 @@ impl MooncakeEngine {
         let this = Arc::clone(&self.inner);
         let budget = deadline.saturating_duration_since(Instant::now());
         let peer_owned = peer.to_owned();
-        let submitted = blocking(move || this.launch(entries, peer_owned, budget, None))
+        let submitted = blocking(move || this.launch(entries, peer_owned, budget, None, None))
             .await
             .and_then(|r| r);
         let live = match submitted {

@@ -1,0 +1,131 @@
+//! Segment handles: `open_segment` / `close_segment`, and the region tables
+//! of the engines of this process (in-process peers).
+
+use std::collections::HashMap;
+use std::sync::{Arc, LazyLock, Mutex};
+
+use tokio::sync::RwLock;
+use transport_core::raw::lock;
+use transport_core::{Error, RegionTable, Result, SegmentId};
+
+use super::{blocking, cstring, MooncakeEngine};
+use crate::codes::call_error;
+
+/// Region tables of the Mooncake engines of this process, by segment name.
+///
+/// Mooncake's C API cannot list a remote segment's buffers, and builds
+/// before v0.3.12 write at the peer wherever the address points, registered
+/// or not. For peers in this process Ferry knows the regions and checks
+/// every remote range before submitting (and holds the peer's region while
+/// the transfer runs, so the peer's `unregister` waits for it). Peers in
+/// other processes are checked by the library alone (from v0.3.12; older
+/// builds do not check, which the capability report says).
+pub(super) static PEERS: LazyLock<Mutex<HashMap<String, (u64, RegionTable)>>> =
+    LazyLock::new(|| Mutex::new(HashMap::new()));
+
+/// One handle returned by `open_segment`. Handles to the same name share
+/// the library's segment (Mooncake caches it by name), which is closed when
+/// the last handle is.
+pub(super) struct Segment {
+    pub(super) c_id: i32,
+    pub(super) name: String,
+    pub(super) gate: Arc<RwLock<()>>,
+    pub(super) peer: Option<RegionTable>,
+}
+
+#[derive(Default)]
+pub(super) struct Segments {
+    pub(super) by_id: HashMap<u64, Segment>,
+    /// Library segment id and number of open handles, by name.
+    by_name: HashMap<String, (i32, usize)>,
+    next: u64,
+}
+
+impl Segments {
+    fn add(&mut self, name: &str, c_id: i32, peer: Option<RegionTable>) -> SegmentId {
+        self.next += 1;
+        let id = self.next;
+        self.by_id.insert(
+            id,
+            Segment {
+                c_id,
+                name: name.to_owned(),
+                gate: Arc::new(RwLock::new(())),
+                peer,
+            },
+        );
+        SegmentId(id)
+    }
+}
+
+impl MooncakeEngine {
+    /// `open_segment`: a new handle to segment `name`, opening it in the
+    /// library unless another handle already did.
+    pub(super) async fn open_handle(&self, name: &str) -> Result<SegmentId> {
+        let peer = || lock(&PEERS).get(name).map(|(_, t)| t.clone());
+        {
+            let mut segs = lock(&self.inner.segments);
+            if let Some((c_id, refs)) = segs.by_name.get_mut(name) {
+                *refs += 1;
+                let c_id = *c_id;
+                return Ok(segs.add(name, c_id, peer()));
+            }
+        }
+        let name_c = cstring("segment name", name)?;
+        let this = Arc::clone(&self.inner);
+        let c_id = blocking(move || {
+            // SAFETY: live engine; the name outlives the call.
+            unsafe { (this.lib.api.open_segment)(this.raw(), name_c.as_ptr()) }
+        })
+        .await?;
+        if c_id < 0 {
+            return Err(Error::SegmentUnavailable {
+                name: name.to_owned(),
+                reason: crate::codes::open_segment_failure(c_id, self.inner.lib.generation()),
+            });
+        }
+        let mut segs = lock(&self.inner.segments);
+        // Another open of the same name may have won the race; the library
+        // returned the same cached segment to both.
+        let entry = segs.by_name.entry(name.to_owned()).or_insert((c_id, 0));
+        entry.1 += 1;
+        let c_id = entry.0;
+        Ok(segs.add(name, c_id, peer()))
+    }
+
+    /// `close_segment`: waits for the transfers on the handle, then closes
+    /// the library's segment if this was its last handle.
+    pub(super) async fn close_handle(&self, segment: SegmentId) -> Result<()> {
+        let closing = lock(&self.inner.segments)
+            .by_id
+            .remove(&segment.0)
+            .ok_or(Error::UnknownSegment(segment))?;
+        // Transfers in flight on the handle hold its gate; wait for them.
+        let _closed = closing.gate.write().await;
+        let last = {
+            let mut segs = lock(&self.inner.segments);
+            match segs.by_name.get_mut(&closing.name) {
+                Some((_, refs)) if *refs > 1 => {
+                    *refs -= 1;
+                    false
+                }
+                _ => {
+                    segs.by_name.remove(&closing.name);
+                    true
+                }
+            }
+        };
+        if !last {
+            return Ok(());
+        }
+        let this = Arc::clone(&self.inner);
+        let c_id = closing.c_id;
+        // SAFETY: live engine; the id came from openSegment; no handle uses it.
+        let rc =
+            blocking(move || unsafe { (this.lib.api.close_segment)(this.raw(), c_id) }).await?;
+        if rc != 0 {
+            return Err(call_error("closeSegment", i64::from(rc)));
+        }
+        Ok(())
+    }
+}
