@@ -99,9 +99,10 @@ impl MooncakeEngine {
     /// batch's deadline.
     ///
     /// `Err` means nothing was submitted (the driver is then to be dropped).
-    /// Once the library batch is submitted, dropping this future changes
-    /// nothing: the poller keeps the batch's memory until the library is
-    /// done with it.
+    /// Dropped, this future leaves the rest to the task that runs the batch:
+    /// it submits nothing more if it has not submitted yet, and it keeps the
+    /// batch's memory until every probe and library batch it started is
+    /// done with it (and, for confirmed writes, until they have landed).
     pub(super) async fn start_batch(
         &self,
         target: Target,
@@ -212,6 +213,11 @@ impl MooncakeEngine {
             notify,
             driver,
         } = batch;
+        if launched.is_closed() {
+            // The caller is gone before anything was sent: nobody can see
+            // the batch, so nothing is.
+            return;
+        }
 
         // Writes whose landing is confirmed (see `landed`): make each
         // target's last byte differ from what the write puts there, and drop
@@ -293,6 +299,12 @@ impl MooncakeEngine {
         // The notification goes only with a batch where every request can
         // succeed; one refused up front means it is not sent.
         let notify = notify.filter(|_| !refused_any);
+        if launched.is_closed() {
+            // The caller is gone and nothing was submitted (the probes only
+            // touched bytes the batch's writes were to overwrite): nobody
+            // can see the batch, so it is not submitted.
+            return;
+        }
 
         if entries.is_empty() {
             // Nothing moves: a notification that cannot be sent fails the
@@ -311,12 +323,6 @@ impl MooncakeEngine {
             let _ = launched.send(driver.finish(notified).map(drop));
             return;
         }
-        if launched.is_closed() {
-            // The caller is gone and nothing was submitted: nobody can see
-            // the batch, so it is not submitted.
-            return;
-        }
-
         // The memory stays held until the library is done with the batch
         // (the poller's clone) and, for a batch finished below, until the
         // confirmation is over (this clone).
