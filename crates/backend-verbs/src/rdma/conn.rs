@@ -104,6 +104,8 @@ pub(crate) struct Conn {
     /// Notifications SENT, in order, waiting for the owner's answer.
     notes: Mutex<VecDeque<NoteWait>>,
     next_note: AtomicU64,
+    /// This connection, for the thread that destroys a broken QP.
+    me: std::sync::OnceLock<std::sync::Weak<Conn>>,
 }
 
 use transport_core::raw::lock;
@@ -226,7 +228,9 @@ impl Conn {
             slot_permits: Arc::new(Semaphore::new(NOTIFY_RING)),
             notes: Mutex::new(VecDeque::new()),
             next_note: AtomicU64::new(1),
+            me: std::sync::OnceLock::new(),
         });
+        let _ = conn.me.set(Arc::downgrade(&conn));
         let weak: std::sync::Weak<dyn Watched> = Arc::downgrade(&conn) as _;
         conn.poller
             .watch(&conn.cq, [conn.cq_key(), conn.qp_key], weak)?;
@@ -457,7 +461,47 @@ impl Conn {
             }
             self.credits.close();
             self.slot_permits.close();
+            // Then destroy it, on a helper thread (ibv_destroy_qp waits for
+            // the acknowledgement of the QP's asynchronous events, which the
+            // completion thread — possibly this one — gives). Once it is
+            // destroyed the device touches none of the outstanding work
+            // requests' memory: they fail as flushed, whether or not the
+            // device produced their flush completions.
+            if let Some(me) = self.me.get().and_then(std::sync::Weak::upgrade) {
+                if let Some(qp) = sq.qp.take() {
+                    let spawned = std::thread::Builder::new()
+                        .name("ferry-verbs-qp-down".into())
+                        .spawn(move || {
+                            drop(qp);
+                            me.retire_all_flushed();
+                        });
+                    if let Err(e) = spawned {
+                        // The QP was destroyed with the thread's closure:
+                        // retire here.
+                        tracing::warn!(error = %e, "no thread to destroy a broken queue pair on");
+                        let flushed = self.flushed(&self.broken_error_locked(sq));
+                        let n = sq.outstanding.len();
+                        for o in sq.outstanding.drain(..) {
+                            self.retire(o, &Err(flushed.clone()));
+                        }
+                        self.credits.add_permits(n);
+                    }
+                }
+            }
         }
+    }
+
+    /// Fails every outstanding work request as flushed (its QP is
+    /// destroyed).
+    fn retire_all_flushed(&self) {
+        let mut sq = lock(&self.sq);
+        let err = self.flushed(&self.broken_error_locked(&sq));
+        let n = sq.outstanding.len();
+        let drained: Vec<Outstanding> = sq.outstanding.drain(..).collect();
+        for o in drained {
+            self.retire(o, &Err(err.clone()));
+        }
+        self.credits.add_permits(n);
     }
 
     fn flushed(&self, err: &Error) -> Error {
