@@ -327,7 +327,11 @@ async fn notification_queue_full_is_retryable() {
     let k = full.expect("the notification queue never filled");
     println!("{test}: the queue took {k} notifications of 64 KiB");
     let taken = p.b.take_notifications().await.expect("take");
-    assert_eq!(taken.len(), k);
+    assert!(
+        (k..=k + 1).contains(&taken.len()),
+        "{} notifications queued, {k} acknowledged",
+        taken.len()
+    );
     let note = Notification::new("again", "after the queue was taken");
     let report =
         p.a.batch_transfer(p.seg, &[p.write(64)], Some(&note))

@@ -57,9 +57,11 @@ impl Progress {
             return;
         }
         s.reported[i] = true;
-        s.unreported -= 1;
         drop(s);
+        // Reported to the driver before it counts as reported here: the
+        // batch task finishes the batch as soon as nothing is unreported.
         self.driver.complete(i, result);
+        lock(&self.state).unreported -= 1;
         self.changed.notify_waiters();
     }
 
@@ -93,7 +95,6 @@ impl Progress {
                     // The device is done with this request's memory.
                     let guard = s.guards[i].take();
                     s.reported[i] = true;
-                    s.unreported -= 1;
                     done.push((i, s.errors[i].take(), guard));
                 }
             }
@@ -103,10 +104,14 @@ impl Progress {
         }
         // Guards go before the request is reported: whoever learns that it
         // is over may unregister the region at once.
+        let n = done.len();
         for (i, err, guard) in done {
             drop(guard);
             self.driver.complete(i, err.map_or(Ok(()), Err));
         }
+        // Only now: the batch task finishes the batch once nothing is
+        // unreported, and every outcome must be in the driver by then.
+        lock(&self.state).unreported -= n;
         self.changed.notify_waiters();
     }
 
