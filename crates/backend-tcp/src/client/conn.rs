@@ -233,13 +233,10 @@ impl ConnShared {
                 self.peer
             )),
             // Retryable (WouldBlock): the target drains its queue.
-            Status::NotifyQueueFull => Error::Io {
-                context: format!(
-                    "notifying {}: its notification queue is full, try again later",
-                    self.peer
-                ),
-                kind: std::io::ErrorKind::WouldBlock,
-                message: "notification queue full".to_owned(),
+            Status::NotifyQueueFull => Error::QueueFull {
+                backend: "tcp".to_owned(),
+                what: format!("{}'s notification queue", self.peer),
+                limit: "the peer's bound (or it refuses notifications)".to_owned(),
             },
             Status::StaleRegion => Error::AddressNotRegistered {
                 side: Side::Remote,
