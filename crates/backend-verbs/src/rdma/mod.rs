@@ -264,6 +264,12 @@ impl Inner {
                 region.location()
             )));
         }
+        if region.is_empty() {
+            return Err(Error::InvalidArgument(format!(
+                "cannot register an empty region at {:#x}",
+                region.addr()
+            )));
+        }
         if region.len() > usize::MAX as u64 {
             return Err(Error::InvalidArgument(format!(
                 "region of {} bytes is too large",
