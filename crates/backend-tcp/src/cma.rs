@@ -422,6 +422,11 @@ struct Pool {
     helpers: usize,
 }
 
+/// Helper threads started for split copies (0 unless `FERRY_CMA_HELPERS`).
+pub fn helpers() -> usize {
+    pool().helpers
+}
+
 fn pool() -> &'static Pool {
     static POOL: std::sync::OnceLock<Pool> = std::sync::OnceLock::new();
     POOL.get_or_init(|| {
@@ -604,6 +609,35 @@ impl Initiator {
         // SAFETY: one valid pollfd, zero timeout.
         let n = unsafe { libc::poll(&mut p, 1, 0) };
         n == 0
+    }
+}
+
+impl Initiator {
+    /// Whether a copy for this initiator may go ahead: its process is
+    /// alive (pidfd) and it has not closed (or reset) `stream`. One
+    /// `poll(2)` for both checks.
+    pub fn alive_for(&self, stream: &TcpStream) -> bool {
+        let mut p = [
+            libc::pollfd {
+                fd: stream.as_raw_fd(),
+                events: libc::POLLRDHUP,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: self.pidfd.as_ref().map_or(-1, |f| f.as_raw_fd()),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        // SAFETY: two valid pollfds (a negative fd is ignored), zero
+        // timeout.
+        let n = unsafe { libc::poll(p.as_mut_ptr(), 2, 0) };
+        if n < 0 {
+            return !peer_closed(stream) && self.alive();
+        }
+        let closed = p[0].revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0;
+        let exited = p[1].revents != 0;
+        !closed && !exited
     }
 }
 

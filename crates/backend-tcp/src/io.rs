@@ -228,14 +228,22 @@ fn raw_read(
     sys_msg(stream, &mut iov, false)
 }
 
+/// Extends a reader's busy-poll past its base window for as long as it
+/// returns true (checked between attempts; it must turn false on its own,
+/// e.g. a bounded time after the connection's last activity, so that an
+/// idle connection sleeps).
+pub type SpinWhile = std::sync::Arc<dyn Fn() -> bool + Send + Sync>;
+
 /// The polling / sleeping / timeout logic of every read: `attempt` is one
-/// non-blocking read. Polls for up to `spin` first (yielding to other tasks
-/// between attempts), then sleeps until readable; waiting longer than
-/// `timeout` (if given) is a `TimedOut` error. `Ok(0)` is EOF.
+/// non-blocking read. Polls for up to `spin` first, and then for as long
+/// as `extend` says (yielding to other tasks between attempts), then sleeps
+/// until readable; waiting longer than `timeout` (if given) is a
+/// `TimedOut` error. `Ok(0)` is EOF.
 async fn read_with<F>(
     stream: &TcpStream,
     mut attempt: F,
     spin: Duration,
+    extend: Option<&SpinWhile>,
     timeout: Option<Duration>,
 ) -> io::Result<usize>
 where
@@ -248,9 +256,9 @@ where
         Err(e) if retry(&e) => {}
         other => return other,
     }
-    if !spin.is_zero() {
+    if !spin.is_zero() || extend.is_some() {
         let start = Instant::now();
-        while start.elapsed() < spin {
+        while start.elapsed() < spin || extend.is_some_and(|f| f()) {
             tokio::task::yield_now().await;
             match attempt() {
                 Err(e) if retry(&e) => {}
@@ -286,6 +294,7 @@ pub async fn read_some(
         stream,
         || raw_read(stream, &[b], 0, Bytes::empty()),
         Duration::ZERO,
+        None,
         timeout,
     )
     .await
@@ -374,6 +383,8 @@ pub struct FrameReader {
     hdr: [u8; HEADER_LEN],
     filled: usize,
     spin: Duration,
+    /// Polls longer while this says so (see [`SpinWhile`]).
+    extend: Option<SpinWhile>,
     pace: Pace,
     /// When the payload of the current frame must have arrived (set by
     /// [`FrameReader::begin_frame`], cleared by the next header).
@@ -391,9 +402,9 @@ pub enum Next {
 }
 
 impl FrameReader {
-    /// Changes how long the reader polls before sleeping.
-    pub fn set_spin(&mut self, spin: Duration) {
-        self.spin = spin;
+    /// Keeps polling past the base window while `extend` returns true.
+    pub fn set_spin_while(&mut self, extend: SpinWhile) {
+        self.extend = Some(extend);
     }
 
     /// A reader polling for `spin` before sleeping; `pace` bounds waits
@@ -403,6 +414,7 @@ impl FrameReader {
             hdr: [0; HEADER_LEN],
             filled: 0,
             spin,
+            extend: None,
             pace,
             frame_deadline: None,
         }
@@ -451,6 +463,7 @@ impl FrameReader {
                 stream,
                 || raw_read(stream, &[tail], 0, Bytes::empty()),
                 self.spin,
+                self.extend.as_ref(),
                 timeout,
             )
             .await;
@@ -523,6 +536,7 @@ impl FrameReader {
                 stream,
                 || raw_read(stream, rest, off, tail),
                 self.spin,
+                self.extend.as_ref(),
                 Some(wait),
             )
             .await?;

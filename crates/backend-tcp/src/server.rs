@@ -592,7 +592,7 @@ fn cma_copy(
 ) -> Option<(Status, Vec<u32>)> {
     let total: u64 = segs.iter().map(|s| s.seg.len).sum();
     if one_call && guards.iter().all(Result::is_ok) {
-        let ok = if total as usize >= cma::PARALLEL_MIN {
+        let ok = if total as usize >= cma::PARALLEL_MIN && cma::helpers() > 0 {
             let pairs: Vec<(usize, u64, usize)> = guards
                 .iter()
                 .flatten()
@@ -703,7 +703,7 @@ async fn serve(stream: TcpStream, peer: &str, core: &Core, live: &Live) -> Resul
     let mut cma_pid: Option<cma::Initiator> = None;
     loop {
         // Answer everything processed so far before waiting for more input.
-        if !rd.poll_header_now(&stream).map_err(|e| io_error(peer, e))? {
+        if !out.is_empty() && !rd.poll_header_now(&stream).map_err(|e| io_error(peer, e))? {
             flush(&stream, &mut out, core, peer).await?;
         }
         // Idle: evictable (after `evict_idle`) while waiting here.
@@ -967,7 +967,7 @@ async fn serve(stream: TcpStream, peer: &str, core: &Core, live: &Live) -> Resul
                 let guards = acquire_segments(core, &plain);
                 // An initiator that gave up on this connection (its batch
                 // expired) may reuse the memory it named: copy nothing.
-                if cma::peer_closed(&stream) || !initiator.alive() {
+                if !initiator.alive_for(&stream) {
                     return Err(Error::PeerLost {
                         peer: peer.to_owned(),
                         reason: "closed by the initiator, or its process exited".to_owned(),
@@ -980,6 +980,9 @@ async fn serve(stream: TcpStream, peer: &str, core: &Core, live: &Live) -> Resul
                     Some((status, idx)) => out.errv(id, status, &idx),
                 }
                 out.bytes += total;
+                // The copy is done: answer now (the initiator is waiting
+                // for this; a pipelined next request is read right after).
+                flush(&stream, &mut out, core, peer).await?;
             }
             Request::Table { id } => {
                 let meta = out.take();

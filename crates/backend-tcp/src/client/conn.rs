@@ -124,6 +124,10 @@ pub(crate) struct ConnShared {
     pub(crate) last_rx: AtomicU64,
     /// Payloads move by cross-memory attach (the target copies).
     pub(crate) cma: bool,
+    /// Microseconds after `born` of the last request sent or response
+    /// header received: the reader keeps polling (instead of sleeping)
+    /// for `spin_pending` after it while requests are outstanding.
+    pub(crate) activity_us: AtomicU64,
 }
 
 impl ConnShared {
@@ -154,6 +158,21 @@ impl ConnShared {
     pub(crate) fn mark_rx(&self) {
         let ms = self.born.elapsed().as_millis() as u64;
         self.last_rx.store(ms, Ordering::Relaxed);
+        self.touch();
+    }
+
+    /// Records activity (a request sent, a response received) now.
+    pub(crate) fn touch(&self) {
+        let us = self.born.elapsed().as_micros() as u64;
+        self.activity_us.store(us, Ordering::Relaxed);
+    }
+
+    /// Whether the reader should keep polling: requests are outstanding
+    /// and the last activity is less than `window` ago.
+    pub(crate) fn poll_on(&self, window: Duration) -> bool {
+        let last = self.activity_us.load(Ordering::Relaxed);
+        let now = self.born.elapsed().as_micros() as u64;
+        now.saturating_sub(last) < window.as_micros() as u64 && !lock(&self.pending).ops.is_empty()
     }
 
     /// How long ago the last response header arrived.

@@ -99,6 +99,7 @@ impl Peer {
             born: Instant::now(),
             last_rx: AtomicU64::new(0),
             cma,
+            activity_us: AtomicU64::new(0),
         });
         // Retire idle connections well before the target's idle deadline.
         let idle = welcome.idle.map(|d| d / 2);

@@ -359,6 +359,7 @@ pub(crate) async fn send_ops(
     let mut poison = PoisonOnDrop(Some(conn));
     let res = write_all(&conn.stream, &bufs, conn.pace).await;
     poison.0 = None;
+    conn.touch();
     if let Err(e) = res {
         conn.fail_all(conn.lost(&e));
     }
