@@ -12,6 +12,10 @@ use mooncake_testlibs::Generation as Lib;
 use transport_core::conformance::EngineFactory;
 use transport_core::{Result, TransferEngine};
 
+/// The segment name that makes a test library's engine refuse
+/// notifications.
+const REFUSE_NOTIFICATIONS: &str = "ferry-testlib:refuse-notifications";
+
 /// Engines of one generation sharing one metadata service (`P2PHANDSHAKE`,
 /// or a fresh `file://` directory for v0.2.0); one factory per test.
 struct Factory {
@@ -34,6 +38,18 @@ impl EngineFactory for Factory {
         Ok(Arc::new(
             start_engine(config(self.gen, &self.metadata, "")).await?,
         ))
+    }
+
+    /// The test libraries' convention (see `mooncake_testlib.c`): opening
+    /// the segment `ferry-testlib:refuse-notifications` opens nothing and
+    /// makes the engine reject every notification sent to it, as TCP
+    /// engines of Mooncake v0.3.5–v0.3.7 do.
+    async fn refuse_notifications(&self, engine: &Arc<dyn TransferEngine>) -> Result<bool> {
+        match engine.open_segment(REFUSE_NOTIFICATIONS).await {
+            Err(transport_core::Error::SegmentUnavailable { .. }) => Ok(true),
+            Err(e) => Err(e),
+            Ok(id) => panic!("{REFUSE_NOTIFICATIONS} opened a segment ({id:?})"),
+        }
     }
 
     fn unknown_segment_name(&self) -> String {

@@ -87,7 +87,11 @@
  *    then waits for room: back-pressure, not an error), and those still
  *    pending when the engine is destroyed are dropped;
  *  - the same matrix containing "notify=accept" makes a TL_GEN 4 engine
- *    accept notifications (v0.3.8-v0.3.10).
+ *    accept notifications (v0.3.8-v0.3.10);
+ *  - openSegment of the name "ferry-testlib:refuse-notifications" opens
+ *    nothing (it fails, -1) and makes that engine reject every notification
+ *    sent to it from then on, as a TCP engine of v0.3.5-v0.3.7 does (for
+ *    the conformance check of a notification failing after the data).
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
@@ -1006,6 +1010,10 @@ static int resolve_segment(engine_t *e, const char *name, char *out, size_t outl
 static int32_t open_segment_impl(void *engine, const char *name, int use_cache) {
     engine_t *e = as_engine(engine);
     if (!e || !name || strlen(name) >= 256) return -1;
+    if (strcmp(name, "ferry-testlib:refuse-notifications") == 0) {
+        __atomic_store_n(&e->notify_accept, 0, __ATOMIC_RELAXED);
+        return -1;
+    }
     if (use_cache) {
         pthread_mutex_lock(&e->mu);
         for (int i = 1; i < MAX_SEGS; i++) {

@@ -419,9 +419,10 @@ impl MooncakeEngine {
             }
             _ => None,
         };
-        // The bytes are in place (or the batch failed): release the memory,
-        // then finish.
-        drop(hold);
+        // The bytes are in place (or the batch failed): finish, then release
+        // the memory (so that once a peer's `unregister` returns, the batch
+        // shows finished).
         let _ = driver.finish(notified);
+        drop(hold);
     }
 }

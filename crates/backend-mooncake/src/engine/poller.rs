@@ -159,14 +159,15 @@ pub(super) fn poll_loop(core: &Core, poller: &Poller) {
             debug_assert!(l.tasks > 0);
             poller.in_use.fetch_sub(1, Ordering::AcqRel);
             lock(&poller.queue).live.retain(|x| !Arc::ptr_eq(x, l));
-            // The library is done with the memory: release it, then finish
-            // the batch and wake the waiters.
-            drop(lock(&l.hold).take());
+            // The library is done with the memory: finish the batch, then
+            // release the memory (once a peer's `unregister` returns, the
+            // batch shows finished) and wake the waiters.
             if let Some(rep) = &l.report {
                 // Such a batch has no notification (one that has is finished
                 // by its confirmation task); its report is the table's.
                 let _ = rep.driver.finish(None);
             }
+            drop(lock(&l.hold).take());
             l.done.send_replace(true);
             progressed = true;
         }
