@@ -63,7 +63,7 @@ use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -359,7 +359,7 @@ impl State {
     /// (every update is one map operation plus one counter), so poisoning is
     /// ignored.
     fn store(&self) -> std::sync::MutexGuard<'_, Store> {
-        self.store.lock().unwrap_or_else(PoisonError::into_inner)
+        ferry::raw::lock(&self.store)
     }
 }
 

@@ -46,10 +46,7 @@ impl Drop for PyEngine {
         // no byte is written into memory that Python frees next. Then drop the
         // backend — inside the runtime's context and without the GIL, so that
         // a task about to call back into Python can finish.
-        let addrs: Vec<u64> = self
-            .regions
-            .get_mut()
-            .unwrap_or_else(|p| p.into_inner())
+        let addrs: Vec<u64> = ferry::raw::get_mut(&mut self.regions)
             .keys()
             .copied()
             .collect();
@@ -265,7 +262,7 @@ impl PyEngine {
         // A poisoned lock only means another thread panicked while holding
         // it; the map itself is still consistent (inserts and removes are
         // single operations).
-        self.regions.lock().unwrap_or_else(|p| p.into_inner())
+        ferry::raw::lock(&self.regions)
     }
 
     fn region_of(resolved: &Resolved, location: Option<&str>) -> PyResult<MemoryRegion> {

@@ -41,10 +41,7 @@ impl RegionTable {
         // A panic while holding this lock cannot leave the map inconsistent
         // (every critical section is a single map operation), so poisoning is
         // ignored rather than propagated.
-        self.shared
-            .entries
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        crate::raw::lock(&self.shared.entries)
     }
 
     /// Adds `region`. Fails with [`Error::InvalidArgument`] if it is empty or
