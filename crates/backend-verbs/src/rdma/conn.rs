@@ -795,7 +795,7 @@ impl Drop for Conn {
         }
         let err = self.lost("the connection was closed");
         let outstanding: Vec<Outstanding> = {
-            let sq = self.sq.get_mut().unwrap_or_else(|p| p.into_inner());
+            let sq = transport_core::raw::get_mut(&mut self.sq);
             // Destroy the queue pair first: once ibv_destroy_qp returns the
             // device touches none of the memory of its work requests, and
             // only then may their guards go and their requests fail.
