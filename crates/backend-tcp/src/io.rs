@@ -228,6 +228,11 @@ fn raw_read(
     sys_msg(stream, &mut iov, false)
 }
 
+/// Longest stretch a busy-polling reader keeps its worker thread without
+/// yielding to the runtime (other tasks on that worker wait at most this
+/// long; see [`read_with`]).
+pub const SPIN_SLICE: Duration = Duration::from_micros(20);
+
 /// Extends a reader's busy-poll past its base window for as long as it
 /// returns true (checked between attempts; it must turn false on its own,
 /// e.g. a bounded time after the connection's last activity, so that an
@@ -258,8 +263,23 @@ where
     }
     if !spin.is_zero() || extend.is_some() {
         let start = Instant::now();
-        while start.elapsed() < spin || extend.is_some_and(|f| f()) {
-            tokio::task::yield_now().await;
+        // Yield at once (a task this one just woke runs next on this
+        // worker), then only every SPIN_SLICE: each yield re-queues the
+        // task and makes the runtime wake a parked worker thread to steal
+        // it, and those wake-ups (tens of µs of CPU each on a VM) cost the
+        // peer process its core.
+        let mut yielded = None::<Instant>;
+        loop {
+            let now = Instant::now();
+            if now.duration_since(start) >= spin && !extend.is_some_and(|f| f()) {
+                break;
+            }
+            if yielded.is_none_or(|y| now.duration_since(y) >= SPIN_SLICE) {
+                tokio::task::yield_now().await;
+                yielded = Some(Instant::now());
+            } else {
+                std::hint::spin_loop();
+            }
             match attempt() {
                 Err(e) if retry(&e) => {}
                 other => return other,

@@ -120,6 +120,11 @@ pub struct BenchArgs {
     /// Print a JSON array (one object per point) instead of the table.
     #[arg(long)]
     json: bool,
+
+    /// `--same-host`: the target child's PID, for the kernel-copy baseline
+    /// (set internally, not a flag).
+    #[arg(skip)]
+    cma_pid: Option<i32>,
 }
 
 /// An operation to measure.
@@ -175,6 +180,12 @@ struct Point {
     raw_tcp_gbps: Option<f64>,
     raw_tcp_streams: Option<usize>,
     memcpy_gbps: Option<f64>,
+    /// `--same-host`: one `process_vm_readv` per block from the target
+    /// process, in a plain loop (the kernel's cross-memory copy with no
+    /// engine around it: the ceiling of the cma path).
+    raw_cma_gbps: Option<f64>,
+    /// gbps ÷ raw_cma_gbps.
+    ratio_raw_cma: Option<f64>,
     batches_measured: usize,
     bytes: u64,
     seconds: f64,
@@ -185,6 +196,7 @@ struct Point {
 struct Baseline {
     raw_tcp: Option<(f64, usize)>,
     memcpy: Option<f64>,
+    raw_cma: Option<f64>,
 }
 
 struct Setup {
@@ -293,6 +305,7 @@ async fn run_same_host(args: BenchArgs) -> anyhow::Result<()> {
         a.remote_addr = Some(parse_addr(&addr).map_err(anyhow::Error::msg)?);
         a.remote_len = Some(parse_positive_size(&len).map_err(anyhow::Error::msg)?);
         a.raw_peer = after("--raw-peer");
+        a.cma_pid = i32::try_from(child.0.id()).ok();
         let (r, b, setup) = sweep(&a)
             .await
             .with_context(|| format!("same_host={mode}"))?;
@@ -579,9 +592,31 @@ async fn measure_baselines(
     let memcpy = tokio::task::spawn_blocking(move || memcpy_gbps(b, duration, total))
         .await
         .context("memcpy baseline task failed")?;
+    let raw_cma = match args.cma_pid {
+        Some(pid) => {
+            let remote = setup.remote_addr;
+            let r = tokio::task::spawn_blocking(move || {
+                ferry::backend_tcp::cma::kernel_copy_gbps(pid, remote, b, duration, total)
+            })
+            .await
+            .context("kernel-copy baseline task failed")?;
+            match r {
+                Ok(g) => Some(g),
+                Err(e) => {
+                    eprintln!(
+                        "note: no kernel-copy baseline: process_vm_readv: {}",
+                        ferry::backend_tcp::cma::errno_name(e)
+                    );
+                    None
+                }
+            }
+        }
+        None => None,
+    };
     Ok(Baseline {
         raw_tcp,
         memcpy: Some(memcpy),
+        raw_cma,
     })
 }
 
@@ -749,6 +784,8 @@ async fn measure_point(
         raw_tcp_gbps: base.raw_tcp.map(|(g, _)| g),
         raw_tcp_streams: base.raw_tcp.map(|(_, s)| s),
         memcpy_gbps: base.memcpy,
+        raw_cma_gbps: base.raw_cma,
+        ratio_raw_cma: base.raw_cma.map(|g| gbps / g),
         batches_measured: samples.len(),
         bytes,
         seconds,
@@ -821,22 +858,25 @@ fn print_table(
         println!();
         println!("baselines, same run:");
         println!(
-            "{:>8} {:>14} {:>8} {:>12}",
-            "block", "raw TCP GB/s", "streams", "memcpy GB/s"
+            "{:>8} {:>14} {:>8} {:>12} {:>17}",
+            "block", "raw TCP GB/s", "streams", "memcpy GB/s", "kernel CMA GB/s"
         );
         for (block, b) in baselines {
             println!(
-                "{:>8} {:>14} {:>8} {:>12}",
+                "{:>8} {:>14} {:>8} {:>12} {:>17}",
                 human_bytes(*block),
                 b.raw_tcp.map_or("-".to_owned(), |(g, _)| format!("{g:.3}")),
                 b.raw_tcp.map_or("-".to_owned(), |(_, s)| s.to_string()),
                 b.memcpy.map_or("-".to_owned(), |g| format!("{g:.3}")),
+                b.raw_cma.map_or("-".to_owned(), |g| format!("{g:.3}")),
             );
         }
         println!();
         println!(
             "raw TCP: better of 1 and 2 plain tokio streams writing block-sized chunks{}; \
-             memcpy: one thread; ×: ferry GB/s ÷ baseline GB/s at the same block size.",
+             memcpy: one thread; kernel CMA (--same-host): one thread calling \
+             process_vm_readv on the target child, one block per call; \
+             ×: ferry GB/s ÷ baseline GB/s at the same block size.",
             if args.peer.is_some() {
                 if setup.raw_sink.is_some() {
                     " to the peer's sink"
