@@ -73,11 +73,13 @@ pub struct TcpConfig {
     /// kernel (bounded busy-poll: lower latency, no spinning while idle).
     /// Zero disables polling.
     pub spin: Duration,
-    /// How long an initiator's connection polls for responses before
-    /// sleeping while it has requests outstanding (at least `spin`). Polling
-    /// avoids the wake-up latency of an idle CPU (≈ 100 µs on small VMs) at
-    /// the cost of a core polling while transfers are in flight — never
-    /// while idle.
+    /// While an initiator's connection has requests outstanding, its reader
+    /// keeps polling for responses until this long after the connection's
+    /// last activity (a request sent or a response received), decided as
+    /// it polls; then it sleeps. Polling avoids the wake-up latency of an
+    /// idle CPU (≈ 40 µs per wake-up on small VMs) at the cost of a core
+    /// polling while transfers are in flight — never while idle (with
+    /// nothing outstanding only `spin` applies). Zero: `spin` only.
     pub spin_pending: Duration,
     /// `SO_SNDBUF`/`SO_RCVBUF` in bytes; `None` leaves the kernel's
     /// auto-tuning alone.
