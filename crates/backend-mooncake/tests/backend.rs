@@ -887,3 +887,54 @@ async fn dropped_transfer_futures_leave_no_batch_behind() {
         b.unregister(dst.addr()).await.unwrap();
     }
 }
+
+/// Overlapping writes of one batch on a build that reports writes sent, not
+/// landed: when the batch is reported, every write has landed, including
+/// those whose range other writes of the batch cover (two identical writes,
+/// a write inside another): none lands later, after `unregister` returned.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overlapping_writes_have_all_landed_when_the_batch_is_reported() {
+    for gen in [Lib::V0_2_0, Lib::V0_3_6] {
+        let meta = metadata_for(gen);
+        let a = start(gen, &meta).await;
+        let b = start_engine(config(gen, &meta, "@land_delay=300"))
+            .await
+            .unwrap();
+        let src = buffer(8192, 0);
+        let fill: Vec<u8> = (0..8192).map(|i| (i % 251) as u8 + 1).collect();
+        src.write(0, &fill).unwrap();
+        let dst = buffer(8192, 0);
+        // SAFETY: test buffers outlive their registrations: each test's transfers have finished before its engines and buffers are dropped.
+        a.register(&unsafe { src.region(Location::cpu(0)) })
+            .await
+            .unwrap();
+        // SAFETY: test buffers outlive their registrations: each test's transfers have finished before its engines and buffers are dropped.
+        b.register(&unsafe { dst.region(Location::cpu(0)) })
+            .await
+            .unwrap();
+        let seg = a.open_segment(b.segment_name()).await.unwrap();
+        let whole = TransferRequest::write(src.addr(), dst.addr(), 8192);
+        let inner = TransferRequest::write(src.addr() + 100, dst.addr() + 100, 50);
+        for reqs in [
+            vec![whole, whole],
+            vec![whole, inner],
+            vec![inner, whole, inner],
+        ] {
+            dst.fill(0);
+            let report = a.batch_transfer(seg, &reqs, None).await.unwrap();
+            assert!(report.is_success(), "{gen}: {:?}", report.results);
+            assert!(
+                dst.to_vec() == src.to_vec(),
+                "{gen}: the batch was reported before every write landed: {reqs:?}"
+            );
+            // Unregistering waits for nothing: no write is still on its way.
+            b.unregister(dst.addr()).await.unwrap();
+            // SAFETY: as above.
+            b.register(&unsafe { dst.region(Location::cpu(0)) })
+                .await
+                .unwrap();
+        }
+        a.unregister(src.addr()).await.unwrap();
+        b.unregister(dst.addr()).await.unwrap();
+    }
+}

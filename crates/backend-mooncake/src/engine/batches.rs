@@ -46,6 +46,32 @@ struct Prepared {
     driver: BatchDriver,
 }
 
+/// Writes left out of a batch because other writes of it cover them (see
+/// `landed::plan_probes`), and the errors of requests refused after the
+/// probes.
+struct Shadows {
+    /// (request, the requests whose results decide its own).
+    shadows: Vec<(usize, Vec<usize>)>,
+    early: HashMap<usize, Error>,
+}
+
+/// Reports each shadowed write: it succeeds when every write covering it
+/// did (its bytes are theirs), else it fails with the first of their errors.
+fn complete_shadows(
+    driver: &BatchDriver,
+    shadows: &[(usize, Vec<usize>)],
+    result_of: impl Fn(usize) -> Result<()>,
+) {
+    for (request, cover) in shadows {
+        let r = cover
+            .iter()
+            .map(|&c| result_of(c))
+            .find(Result::is_err)
+            .unwrap_or(Ok(()));
+        driver.complete(*request, r);
+    }
+}
+
 /// The error of requests not done by the batch's deadline.
 fn batch_timeout(peer: &str, budget: Duration) -> Error {
     Error::Timeout {
@@ -223,6 +249,13 @@ impl MooncakeEngine {
         // target's last byte differ from what the write puts there, and drop
         // the writes whose target could not be probed.
         let mut probes: Vec<(usize, Probe)> = Vec::new();
+        // Writes other writes of the batch cover entirely, left out (see
+        // `landed::plan_probes`): (request, the requests whose results
+        // decide its own).
+        let mut shadows: Vec<(usize, Vec<usize>)> = Vec::new();
+        // Requests refused after the probes, with their errors (a shadowed
+        // write takes the error of a refused write that covers it).
+        let mut early: HashMap<usize, Error> = HashMap::new();
         if self.confirms_writes() {
             let writes: Vec<usize> = (0..entries.len())
                 .filter(|&i| entries[i].opcode == OPCODE_WRITE)
@@ -234,64 +267,76 @@ impl MooncakeEngine {
                     (e.target_offset, e.target_offset.saturating_add(e.length))
                 })
                 .collect();
-            let wanted: Vec<(usize, Probe)> = writes
-                .iter()
-                .zip(landed::probe_addresses(&ranges))
-                .filter_map(|(&i, at)| {
-                    let at = at?;
-                    let e = &entries[i];
-                    let src = e.source as usize as u64 + (at - e.target_offset);
-                    // SAFETY: inside local memory registered with this
-                    // engine (the request's range), held by `guards` until
-                    // the batch is done.
-                    let value = unsafe { (src as usize as *const u8).read_volatile() };
-                    Some((
-                        i,
-                        Probe {
-                            c_id,
-                            last: at,
-                            value,
-                        },
-                    ))
-                })
-                .collect();
+            // Task index -> why it is not submitted.
+            let mut removed: HashMap<usize, Option<Error>> = HashMap::new();
+            let mut wanted: Vec<(usize, Probe)> = Vec::new();
+            for (&i, plan) in writes.iter().zip(landed::plan_probes(&ranges)) {
+                match plan {
+                    Ok(at) => {
+                        let e = &entries[i];
+                        let src = e.source as usize as u64 + (at - e.target_offset);
+                        // SAFETY: inside local memory registered with this
+                        // engine (the request's range), held by `hold` until
+                        // the batch is done.
+                        let value = unsafe { (src as usize as *const u8).read_volatile() };
+                        wanted.push((
+                            i,
+                            Probe {
+                                c_id,
+                                last: at,
+                                value,
+                            },
+                        ));
+                    }
+                    Err(cover) => {
+                        shadows.push((
+                            request_of_task[i],
+                            cover.iter().map(|&w| request_of_task[writes[w]]).collect(),
+                        ));
+                        removed.insert(i, None);
+                    }
+                }
+            }
             if !wanted.is_empty() {
                 let just: Vec<Probe> = wanted.iter().map(|(_, p)| *p).collect();
                 let ready = self.prepare_writes(&just, &peer, deadline).await;
-                let mut refused: HashMap<usize, Error> = HashMap::new();
                 for ((i, p), r) in wanted.into_iter().zip(ready) {
                     match r {
                         Ok(()) => probes.push((i, p)),
                         // The probe used up the batch's deadline: the batch
                         // timed out, as it would have waiting for the write.
                         Err(Error::Timeout { .. }) => {
-                            refused.insert(i, batch_timeout(&peer, budget));
+                            removed.insert(i, Some(batch_timeout(&peer, budget)));
                         }
                         Err(e) => {
-                            refused.insert(i, e);
+                            removed.insert(i, Some(e));
                         }
                     }
                 }
-                if !refused.is_empty() {
-                    refused_any = true;
-                    let mut kept = Vec::with_capacity(entries.len());
-                    let mut kept_request = Vec::with_capacity(entries.len());
-                    let mut new_index = vec![usize::MAX; entries.len()];
-                    for (t, (e, request)) in entries.into_iter().zip(request_of_task).enumerate() {
-                        match refused.remove(&t) {
-                            Some(err) => driver.complete(request, Err(err)),
-                            None => {
-                                new_index[t] = kept.len();
-                                kept.push(e);
-                                kept_request.push(request);
-                            }
+            }
+            if !removed.is_empty() {
+                let mut kept = Vec::with_capacity(entries.len());
+                let mut kept_request = Vec::with_capacity(entries.len());
+                let mut new_index = vec![usize::MAX; entries.len()];
+                for (t, (e, request)) in entries.into_iter().zip(request_of_task).enumerate() {
+                    match removed.remove(&t) {
+                        Some(Some(err)) => {
+                            refused_any = true;
+                            early.insert(request, err.clone());
+                            driver.complete(request, Err(err));
+                        }
+                        Some(None) => {}
+                        None => {
+                            new_index[t] = kept.len();
+                            kept.push(e);
+                            kept_request.push(request);
                         }
                     }
-                    entries = kept;
-                    request_of_task = kept_request;
-                    for (t, _) in &mut probes {
-                        *t = new_index[*t];
-                    }
+                }
+                entries = kept;
+                request_of_task = kept_request;
+                for (t, _) in &mut probes {
+                    *t = new_index[*t];
                 }
             }
         }
@@ -307,6 +352,10 @@ impl MooncakeEngine {
         }
 
         if entries.is_empty() {
+            // Every write that covers a shadowed one was refused.
+            complete_shadows(&driver, &shadows, |r| {
+                early.get(&r).cloned().map_or(Ok(()), Err)
+            });
             // Nothing moves: a notification that cannot be sent fails the
             // batch (`Err` = nothing moved).
             let notified = match &notify {
@@ -331,7 +380,7 @@ impl MooncakeEngine {
         // done (and its writes confirmed), never with the submission:
         // submitTransferWithNotify of v0.3.5 sends it before the data, that
         // of v0.3.6 on the first completed task.
-        let confirm = !probes.is_empty() || notify.is_some();
+        let confirm = !probes.is_empty() || notify.is_some() || !shadows.is_empty();
         let report = (!confirm).then(|| Report {
             driver: driver.clone(),
             request_of_task: request_of_task.clone(),
@@ -360,6 +409,7 @@ impl MooncakeEngine {
                 c_id,
                 probes,
                 request_of_task,
+                Shadows { shadows, early },
                 notify,
                 peer,
                 deadline,
@@ -382,6 +432,7 @@ impl MooncakeEngine {
         c_id: i32,
         probes: Vec<(usize, Probe)>,
         request_of_task: Vec<usize>,
+        shadows: Shadows,
         notify: Option<Notification>,
         peer: String,
         deadline: Instant,
@@ -408,9 +459,18 @@ impl MooncakeEngine {
         for ((t, _), r) in sent.iter().zip(landed) {
             results[*t] = r;
         }
+        let mut by_request: HashMap<usize, Result<()>> = shadows
+            .early
+            .into_iter()
+            .map(|(r, e)| (r, Err(e)))
+            .collect();
         for (t, r) in results.into_iter().enumerate() {
+            by_request.insert(request_of_task[t], r.clone());
             driver.complete(request_of_task[t], r);
         }
+        complete_shadows(&driver, &shadows.shadows, |r| {
+            by_request.get(&r).cloned().unwrap_or(Ok(()))
+        });
         let notified = match &notify {
             // A batch past its deadline has been reported failed: no
             // notification says otherwise.

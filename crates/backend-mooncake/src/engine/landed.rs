@@ -452,6 +452,58 @@ fn not_landed(peer: &str, e: Error) -> Error {
     }
 }
 
+/// Which writes of one batch are sent and probed, and which are left out.
+///
+/// A write whose range other writes of the batch cover entirely cannot be
+/// probed (no byte of it is its own), so its landing could never be
+/// confirmed: it could land after the batch is reported, even after the
+/// peer's `unregister` returned. Such writes are left out: sending them
+/// first and the covering writes after them is one of the outcomes the
+/// trait allows for overlapping destinations, and leaves exactly the bytes
+/// of the covering writes. They are left out one at a time (the first
+/// fully covered one, then the others again), so that of writes covering
+/// each other (two identical writes) one is kept.
+///
+/// For each write: `Ok(address its probe reads)` if it is sent, or
+/// `Err(indices of the sent writes that overlap it)` if it is left out.
+pub(super) fn plan_probes(ranges: &[(u64, u64)]) -> Vec<std::result::Result<u64, Vec<usize>>> {
+    let n = ranges.len();
+    // Identical ranges first: keep the first of each (cheap, and the
+    // common case of overlap).
+    let mut first_of: std::collections::HashMap<(u64, u64), usize> =
+        std::collections::HashMap::new();
+    let mut kept: Vec<usize> = Vec::with_capacity(n);
+    let mut dropped: Vec<usize> = Vec::new();
+    for (i, r) in ranges.iter().enumerate() {
+        if first_of.insert(*r, i).is_some() {
+            dropped.push(i);
+        } else {
+            kept.push(i);
+        }
+    }
+    let at = loop {
+        let sub: Vec<(u64, u64)> = kept.iter().map(|&i| ranges[i]).collect();
+        let at = probe_addresses(&sub);
+        match at.iter().position(Option::is_none) {
+            Some(k) => dropped.push(kept.remove(k)),
+            None => break at,
+        }
+    };
+    let mut plan: Vec<std::result::Result<u64, Vec<usize>>> = vec![Err(Vec::new()); n];
+    for (&i, a) in kept.iter().zip(at) {
+        plan[i] = Ok(a.unwrap_or(ranges[i].1.saturating_sub(1)));
+    }
+    for d in dropped {
+        let (s, e) = ranges[d];
+        plan[d] = Err(kept
+            .iter()
+            .copied()
+            .filter(|&k| ranges[k].0 < e && s < ranges[k].1)
+            .collect());
+    }
+    plan
+}
+
 /// For each write `[start, end)` of one batch, the address its probe reads:
 /// its last byte that no other write of the batch covers (the payload lands
 /// front to back, so that byte holding the written value means every byte
@@ -527,5 +579,42 @@ mod tests {
         assert_eq!(probe_addresses(&[(10, 20), (0, 30)]), vec![None, Some(29)]);
         // Two identical writes cover each other.
         assert_eq!(probe_addresses(&[(5, 9), (5, 9)]), vec![None, None]);
+    }
+
+    #[test]
+    fn writes_covered_by_others_are_left_out_and_one_of_each_group_is_kept() {
+        use super::plan_probes;
+        // Disjoint: every write sent, probed at its own last byte.
+        assert_eq!(plan_probes(&[(0, 10), (10, 20)]), vec![Ok(9), Ok(19)]);
+        // Identical writes: the first is sent, the second takes its result.
+        assert_eq!(plan_probes(&[(5, 9), (5, 9)]), vec![Ok(8), Err(vec![0])]);
+        // A write inside another is left out.
+        assert_eq!(
+            plan_probes(&[(100, 150), (0, 8192)]),
+            vec![Err(vec![1]), Ok(8191)]
+        );
+        // A covered by B and C together, B and C covered by A: A is left
+        // out, B and C (disjoint) are sent.
+        assert_eq!(
+            plan_probes(&[(0, 10), (0, 5), (5, 10)]),
+            vec![Err(vec![1, 2]), Ok(4), Ok(9)]
+        );
+        // Every byte some write puts is put by a sent write, and every sent
+        // write has a byte no other sent write covers.
+        let ranges = [(0, 10), (2, 8), (0, 6), (5, 10), (5, 10), (9, 12)];
+        let plan = plan_probes(&ranges);
+        let sent: Vec<usize> = (0..ranges.len()).filter(|&i| plan[i].is_ok()).collect();
+        for x in 0..12u64 {
+            let put = ranges.iter().any(|&(s, e)| s <= x && x < e);
+            let by_sent = sent.iter().any(|&i| ranges[i].0 <= x && x < ranges[i].1);
+            assert_eq!(put, by_sent, "byte {x}");
+        }
+        for &i in &sent {
+            let at = *plan[i].as_ref().unwrap();
+            assert!(ranges[i].0 <= at && at < ranges[i].1);
+            assert!(!sent
+                .iter()
+                .any(|&j| j != i && ranges[j].0 <= at && at < ranges[j].1));
+        }
     }
 }
