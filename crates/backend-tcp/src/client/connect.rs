@@ -58,7 +58,7 @@ impl Peer {
             cfg.connect_timeout,
         )
         .await?;
-        *self.table.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(welcome.table);
+        *transport_core::raw::write(&self.table) = Arc::new(welcome.table);
         let cma = match cfg.same_host {
             SameHost::Off => {
                 *lock(&self.path) = Some("tcp (same_host=off)".to_owned());

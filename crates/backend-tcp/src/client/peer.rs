@@ -68,12 +68,12 @@ impl Peer {
     /// Closes every connection (pending requests fail with `Canceled`).
     pub(crate) fn close(&self) {
         for s in &self.slots {
-            s.cur.write().unwrap_or_else(|p| p.into_inner()).take();
+            transport_core::raw::write(&s.cur).take();
         }
     }
 
     pub(crate) fn table(&self) -> Arc<Vec<TableEntry>> {
-        Arc::clone(&self.table.read().unwrap_or_else(|p| p.into_inner()))
+        Arc::clone(&transport_core::raw::read(&self.table))
     }
 
     /// The live connection of slot `i`, connecting (and handshaking) if it
@@ -81,9 +81,7 @@ impl Peer {
     pub(crate) async fn conn(&self, i: usize) -> Result<Arc<ConnShared>> {
         let slot = &self.slots[i];
         let live = |slot: &SlotState| {
-            slot.cur
-                .read()
-                .unwrap_or_else(|p| p.into_inner())
+            transport_core::raw::read(&slot.cur)
                 .as_ref()
                 .filter(|c| !c.shared.dead.load(Ordering::Acquire))
                 .map(|c| Arc::clone(&c.shared))
@@ -104,11 +102,7 @@ impl Peer {
                 after: cfg.connect_timeout,
             })??;
         let shared = Arc::clone(&conn.shared);
-        let old = slot
-            .cur
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
-            .replace(Arc::new(conn));
+        let old = transport_core::raw::write(&slot.cur).replace(Arc::new(conn));
         drop(old);
         Ok(shared)
     }

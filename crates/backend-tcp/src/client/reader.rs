@@ -301,7 +301,7 @@ pub(crate) async fn reader_loop(
                 };
                 match &op.kind {
                     PendingKind::Table(cache) => {
-                        *cache.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(table);
+                        *transport_core::raw::write(cache) = Arc::new(table);
                         op.complete(Ok(()));
                     }
                     _ => {
