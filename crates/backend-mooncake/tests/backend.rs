@@ -938,3 +938,57 @@ async fn overlapping_writes_have_all_landed_when_the_batch_is_reported() {
         b.unregister(dst.addr()).await.unwrap();
     }
 }
+
+/// Writes of concurrent batches to the same bytes, on a build that reports
+/// writes sent, not landed: a write is confirmed by its last byte showing
+/// the written value, so another batch's write putting the same value there
+/// must not confirm it before it lands. Batches A, B, C: A and B write the
+/// same bytes, C other bytes with the same last byte; none may land after
+/// every batch is reported and the peer's `unregister` returned.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_batches_writing_the_same_bytes_have_landed_when_reported() {
+    for gen in [Lib::V0_2_0, Lib::V0_3_6] {
+        let meta = metadata_for(gen);
+        let a = start(gen, &meta).await;
+        // The peer lands each write 100 ms after receiving it.
+        let b = start_engine(config(gen, &meta, "@land_delay=100"))
+            .await
+            .unwrap();
+        let src = buffer(8192, 0);
+        let p: Vec<u8> = (0..4096).map(|i| (i % 251) as u8 + 1).collect();
+        let mut q: Vec<u8> = p.iter().map(|x| x.wrapping_add(7)).collect();
+        q[4095] = p[4095];
+        src.write(0, &p).unwrap();
+        src.write(4096, &q).unwrap();
+        let dst = buffer(4096, 0);
+        // SAFETY: test buffers outlive their registrations: each test's transfers have finished before its engines and buffers are dropped.
+        a.register(&unsafe { src.region(Location::cpu(0)) })
+            .await
+            .unwrap();
+        // SAFETY: as above.
+        b.register(&unsafe { dst.region(Location::cpu(0)) })
+            .await
+            .unwrap();
+        let seg = a.open_segment(b.segment_name()).await.unwrap();
+        let wp = TransferRequest::write(src.addr(), dst.addr(), 4096);
+        let wq = TransferRequest::write(src.addr() + 4096, dst.addr(), 4096);
+        let mut ids = Vec::new();
+        // 40 ms apart: each lands 40 ms after the one before.
+        for w in [wp, wp, wq] {
+            ids.push(a.submit(seg, &[w], None).await.unwrap());
+            tokio::time::sleep(Duration::from_millis(40)).await;
+        }
+        for id in ids {
+            let report = a.wait(id).await.unwrap();
+            assert!(report.is_success(), "{gen}: {report:?}");
+        }
+        b.unregister(dst.addr()).await.unwrap();
+        let reported = dst.to_vec();
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        assert!(
+            dst.to_vec() == reported,
+            "{gen}: a write landed after every batch was reported and unregister returned"
+        );
+        a.unregister(src.addr()).await.unwrap();
+    }
+}

@@ -208,6 +208,7 @@ impl MooncakeEngine {
             hold: Hold {
                 _guards: guards,
                 _gate: gate,
+                claim: None,
             },
             entries,
             request_of_task,
@@ -230,7 +231,7 @@ impl MooncakeEngine {
         let Prepared {
             c_id,
             peer,
-            hold,
+            mut hold,
             mut entries,
             mut request_of_task,
             mut refused_any,
@@ -270,7 +271,22 @@ impl MooncakeEngine {
             // Task index -> why it is not submitted.
             let mut removed: HashMap<usize, Option<Error>> = HashMap::new();
             let mut wanted: Vec<(usize, Probe)> = Vec::new();
-            for (&i, plan) in writes.iter().zip(landed::plan_probes(&ranges)) {
+            // No other batch of this engine may have a write to these
+            // bytes in flight while they are probed and confirmed.
+            let mut plans = landed::plan_probes(&ranges);
+            if let (Some(scratch), false) = (self.inner.scratch.as_ref(), writes.is_empty()) {
+                match scratch.claim_writes(&peer, &ranges, deadline).await {
+                    Some(claim) => hold.claim = Some(claim),
+                    None => {
+                        // Waited out the batch's deadline: no write is sent.
+                        plans.clear();
+                        for &i in &writes {
+                            removed.insert(i, Some(batch_timeout(&peer, budget)));
+                        }
+                    }
+                }
+            }
+            for (&i, plan) in writes.iter().zip(plans) {
                 match plan {
                     Ok(at) => {
                         let e = &entries[i];

@@ -16,15 +16,22 @@
 //! 2. after the library reports the write completed, it reads the last byte
 //!    back until it holds the written value, within the batch's deadline.
 //!
+//! A later match must come from the write itself, not from a write of
+//! another batch putting the same value there: a batch's writes wait until
+//! no other batch of the engine has a write overlapping them in flight
+//! (`Scratch::claim_writes`). Writes of other engines to the same bytes are
+//! not ordered with them and can still fool a confirmation.
+//!
 //! The batch keeps its memory guards (and the peer's, for peers in this
 //! process) until then, so `status` says finished, `unregister` returns and
 //! a notification is sent only after the bytes are in the peer's memory.
 
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use transport_core::{Error, Result};
 
 use super::poller::Live;
@@ -43,6 +50,36 @@ pub(super) struct Scratch {
     ptr: *mut u8,
     free: Mutex<Vec<usize>>,
     permits: Arc<Semaphore>,
+    /// Target ranges of the batches whose writes are in flight (claimed
+    /// before their probes, released once they are confirmed; see
+    /// [`Scratch::claim_writes`]).
+    writing: Mutex<Vec<InFlight>>,
+    /// Woken whenever a claim is released.
+    settled: Notify,
+    next_claim: AtomicU64,
+}
+
+/// One write range a batch has in flight.
+struct InFlight {
+    claim: u64,
+    peer: String,
+    start: u64,
+    end: u64,
+}
+
+/// The write ranges of one batch, claimed against the other batches of the
+/// engine (see [`Scratch::claim_writes`]); released when dropped (it goes
+/// with the batch's memory guards, after its writes are confirmed).
+pub(super) struct WriteClaim {
+    scratch: Arc<Scratch>,
+    claim: u64,
+}
+
+impl Drop for WriteClaim {
+    fn drop(&mut self) {
+        lock(&self.scratch.writing).retain(|w| w.claim != self.claim);
+        self.scratch.settled.notify_waiters();
+    }
 }
 
 // SAFETY: the buffer is only touched through raw pointers at slots that one
@@ -59,6 +96,58 @@ impl Scratch {
             ptr: Box::into_raw(buf).cast::<u8>(),
             free: Mutex::new((0..SLOTS).rev().collect()),
             permits: Arc::new(Semaphore::new(SLOTS)),
+            writing: Mutex::new(Vec::new()),
+            settled: Notify::new(),
+            next_claim: AtomicU64::new(0),
+        }
+    }
+
+    /// Claims the target ranges `[start, end)` of one batch's writes to
+    /// `peer`, first waiting (until `deadline`: `None` then) while another
+    /// batch of this engine has a write overlapping one of them in flight.
+    ///
+    /// A write is confirmed by its last byte showing the written value, so
+    /// no other write may put that value there between the probe and the
+    /// confirmation: a concurrent batch writing the same bytes (the same
+    /// requests again, say) would otherwise confirm it before it lands, and
+    /// its memory would be released with the write still to land (after
+    /// the peer's `unregister` returned). So overlapping writes of
+    /// different batches run one batch after the other.
+    pub(super) async fn claim_writes(
+        self: &Arc<Self>,
+        peer: &str,
+        ranges: &[(u64, u64)],
+        deadline: Instant,
+    ) -> Option<WriteClaim> {
+        let claim = self.next_claim.fetch_add(1, Ordering::Relaxed);
+        loop {
+            let settled = self.settled.notified();
+            tokio::pin!(settled);
+            // Registered before looking, so a release in between wakes it.
+            settled.as_mut().enable();
+            {
+                let mut writing = lock(&self.writing);
+                let busy = writing.iter().any(|w| {
+                    w.peer == peer && ranges.iter().any(|&(s, e)| w.start < e && s < w.end)
+                });
+                if !busy {
+                    writing.extend(ranges.iter().filter(|(s, e)| s < e).map(|&(start, end)| {
+                        InFlight {
+                            claim,
+                            peer: peer.to_owned(),
+                            start,
+                            end,
+                        }
+                    }));
+                    return Some(WriteClaim {
+                        scratch: Arc::clone(self),
+                        claim,
+                    });
+                }
+            }
+            tokio::time::timeout_at(tokio::time::Instant::from_std(deadline), settled)
+                .await
+                .ok()?;
         }
     }
 

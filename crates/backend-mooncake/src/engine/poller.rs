@@ -12,7 +12,7 @@ use tokio::sync::{watch, OwnedRwLockReadGuard};
 use transport_core::raw::{lock, BatchDriver};
 use transport_core::{Error, RegionGuard, Result};
 
-use super::landed::Scratch;
+use super::landed::{Scratch, WriteClaim};
 use super::start::NameReservation;
 use super::{Inner, RawEngine, BACKEND};
 use crate::codes::call_error;
@@ -24,6 +24,9 @@ use crate::library::{status, CTransferRequest, CTransferStatus, MooncakeLibrary,
 pub(super) struct Hold {
     pub(super) _guards: Vec<RegionGuard>,
     pub(super) _gate: OwnedRwLockReadGuard<()>,
+    /// The batch's write ranges, while its writes are unconfirmed (see
+    /// `Scratch::claim_writes`).
+    pub(super) claim: Option<WriteClaim>,
 }
 
 /// Where the poller reports a library batch's task results: the user
