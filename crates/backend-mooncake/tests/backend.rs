@@ -992,3 +992,50 @@ async fn concurrent_batches_writing_the_same_bytes_have_landed_when_reported() {
         a.unregister(src.addr()).await.unwrap();
     }
 }
+
+/// On a build that reports writes sent, not landed: a batch whose deadline
+/// passes while a write (or the complement written before it, where the
+/// target already holds the written value) is sent but not seen to land
+/// still keeps the peer's memory until it lands, so nothing lands after
+/// the peer's `unregister` returned.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_sent_past_the_deadline_land_before_unregister_returns() {
+    for gen in [Lib::V0_2_0, Lib::V0_3_6] {
+        let meta = metadata_for(gen);
+        let mut cfg = config(gen, &meta, "");
+        cfg.timeout = Duration::from_millis(30);
+        cfg.timeout_ns_per_byte = 0;
+        let a = start_engine(cfg).await.unwrap();
+        // The peer lands each write 200 ms after receiving it, well past
+        // the batches' 30 ms deadline.
+        let b = start_engine(config(gen, &meta, "@land_delay=200"))
+            .await
+            .unwrap();
+        let src = buffer(4096, 5);
+        let dst = buffer(4096, 0);
+        // SAFETY: test buffers outlive their registrations: each test's transfers have finished before its engines and buffers are dropped.
+        a.register(&unsafe { src.region(Location::cpu(0)) })
+            .await
+            .unwrap();
+        let seg = a.open_segment(b.segment_name()).await.unwrap();
+        // First the target differs (the write itself is late), then it
+        // already holds the bytes (the complement is late).
+        for (what, fill) in [("write", 0u8), ("complement", 5u8)] {
+            dst.fill(fill);
+            // SAFETY: as above.
+            b.register(&unsafe { dst.region(Location::cpu(0)) })
+                .await
+                .unwrap();
+            let w = TransferRequest::write(src.addr(), dst.addr(), 4096);
+            let _ = a.transfer(seg, w).await;
+            b.unregister(dst.addr()).await.unwrap();
+            let reported = dst.to_vec();
+            tokio::time::sleep(Duration::from_millis(400)).await;
+            assert!(
+                dst.to_vec() == reported,
+                "{gen}: a late {what} landed after unregister returned"
+            );
+        }
+        a.unregister(src.addr()).await.unwrap();
+    }
+}

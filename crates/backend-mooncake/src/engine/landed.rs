@@ -16,6 +16,10 @@
 //! 2. after the library reports the write completed, it reads the last byte
 //!    back until it holds the written value, within the batch's deadline.
 //!
+//! A complement or write sent but not seen by the deadline fails the batch,
+//! but may still land: it is read back for a while longer (`LATE_LANDING`)
+//! before the batch's memory is released.
+//!
 //! A later match must come from the write itself, not from a write of
 //! another batch putting the same value there: a batch's writes wait until
 //! no other batch of the engine has a write overlapping them in flight
@@ -37,6 +41,12 @@ use transport_core::{Error, Result};
 use super::poller::Live;
 use super::{blocking, lock, MooncakeEngine, BACKEND};
 use crate::library::{CTransferRequest, OPCODE_READ, OPCODE_WRITE};
+
+/// How long, past a batch's deadline, a write or complement that was sent
+/// but not seen to land is still read back before the batch's memory is
+/// released: the library reported it sent, so it may land any time, and
+/// it must not land after the peer's `unregister` returned.
+const LATE_LANDING: Duration = Duration::from_secs(3);
 
 /// Probe slots in one engine's scratch memory (two bytes each: the byte read
 /// back and the complement written before a write).
@@ -361,7 +371,10 @@ impl MooncakeEngine {
                 match r {
                     Err(e) => results[i] = Some(Err(e)),
                     Ok(()) => {
-                        let s = slots.as_ref().expect("slots are kept while reads succeed");
+                        // The slots are gone when the deadline passed just
+                        // before the library finished (they were parked):
+                        // the next round reports that.
+                        let Some(s) = slots.as_ref() else { continue };
                         // SAFETY: the slot is ours and the library finished
                         // the READ into it.
                         let b = unsafe { s.scratch.probe_ptr(s.slots[i]).read_volatile() };
@@ -389,6 +402,56 @@ impl MooncakeEngine {
                 let ms = u64::from((rounds - 8).min(5));
                 tokio::time::sleep(Duration::from_millis(ms)).await;
             }
+        }
+    }
+
+    /// Reads the probes `late` of `probes` (sent, not seen to land by the
+    /// batch's deadline) for up to [`LATE_LANDING`] more, until `accept`
+    /// holds for each, so that the batch's memory is released only after
+    /// they landed; warns about those that still did not show.
+    async fn await_late(
+        &self,
+        probes: &[Probe],
+        late: &[usize],
+        slots: &mut Option<Slots>,
+        accept: impl Fn(usize, u8) -> bool,
+        peer: &str,
+    ) {
+        if late.is_empty() {
+            return;
+        }
+        if slots.is_none() {
+            // Abandoned to a library batch past the deadline: read into
+            // fresh ones.
+            if let Some(scratch) = self.inner.scratch.as_ref() {
+                *slots = scratch.take(probes.len()).await.ok();
+            }
+        }
+        let mut results: Vec<Option<Result<()>>> = vec![Some(Ok(())); probes.len()];
+        for &i in late {
+            results[i] = None;
+        }
+        self.read_until(
+            probes,
+            slots,
+            accept,
+            peer,
+            Instant::now() + LATE_LANDING,
+            &mut results,
+        )
+        .await;
+        let missing = late
+            .iter()
+            .filter(|&&i| !matches!(results[i], Some(Ok(()))))
+            .count();
+        if missing > 0 {
+            tracing::warn!(
+                peer,
+                missing,
+                after = ?LATE_LANDING,
+                "ferry: writes sent to a peer were not seen to land even after the batch's \
+                 deadline; releasing their memory (they may still land there)"
+            );
         }
     }
 
@@ -442,7 +505,17 @@ impl MooncakeEngine {
                     *r = Some(Ok(()));
                 }
             }
-            if !same.is_empty() {
+            if !same.is_empty() && (Instant::now() >= deadline || slots.is_none()) {
+                // No time left to see a complement land (or no probe memory
+                // left to write it from): send none.
+                for &i in &same {
+                    results[i] = Some(Err(Error::Timeout {
+                        operation: "preparing to confirm a write".into(),
+                        peer: Some(peer.to_owned()),
+                        after: Duration::ZERO,
+                    }));
+                }
+            } else if !same.is_empty() {
                 let s = slots.as_ref().expect("slots are kept while reads succeed");
                 let entries: Vec<CTransferRequest> = same
                     .iter()
@@ -478,6 +551,15 @@ impl MooncakeEngine {
                     &mut results,
                 )
                 .await;
+                // A complement sent but not seen by the deadline may still
+                // land: wait for it (the batch fails all the same).
+                let late: Vec<usize> = same
+                    .iter()
+                    .copied()
+                    .filter(|&i| !matches!(results[i], Some(Ok(()))))
+                    .collect();
+                self.await_late(part, &late, &mut slots, |i, b| b == !part[i].value, peer)
+                    .await;
             }
             out.extend(results.into_iter().map(|r| r.unwrap_or(Ok(()))));
         }
@@ -516,6 +598,13 @@ impl MooncakeEngine {
                 &mut results,
             )
             .await;
+            // A write sent but not seen by the deadline may still land:
+            // wait for it (it is reported failed all the same).
+            let late: Vec<usize> = (0..part.len())
+                .filter(|&i| !matches!(results[i], Some(Ok(()))))
+                .collect();
+            self.await_late(part, &late, &mut slots, |i, b| b == part[i].value, peer)
+                .await;
             out.extend(results.into_iter().map(|r| {
                 r.unwrap_or_else(|| Err(Error::Canceled("confirmation not run".into())))
                     .map_err(|e| not_landed(peer, e))
