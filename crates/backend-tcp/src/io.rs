@@ -11,6 +11,9 @@
 //! Rust reference to registered memory ever exists: peers (and other
 //! connections) may read and write it concurrently, the way a NIC's DMA
 //! does, without breaking Rust's aliasing rules.
+//! (The one CPU access: a [`FrameReader`] with its lookahead on copies
+//! bytes it read past a header into the destination, through raw pointers;
+//! see [`FrameReader::set_lookahead`].)
 
 use std::io;
 use std::marker::PhantomData;
@@ -397,11 +400,23 @@ pub async fn write_all_slices(stream: &TcpStream, bufs: &[&[u8]], pace: Pace) ->
     write_all(stream, &bufs, pace).await
 }
 
+/// Most bytes past a header that [`FrameReader::next_header`] reads in the
+/// same call once [`FrameReader::set_lookahead`] is on: a CWRITE / CREAD
+/// header with a segment table of up to 16 segments.
+pub const LOOKAHEAD: usize = 16 * crate::frame::CMA_SEGMENT_LEN;
+
 /// Frame reader over one socket: a header buffer that payload reads top up
 /// opportunistically.
 pub struct FrameReader {
     hdr: [u8; HEADER_LEN],
     filled: usize,
+    /// Bytes read past the current header (see
+    /// [`FrameReader::set_lookahead`]): `ahead[pos..len]` come next on
+    /// the stream. Non-empty only while `filled` is 0 or the header is
+    /// being completed from it.
+    ahead: Option<Box<[u8; LOOKAHEAD]>>,
+    ahead_pos: usize,
+    ahead_len: usize,
     spin: Duration,
     /// Polls longer while this says so (see [`SpinWhile`]).
     extend: Option<SpinWhile>,
@@ -422,6 +437,80 @@ pub enum Next {
 }
 
 impl FrameReader {
+    /// Reads up to [`LOOKAHEAD`] bytes past each header in the same system
+    /// call, so a frame with a short body (a CWRITE's segment table) costs
+    /// one `recvmsg` instead of two. Later reads take those bytes first;
+    /// only the reader may read the stream from then on.
+    ///
+    /// For the same-host path, whose requests carry no payload: a payload
+    /// that starts inside the lookahead (a WRITE sent on such a connection)
+    /// has its first bytes copied into its destination by the CPU rather
+    /// than by `recvmsg` (same bytes, same checks before).
+    pub fn set_lookahead(&mut self) {
+        if self.ahead.is_none() {
+            self.ahead = Some(Box::new([0; LOOKAHEAD]));
+        }
+    }
+
+    /// Moves lookahead bytes into `dst` (from `off`); returns how many.
+    fn take_ahead(&mut self, dst: Bytes<'_>, off: usize) -> usize {
+        let Some(ahead) = &self.ahead else { return 0 };
+        let n = (self.ahead_len - self.ahead_pos).min(dst.len().saturating_sub(off));
+        if n > 0 {
+            // SAFETY: `dst` names memory valid for writes (`Bytes`
+            // contract: a Rust buffer borrowed mutably, or registered
+            // memory a held RegionGuard keeps valid); `off + n <= len`;
+            // the source is this reader's own buffer, disjoint from it.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    ahead.as_ptr().add(self.ahead_pos),
+                    dst.ptr.wrapping_add(off),
+                    n,
+                );
+            }
+            self.ahead_pos += n;
+        }
+        n
+    }
+
+    /// Moves lookahead bytes into the header buffer.
+    fn header_from_ahead(&mut self) {
+        let Some(ahead) = &self.ahead else { return };
+        let n = (self.ahead_len - self.ahead_pos).min(HEADER_LEN - self.filled);
+        self.hdr[self.filled..self.filled + n]
+            .copy_from_slice(&ahead[self.ahead_pos..self.ahead_pos + n]);
+        self.ahead_pos += n;
+        self.filled += n;
+    }
+
+    /// One non-blocking read of the rest of the header and, with the
+    /// lookahead on, of what follows it (only when the lookahead is
+    /// drained). Accounts what it read.
+    fn read_header_part(&mut self, stream: &TcpStream) -> io::Result<usize> {
+        let tail = Bytes::from_mut(&mut self.hdr[self.filled..]);
+        let want = tail.len();
+        let n = match &mut self.ahead {
+            Some(a) if self.ahead_pos == self.ahead_len => {
+                raw_read(stream, &[tail], 0, Bytes::from_mut(&mut a[..]))?
+            }
+            _ => raw_read(stream, &[tail], 0, Bytes::empty())?,
+        };
+        self.account_header(n, want);
+        Ok(n)
+    }
+
+    /// Records `n` bytes read into the header tail of length `want` and
+    /// then the lookahead.
+    fn account_header(&mut self, n: usize, want: usize) {
+        if n > want {
+            self.filled += want;
+            self.ahead_pos = 0;
+            self.ahead_len = n - want;
+        } else {
+            self.filled += n;
+        }
+    }
+
     /// Keeps polling past the base window while `extend` returns true.
     pub fn set_spin_while(&mut self, extend: SpinWhile) {
         self.extend = Some(extend);
@@ -433,6 +522,9 @@ impl FrameReader {
         FrameReader {
             hdr: [0; HEADER_LEN],
             filled: 0,
+            ahead: None,
+            ahead_pos: 0,
+            ahead_len: 0,
             spin,
             extend: None,
             pace,
@@ -450,11 +542,11 @@ impl FrameReader {
     /// Tries, without waiting, to complete the next header. Returns whether
     /// one is complete.
     pub fn poll_header_now(&mut self, stream: &TcpStream) -> io::Result<bool> {
+        self.header_from_ahead();
         while self.filled < HEADER_LEN {
-            let tail = Bytes::from_mut(&mut self.hdr[self.filled..]);
-            match raw_read(stream, &[tail], 0, Bytes::empty()) {
+            match self.read_header_part(stream) {
                 Ok(0) => return Ok(false),
-                Ok(n) => self.filled += n,
+                Ok(_) => {}
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(e),
@@ -472,6 +564,7 @@ impl FrameReader {
         idle: Option<Duration>,
     ) -> io::Result<Next> {
         self.frame_deadline = None;
+        self.header_from_ahead();
         while self.filled < HEADER_LEN {
             let timeout = if self.filled > 0 {
                 Some(self.pace.stall)
@@ -479,9 +572,15 @@ impl FrameReader {
                 idle
             };
             let tail = Bytes::from_mut(&mut self.hdr[self.filled..]);
+            let want = tail.len();
+            // The lookahead is drained here (`header_from_ahead`).
+            let ahead = match &mut self.ahead {
+                Some(a) => Bytes::from_mut(&mut a[..]),
+                None => Bytes::empty(),
+            };
             let r = read_with(
                 stream,
-                || raw_read(stream, &[tail], 0, Bytes::empty()),
+                || raw_read(stream, &[tail], 0, ahead),
                 self.spin,
                 self.extend.as_ref(),
                 timeout,
@@ -503,7 +602,7 @@ impl FrameReader {
                     ))
                 };
             }
-            self.filled += n;
+            self.account_header(n, want);
         }
         self.filled = 0;
         Ok(Next::Header(self.hdr))
@@ -544,6 +643,12 @@ impl FrameReader {
             }
             if idx == segs.len() {
                 return Ok(());
+            }
+            // Bytes the last header read brought along come first.
+            let got = self.take_ahead(segs[idx], off);
+            if got > 0 {
+                off += got;
+                continue;
             }
             let rest = &segs[idx..];
             let tail = if topup {
@@ -604,5 +709,58 @@ impl FrameReader {
             len -= n as u64;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Frames whose bodies end inside, at, or past the lookahead come out
+    /// whole and in order, pipelined or not.
+    #[tokio::test]
+    async fn lookahead_keeps_the_stream_in_order() {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let mut tx = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
+        let (rx, _) = l.accept().await.unwrap();
+        let bodies = [
+            24usize,
+            0,
+            LOOKAHEAD - HEADER_LEN,
+            LOOKAHEAD,
+            3 * LOOKAHEAD + 5,
+            7,
+        ];
+        let mut wire = Vec::new();
+        for (i, &n) in bodies.iter().enumerate() {
+            wire.extend(std::iter::repeat_n(i as u8, HEADER_LEN));
+            wire.extend((0..n).map(|j| (j as u8).wrapping_mul(31).wrapping_add(i as u8)));
+        }
+        use tokio::io::AsyncWriteExt;
+        tx.write_all(&wire).await.unwrap();
+        let mut rd = FrameReader::new(Duration::ZERO, Pace::stall_only(Duration::from_secs(5)));
+        rd.set_lookahead();
+        for (i, &n) in bodies.iter().enumerate() {
+            let Next::Header(h) = rd.next_header(&rx, None).await.unwrap() else {
+                panic!("no header {i}");
+            };
+            assert_eq!(h, [i as u8; HEADER_LEN]);
+            let mut body = vec![0u8; n];
+            if n > 1 {
+                // In two pieces, the first not ending the frame.
+                let (a, b) = body.split_at_mut(n / 2);
+                rd.read_part(&rx, Bytes::from_mut(a)).await.unwrap();
+                rd.read_payload(&rx, Bytes::from_mut(b)).await.unwrap();
+            } else {
+                rd.read_payload(&rx, Bytes::from_mut(&mut body))
+                    .await
+                    .unwrap();
+            }
+            let want: Vec<u8> = (0..n)
+                .map(|j| (j as u8).wrapping_mul(31).wrapping_add(i as u8))
+                .collect();
+            assert_eq!(body, want, "body {i}");
+        }
+        assert!(!rd.poll_header_now(&rx).unwrap());
     }
 }
