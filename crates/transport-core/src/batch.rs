@@ -31,7 +31,7 @@ use std::time::Instant;
 
 use tokio::sync::Notify;
 
-use crate::error::{live_batches_full, Error, Result};
+use crate::error::{batches_full, Error, Result};
 use crate::raw::lock;
 use crate::types::{BatchId, BatchReport, BatchStatus, TransferState, MAX_LIVE_BATCHES};
 
@@ -106,15 +106,7 @@ impl BatchTable {
     fn insert(&self, entry: Entry) -> Result<BatchId> {
         let mut e = lock(&self.entries);
         if e.map.len() >= self.limit {
-            return Err(if self.limit == MAX_LIVE_BATCHES {
-                live_batches_full(&self.backend)
-            } else {
-                Error::QueueFull {
-                    backend: self.backend.clone(),
-                    what: "the table of submitted, not yet released batches".to_owned(),
-                    limit: format!("{} batches", self.limit),
-                }
-            });
+            return Err(batches_full(&self.backend, self.limit));
         }
         let id = e.next;
         e.next += 1;
@@ -201,6 +193,12 @@ impl BatchTable {
     /// Whether no batch is held.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// Whether the table holds its limit of batches (the next admission
+    /// would fail with [`Error::QueueFull`]).
+    pub fn is_full(&self) -> bool {
+        self.len() >= self.limit
     }
 
     /// Batches held that are tracked here (not aliases).
@@ -467,13 +465,14 @@ impl Tracker {
     }
 
     fn is_finished(&self) -> bool {
-        let mut s = lock(&self.state);
-        let expired = s.expire_if_due();
-        drop(s);
+        let (expired, finished) = {
+            let mut s = lock(&self.state);
+            (s.expire_if_due(), s.finished)
+        };
         if expired {
             self.changed.notify_waiters();
         }
-        lock(&self.state).finished
+        finished
     }
 
     async fn finished(&self) {

@@ -318,9 +318,14 @@ impl Error {
 /// [`Error::QueueFull`] for an engine holding [`crate::MAX_LIVE_BATCHES`]
 /// batches.
 pub fn live_batches_full(backend: &str) -> Error {
+    batches_full(backend, crate::MAX_LIVE_BATCHES)
+}
+
+/// [`Error::QueueFull`] for a batch table holding `limit` batches.
+pub(crate) fn batches_full(backend: &str, limit: usize) -> Error {
     Error::QueueFull {
         backend: backend.to_owned(),
         what: "the table of submitted, not yet released batches".to_owned(),
-        limit: format!("{} batches", crate::MAX_LIVE_BATCHES),
+        limit: format!("{limit} batches"),
     }
 }

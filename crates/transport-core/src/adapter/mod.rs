@@ -709,7 +709,8 @@ impl<E: TransferEngine + ?Sized> TransferEngine for CapabilityAdapter<E> {
                 .len()
                 == requests.len();
         if forward {
-            if s.batches.len() >= crate::MAX_LIVE_BATCHES {
+            // Refused before the backend takes a batch nobody could name.
+            if s.batches.is_full() {
                 return Err(crate::live_batches_full("adapter"));
             }
             let inner_id = self.inner.submit(segment, requests, notify).await?;

@@ -269,8 +269,19 @@ pub(super) async fn batch(
     requests: &[TransferRequest],
     notify: Option<&Notification>,
 ) -> Result<BatchReport> {
+    let path = batch_path(&e.capabilities()).expect("batch() called without a batch path");
+    batch_via(e, path, seg, requests, notify).await
+}
+
+/// [`batch`] through the given path (which the engine must offer).
+pub(super) async fn batch_via(
+    e: &Arc<dyn TransferEngine>,
+    path: BatchPath,
+    seg: SegmentId,
+    requests: &[TransferRequest],
+    notify: Option<&Notification>,
+) -> Result<BatchReport> {
     let caps = e.capabilities();
-    let path = batch_path(&caps).expect("batch() called without a batch path");
     let max = caps.max_batch_len.unwrap_or(usize::MAX).max(1);
     let mut parts: Vec<&[TransferRequest]> = requests.chunks(max).collect();
     if parts.is_empty() {

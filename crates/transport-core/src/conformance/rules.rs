@@ -131,41 +131,17 @@ pub async fn check_notify_failure_after_data(
         Err(e) => panic!("refuse_notifications failed: {e}"),
     }
     let (reqs, model) = mirrored_writes(&local, &remote);
-    let mut paths = vec![BatchPath::Sync];
-    if caps.async_batch {
-        paths.push(BatchPath::Async);
-    }
+    let paths = [BatchPath::Sync, BatchPath::Async]
+        .into_iter()
+        .filter(|path| match path {
+            BatchPath::Sync => caps.batch_transfer,
+            BatchPath::Async => caps.async_batch,
+        });
     for path in paths {
-        if path == BatchPath::Sync && !caps.batch_transfer {
-            continue;
-        }
         remote.write(0, &vec![0u8; BLOCK * BLOCKS]);
         let note = Notification::new("conformance", "refused by the peer");
-        let chunk = caps.max_batch_len.unwrap_or(usize::MAX).max(1);
         // Only the last chunk carries the notification (see `batch`).
-        let report = match path {
-            BatchPath::Sync => batch(&p.a, p.seg, &reqs, Some(&note)).await,
-            BatchPath::Async => {
-                let mut results = Vec::new();
-                let parts: Vec<&[TransferRequest]> = reqs.chunks(chunk).collect();
-                let last = parts.len() - 1;
-                let mut refused = None;
-                for (i, part) in parts.into_iter().enumerate() {
-                    let n = if i == last { Some(&note) } else { None };
-                    match p.a.submit(p.seg, part, n).await {
-                        Ok(id) => results.extend(finish(&p.a, id).await.results),
-                        Err(e) => {
-                            refused = Some(e);
-                            break;
-                        }
-                    }
-                }
-                match refused {
-                    Some(e) => Err(e),
-                    None => Ok(BatchReport { results }),
-                }
-            }
-        };
+        let report = batch_via(&p.a, path, p.seg, &reqs, Some(&note)).await;
         let report = report.unwrap_or_else(|e| {
             panic!(
                 "{path:?}: a batch whose data moved was refused as a whole because its \
@@ -188,7 +164,7 @@ pub async fn check_notify_failure_after_data(
             &model,
             &format!("{path:?}: peer memory after a batch whose notification failed"),
         );
-        if path == BatchPath::Async && caps.max_batch_len.is_none_or(|m| m >= 1) {
+        if path == BatchPath::Async {
             // Nothing but the notification: nothing moved, so `Err` (at
             // submit, or from the batch).
             let r = match p.a.submit(p.seg, &[], Some(&note)).await {
