@@ -28,6 +28,8 @@ use std::os::fd::AsRawFd;
 
 use tokio::net::TcpStream;
 
+use crate::stream::Stream;
+
 /// The `same_host` setting.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum SameHost {
@@ -193,6 +195,8 @@ pub fn errno_name(errno: i32) -> String {
         libc::EINVAL => "EINVAL",
         libc::ENOMEM => "ENOMEM",
         libc::ENOENT => "ENOENT",
+        libc::EBADF => "EBADF",
+        libc::EPROTOTYPE => "EPROTOTYPE",
         _ => return format!("errno {errno}"),
     };
     name.to_owned()
@@ -634,13 +638,97 @@ impl Initiator {
         let n = unsafe { libc::poll(&mut p, 1, 0) };
         n == 0
     }
+
+    /// Takes over the control channel the initiator offered: its end
+    /// `fd` of a Unix socket pair, duplicated into this process with
+    /// `pidfd_getfd(2)` (Linux ≥ 5.6). The kernel allows that under the
+    /// same ptrace-attach check as `process_vm_readv`, so it grants
+    /// nothing the copies do not already need. Accepted only if it is a
+    /// Unix stream socket made by that very process (its peer credentials
+    /// name the initiator's PID). `Err(errno)` otherwise (`ENOSYS` without
+    /// pidfds, `EPROTOTYPE` for another kind of descriptor, `EACCES` for
+    /// a socket made by another process).
+    pub fn take_channel(&self, fd: u32) -> Result<std::os::unix::net::UnixStream, i32> {
+        use std::os::fd::{FromRawFd, OwnedFd};
+        let Some(pidfd) = &self.pidfd else {
+            return Err(libc::ENOSYS);
+        };
+        let fd = i32::try_from(fd).map_err(|_| libc::EBADF)?;
+        // SAFETY: pidfd_getfd takes a pidfd we own, a descriptor number in
+        // that process and flags; it returns a new descriptor (close-on-
+        // exec) that we own, or -1.
+        let got = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), fd, 0) };
+        if got < 0 {
+            return Err(last_errno());
+        }
+        // SAFETY: a fresh descriptor returned to us above.
+        let owned = unsafe { OwnedFd::from_raw_fd(got as i32) };
+        let int_opt = |level, name| -> Result<libc::c_int, i32> {
+            let mut v: libc::c_int = 0;
+            let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+            // SAFETY: `v` and `len` are valid for the int-sized option.
+            let r = unsafe {
+                libc::getsockopt(
+                    owned.as_raw_fd(),
+                    level,
+                    name,
+                    (&mut v as *mut libc::c_int).cast(),
+                    &mut len,
+                )
+            };
+            if r < 0 {
+                Err(last_errno())
+            } else {
+                Ok(v)
+            }
+        };
+        let domain = int_opt(libc::SOL_SOCKET, libc::SO_DOMAIN).map_err(|_| libc::EPROTOTYPE)?;
+        let kind = int_opt(libc::SOL_SOCKET, libc::SO_TYPE).map_err(|_| libc::EPROTOTYPE)?;
+        if domain != libc::AF_UNIX || kind != libc::SOCK_STREAM {
+            return Err(libc::EPROTOTYPE);
+        }
+        let mut cred = libc::ucred {
+            pid: 0,
+            uid: 0,
+            gid: 0,
+        };
+        let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+        // SAFETY: `cred` and `len` are valid for SO_PEERCRED's ucred.
+        let r = unsafe {
+            libc::getsockopt(
+                owned.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_PEERCRED,
+                (&mut cred as *mut libc::ucred).cast(),
+                &mut len,
+            )
+        };
+        if r < 0 {
+            return Err(last_errno());
+        }
+        if cred.pid != self.pid {
+            return Err(libc::EACCES);
+        }
+        let stream = std::os::unix::net::UnixStream::from(owned);
+        stream
+            .set_nonblocking(true)
+            .map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))?;
+        Ok(stream)
+    }
+}
+
+/// The calling thread's errno.
+fn last_errno() -> i32 {
+    std::io::Error::last_os_error()
+        .raw_os_error()
+        .unwrap_or(libc::EIO)
 }
 
 impl Initiator {
     /// Whether a copy for this initiator may go ahead: its process is
     /// alive (pidfd) and it has not closed (or reset) `stream`. One
     /// `poll(2)` for both checks.
-    pub fn alive_for(&self, stream: &TcpStream) -> bool {
+    pub fn alive_for(&self, stream: &Stream) -> bool {
         let mut p = [
             libc::pollfd {
                 fd: stream.as_raw_fd(),
@@ -668,7 +756,7 @@ impl Initiator {
 /// Whether the initiator has closed (or reset) `stream`: checked right
 /// before each copy, so a target never copies for a connection its
 /// initiator has given up (see the README for the remaining window).
-pub fn peer_closed(stream: &TcpStream) -> bool {
+pub fn peer_closed(stream: &Stream) -> bool {
     let mut p = libc::pollfd {
         fd: stream.as_raw_fd(),
         events: libc::POLLRDHUP,

@@ -12,8 +12,9 @@ use std::fmt;
 pub const MAGIC: [u8; 4] = *b"FRY\x01";
 /// Protocol version spoken by this crate (2: region generations in
 /// WRITE/READ frames, segments and tables; typed rejections; idle deadline
-/// in the welcome; 3: the same-host path, SAME_HOST / CWRITE / CREAD).
-pub const VERSION: u16 = 3;
+/// in the welcome; 3: the same-host path, SAME_HOST / CWRITE / CREAD;
+/// 4: the same-host control channel, SAME_HOST_OK).
+pub const VERSION: u16 = 4;
 /// Size of every frame header.
 pub const HEADER_LEN: usize = 32;
 /// Largest payload one WRITE, READ or DATA frame may carry (initiators split
@@ -59,7 +60,8 @@ pub mod kind {
     /// back).
     pub const READV: u8 = 0x06;
     /// Same-host negotiation: an offer of [`crate::cma::OFFER_LEN`] bytes
-    /// follows.
+    /// follows; `a` = 1 + the initiator's descriptor number of the control
+    /// channel it offers (0: none).
     pub const SAME_HOST: u8 = 0x07;
     /// Cross-memory write: `aux` segments of 24 bytes follow (target addr,
     /// len, generation, initiator source addr); the target copies them.
@@ -83,6 +85,10 @@ pub mod kind {
     /// READV `id` answer: `aux` failed segment indices (u32) follow, then
     /// `b` bytes: the payloads of the other segments, in order.
     pub const DATAV: u8 = 0x87;
+    /// SAME_HOST `id` accepted: `a` = 1 if the target took the offered
+    /// control channel (the connection continues on it), else 0 with the
+    /// errno of the failed attempt in `b` (0: none offered).
+    pub const SAME_HOST_OK: u8 = 0x88;
 }
 
 /// Error codes carried in ERR frames and handshake rejections.
@@ -266,6 +272,9 @@ pub enum Request {
     SameHost {
         /// Request id.
         id: u64,
+        /// The initiator's descriptor number of the Unix socket it offers
+        /// as the connection's control channel, if any.
+        channel: Option<u32>,
     },
     /// Cross-memory write (read when `read`): `count` segments of
     /// [`CMA_SEGMENT_LEN`] bytes follow, no payload.
@@ -331,9 +340,10 @@ impl Request {
                 b: total,
                 ..Default::default()
             },
-            Request::SameHost { id } => Header {
+            Request::SameHost { id, channel } => Header {
                 kind: kind::SAME_HOST,
                 id,
+                a: channel.map_or(0, |fd| u64::from(fd) + 1),
                 ..Default::default()
             },
             Request::Cma {
@@ -433,10 +443,13 @@ impl Request {
                 Ok(Request::Table { id: h.id })
             }
             kind::SAME_HOST => {
-                if h.a != 0 || h.b != 0 {
-                    return Err(bad("SAME_HOST request with operands"));
+                if h.b != 0 || h.a > u64::from(i32::MAX as u32) + 1 {
+                    return Err(bad("SAME_HOST request with bad operands"));
                 }
-                Ok(Request::SameHost { id: h.id })
+                Ok(Request::SameHost {
+                    id: h.id,
+                    channel: h.a.checked_sub(1).map(|fd| fd as u32),
+                })
             }
             kind::CWRITE | kind::CREAD => {
                 if h.aux == 0 || h.aux > MAX_SEGMENTS || h.a != 0 || h.b > MAX_OP_LEN {
@@ -517,6 +530,15 @@ pub enum Response {
         /// Number of failed segments (1..=[`MAX_SEGMENTS`]).
         count: u32,
     },
+    /// SAME_HOST `id` accepted (the same-host path is agreed).
+    SameHostOk {
+        /// Request id.
+        id: u64,
+        /// `Ok`: the target took the offered control channel and the
+        /// connection continues on it; `Err(errno)`: it stays on this
+        /// socket (0: no channel was offered).
+        channel: std::result::Result<(), u32>,
+    },
 }
 
 impl Response {
@@ -576,6 +598,13 @@ impl Response {
                 status: status as u8,
                 aux: count,
                 id,
+                ..Default::default()
+            },
+            Response::SameHostOk { id, channel } => Header {
+                kind: kind::SAME_HOST_OK,
+                id,
+                a: u64::from(channel.is_ok()),
+                b: channel.err().map_or(0, u64::from),
                 ..Default::default()
             },
         };
@@ -654,6 +683,21 @@ impl Response {
                     status,
                     count: h.aux,
                 })
+            }
+            kind::SAME_HOST_OK => {
+                let errno =
+                    u32::try_from(h.b).map_err(|_| bad("SAME_HOST_OK errno out of range"))?;
+                match h.a {
+                    1 if errno == 0 => Ok(Response::SameHostOk {
+                        id: h.id,
+                        channel: Ok(()),
+                    }),
+                    0 => Ok(Response::SameHostOk {
+                        id: h.id,
+                        channel: Err(errno),
+                    }),
+                    _ => Err(bad("SAME_HOST_OK with bad operands")),
+                }
             }
             k => Err(bad(format!("unknown response kind {k:#04x}"))),
         }
@@ -940,7 +984,14 @@ mod tests {
                 count: 1,
                 total: 1,
             },
-            Request::SameHost { id: 12 },
+            Request::SameHost {
+                id: 12,
+                channel: None,
+            },
+            Request::SameHost {
+                id: 14,
+                channel: Some(7),
+            },
             Request::Cma {
                 id: 13,
                 read: true,
@@ -972,6 +1023,14 @@ mod tests {
                 id: 5,
                 status: Status::AddressNotRegistered,
                 count: 3,
+            },
+            Response::SameHostOk {
+                id: 0,
+                channel: Ok(()),
+            },
+            Response::SameHostOk {
+                id: 0,
+                channel: Err(38),
             },
             Response::DataV {
                 id: 6,

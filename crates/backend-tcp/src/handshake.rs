@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use tokio::net::TcpStream;
+use crate::stream::Stream;
 use transport_core::raw::auth::{nonce, proof, verify};
 use transport_core::{Error, Result};
 
@@ -37,11 +37,11 @@ fn io_err(peer: &str, what: &str, timeout: Duration, e: std::io::Error) -> Error
     }
 }
 
-async fn write_all(stream: &TcpStream, bufs: &[&[u8]], timeout: Duration) -> std::io::Result<()> {
+async fn write_all(stream: &Stream, bufs: &[&[u8]], timeout: Duration) -> std::io::Result<()> {
     write_all_slices(stream, bufs, Pace::stall_only(timeout)).await
 }
 
-async fn read_exact(stream: &TcpStream, buf: &mut [u8], timeout: Duration) -> std::io::Result<()> {
+async fn read_exact(stream: &Stream, buf: &mut [u8], timeout: Duration) -> std::io::Result<()> {
     let mut done = 0;
     while done < buf.len() {
         let n = read_some(stream, &mut buf[done..], Some(timeout)).await?;
@@ -58,7 +58,7 @@ async fn read_exact(stream: &TcpStream, buf: &mut [u8], timeout: Duration) -> st
 
 /// Reads a hello whose first byte is `first` (already read).
 async fn read_hello_rest(
-    stream: &TcpStream,
+    stream: &Stream,
     peer: &str,
     first: u8,
     timeout: Duration,
@@ -83,7 +83,7 @@ async fn read_hello_rest(
     Ok(hello)
 }
 
-async fn read_first(stream: &TcpStream, peer: &str, what: &str, timeout: Duration) -> Result<u8> {
+async fn read_first(stream: &Stream, peer: &str, what: &str, timeout: Duration) -> Result<u8> {
     let mut b = [0u8; 1];
     read_exact(stream, &mut b, timeout)
         .await
@@ -93,7 +93,7 @@ async fn read_first(stream: &TcpStream, peer: &str, what: &str, timeout: Duratio
 
 /// Sends a rejection (`REJECT, status, len u16, reason`), best effort: the
 /// connection is closed right after.
-pub async fn send_reject(stream: &TcpStream, status: Status, reason: &str, timeout: Duration) {
+pub async fn send_reject(stream: &Stream, status: Status, reason: &str, timeout: Duration) {
     let _ = write_all(stream, &[&reject_bytes(status, reason)], timeout).await;
 }
 
@@ -113,7 +113,7 @@ pub fn reject_bytes(status: Status, reason: &str) -> Vec<u8> {
 
 /// Reads the rest of a rejection (its `REJECT` byte already read) and turns
 /// it into the initiator's error.
-async fn read_reject(stream: &TcpStream, peer: &str, timeout: Duration) -> Error {
+async fn read_reject(stream: &Stream, peer: &str, timeout: Duration) -> Error {
     let mut head = [0u8; 3];
     if let Err(e) = read_exact(stream, &mut head, timeout).await {
         return io_err(peer, "rejection", timeout, e);
@@ -158,7 +158,7 @@ pub struct Welcome {
 /// Initiator side. `peer` is the segment name (for errors). With a secret,
 /// the target must prove it too.
 pub async fn client(
-    stream: &TcpStream,
+    stream: &Stream,
     peer: &str,
     my_name: &str,
     secret: Option<&str>,
@@ -256,7 +256,7 @@ pub struct Verified {
 /// Target side, up to the verdict. Refuses (and sends a rejection) on a bad
 /// magic, version or proof, before touching memory.
 pub async fn server(
-    stream: &TcpStream,
+    stream: &Stream,
     peer_addr: &str,
     my_name: &str,
     secret: Option<&str>,
@@ -319,7 +319,7 @@ pub async fn server(
 /// Completes a target's handshake: WELCOME, its proof, the idle deadline
 /// and the region table (`count` entries, encoded).
 pub async fn send_welcome(
-    stream: &TcpStream,
+    stream: &Stream,
     peer_addr: &str,
     v: &Verified,
     idle: Duration,
@@ -344,26 +344,37 @@ pub async fn send_welcome(
 
 /// The outcome of the same-host negotiation on one connection.
 pub enum SameHostVerdict {
-    /// Payloads move by cross-memory attach.
-    Cma,
+    /// Payloads move by cross-memory attach; `channel`: the target took
+    /// the offered control channel (`Ok`), or the reason it did not.
+    Cma {
+        /// `Ok` if the connection continues on the offered channel.
+        channel: std::result::Result<(), String>,
+    },
     /// Payloads move on the socket, for this reason.
     Refused(String),
 }
 
 /// Initiator side, right after the welcome: offers the same-host path
 /// (SAME_HOST with this process's boot id, PID namespace, PID and a probe
-/// word) and reads the target's verdict. Errors are I/O or protocol
-/// failures of the connection itself.
+/// word, and `channel`'s descriptor number as the control channel) and
+/// reads the target's verdict. `channel` (this process's copy of the
+/// target's end) must stay open until this returns. Errors are I/O or
+/// protocol failures of the connection itself.
 pub async fn offer_same_host(
-    stream: &TcpStream,
+    stream: &Stream,
     peer: &str,
+    channel: Option<std::os::fd::RawFd>,
     timeout: Duration,
 ) -> Result<SameHostVerdict> {
     let (probe, offer) = match crate::cma::make_offer() {
         Ok(x) => x,
         Err(reason) => return Ok(SameHostVerdict::Refused(reason)),
     };
-    let hdr = crate::frame::Request::SameHost { id: 0 }.encode();
+    let hdr = crate::frame::Request::SameHost {
+        id: 0,
+        channel: channel.and_then(|fd| u32::try_from(fd).ok()),
+    }
+    .encode();
     write_all(stream, &[&hdr, &offer.encode()], timeout)
         .await
         .map_err(|e| io_err(peer, "same-host offer", timeout, e))?;
@@ -374,7 +385,12 @@ pub async fn offer_same_host(
     // The target has read the probe (or given up) once it answered.
     drop(probe);
     match crate::frame::Response::decode(&resp) {
-        Ok(crate::frame::Response::Ok { id: 0 }) => Ok(SameHostVerdict::Cma),
+        Ok(crate::frame::Response::SameHostOk { id: 0, channel }) => Ok(SameHostVerdict::Cma {
+            channel: channel.map_err(|errno| match errno {
+                0 => "no channel offered".to_owned(),
+                e => format!("pidfd_getfd: {}", crate::cma::errno_name(e as i32)),
+            }),
+        }),
         Ok(crate::frame::Response::Err {
             id: 0,
             status: Status::SameHostRefused,

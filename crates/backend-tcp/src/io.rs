@@ -20,7 +20,7 @@ use std::marker::PhantomData;
 use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
-use tokio::net::TcpStream;
+use crate::stream::Stream;
 
 use crate::frame::HEADER_LEN;
 
@@ -180,7 +180,7 @@ fn retry(e: &io::Error) -> bool {
 
 /// `recvmsg(2)` or `sendmsg(2)` (with `MSG_NOSIGNAL`) of `iov` on `stream`'s
 /// socket, non-blocking.
-fn sys_msg(stream: &TcpStream, iov: &mut [libc::iovec], send: bool) -> io::Result<usize> {
+fn sys_msg(stream: &Stream, iov: &mut [libc::iovec], send: bool) -> io::Result<usize> {
     if iov.is_empty() {
         return Ok(0);
     }
@@ -212,7 +212,7 @@ fn sys_msg(stream: &TcpStream, iov: &mut [libc::iovec], send: bool) -> io::Resul
 /// One non-blocking read into `segs` (the first from `first_off`) then
 /// `tail` — the tail only if every segment fits in this call.
 fn raw_read(
-    stream: &TcpStream,
+    stream: &Stream,
     segs: &[Bytes<'_>],
     first_off: usize,
     tail: Bytes<'_>,
@@ -248,7 +248,7 @@ pub type SpinWhile = std::sync::Arc<dyn Fn() -> bool + Send + Sync>;
 /// until readable; waiting longer than `timeout` (if given) is a
 /// `TimedOut` error. `Ok(0)` is EOF.
 async fn read_with<F>(
-    stream: &TcpStream,
+    stream: &Stream,
     mut attempt: F,
     spin: Duration,
     extend: Option<&SpinWhile>,
@@ -308,7 +308,7 @@ where
 
 /// Reads at least one byte into `buf` (no polling). `Ok(0)` is EOF.
 pub async fn read_some(
-    stream: &TcpStream,
+    stream: &Stream,
     buf: &mut [u8],
     timeout: Option<Duration>,
 ) -> io::Result<usize> {
@@ -323,7 +323,7 @@ pub async fn read_some(
     .await
 }
 
-fn raw_write(stream: &TcpStream, bufs: &[Bytes<'_>], first_off: usize) -> io::Result<usize> {
+fn raw_write(stream: &Stream, bufs: &[Bytes<'_>], first_off: usize) -> io::Result<usize> {
     let n = bufs.len().min(IOV_MAX);
     let mut iov: Vec<libc::iovec> = Vec::with_capacity(n);
     for (i, b) in bufs[..n].iter().enumerate() {
@@ -338,7 +338,7 @@ fn raw_write(stream: &TcpStream, bufs: &[Bytes<'_>], first_off: usize) -> io::Re
 /// Writes every byte of `bufs` in order, at most [`IOV_MAX`] ranges per
 /// call. A stall longer than `pace.stall`, or not having finished within
 /// `pace`'s deadline for the total, is `TimedOut`.
-pub async fn write_all(stream: &TcpStream, bufs: &[Bytes<'_>], pace: Pace) -> io::Result<()> {
+pub async fn write_all(stream: &Stream, bufs: &[Bytes<'_>], pace: Pace) -> io::Result<()> {
     let total: u64 = bufs.iter().map(|b| b.len() as u64).sum();
     let deadline = pace.deadline(total);
     let mut idx = 0;
@@ -395,7 +395,7 @@ pub async fn write_all(stream: &TcpStream, bufs: &[Bytes<'_>], pace: Pace) -> io
 }
 
 /// Writes plain byte slices (handshake and control messages).
-pub async fn write_all_slices(stream: &TcpStream, bufs: &[&[u8]], pace: Pace) -> io::Result<()> {
+pub async fn write_all_slices(stream: &Stream, bufs: &[&[u8]], pace: Pace) -> io::Result<()> {
     let bufs: Vec<Bytes<'_>> = bufs.iter().map(|b| Bytes::from_ref(b)).collect();
     write_all(stream, &bufs, pace).await
 }
@@ -486,7 +486,7 @@ impl FrameReader {
     /// One non-blocking read of the rest of the header and, with the
     /// lookahead on, of what follows it (only when the lookahead is
     /// drained). Accounts what it read.
-    fn read_header_part(&mut self, stream: &TcpStream) -> io::Result<usize> {
+    fn read_header_part(&mut self, stream: &Stream) -> io::Result<usize> {
         let tail = Bytes::from_mut(&mut self.hdr[self.filled..]);
         let want = tail.len();
         let n = match &mut self.ahead {
@@ -541,7 +541,7 @@ impl FrameReader {
 
     /// Tries, without waiting, to complete the next header. Returns whether
     /// one is complete.
-    pub fn poll_header_now(&mut self, stream: &TcpStream) -> io::Result<bool> {
+    pub fn poll_header_now(&mut self, stream: &Stream) -> io::Result<bool> {
         self.header_from_ahead();
         while self.filled < HEADER_LEN {
             match self.read_header_part(stream) {
@@ -560,7 +560,7 @@ impl FrameReader {
     /// started, the rest must come within the stall deadline.
     pub async fn next_header(
         &mut self,
-        stream: &TcpStream,
+        stream: &Stream,
         idle: Option<Duration>,
     ) -> io::Result<Next> {
         self.frame_deadline = None;
@@ -610,13 +610,13 @@ impl FrameReader {
 
     /// Reads exactly `dst.len()` payload bytes into `dst`, topping up the
     /// next header in the same calls (so `dst` must end a frame).
-    pub async fn read_payload(&mut self, stream: &TcpStream, dst: Bytes<'_>) -> io::Result<()> {
+    pub async fn read_payload(&mut self, stream: &Stream, dst: Bytes<'_>) -> io::Result<()> {
         self.read_v(stream, &[dst], true).await
     }
 
     /// Reads exactly `dst.len()` bytes of a frame that continues after them
     /// (no top-up of the next header).
-    pub async fn read_part(&mut self, stream: &TcpStream, dst: Bytes<'_>) -> io::Result<()> {
+    pub async fn read_part(&mut self, stream: &Stream, dst: Bytes<'_>) -> io::Result<()> {
         self.read_v(stream, &[dst], false).await
     }
 
@@ -625,7 +625,7 @@ impl FrameReader {
     /// the next header — so they must end the frame).
     pub async fn read_v(
         &mut self,
-        stream: &TcpStream,
+        stream: &Stream,
         segs: &[Bytes<'_>],
         topup: bool,
     ) -> io::Result<()> {
@@ -692,7 +692,7 @@ impl FrameReader {
     /// [`FrameReader::read_payload`] versus [`FrameReader::read_part`].
     pub async fn discard(
         &mut self,
-        stream: &TcpStream,
+        stream: &Stream,
         mut len: u64,
         ends_frame: bool,
     ) -> io::Result<()> {
@@ -721,8 +721,11 @@ mod tests {
     #[tokio::test]
     async fn lookahead_keeps_the_stream_in_order() {
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let mut tx = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
+        let mut tx = tokio::net::TcpStream::connect(l.local_addr().unwrap())
+            .await
+            .unwrap();
         let (rx, _) = l.accept().await.unwrap();
+        let rx = Stream::Tcp(rx);
         let bodies = [
             24usize,
             0,

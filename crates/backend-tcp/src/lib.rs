@@ -64,6 +64,7 @@ pub mod frame;
 mod handshake;
 mod io;
 mod server;
+mod stream;
 
 pub use cma::SameHost;
 pub use config::TcpConfig;

@@ -19,6 +19,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokio::net::{TcpListener, TcpStream};
+
+use crate::stream::Stream;
 use tokio::sync::{oneshot, Notify};
 use tokio::task::JoinSet;
 use transport_core::raw::lock;
@@ -426,6 +428,7 @@ async fn serve_conn(
     mut evicted: oneshot::Receiver<()>,
 ) -> Result<(), Error> {
     let _ = stream.set_nodelay(true);
+    let stream = Stream::Tcp(stream);
     let cfg = &core.config;
     let peer = addr.to_string();
     let hs = tokio::select! {
@@ -492,7 +495,7 @@ async fn serve_conn(
         },
         cma_pid: None,
     };
-    match serve(stream, &peer, core, &admitted.live, first, false).await? {
+    match serve(stream, &peer, core, &admitted.live, first).await? {
         Served::Closed => Ok(()),
         Served::ToThread(stream, st) => {
             let (core, live) = (Arc::clone(core), Arc::clone(&admitted.live));
@@ -515,7 +518,7 @@ enum Served {
     /// The connection is over (EOF, idle, evicted).
     Closed,
     /// The same-host path was agreed: serve the rest on a dedicated thread.
-    ToThread(TcpStream, Box<ConnState>),
+    ToThread(Stream, Box<ConnState>),
 }
 
 /// Serves a same-host (cma) connection on a thread of its own, with its own
@@ -532,13 +535,13 @@ enum Served {
 /// One thread per same-host connection (bounded by `max_inbound`); such
 /// peers are local processes the target may already `ptrace`.
 async fn serve_on_thread(
-    stream: TcpStream,
+    stream: Stream,
     peer: String,
     core: Arc<Core>,
     live: Arc<Live>,
     st: ConnState,
 ) -> Result<(), Error> {
-    let std_stream = stream.into_std().map_err(|e| io_error(&peer, e))?;
+    let (unix, fd) = stream.into_owned_fd().map_err(|e| io_error(&peer, e))?;
     let (done_tx, done_rx) = oneshot::channel();
     let (stop_tx, stop_rx) = oneshot::channel::<()>();
     let p = peer.clone();
@@ -549,9 +552,9 @@ async fn serve_on_thread(
                 .build()
                 .map_err(|e| io_error(&p, e))?;
             rt.block_on(async {
-                let stream = TcpStream::from_std(std_stream).map_err(|e| io_error(&p, e))?;
+                let stream = Stream::from_owned_fd(unix, fd).map_err(|e| io_error(&p, e))?;
                 tokio::select! {
-                    r = serve(stream, &p, &core, &live, st, true) => r.map(|_| ()),
+                    r = serve(stream, &p, &core, &live, st) => r.map(|_| ()),
                     _ = stop_rx => Ok(()),
                 }
             })
@@ -742,7 +745,7 @@ fn failed_status(guards: &[Result<RegionGuard, Status>]) -> Status {
     }
 }
 
-async fn flush(stream: &TcpStream, out: &mut Out, core: &Core, peer: &str) -> Result<(), Error> {
+async fn flush(stream: &Stream, out: &mut Out, core: &Core, peer: &str) -> Result<(), Error> {
     if out.is_empty() {
         return Ok(());
     }
@@ -755,7 +758,7 @@ async fn flush(stream: &TcpStream, out: &mut Out, core: &Core, peer: &str) -> Re
 /// Framing is lost: answer what was processed, then `Malformed` for `id`,
 /// and close (PROTOCOL.md §3).
 async fn malformed(
-    stream: &TcpStream,
+    stream: &Stream,
     out: &mut Out,
     core: &Core,
     peer: &str,
@@ -771,15 +774,15 @@ async fn malformed(
 }
 
 /// Serves one established connection until EOF, idleness, an error or
-/// abort — or, unless `dedicated` (already on its own thread), until the
-/// same-host path is agreed (then [`Served::ToThread`]).
+/// abort — or until the same-host path is agreed (then
+/// [`Served::ToThread`]: once per connection, a second SAME_HOST is
+/// malformed).
 async fn serve(
-    stream: TcpStream,
+    stream: Stream,
     peer: &str,
     core: &Core,
     live: &Live,
     st: ConnState,
-    dedicated: bool,
 ) -> Result<Served, Error> {
     let cfg = &core.config;
     let pace = core.pace();
@@ -1008,30 +1011,64 @@ async fn serve(
                 drop(bufs);
                 drop(guards);
             }
-            Request::SameHost { id } => {
+            Request::SameHost { id, channel } => {
                 rd.begin_frame(cma::OFFER_LEN as u64);
                 let mut raw = [0u8; cma::OFFER_LEN];
                 rd.read_payload(&stream, Bytes::from_mut(&mut raw))
                     .await
                     .map_err(|e| io_error(peer, e))?;
                 let offer = cma::Offer::decode(&raw);
-                let verdict = if cfg.same_host == SameHost::Off {
-                    Err((cma::Refusal::Disabled, 0))
-                } else {
-                    cma::check_offer(&stream, &offer)
+                let verdict = match &stream {
+                    _ if cfg.same_host == SameHost::Off => Err((cma::Refusal::Disabled, 0)),
+                    Stream::Tcp(tcp) if cma_pid.is_none() => cma::check_offer(tcp, &offer),
+                    _ => {
+                        let reason = "SAME_HOST on a connection that has agreed it".to_owned();
+                        return Err(malformed(&stream, &mut out, core, peer, id, reason).await);
+                    }
                 };
                 match verdict {
                     Ok(pid) => {
-                        tracing::debug!(%peer, pid, "same-host path agreed");
-                        cma_pid = Some(cma::Initiator::new(pid));
-                        out.acks.push(id);
+                        let initiator = cma::Initiator::new(pid);
+                        let taken = channel.map_or(Err(0), |fd| initiator.take_channel(fd));
+                        tracing::debug!(%peer, pid, ?taken, "same-host path agreed");
+                        cma_pid = Some(initiator);
                         // Its requests are headers with short segment
                         // tables: one `recvmsg` each.
                         rd.set_lookahead();
-                        if !dedicated {
-                            let st = Box::new(ConnState { rd, out, cma_pid });
-                            return Ok(Served::ToThread(stream, st));
-                        }
+                        let stream = match taken {
+                            Ok(unix) => {
+                                // Answer on the TCP connection (the initiator
+                                // sent nothing after its offer), which then
+                                // closes: the connection goes on over the
+                                // channel.
+                                out.frames.extend_from_slice(
+                                    &Response::SameHostOk {
+                                        id,
+                                        channel: Ok(()),
+                                    }
+                                    .encode(),
+                                );
+                                flush(&stream, &mut out, core, peer).await?;
+                                rd = FrameReader::new(cfg.spin, pace);
+                                rd.set_lookahead();
+                                Stream::Unix(
+                                    tokio::net::UnixStream::from_std(unix)
+                                        .map_err(|e| io_error(peer, e))?,
+                                )
+                            }
+                            Err(errno) => {
+                                out.frames.extend_from_slice(
+                                    &Response::SameHostOk {
+                                        id,
+                                        channel: Err(errno as u32),
+                                    }
+                                    .encode(),
+                                );
+                                stream
+                            }
+                        };
+                        let st = Box::new(ConnState { rd, out, cma_pid });
+                        return Ok(Served::ToThread(stream, st));
                     }
                     Err((why, errno)) => {
                         tracing::debug!(%peer, ?why, errno, "same-host path refused");

@@ -313,9 +313,15 @@ async fn raw_offers_and_copies_are_checked_by_the_target() {
     let mut expect = vec![0x33u8; 64 * 1024];
 
     async fn ask(s: &mut tokio::net::TcpStream, offer: &Offer) -> Response {
-        s.write_all(&Request::SameHost { id: 5 }.encode())
-            .await
-            .unwrap();
+        s.write_all(
+            &Request::SameHost {
+                id: 5,
+                channel: None,
+            }
+            .encode(),
+        )
+        .await
+        .unwrap();
         s.write_all(&offer.encode()).await.unwrap();
         let mut hdr = [0u8; HEADER_LEN];
         s.read_exact(&mut hdr).await.unwrap();
@@ -400,7 +406,13 @@ async fn raw_offers_and_copies_are_checked_by_the_target() {
     // After an agreement: a good segment lands, an out-of-region one and
     // one whose source is unmapped in the initiator fail, named.
     let (mut s, _) = common::raw_handshake_gens(b.segment_name()).await;
-    assert_eq!(ask(&mut s, &good).await, Response::Ok { id: 5 });
+    assert_eq!(
+        ask(&mut s, &good).await,
+        Response::SameHostOk {
+            id: 5,
+            channel: Err(0)
+        }
+    );
     let segs = [
         seg(target.addr() + 100, 10, src.as_ptr() as u64),
         seg(target.addr() + 64 * 1024 - 4, 8, src.as_ptr() as u64),
@@ -467,13 +479,25 @@ async fn unregister_waits_for_an_inbound_copy() {
     };
     let (mut s, table) = common::raw_handshake_gens(b.segment_name()).await;
     let gen = gen_of(&table, target.addr());
-    s.write_all(&Request::SameHost { id: 1 }.encode())
-        .await
-        .unwrap();
+    s.write_all(
+        &Request::SameHost {
+            id: 1,
+            channel: None,
+        }
+        .encode(),
+    )
+    .await
+    .unwrap();
     s.write_all(&offer.encode()).await.unwrap();
     let mut hdr = [0u8; HEADER_LEN];
     s.read_exact(&mut hdr).await.unwrap();
-    assert_eq!(Response::decode(&hdr).unwrap(), Response::Ok { id: 1 });
+    assert_eq!(
+        Response::decode(&hdr).unwrap(),
+        Response::SameHostOk {
+            id: 1,
+            channel: Err(0)
+        }
+    );
     let seg = CmaSegment {
         seg: Segment {
             addr: target.addr(),
@@ -511,4 +535,134 @@ async fn unregister_waits_for_an_inbound_copy() {
         r => panic!("unexpected {r:?}"),
     }
     drop(probe);
+}
+
+/// Raw initiator: the control channel. A Unix socket pair end offered with
+/// SAME_HOST is taken by the target (answered on TCP, which then closes;
+/// CWRITE / CREAD go on over the channel); a descriptor that is not a Unix
+/// stream socket, or not open, is refused with the errno and the
+/// connection stays on TCP, where the path still works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn raw_control_channel_is_taken_or_refused_with_the_errno() {
+    use std::os::fd::AsRawFd;
+    let b = start(cfg(SameHost::Auto)).await;
+    let target = mem(&b, 64 * 1024, 0).await;
+    let probe: Box<[u8; 16]> = Box::new(rand_nonce());
+    let offer = Offer {
+        boot_id: backend_tcp::cma::boot_id().unwrap(),
+        pidns: backend_tcp::cma::pid_namespace().unwrap(),
+        pid: std::process::id() as u64,
+        probe_addr: probe.as_ptr() as u64,
+        nonce: *probe,
+    };
+    async fn ask<S: AsyncReadExt + AsyncWriteExt + Unpin>(
+        s: &mut S,
+        offer: &Offer,
+        channel: Option<u32>,
+    ) -> Response {
+        s.write_all(&Request::SameHost { id: 3, channel }.encode())
+            .await
+            .unwrap();
+        s.write_all(&offer.encode()).await.unwrap();
+        let mut hdr = [0u8; HEADER_LEN];
+        s.read_exact(&mut hdr).await.unwrap();
+        Response::decode(&hdr).unwrap()
+    }
+    async fn cwrite<S: AsyncReadExt + AsyncWriteExt + Unpin>(
+        s: &mut S,
+        id: u64,
+        gen: u32,
+        dst: u64,
+        src: &[u8],
+    ) -> Response {
+        let seg = CmaSegment {
+            seg: Segment {
+                addr: dst,
+                len: src.len() as u64,
+                gen,
+            },
+            local: src.as_ptr() as u64,
+        };
+        let req = Request::Cma {
+            id,
+            read: false,
+            count: 1,
+            total: src.len() as u64,
+        };
+        s.write_all(&req.encode()).await.unwrap();
+        s.write_all(&encode_cma_segments(&[seg])).await.unwrap();
+        let mut hdr = [0u8; HEADER_LEN];
+        s.read_exact(&mut hdr).await.unwrap();
+        Response::decode(&hdr).unwrap()
+    }
+
+    // Taken: the answer comes on TCP, then TCP ends and the channel serves.
+    let (mut s, table) = common::raw_handshake_gens(b.segment_name()).await;
+    let gen = gen_of(&table, target.addr());
+    let (ours, theirs) = std::os::unix::net::UnixStream::pair().unwrap();
+    let r = ask(&mut s, &offer, Some(theirs.as_raw_fd() as u32)).await;
+    assert_eq!(
+        r,
+        Response::SameHostOk {
+            id: 3,
+            channel: Ok(())
+        }
+    );
+    drop(theirs);
+    let mut rest = Vec::new();
+    let eof = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut rest)).await;
+    assert!(
+        matches!(eof, Ok(Ok(0))),
+        "the TCP connection should end: {eof:?}"
+    );
+    ours.set_nonblocking(true).unwrap();
+    let mut u = tokio::net::UnixStream::from_std(ours).unwrap();
+    let src = vec![0x5au8; 300];
+    assert_eq!(
+        cwrite(&mut u, 9, gen, target.addr() + 10, &src).await,
+        Response::Ok { id: 9 }
+    );
+    assert_eq!(target.to_vec()[10..310], src[..]);
+    assert_eq!(target.to_vec()[310], 0);
+    // A second SAME_HOST on an agreed connection is malformed.
+    match ask(&mut u, &offer, None).await {
+        Response::Err {
+            id: 3,
+            status: Status::Malformed,
+            ..
+        } => {}
+        r => panic!("got {r:?}"),
+    }
+
+    // Refused channels: the connection stays on TCP and the path works.
+    let file = std::fs::File::open("/proc/self/stat").unwrap();
+    for (fd, errno) in [
+        (file.as_raw_fd() as u32, libc::EPROTOTYPE),
+        (1_000_000, libc::EBADF),
+    ] {
+        let (mut s, _) = common::raw_handshake_gens(b.segment_name()).await;
+        let r = ask(&mut s, &offer, Some(fd)).await;
+        assert_eq!(
+            r,
+            Response::SameHostOk {
+                id: 3,
+                channel: Err(errno as u32)
+            }
+        );
+        let src = vec![errno as u8; 100];
+        assert_eq!(
+            cwrite(&mut s, 4, gen, target.addr() + 1000, &src).await,
+            Response::Ok { id: 4 }
+        );
+        assert_eq!(target.to_vec()[1000..1100], src[..]);
+    }
+    drop(probe);
+}
+
+fn rand_nonce() -> [u8; 16] {
+    let mut n = [0u8; 16];
+    for (i, b) in n.iter_mut().enumerate() {
+        *b = (std::process::id() as u8).wrapping_add((i as u8).wrapping_mul(37));
+    }
+    n
 }

@@ -6,8 +6,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
+use crate::stream::Stream;
 use socket2::SockRef;
-use tokio::net::TcpStream;
 use tokio::task::AbortHandle;
 use transport_core::raw::lock;
 use transport_core::{Error, RegionGuard, Result, Side};
@@ -102,7 +102,7 @@ pub(crate) struct PendingMap {
 /// One connection to a peer, shared by callers and its reader task.
 pub(crate) struct ConnShared {
     /// The socket.
-    pub(crate) stream: TcpStream,
+    pub(crate) stream: Stream,
     /// The peer's segment name (for errors).
     pub(crate) peer: String,
     /// Operations in flight.

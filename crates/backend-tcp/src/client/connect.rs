@@ -2,6 +2,7 @@
 //! same-host path negotiation (whether payloads move by cross-memory
 //! attach on it); then its reader task.
 
+use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -15,6 +16,7 @@ use super::reader::reader_task;
 use crate::cma::SameHost;
 use crate::handshake;
 use crate::io::Pace;
+use crate::stream::Stream;
 
 /// The error for a peer that cannot be reached.
 fn connect_error(name: &str, e: &std::io::Error) -> Error {
@@ -50,6 +52,7 @@ impl Peer {
             .await
             .map_err(|e| connect_error(&self.name, &e))?;
         let _ = stream.set_nodelay(true);
+        let stream = Stream::Tcp(stream);
         let welcome = handshake::client(
             &stream,
             &self.name,
@@ -59,16 +62,48 @@ impl Peer {
         )
         .await?;
         *transport_core::raw::write(&self.table) = Arc::new(welcome.table);
-        let cma = match cfg.same_host {
+        let (stream, cma) = match cfg.same_host {
             SameHost::Off => {
                 *lock(&self.path) = Some("tcp (same_host=off)".to_owned());
-                false
+                (stream, false)
             }
             mode => {
-                match handshake::offer_same_host(&stream, &self.name, cfg.connect_timeout).await? {
-                    handshake::SameHostVerdict::Cma => {
-                        *lock(&self.path) = Some("cma".to_owned());
-                        true
+                // The control channel offered to the target: a Unix socket
+                // pair whose other end it takes over (see `cma`). Without
+                // one the connection stays on TCP.
+                let pair = std::os::unix::net::UnixStream::pair().ok();
+                let offered = pair.as_ref().map(|(_, theirs)| theirs.as_raw_fd());
+                let verdict =
+                    handshake::offer_same_host(&stream, &self.name, offered, cfg.connect_timeout)
+                        .await?;
+                let (ours, theirs) = pair.unzip();
+                // The target holds its own copy of its end now (or never
+                // will): ours goes.
+                drop(theirs);
+                match verdict {
+                    handshake::SameHostVerdict::Cma { channel } => {
+                        let unix = match (channel, ours) {
+                            (Ok(()), Some(ours)) => Ok(ours),
+                            (Ok(()), None) => Err("no channel offered".to_owned()),
+                            (Err(why), _) => Err(why),
+                        };
+                        match unix.and_then(|u| {
+                            u.set_nonblocking(true)
+                                .and_then(|()| tokio::net::UnixStream::from_std(u))
+                                .map_err(|e| format!("the channel: {e}"))
+                        }) {
+                            Ok(u) => {
+                                // The target closes the TCP connection.
+                                *lock(&self.path) = Some("cma".to_owned());
+                                (Stream::Unix(u), true)
+                            }
+                            Err(why) => {
+                                tracing::debug!(peer = %self.name, %why, "same-host control on TCP");
+                                *lock(&self.path) =
+                                    Some(format!("cma (control on the tcp socket: {why})"));
+                                (stream, true)
+                            }
+                        }
                     }
                     handshake::SameHostVerdict::Refused(reason) => {
                         tracing::debug!(peer = %self.name, %reason, "same-host path not used");
@@ -79,7 +114,7 @@ impl Peer {
                                 reason: format!("same_host=cma, but the path is refused: {reason}"),
                             });
                         }
-                        false
+                        (stream, false)
                     }
                 }
             }

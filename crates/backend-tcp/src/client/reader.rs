@@ -88,6 +88,7 @@ pub(crate) async fn reader_loop(
             Response::DataV { failed, len, .. } => failed as u64 * 4 + len,
             Response::ErrV { count, .. } => count as u64 * 4,
             Response::Table { count, .. } => count as u64 * TABLE_ENTRY_LEN as u64,
+            Response::SameHostOk { .. } => 0,
         });
         match resp {
             Response::Ok { id } => conn.ack(id, Ok(()))?,
@@ -278,6 +279,9 @@ pub(crate) async fn reader_loop(
                     };
                     op.batch.complete(*index, r);
                 }
+            }
+            Response::SameHostOk { id, .. } => {
+                return Err(conn.protocol(format!("SAME_HOST_OK for request {id}, not offered")));
             }
             Response::Table { id, count } => {
                 // Bounded by the decoder (≤ 65,536 entries, 1.5 MiB).

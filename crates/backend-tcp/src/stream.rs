@@ -1,0 +1,93 @@
+//! The byte stream a connection runs on: the TCP connection it was made
+//! on, or — once two engines on one host have agreed the same-host path —
+//! the Unix socket pair the target took over from the initiator (see
+//! [`crate::cma`]). Frames, acknowledgements and notifications are the
+//! same on both; a Unix socket only makes each of them cheaper (a loopback
+//! TCP `sendmsg` runs the whole TCP/IP stack for the receiver).
+
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
+
+use tokio::io::Interest;
+use tokio::net::{TcpStream, UnixStream};
+
+/// A connection's socket, registered with the current Tokio runtime.
+#[derive(Debug)]
+pub enum Stream {
+    /// The TCP connection (every connection starts here).
+    Tcp(TcpStream),
+    /// The same-host control channel: one end of a Unix socket pair.
+    Unix(UnixStream),
+}
+
+impl Stream {
+    /// Waits until the socket may be readable.
+    pub async fn readable(&self) -> io::Result<()> {
+        match self {
+            Stream::Tcp(s) => s.readable().await,
+            Stream::Unix(s) => s.readable().await,
+        }
+    }
+
+    /// Waits until the socket may be writable.
+    pub async fn writable(&self) -> io::Result<()> {
+        match self {
+            Stream::Tcp(s) => s.writable().await,
+            Stream::Unix(s) => s.writable().await,
+        }
+    }
+
+    /// Runs the non-blocking `f` on the socket, clearing the readiness
+    /// `interest` if it would block (as `TcpStream::try_io`).
+    pub fn try_io<R>(
+        &self,
+        interest: Interest,
+        f: impl FnOnce() -> io::Result<R>,
+    ) -> io::Result<R> {
+        match self {
+            Stream::Tcp(s) => s.try_io(interest, f),
+            Stream::Unix(s) => s.try_io(interest, f),
+        }
+    }
+
+    /// Whether this is the same-host Unix channel.
+    pub fn is_unix(&self) -> bool {
+        matches!(self, Stream::Unix(_))
+    }
+
+    /// Deregisters the socket from this runtime (to move it to another).
+    pub fn into_owned_fd(self) -> io::Result<(bool, OwnedFd)> {
+        Ok(match self {
+            Stream::Tcp(s) => (false, s.into_std()?.into()),
+            Stream::Unix(s) => (true, s.into_std()?.into()),
+        })
+    }
+
+    /// Registers a socket taken by [`Stream::into_owned_fd`] with the
+    /// current runtime.
+    pub fn from_owned_fd(unix: bool, fd: OwnedFd) -> io::Result<Stream> {
+        Ok(if unix {
+            Stream::Unix(UnixStream::from_std(fd.into())?)
+        } else {
+            Stream::Tcp(TcpStream::from_std(fd.into())?)
+        })
+    }
+}
+
+impl AsRawFd for Stream {
+    fn as_raw_fd(&self) -> RawFd {
+        match self {
+            Stream::Tcp(s) => s.as_raw_fd(),
+            Stream::Unix(s) => s.as_raw_fd(),
+        }
+    }
+}
+
+impl AsFd for Stream {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        match self {
+            Stream::Tcp(s) => s.as_fd(),
+            Stream::Unix(s) => s.as_fd(),
+        }
+    }
+}
