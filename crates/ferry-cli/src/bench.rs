@@ -39,11 +39,13 @@ Examples:
   ferry bench --peer 10.0.0.2:7000 --remote-addr 0x7f3a5c000000 --remote-len 268435456 --raw-peer 10.0.0.2:7001
 
 Each point runs --duration (or until --total bytes), after --warmup. Requests of a
-batch go to distinct, non-adjacent places so the adapter cannot merge them; after
-each point one block is read back and compared, so the numbers are for bytes that
-really arrived. Ratios are ferry GB/s divided by the baseline's at the same block
-size: raw TCP is the better of one and two plain tokio streams writing block-sized
-chunks to a sink; memcpy is one thread copying block-sized chunks.";
+batch go to distinct, non-adjacent places so the adapter cannot merge them; batch
+after batch moves on through --span bytes (64 MiB: memory out of the CPU caches)
+and so do the baselines; after each point one block is read back and compared, so
+the numbers are for bytes that really arrived. Ratios are ferry GB/s divided by the
+baseline's at the same block size: raw TCP is the better of one and two plain tokio
+streams writing block-sized chunks to a sink; memcpy is one thread copying
+block-sized chunks. --span of one batch measures cache-resident bytes instead.";
 
 /// Arguments of `ferry bench`.
 #[derive(clap::Args, Debug, Clone)]
@@ -96,6 +98,16 @@ pub struct BenchArgs {
     /// `async` = submit then wait.
     #[arg(long, value_enum, default_value = "sync")]
     api: Api,
+
+    /// Bytes each point cycles through on both sides, one batch after
+    /// another on the next block × batch bytes (so do the memcpy and
+    /// kernel-copy baselines; raw TCP always cycles through 64 MiB): the default, larger than the CPU
+    /// caches, measures memory the CPU has not just touched, as when a KV
+    /// cache moves. A span of one batch (e.g. `--span 1MiB --batches 1`
+    /// at 1 MiB) keeps every transfer and baseline copy on the same,
+    /// cache-resident bytes. Capped at --region-size.
+    #[arg(long, value_parser = parse_positive_size, default_value = "64MiB")]
+    span: u64,
 
     /// Registered bytes on each side; a point whose block × batch does not fit is skipped.
     #[arg(long, value_parser = parse_positive_size, default_value = "256MiB")]
@@ -171,6 +183,8 @@ struct Point {
     api: &'static str,
     block: u64,
     batch: usize,
+    /// Bytes the point's batches cycled through (see `--span`).
+    span: u64,
     gbps: f64,
     transfers_per_s: f64,
     p50_us: f64,
@@ -589,14 +603,15 @@ async fn measure_baselines(
         None => None,
     };
     let (duration, total) = (args.duration, args.total);
-    let memcpy = tokio::task::spawn_blocking(move || memcpy_gbps(b, duration, total))
+    let span = usize::try_from(args.span.min(setup.window))?;
+    let memcpy = tokio::task::spawn_blocking(move || memcpy_gbps(b, span, duration, total))
         .await
         .context("memcpy baseline task failed")?;
     let raw_cma = match args.cma_pid {
         Some(pid) => {
             let remote = setup.remote_addr;
             let r = tokio::task::spawn_blocking(move || {
-                ferry::backend_tcp::cma::kernel_copy_gbps(pid, remote, b, duration, total)
+                ferry::backend_tcp::cma::kernel_copy_gbps(pid, remote, b, span, duration, total)
             })
             .await
             .context("kernel-copy baseline task failed")?;
@@ -620,10 +635,10 @@ async fn measure_baselines(
     })
 }
 
-/// One thread copying `block`-sized chunks between two 64 MiB (at least one
-/// block) buffers, slot by slot, for `duration` or `total` bytes.
-fn memcpy_gbps(block: usize, duration: Duration, total: u64) -> f64 {
-    let slots = ((64usize << 20) / block).max(1);
+/// One thread copying `block`-sized chunks between two `span`-byte (at
+/// least one block) buffers, slot by slot, for `duration` or `total` bytes.
+fn memcpy_gbps(block: usize, span: usize, duration: Duration, total: u64) -> f64 {
+    let slots = (span / block).max(1);
     let src = vec![0xa5u8; slots * block];
     let mut dst = vec![0u8; slots * block];
     // Touch every page once so that page faults are not measured.
@@ -674,10 +689,14 @@ async fn measure_point(
     let engine = &*setup.engine;
     let local = setup.local.memory();
     let b = usize::try_from(block)?;
+    let batch_bytes = block * batch as u64;
+    // The batches cycle through `windows` consecutive batch-sized windows
+    // of the span (the same ones on both sides).
+    let windows = (args.span.min(setup.window) / batch_bytes).max(1);
     // Prepare local memory: a distinct pattern per slot to write, zeros to
     // be overwritten by reads.
     let mut slot_bytes = vec![0u8; b];
-    for slot in 0..batch {
+    for slot in 0..windows as usize * batch {
         if op == OpArg::Write {
             pattern(
                 seed.wrapping_mul(1000).wrapping_add(slot as u64),
@@ -687,22 +706,27 @@ async fn measure_point(
         }
         local.write(slot * b, &slot_bytes)?;
     }
-    // Request i: local slot i <-> remote slot batch-1-i. Local ranges are
-    // adjacent but remote ones run backwards, so the adapter's coalescing
-    // cannot merge them: the point measures `batch` requests of `block` bytes.
-    let requests: Vec<TransferRequest> = (0..batch)
-        .map(|i| TransferRequest {
-            op: op.op(),
-            local_addr: setup.local.addr() + (i as u64) * block,
-            remote_addr: setup.remote_addr + ((batch - 1 - i) as u64) * block,
-            len: block,
-        })
-        .collect();
-    let batch_bytes = block * batch as u64;
+    // In window w, request i: local slot i <-> remote slot batch-1-i of
+    // that window. Local ranges are adjacent but remote ones run
+    // backwards, so the adapter's coalescing cannot merge them: the point
+    // measures `batch` requests of `block` bytes.
+    let window = |w: u64| -> Vec<TransferRequest> {
+        (0..batch)
+            .map(|i| TransferRequest {
+                op: op.op(),
+                local_addr: setup.local.addr() + w * batch_bytes + (i as u64) * block,
+                remote_addr: setup.remote_addr + w * batch_bytes + ((batch - 1 - i) as u64) * block,
+                len: block,
+            })
+            .collect()
+    };
+    let all: Vec<Vec<TransferRequest>> = (0..windows).map(window).collect();
+    let mut next = 0usize;
 
     let warm_start = Instant::now();
     loop {
-        one_batch(engine, args.api, setup.segment, &requests).await?;
+        one_batch(engine, args.api, setup.segment, &all[next]).await?;
+        next = (next + 1) % all.len();
         if warm_start.elapsed() >= args.warmup {
             break;
         }
@@ -710,20 +734,24 @@ async fn measure_point(
 
     let mut samples = Vec::new();
     let mut bytes = 0u64;
+    let mut last = next;
     let start = Instant::now();
     while samples.len() < 2 || (start.elapsed() < args.duration && bytes < args.total) {
         let t = Instant::now();
-        one_batch(engine, args.api, setup.segment, &requests).await?;
+        one_batch(engine, args.api, setup.segment, &all[next]).await?;
         samples.push(t.elapsed());
         bytes += batch_bytes;
+        last = next;
+        next = (next + 1) % all.len();
     }
     let seconds = start.elapsed().as_secs_f64();
 
-    // Read back remote slot batch-1, which local slot 0 was written to (or
-    // read from), and compare.
+    // Read back remote slot batch-1 of the last window, which that
+    // window's local slot 0 was written to (or read from), and compare.
+    let last = last as u64;
     let check = TransferRequest::read(
         setup.scratch.addr(),
-        setup.remote_addr + (batch as u64 - 1) * block,
+        setup.remote_addr + last * batch_bytes + (batch as u64 - 1) * block,
         block,
     );
     engine
@@ -732,7 +760,7 @@ async fn measure_point(
         .context("reading a block back for verification")?;
     let mut want = vec![0u8; b];
     let mut have = vec![0u8; b];
-    local.read(0, &mut want)?;
+    local.read((last * batch_bytes) as usize, &mut want)?;
     setup.scratch.memory().read(0, &mut have)?;
     if want != have {
         let at = want
@@ -741,8 +769,9 @@ async fn measure_point(
             .position(|(a, b)| a != b)
             .unwrap_or(0);
         bail!(
-            "verification failed: remote block at {:#x} differs from local slot 0 at byte {at}",
-            check.remote_addr
+            "verification failed: remote block at {:#x} differs from local block at {:#x} at byte {at}",
+            check.remote_addr,
+            setup.local.addr() + last * batch_bytes
         );
     }
 
@@ -775,6 +804,7 @@ async fn measure_point(
         },
         block,
         batch,
+        span: windows * batch_bytes,
         gbps,
         transfers_per_s: (samples.len() * batch) as f64 / seconds,
         p50_us: percentile(&samples, 50.0),
@@ -888,7 +918,11 @@ fn print_table(
             }
         );
     }
-    println!("every point verified by reading one block back.");
+    println!(
+        "every point verified by reading one block back; transfers, memcpy and kernel CMA \
+         cycle through --span {} (raw TCP: 64 MiB).",
+        crate::util::human_bytes(args.span)
+    );
 }
 
 fn ratio(r: Option<f64>) -> String {
@@ -919,6 +953,6 @@ mod tests {
 
     #[test]
     fn memcpy_baseline_moves_bytes() {
-        assert!(memcpy_gbps(4096, Duration::from_millis(5), 1 << 20) > 0.0);
+        assert!(memcpy_gbps(4096, 1 << 16, Duration::from_millis(5), 1 << 20) > 0.0);
     }
 }

@@ -259,6 +259,39 @@ mod tcp {
         assert!(points.iter().all(|p| p["target"] == "loopback"));
     }
 
+    /// `--span`: points cycle through that many bytes (whole batches,
+    /// capped at the region), or stay on one batch's bytes when it is that
+    /// small; every point is verified at the last window it used.
+    #[test]
+    fn bench_span_sets_the_bytes_cycled_through() {
+        for (span, want) in [("64KiB", [64u64 << 10, 64 << 10]), ("1B", [0, 0])] {
+            let mut args = vec!["bench", "--json", "--span", span];
+            args.extend(TINY);
+            let (out, _) = expect_code(&args, 0);
+            for p in check_points(&out, true) {
+                let per_batch = p["block"].as_u64().unwrap() * p["batch"].as_u64().unwrap();
+                let want = if want[0] == 0 || per_batch > want[0] {
+                    per_batch
+                } else {
+                    want[1] / per_batch * per_batch
+                };
+                assert_eq!(p["span"].as_u64(), Some(want), "{p}");
+            }
+        }
+        let mut args = vec!["bench", "--json"];
+        args.extend(TINY);
+        let (out, _) = expect_code(&args, 0);
+        for p in check_points(&out, true) {
+            // Default 64 MiB, capped at the 1 MiB region.
+            let per_batch = p["block"].as_u64().unwrap() * p["batch"].as_u64().unwrap();
+            assert_eq!(
+                p["span"].as_u64(),
+                Some((1 << 20) / per_batch * per_batch),
+                "{p}"
+            );
+        }
+    }
+
     #[test]
     fn bench_async_api_in_strict_mode() {
         let mut args = vec![

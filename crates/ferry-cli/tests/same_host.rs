@@ -53,6 +53,9 @@ fn bench_same_host_rows_carry_both_paths() {
     );
     for r in rows {
         assert_eq!(r["verified"], true, "{r}");
+        // The default span (64 MiB) is capped at the region: every point
+        // cycled through all of it (and was verified at its last window).
+        assert_eq!(r["span"], 4u64 << 20, "{r}");
         for k in ["ratio_memcpy", "ratio_raw_tcp", "gbps"] {
             assert!(r[k].as_f64().is_some_and(|x| x > 0.0), "{k} in {r}");
         }
