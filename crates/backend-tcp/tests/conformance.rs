@@ -134,6 +134,40 @@ mod cma_forced {
     transport_core::conformance_tests!(CmaFactory::default());
 }
 
+/// Forced on with the frames kept on the TCP connection
+/// (`same_host_control=tcp`: the path a target without `pidfd_getfd`
+/// falls back to).
+mod cma_tcp_control {
+    use super::*;
+
+    #[derive(Default)]
+    struct CmaTcpFactory(Made);
+
+    #[async_trait::async_trait]
+    impl EngineFactory for CmaTcpFactory {
+        async fn create(&self) -> Result<Arc<dyn TransferEngine>> {
+            let cfg = TcpConfig {
+                connections: 2,
+                chunk_size: 64 * 1024,
+                same_host: SameHost::Cma,
+                same_host_unix: false,
+                ..TcpConfig::default()
+            };
+            self.0.start(cfg).await
+        }
+
+        fn unknown_segment_name(&self) -> String {
+            "127.0.0.1:1".to_owned()
+        }
+
+        async fn refuse_notifications(&self, engine: &Arc<dyn TransferEngine>) -> Result<bool> {
+            Ok(self.0.refuse(engine))
+        }
+    }
+
+    transport_core::conformance_tests!(CmaTcpFactory::default());
+}
+
 /// Forced off: every payload on the socket.
 mod socket_forced {
     use super::*;

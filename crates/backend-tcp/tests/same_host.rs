@@ -54,6 +54,16 @@ async fn the_path_is_used_and_reported_per_peer() {
     let sb = a.open_segment(b.segment_name()).await.unwrap();
     let so = a.open_segment(off.segment_name()).await.unwrap();
     assert_eq!(path_to(&a, b.segment_name()), "path: cma");
+    let tcp_control = start(TcpConfig {
+        same_host_unix: false,
+        ..cfg(SameHost::Auto)
+    })
+    .await;
+    tcp_control.open_segment(b.segment_name()).await.unwrap();
+    assert_eq!(
+        path_to(&tcp_control, b.segment_name()),
+        "path: cma (control on the tcp socket: same_host_control=tcp)"
+    );
     assert_eq!(
         path_to(&a, off.segment_name()),
         "path: tcp (the peer disables it (same_host=off))"

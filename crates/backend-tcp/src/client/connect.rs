@@ -71,7 +71,15 @@ impl Peer {
                 // The control channel offered to the target: a Unix socket
                 // pair whose other end it takes over (see `cma`). Without
                 // one the connection stays on TCP.
-                let pair = std::os::unix::net::UnixStream::pair().ok();
+                let pair = if cfg.same_host_unix {
+                    std::os::unix::net::UnixStream::pair().map_err(|e| format!("socketpair: {e}"))
+                } else {
+                    Err("same_host_control=tcp".to_owned())
+                };
+                let (pair, no_pair) = match pair {
+                    Ok(p) => (Some(p), None),
+                    Err(why) => (None, Some(why)),
+                };
                 let offered = pair.as_ref().map(|(_, theirs)| theirs.as_raw_fd());
                 let verdict =
                     handshake::offer_same_host(&stream, &self.name, offered, cfg.connect_timeout)
@@ -85,6 +93,7 @@ impl Peer {
                         let unix = match (channel, ours) {
                             (Ok(()), Some(ours)) => Ok(ours),
                             (Ok(()), None) => Err("no channel offered".to_owned()),
+                            (Err(_), None) if no_pair.is_some() => Err(no_pair.unwrap_or_default()),
                             (Err(why), _) => Err(why),
                         };
                         match unix.and_then(|u| {
