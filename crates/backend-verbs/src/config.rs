@@ -36,6 +36,7 @@ use transport_core::{Error, Result};
 /// | `traffic_class` | GRH traffic class (DSCP << 2 for RoCE) | `0` |
 /// | `sl` | service level | `0` |
 /// | `connect_timeout_ms` | control-channel connect and handshake deadline | `10000` |
+/// | `stall_timeout_ms` | no work completion for this long while work requests are outstanding (and at least twice the retry window, `timeout` × (`retry_cnt` + 1)): the device is taken to have stalled, the queue pair is destroyed and its requests fail `PeerLost` | `60000` |
 /// | `secret` | shared secret (percent-encoded, non-empty): every control connection starts with a mutual HMAC-SHA256 challenge–response, and a peer that does not prove the same secret gets no queue pair, region table or rkey | none (unauthenticated) |
 ///
 /// An unknown parameter, a repeated one or a malformed value is
@@ -78,6 +79,12 @@ pub struct VerbsConfig {
     pub service_level: u8,
     /// Control-channel connect and handshake deadline, in milliseconds.
     pub connect_timeout_ms: u64,
+    /// How long a queue pair may go without any work completion while work
+    /// requests are outstanding before the device is taken to have stalled
+    /// (milliseconds; the engine waits at least twice the transport retry
+    /// window). The connection is then broken: its queue pair destroyed,
+    /// its requests failed `PeerLost`, their memory released.
+    pub stall_timeout_ms: u64,
     /// Shared secret of the control channel; `None` = unauthenticated.
     ///
     /// With a secret, every control connection begins with a mutual
@@ -113,6 +120,7 @@ impl std::fmt::Debug for VerbsConfig {
             .field("traffic_class", &self.traffic_class)
             .field("service_level", &self.service_level)
             .field("connect_timeout_ms", &self.connect_timeout_ms)
+            .field("stall_timeout_ms", &self.stall_timeout_ms)
             .field("secret", &self.secret.as_ref().map(|_| "<redacted>"))
             .finish()
     }
@@ -139,6 +147,7 @@ impl Default for VerbsConfig {
             traffic_class: 0,
             service_level: 0,
             connect_timeout_ms: 10_000,
+            stall_timeout_ms: 60_000,
             secret: None,
         }
     }
@@ -162,6 +171,7 @@ const PARAMS: &[&str] = &[
     "traffic_class",
     "sl",
     "connect_timeout_ms",
+    "stall_timeout_ms",
     "secret",
 ];
 
@@ -320,6 +330,7 @@ impl VerbsConfig {
                 "traffic_class" => cfg.traffic_class = num(&key, v, 0u8, 255)?,
                 "sl" => cfg.service_level = num(&key, v, 0u8, 15)?,
                 "connect_timeout_ms" => cfg.connect_timeout_ms = num(&key, v, 1u64, 3_600_000)?,
+                "stall_timeout_ms" => cfg.stall_timeout_ms = num(&key, v, 1u64, 86_400_000)?,
                 "secret" => {
                     if v.is_empty() {
                         return Err(Error::InvalidArgument(
@@ -356,7 +367,7 @@ mod tests {
             "verbs://mlx5_0?port=1&gid_index=3&listen=10.0.0.1:7000&mtu=1024&sq_depth=64\
              &max_sge=4&signal_every=8&max_message=1m&timeout=14&retry_cnt=6&rnr_retry=5\
              &min_rnr_timer=10&max_rd_atomic=8&hop_limit=32&traffic_class=106&sl=3\
-             &connect_timeout_ms=500",
+             &connect_timeout_ms=500&stall_timeout_ms=1500",
         )
         .unwrap();
         assert_eq!(c.device.as_deref(), Some("mlx5_0"));
@@ -381,6 +392,9 @@ mod tests {
             (8, 32, 106, 3)
         );
         assert_eq!(c.connect_timeout_ms, 500);
+        assert_eq!(c.stall_timeout_ms, 1500);
+        assert_eq!(VerbsConfig::default().stall_timeout_ms, 60_000);
+        assert!(VerbsConfig::from_url("verbs://?stall_timeout_ms=0").is_err());
         assert_eq!(c.secret, None);
         let v6 = VerbsConfig::from_url("verbs://?listen=%5B::1%5D:0").unwrap();
         assert_eq!(v6.listen, "[::1]:0".parse().unwrap());

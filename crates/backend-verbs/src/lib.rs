@@ -84,6 +84,11 @@ pub enum Fault {
     /// peer's device rejects it (remote access error), which also moves the
     /// queue pair to the Error state.
     InvalidRkey,
+    /// Drop the segment's work completions unread from now on, as a
+    /// stalled device would never deliver them: after `stall_timeout_ms`
+    /// the engine breaks the connection, its requests fail `PeerLost` and
+    /// their memory is released; the next use reconnects.
+    LoseCompletions,
 }
 
 /// The verbs transfer engine.

@@ -43,7 +43,22 @@ fn made() -> &'static Mutex<HashMap<String, Weak<VerbsEngine>>> {
     MADE.get_or_init(Default::default)
 }
 
+/// Engine logs on stderr when `RUST_LOG` is set (e.g.
+/// `RUST_LOG=backend_verbs=debug` in the guest, to see why a check failed).
+fn init_logs() {
+    static ONCE: OnceLock<()> = OnceLock::new();
+    ONCE.get_or_init(|| {
+        if std::env::var_os("RUST_LOG").is_some() {
+            let _ = tracing_subscriber::fmt()
+                .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+                .with_writer(std::io::stderr)
+                .try_init();
+        }
+    });
+}
+
 async fn start(url: &str) -> Result<Arc<dyn TransferEngine>> {
+    init_logs();
     let cfg = VerbsConfig::from_url(url)?;
     let e = Arc::new(VerbsEngine::start(cfg).await?);
     let mut m = made().lock().unwrap_or_else(|p| p.into_inner());

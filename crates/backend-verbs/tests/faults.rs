@@ -365,6 +365,60 @@ async fn notification_queue_full_is_retryable() {
     p.release().await;
 }
 
+/// A device that stops delivering completions (simulated by dropping
+/// them unread): after `stall_timeout_ms` the engine breaks the queue pair,
+/// the request fails typed instead of hanging, `unregister` of its memory
+/// returns, and the next use reconnects.
+#[tokio::test]
+async fn stalled_device_breaks_the_connection_instead_of_hanging() {
+    let test = "stalled_device_breaks_the_connection_instead_of_hanging";
+    let extra = "timeout=10&retry_cnt=3&stall_timeout_ms=1500";
+    let Some(a) = engine_with(test, extra).await else {
+        return;
+    };
+    let Some(b) = engine_with(test, extra).await else {
+        return;
+    };
+    let src = registered(&a, LEN, 11).await;
+    let dst = registered(&b, LEN, 0).await;
+    let seg = a.open_segment(b.segment_name()).await.expect("open");
+    let req = TransferRequest::read(src.addr(), dst.addr(), LEN as u64);
+    a.transfer(seg, req).await.expect("a read before the stall");
+    let qpn = a.queue_pair_number(seg).await.expect("connected");
+    a.inject_fault(seg, Fault::LoseCompletions)
+        .await
+        .expect("inject");
+    let start = std::time::Instant::now();
+    let r = tokio::time::timeout(Duration::from_secs(60), a.transfer(seg, req))
+        .await
+        .expect("a request on a stalled device must end (it hung)");
+    match &r {
+        Err(Error::PeerLost { reason, .. }) if reason.contains("stalled") => {}
+        other => panic!("expected PeerLost naming the stall, got {other:?}"),
+    }
+    assert!(
+        start.elapsed() >= Duration::from_millis(1500),
+        "failed before the stall timeout: {:?}",
+        start.elapsed()
+    );
+    tokio::time::timeout(Duration::from_secs(30), a.unregister(src.addr()))
+        .await
+        .expect("unregister after the stall must return")
+        .expect("unregister");
+    let src = registered(&a, LEN, 12).await;
+    let req = TransferRequest::write(src.addr(), dst.addr(), LEN as u64);
+    a.transfer(seg, req)
+        .await
+        .expect("a write on a new queue pair");
+    assert_eq!(dst.to_vec(), pattern(12, LEN));
+    assert_ne!(
+        a.queue_pair_number(seg).await,
+        Some(qpn),
+        "the stalled queue pair was reused"
+    );
+    println!("{test}: failed after {:?}", start.elapsed());
+}
+
 #[tokio::test]
 async fn invalid_rkey_is_a_remote_address_error() {
     let Some(p) = pair("invalid_rkey_is_a_remote_address_error").await else {

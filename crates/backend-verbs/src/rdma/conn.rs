@@ -11,7 +11,7 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rdma_mummy_sys as sys;
 use sideway::ibverbs::completion::{BasicCompletionQueue, CompletionQueue};
@@ -48,6 +48,9 @@ enum Work {
     Notify { slot: usize, id: u64 },
 }
 
+/// How often a connection checks for a stalled device.
+const STALL_CHECK: Duration = Duration::from_secs(1);
+
 /// A work request on the send queue whose completion is not yet known.
 struct Outstanding {
     seq: u64,
@@ -63,6 +66,9 @@ struct Sq {
     since_signal: u32,
     outstanding: VecDeque<Outstanding>,
     broken: Option<Error>,
+    /// When the queue last moved: a completion covered work requests, or
+    /// work was posted onto an empty queue.
+    last_progress: Instant,
 }
 
 impl Sq {
@@ -94,11 +100,13 @@ pub(crate) struct Conn {
     ctl: mpsc::Sender<TableReply>,
     tasks: Mutex<Vec<AbortHandle>>,
     corrupt_next_rkey: AtomicBool,
+    /// Fault injection: completions are not applied (a stalled device).
+    lose_completions: AtomicBool,
     poller: Arc<Poller>,
     qpn: u32,
     qp_key: usize,
     /// Registered buffer the notification SENDs read from.
-    send_slots: Slots,
+    send_slots: Arc<Slots>,
     free_slots: Mutex<Vec<usize>>,
     slot_permits: Arc<Semaphore>,
     /// Notifications SENT, in order, waiting for the owner's answer.
@@ -215,15 +223,17 @@ impl Conn {
                 since_signal: 0,
                 outstanding: VecDeque::new(),
                 broken: None,
+                last_progress: Instant::now(),
             }),
             regions: Mutex::new(regions.into_iter().map(|r| (r.addr, r)).collect()),
             ctl: ctl_tx,
             tasks: Mutex::new(Vec::new()),
             corrupt_next_rkey: AtomicBool::new(false),
+            lose_completions: AtomicBool::new(false),
             poller,
             qpn,
             qp_key,
-            send_slots,
+            send_slots: Arc::new(send_slots),
             free_slots: Mutex::new((0..NOTIFY_RING).collect()),
             slot_permits: Arc::new(Semaphore::new(NOTIFY_RING)),
             notes: Mutex::new(VecDeque::new()),
@@ -243,7 +253,8 @@ impl Conn {
             Arc::downgrade(&conn),
         ));
         let r = tokio::spawn(ctl_reader(rd, pending, Arc::downgrade(&conn)));
-        lock(&conn.tasks).extend([w.abort_handle(), r.abort_handle()]);
+        let s = tokio::spawn(stall_watch(Arc::downgrade(&conn)));
+        lock(&conn.tasks).extend([w.abort_handle(), r.abort_handle(), s.abort_handle()]);
         Ok(conn)
     }
 
@@ -338,6 +349,9 @@ impl Conn {
             wr.send_flags =
                 sys::ibv_send_flags::IBV_SEND_SIGNALED.0 | sys::ibv_send_flags::IBV_SEND_FENCE.0;
             lock(&self.notes).push_back(NoteWait { id, tx });
+            if sq.outstanding.is_empty() {
+                sq.last_progress = Instant::now();
+            }
             sq.outstanding.push_back(Outstanding {
                 seq,
                 work: Work::Notify { slot, id },
@@ -422,6 +436,12 @@ impl Conn {
             peer: self.peer.clone(),
             reason: reason.to_owned(),
         }
+    }
+
+    /// Fault injection: from now on the device's completions are dropped
+    /// unread, as if it had stalled.
+    pub(crate) fn lose_completions(&self) {
+        self.lose_completions.store(true, Ordering::SeqCst);
     }
 
     pub(crate) fn corrupt_next_rkey(&self) {
@@ -518,6 +538,9 @@ impl Conn {
         if n == 0 {
             return;
         }
+        if self.credits.available_permits() < n {
+            tracing::debug!(peer = %self.peer, wrs = n, free = self.credits.available_permits(), "waiting for send-queue credits");
+        }
         let permit = match Arc::clone(&self.credits).acquire_many_owned(n as u32).await {
             Ok(p) => p,
             Err(_) => {
@@ -540,6 +563,9 @@ impl Conn {
                 batch.wr_done(&w.reqs, &Err(err.clone()));
             }
             return;
+        }
+        if sq.outstanding.is_empty() {
+            sq.last_progress = Instant::now();
         }
         let corrupt = self.corrupt_next_rkey.swap(false, Ordering::SeqCst);
         let mut sges: Vec<Vec<sys::ibv_sge>> = Vec::with_capacity(n);
@@ -629,6 +655,9 @@ impl Conn {
 
     /// Applies one work completion (from the completion thread).
     fn on_completion(&self, wr_id: u64, status: u32, vendor_err: u32) {
+        if self.lose_completions.load(Ordering::Relaxed) {
+            return;
+        }
         let mut sq = lock(&self.sq);
         let mut covered = 0;
         if status == sys::ibv_wc_status::IBV_WC_SUCCESS {
@@ -639,6 +668,9 @@ impl Conn {
                     self.retire(o, &Ok(()));
                     covered += 1;
                 }
+            }
+            if covered > 0 {
+                sq.last_progress = Instant::now();
             }
             self.credits.add_permits(covered);
             return;
@@ -794,18 +826,80 @@ impl Drop for Conn {
             t.abort();
         }
         let err = self.lost("the connection was closed");
-        let outstanding: Vec<Outstanding> = {
+        let (qp, outstanding) = {
             let sq = transport_core::raw::get_mut(&mut self.sq);
-            // Destroy the queue pair first: once ibv_destroy_qp returns the
-            // device touches none of the memory of its work requests, and
-            // only then may their guards go and their requests fail.
-            drop(sq.qp.take());
-            sq.outstanding.drain(..).collect()
+            (sq.qp.take(), sq.outstanding.drain(..).collect::<Vec<_>>())
         };
-        for o in outstanding {
-            self.retire(o, &Err(err.clone()));
-        }
         self.fail_notes(&err);
+        let cq = Arc::clone(&self.cq);
+        let slots = Arc::clone(&self.send_slots);
+        let teardown = move || {
+            // The queue pair first: once ibv_destroy_qp returns the device
+            // touches none of the memory of its work requests, and only then
+            // may their guards go, their requests fail, and the notification
+            // buffer and the completion queue go.
+            drop(qp);
+            for o in outstanding {
+                if let Work::Data { progress, reqs, .. } = o.work {
+                    progress.wr_done(&reqs, &Err(err.clone()));
+                }
+            }
+            drop(slots);
+            drop(cq);
+        };
+        // Destroying a queue pair or completion queue waits until the
+        // completion thread has acknowledged their events: on that thread
+        // (which drops a connection whose last other holder went while it
+        // drained it) it would wait for itself, and every connection's
+        // completions would stop. Tear down on a thread of its own there.
+        if self.poller.is_current() {
+            if let Err(e) = std::thread::Builder::new()
+                .name("ferry-verbs-conn-down".into())
+                .spawn(teardown)
+            {
+                tracing::warn!(error = %e, "verbs: no thread to tear a connection down on");
+            }
+        } else {
+            teardown();
+        }
+    }
+}
+
+impl Conn {
+    /// How long the queue may go without a completion while work requests
+    /// are outstanding: `stall_timeout_ms`, and at least twice the
+    /// transport retry window (ACK timeout × (retries + 1)). Past it the
+    /// device has neither completed nor failed the work (a soft-RoCE queue
+    /// pair was seen to stall so), and the connection is broken: its queue
+    /// pair is destroyed and its work requests fail as flushed, so that
+    /// their memory is released instead of held forever.
+    fn stall_after(&self) -> Duration {
+        let c = &self.dev.cfg;
+        let ack = Duration::from_nanos(4096u64 << u32::from(c.timeout.min(31)));
+        (ack * 2 * (u32::from(c.retry_cnt) + 1)).max(Duration::from_millis(c.stall_timeout_ms))
+    }
+
+    /// `Some((outstanding, idle))` if the queue has stalled.
+    fn stalled(&self) -> Option<(usize, Duration)> {
+        let sq = lock(&self.sq);
+        let idle = sq.last_progress.elapsed();
+        (sq.broken.is_none() && !sq.outstanding.is_empty() && idle > self.stall_after())
+            .then(|| (sq.outstanding.len(), idle))
+    }
+}
+
+/// Breaks `conn` if its device stalls (see [`Conn::stall_after`]); ends
+/// with the connection.
+async fn stall_watch(conn: std::sync::Weak<Conn>) {
+    loop {
+        tokio::time::sleep(STALL_CHECK).await;
+        let Some(c) = conn.upgrade() else { return };
+        if let Some((n, idle)) = c.stalled() {
+            tracing::warn!(peer = %c.peer, outstanding = n, ?idle, "no work completion: the device stalled; breaking the connection");
+            c.break_with(c.lost(&format!(
+                "no work completion for {idle:?} with {n} work requests outstanding (the device stalled)"
+            )));
+        }
     }
 }
 

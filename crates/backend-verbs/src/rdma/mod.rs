@@ -316,7 +316,9 @@ impl Inner {
 
     pub(crate) async fn unregister(&self, addr: u64) -> Result<()> {
         // Waits for local transfers using the region (cancel-safe).
+        tracing::debug!(addr, "unregister: waiting for local transfers");
         self.local.remove(addr).await?;
+        tracing::debug!(addr, "unregister: no local transfer left");
         let mr = lock(&self.mrs).remove(&addr);
         self.broadcast(&Msg::RegionRemoved { addr });
         // Deregistering makes the device refuse every later access by
@@ -407,6 +409,10 @@ impl Inner {
             Fault::QpError => c.force_qp_error(),
             Fault::InvalidRkey => {
                 c.corrupt_next_rkey();
+                Ok(())
+            }
+            Fault::LoseCompletions => {
+                c.lose_completions();
                 Ok(())
             }
         }

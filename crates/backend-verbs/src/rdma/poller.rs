@@ -97,12 +97,22 @@ impl Poller {
         }
     }
 
+    /// Whether the caller runs on the completion thread.
+    pub(crate) fn is_current(&self) -> bool {
+        lock(&self.thread)
+            .as_ref()
+            .is_some_and(|t| t.thread().id() == std::thread::current().id())
+    }
+
     /// Stops the thread and waits for it.
     pub(crate) fn stop(&self) {
         self.stop.store(true, Ordering::SeqCst);
         // SAFETY: writing one byte from a valid buffer to our own pipe.
         unsafe { libc::write(self.wake_tx.as_raw_fd(), [1u8].as_ptr().cast(), 1) };
-        if let Some(t) = lock(&self.thread).take() {
+        // Not holding the lock while joining: the completion thread asks
+        // `is_current` when it drops a connection.
+        let thread = lock(&self.thread).take();
+        if let Some(t) = thread {
             if t.thread().id() != std::thread::current().id() {
                 let _ = t.join();
             }

@@ -172,11 +172,13 @@ pub async fn check_cancellation(factory: Arc<dyn EngineFactory>, adapted: bool) 
                             for r in &regions {
                                 // Registering again tells: Overlap means the
                                 // region is registered.
-                                reg.push(match a.register(r).await {
+                                reg.push(match within("a register probe", a.register(r)).await {
                                     Ok(()) => {
-                                        a.unregister(r.addr()).await.unwrap_or_else(|e| {
-                                            panic!("unregister of a probe failed: {e}")
-                                        });
+                                        within("unregister of a probe", a.unregister(r.addr()))
+                                            .await
+                                            .unwrap_or_else(|e| {
+                                                panic!("unregister of a probe failed: {e}")
+                                            });
                                         false
                                     }
                                     Err(Error::RegionOverlap { .. }) => true,
@@ -191,16 +193,18 @@ pub async fn check_cancellation(factory: Arc<dyn EngineFactory>, adapted: bool) 
                     .await;
                     if state {
                         for r in &regions {
-                            p.a.unregister(r.addr()).await.unwrap_or_else(|e| {
-                                panic!("{what}: unregister after a dropped batch_register: {e}")
-                            });
+                            within(&format!("{what}: unregister"), p.a.unregister(r.addr()))
+                                .await
+                                .unwrap_or_else(|e| {
+                                    panic!("{what}: unregister after a dropped batch_register: {e}")
+                                });
                         }
                     }
                 }
             }
         }
         for id in ids {
-            let _ = finish(&p.a, id).await;
+            let _ = within(&format!("{what}: waiting for batch {id}"), finish(&p.a, id)).await;
         }
         for (name, e) in [("initiator", &p.a), ("target", &p.b)] {
             poll_until(&format!("{what}: no batch left in the {name}"), || async {
@@ -211,8 +215,16 @@ pub async fn check_cancellation(factory: Arc<dyn EngineFactory>, adapted: bool) 
         // Once unregister returns, nothing writes the memory any more: not
         // the dropped writes into the target, not the dropped reads into the
         // initiator.
-        remote.unregister(0).await;
-        local.unregister(0).await;
+        within(
+            &format!("{what}: unregister in the target"),
+            remote.unregister(0),
+        )
+        .await;
+        within(
+            &format!("{what}: unregister in the initiator"),
+            local.unregister(0),
+        )
+        .await;
         let (r0, l0) = (remote.bytes(), local.bytes());
         tokio::time::sleep(Duration::from_millis(10)).await;
         assert_bytes(
@@ -227,14 +239,25 @@ pub async fn check_cancellation(factory: Arc<dyn EngineFactory>, adapted: bool) 
         );
         remote.write(0, &vec![0u8; LEN]);
         local.write(0, &pattern(121 + case as u64, LEN));
-        remote.register(0, LEN).await;
-        local.register(0, LEN).await;
+        within(
+            &format!("{what}: register in the target"),
+            remote.register(0, LEN),
+        )
+        .await;
+        within(
+            &format!("{what}: register in the initiator"),
+            local.register(0, LEN),
+        )
+        .await;
     }
     // Still working: a batch after all that moves every byte.
     let r = TransferRequest::write(local.addr(), remote.addr(), LEN as u64);
-    p.a.transfer(p.seg, r)
-        .await
-        .unwrap_or_else(|e| panic!("a transfer after the cancellation plans failed: {e}"));
+    within(
+        "a transfer after the cancellation plans",
+        p.a.transfer(p.seg, r),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("a transfer after the cancellation plans failed: {e}"));
     assert_bytes(
         &remote.bytes(),
         &local.bytes(),

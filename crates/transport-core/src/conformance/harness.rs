@@ -235,6 +235,14 @@ pub(super) async fn finish(e: &Arc<dyn TransferEngine>, id: BatchId) -> BatchRep
     report
 }
 
+/// Awaits `fut`; panics naming `what` if it has not finished within
+/// [`LIVENESS`] (a hang is a failure that says where, not a stuck test).
+pub(super) async fn within<T>(what: &str, fut: impl Future<Output = T>) -> T {
+    tokio::time::timeout(LIVENESS, fut)
+        .await
+        .unwrap_or_else(|_| panic!("{what} did not return within {LIVENESS:?}"))
+}
+
 /// Polls `f` until it returns `Some`, sleeping briefly between tries; panics
 /// after [`LIVENESS`].
 pub(super) async fn poll_until<T, F, Fut>(what: &str, mut f: F) -> T

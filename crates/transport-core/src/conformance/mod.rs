@@ -184,6 +184,10 @@ pub async fn run_check(name: &str, factory: Arc<dyn EngineFactory>, adapted: boo
     }
 }
 
+/// Longest one conformance check may run under [`__run_test`] before the
+/// process is aborted with its name (a blocked runtime cannot panic).
+pub const CHECK_DEADLINE: Duration = Duration::from_secs(15 * 60);
+
 /// Runs `name` on a fresh multi-thread runtime and prints the skip line; the
 /// body of every test [`conformance_tests!`](crate::conformance_tests)
 /// generates.
@@ -195,7 +199,37 @@ pub fn __run_test(name: &str, factory: Arc<dyn EngineFactory>, adapted: bool) {
         .build()
         .expect("building a tokio runtime for a conformance test");
     let mode = if adapted { "adapted" } else { "raw" };
-    match rt.block_on(run_check(name, factory, adapted)) {
+    // A check that blocks its runtime cannot time itself out: after
+    // CHECK_DEADLINE the process ends, saying which check hung, instead of
+    // hanging its test run. The guard stops the watchdog however the check
+    // ends (a failing check panics).
+    struct Stop(Arc<std::sync::atomic::AtomicBool>, std::thread::Thread);
+    impl Drop for Stop {
+        fn drop(&mut self) {
+            self.0.store(true, std::sync::atomic::Ordering::Release);
+            self.1.unpark();
+        }
+    }
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let what = format!("{name} ({mode})");
+    let flag = Arc::clone(&done);
+    let watchdog = std::thread::spawn(move || {
+        let start = std::time::Instant::now();
+        while !flag.load(std::sync::atomic::Ordering::Acquire) {
+            if start.elapsed() > CHECK_DEADLINE {
+                eprintln!(
+                    "conformance check {what} still running after {CHECK_DEADLINE:?}: aborting"
+                );
+                std::process::abort();
+            }
+            std::thread::park_timeout(Duration::from_millis(200));
+        }
+    });
+    let stop = Stop(done, watchdog.thread().clone());
+    let outcome = rt.block_on(run_check(name, factory, adapted));
+    drop(stop);
+    let _ = watchdog.join();
+    match outcome {
         Outcome::Passed => {}
         Outcome::Skipped(reason) => report_skip(&format!("{name}: {reason} ({mode})")),
     }
