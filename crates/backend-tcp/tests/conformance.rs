@@ -37,23 +37,40 @@ impl Made {
     }
 }
 
-/// Engines on ephemeral loopback ports, two connections per peer,
-/// authenticated with a shared secret.
-#[derive(Default)]
-struct TcpFactory(Made);
+/// Engines on ephemeral loopback ports made from one configuration.
+struct TcpFactory {
+    made: Made,
+    config: fn() -> TcpConfig,
+    /// Segment names nothing listens on are ports bound then released;
+    /// `None` uses such a port, `Some` a fixed one.
+    unknown: Option<&'static str>,
+}
+
+impl TcpFactory {
+    fn new(config: fn() -> TcpConfig) -> TcpFactory {
+        TcpFactory {
+            made: Made::default(),
+            config,
+            unknown: None,
+        }
+    }
+
+    fn unknown_at(mut self, name: &'static str) -> TcpFactory {
+        self.unknown = Some(name);
+        self
+    }
+}
 
 #[async_trait::async_trait]
 impl EngineFactory for TcpFactory {
     async fn create(&self) -> Result<Arc<dyn TransferEngine>> {
-        let cfg = TcpConfig {
-            secret: Some("conformance".to_owned()),
-            connections: 2,
-            ..TcpConfig::default()
-        };
-        self.0.start(cfg).await
+        self.made.start((self.config)()).await
     }
 
     fn unknown_segment_name(&self) -> String {
+        if let Some(name) = self.unknown {
+            return name.to_owned();
+        }
         // A port nothing listens on (bound then released).
         let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
         let addr = l.local_addr().expect("addr");
@@ -62,43 +79,31 @@ impl EngineFactory for TcpFactory {
     }
 
     async fn refuse_notifications(&self, engine: &Arc<dyn TransferEngine>) -> Result<bool> {
-        Ok(self.0.refuse(engine))
+        Ok(self.made.refuse(engine))
     }
 }
 
-transport_core::conformance_tests!(TcpFactory::default());
+// Two connections per peer, authenticated with a shared secret
+// (`same_host=auto`: the same-host path with its Unix control channel).
+transport_core::conformance_tests!(TcpFactory::new(|| TcpConfig {
+    secret: Some("conformance".to_owned()),
+    connections: 2,
+    ..TcpConfig::default()
+}));
 
-/// The same suite with three connections per peer, tiny chunks (requests
-/// are split into many wire operations over all of them) and no polling.
+/// Three connections per peer, tiny chunks (requests are split into many
+/// wire operations over all of them) and no polling, on the socket.
 mod chunked {
     use super::*;
 
-    #[derive(Default)]
-    struct ChunkedFactory(Made);
-
-    #[async_trait::async_trait]
-    impl EngineFactory for ChunkedFactory {
-        async fn create(&self) -> Result<Arc<dyn TransferEngine>> {
-            let cfg = TcpConfig {
-                connections: 3,
-                chunk_size: 1000,
-                spin: std::time::Duration::ZERO,
-                same_host: SameHost::Off,
-                ..TcpConfig::default()
-            };
-            self.0.start(cfg).await
-        }
-
-        fn unknown_segment_name(&self) -> String {
-            "127.0.0.1:1".to_owned()
-        }
-
-        async fn refuse_notifications(&self, engine: &Arc<dyn TransferEngine>) -> Result<bool> {
-            Ok(self.0.refuse(engine))
-        }
-    }
-
-    transport_core::conformance_tests!(ChunkedFactory::default());
+    transport_core::conformance_tests!(TcpFactory::new(|| TcpConfig {
+        connections: 3,
+        chunk_size: 1000,
+        spin: std::time::Duration::ZERO,
+        same_host: SameHost::Off,
+        ..TcpConfig::default()
+    })
+    .unknown_at("127.0.0.1:1"));
 }
 
 /// Forced on (`same_host=cma`: a peer that cannot use it is an error), with
@@ -106,32 +111,14 @@ mod chunked {
 mod cma_forced {
     use super::*;
 
-    #[derive(Default)]
-    struct CmaFactory(Made);
-
-    #[async_trait::async_trait]
-    impl EngineFactory for CmaFactory {
-        async fn create(&self) -> Result<Arc<dyn TransferEngine>> {
-            let cfg = TcpConfig {
-                secret: Some("conformance".to_owned()),
-                connections: 2,
-                chunk_size: 4096,
-                same_host: SameHost::Cma,
-                ..TcpConfig::default()
-            };
-            self.0.start(cfg).await
-        }
-
-        fn unknown_segment_name(&self) -> String {
-            "127.0.0.1:1".to_owned()
-        }
-
-        async fn refuse_notifications(&self, engine: &Arc<dyn TransferEngine>) -> Result<bool> {
-            Ok(self.0.refuse(engine))
-        }
-    }
-
-    transport_core::conformance_tests!(CmaFactory::default());
+    transport_core::conformance_tests!(TcpFactory::new(|| TcpConfig {
+        secret: Some("conformance".to_owned()),
+        connections: 2,
+        chunk_size: 4096,
+        same_host: SameHost::Cma,
+        ..TcpConfig::default()
+    })
+    .unknown_at("127.0.0.1:1"));
 }
 
 /// Forced on with the frames kept on the TCP connection
@@ -140,61 +127,25 @@ mod cma_forced {
 mod cma_tcp_control {
     use super::*;
 
-    #[derive(Default)]
-    struct CmaTcpFactory(Made);
-
-    #[async_trait::async_trait]
-    impl EngineFactory for CmaTcpFactory {
-        async fn create(&self) -> Result<Arc<dyn TransferEngine>> {
-            let cfg = TcpConfig {
-                connections: 2,
-                chunk_size: 64 * 1024,
-                same_host: SameHost::Cma,
-                same_host_unix: false,
-                ..TcpConfig::default()
-            };
-            self.0.start(cfg).await
-        }
-
-        fn unknown_segment_name(&self) -> String {
-            "127.0.0.1:1".to_owned()
-        }
-
-        async fn refuse_notifications(&self, engine: &Arc<dyn TransferEngine>) -> Result<bool> {
-            Ok(self.0.refuse(engine))
-        }
-    }
-
-    transport_core::conformance_tests!(CmaTcpFactory::default());
+    transport_core::conformance_tests!(TcpFactory::new(|| TcpConfig {
+        connections: 2,
+        chunk_size: 64 * 1024,
+        same_host: SameHost::Cma,
+        same_host_unix: false,
+        ..TcpConfig::default()
+    })
+    .unknown_at("127.0.0.1:1"));
 }
 
 /// Forced off: every payload on the socket.
 mod socket_forced {
     use super::*;
 
-    #[derive(Default)]
-    struct OffFactory(Made);
-
-    #[async_trait::async_trait]
-    impl EngineFactory for OffFactory {
-        async fn create(&self) -> Result<Arc<dyn TransferEngine>> {
-            let cfg = TcpConfig {
-                secret: Some("conformance".to_owned()),
-                connections: 2,
-                same_host: SameHost::Off,
-                ..TcpConfig::default()
-            };
-            self.0.start(cfg).await
-        }
-
-        fn unknown_segment_name(&self) -> String {
-            "127.0.0.1:1".to_owned()
-        }
-
-        async fn refuse_notifications(&self, engine: &Arc<dyn TransferEngine>) -> Result<bool> {
-            Ok(self.0.refuse(engine))
-        }
-    }
-
-    transport_core::conformance_tests!(OffFactory::default());
+    transport_core::conformance_tests!(TcpFactory::new(|| TcpConfig {
+        secret: Some("conformance".to_owned()),
+        connections: 2,
+        same_host: SameHost::Off,
+        ..TcpConfig::default()
+    })
+    .unknown_at("127.0.0.1:1"));
 }

@@ -312,6 +312,35 @@ async fn frozen_target_process_times_out_and_copies_nothing_later() {
     );
 }
 
+/// This process's true offer, announcing `probe` (which must outlive the
+/// answer).
+fn true_offer(probe: &[u8; 16]) -> Offer {
+    Offer {
+        boot_id: backend_tcp::cma::boot_id().unwrap(),
+        pidns: backend_tcp::cma::pid_namespace().unwrap(),
+        pid: std::process::id() as u64,
+        probe_addr: probe.as_ptr() as u64,
+        nonce: *probe,
+    }
+}
+
+/// Raw initiator: sends SAME_HOST `id` with `offer` (offering `channel`
+/// as the control channel) and reads the target's answer.
+async fn offer_raw<S: AsyncReadExt + AsyncWriteExt + Unpin>(
+    s: &mut S,
+    id: u64,
+    offer: &Offer,
+    channel: Option<u32>,
+) -> Response {
+    s.write_all(&Request::SameHost { id, channel }.encode())
+        .await
+        .unwrap();
+    s.write_all(&offer.encode()).await.unwrap();
+    let mut hdr = [0u8; HEADER_LEN];
+    s.read_exact(&mut hdr).await.unwrap();
+    Response::decode(&hdr).unwrap()
+}
+
 /// Raw initiator: offers that fail the target's checks are refused with a
 /// reason; CWRITE / CREAD are refused before an agreement, checked segment
 /// by segment after it, and never touch memory outside the target's
@@ -323,19 +352,7 @@ async fn raw_offers_and_copies_are_checked_by_the_target() {
     let mut expect = vec![0x33u8; 64 * 1024];
 
     async fn ask(s: &mut tokio::net::TcpStream, offer: &Offer) -> Response {
-        s.write_all(
-            &Request::SameHost {
-                id: 5,
-                channel: None,
-            }
-            .encode(),
-        )
-        .await
-        .unwrap();
-        s.write_all(&offer.encode()).await.unwrap();
-        let mut hdr = [0u8; HEADER_LEN];
-        s.read_exact(&mut hdr).await.unwrap();
-        Response::decode(&hdr).unwrap()
+        offer_raw(s, 5, offer, None).await
     }
     let refused = |r: Response, why: Refusal| {
         assert!(
@@ -344,13 +361,7 @@ async fn raw_offers_and_copies_are_checked_by_the_target() {
         );
     };
     let probe: Box<[u8; 16]> = Box::new([9; 16]);
-    let good = Offer {
-        boot_id: backend_tcp::cma::boot_id().unwrap(),
-        pidns: backend_tcp::cma::pid_namespace().unwrap(),
-        pid: std::process::id() as u64,
-        probe_addr: probe.as_ptr() as u64,
-        nonce: *probe,
-    };
+    let good = true_offer(&probe);
     let (mut s, table) = common::raw_handshake_gens(b.segment_name()).await;
     let gen = gen_of(&table, target.addr());
     let mut other_host = good.clone();
@@ -480,13 +491,7 @@ async fn unregister_waits_for_an_inbound_copy() {
     let target = mem(&b, len, 0).await;
     let src = pattern(3, len);
     let probe: Box<[u8; 16]> = Box::new([4; 16]);
-    let offer = Offer {
-        boot_id: backend_tcp::cma::boot_id().unwrap(),
-        pidns: backend_tcp::cma::pid_namespace().unwrap(),
-        pid: std::process::id() as u64,
-        probe_addr: probe.as_ptr() as u64,
-        nonce: *probe,
-    };
+    let offer = true_offer(&probe);
     let (mut s, table) = common::raw_handshake_gens(b.segment_name()).await;
     let gen = gen_of(&table, target.addr());
     s.write_all(
@@ -558,25 +563,13 @@ async fn raw_control_channel_is_taken_or_refused_with_the_errno() {
     let b = start(cfg(SameHost::Auto)).await;
     let target = mem(&b, 64 * 1024, 0).await;
     let probe: Box<[u8; 16]> = Box::new(rand_nonce());
-    let offer = Offer {
-        boot_id: backend_tcp::cma::boot_id().unwrap(),
-        pidns: backend_tcp::cma::pid_namespace().unwrap(),
-        pid: std::process::id() as u64,
-        probe_addr: probe.as_ptr() as u64,
-        nonce: *probe,
-    };
+    let offer = true_offer(&probe);
     async fn ask<S: AsyncReadExt + AsyncWriteExt + Unpin>(
         s: &mut S,
         offer: &Offer,
         channel: Option<u32>,
     ) -> Response {
-        s.write_all(&Request::SameHost { id: 3, channel }.encode())
-            .await
-            .unwrap();
-        s.write_all(&offer.encode()).await.unwrap();
-        let mut hdr = [0u8; HEADER_LEN];
-        s.read_exact(&mut hdr).await.unwrap();
-        Response::decode(&hdr).unwrap()
+        offer_raw(s, 3, offer, channel).await
     }
     async fn cwrite<S: AsyncReadExt + AsyncWriteExt + Unpin>(
         s: &mut S,
