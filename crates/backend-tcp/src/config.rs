@@ -97,6 +97,12 @@ pub struct TcpConfig {
     /// target that cannot take the pair (no `pidfd_getfd`) keeps TCP and
     /// the report says why.
     pub same_host_unix: bool,
+    /// On the same-host path, requests larger than this are split into
+    /// CWRITE / CREAD frames of this size (instead of `chunk_size`): each
+    /// frame is one kernel copy, which the target may split over its copy
+    /// helper (see the README), so large frames copy fastest. 4 KiB to
+    /// 64 MiB.
+    pub same_host_chunk: usize,
 }
 
 impl Default for TcpConfig {
@@ -121,6 +127,7 @@ impl Default for TcpConfig {
             socket_buffer: None,
             same_host: SameHost::Auto,
             same_host_unix: true,
+            same_host_chunk: 16 << 20,
         }
     }
 }
@@ -147,6 +154,7 @@ impl fmt::Debug for TcpConfig {
             .field("socket_buffer", &self.socket_buffer)
             .field("same_host", &self.same_host)
             .field("same_host_unix", &self.same_host_unix)
+            .field("same_host_chunk", &self.same_host_chunk)
             .finish()
     }
 }
@@ -196,6 +204,7 @@ impl TcpConfig {
     /// | `socket_buffer`      | `socket_buffer`   | SO_SNDBUF/SO_RCVBUF bytes (0: kernel)    |
     /// | `same_host`          | `same_host`       | `auto`, `cma` or `off` (same-host path)  |
     /// | `same_host_control`  | `same_host_unix`  | `unix` (true) or `tcp` (false): where a same-host connection's frames go |
+    /// | `same_host_chunk`    | `same_host_chunk` | bytes per CWRITE / CREAD frame on the same-host path (4096..=64 MiB) |
     ///
     /// An unknown parameter, a repeated one, a value out of range or another
     /// scheme than `tcp` is [`Error::InvalidArgument`] naming it.
@@ -271,6 +280,16 @@ impl TcpConfig {
                         ))
                     })?
                 }
+                "same_host_chunk" => {
+                    let n = parse_num(&key, &value)?;
+                    if !(4096..=crate::frame::MAX_OP_LEN).contains(&n) {
+                        return Err(invalid(format!(
+                            "tcp URL parameter same_host_chunk={n} must be 4096..={}",
+                            crate::frame::MAX_OP_LEN
+                        )));
+                    }
+                    cfg.same_host_chunk = n as usize;
+                }
                 "same_host_control" => {
                     cfg.same_host_unix = match &*value {
                         "unix" => true,
@@ -288,7 +307,7 @@ impl TcpConfig {
                          timeout_ms, connect_timeout_ms, chunk_size, max_batch, max_inbound, \
                          stall_timeout_ms, min_rate, handshake_timeout_ms, max_handshakes, \
                          idle_timeout_ms, evict_idle_ms, spin_us, spin_pending_us, socket_buffer, same_host, \
-                         same_host_control"
+                         same_host_control, same_host_chunk"
                     )))
                 }
             }
@@ -360,7 +379,7 @@ mod tests {
             "tcp://0.0.0.0:7000?secret=s%26x&connections=4&timeout_ms=1500&connect_timeout_ms=20\
              &chunk_size=65536&max_batch=10&max_inbound=3&spin_us=0&spin_pending_us=7&socket_buffer=1048576\
              &stall_timeout_ms=5&min_rate=9&handshake_timeout_ms=6&max_handshakes=7&idle_timeout_ms=8\
-             &evict_idle_ms=0&same_host=off&same_host_control=tcp",
+             &evict_idle_ms=0&same_host=off&same_host_control=tcp&same_host_chunk=8192",
         )
         .unwrap();
         assert_eq!(c.stall_timeout, Duration::from_millis(5));
@@ -375,6 +394,10 @@ mod tests {
         assert!(!c.same_host_unix);
         assert!(TcpConfig::default().same_host_unix);
         assert!(TcpConfig::from_url("tcp://h:1?same_host_control=udp").is_err());
+        assert_eq!(c.same_host_chunk, 8192);
+        assert_eq!(TcpConfig::default().same_host_chunk, 16 << 20);
+        assert!(TcpConfig::from_url("tcp://h:1?same_host_chunk=100").is_err());
+        assert!(TcpConfig::from_url("tcp://h:1?same_host_chunk=134217728").is_err());
         assert_eq!(
             c.deadline_for(Duration::from_secs(1), 18),
             Duration::from_secs(3)

@@ -115,6 +115,7 @@ mod cma_forced {
         secret: Some("conformance".to_owned()),
         connections: 2,
         chunk_size: 4096,
+        same_host_chunk: 4096,
         same_host: SameHost::Cma,
         ..TcpConfig::default()
     })
@@ -130,6 +131,7 @@ mod cma_tcp_control {
     transport_core::conformance_tests!(TcpFactory::new(|| TcpConfig {
         connections: 2,
         chunk_size: 64 * 1024,
+        same_host_chunk: 64 * 1024,
         same_host: SameHost::Cma,
         same_host_unix: false,
         ..TcpConfig::default()

@@ -277,6 +277,7 @@ fn three_engines_chunked_many_connections_match_the_model() {
         TcpConfig {
             connections: 4,
             chunk_size: 100,
+            same_host_chunk: 4096,
             spin: std::time::Duration::ZERO,
             ..TcpConfig::default()
         },

@@ -42,6 +42,62 @@ fn cfg(mode: SameHost) -> TcpConfig {
     }
 }
 
+/// Copies of 8 MiB and more are split between the target's connection
+/// thread and its copy helper (one by default on 2+ CPUs): 24 MiB written
+/// and read back in 16 MiB frames, a batch of three 9 MiB requests, and an
+/// odd-sized tail, all land byte for byte.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_copies_split_over_the_helper_land_exactly() {
+    assert!(
+        backend_tcp::cma::helpers()
+            >= usize::from(
+                std::env::var_os("FERRY_CMA_HELPERS").is_none()
+                    && std::thread::available_parallelism().map_or(1, usize::from) >= 2
+            ),
+        "a copy helper by default on two or more CPUs"
+    );
+    let a = start(cfg(SameHost::Cma)).await;
+    let b = start(cfg(SameHost::Cma)).await;
+    let len = 27 * MIB + 4097;
+    let src = mem(&a, len, 0).await;
+    src.write(0, &pattern(9, len)).unwrap();
+    let back = mem(&a, len, 0).await;
+    let dst = mem(&b, len, 0).await;
+    let seg = a.open_segment(b.segment_name()).await.unwrap();
+    assert_eq!(path_to(&a, b.segment_name()), "path: cma");
+    a.transfer(
+        seg,
+        TransferRequest::write(src.addr(), dst.addr(), len as u64),
+    )
+    .await
+    .unwrap();
+    assert!(dst.to_vec() == pattern(9, len), "write landed differently");
+    a.transfer(
+        seg,
+        TransferRequest::read(back.addr(), dst.addr(), len as u64),
+    )
+    .await
+    .unwrap();
+    assert!(back.to_vec() == pattern(9, len), "read landed differently");
+    // Three 9 MiB requests of one batch, to other offsets.
+    dst.fill(0);
+    let nine = 9 * MIB as u64;
+    let reqs: Vec<TransferRequest> = (0..3u64)
+        .map(|i| TransferRequest::write(src.addr() + i * nine, dst.addr() + (2 - i) * nine, nine))
+        .collect();
+    a.batch_transfer(seg, &reqs, None)
+        .await
+        .unwrap()
+        .into_result()
+        .unwrap();
+    let want = pattern(9, len);
+    let got = dst.to_vec();
+    for i in 0..3usize {
+        let (s, d) = (i * 9 * MIB, (2 - i) * 9 * MIB);
+        assert!(got[d..d + 9 * MIB] == want[s..s + 9 * MIB], "request {i}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_path_is_used_and_reported_per_peer() {
     let a = start(cfg(SameHost::Auto)).await;

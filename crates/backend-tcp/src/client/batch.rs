@@ -69,7 +69,13 @@ impl Peer {
         requests: &[TransferRequest],
         state: &Arc<WireOps>,
     ) {
-        let chunk = self.core.config.chunk_size as u64;
+        let cfg = &self.core.config;
+        // Same-host frames are one kernel copy each: larger pieces.
+        let chunk = if self.same_host.load(Ordering::Relaxed) {
+            cfg.same_host_chunk
+        } else {
+            cfg.chunk_size
+        } as u64;
         let mut guards: Vec<Option<Arc<RegionGuard>>> = Vec::with_capacity(requests.len());
         let mut remote_miss = Vec::new();
         let table = self.table();

@@ -128,6 +128,8 @@ impl Peer {
                 }
             }
         };
+        self.same_host
+            .store(cma, std::sync::atomic::Ordering::Relaxed);
         let shared = Arc::new(ConnShared {
             stream,
             peer: self.name.clone(),

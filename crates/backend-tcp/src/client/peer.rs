@@ -37,6 +37,8 @@ pub struct Peer {
     pub(crate) rr: AtomicUsize,
     /// The payload path of the latest connection, as reported.
     pub(crate) path: Mutex<Option<String>>,
+    /// The latest connection moves payloads by cross-memory attach.
+    pub(crate) same_host: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for Peer {
@@ -56,6 +58,7 @@ impl Peer {
             table: Arc::new(RwLock::new(Arc::new(Vec::new()))),
             rr: AtomicUsize::new(0),
             path: Mutex::new(None),
+            same_host: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
