@@ -1035,19 +1035,17 @@ async fn serve(
                         // Its requests are headers with short segment
                         // tables: one `recvmsg` each.
                         rd.set_lookahead();
+                        let answer = Response::SameHostOk {
+                            id,
+                            channel: taken.as_ref().map(|_| ()).map_err(|e| *e as u32),
+                        };
+                        out.frames.extend_from_slice(&answer.encode());
                         let stream = match taken {
                             Ok(unix) => {
                                 // Answer on the TCP connection (the initiator
                                 // sent nothing after its offer), which then
                                 // closes: the connection goes on over the
                                 // channel.
-                                out.frames.extend_from_slice(
-                                    &Response::SameHostOk {
-                                        id,
-                                        channel: Ok(()),
-                                    }
-                                    .encode(),
-                                );
                                 flush(&stream, &mut out, core, peer).await?;
                                 rd = FrameReader::new(cfg.spin, pace);
                                 rd.set_lookahead();
@@ -1056,16 +1054,7 @@ async fn serve(
                                         .map_err(|e| io_error(peer, e))?,
                                 )
                             }
-                            Err(errno) => {
-                                out.frames.extend_from_slice(
-                                    &Response::SameHostOk {
-                                        id,
-                                        channel: Err(errno as u32),
-                                    }
-                                    .encode(),
-                                );
-                                stream
-                            }
+                            Err(_) => stream,
                         };
                         let st = Box::new(ConnState { rd, out, cma_pid });
                         return Ok(Served::ToThread(stream, st));

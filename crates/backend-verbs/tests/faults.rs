@@ -505,6 +505,21 @@ async fn region_registered_after_open_is_reachable() {
     p.release().await;
 }
 
+/// A 4 KiB write from `src` to `dst` that must finish (liveness bound).
+async fn write_to_vanished(
+    a: &VerbsEngine,
+    seg: transport_core::SegmentId,
+    src: &HostBuffer,
+    dst: &HostBuffer,
+) -> transport_core::Result<()> {
+    tokio::time::timeout(
+        Duration::from_secs(120),
+        a.transfer(seg, TransferRequest::write(src.addr(), dst.addr(), 4096)),
+    )
+    .await
+    .expect("a transfer to a vanished peer must finish (liveness bound)")
+}
+
 #[tokio::test]
 async fn peer_going_away_fails_typed() {
     let Some(p) = pair("peer_going_away_fails_typed").await else {
@@ -527,12 +542,7 @@ async fn peer_going_away_fails_typed() {
     drop(b);
     let start = std::time::Instant::now();
     loop {
-        let r = tokio::time::timeout(
-            Duration::from_secs(120),
-            a.transfer(seg, TransferRequest::write(src.addr(), dst.addr(), 4096)),
-        )
-        .await
-        .expect("a transfer to a vanished peer must finish (liveness bound)");
+        let r = write_to_vanished(&a, seg, &src, &dst).await;
         match &r {
             Ok(()) => {
                 assert!(
@@ -548,12 +558,7 @@ async fn peer_going_away_fails_typed() {
     // Gone for good: every later transfer fails typed too.
     let mut last = None;
     for _ in 0..3 {
-        let r = tokio::time::timeout(
-            Duration::from_secs(120),
-            a.transfer(seg, TransferRequest::write(src.addr(), dst.addr(), 4096)),
-        )
-        .await
-        .expect("a transfer to a vanished peer must finish (liveness bound)");
+        let r = write_to_vanished(&a, seg, &src, &dst).await;
         match &r {
             Err(e) if typed_transfer_error(e) => {}
             other => panic!("a transfer to a vanished peer must fail typed, got {other:?}"),

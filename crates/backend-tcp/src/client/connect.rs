@@ -76,26 +76,17 @@ impl Peer {
                 } else {
                     Err("same_host_control=tcp".to_owned())
                 };
-                let (pair, no_pair) = match pair {
-                    Ok(p) => (Some(p), None),
-                    Err(why) => (None, Some(why)),
-                };
-                let offered = pair.as_ref().map(|(_, theirs)| theirs.as_raw_fd());
+                let offered = pair.as_ref().ok().map(|(_, theirs)| theirs.as_raw_fd());
                 let verdict =
                     handshake::offer_same_host(&stream, &self.name, offered, cfg.connect_timeout)
                         .await?;
-                let (ours, theirs) = pair.unzip();
                 // The target holds its own copy of its end now (or never
-                // will): ours goes.
-                drop(theirs);
+                // will): ours of it goes.
+                let ours = pair.map(|(ours, _theirs)| ours);
                 match verdict {
                     handshake::SameHostVerdict::Cma { channel } => {
-                        let unix = match (channel, ours) {
-                            (Ok(()), Some(ours)) => Ok(ours),
-                            (Ok(()), None) => Err("no channel offered".to_owned()),
-                            (Err(_), None) if no_pair.is_some() => Err(no_pair.unwrap_or_default()),
-                            (Err(why), _) => Err(why),
-                        };
+                        // Not offered: why not; not taken: the target's reason.
+                        let unix = ours.and_then(|u| channel.map(|()| u));
                         match unix.and_then(|u| {
                             u.set_nonblocking(true)
                                 .and_then(|()| tokio::net::UnixStream::from_std(u))
