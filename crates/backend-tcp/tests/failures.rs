@@ -473,7 +473,9 @@ async fn dropped_target_engine_mid_batch() {
     let cm = mem(&c, 4 * MIB, 0).await;
     let sb = a.open_segment(b.segment_name()).await.unwrap();
     let sc = a.open_segment(c.segment_name()).await.unwrap();
-    let reqs: Vec<_> = (0..256)
+    // 4 GiB: same-host copies run at several GB/s, and the batch must
+    // still be running when the target goes.
+    let reqs: Vec<_> = (0..1024)
         .map(|i| {
             TransferRequest::write(src.addr(), bm.addr() + ((i % 16) * 4 * MIB) as u64, 4 << 20)
         })
