@@ -658,17 +658,10 @@ impl Initiator {
         n == 0
     }
 
-    /// Takes over the control channel the initiator offered: its end
-    /// `fd` of a Unix socket pair, duplicated into this process with
-    /// `pidfd_getfd(2)` (Linux ≥ 5.6). The kernel allows that under the
-    /// same ptrace-attach check as `process_vm_readv`, so it grants
-    /// nothing the copies do not already need. Accepted only if it is a
-    /// Unix stream socket made by that very process (its peer credentials
-    /// name the initiator's PID). `Err(errno)` otherwise (`ENOSYS` without
-    /// pidfds, `EPROTOTYPE` for another kind of descriptor, `EACCES` for
-    /// a socket made by another process).
-    pub fn take_channel(&self, fd: u32) -> Result<std::os::unix::net::UnixStream, i32> {
-        use std::os::fd::{FromRawFd, OwnedFd};
+    /// A copy of the initiator's descriptor number `fd` (`pidfd_getfd`,
+    /// Linux ≥ 5.6), or the errno (`ENOSYS` without a pidfd).
+    fn take_fd(&self, fd: u32) -> Result<std::os::fd::OwnedFd, i32> {
+        use std::os::fd::FromRawFd;
         let Some(pidfd) = &self.pidfd else {
             return Err(libc::ENOSYS);
         };
@@ -681,7 +674,27 @@ impl Initiator {
             return Err(last_errno());
         }
         // SAFETY: a fresh descriptor returned to us above.
-        let owned = unsafe { OwnedFd::from_raw_fd(got as i32) };
+        Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(got as i32) })
+    }
+
+    /// Takes over and maps the staging area the initiator offered as its
+    /// descriptor number `fd` (see [`crate::stage`]): only a memfd sealed
+    /// against shrinking, of at least [`crate::stage::AREA_LEN`] bytes.
+    pub fn take_stage(&self, fd: u32) -> Result<crate::stage::Area, i32> {
+        crate::stage::Area::adopt(self.take_fd(fd)?)
+    }
+
+    /// Takes over the control channel the initiator offered: its end
+    /// `fd` of a Unix socket pair, duplicated into this process with
+    /// `pidfd_getfd(2)` (Linux ≥ 5.6). The kernel allows that under the
+    /// same ptrace-attach check as `process_vm_readv`, so it grants
+    /// nothing the copies do not already need. Accepted only if it is a
+    /// Unix stream socket made by that very process (its peer credentials
+    /// name the initiator's PID). `Err(errno)` otherwise (`ENOSYS` without
+    /// pidfds, `EPROTOTYPE` for another kind of descriptor, `EACCES` for
+    /// a socket made by another process).
+    pub fn take_channel(&self, fd: u32) -> Result<std::os::unix::net::UnixStream, i32> {
+        let owned = self.take_fd(fd)?;
         let int_opt = |level, name| -> Result<libc::c_int, i32> {
             let mut v: libc::c_int = 0;
             let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;

@@ -103,6 +103,13 @@ pub struct TcpConfig {
     /// helper (see the README), so large frames copy fastest. 4 KiB to
     /// 64 MiB.
     pub same_host_chunk: usize,
+    /// On the same-host path, frames of at least this many bytes (and
+    /// below [`crate::cma::PARALLEL_MIN`], 8 MiB) move through the
+    /// connection's staging area — two pipelined copies, one by each
+    /// process — instead of one cross-memory copy by the target (see
+    /// [`crate::stage`]). `None` (URL `same_host_stage=off`): never; no
+    /// area is offered. Default 256 KiB.
+    pub same_host_stage: Option<usize>,
 }
 
 impl Default for TcpConfig {
@@ -128,6 +135,7 @@ impl Default for TcpConfig {
             same_host: SameHost::Auto,
             same_host_unix: true,
             same_host_chunk: 16 << 20,
+            same_host_stage: Some(256 << 10),
         }
     }
 }
@@ -155,6 +163,7 @@ impl fmt::Debug for TcpConfig {
             .field("same_host", &self.same_host)
             .field("same_host_unix", &self.same_host_unix)
             .field("same_host_chunk", &self.same_host_chunk)
+            .field("same_host_stage", &self.same_host_stage)
             .finish()
     }
 }
@@ -205,6 +214,7 @@ impl TcpConfig {
     /// | `same_host`          | `same_host`       | `auto`, `cma` or `off` (same-host path)  |
     /// | `same_host_control`  | `same_host_unix`  | `unix` (true) or `tcp` (false): where a same-host connection's frames go |
     /// | `same_host_chunk`    | `same_host_chunk` | bytes per CWRITE / CREAD frame on the same-host path (4096..=64 MiB) |
+    /// | `same_host_stage`    | `same_host_stage` | smallest frame moved through the staging area, bytes (1..=64 MiB), or `off` |
     ///
     /// An unknown parameter, a repeated one, a value out of range or another
     /// scheme than `tcp` is [`Error::InvalidArgument`] naming it.
@@ -290,6 +300,20 @@ impl TcpConfig {
                     }
                     cfg.same_host_chunk = n as usize;
                 }
+                "same_host_stage" => {
+                    cfg.same_host_stage = if value == "off" {
+                        None
+                    } else {
+                        let n = parse_num(&key, &value)?;
+                        if !(1..=crate::frame::MAX_OP_LEN).contains(&n) {
+                            return Err(invalid(format!(
+                                "tcp URL parameter same_host_stage={n} must be 1..={} or off",
+                                crate::frame::MAX_OP_LEN
+                            )));
+                        }
+                        Some(n as usize)
+                    }
+                }
                 "same_host_control" => {
                     cfg.same_host_unix = match &*value {
                         "unix" => true,
@@ -307,7 +331,7 @@ impl TcpConfig {
                          timeout_ms, connect_timeout_ms, chunk_size, max_batch, max_inbound, \
                          stall_timeout_ms, min_rate, handshake_timeout_ms, max_handshakes, \
                          idle_timeout_ms, evict_idle_ms, spin_us, spin_pending_us, socket_buffer, same_host, \
-                         same_host_control, same_host_chunk"
+                         same_host_control, same_host_chunk, same_host_stage"
                     )))
                 }
             }
@@ -397,6 +421,13 @@ mod tests {
         assert_eq!(c.same_host_chunk, 8192);
         assert_eq!(TcpConfig::default().same_host_chunk, 16 << 20);
         assert!(TcpConfig::from_url("tcp://h:1?same_host_chunk=100").is_err());
+        assert_eq!(TcpConfig::default().same_host_stage, Some(256 << 10));
+        let staged = |v: &str| TcpConfig::from_url(&format!("tcp://h:1?same_host_stage={v}"));
+        assert_eq!(staged("off").unwrap().same_host_stage, None);
+        assert_eq!(staged("4096").unwrap().same_host_stage, Some(4096));
+        assert!(staged("0").is_err());
+        assert!(staged("134217728").is_err());
+        assert!(staged("big").is_err());
         assert!(TcpConfig::from_url("tcp://h:1?same_host_chunk=134217728").is_err());
         assert_eq!(
             c.deadline_for(Duration::from_secs(1), 18),

@@ -13,8 +13,9 @@ pub const MAGIC: [u8; 4] = *b"FRY\x01";
 /// Protocol version spoken by this crate (2: region generations in
 /// WRITE/READ frames, segments and tables; typed rejections; idle deadline
 /// in the welcome; 3: the same-host path, SAME_HOST / CWRITE / CREAD;
-/// 4: the same-host control channel, SAME_HOST_OK).
-pub const VERSION: u16 = 4;
+/// 4: the same-host control channel, SAME_HOST_OK; 5: the staging area,
+/// SWRITE / SREAD).
+pub const VERSION: u16 = 5;
 /// Size of every frame header.
 pub const HEADER_LEN: usize = 32;
 /// Largest payload one WRITE, READ or DATA frame may carry (initiators split
@@ -61,7 +62,8 @@ pub mod kind {
     pub const READV: u8 = 0x06;
     /// Same-host negotiation: an offer of [`crate::cma::OFFER_LEN`] bytes
     /// follows; `a` = 1 + the initiator's descriptor number of the control
-    /// channel it offers (0: none).
+    /// channel it offers (0: none), `b` = 1 + that of the staging area
+    /// (0: none; see [`crate::stage`]).
     pub const SAME_HOST: u8 = 0x07;
     /// Cross-memory write: `aux` segments of 24 bytes follow (target addr,
     /// len, generation, initiator source addr); the target copies them.
@@ -69,6 +71,12 @@ pub mod kind {
     /// Cross-memory read: same segments; the target copies its ranges into
     /// the initiator's destinations.
     pub const CREAD: u8 = 0x09;
+    /// Staged write: segments as for CWRITE (initiator addr 0) follow; the
+    /// payload comes through the staging area ([`crate::stage`]).
+    pub const SWRITE: u8 = 0x0a;
+    /// Staged read: segments as for CREAD (initiator addr 0); the verdict
+    /// and payload come through the staging area.
+    pub const SREAD: u8 = 0x0b;
     /// Request `id` succeeded.
     pub const OK: u8 = 0x81;
     /// `aux` request ids (u64 each) follow; all succeeded.
@@ -87,7 +95,9 @@ pub mod kind {
     pub const DATAV: u8 = 0x87;
     /// SAME_HOST `id` accepted: `a` = 1 if the target took the offered
     /// control channel (the connection continues on it), else 0 with the
-    /// errno of the failed attempt in `b` (0: none offered).
+    /// errno of the failed attempt in `b` (0: none offered); `aux` = 1 if
+    /// it mapped the offered staging area, 0 if none was offered, else
+    /// 2 + the errno of the failed attempt.
     pub const SAME_HOST_OK: u8 = 0x88;
 }
 
@@ -275,14 +285,19 @@ pub enum Request {
         /// The initiator's descriptor number of the Unix socket it offers
         /// as the connection's control channel, if any.
         channel: Option<u32>,
+        /// Its descriptor number of the staging area it offers, if any.
+        stage: Option<u32>,
     },
     /// Cross-memory write (read when `read`): `count` segments of
-    /// [`CMA_SEGMENT_LEN`] bytes follow, no payload.
+    /// [`CMA_SEGMENT_LEN`] bytes follow, no payload. `staged`: SWRITE /
+    /// SREAD, the payload moves through the staging area.
     Cma {
         /// Request id.
         id: u64,
-        /// CREAD rather than CWRITE.
+        /// CREAD / SREAD rather than CWRITE / SWRITE.
         read: bool,
+        /// SWRITE / SREAD rather than CWRITE / CREAD.
+        staged: bool,
         /// Segments (1..=[`MAX_SEGMENTS`]).
         count: u32,
         /// Sum of the segment lengths (≤ [`MAX_OP_LEN`]).
@@ -340,19 +355,26 @@ impl Request {
                 b: total,
                 ..Default::default()
             },
-            Request::SameHost { id, channel } => Header {
+            Request::SameHost { id, channel, stage } => Header {
                 kind: kind::SAME_HOST,
                 id,
                 a: channel.map_or(0, |fd| u64::from(fd) + 1),
+                b: stage.map_or(0, |fd| u64::from(fd) + 1),
                 ..Default::default()
             },
             Request::Cma {
                 id,
                 read,
+                staged,
                 count,
                 total,
             } => Header {
-                kind: if read { kind::CREAD } else { kind::CWRITE },
+                kind: match (staged, read) {
+                    (false, false) => kind::CWRITE,
+                    (false, true) => kind::CREAD,
+                    (true, false) => kind::SWRITE,
+                    (true, true) => kind::SREAD,
+                },
                 aux: count,
                 id,
                 b: total,
@@ -368,7 +390,14 @@ impl Request {
         let h = Header::decode(buf)?;
         let aux_allowed = matches!(
             h.kind,
-            kind::WRITEV | kind::READV | kind::WRITE | kind::READ | kind::CWRITE | kind::CREAD
+            kind::WRITEV
+                | kind::READV
+                | kind::WRITE
+                | kind::READ
+                | kind::CWRITE
+                | kind::CREAD
+                | kind::SWRITE
+                | kind::SREAD
         );
         if h.status != 0 || (h.aux != 0 && !aux_allowed) {
             return Err(bad("request with non-zero status or count field"));
@@ -443,15 +472,17 @@ impl Request {
                 Ok(Request::Table { id: h.id })
             }
             kind::SAME_HOST => {
-                if h.b != 0 || h.a > u64::from(i32::MAX as u32) + 1 {
+                let fd_max = u64::from(i32::MAX as u32) + 1;
+                if h.a > fd_max || h.b > fd_max {
                     return Err(bad("SAME_HOST request with bad operands"));
                 }
                 Ok(Request::SameHost {
                     id: h.id,
                     channel: h.a.checked_sub(1).map(|fd| fd as u32),
+                    stage: h.b.checked_sub(1).map(|fd| fd as u32),
                 })
             }
-            kind::CWRITE | kind::CREAD => {
+            kind::CWRITE | kind::CREAD | kind::SWRITE | kind::SREAD => {
                 if h.aux == 0 || h.aux > MAX_SEGMENTS || h.a != 0 || h.b > MAX_OP_LEN {
                     return Err(bad(format!(
                         "CWRITE/CREAD of {} segments / {} bytes exceeds the limits",
@@ -460,7 +491,8 @@ impl Request {
                 }
                 Ok(Request::Cma {
                     id: h.id,
-                    read: h.kind == kind::CREAD,
+                    read: h.kind == kind::CREAD || h.kind == kind::SREAD,
+                    staged: h.kind == kind::SWRITE || h.kind == kind::SREAD,
                     count: h.aux,
                     total: h.b,
                 })
@@ -538,6 +570,9 @@ pub enum Response {
         /// connection continues on it; `Err(errno)`: it stays on this
         /// socket (0: no channel was offered).
         channel: std::result::Result<(), u32>,
+        /// `Ok`: the target mapped the offered staging area; `Err(errno)`:
+        /// it did not (0: none was offered).
+        stage: std::result::Result<(), u32>,
     },
 }
 
@@ -600,9 +635,14 @@ impl Response {
                 id,
                 ..Default::default()
             },
-            Response::SameHostOk { id, channel } => Header {
+            Response::SameHostOk { id, channel, stage } => Header {
                 kind: kind::SAME_HOST_OK,
                 id,
+                aux: match stage {
+                    Ok(()) => 1,
+                    Err(0) => 0,
+                    Err(e) => e.saturating_add(2),
+                },
                 a: u64::from(channel.is_ok()),
                 b: channel.err().map_or(0, u64::from),
                 ..Default::default()
@@ -687,14 +727,24 @@ impl Response {
             kind::SAME_HOST_OK => {
                 let errno =
                     u32::try_from(h.b).map_err(|_| bad("SAME_HOST_OK errno out of range"))?;
+                let stage = match h.aux {
+                    0 => Err(0),
+                    1 => Ok(()),
+                    e => Err(e - 2),
+                };
+                if stage == Err(0) && h.aux != 0 {
+                    return Err(bad("SAME_HOST_OK with bad operands"));
+                }
                 match h.a {
                     1 if errno == 0 => Ok(Response::SameHostOk {
                         id: h.id,
                         channel: Ok(()),
+                        stage,
                     }),
                     0 => Ok(Response::SameHostOk {
                         id: h.id,
                         channel: Err(errno),
+                        stage,
                     }),
                     _ => Err(bad("SAME_HOST_OK with bad operands")),
                 }
@@ -987,22 +1037,40 @@ mod tests {
             Request::SameHost {
                 id: 12,
                 channel: None,
+                stage: None,
             },
             Request::SameHost {
                 id: 14,
                 channel: Some(7),
+                stage: Some(9),
             },
             Request::Cma {
                 id: 13,
                 read: true,
+                staged: false,
                 count: 2,
                 total: 9,
             },
             Request::Cma {
                 id: 14,
                 read: false,
+                staged: false,
                 count: MAX_SEGMENTS,
                 total: MAX_OP_LEN,
+            },
+            Request::Cma {
+                id: 15,
+                read: false,
+                staged: true,
+                count: 3,
+                total: 1 << 20,
+            },
+            Request::Cma {
+                id: 16,
+                read: true,
+                staged: true,
+                count: 1,
+                total: 1,
             },
         ];
         for r in reqs {
@@ -1027,10 +1095,17 @@ mod tests {
             Response::SameHostOk {
                 id: 0,
                 channel: Ok(()),
+                stage: Ok(()),
             },
             Response::SameHostOk {
                 id: 0,
                 channel: Err(38),
+                stage: Err(0),
+            },
+            Response::SameHostOk {
+                id: 0,
+                channel: Ok(()),
+                stage: Err(1),
             },
             Response::DataV {
                 id: 6,

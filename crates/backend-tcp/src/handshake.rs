@@ -349,6 +349,9 @@ pub enum SameHostVerdict {
     Cma {
         /// `Ok` if the connection continues on the offered channel.
         channel: std::result::Result<(), String>,
+        /// `Ok` if the target mapped the offered staging area, else why
+        /// not.
+        stage: std::result::Result<(), String>,
     },
     /// Payloads move on the socket, for this reason.
     Refused(String),
@@ -358,12 +361,14 @@ pub enum SameHostVerdict {
 /// (SAME_HOST with this process's boot id, PID namespace, PID and a probe
 /// word, and `channel`'s descriptor number as the control channel) and
 /// reads the target's verdict. `channel` (this process's copy of the
-/// target's end) must stay open until this returns. Errors are I/O or
+/// target's end) and `stage` (the staging area) must stay open until
+/// this returns. Errors are I/O or
 /// protocol failures of the connection itself.
 pub async fn offer_same_host(
     stream: &Stream,
     peer: &str,
     channel: Option<std::os::fd::RawFd>,
+    stage: Option<std::os::fd::RawFd>,
     timeout: Duration,
 ) -> Result<SameHostVerdict> {
     let (probe, offer) = match crate::cma::make_offer() {
@@ -373,6 +378,7 @@ pub async fn offer_same_host(
     let hdr = crate::frame::Request::SameHost {
         id: 0,
         channel: channel.and_then(|fd| u32::try_from(fd).ok()),
+        stage: stage.and_then(|fd| u32::try_from(fd).ok()),
     }
     .encode();
     write_all(stream, &[&hdr, &offer.encode()], timeout)
@@ -385,10 +391,18 @@ pub async fn offer_same_host(
     // The target has read the probe (or given up) once it answered.
     drop(probe);
     match crate::frame::Response::decode(&resp) {
-        Ok(crate::frame::Response::SameHostOk { id: 0, channel }) => Ok(SameHostVerdict::Cma {
+        Ok(crate::frame::Response::SameHostOk {
+            id: 0,
+            channel,
+            stage,
+        }) => Ok(SameHostVerdict::Cma {
             channel: channel.map_err(|errno| match errno {
                 0 => "no channel offered".to_owned(),
                 e => format!("pidfd_getfd: {}", crate::cma::errno_name(e as i32)),
+            }),
+            stage: stage.map_err(|errno| match errno {
+                0 => "no staging area offered".to_owned(),
+                e => format!("staging area: {}", crate::cma::errno_name(e as i32)),
             }),
         }),
         Ok(crate::frame::Response::Err {

@@ -64,6 +64,7 @@ pub mod frame;
 mod handshake;
 mod io;
 mod server;
+pub mod stage;
 mod stream;
 
 pub use cma::SameHost;

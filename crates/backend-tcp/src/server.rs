@@ -494,6 +494,7 @@ async fn serve_conn(
             bytes: 0,
         },
         cma_pid: None,
+        stage: None,
     };
     match serve(stream, &peer, core, &admitted.live, first).await? {
         Served::Closed => Ok(()),
@@ -511,6 +512,17 @@ struct ConnState {
     out: Out,
     /// The initiator's process once the same-host path is agreed.
     cma_pid: Option<cma::Initiator>,
+    /// The staging area it offered, once mapped.
+    stage: Option<TargetStage>,
+}
+
+/// The target's side of a connection's staging area.
+struct TargetStage {
+    area: crate::stage::Area,
+    /// The next slot to empty in the ring from the initiator.
+    from_initiator: u64,
+    /// The next slot to fill in the ring to it.
+    to_initiator: u64,
 }
 
 /// How [`serve`] ended.
@@ -737,6 +749,69 @@ fn cma_copy(
 /// The status a v-frame reports for its failed segments: `StaleRegion` if
 /// any failed for that reason (the initiator refreshes its table and
 /// retries them), else `AddressNotRegistered`.
+/// Moves an SWRITE's stream out of the staging area into the guarded
+/// ranges (the bytes of refused segments are dropped), or an SREAD's
+/// verdict and accepted ranges into it — then waits until the initiator
+/// has emptied the ring, so that the acknowledgement follows the data.
+async fn staged_copy(
+    st: &mut TargetStage,
+    read: bool,
+    guards: &[Result<RegionGuard, Status>],
+    segs: &[Segment],
+    watch: &crate::stage::Watch<'_>,
+) -> Result<(), crate::stage::Stop> {
+    use crate::stage::{self, Dir, Piece};
+    let pieces = guards.iter().zip(segs).map(|(g, s)| Piece {
+        // Refused (null): its bytes are dropped (SWRITE) or never sent
+        // (SREAD).
+        ptr: g.as_ref().map_or(std::ptr::null_mut(), |g| g.as_ptr()),
+        len: s.len as usize,
+    });
+    if !read {
+        let ring = st.area.ring(Dir::ToTarget);
+        // The initiator sends every segment's bytes, refused ones too.
+        let pieces: Vec<Piece> = pieces.collect();
+        // SAFETY: every non-null piece is a range its guard holds
+        // registered (and so valid) until the caller drops `guards`, after
+        // this returns.
+        return unsafe { stage::get(&ring, &mut st.from_initiator, &pieces, watch, None) }.await;
+    }
+    let ring = st.area.ring(Dir::ToInitiator);
+    let mut verdict = stage::verdict(
+        guards
+            .iter()
+            .enumerate()
+            .filter(|(_, g)| g.is_err())
+            .map(|(i, _)| i),
+    );
+    let v = [Piece {
+        ptr: verdict.as_mut_ptr(),
+        len: verdict.len(),
+    }];
+    // SAFETY: `verdict` is valid for reads until this returns.
+    unsafe { stage::put(&ring, &mut st.to_initiator, &v, watch) }.await?;
+    let accepted: Vec<Piece> = pieces.filter(|p| !p.ptr.is_null()).collect();
+    // SAFETY: as for SWRITE, read instead of written.
+    unsafe { stage::put(&ring, &mut st.to_initiator, &accepted, watch) }.await?;
+    let end = st.to_initiator;
+    stage::wait(|| ring.drained(end), watch).await
+}
+
+/// The error that ends a connection whose staged stream stopped.
+fn staged_error(peer: &str, stop: crate::stage::Stop, stall: Duration) -> Error {
+    match stop {
+        crate::stage::Stop::Stalled => Error::Timeout {
+            operation: "moving a payload through the same-host staging area".to_owned(),
+            peer: Some(peer.to_owned()),
+            after: stall,
+        },
+        crate::stage::Stop::Gone => Error::PeerLost {
+            peer: peer.to_owned(),
+            reason: "closed by the initiator, or its process exited".to_owned(),
+        },
+    }
+}
+
 fn failed_status(guards: &[Result<RegionGuard, Status>]) -> Status {
     if guards.iter().any(|g| matches!(g, Err(Status::StaleRegion))) {
         Status::StaleRegion
@@ -790,6 +865,7 @@ async fn serve(
         mut rd,
         mut out,
         mut cma_pid,
+        mut stage,
     } = st;
     // The segment table of the current CWRITE / CREAD.
     let mut cma_table: Vec<u8> = Vec::new();
@@ -1011,7 +1087,11 @@ async fn serve(
                 drop(bufs);
                 drop(guards);
             }
-            Request::SameHost { id, channel } => {
+            Request::SameHost {
+                id,
+                channel,
+                stage: offered_stage,
+            } => {
                 rd.begin_frame(cma::OFFER_LEN as u64);
                 let mut raw = [0u8; cma::OFFER_LEN];
                 rd.read_payload(&stream, Bytes::from_mut(&mut raw))
@@ -1030,7 +1110,14 @@ async fn serve(
                     Ok(pid) => {
                         let initiator = cma::Initiator::new(pid);
                         let taken = channel.map_or(Err(0), |fd| initiator.take_channel(fd));
-                        tracing::debug!(%peer, pid, ?taken, "same-host path agreed");
+                        let mapped = offered_stage.map_or(Err(0), |fd| initiator.take_stage(fd));
+                        tracing::debug!(%peer, pid, ?taken, staged = ?mapped.as_ref().map(|_| ()), "same-host path agreed");
+                        let staging = mapped.as_ref().map(|_| ()).map_err(|e| *e as u32);
+                        stage = mapped.ok().map(|area| TargetStage {
+                            area,
+                            from_initiator: 0,
+                            to_initiator: 0,
+                        });
                         cma_pid = Some(initiator);
                         // Its requests are headers with short segment
                         // tables: one `recvmsg` each.
@@ -1038,6 +1125,7 @@ async fn serve(
                         let answer = Response::SameHostOk {
                             id,
                             channel: taken.as_ref().map(|_| ()).map_err(|e| *e as u32),
+                            stage: staging,
                         };
                         out.frames.extend_from_slice(&answer.encode());
                         let stream = match taken {
@@ -1056,7 +1144,12 @@ async fn serve(
                             }
                             Err(_) => stream,
                         };
-                        let st = Box::new(ConnState { rd, out, cma_pid });
+                        let st = Box::new(ConnState {
+                            rd,
+                            out,
+                            cma_pid,
+                            stage,
+                        });
                         return Ok(Served::ToThread(stream, st));
                     }
                     Err((why, errno)) => {
@@ -1068,6 +1161,7 @@ async fn serve(
             Request::Cma {
                 id,
                 read,
+                staged,
                 count,
                 total,
             } => {
@@ -1091,6 +1185,32 @@ async fn serve(
                 };
                 let plain: Vec<Segment> = segs.iter().map(|s| s.seg).collect();
                 let guards = acquire_segments(core, &plain);
+                if staged {
+                    let Some(st) = &mut stage else {
+                        let reason = "SWRITE/SREAD without a staging area".to_owned();
+                        return Err(malformed(&stream, &mut out, core, peer, id, reason).await);
+                    };
+                    let alive = || initiator.alive_for(&stream);
+                    let watch = crate::stage::Watch {
+                        alive: &alive,
+                        stall: cfg.stall_timeout,
+                    };
+                    let moved = staged_copy(st, read, &guards, &plain, &watch).await;
+                    let failed: Vec<u32> = (0..guards.len() as u32)
+                        .filter(|&i| guards[i as usize].is_err())
+                        .collect();
+                    let status = failed_status(&guards);
+                    drop(guards);
+                    moved.map_err(|stop| staged_error(peer, stop, cfg.stall_timeout))?;
+                    if failed.is_empty() {
+                        out.acks.push(id);
+                    } else {
+                        out.errv(id, status, &failed);
+                    }
+                    out.bytes += total;
+                    flush(&stream, &mut out, core, peer).await?;
+                    continue;
+                }
                 // An initiator that gave up on this connection (its batch
                 // expired) may reuse the memory it named: copy nothing.
                 if !initiator.alive_for(&stream) {

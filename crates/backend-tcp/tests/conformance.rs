@@ -122,6 +122,23 @@ mod cma_forced {
     .unknown_at("127.0.0.1:1"));
 }
 
+/// Forced on with every frame through the staging area
+/// (`same_host_stage=1`), frames of 200 000 bytes (several slots, the last
+/// one part-filled) and small requests gathered into multi-segment frames.
+mod cma_staged {
+    use super::*;
+
+    transport_core::conformance_tests!(TcpFactory::new(|| TcpConfig {
+        connections: 2,
+        chunk_size: 200_000,
+        same_host_chunk: 200_000,
+        same_host: SameHost::Cma,
+        same_host_stage: Some(1),
+        ..TcpConfig::default()
+    })
+    .unknown_at("127.0.0.1:1"));
+}
+
 /// Forced on with the frames kept on the TCP connection
 /// (`same_host_control=tcp`: the path a target without `pidfd_getfd`
 /// falls back to).

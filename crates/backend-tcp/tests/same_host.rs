@@ -1,7 +1,8 @@
 //! The same-host path (issue 14): used and reported between engines of one
 //! host, refused with the reason (by the target's setting, by the kernel
-//! for another user), the target's checks on CWRITE / CREAD from a raw
-//! peer, and a frozen target process on the path.
+//! for another user), the target's checks on CWRITE / CREAD and on the
+//! staging area (SWRITE / SREAD) from a raw peer, and frozen processes on
+//! either side.
 
 mod common;
 
@@ -388,9 +389,19 @@ async fn offer_raw<S: AsyncReadExt + AsyncWriteExt + Unpin>(
     offer: &Offer,
     channel: Option<u32>,
 ) -> Response {
-    s.write_all(&Request::SameHost { id, channel }.encode())
-        .await
-        .unwrap();
+    offer_staged(s, id, offer, channel, None).await
+}
+
+/// [`offer_raw`], also offering descriptor `stage` as the staging area.
+async fn offer_staged<S: AsyncReadExt + AsyncWriteExt + Unpin>(
+    s: &mut S,
+    id: u64,
+    offer: &Offer,
+    channel: Option<u32>,
+    stage: Option<u32>,
+) -> Response {
+    let req = Request::SameHost { id, channel, stage };
+    s.write_all(&req.encode()).await.unwrap();
     s.write_all(&offer.encode()).await.unwrap();
     let mut hdr = [0u8; HEADER_LEN];
     s.read_exact(&mut hdr).await.unwrap();
@@ -468,6 +479,7 @@ async fn raw_offers_and_copies_are_checked_by_the_target() {
         Request::Cma {
             id,
             read: false,
+            staged: false,
             count: n,
             total,
         }
@@ -487,7 +499,8 @@ async fn raw_offers_and_copies_are_checked_by_the_target() {
         ask(&mut s, &good).await,
         Response::SameHostOk {
             id: 5,
-            channel: Err(0)
+            channel: Err(0),
+            stage: Err(0),
         }
     );
     let segs = [
@@ -518,6 +531,7 @@ async fn raw_offers_and_copies_are_checked_by_the_target() {
     let rd = Request::Cma {
         id: 8,
         read: true,
+        staged: false,
         count: 1,
         total: 10,
     };
@@ -554,6 +568,7 @@ async fn unregister_waits_for_an_inbound_copy() {
         &Request::SameHost {
             id: 1,
             channel: None,
+            stage: None,
         }
         .encode(),
     )
@@ -566,7 +581,8 @@ async fn unregister_waits_for_an_inbound_copy() {
         Response::decode(&hdr).unwrap(),
         Response::SameHostOk {
             id: 1,
-            channel: Err(0)
+            channel: Err(0),
+            stage: Err(0),
         }
     );
     let seg = CmaSegment {
@@ -580,6 +596,7 @@ async fn unregister_waits_for_an_inbound_copy() {
     let w = Request::Cma {
         id: 2,
         read: false,
+        staged: false,
         count: 1,
         total: len as u64,
     };
@@ -645,6 +662,7 @@ async fn raw_control_channel_is_taken_or_refused_with_the_errno() {
         let req = Request::Cma {
             id,
             read: false,
+            staged: false,
             count: 1,
             total: src.len() as u64,
         };
@@ -664,7 +682,8 @@ async fn raw_control_channel_is_taken_or_refused_with_the_errno() {
         r,
         Response::SameHostOk {
             id: 3,
-            channel: Ok(())
+            channel: Ok(()),
+            stage: Err(0),
         }
     );
     drop(theirs);
@@ -705,7 +724,8 @@ async fn raw_control_channel_is_taken_or_refused_with_the_errno() {
             r,
             Response::SameHostOk {
                 id: 3,
-                channel: Err(errno as u32)
+                channel: Err(errno as u32),
+                stage: Err(0),
             }
         );
         let src = vec![errno as u8; 100];
@@ -724,4 +744,273 @@ fn rand_nonce() -> [u8; 16] {
         *b = (std::process::id() as u8).wrapping_add((i as u8).wrapping_mul(37));
     }
     n
+}
+
+/// A memfd of `size` bytes with `seals` added (0: none).
+fn memfd(size: usize, seals: libc::c_int) -> std::os::fd::OwnedFd {
+    use std::os::fd::{AsRawFd, FromRawFd};
+    // SAFETY: a NUL-terminated name and flags; a new descriptor or -1.
+    let fd =
+        unsafe { libc::memfd_create(c"t".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+    assert!(fd >= 0);
+    // SAFETY: a fresh descriptor we own.
+    let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+    assert_eq!(
+        // SAFETY: a plain call on our own descriptor.
+        unsafe { libc::ftruncate(fd.as_raw_fd(), size as libc::off_t) },
+        0
+    );
+    if seals != 0 {
+        assert_eq!(
+            // SAFETY: as above.
+            unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) },
+            0
+        );
+    }
+    fd
+}
+
+/// A staged request's header and segment table (no initiator addresses).
+fn staged_frame(id: u64, read: bool, gen: u32, segs: &[(u64, u64)]) -> Vec<u8> {
+    let req = Request::Cma {
+        id,
+        read,
+        staged: true,
+        count: segs.len() as u32,
+        total: segs.iter().map(|s| s.1).sum(),
+    };
+    let table: Vec<CmaSegment> = segs
+        .iter()
+        .map(|&(addr, len)| CmaSegment {
+            seg: Segment { addr, len, gen },
+            local: 0,
+        })
+        .collect();
+    let mut frame = req.encode().to_vec();
+    frame.extend_from_slice(&encode_cma_segments(&table));
+    frame
+}
+
+/// Reads one response and, for an ERRV, its failed indices.
+async fn response<S: AsyncReadExt + Unpin>(s: &mut S) -> (Response, Vec<u32>) {
+    let mut hdr = [0u8; HEADER_LEN];
+    s.read_exact(&mut hdr).await.unwrap();
+    let r = Response::decode(&hdr).unwrap();
+    let mut idx = Vec::new();
+    if let Response::ErrV { count, .. } = r {
+        let mut raw = vec![0u8; count as usize * 4];
+        s.read_exact(&mut raw).await.unwrap();
+        idx = raw
+            .chunks(4)
+            .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+    }
+    (r, idx)
+}
+
+/// Raw initiator: the staging area. The target maps only a memfd sealed
+/// against shrinking and large enough (else it answers the errno, and an
+/// SWRITE on that connection is malformed and lands nothing); through a
+/// good one, an SWRITE of several slots lands its in-region segments and
+/// drops the bytes of a refused one, and an SREAD sends a verdict naming
+/// the refused segment and then exactly the bytes of the others.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn raw_staging_area_is_checked_then_carries_swrite_and_sread() {
+    use backend_tcp::stage::{self, Area, Dir, Piece, Watch, AREA_LEN, VERDICT_LEN};
+    use std::os::fd::AsRawFd;
+    let b = start(cfg(SameHost::Auto)).await;
+    let len = 512 * 1024;
+    let target = mem(&b, len, 0).await;
+    let probe: Box<[u8; 16]> = Box::new(rand_nonce());
+    let offer = true_offer(&probe);
+
+    let unsealed = memfd(AREA_LEN, 0);
+    let small = memfd(4096, libc::F_SEAL_SHRINK);
+    let file = std::fs::File::open("/proc/self/stat").unwrap();
+    for (fd, errno) in [
+        (unsealed.as_raw_fd() as u32, libc::EPERM),
+        (small.as_raw_fd() as u32, libc::EINVAL),
+        (file.as_raw_fd() as u32, libc::EINVAL),
+        (1_000_000, libc::EBADF),
+    ] {
+        let (mut s, table) = common::raw_handshake_gens(b.segment_name()).await;
+        let gen = gen_of(&table, target.addr());
+        assert_eq!(
+            offer_staged(&mut s, 3, &offer, None, Some(fd)).await,
+            Response::SameHostOk {
+                id: 3,
+                channel: Err(0),
+                stage: Err(errno as u32),
+            },
+            "fd {fd}"
+        );
+        s.write_all(&staged_frame(4, false, gen, &[(target.addr(), 4096)]))
+            .await
+            .unwrap();
+        let (r, _) = response(&mut s).await;
+        assert!(
+            matches!(
+                r,
+                Response::Err {
+                    id: 4,
+                    status: Status::Malformed,
+                    ..
+                }
+            ),
+            "got {r:?}"
+        );
+        let mut rest = Vec::new();
+        let eof = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut rest)).await;
+        assert!(
+            matches!(eof, Ok(Ok(_))),
+            "the connection stays open: {eof:?}"
+        );
+    }
+    assert!(target.to_vec().iter().all(|b| *b == 0), "memory changed");
+
+    let area = Area::create().unwrap();
+    let (mut s, table) = common::raw_handshake_gens(b.segment_name()).await;
+    let gen = gen_of(&table, target.addr());
+    assert_eq!(
+        offer_staged(&mut s, 5, &offer, None, Some(area.raw_fd() as u32)).await,
+        Response::SameHostOk {
+            id: 5,
+            channel: Err(0),
+            stage: Ok(()),
+        }
+    );
+    let alive = || true;
+    let watch = Watch {
+        alive: &alive,
+        stall: Duration::from_secs(10),
+    };
+    // 300 000 bytes in the region (five slots, the last part-filled), 1000
+    // outside every region, 5 in the region again.
+    let src = pattern(7, 301_005);
+    let segs = [
+        (target.addr() + 10, 300_000),
+        (8, 1000),
+        (target.addr() + 400_000, 5),
+    ];
+    s.write_all(&staged_frame(6, false, gen, &segs))
+        .await
+        .unwrap();
+    let pieces: Vec<Piece> = [(0, 300_000), (300_000, 1000), (301_000, 5)]
+        .iter()
+        .map(|&(at, n)| Piece {
+            ptr: src[at..].as_ptr().cast_mut(),
+            len: n,
+        })
+        .collect();
+    let (mut to_target, mut from_target) = (0u64, 0u64);
+    // SAFETY: every piece lies in `src`, alive and unchanged until this
+    // returns.
+    unsafe { stage::put(&area.ring(Dir::ToTarget), &mut to_target, &pieces, &watch) }
+        .await
+        .unwrap();
+    let (r, idx) = response(&mut s).await;
+    assert_eq!(
+        r,
+        Response::ErrV {
+            id: 6,
+            status: Status::AddressNotRegistered,
+            count: 1
+        }
+    );
+    assert_eq!(idx, [1]);
+    let mut expect = vec![0u8; len];
+    expect[10..300_010].copy_from_slice(&src[..300_000]);
+    expect[400_000..400_005].copy_from_slice(&src[301_000..]);
+    assert!(target.to_vec() == expect, "the SWRITE landed other bytes");
+
+    // SREAD of the same segments.
+    s.write_all(&staged_frame(7, true, gen, &segs))
+        .await
+        .unwrap();
+    let mut verdict = [0u8; VERDICT_LEN];
+    let v = [Piece {
+        ptr: verdict.as_mut_ptr(),
+        len: VERDICT_LEN,
+    }];
+    let from = area.ring(Dir::ToInitiator);
+    // SAFETY: `verdict` is ours.
+    unsafe { stage::get(&from, &mut from_target, &v, &watch, None) }
+        .await
+        .unwrap();
+    assert!(
+        !stage::refused(&verdict, 0) && stage::refused(&verdict, 1) && !stage::refused(&verdict, 2)
+    );
+    let (mut a, mut c) = (vec![0u8; 300_000], vec![0u8; 5]);
+    let dst = [
+        Piece {
+            ptr: a.as_mut_ptr(),
+            len: a.len(),
+        },
+        Piece {
+            ptr: c.as_mut_ptr(),
+            len: c.len(),
+        },
+    ];
+    // SAFETY: both pieces are ours, alive until this returns.
+    unsafe { stage::get(&from, &mut from_target, &dst, &watch, None) }
+        .await
+        .unwrap();
+    let (r, idx) = response(&mut s).await;
+    assert_eq!(
+        r,
+        Response::ErrV {
+            id: 7,
+            status: Status::AddressNotRegistered,
+            count: 1
+        }
+    );
+    assert_eq!(idx, [1]);
+    assert!(
+        a == src[..300_000] && c == src[301_000..],
+        "the SREAD returned other bytes"
+    );
+    drop(probe);
+}
+
+/// Raw initiator that stops after an SWRITE's header (a frozen or
+/// malicious process): the target gives up after its stall timeout, closes
+/// the connection and releases the region — an unregister waiting on it
+/// returns — and nothing landed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_staged_stream_releases_the_region() {
+    use backend_tcp::stage::Area;
+    let b = start(TcpConfig {
+        stall_timeout: Duration::from_millis(300),
+        ..cfg(SameHost::Auto)
+    })
+    .await;
+    let target = mem(&b, MIB, 0).await;
+    let probe: Box<[u8; 16]> = Box::new(rand_nonce());
+    let offer = true_offer(&probe);
+    let area = Area::create().unwrap();
+    let (mut s, table) = common::raw_handshake_gens(b.segment_name()).await;
+    let gen = gen_of(&table, target.addr());
+    assert!(matches!(
+        offer_staged(&mut s, 1, &offer, None, Some(area.raw_fd() as u32)).await,
+        Response::SameHostOk { stage: Ok(()), .. }
+    ));
+    s.write_all(&staged_frame(2, false, gen, &[(target.addr(), MIB as u64)]))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let t = Instant::now();
+    b.unregister(target.addr()).await.unwrap();
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "unregister waited {:?} for a stalled stream",
+        t.elapsed()
+    );
+    let mut rest = Vec::new();
+    let eof = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut rest)).await;
+    assert!(
+        matches!(eof, Ok(Ok(_))),
+        "the connection stays open: {eof:?}"
+    );
+    assert!(target.to_vec().iter().all(|b| *b == 0), "bytes landed");
+    drop(probe);
 }

@@ -124,10 +124,47 @@ pub(crate) struct ConnShared {
     pub(crate) last_rx: AtomicU64,
     /// Payloads move by cross-memory attach (the target copies).
     pub(crate) cma: bool,
+    /// The staging area the target mapped, if any: medium payloads move
+    /// through it (see [`crate::stage`]).
+    pub(crate) stage: Option<ClientStage>,
     /// Microseconds after `born` of the last request sent or response
     /// header received: the reader keeps polling (instead of sleeping)
     /// for `spin_pending` after it while requests are outstanding.
     pub(crate) activity_us: AtomicU64,
+}
+
+/// The initiator's side of a connection's staging area.
+pub(crate) struct ClientStage {
+    /// The shared area.
+    pub(crate) area: crate::stage::Area,
+    /// Frames of at least this many bytes go through it.
+    pub(crate) min: usize,
+    /// How long a copy waits for the target to make room (or to fill a
+    /// slot) before the connection fails with a timeout: the stall timeout,
+    /// or the request timeout if shorter (a batch waiting that long is
+    /// past its deadline).
+    pub(crate) patience: Duration,
+    /// This side's positions: the next slot to fill in the ring to the
+    /// target, the next to empty in the ring from it. Taken by a sender
+    /// before it releases the write lock, so that streams go through the
+    /// rings in the order of their frames.
+    pub(crate) cursor: tokio::sync::Mutex<(u64, u64)>,
+    /// Held around each copy out of the area into local memory:
+    /// [`ConnShared::fail_all`] takes it after marking the connection dead,
+    /// so no such copy lands once the operations have failed.
+    pub(crate) gate: Mutex<()>,
+}
+
+impl ClientStage {
+    pub(crate) fn new(area: crate::stage::Area, min: usize, patience: Duration) -> ClientStage {
+        ClientStage {
+            area,
+            min,
+            patience,
+            cursor: tokio::sync::Mutex::new((0, 0)),
+            gate: Mutex::new(()),
+        }
+    }
 }
 
 impl ConnShared {
@@ -135,6 +172,10 @@ impl ConnShared {
     /// and shuts the socket down. Idempotent.
     pub(crate) fn fail_all(&self, err: Error) {
         self.dead.store(true, Ordering::Release);
+        if let Some(st) = &self.stage {
+            // Wait out a copy from the staging area in progress.
+            drop(lock(&st.gate));
+        }
         let drained: Vec<PendingOp> = {
             let mut map = lock(&self.pending);
             map.closed.get_or_insert_with(|| err.clone());

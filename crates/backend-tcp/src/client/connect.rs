@@ -10,7 +10,7 @@ use std::time::Instant;
 use transport_core::raw::lock;
 use transport_core::{Error, Result};
 
-use super::conn::{Conn, ConnShared, PendingMap};
+use super::conn::{ClientStage, Conn, ConnShared, PendingMap};
 use super::peer::Peer;
 use super::reader::reader_task;
 use crate::cma::SameHost;
@@ -62,6 +62,7 @@ impl Peer {
         )
         .await?;
         *transport_core::raw::write(&self.table) = Arc::new(welcome.table);
+        let mut staged = None;
         let (stream, cma) = match cfg.same_host {
             SameHost::Off => {
                 *lock(&self.path) = Some("tcp (same_host=off)".to_owned());
@@ -77,33 +78,60 @@ impl Peer {
                     Err("same_host_control=tcp".to_owned())
                 };
                 let offered = pair.as_ref().ok().map(|(_, theirs)| theirs.as_raw_fd());
-                let verdict =
-                    handshake::offer_same_host(&stream, &self.name, offered, cfg.connect_timeout)
-                        .await?;
+                // The staging area offered with it (see `stage`).
+                let area = match cfg.same_host_stage {
+                    Some(min) => crate::stage::Area::create().map(|a| (a, min)),
+                    None => Err("same_host_stage=off".to_owned()),
+                };
+                let verdict = handshake::offer_same_host(
+                    &stream,
+                    &self.name,
+                    offered,
+                    area.as_ref().ok().map(|(a, _)| a.raw_fd()),
+                    cfg.connect_timeout,
+                )
+                .await?;
                 // The target holds its own copy of its end now (or never
                 // will): ours of it goes.
                 let ours = pair.map(|(ours, _theirs)| ours);
                 match verdict {
-                    handshake::SameHostVerdict::Cma { channel } => {
+                    handshake::SameHostVerdict::Cma { channel, stage } => {
                         // Not offered: why not; not taken: the target's reason.
                         let unix = ours.and_then(|u| channel.map(|()| u));
-                        match unix.and_then(|u| {
+                        let mut notes = Vec::new();
+                        let stream = match unix.and_then(|u| {
                             u.set_nonblocking(true)
                                 .and_then(|()| tokio::net::UnixStream::from_std(u))
                                 .map_err(|e| format!("the channel: {e}"))
                         }) {
-                            Ok(u) => {
-                                // The target closes the TCP connection.
-                                *lock(&self.path) = Some("cma".to_owned());
-                                (Stream::Unix(u), true)
-                            }
+                            // The target closes the TCP connection.
+                            Ok(u) => Stream::Unix(u),
                             Err(why) => {
                                 tracing::debug!(peer = %self.name, %why, "same-host control on TCP");
-                                *lock(&self.path) =
-                                    Some(format!("cma (control on the tcp socket: {why})"));
-                                (stream, true)
+                                notes.push(format!("control on the tcp socket: {why}"));
+                                stream
                             }
-                        }
+                        };
+                        staged = match (area, stage) {
+                            (Ok((area, min)), Ok(())) => Some(ClientStage::new(
+                                area,
+                                min,
+                                cfg.stall_timeout.min(cfg.request_timeout),
+                            )),
+                            (Err(why), _) | (Ok(_), Err(why)) => {
+                                if cfg.same_host_stage.is_some() {
+                                    tracing::debug!(peer = %self.name, %why, "no staging area");
+                                    notes.push(format!("no staging: {why}"));
+                                }
+                                None
+                            }
+                        };
+                        *lock(&self.path) = Some(if notes.is_empty() {
+                            "cma".to_owned()
+                        } else {
+                            format!("cma ({})", notes.join("; "))
+                        });
+                        (stream, true)
                     }
                     handshake::SameHostVerdict::Refused(reason) => {
                         tracing::debug!(peer = %self.name, %reason, "same-host path not used");
@@ -136,6 +164,7 @@ impl Peer {
             born: Instant::now(),
             last_rx: AtomicU64::new(0),
             cma,
+            stage: staged,
             activity_us: AtomicU64::new(0),
         });
         // Retire idle connections well before the target's idle deadline.

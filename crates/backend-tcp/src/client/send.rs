@@ -9,10 +9,11 @@ use std::sync::Arc;
 use transport_core::raw::lock;
 use transport_core::{Error, RegionGuard};
 
-use super::conn::{ConnShared, PendingKind, PendingOp, TableCache};
+use super::conn::{ClientStage, ConnShared, PendingKind, PendingOp, TableCache};
 use super::wire_ops::WireOps;
 use crate::frame::{encode_cma_segments, encode_segments, CmaSegment, Request, Segment};
 use crate::io::{write_all, Bytes};
+use crate::stage;
 
 /// If a send is abandoned before it started writing (its caller was
 /// dropped while waiting for the write lock), withdraws its operations so
@@ -177,6 +178,8 @@ pub(crate) async fn send_ops(
     let mut ids = Vec::with_capacity(ops.len());
     // Segment tables of WRITEV frames, in frame order.
     let mut tables: Vec<Vec<u8>> = Vec::new();
+    // Streams of the staged frames, in frame order: (read, pieces).
+    let mut staging: Vec<(bool, Vec<stage::Piece>)> = Vec::new();
     {
         let mut map = lock(&conn.pending);
         if let Some(e) = map.closed.clone() {
@@ -194,6 +197,24 @@ pub(crate) async fn send_ops(
             ids.push(id);
             if conn.cma {
                 if let Some((read, parts)) = op.cma_parts() {
+                    let total: u64 = parts.iter().map(|p| p.3).sum();
+                    let staged = conn.stage.as_ref().is_some_and(|st| {
+                        total >= st.min as u64
+                            && (total < crate::cma::PARALLEL_MIN as u64
+                                || crate::cma::helpers() == 0)
+                    });
+                    if staged {
+                        staging.push((
+                            read,
+                            parts
+                                .iter()
+                                .map(|p| stage::Piece {
+                                    ptr: p.1.as_ptr().wrapping_add(p.2 as usize),
+                                    len: p.3 as usize,
+                                })
+                                .collect(),
+                        ));
+                    }
                     let segs: Vec<CmaSegment> = parts
                         .iter()
                         .map(|p| CmaSegment {
@@ -202,15 +223,18 @@ pub(crate) async fn send_ops(
                                 len: p.3,
                                 gen: p.5,
                             },
-                            local: p.1.as_ptr() as u64 + p.2,
+                            // The target copies through the area: no
+                            // address of ours.
+                            local: if staged { 0 } else { p.1.as_ptr() as u64 + p.2 },
                         })
                         .collect();
                     tables.push(encode_cma_segments(&segs));
                     let req = Request::Cma {
                         id,
                         read,
+                        staged,
                         count: parts.len() as u32,
-                        total: parts.iter().map(|p| p.3).sum(),
+                        total,
                     };
                     hdrs.push(req.encode());
                     map.ops.insert(
@@ -354,14 +378,90 @@ pub(crate) async fn send_ops(
         conn,
         ids: Some(ids),
     };
-    let _w = conn.write_lock.lock().await;
+    let w = conn.write_lock.lock().await;
     unsent.ids = None;
     let mut poison = PoisonOnDrop(Some(conn));
     let res = write_all(&conn.stream, &bufs, conn.pace).await;
-    poison.0 = None;
     conn.touch();
     if let Err(e) = res {
+        poison.0 = None;
         conn.fail_all(conn.lost(&e));
+        return Ok(());
+    }
+    if let (false, Some(st)) = (staging.is_empty(), &conn.stage) {
+        // In frame order: the next sender waits for this cursor after us.
+        let mut cursor = st.cursor.lock().await;
+        drop(w);
+        if let Err(stop) = move_staged(conn, st, &mut cursor, &staging).await {
+            conn.fail_all(match stop {
+                stage::Stop::Stalled => Error::Timeout {
+                    operation: "moving a payload through the same-host staging area".to_owned(),
+                    peer: Some(conn.peer.clone()),
+                    after: st.patience,
+                },
+                stage::Stop::Gone => Error::PeerLost {
+                    peer: conn.peer.clone(),
+                    reason: "the connection closed while a payload moved through the staging area"
+                        .to_owned(),
+                },
+            });
+        }
+        conn.touch();
+    }
+    poison.0 = None;
+    Ok(())
+}
+
+/// Moves the streams of staged frames (sent, in this order) through the
+/// connection's staging area: an SWRITE's bytes into the ring to the
+/// target; an SREAD's verdict, then the bytes of its accepted segments,
+/// out of the ring from it into local memory (under the gate: none lands
+/// once the connection has failed its operations).
+async fn move_staged(
+    conn: &ConnShared,
+    st: &ClientStage,
+    cursor: &mut (u64, u64),
+    staging: &[(bool, Vec<stage::Piece>)],
+) -> std::result::Result<(), stage::Stop> {
+    let alive = || !conn.dead.load(Ordering::Acquire);
+    let watch = stage::Watch {
+        alive: &alive,
+        stall: st.patience,
+    };
+    let gate = stage::Gate {
+        lock: &st.gate,
+        closed: &conn.dead,
+    };
+    let (to_target, from_target) = (
+        st.area.ring(stage::Dir::ToTarget),
+        st.area.ring(stage::Dir::ToInitiator),
+    );
+    for (read, pieces) in staging {
+        if !read {
+            // SAFETY: each piece lies in a range a guard of the pending
+            // operation holds registered (and valid) until its
+            // acknowledgement, which comes after the target has emptied
+            // the ring; `ops` (in the caller) also holds them.
+            unsafe { stage::put(&to_target, &mut cursor.0, pieces, &watch) }.await?;
+            continue;
+        }
+        let mut verdict = [0u8; stage::VERDICT_LEN];
+        let v = [stage::Piece {
+            ptr: verdict.as_mut_ptr(),
+            len: verdict.len(),
+        }];
+        // SAFETY: `verdict` is ours, valid for writes until this returns.
+        unsafe { stage::get(&from_target, &mut cursor.1, &v, &watch, None) }.await?;
+        let accepted: Vec<stage::Piece> = pieces
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| !stage::refused(&verdict, *i))
+            .map(|(_, p)| *p)
+            .collect();
+        // SAFETY: each piece lies in a range the pending operation's guard
+        // holds registered; the gate stops the copies once the operation
+        // has failed and its memory went back to the caller.
+        unsafe { stage::get(&from_target, &mut cursor.1, &accepted, &watch, Some(&gate)) }.await?;
     }
     Ok(())
 }
