@@ -14,12 +14,17 @@ use transport_core::{HostBuffer, Location, TransferEngine};
 
 /// An engine. `FERRY_TEST_SAME_HOST=off|cma` overrides the default
 /// `same_host=auto` (under which engines of one host use the cross-memory
-/// path), so the fault tests run on either path.
+/// path), so the fault tests run on either path; `FERRY_TEST_STAGE=off`
+/// turns the staging area off (every same-host frame is then one kernel
+/// copy by the target).
 pub async fn engine(mut cfg: TcpConfig) -> Arc<TcpEngine> {
     if cfg.same_host == backend_tcp::SameHost::Auto {
         if let Ok(v) = std::env::var("FERRY_TEST_SAME_HOST") {
             cfg.same_host = backend_tcp::SameHost::parse(&v).expect("auto, cma or off");
         }
+    }
+    if std::env::var("FERRY_TEST_STAGE").as_deref() == Ok("off") {
+        cfg.same_host_stage = None;
     }
     Arc::new(TcpEngine::start(cfg).await.expect("engine starts"))
 }
