@@ -746,9 +746,6 @@ fn cma_copy(
     status.map(|st| (st, failed))
 }
 
-/// The status a v-frame reports for its failed segments: `StaleRegion` if
-/// any failed for that reason (the initiator refreshes its table and
-/// retries them), else `AddressNotRegistered`.
 /// Moves an SWRITE's stream out of the staging area into the guarded
 /// ranges (the bytes of refused segments are dropped), or an SREAD's
 /// verdict and accepted ranges into it — then waits until the initiator
@@ -812,6 +809,9 @@ fn staged_error(peer: &str, stop: crate::stage::Stop, stall: Duration) -> Error 
     }
 }
 
+/// The status a v-frame reports for its failed segments: `StaleRegion` if
+/// any failed for that reason (the initiator refreshes its table and
+/// retries them), else `AddressNotRegistered`.
 fn failed_status(guards: &[Result<RegionGuard, Status>]) -> Status {
     if guards.iter().any(|g| matches!(g, Err(Status::StaleRegion))) {
         Status::StaleRegion
@@ -1111,8 +1111,8 @@ async fn serve(
                         let initiator = cma::Initiator::new(pid);
                         let taken = channel.map_or(Err(0), |fd| initiator.take_channel(fd));
                         let mapped = offered_stage.map_or(Err(0), |fd| initiator.take_stage(fd));
-                        tracing::debug!(%peer, pid, ?taken, staged = ?mapped.as_ref().map(|_| ()), "same-host path agreed");
                         let staging = mapped.as_ref().map(|_| ()).map_err(|e| *e as u32);
+                        tracing::debug!(%peer, pid, ?taken, ?staging, "same-host path agreed");
                         stage = mapped.ok().map(|area| TargetStage {
                             area,
                             from_initiator: 0,
