@@ -108,7 +108,8 @@ pub struct TcpConfig {
     /// connection's staging area — two pipelined copies, one by each
     /// process — instead of one cross-memory copy by the target (see
     /// [`crate::stage`]). `None` (URL `same_host_stage=off`): never; no
-    /// area is offered. Default 256 KiB.
+    /// area is offered. Default 1: every frame below 8 MiB (small ones
+    /// gain too: no `process_vm_*` call and no liveness check per copy).
     pub same_host_stage: Option<usize>,
 }
 
@@ -135,7 +136,7 @@ impl Default for TcpConfig {
             same_host: SameHost::Auto,
             same_host_unix: true,
             same_host_chunk: 16 << 20,
-            same_host_stage: Some(256 << 10),
+            same_host_stage: Some(1),
         }
     }
 }
@@ -421,7 +422,7 @@ mod tests {
         assert_eq!(c.same_host_chunk, 8192);
         assert_eq!(TcpConfig::default().same_host_chunk, 16 << 20);
         assert!(TcpConfig::from_url("tcp://h:1?same_host_chunk=100").is_err());
-        assert_eq!(TcpConfig::default().same_host_stage, Some(256 << 10));
+        assert_eq!(TcpConfig::default().same_host_stage, Some(1));
         let staged = |v: &str| TcpConfig::from_url(&format!("tcp://h:1?same_host_stage={v}"));
         assert_eq!(staged("off").unwrap().same_host_stage, None);
         assert_eq!(staged("4096").unwrap().same_host_stage, Some(4096));

@@ -1,9 +1,9 @@
-//! Staging rings: the same-host path for medium-sized payloads.
+//! Staging rings: how the same-host path moves frames below 8 MiB.
 //!
 //! One cross-memory copy (`process_vm_readv`) by the target runs at
 //! 0.55–0.8× of a user-space memcpy on the development VMs: the kernel pins
-//! and maps the other process's pages one by one. For payloads between
-//! [`crate::TcpConfig::same_host_stage`] (256 KiB) and
+//! and maps the other process's pages one by one. For frames from
+//! [`crate::TcpConfig::same_host_stage`] (1 byte: all) up to
 //! [`crate::cma::PARALLEL_MIN`] (8 MiB) the bytes move through a small
 //! shared memory area instead, as two pipelined copies made by the two
 //! processes at once: the initiator copies its registered memory into a

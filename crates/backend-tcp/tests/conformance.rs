@@ -106,8 +106,9 @@ mod chunked {
     .unknown_at("127.0.0.1:1"));
 }
 
-/// Forced on (`same_host=cma`: a peer that cannot use it is an error), with
-/// small chunks so that requests become many CWRITE / CREAD frames.
+/// Forced on (`same_host=cma`: a peer that cannot use it is an error),
+/// without the staging area and with small chunks, so that requests become
+/// many CWRITE / CREAD frames, each one kernel copy by the target.
 mod cma_forced {
     use super::*;
 
@@ -117,14 +118,16 @@ mod cma_forced {
         chunk_size: 4096,
         same_host_chunk: 4096,
         same_host: SameHost::Cma,
+        same_host_stage: None,
         ..TcpConfig::default()
     })
     .unknown_at("127.0.0.1:1"));
 }
 
 /// Forced on with every frame through the staging area
-/// (`same_host_stage=1`), frames of 200 000 bytes (several slots, the last
-/// one part-filled) and small requests gathered into multi-segment frames.
+/// (`same_host_stage=1`, the default), frames of 200 000 bytes (several
+/// slots, the last one part-filled) and small requests gathered into
+/// multi-segment frames.
 mod cma_staged {
     use super::*;
 
