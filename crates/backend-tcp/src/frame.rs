@@ -99,6 +99,9 @@ pub mod kind {
     /// it mapped the offered staging area, 0 if none was offered, else
     /// 2 + the errno of the failed attempt.
     pub const SAME_HOST_OK: u8 = 0x88;
+    /// Acknowledgements were posted in the staging area's lane while the
+    /// initiator's reader had stopped polling it: take them (no operands).
+    pub const WAKE: u8 = 0x89;
 }
 
 /// Error codes carried in ERR frames and handshake rejections.
@@ -574,6 +577,9 @@ pub enum Response {
         /// it did not (0: none was offered).
         stage: std::result::Result<(), u32>,
     },
+    /// Acknowledgements wait in the staging area's lane
+    /// ([`crate::stage::AckLane`]).
+    Wake,
 }
 
 impl Response {
@@ -645,6 +651,10 @@ impl Response {
                 },
                 a: u64::from(channel.is_ok()),
                 b: channel.err().map_or(0, u64::from),
+                ..Default::default()
+            },
+            Response::Wake => Header {
+                kind: kind::WAKE,
                 ..Default::default()
             },
         };
@@ -748,6 +758,12 @@ impl Response {
                     }),
                     _ => Err(bad("SAME_HOST_OK with bad operands")),
                 }
+            }
+            kind::WAKE => {
+                if h.id != 0 || h.a != 0 || h.b != 0 || h.aux != 0 || h.status != 0 {
+                    return Err(bad("WAKE with operands"));
+                }
+                Ok(Response::Wake)
             }
             k => Err(bad(format!("unknown response kind {k:#04x}"))),
         }
@@ -1107,6 +1123,7 @@ mod tests {
                 channel: Ok(()),
                 stage: Err(1),
             },
+            Response::Wake,
             Response::DataV {
                 id: 6,
                 status: None,

@@ -242,6 +242,13 @@ pub const SPIN_SLICE: Duration = Duration::from_micros(20);
 /// idle connection sleeps).
 pub type SpinWhile = std::sync::Arc<dyn Fn() -> bool + Send + Sync>;
 
+/// Called with `true` on every round of polling and with `false` right
+/// before a read sleeps in the kernel (see [`crate::stage::AckLane`]: the
+/// initiator's reader takes acknowledgements posted in shared memory).
+/// Returns whether it completed something: the poller then yields at once,
+/// so that the task it woke runs now rather than after the next slice.
+pub type SpinHook = std::sync::Arc<dyn Fn(bool) -> bool + Send + Sync>;
+
 /// The polling / sleeping / timeout logic of every read: `attempt` is one
 /// non-blocking read. Polls for up to `spin` first, and then for as long
 /// as `extend` says (yielding to other tasks between attempts), then sleeps
@@ -252,6 +259,7 @@ async fn read_with<F>(
     mut attempt: F,
     spin: Duration,
     extend: Option<&SpinWhile>,
+    hook: Option<&SpinHook>,
     timeout: Option<Duration>,
 ) -> io::Result<usize>
 where
@@ -277,7 +285,8 @@ where
             if now.duration_since(start) >= spin && !extend.is_some_and(|f| f()) {
                 break;
             }
-            if yielded.is_none_or(|y| now.duration_since(y) >= SPIN_SLICE) {
+            let woke = hook.is_some_and(|h| h(true));
+            if woke || yielded.is_none_or(|y| now.duration_since(y) >= SPIN_SLICE) {
                 tokio::task::yield_now().await;
                 yielded = Some(Instant::now());
             } else {
@@ -287,6 +296,11 @@ where
                 Err(e) if retry(&e) => {}
                 other => return other,
             }
+        }
+    }
+    if let Some(h) = hook {
+        if h(false) {
+            tokio::task::yield_now().await;
         }
     }
     let wait = async {
@@ -317,6 +331,7 @@ pub async fn read_some(
         stream,
         || raw_read(stream, &[b], 0, Bytes::empty()),
         Duration::ZERO,
+        None,
         None,
         timeout,
     )
@@ -420,6 +435,8 @@ pub struct FrameReader {
     spin: Duration,
     /// Polls longer while this says so (see [`SpinWhile`]).
     extend: Option<SpinWhile>,
+    /// Called while polling and before sleeping (see [`SpinHook`]).
+    hook: Option<SpinHook>,
     pace: Pace,
     /// When the payload of the current frame must have arrived (set by
     /// [`FrameReader::begin_frame`], cleared by the next header).
@@ -516,6 +533,11 @@ impl FrameReader {
         self.extend = Some(extend);
     }
 
+    /// Calls `hook` while polling and before sleeping (see [`SpinHook`]).
+    pub fn set_spin_hook(&mut self, hook: SpinHook) {
+        self.hook = Some(hook);
+    }
+
     /// A reader polling for `spin` before sleeping; `pace` bounds waits
     /// inside a frame.
     pub fn new(spin: Duration, pace: Pace) -> Self {
@@ -527,6 +549,7 @@ impl FrameReader {
             ahead_len: 0,
             spin,
             extend: None,
+            hook: None,
             pace,
             frame_deadline: None,
         }
@@ -583,6 +606,7 @@ impl FrameReader {
                 || raw_read(stream, &[tail], 0, ahead),
                 self.spin,
                 self.extend.as_ref(),
+                self.hook.as_ref(),
                 timeout,
             )
             .await;
@@ -662,6 +686,7 @@ impl FrameReader {
                 || raw_read(stream, rest, off, tail),
                 self.spin,
                 self.extend.as_ref(),
+                self.hook.as_ref(),
                 Some(wait),
             )
             .await?;

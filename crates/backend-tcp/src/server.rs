@@ -523,6 +523,8 @@ struct TargetStage {
     from_initiator: u64,
     /// The next slot to fill in the ring to it.
     to_initiator: u64,
+    /// The next position of the acknowledgement lane.
+    ack_head: u64,
 }
 
 /// How [`serve`] ended.
@@ -1117,6 +1119,7 @@ async fn serve(
                             area,
                             from_initiator: 0,
                             to_initiator: 0,
+                            ack_head: 0,
                         });
                         cma_pid = Some(initiator);
                         // Its requests are headers with short segment
@@ -1202,10 +1205,17 @@ async fn serve(
                     let status = failed_status(&guards);
                     drop(guards);
                     moved.map_err(|stop| staged_error(peer, stop, cfg.stall_timeout))?;
-                    if failed.is_empty() {
-                        out.acks.push(id);
-                    } else {
+                    if !failed.is_empty() {
                         out.errv(id, status, &failed);
+                    } else {
+                        // Through the acknowledgement lane while the
+                        // initiator's reader polls it (else with a WAKE);
+                        // on the socket when the lane is full.
+                        match st.area.acks().post(&mut st.ack_head, id) {
+                            Some(true) => {}
+                            Some(false) => out.frames.extend_from_slice(&Response::Wake.encode()),
+                            None => out.acks.push(id),
+                        }
                     }
                     out.bytes += total;
                     flush(&stream, &mut out, core, peer).await?;

@@ -48,6 +48,16 @@ pub const SLOTS: u64 = 4;
 const CONTROL: usize = 4096;
 /// Size of the shared area.
 pub const AREA_LEN: usize = CONTROL + 2 * SLOTS as usize * SLOT;
+/// Entries of the acknowledgement lane (in the control page).
+pub const ACKS: u64 = 256;
+/// Offsets in the control page: the lane's `head` (acknowledgements the
+/// target has posted), `tail` (those the initiator has taken), the
+/// initiator's `polling` flag, and the ring of request ids.
+const ACK_HEAD: usize = 256;
+const ACK_TAIL: usize = 320;
+const ACK_POLLING: usize = 384;
+const ACK_RING: usize = 2048;
+
 /// Bytes of an SREAD's verdict (one bit per segment).
 pub const VERDICT_LEN: usize = MAX_SEGMENTS as usize / 8;
 
@@ -181,6 +191,83 @@ impl Area {
             tail: counter(2 * d + 1),
             // SAFETY: inside the mapping: CONTROL + 2 rings of slots.
             slots: unsafe { self.base.as_ptr().add(CONTROL + d * SLOTS as usize * SLOT) },
+        }
+    }
+}
+
+impl Area {
+    /// The acknowledgement lane (see [`AckLane`]).
+    pub fn acks(&self) -> AckLane<'_> {
+        // SAFETY: the control page holds the three counters at 64-byte-
+        // aligned offsets and ACKS u64 entries from ACK_RING (2048 + 256 ×
+        // 8 = 4096 ≤ CONTROL); every access to them is atomic.
+        let at = |off: usize| unsafe { &*self.base.as_ptr().add(off).cast::<AtomicU64>() };
+        AckLane {
+            head: at(ACK_HEAD),
+            tail: at(ACK_TAIL),
+            polling: at(ACK_POLLING),
+            // SAFETY: inside the control page, 8-byte aligned.
+            ring: unsafe { self.base.as_ptr().add(ACK_RING).cast::<AtomicU64>() },
+        }
+    }
+}
+
+/// The acknowledgement lane: the target posts the ids of staged requests
+/// that succeeded here, instead of sending OK frames, while the
+/// initiator's reader is polling (`polling` set) — the reader takes them
+/// between its polls of the socket: no `sendmsg` for the target and no
+/// `recvmsg` for the reader. The flag and the lane form a Dekker pair:
+/// the target posts, then reads the flag, and if the reader has stopped
+/// polling sends a WAKE frame on the socket; the reader clears the flag,
+/// then takes what was posted, then sleeps on the socket. Whichever order
+/// the two run in, no acknowledgement waits for a sleeping reader.
+pub struct AckLane<'a> {
+    head: &'a AtomicU64,
+    tail: &'a AtomicU64,
+    polling: &'a AtomicU64,
+    ring: *const AtomicU64,
+}
+
+// SAFETY: a view into an Area (Send + Sync) of atomics only.
+unsafe impl Send for AckLane<'_> {}
+// SAFETY: as above.
+unsafe impl Sync for AckLane<'_> {}
+
+impl AckLane<'_> {
+    fn entry(&self, seq: u64) -> &AtomicU64 {
+        // SAFETY: (seq % ACKS) < ACKS entries, inside the control page.
+        unsafe { &*self.ring.add((seq % ACKS) as usize) }
+    }
+
+    /// Target: posts `id` at position `*head` if the lane has room
+    /// (`false`: full, acknowledge on the socket instead); then tells
+    /// whether the initiator's reader will see it without a WAKE frame.
+    pub fn post(&self, head: &mut u64, id: u64) -> Option<bool> {
+        if head.wrapping_sub(self.tail.load(Ordering::Acquire)) >= ACKS {
+            return None;
+        }
+        self.entry(*head).store(id, Ordering::Relaxed);
+        *head = head.wrapping_add(1);
+        self.head.store(*head, Ordering::SeqCst);
+        Some(self.polling.load(Ordering::SeqCst) != 0)
+    }
+
+    /// Initiator: marks its reader polling (`true`) or about to sleep, then
+    /// hands every posted id from position `*tail` on to `take`.
+    pub fn take(&self, polling: bool, tail: &mut u64, mut take: impl FnMut(u64)) {
+        if (self.polling.load(Ordering::Relaxed) != 0) != polling {
+            self.polling.store(u64::from(polling), Ordering::SeqCst);
+        }
+        let head = self.head.load(Ordering::SeqCst);
+        // A target that claims more than the lane holds is lying: take
+        // what the lane can hold (the ids then fail as unknown requests).
+        let n = head.wrapping_sub(*tail).min(ACKS);
+        for _ in 0..n {
+            take(self.entry(*tail).load(Ordering::Relaxed));
+            *tail = tail.wrapping_add(1);
+        }
+        if n > 0 {
+            self.tail.store(*tail, Ordering::Release);
         }
     }
 }
@@ -663,6 +750,95 @@ mod tests {
         let r = rt.block_on(unsafe { get(&ring, &mut c, &out, &w, Some(&gate)) });
         assert_eq!(r, Err(Stop::Gone));
         assert!(dst.iter().all(|b| *b == 0));
+    }
+
+    /// The lane: posts report whether the reader polls, a full lane
+    /// refuses, ids come out in order, and a target claiming more than the
+    /// lane holds yields at most a lane's worth.
+    #[test]
+    fn the_lane_hands_over_ids_in_order_and_reports_the_reader() {
+        let area = Area::create().unwrap();
+        let lane = area.acks();
+        let (mut head, mut tail) = (0u64, 0u64);
+        let mut got = Vec::new();
+        assert_eq!(lane.post(&mut head, 7), Some(false));
+        lane.take(true, &mut tail, |id| got.push(id));
+        assert_eq!(got, [7]);
+        for id in 0..ACKS {
+            assert_eq!(lane.post(&mut head, 100 + id), Some(true));
+        }
+        assert_eq!(lane.post(&mut head, 9), None, "full");
+        got.clear();
+        lane.take(false, &mut tail, |id| got.push(id));
+        assert_eq!(got, (100..100 + ACKS).collect::<Vec<_>>());
+        assert_eq!(lane.post(&mut head, 8), Some(false));
+        // A lying head: at most ACKS entries are taken.
+        let liar = area.acks();
+        liar.head.store(tail + 10 * ACKS, Ordering::SeqCst);
+        got.clear();
+        lane.take(true, &mut tail, |id| got.push(id));
+        assert_eq!(got.len() as u64, ACKS);
+    }
+
+    /// Posting from one thread while another polls and sometimes stops
+    /// polling: every id is taken either while polling or after a post
+    /// that reported a sleeping reader (which then gets a WAKE) — none is
+    /// left behind.
+    #[test]
+    fn no_acknowledgement_waits_for_a_sleeping_reader() {
+        let area = Area::create().unwrap();
+        let n = 20_000u64;
+        let wakes = AtomicU64::new(0);
+        let done = AtomicBool::new(false);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let lane = area.acks();
+                let mut head = 0;
+                for id in 1..=n {
+                    loop {
+                        match lane.post(&mut head, id) {
+                            Some(true) => break,
+                            Some(false) => {
+                                wakes.fetch_add(1, Ordering::SeqCst);
+                                break;
+                            }
+                            None => std::hint::spin_loop(),
+                        }
+                    }
+                }
+                done.store(true, Ordering::SeqCst);
+            });
+            let lane = area.acks();
+            let mut tail = 0;
+            let mut next = 1;
+            let mut seen_wakes = 0;
+            let mut round = 0u64;
+            while next <= n {
+                round += 1;
+                // Poll a while, then "sleep": stop polling and take the rest.
+                let polling = round % 3 != 0;
+                lane.take(polling, &mut tail, |id| {
+                    assert_eq!(id, next);
+                    next += 1;
+                });
+                if !polling {
+                    // Asleep until a WAKE (or the producer ends).
+                    while wakes.load(Ordering::SeqCst) == seen_wakes {
+                        if done.load(Ordering::SeqCst) && wakes.load(Ordering::SeqCst) == seen_wakes
+                        {
+                            assert_eq!(
+                                lane.head.load(Ordering::SeqCst),
+                                tail,
+                                "an acknowledgement was left for a sleeping reader"
+                            );
+                            break;
+                        }
+                        std::hint::spin_loop();
+                    }
+                    seen_wakes = wakes.load(Ordering::SeqCst);
+                }
+            }
+        });
     }
 
     #[test]

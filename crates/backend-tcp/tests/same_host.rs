@@ -1014,3 +1014,88 @@ async fn stalled_staged_stream_releases_the_region() {
     assert!(target.to_vec().iter().all(|b| *b == 0), "bytes landed");
     drop(probe);
 }
+
+/// Raw initiator: a staged request that succeeds is acknowledged in the
+/// staging area's lane — silently while the initiator says it polls the
+/// lane, with a WAKE frame on the socket once it says it stopped — and a
+/// failed one still with ERRV on the socket.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn staged_acknowledgements_use_the_lane_and_wake_a_sleeping_reader() {
+    use backend_tcp::stage::{self, Area, Dir, Piece, Watch};
+    let b = start(cfg(SameHost::Auto)).await;
+    let target = mem(&b, 64 * 1024, 0).await;
+    let probe: Box<[u8; 16]> = Box::new(rand_nonce());
+    let offer = true_offer(&probe);
+    let area = Area::create().unwrap();
+    let (mut s, table) = common::raw_handshake_gens(b.segment_name()).await;
+    let gen = gen_of(&table, target.addr());
+    assert!(matches!(
+        offer_staged(&mut s, 1, &offer, None, Some(area.raw_fd() as u32)).await,
+        Response::SameHostOk { stage: Ok(()), .. }
+    ));
+    let alive = || true;
+    let watch = Watch {
+        alive: &alive,
+        stall: Duration::from_secs(10),
+    };
+    let (mut seq, mut tail) = (0u64, 0u64);
+    let mut taken = Vec::new();
+    let src = pattern(5, 1000);
+    let piece = [Piece {
+        ptr: src.as_ptr().cast_mut(),
+        len: src.len(),
+    }];
+    // Polling: nothing on the socket, the id in the lane.
+    area.acks().take(true, &mut tail, |id| taken.push(id));
+    s.write_all(&staged_frame(2, false, gen, &[(target.addr(), 1000)]))
+        .await
+        .unwrap();
+    // SAFETY: `src` is ours, unchanged meanwhile.
+    unsafe { stage::put(&area.ring(Dir::ToTarget), &mut seq, &piece, &watch) }
+        .await
+        .unwrap();
+    let t = Instant::now();
+    while taken.is_empty() {
+        assert!(t.elapsed() < Duration::from_secs(10), "no acknowledgement");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        area.acks().take(true, &mut tail, |id| taken.push(id));
+    }
+    assert_eq!(taken, [2]);
+    assert_eq!(target.to_vec()[..1000], src[..]);
+    let mut one = [0u8; 1];
+    let quiet = tokio::time::timeout(Duration::from_millis(200), s.read(&mut one)).await;
+    assert!(quiet.is_err(), "a frame came on the socket: {quiet:?}");
+
+    // Not polling: the id in the lane and a WAKE on the socket.
+    area.acks().take(false, &mut tail, |id| taken.push(id));
+    s.write_all(&staged_frame(
+        3,
+        false,
+        gen,
+        &[(target.addr() + 2000, 1000)],
+    ))
+    .await
+    .unwrap();
+    // SAFETY: as above.
+    unsafe { stage::put(&area.ring(Dir::ToTarget), &mut seq, &piece, &watch) }
+        .await
+        .unwrap();
+    assert_eq!(response(&mut s).await.0, Response::Wake);
+    area.acks().take(true, &mut tail, |id| taken.push(id));
+    assert_eq!(taken, [2, 3]);
+
+    // Refused: ERRV on the socket, nothing in the lane.
+    s.write_all(&staged_frame(4, false, gen, &[(8, 1000)]))
+        .await
+        .unwrap();
+    // SAFETY: as above.
+    unsafe { stage::put(&area.ring(Dir::ToTarget), &mut seq, &piece, &watch) }
+        .await
+        .unwrap();
+    let (r, idx) = response(&mut s).await;
+    assert!(matches!(r, Response::ErrV { id: 4, .. }), "got {r:?}");
+    assert_eq!(idx, [0]);
+    area.acks().take(true, &mut tail, |id| taken.push(id));
+    assert_eq!(taken, [2, 3]);
+    drop(probe);
+}

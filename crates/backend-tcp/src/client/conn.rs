@@ -133,6 +133,10 @@ pub(crate) struct ConnShared {
     pub(crate) activity_us: AtomicU64,
 }
 
+/// How long the reader sleeps between looks while a caller copies through
+/// the staging area.
+const DOZE: Duration = Duration::from_micros(50);
+
 /// The initiator's side of a connection's staging area.
 pub(crate) struct ClientStage {
     /// The shared area.
@@ -149,6 +153,12 @@ pub(crate) struct ClientStage {
     /// before it releases the write lock, so that streams go through the
     /// rings in the order of their frames.
     pub(crate) cursor: tokio::sync::Mutex<(u64, u64)>,
+    /// Callers copying through the area right now (the reader dozes
+    /// instead of spinning meanwhile, see [`ConnShared::poll_on`]).
+    pub(crate) movers: std::sync::atomic::AtomicU32,
+    /// The next position to take in the area's acknowledgement lane (only
+    /// the reader task takes).
+    pub(crate) lane_tail: AtomicU64,
     /// Held around each copy out of the area into local memory:
     /// [`ConnShared::fail_all`] takes it after marking the connection dead,
     /// so no such copy lands once the operations have failed.
@@ -162,6 +172,8 @@ impl ClientStage {
             min,
             patience,
             cursor: tokio::sync::Mutex::new((0, 0)),
+            movers: std::sync::atomic::AtomicU32::new(0),
+            lane_tail: AtomicU64::new(0),
             gate: Mutex::new(()),
         }
     }
@@ -185,6 +197,28 @@ impl ConnShared {
             op.complete(Err(err.clone()));
         }
         let _ = SockRef::from(&self.stream).shutdown(std::net::Shutdown::Both);
+    }
+
+    /// The reader's spin hook: marks it polling the staging area's
+    /// acknowledgement lane (or about to sleep) and completes the
+    /// operations acknowledged there. No-op without a staging area.
+    /// Returns whether it took any.
+    pub(crate) fn take_lane(&self, polling: bool) -> bool {
+        let Some(st) = &self.stage else { return false };
+        let mut tail = st.lane_tail.load(Ordering::Relaxed);
+        let start = tail;
+        let mut failed = None;
+        st.area.acks().take(polling, &mut tail, |id| {
+            if failed.is_none() {
+                self.mark_rx();
+                failed = self.ack(id, Ok(())).err();
+            }
+        });
+        st.lane_tail.store(tail, Ordering::Relaxed);
+        if let Some(e) = failed {
+            self.fail_all(e);
+        }
+        tail != start
     }
 
     pub(crate) fn take(&self, id: u64) -> Option<PendingOp> {
@@ -211,6 +245,16 @@ impl ConnShared {
     /// Whether the reader should keep polling: requests are outstanding
     /// and the last activity is less than `window` ago.
     pub(crate) fn poll_on(&self, window: Duration) -> bool {
+        if self
+            .stage
+            .as_ref()
+            .is_some_and(|st| st.movers.load(Ordering::Relaxed) > 0)
+        {
+            // A caller is copying through the staging area (and the
+            // target with it): leave them the CPUs, look in now and then.
+            std::thread::sleep(DOZE);
+            return true;
+        }
         let last = self.activity_us.load(Ordering::Relaxed);
         let now = self.born.elapsed().as_micros() as u64;
         now.saturating_sub(last) < window.as_micros() as u64 && !lock(&self.pending).ops.is_empty()

@@ -53,6 +53,10 @@ pub(crate) async fn reader_loop(
         let c = Arc::clone(conn);
         rd.set_spin_while(Arc::new(move || c.poll_on(spin_pending)));
     }
+    if conn.stage.is_some() {
+        let c = Arc::clone(conn);
+        rd.set_spin_hook(Arc::new(move |polling| c.take_lane(polling)));
+    }
     let mut ids = vec![0u8; MAX_ACKS as usize * 8];
     let stream = &conn.stream;
     loop {
@@ -88,10 +92,15 @@ pub(crate) async fn reader_loop(
             Response::DataV { failed, len, .. } => failed as u64 * 4 + len,
             Response::ErrV { count, .. } => count as u64 * 4,
             Response::Table { count, .. } => count as u64 * TABLE_ENTRY_LEN as u64,
-            Response::SameHostOk { .. } => 0,
+            Response::SameHostOk { .. } | Response::Wake => 0,
         });
         match resp {
             Response::Ok { id } => conn.ack(id, Ok(()))?,
+            // Acknowledgements wait in the staging area's lane.
+            Response::Wake if conn.stage.is_some() => {
+                conn.take_lane(true);
+            }
+            Response::Wake => return Err(conn.protocol("WAKE without a staging area")),
             Response::OkMany { count } => {
                 let buf = &mut ids[..count as usize * 8];
                 rd.read_payload(stream, Bytes::from_mut(buf))

@@ -392,7 +392,10 @@ pub(crate) async fn send_ops(
         // In frame order: the next sender waits for this cursor after us.
         let mut cursor = st.cursor.lock().await;
         drop(w);
-        if let Err(stop) = move_staged(conn, st, &mut cursor, &staging).await {
+        st.movers.fetch_add(1, Ordering::Relaxed);
+        let moved = move_staged(conn, st, &mut cursor, &staging).await;
+        st.movers.fetch_sub(1, Ordering::Relaxed);
+        if let Err(stop) = moved {
             conn.fail_all(match stop {
                 stage::Stop::Stalled => Error::Timeout {
                     operation: "moving a payload through the same-host staging area".to_owned(),
