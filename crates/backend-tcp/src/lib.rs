@@ -37,10 +37,13 @@
 //!   hostile load.
 //! - **Same-host path**: between engines of one machine (same boot id and
 //!   PID namespace, and the kernel lets the target `ptrace` the
-//!   initiator), payloads move by `process_vm_readv` / `process_vm_writev`
-//!   performed by the target after its usual checks; the socket carries
-//!   only requests and acknowledgements. `same_host=auto|cma|off`; the path
-//!   to each peer (or why not) is in `backend_info()`. See the README.
+//!   initiator), payloads bypass the socket: frames below 8 MiB through a
+//!   sealed shared-memory staging area, copied by both processes at once
+//!   ([`stage`]), larger ones by `process_vm_readv` / `process_vm_writev`
+//!   performed by the target — always after its usual checks; the socket
+//!   carries only requests and (some) acknowledgements.
+//!   `same_host=auto|cma|off`; the path to each peer (or why not) is in
+//!   `backend_info()`. See the README.
 //! - **Latency**: `TCP_NODELAY`, a bounded busy-poll before sleeping (no
 //!   core spins while idle), and acknowledgements coalesced per batch.
 //!
