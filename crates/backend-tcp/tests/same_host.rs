@@ -770,6 +770,40 @@ fn memfd(size: usize, seals: libc::c_int) -> std::os::fd::OwnedFd {
     fd
 }
 
+/// A raw connection to `b` with the same-host path and a fresh staging
+/// area agreed: the stream, the generation of the region at `addr`, the
+/// area, and the probe (alive until the test ends).
+async fn staged_raw(
+    b: &TcpEngine,
+    addr: u64,
+) -> (
+    tokio::net::TcpStream,
+    u32,
+    backend_tcp::stage::Area,
+    Box<[u8; 16]>,
+) {
+    let probe: Box<[u8; 16]> = Box::new(rand_nonce());
+    let area = backend_tcp::stage::Area::create().unwrap();
+    let (mut s, table) = common::raw_handshake_gens(b.segment_name()).await;
+    let r = offer_staged(
+        &mut s,
+        1,
+        &true_offer(&probe),
+        None,
+        Some(area.raw_fd() as u32),
+    )
+    .await;
+    assert_eq!(
+        r,
+        Response::SameHostOk {
+            id: 1,
+            channel: Err(0),
+            stage: Ok(()),
+        }
+    );
+    (s, gen_of(&table, addr), area, probe)
+}
+
 /// A staged request's header and segment table (no initiator addresses).
 fn staged_frame(id: u64, read: bool, gen: u32, segs: &[(u64, u64)]) -> Vec<u8> {
     let req = Request::Cma {
@@ -816,7 +850,7 @@ async fn response<S: AsyncReadExt + Unpin>(s: &mut S) -> (Response, Vec<u32>) {
 /// the refused segment and then exactly the bytes of the others.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn raw_staging_area_is_checked_then_carries_swrite_and_sread() {
-    use backend_tcp::stage::{self, Area, Dir, Piece, Watch, AREA_LEN, VERDICT_LEN};
+    use backend_tcp::stage::{self, Dir, Piece, Watch, AREA_LEN, VERDICT_LEN};
     use std::os::fd::AsRawFd;
     let b = start(cfg(SameHost::Auto)).await;
     let len = 512 * 1024;
@@ -868,17 +902,7 @@ async fn raw_staging_area_is_checked_then_carries_swrite_and_sread() {
     }
     assert!(target.to_vec().iter().all(|b| *b == 0), "memory changed");
 
-    let area = Area::create().unwrap();
-    let (mut s, table) = common::raw_handshake_gens(b.segment_name()).await;
-    let gen = gen_of(&table, target.addr());
-    assert_eq!(
-        offer_staged(&mut s, 5, &offer, None, Some(area.raw_fd() as u32)).await,
-        Response::SameHostOk {
-            id: 5,
-            channel: Err(0),
-            stage: Ok(()),
-        }
-    );
+    let (mut s, gen, area, _probe) = staged_raw(&b, target.addr()).await;
     let alive = || true;
     let watch = Watch {
         alive: &alive,
@@ -978,22 +1002,13 @@ async fn raw_staging_area_is_checked_then_carries_swrite_and_sread() {
 /// returns — and nothing landed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stalled_staged_stream_releases_the_region() {
-    use backend_tcp::stage::Area;
     let b = start(TcpConfig {
         stall_timeout: Duration::from_millis(300),
         ..cfg(SameHost::Auto)
     })
     .await;
     let target = mem(&b, MIB, 0).await;
-    let probe: Box<[u8; 16]> = Box::new(rand_nonce());
-    let offer = true_offer(&probe);
-    let area = Area::create().unwrap();
-    let (mut s, table) = common::raw_handshake_gens(b.segment_name()).await;
-    let gen = gen_of(&table, target.addr());
-    assert!(matches!(
-        offer_staged(&mut s, 1, &offer, None, Some(area.raw_fd() as u32)).await,
-        Response::SameHostOk { stage: Ok(()), .. }
-    ));
+    let (mut s, gen, _area, probe) = staged_raw(&b, target.addr()).await;
     s.write_all(&staged_frame(2, false, gen, &[(target.addr(), MIB as u64)]))
         .await
         .unwrap();
@@ -1021,18 +1036,10 @@ async fn stalled_staged_stream_releases_the_region() {
 /// failed one still with ERRV on the socket.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn staged_acknowledgements_use_the_lane_and_wake_a_sleeping_reader() {
-    use backend_tcp::stage::{self, Area, Dir, Piece, Watch};
+    use backend_tcp::stage::{self, Dir, Piece, Watch};
     let b = start(cfg(SameHost::Auto)).await;
     let target = mem(&b, 64 * 1024, 0).await;
-    let probe: Box<[u8; 16]> = Box::new(rand_nonce());
-    let offer = true_offer(&probe);
-    let area = Area::create().unwrap();
-    let (mut s, table) = common::raw_handshake_gens(b.segment_name()).await;
-    let gen = gen_of(&table, target.addr());
-    assert!(matches!(
-        offer_staged(&mut s, 1, &offer, None, Some(area.raw_fd() as u32)).await,
-        Response::SameHostOk { stage: Ok(()), .. }
-    ));
+    let (mut s, gen, area, probe) = staged_raw(&b, target.addr()).await;
     let alive = || true;
     let watch = Watch {
         alive: &alive,
