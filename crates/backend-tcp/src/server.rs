@@ -750,13 +750,15 @@ fn cma_copy(
 
 /// Moves an SWRITE's stream out of the staging area into the guarded
 /// ranges (the bytes of refused segments are dropped), or an SREAD's
-/// verdict and accepted ranges into it — then waits until the initiator
-/// has emptied the ring, so that the acknowledgement follows the data.
+/// verdict (naming the `refused` segments) and accepted ranges into it —
+/// then waits until the initiator has emptied the ring, so that the
+/// acknowledgement follows the data.
 async fn staged_copy(
     st: &mut TargetStage,
     read: bool,
     guards: &[Result<RegionGuard, Status>],
     segs: &[Segment],
+    refused: &[u32],
     watch: &crate::stage::Watch<'_>,
 ) -> Result<(), crate::stage::Stop> {
     use crate::stage::{self, Dir, Piece};
@@ -776,13 +778,7 @@ async fn staged_copy(
         return unsafe { stage::get(&ring, &mut st.from_initiator, &pieces, watch, None) }.await;
     }
     let ring = st.area.ring(Dir::ToInitiator);
-    let mut verdict = stage::verdict(
-        guards
-            .iter()
-            .enumerate()
-            .filter(|(_, g)| g.is_err())
-            .map(|(i, _)| i),
-    );
+    let mut verdict = stage::verdict(refused.iter().map(|&i| i as usize));
     let v = [Piece {
         ptr: verdict.as_mut_ptr(),
         len: verdict.len(),
@@ -794,21 +790,6 @@ async fn staged_copy(
     unsafe { stage::put(&ring, &mut st.to_initiator, &accepted, watch) }.await?;
     let end = st.to_initiator;
     stage::wait(|| ring.drained(end), watch).await
-}
-
-/// The error that ends a connection whose staged stream stopped.
-fn staged_error(peer: &str, stop: crate::stage::Stop, stall: Duration) -> Error {
-    match stop {
-        crate::stage::Stop::Stalled => Error::Timeout {
-            operation: "moving a payload through the same-host staging area".to_owned(),
-            peer: Some(peer.to_owned()),
-            after: stall,
-        },
-        crate::stage::Stop::Gone => Error::PeerLost {
-            peer: peer.to_owned(),
-            reason: "closed by the initiator, or its process exited".to_owned(),
-        },
-    }
 }
 
 /// The status a v-frame reports for its failed segments: `StaleRegion` if
@@ -1198,13 +1179,16 @@ async fn serve(
                         alive: &alive,
                         stall: cfg.stall_timeout,
                     };
-                    let moved = staged_copy(st, read, &guards, &plain, &watch).await;
                     let failed: Vec<u32> = (0..guards.len() as u32)
                         .filter(|&i| guards[i as usize].is_err())
                         .collect();
+                    let moved = staged_copy(st, read, &guards, &plain, &failed, &watch).await;
                     let status = failed_status(&guards);
                     drop(guards);
-                    moved.map_err(|stop| staged_error(peer, stop, cfg.stall_timeout))?;
+                    moved.map_err(|stop| {
+                        let gone = "closed by the initiator, or its process exited";
+                        stop.error(peer, cfg.stall_timeout, gone)
+                    })?;
                     if !failed.is_empty() {
                         out.errv(id, status, &failed);
                     } else {

@@ -86,6 +86,26 @@ pub enum Stop {
     Gone,
 }
 
+impl Stop {
+    /// The error that ends the connection whose stream stopped: a
+    /// [`Error::Timeout`](transport_core::Error::Timeout) naming `peer`
+    /// after `after`, or [`Error::PeerLost`](transport_core::Error::PeerLost)
+    /// for `gone`.
+    pub fn error(self, peer: &str, after: Duration, gone: &str) -> transport_core::Error {
+        match self {
+            Stop::Stalled => transport_core::Error::Timeout {
+                operation: "moving a payload through the same-host staging area".to_owned(),
+                peer: Some(peer.to_owned()),
+                after,
+            },
+            Stop::Gone => transport_core::Error::PeerLost {
+                peer: peer.to_owned(),
+                reason: gone.to_owned(),
+            },
+        }
+    }
+}
+
 /// The shared staging area of one connection, mapped in this process.
 #[derive(Debug)]
 pub struct Area {

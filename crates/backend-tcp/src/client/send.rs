@@ -396,18 +396,11 @@ pub(crate) async fn send_ops(
         let moved = move_staged(conn, st, &mut cursor, &staging).await;
         st.movers.fetch_sub(1, Ordering::Relaxed);
         if let Err(stop) = moved {
-            conn.fail_all(match stop {
-                stage::Stop::Stalled => Error::Timeout {
-                    operation: "moving a payload through the same-host staging area".to_owned(),
-                    peer: Some(conn.peer.clone()),
-                    after: st.patience,
-                },
-                stage::Stop::Gone => Error::PeerLost {
-                    peer: conn.peer.clone(),
-                    reason: "the connection closed while a payload moved through the staging area"
-                        .to_owned(),
-                },
-            });
+            conn.fail_all(stop.error(
+                &conn.peer,
+                st.patience,
+                "the connection closed while a payload moved through the staging area",
+            ));
         }
         conn.touch();
     }
