@@ -69,6 +69,8 @@ mod io;
 mod server;
 pub mod stage;
 mod stream;
+#[cfg(feature = "test-hooks")]
+mod test_hooks;
 
 pub use cma::SameHost;
 pub use config::TcpConfig;

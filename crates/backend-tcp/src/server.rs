@@ -1213,6 +1213,8 @@ async fn serve(
                         reason: "closed by the initiator, or its process exited".to_owned(),
                     });
                 }
+                #[cfg(feature = "test-hooks")]
+                crate::test_hooks::between_check_and_copy(read);
                 let failed = cma_copy(initiator.pid, read, &segs, &guards, !overlapping(&plain));
                 drop(guards);
                 match failed {

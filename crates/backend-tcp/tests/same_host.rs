@@ -203,7 +203,16 @@ impl Drop for Child {
 }
 
 async fn spawn_child(url: &str, uid: Option<u32>) -> (Child, String, u64) {
+    spawn_child_with(url, uid, &[]).await
+}
+
+async fn spawn_child_with(
+    url: &str,
+    uid: Option<u32>,
+    envs: &[(&str, &str)],
+) -> (Child, String, u64) {
     let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.envs(envs.iter().copied());
     cmd.args([
         "--exact",
         "same_host_child_engine",
@@ -367,6 +376,120 @@ async fn frozen_target_process_times_out_and_copies_nothing_later() {
         !back.to_vec().contains(&0xbb),
         "the target copied from memory the initiator had given up"
     );
+}
+
+/// Whether process `pid` is stopped (state `T` in /proc).
+fn is_stopped(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|st| {
+            st.rsplit(')')
+                .next()
+                .map(|r| r.trim_start().starts_with('T'))
+        })
+        .unwrap_or(false)
+}
+
+/// The window no check closes: the target has checked that the initiator
+/// still wants a CREAD and is stopped (SIGSTOP, by its own test hook) before
+/// it copies. The batch expires; `unregister` of the destination must not
+/// return `Ok` while the target may still copy into it (it fails with
+/// `RegionHeld` once the patience is over, so the memory is leaked rather
+/// than freed); once the target is continued, its copy lands in memory that
+/// is still held, it then closes the connection, and the region is released
+/// for good. If `unregister` did return `Ok` (the memory freed and reused),
+/// nothing may change it afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn target_stopped_between_check_and_copy_changes_no_released_byte() {
+    let (child, name, addr) = spawn_child_with(
+        "tcp://127.0.0.1:0",
+        None,
+        &[("FERRY_TCP_TEST_STOP_BEFORE_CREAD", "1")],
+    )
+    .await;
+    let pid = child.0.id() as i32;
+    let patience = Duration::from_secs(1);
+    let a = start(TcpConfig {
+        request_timeout: Duration::from_millis(400),
+        stall_timeout: patience,
+        same_host: SameHost::Cma,
+        // Kernel copies by the target (no staging area): a CREAD.
+        same_host_stage: None,
+        ..TcpConfig::default()
+    })
+    .await;
+    let dst = mem(&a, MIB, 0x11).await;
+    let seg = a.open_segment(&name).await.unwrap();
+    let e = a
+        .transfer(seg, TransferRequest::read(dst.addr(), addr, MIB as u64))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&e, Error::Timeout { peer: Some(p), .. } if *p == name),
+        "got {e:?}"
+    );
+    assert!(is_stopped(pid), "the target did not stop before its copy");
+    let t = Instant::now();
+    let released = a.unregister(dst.addr()).await;
+    let waited = t.elapsed();
+    // SAFETY: signalling our own child.
+    let resume = || assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
+    match released {
+        Ok(()) => {
+            // The memory is free for reuse: reused, it must stay as written.
+            dst.fill(0xbb);
+            resume();
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            let changed = dst.to_vec().iter().filter(|&&b| b != 0xbb).count();
+            panic!(
+                "unregister returned Ok while the target could still copy \
+                 (after {waited:?}); {changed} bytes of the reused memory changed later"
+            );
+        }
+        Err(Error::RegionHeld { addr: held, reason }) => {
+            assert_eq!(held, dst.addr());
+            assert!(
+                reason.contains(&name),
+                "the reason names the peer: {reason}"
+            );
+            assert!(
+                waited >= patience && waited < patience * 10,
+                "unregister gave up after {waited:?} (patience {patience:?})"
+            );
+        }
+        Err(other) => panic!("expected RegionHeld, got {other:?}"),
+    }
+    // Still held: the range cannot be registered again.
+    // SAFETY: `dst` outlives every registration of it (unregistered below).
+    let region = || unsafe { dst.region(transport_core::Location::cpu(0)) };
+    assert!(matches!(
+        a.register(&region()).await,
+        Err(Error::RegionOverlap { .. })
+    ));
+    resume();
+    // The target copies (into memory that is still held), sees the end of
+    // the stream, closes: the region leaves the table.
+    let t = Instant::now();
+    loop {
+        match a.register(&region()).await {
+            Ok(()) => break,
+            Err(Error::RegionOverlap { .. }) if t.elapsed() < Duration::from_secs(20) => {
+                tokio::time::sleep(Duration::from_millis(20)).await
+            }
+            Err(e) => panic!("the region was not released after the target ended: {e:?}"),
+        }
+    }
+    // From now on nothing writes it.
+    dst.fill(0xbb);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(dst.to_vec().iter().all(|&b| b == 0xbb));
+    a.unregister(dst.addr()).await.unwrap();
+    // The resumed target serves a new connection.
+    let back = mem(&a, MIB, 0x22).await;
+    a.transfer(seg, TransferRequest::read(back.addr(), addr, MIB as u64))
+        .await
+        .expect("the resumed target serves a new connection");
+    assert!(back.to_vec().iter().all(|&b| b == 0));
 }
 
 /// This process's true offer, announcing `probe` (which must outlive the

@@ -112,6 +112,19 @@ pub enum Error {
         /// The address given.
         addr: u64,
     },
+    /// `unregister` stopped waiting for a region that a peer may still
+    /// write: a transfer into it was given up (its batch failed) but the
+    /// peer could not be shown to have stopped copying. The region stays
+    /// registered until it has (its addresses cannot be registered again
+    /// meanwhile), and its memory must not be freed or reused:
+    /// `RegisteredBuffer` leaks it.
+    #[error("region {addr:#x} cannot be released yet: {reason}; it stays registered until then, and its memory must not be freed")]
+    RegionHeld {
+        /// Start of the region.
+        addr: u64,
+        /// Which peer, and why it cannot be shown to be done.
+        reason: String,
+    },
     /// A batch register failed part-way; everything it registered was
     /// unregistered again.
     #[error(

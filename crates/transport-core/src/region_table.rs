@@ -15,6 +15,12 @@ struct Entry {
     region: MemoryRegion,
     in_flight: usize,
     closing: bool,
+    /// Why a guard of it is held for a peer that may still write it and
+    /// could not be shown to have stopped ([`RegionGuard::hold_unproven`]).
+    unproven: Option<String>,
+    /// `remove` gave up on it (it was [`Entry::unproven`]): the entry goes
+    /// when its last guard drops.
+    detached: bool,
 }
 
 #[derive(Debug, Default)]
@@ -127,6 +133,13 @@ impl RegionTable {
     /// Removes the region starting at `addr`, first refusing new guards on it
     /// and waiting until every outstanding guard has dropped.
     ///
+    /// If a guard is (or becomes) held for a peer that may still write the
+    /// region ([`RegionGuard::hold_unproven`]), `remove` stops waiting and
+    /// fails with [`Error::RegionHeld`]: the region leaves the table only
+    /// when that guard drops (until then its addresses cannot be registered
+    /// again), and its memory must not be freed (`RegisteredBuffer` leaks
+    /// it).
+    ///
     /// Cancel-safe: if the returned future is dropped before it completes,
     /// the region stays registered and usable, as if `remove` had not been
     /// called.
@@ -134,6 +147,12 @@ impl RegionTable {
         {
             let mut map = self.lock();
             match map.get_mut(&addr) {
+                Some(e) if e.detached => {
+                    return Err(Error::RegionHeld {
+                        addr,
+                        reason: e.unproven.clone().unwrap_or_default(),
+                    })
+                }
                 Some(e) if !e.closing => e.closing = true,
                 _ => return Err(Error::RegionNotRegistered { addr }),
             }
@@ -171,6 +190,16 @@ impl RegionTable {
                         .map(|e| e.region)
                         .ok_or(Error::RegionNotRegistered { addr });
                 }
+                if let Some(e) = map.get_mut(&addr) {
+                    if let Some(reason) = &e.unproven {
+                        reopen.armed = false;
+                        e.detached = true;
+                        return Err(Error::RegionHeld {
+                            addr,
+                            reason: reason.clone(),
+                        });
+                    }
+                }
             }
             notified.await;
         }
@@ -199,7 +228,22 @@ impl RegionTable {
         let mut map = self.lock();
         if let Some(e) = map.get_mut(&base) {
             e.in_flight = e.in_flight.saturating_sub(1);
-            if e.closing && e.in_flight == 0 {
+            if e.in_flight == 0 {
+                e.unproven = None;
+                if e.detached {
+                    map.remove(&base);
+                } else if e.closing {
+                    self.shared.released.notify_waiters();
+                }
+            }
+        }
+    }
+
+    fn mark_unproven(&self, base: u64, reason: String) {
+        let mut map = self.lock();
+        if let Some(e) = map.get_mut(&base) {
+            e.unproven.get_or_insert(reason);
+            if e.closing {
                 self.shared.released.notify_waiters();
             }
         }
@@ -250,6 +294,8 @@ fn insert_entry(map: &mut BTreeMap<u64, Entry>, region: MemoryRegion) {
             region,
             in_flight: 0,
             closing: false,
+            unproven: None,
+            detached: false,
         },
     );
 }
@@ -284,6 +330,18 @@ impl RegionGuard {
     /// The guarded range as a raw pointer.
     pub fn as_ptr(&self) -> *mut u8 {
         self.addr as usize as *mut u8
+    }
+
+    /// Declares that this guard is held for a peer that may still write the
+    /// guarded range although its transfer was given up, and that could not
+    /// be shown to have stopped (`reason` says which peer and why). A
+    /// pending or later `remove` of the region stops waiting for it and
+    /// fails with [`Error::RegionHeld`]; the region leaves the table when
+    /// the guard drops. Backends call it once a peer has had its chance to
+    /// prove it is done and did not take it; they drop the guard only once
+    /// it has.
+    pub fn hold_unproven(&self, reason: impl Into<String>) {
+        self.table.mark_unproven(self.base, reason.into());
     }
 }
 
@@ -367,6 +425,57 @@ mod tests {
         assert_eq!(t.len(), 1);
         t.insert_all(&batch[..2]).unwrap();
         assert_eq!(t.len(), 3);
+    }
+
+    #[tokio::test]
+    async fn remove_gives_up_on_a_guard_held_unproven() {
+        let t = RegionTable::new();
+        t.insert(region(0x1000, 0x100)).unwrap();
+        let g = t.acquire(0x1010, 0x10, Side::Local, None).unwrap();
+        let t2 = t.clone();
+        let removal = tokio::spawn(async move { t2.remove(0x1000).await });
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        assert!(
+            !removal.is_finished(),
+            "remove returned while a guard was live"
+        );
+        // Marked while remove waits: remove fails at once, naming why.
+        g.hold_unproven("peer p may still write it");
+        match removal.await.unwrap() {
+            Err(Error::RegionHeld {
+                addr: 0x1000,
+                reason,
+            }) => {
+                assert!(reason.contains("peer p"), "{reason}")
+            }
+            other => panic!("expected RegionHeld, got {other:?}"),
+        }
+        // Until the guard drops the range stays taken: no new guard, no
+        // overlapping registration, and a second remove fails the same way
+        // (the entry is detached, not live).
+        assert!(t.acquire(0x1010, 0x10, Side::Local, None).is_err());
+        assert!(matches!(
+            t.insert(region(0x1080, 0x100)),
+            Err(Error::RegionOverlap { .. })
+        ));
+        assert!(t.is_empty(), "a detached region is not live");
+        assert!(matches!(
+            t.remove(0x1000).await,
+            Err(Error::RegionHeld { addr: 0x1000, .. })
+        ));
+        drop(g);
+        // Proven done: the entry goes by itself, the range is free again.
+        t.insert(region(0x1000, 0x100)).unwrap();
+        assert_eq!(t.len(), 1);
+        // Marked before remove is called: remove fails without waiting.
+        let g = t.acquire(0x1000, 0x10, Side::Local, None).unwrap();
+        g.hold_unproven("peer q");
+        assert!(matches!(
+            t.remove(0x1000).await,
+            Err(Error::RegionHeld { addr: 0x1000, .. })
+        ));
+        drop(g);
+        assert!(t.insert(region(0x1000, 0x100)).is_ok());
     }
 
     #[tokio::test]

@@ -50,12 +50,16 @@ pub(crate) enum PendingKind {
         parts: Vec<(usize, usize, u64, u64)>,
         _guards: Vec<Arc<RegionGuard>>,
     },
-    /// A CWRITE / CREAD (the target copies): `(request index, remote addr,
-    /// len)` per segment; the guards keep the local sources or
-    /// destinations registered until the target has answered.
+    /// A CWRITE / CREAD (the target copies) or SWRITE / SREAD: `(request
+    /// index, remote addr, len)` per segment; the guards keep the local
+    /// sources or destinations registered until the target has answered.
     Cma {
         parts: Vec<(usize, u64, u64)>,
-        _guards: Vec<Arc<RegionGuard>>,
+        guards: Vec<Arc<RegionGuard>>,
+        /// The target writes this process's memory itself (a CREAD): if
+        /// the operation ends without its answer, the guards are held
+        /// until the target is shown to have stopped (see [`super::fence`]).
+        target_writes: bool,
     },
 }
 
@@ -70,6 +74,20 @@ pub(crate) struct PendingOp {
 }
 
 impl PendingOp {
+    /// The guards that must outlive this operation if it ends without the
+    /// target's answer (those of a CREAD, which the target copies into
+    /// this process's memory; see [`super::fence`]).
+    fn take_unproven(&mut self) -> Vec<Arc<RegionGuard>> {
+        match &mut self.kind {
+            PendingKind::Cma {
+                guards,
+                target_writes: true,
+                ..
+            } => std::mem::take(guards),
+            _ => Vec::new(),
+        }
+    }
+
     /// Completes the operation (every segment of a WRITEV) with `r`.
     pub(crate) fn complete(self, r: Result<()>) {
         match &self.kind {
@@ -183,20 +201,46 @@ impl ConnShared {
     /// Marks the connection dead, fails every pending operation with `err`
     /// and shuts the socket down. Idempotent.
     pub(crate) fn fail_all(&self, err: Error) {
+        self.fail_with(err, Vec::new());
+    }
+
+    /// [`ConnShared::fail_all`], failing `taken` (operations already taken
+    /// out of the pending map) with the rest. On a same-host connection
+    /// only the writing half is shut (the target reads the end of the
+    /// stream and stops) and the guards of operations the target may still
+    /// copy into go to a fence until its side has ended too.
+    fn fail_with(&self, err: Error, mut taken: Vec<PendingOp>) {
         self.dead.store(true, Ordering::Release);
         if let Some(st) = &self.stage {
             // Wait out a copy from the staging area in progress.
             drop(lock(&st.gate));
         }
-        let drained: Vec<PendingOp> = {
+        {
             let mut map = lock(&self.pending);
             map.closed.get_or_insert_with(|| err.clone());
-            map.ops.drain().map(|(_, op)| op).collect()
-        };
-        for op in drained {
+            taken.extend(map.ops.drain().map(|(_, op)| op));
+        }
+        let mut unproven = Vec::new();
+        for mut op in taken {
+            unproven.extend(op.take_unproven());
             op.complete(Err(err.clone()));
         }
-        let _ = SockRef::from(&self.stream).shutdown(std::net::Shutdown::Both);
+        let sock = SockRef::from(&self.stream);
+        if self.cma {
+            // Never the reading half: a fence of this connection (now or
+            // from an earlier failure) reads on until the target's end.
+            let _ = sock.shutdown(std::net::Shutdown::Write);
+            if !unproven.is_empty() {
+                super::fence::hold_until_closed(
+                    &self.stream,
+                    unproven,
+                    self.pace.stall,
+                    &self.peer,
+                );
+            }
+        } else {
+            let _ = sock.shutdown(std::net::Shutdown::Both);
+        }
     }
 
     /// The reader's spin hook: marks it polling the staging area's
@@ -290,9 +334,11 @@ impl ConnShared {
         };
         if self.cma && !ops.is_empty() {
             // The target copies into (out of) memory these operations
-            // name: close the connection before releasing it, so the
-            // target (which checks before each copy) touches it no more.
-            self.fail_all(err.clone());
+            // name: close the connection, so that the target (which checks
+            // before each copy) starts no more copies, and hold what it may
+            // still be copying into until it is shown to have stopped.
+            self.fail_with(err.clone(), ops);
+            return;
         }
         for op in ops {
             op.complete(Err(err.clone()));

@@ -244,7 +244,9 @@ pub(crate) async fn send_ops(
                             index: op.index,
                             kind: PendingKind::Cma {
                                 parts: parts.iter().map(|p| (p.0, p.4, p.3)).collect(),
-                                _guards: parts.iter().map(|p| Arc::clone(&p.1)).collect(),
+                                guards: parts.iter().map(|p| Arc::clone(&p.1)).collect(),
+                                // Staged reads are copied by this side.
+                                target_writes: read && !staged,
                             },
                         },
                     );
