@@ -1178,6 +1178,8 @@ async fn serve(
                     let watch = crate::stage::Watch {
                         alive: &alive,
                         stall: cfg.stall_timeout,
+                        // From the frame's first byte, as on the socket.
+                        deadline: Some(pace.deadline(total)),
                     };
                     let failed: Vec<u32> = (0..guards.len() as u32)
                         .filter(|&i| guards[i as usize].is_err())

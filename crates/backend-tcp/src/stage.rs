@@ -346,6 +346,17 @@ pub struct Watch<'a> {
     pub alive: &'a (dyn Fn() -> bool + Sync),
     /// Give up after this long without progress.
     pub stall: Duration,
+    /// Give up at this instant whatever the progress: the deadline of the
+    /// whole frame (`stall_timeout + bytes / min_rate` from its first
+    /// byte, as on the socket), so that a peer publishing one slot just
+    /// inside the stall timeout cannot stretch a frame without bound.
+    pub deadline: Option<Instant>,
+}
+
+impl Watch<'_> {
+    fn expired(&self, waited: Duration) -> bool {
+        waited >= self.stall || self.deadline.is_some_and(|d| Instant::now() >= d)
+    }
 }
 
 /// Waits until `ready()`: spins briefly (the other side is copying a slot,
@@ -381,7 +392,7 @@ pub async fn wait(ready: impl Fn() -> bool, watch: &Watch<'_>) -> Result<(), Sto
         if !(watch.alive)() {
             return Err(Stop::Gone);
         }
-        if waited >= watch.stall {
+        if watch.expired(waited) {
             return Err(Stop::Stalled);
         }
         tokio::time::sleep(NAP).await;
@@ -620,6 +631,7 @@ mod tests {
         let watch = Watch {
             alive: &alive,
             stall: Duration::from_secs(10),
+            deadline: None,
         };
         std::thread::scope(|s| {
             let producer = s.spawn(|| {
@@ -720,6 +732,7 @@ mod tests {
         let w = Watch {
             alive: &gone,
             stall: Duration::from_secs(10),
+            deadline: None,
         };
         let t = Instant::now();
         assert_eq!(rt.block_on(wait(|| false, &w)), Err(Stop::Gone));
@@ -728,11 +741,70 @@ mod tests {
         let w = Watch {
             alive: &alive,
             stall: Duration::from_millis(30),
+            deadline: None,
         };
         let t = Instant::now();
         assert_eq!(rt.block_on(wait(|| false, &w)), Err(Stop::Stalled));
         assert!(t.elapsed() >= Duration::from_millis(30));
         assert_eq!(rt.block_on(wait(|| true, &w)), Ok(()));
+    }
+
+    /// A frame's deadline ends a stream that keeps making progress, just
+    /// inside the stall timeout each time: the consumer gives up at the
+    /// deadline, not after the stall timeout of the last slot.
+    #[test]
+    fn the_frame_deadline_ends_a_trickling_stream() {
+        let area = Area::create().unwrap();
+        let alive = || true;
+        let stall = Duration::from_millis(200);
+        let src = vec![3u8; 8 * SLOT];
+        let mut dst = vec![0u8; 8 * SLOT];
+        let start = Instant::now();
+        let w = Watch {
+            alive: &alive,
+            stall,
+            deadline: Some(start + Duration::from_millis(500)),
+        };
+        let (r, took) = std::thread::scope(|s| {
+            s.spawn(|| {
+                let ring = area.ring(Dir::ToTarget);
+                let quick = Watch {
+                    alive: &alive,
+                    stall: Duration::from_secs(1),
+                    deadline: None,
+                };
+                let mut seq = 0;
+                // One slot every 150 ms: always inside the stall timeout.
+                for i in 0..8 {
+                    std::thread::sleep(Duration::from_millis(150));
+                    let piece = [Piece {
+                        ptr: src[i * SLOT..].as_ptr().cast_mut(),
+                        len: SLOT,
+                    }];
+                    // SAFETY: the piece lies in `src`, unchanged meanwhile.
+                    let put = unsafe { put(&ring, &mut seq, &piece, &quick) };
+                    if runtime().block_on(put).is_err() || start.elapsed() > Duration::from_secs(3)
+                    {
+                        break;
+                    }
+                }
+            });
+            let ring = area.ring(Dir::ToTarget);
+            let out = [Piece {
+                ptr: dst.as_mut_ptr(),
+                len: dst.len(),
+            }];
+            let mut seq = 0;
+            // SAFETY: `dst` is ours.
+            let r = runtime().block_on(unsafe { get(&ring, &mut seq, &out, &w, None) });
+            (r, start.elapsed())
+        });
+        assert_eq!(r, Err(Stop::Stalled));
+        // 8 slots at 150 ms would end after 1.2 s; the deadline is 0.5 s.
+        assert!(
+            took >= Duration::from_millis(500) && took < Duration::from_millis(1100),
+            "gave up after {took:?}"
+        );
     }
 
     /// Once its gate is closed, a consumer copies nothing more out.
@@ -744,6 +816,7 @@ mod tests {
         let w = Watch {
             alive: &alive,
             stall: Duration::from_secs(10),
+            deadline: None,
         };
         let src = vec![7u8; 1000];
         let mut dst = vec![0u8; 1000];

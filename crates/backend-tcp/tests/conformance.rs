@@ -171,3 +171,72 @@ mod socket_forced {
     })
     .unknown_at("127.0.0.1:1"));
 }
+
+/// Every same-host configuration again on a `current_thread` runtime: the
+/// engines, their tasks and the checks share one thread, so anything that
+/// blocks or spins inside the caller's runtime (instead of yielding, or
+/// running on a thread the engine owns) starves the engine itself.
+mod current_thread {
+    use super::*;
+
+    mod auto {
+        use super::*;
+        transport_core::conformance_tests!(
+            current_thread,
+            TcpFactory::new(|| TcpConfig {
+                secret: Some("conformance".to_owned()),
+                connections: 2,
+                ..TcpConfig::default()
+            })
+            .unknown_at("127.0.0.1:1")
+        );
+    }
+
+    mod cma_forced {
+        use super::*;
+        transport_core::conformance_tests!(
+            current_thread,
+            TcpFactory::new(|| TcpConfig {
+                connections: 2,
+                chunk_size: 4096,
+                same_host_chunk: 4096,
+                same_host: SameHost::Cma,
+                same_host_stage: None,
+                ..TcpConfig::default()
+            })
+            .unknown_at("127.0.0.1:1")
+        );
+    }
+
+    mod cma_staged {
+        use super::*;
+        transport_core::conformance_tests!(
+            current_thread,
+            TcpFactory::new(|| TcpConfig {
+                connections: 2,
+                chunk_size: 200_000,
+                same_host_chunk: 200_000,
+                same_host: SameHost::Cma,
+                same_host_stage: Some(1),
+                ..TcpConfig::default()
+            })
+            .unknown_at("127.0.0.1:1")
+        );
+    }
+
+    mod cma_tcp_control {
+        use super::*;
+        transport_core::conformance_tests!(
+            current_thread,
+            TcpFactory::new(|| TcpConfig {
+                connections: 2,
+                chunk_size: 64 * 1024,
+                same_host_chunk: 64 * 1024,
+                same_host: SameHost::Cma,
+                same_host_unix: false,
+                ..TcpConfig::default()
+            })
+            .unknown_at("127.0.0.1:1")
+        );
+    }
+}

@@ -1030,6 +1030,7 @@ async fn raw_staging_area_is_checked_then_carries_swrite_and_sread() {
     let watch = Watch {
         alive: &alive,
         stall: Duration::from_secs(10),
+        deadline: None,
     };
     // 300 000 bytes in the region (five slots, the last part-filled), 1000
     // outside every region, 5 in the region again.
@@ -1153,6 +1154,81 @@ async fn stalled_staged_stream_releases_the_region() {
     drop(probe);
 }
 
+/// Raw initiator that trickles an SWRITE: one slot just inside the
+/// target's stall timeout each time. The frame's deadline counts from its
+/// first byte (`stall_timeout + bytes / min_rate`, as on the socket), so the
+/// target gives up then — closing the connection and releasing the region,
+/// which an `unregister` waiting on it shows — instead of restarting its
+/// patience on every slot (16 slots x 0.8 s = 12.8 s here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trickled_staged_stream_ends_at_the_frame_deadline() {
+    use backend_tcp::stage::{self, Dir, Piece, Watch, SLOT};
+    let b = start(TcpConfig {
+        stall_timeout: Duration::from_secs(1),
+        min_rate: MIB as u64,
+        ..cfg(SameHost::Auto)
+    })
+    .await;
+    let target = mem(&b, MIB, 0).await;
+    let (mut s, gen, area, probe) = staged_raw(&b, target.addr()).await;
+    s.write_all(&staged_frame(2, false, gen, &[(target.addr(), MIB as u64)]))
+        .await
+        .unwrap();
+    let started = Instant::now();
+    let src = pattern(9, MIB);
+    let trickle = async {
+        let alive = || true;
+        let watch = Watch {
+            alive: &alive,
+            stall: Duration::from_secs(30),
+            deadline: None,
+        };
+        let ring = area.ring(Dir::ToTarget);
+        let mut seq = 0u64;
+        for chunk in src.chunks(SLOT) {
+            let piece = [Piece {
+                ptr: chunk.as_ptr().cast_mut(),
+                len: chunk.len(),
+            }];
+            // SAFETY: `src` is ours and unchanged while this runs.
+            if unsafe { stage::put(&ring, &mut seq, &piece, &watch) }
+                .await
+                .is_err()
+            {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(800)).await;
+            if started.elapsed() > Duration::from_secs(15) {
+                break;
+            }
+        }
+    };
+    let unregister = async {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        b.unregister(target.addr()).await.unwrap();
+        started.elapsed()
+    };
+    let closed = async {
+        let mut rest = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(20), s.read_to_end(&mut rest)).await;
+        started.elapsed()
+    };
+    let (released, closed) = tokio::select! {
+        r = async { tokio::join!(unregister, closed) } => r,
+        _ = trickle => panic!("the trickle ended first"),
+    };
+    // Deadline: 1 s + 1 MiB / (1 MiB/s) = 2 s from the first byte.
+    assert!(
+        released >= Duration::from_secs(2) && released < Duration::from_secs(5),
+        "unregister returned after {released:?}"
+    );
+    assert!(
+        closed < Duration::from_secs(5),
+        "the target closed after {closed:?}"
+    );
+    drop(probe);
+}
+
 /// Raw initiator: a staged request that succeeds is acknowledged in the
 /// staging area's lane — silently while the initiator says it polls the
 /// lane, with a WAKE frame on the socket once it says it stopped — and a
@@ -1167,6 +1243,7 @@ async fn staged_acknowledgements_use_the_lane_and_wake_a_sleeping_reader() {
     let watch = Watch {
         alive: &alive,
         stall: Duration::from_secs(10),
+        deadline: None,
     };
     let (mut seq, mut tail) = (0u64, 0u64);
     let mut taken = Vec::new();

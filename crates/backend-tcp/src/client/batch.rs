@@ -250,6 +250,7 @@ impl Peer {
         }
         drop(guards);
         state.arm(&counts);
+        self.start_clock(state, bytes);
         let used: Vec<usize> = (0..n_conns).filter(|c| !per_conn[*c].is_empty()).collect();
         let mut conns = Vec::with_capacity(used.len());
         if used.len() == 1 {

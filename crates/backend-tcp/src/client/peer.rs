@@ -147,6 +147,7 @@ impl Peer {
             index: 0,
             kind: OutKind::Table(Arc::clone(&self.table)),
         }];
+        self.start_clock(&state, 0);
         let conns: Vec<_> = self.send_on(0, &state, ops).await.into_iter().collect();
         self.await_state(&state, &conns, 0).await;
         state
@@ -155,10 +156,20 @@ impl Peer {
             .unwrap_or_else(|| Err(Error::Canceled("no result".into())))
     }
 
-    /// Waits for `state`, which moves `bytes`, within `request_timeout +
-    /// bytes / min_rate`; on expiry only its requests fail, with
-    /// [`Error::Timeout`] (a connection is dropped only if the peer has
-    /// been silent for `request_timeout`).
+    /// Starts the clock of `state`, which moves `bytes`: it expires
+    /// `request_timeout + bytes / min_rate` from now. Called before its
+    /// first frame is sent, so that the time spent sending (and moving
+    /// staged bytes) counts.
+    pub(crate) fn start_clock(&self, state: &WireOps, bytes: u64) -> std::time::Instant {
+        let cfg = &self.core.config;
+        state.start_clock(cfg.deadline_for(cfg.request_timeout, bytes))
+    }
+
+    /// Waits for `state`, which moves `bytes`, until its deadline
+    /// (`request_timeout + bytes / min_rate` from when its clock started);
+    /// on expiry only its requests fail, with [`Error::Timeout`] (a
+    /// connection is dropped only if the peer has been silent for
+    /// `request_timeout`).
     pub(crate) async fn await_state(
         &self,
         state: &Arc<WireOps>,
@@ -167,7 +178,11 @@ impl Peer {
     ) {
         let cfg = &self.core.config;
         let t = cfg.deadline_for(cfg.request_timeout, bytes);
-        if tokio::time::timeout(t, state.wait()).await.is_err() {
+        let deadline = tokio::time::Instant::from_std(self.start_clock(state, bytes));
+        if tokio::time::timeout_at(deadline, state.wait())
+            .await
+            .is_err()
+        {
             let err = Error::Timeout {
                 operation: format!("a batch of {bytes} bytes"),
                 peer: Some(self.name.clone()),
@@ -197,6 +212,7 @@ impl Peer {
                 name_len: n.name.len() as u64,
             },
         }];
+        self.start_clock(&state, size);
         let conns: Vec<_> = self.send_on(0, &state, ops).await.into_iter().collect();
         self.await_state(&state, &conns, size).await;
         state

@@ -395,7 +395,7 @@ pub(crate) async fn send_ops(
         let mut cursor = st.cursor.lock().await;
         drop(w);
         st.movers.fetch_add(1, Ordering::Relaxed);
-        let moved = move_staged(conn, st, &mut cursor, &staging).await;
+        let moved = move_staged(conn, batch, st, &mut cursor, &staging).await;
         st.movers.fetch_sub(1, Ordering::Relaxed);
         if let Err(stop) = moved {
             conn.fail_all(stop.error(
@@ -417,6 +417,7 @@ pub(crate) async fn send_ops(
 /// once the connection has failed its operations).
 async fn move_staged(
     conn: &ConnShared,
+    batch: &WireOps,
     st: &ClientStage,
     cursor: &mut (u64, u64),
     staging: &[(bool, Vec<stage::Piece>)],
@@ -425,6 +426,8 @@ async fn move_staged(
     let watch = stage::Watch {
         alive: &alive,
         stall: st.patience,
+        // The batch's own deadline covers moving its staged bytes too.
+        deadline: batch.deadline(),
     };
     let gate = stage::Gate {
         lock: &st.gate,

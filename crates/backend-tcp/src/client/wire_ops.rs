@@ -21,6 +21,8 @@ pub(crate) struct WireOps {
     done: Notify,
     /// Where finished requests are reported.
     sink: Option<Sink>,
+    /// When the pass expires (set once, before its first frame is sent).
+    deadline: std::sync::OnceLock<std::time::Instant>,
 }
 
 /// The driver a [`WireOps`] reports to.
@@ -60,7 +62,24 @@ impl WireOps {
             remaining: AtomicUsize::new(1),
             done: Notify::new(),
             sink,
+            deadline: std::sync::OnceLock::new(),
         })
+    }
+
+    /// Starts the pass's clock: it expires `after` from now (the first
+    /// call wins). Called before its first frame is sent, so that sending
+    /// (moving staged bytes included) counts against the deadline.
+    pub(crate) fn start_clock(&self, after: std::time::Duration) -> std::time::Instant {
+        *self.deadline.get_or_init(|| {
+            let now = std::time::Instant::now();
+            now.checked_add(after)
+                .unwrap_or_else(|| now + std::time::Duration::from_secs(365 * 86_400))
+        })
+    }
+
+    /// When the pass expires, once its clock has started.
+    pub(crate) fn deadline(&self) -> Option<std::time::Instant> {
+        self.deadline.get().copied()
     }
 
     /// Bookkeeping for `n` requests reported nowhere (control requests:

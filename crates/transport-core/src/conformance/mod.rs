@@ -188,17 +188,42 @@ pub async fn run_check(name: &str, factory: Arc<dyn EngineFactory>, adapted: boo
 /// process is aborted with its name (a blocked runtime cannot panic).
 pub const CHECK_DEADLINE: Duration = Duration::from_secs(15 * 60);
 
-/// Runs `name` on a fresh multi-thread runtime and prints the skip line; the
-/// body of every test [`conformance_tests!`](crate::conformance_tests)
-/// generates.
+/// Runs `name` on a fresh multi-thread runtime and prints the skip line.
 #[doc(hidden)]
 pub fn __run_test(name: &str, factory: Arc<dyn EngineFactory>, adapted: bool) {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("building a tokio runtime for a conformance test");
-    let mode = if adapted { "adapted" } else { "raw" };
+    __run_test_on(name, factory, adapted, false)
+}
+
+/// Runs `name` on a fresh runtime — multi-threaded (two workers), or with
+/// `current_thread` a single-threaded one on which the engines, their
+/// tasks and the check all share one thread (an engine that blocks or
+/// spins inside its caller's runtime starves itself there) — and prints
+/// the skip line; the body of every test
+/// [`conformance_tests!`](crate::conformance_tests) generates.
+#[doc(hidden)]
+pub fn __run_test_on(
+    name: &str,
+    factory: Arc<dyn EngineFactory>,
+    adapted: bool,
+    current_thread: bool,
+) {
+    let rt = if current_thread {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+    } else {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+    }
+    .expect("building a tokio runtime for a conformance test");
+    let mode = match (adapted, current_thread) {
+        (false, false) => "raw",
+        (true, false) => "adapted",
+        (false, true) => "raw, current_thread",
+        (true, true) => "adapted, current_thread",
+    };
     // A check that blocks its runtime cannot time itself out: after
     // CHECK_DEADLINE the process ends, saying which check hung, instead of
     // hanging its test run. The guard stops the watchdog however the check
@@ -311,19 +336,23 @@ pub fn report_skip(what: &str) {
 #[macro_export]
 macro_rules! conformance_tests {
     ($factory:expr) => {
-        $crate::__conformance_mode!(raw, false, $factory);
-        $crate::__conformance_mode!(adapted, true, $factory);
+        $crate::__conformance_mode!(raw, false, false, $factory);
+        $crate::__conformance_mode!(adapted, true, false, $factory);
+    };
+    (current_thread, $factory:expr) => {
+        $crate::__conformance_mode!(raw, false, true, $factory);
+        $crate::__conformance_mode!(adapted, true, true, $factory);
     };
 }
 
 #[doc(hidden)]
 #[macro_export]
 macro_rules! __conformance_mode {
-    ($mode:ident, $adapted:expr, $factory:expr) => {
+    ($mode:ident, $adapted:expr, $current:expr, $factory:expr) => {
         mod $mode {
             #[allow(unused_imports)]
             use super::*;
-            $crate::__conformance_cases!($adapted, $factory;
+            $crate::__conformance_cases!($adapted, $current, $factory;
                 identity,
                 register_unregister,
                 overlap_refused,
@@ -353,13 +382,18 @@ macro_rules! __conformance_mode {
 #[doc(hidden)]
 #[macro_export]
 macro_rules! __conformance_cases {
-    ($adapted:expr, $factory:expr; $($name:ident),* $(,)?) => {
+    ($adapted:expr, $current:expr, $factory:expr; $($name:ident),* $(,)?) => {
         $(
             #[test]
             fn $name() {
                 let factory: ::std::sync::Arc<dyn $crate::conformance::EngineFactory> =
                     ::std::sync::Arc::new($factory);
-                $crate::conformance::__run_test(::std::stringify!($name), factory, $adapted);
+                $crate::conformance::__run_test_on(
+                    ::std::stringify!($name),
+                    factory,
+                    $adapted,
+                    $current,
+                );
             }
         )*
     };
