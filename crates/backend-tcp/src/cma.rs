@@ -197,6 +197,7 @@ pub fn errno_name(errno: i32) -> String {
         libc::ENOENT => "ENOENT",
         libc::EBADF => "EBADF",
         libc::EPROTOTYPE => "EPROTOTYPE",
+        libc::EOPNOTSUPP => "EOPNOTSUPP",
         _ => return format!("errno {errno}"),
     };
     name.to_owned()

@@ -14,8 +14,11 @@
 //!
 //! The area is a sealed memfd the initiator makes and offers with its
 //! SAME_HOST request; the target takes it over with `pidfd_getfd` (as it
-//! takes the control channel) and maps it only if it can no longer shrink
-//! (`F_SEAL_SHRINK`): a peer cannot make the target fault by truncating it.
+//! takes the control channel) and maps it only if it is a tmpfs memfd of
+//! exactly [`AREA_LEN`] bytes that can no longer shrink or grow
+//! ([`Area::adopt`]): a peer cannot make the target fault by truncating
+//! it, nor by offering hugetlbfs memory whose pages run out (SIGBUS), and
+//! holes it punches read as zeros.
 //! Two rings, one per direction, of [`SLOTS`] slots of [`SLOT`] bytes; a
 //! ring's `head` counts the slots its producer has filled, `tail` those its
 //! consumer has emptied. Each side keeps its own position and reads the
@@ -152,22 +155,43 @@ impl Area {
     }
 
     /// Maps an area the initiator offered (target side), after checking
-    /// that it is sealed against shrinking and large enough. `Err(errno)`
-    /// otherwise (`EPERM`: not sealed; `EINVAL`: too small or not a memfd).
+    /// everything the target relies on to touch it safely: a memfd on
+    /// tmpfs (shared memory backed by ordinary pages, where a hole the
+    /// initiator punches reads as zeros and a write allocates a page — no
+    /// SIGBUS; a hugetlbfs memfd would fault once the huge-page pool is
+    /// exhausted), of exactly [`AREA_LEN`] bytes, sealed against shrinking
+    /// and growing (its size, and so the mapping, cannot change).
+    /// `Err(errno)` otherwise: `EPERM` not sealed against shrinking or
+    /// growing; `EOPNOTSUPP` not on tmpfs (hugetlbfs, any other file
+    /// system); `EINVAL` not a sealable file or not exactly `AREA_LEN`
+    /// bytes.
     pub fn adopt(fd: OwnedFd) -> Result<Area, i32> {
+        const TMPFS_MAGIC: i64 = 0x0102_1994;
         // SAFETY: a plain query on a descriptor we own.
         let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
         if seals < 0 {
             return Err(libc::EINVAL);
         }
-        if seals & libc::F_SEAL_SHRINK == 0 {
+        let needed = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
+        if seals & needed != needed {
             return Err(libc::EPERM);
+        }
+        // SAFETY: `fs` is a valid out-parameter for fstatfs.
+        let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
+        // SAFETY: as above, on a descriptor we own.
+        if unsafe { libc::fstatfs(fd.as_raw_fd(), &mut fs) } < 0 {
+            return Err(libc::EINVAL);
+        }
+        #[allow(clippy::unnecessary_cast)] // f_type's type differs by arch
+        if fs.f_type as i64 != TMPFS_MAGIC {
+            return Err(libc::EOPNOTSUPP);
         }
         // SAFETY: `st` is a valid out-parameter for fstat.
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
         // SAFETY: as above.
         if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } < 0
-            || (st.st_size as u64) < AREA_LEN as u64
+            || st.st_mode & libc::S_IFMT != libc::S_IFREG
+            || st.st_size as u64 != AREA_LEN as u64
         {
             return Err(libc::EINVAL);
         }
@@ -296,7 +320,14 @@ impl Drop for Area {
     fn drop(&mut self) {
         // SAFETY: our own mapping of AREA_LEN bytes; no Ring outlives the
         // Area (they borrow it).
-        unsafe { libc::munmap(self.base.as_ptr().cast(), AREA_LEN) };
+        if unsafe { libc::munmap(self.base.as_ptr().cast(), AREA_LEN) } < 0 {
+            // Cannot happen for an exact-size tmpfs mapping (checked in
+            // `adopt`); say so rather than leak silently.
+            tracing::warn!(
+                errno = %crate::cma::errno_name(errno()),
+                "munmap of a staging area failed: its mapping is leaked"
+            );
+        }
     }
 }
 

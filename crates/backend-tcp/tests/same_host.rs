@@ -893,6 +893,117 @@ fn memfd(size: usize, seals: libc::c_int) -> std::os::fd::OwnedFd {
     fd
 }
 
+/// A hugetlbfs memfd of `size` bytes (a multiple of the huge page size)
+/// with `seals` added, or why the kernel gives none.
+fn hugetlb_memfd(size: usize, seals: libc::c_int) -> Result<std::os::fd::OwnedFd, String> {
+    use std::os::fd::{AsRawFd, FromRawFd};
+    // SAFETY: a NUL-terminated name and flags; a new descriptor or -1.
+    let fd = unsafe {
+        libc::memfd_create(
+            c"t".as_ptr(),
+            libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING | libc::MFD_HUGETLB,
+        )
+    };
+    if fd < 0 {
+        return Err(format!(
+            "memfd_create(MFD_HUGETLB): {}",
+            std::io::Error::last_os_error()
+        ));
+    }
+    // SAFETY: a fresh descriptor we own.
+    let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+    // SAFETY: plain calls on our own descriptor.
+    if unsafe { libc::ftruncate(fd.as_raw_fd(), size as libc::off_t) } != 0
+        // SAFETY: as above.
+        || unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0
+    {
+        return Err(format!(
+            "sizing or sealing it: {}",
+            std::io::Error::last_os_error()
+        ));
+    }
+    Ok(fd)
+}
+
+/// Raw initiator that punches holes into the slots of the staging area the
+/// target has mapped, before and after staged requests
+/// (`fallocate(PUNCH_HOLE)` is not forbidden by the seals). On tmpfs a
+/// hole reads as zeros and a write allocates a page, so the target cannot
+/// fault: it stays up and serves, and the bytes land as sent. (Holes in the
+/// control page zero the counters: the same as writing garbage into them,
+/// which the target's checks already cover.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn holes_punched_in_the_staging_area_do_not_hurt_the_target() {
+    use backend_tcp::stage::{self, Dir, Piece, Watch, AREA_LEN};
+    use std::os::fd::AsRawFd;
+    let b = start(cfg(SameHost::Auto)).await;
+    let target = mem(&b, 256 * 1024, 0).await;
+    let (mut s, gen, area, probe) = staged_raw(&b, target.addr()).await;
+    let punch = || {
+        // SAFETY: a plain call on the area's descriptor, which we hold.
+        let r = unsafe {
+            libc::fallocate(
+                area.raw_fd().as_raw_fd(),
+                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                4096,
+                (AREA_LEN - 4096) as libc::off_t,
+            )
+        };
+        assert_eq!(r, 0, "fallocate: {}", std::io::Error::last_os_error());
+    };
+    let alive = || true;
+    let watch = Watch {
+        alive: &alive,
+        stall: Duration::from_secs(10),
+        deadline: None,
+    };
+    let mut seq = 0u64;
+    for round in 0..3u8 {
+        punch();
+        let src = pattern(round, 200_000);
+        let off = round as u64 * 1000;
+        s.write_all(&staged_frame(
+            10 + round as u64,
+            false,
+            gen,
+            &[(target.addr() + off, src.len() as u64)],
+        ))
+        .await
+        .unwrap();
+        let piece = [Piece {
+            ptr: src.as_ptr().cast_mut(),
+            len: src.len(),
+        }];
+        // SAFETY: `src` is ours and unchanged while this runs.
+        unsafe { stage::put(&area.ring(Dir::ToTarget), &mut seq, &piece, &watch) }
+            .await
+            .unwrap();
+        let (r, _) = response(&mut s).await;
+        assert!(
+            matches!(r, Response::Ok { .. } | Response::Wake),
+            "round {round}: got {r:?}"
+        );
+        let got = target.to_vec();
+        assert!(
+            got[off as usize..off as usize + src.len()] == src[..],
+            "round {round}: other bytes landed"
+        );
+        punch();
+    }
+    // The target is alive and serves a fresh engine as before.
+    let a = start(cfg(SameHost::Auto)).await;
+    let back = mem(&a, 1000, 0xff).await;
+    let seg = a.open_segment(b.segment_name()).await.unwrap();
+    a.transfer(
+        seg,
+        TransferRequest::read(back.addr(), target.addr() + 2000, 1000),
+    )
+    .await
+    .unwrap();
+    assert!(back.to_vec() == pattern(2, 200_000)[..1000]);
+    drop(probe);
+}
+
 /// A raw connection to `b` with the same-host path and a fresh staging
 /// area agreed: the stream, the generation of the region at `addr`, the
 /// area, and the probe (alive until the test ends).
@@ -965,9 +1076,12 @@ async fn response<S: AsyncReadExt + Unpin>(s: &mut S) -> (Response, Vec<u32>) {
     (r, idx)
 }
 
-/// Raw initiator: the staging area. The target maps only a memfd sealed
-/// against shrinking and large enough (else it answers the errno, and an
-/// SWRITE on that connection is malformed and lands nothing); through a
+/// Raw initiator: the staging area. The target maps only a tmpfs memfd of
+/// exactly the area's size sealed against shrinking and growing (else it
+/// answers the errno — a hugetlbfs memfd, whose pages can run out under the
+/// target as SIGBUS, `EOPNOTSUPP`; a growable or shrinkable one `EPERM`;
+/// any other size or kind of file `EINVAL` — and an SWRITE on that
+/// connection is malformed and lands nothing); through a
 /// good one, an SWRITE of several slots lands its in-region segments and
 /// drops the bytes of a refused one, and an SREAD sends a verdict naming
 /// the refused segment and then exactly the bytes of the others.
@@ -981,15 +1095,29 @@ async fn raw_staging_area_is_checked_then_carries_swrite_and_sread() {
     let probe: Box<[u8; 16]> = Box::new(rand_nonce());
     let offer = true_offer(&probe);
 
+    let both = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
     let unsealed = memfd(AREA_LEN, 0);
-    let small = memfd(4096, libc::F_SEAL_SHRINK);
+    let growable = memfd(AREA_LEN, libc::F_SEAL_SHRINK);
+    let small = memfd(4096, both);
+    let large = memfd(2 * AREA_LEN, both);
     let file = std::fs::File::open("/proc/self/stat").unwrap();
-    for (fd, errno) in [
+    let mut cases = vec![
         (unsealed.as_raw_fd() as u32, libc::EPERM),
+        (growable.as_raw_fd() as u32, libc::EPERM),
         (small.as_raw_fd() as u32, libc::EINVAL),
+        (large.as_raw_fd() as u32, libc::EINVAL),
         (file.as_raw_fd() as u32, libc::EINVAL),
         (1_000_000, libc::EBADF),
-    ] {
+    ];
+    // A hugetlbfs memfd, sealed and large enough (the kind of area whose
+    // huge pages an initiator can exhaust under the target): refused before
+    // it is mapped, so it needs no huge pages in the pool.
+    let huge = hugetlb_memfd(2 << 20, both);
+    match &huge {
+        Ok(fd) => cases.push((fd.as_raw_fd() as u32, libc::EOPNOTSUPP)),
+        Err(why) => println!("skipped: the hugetlbfs case: {why}"),
+    }
+    for (fd, errno) in cases {
         let (mut s, table) = common::raw_handshake_gens(b.segment_name()).await;
         let gen = gen_of(&table, target.addr());
         assert_eq!(
