@@ -38,7 +38,15 @@
 
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+// The counters of the rings and the lane: plain atomics, or loom's when
+// the model checker runs the ring and lane code (`--cfg ferry_loom`, see
+// the `loom_model` tests).
+#[cfg(ferry_loom)]
+use loom::sync::atomic::{fence, AtomicU64};
+#[cfg(not(ferry_loom))]
+use std::sync::atomic::{fence, AtomicU64};
 use std::time::{Duration, Instant};
 
 use crate::frame::MAX_SEGMENTS;
@@ -46,13 +54,21 @@ use crate::frame::MAX_SEGMENTS;
 /// Bytes per slot.
 pub const SLOT: usize = 64 << 10;
 /// Slots per ring (one ring per direction).
+#[cfg(not(ferry_loom))]
 pub const SLOTS: u64 = 4;
+/// Slots per ring, fewer for the model checker (a smaller state space).
+#[cfg(ferry_loom)]
+pub const SLOTS: u64 = 2;
 /// The control page: the four counters, each on its own cache line.
 const CONTROL: usize = 4096;
 /// Size of the shared area.
 pub const AREA_LEN: usize = CONTROL + 2 * SLOTS as usize * SLOT;
 /// Entries of the acknowledgement lane (in the control page).
+#[cfg(not(ferry_loom))]
 pub const ACKS: u64 = 256;
+/// Entries of the lane, fewer for the model checker.
+#[cfg(ferry_loom)]
+pub const ACKS: u64 = 2;
 /// Offsets in the control page: the lane's `head` (acknowledgements the
 /// target has posted), `tail` (those the initiator has taken), the
 /// initiator's `polling` flag, and the ring of request ids.
@@ -292,17 +308,28 @@ impl AckLane<'_> {
         }
         self.entry(*head).store(id, Ordering::Relaxed);
         *head = head.wrapping_add(1);
-        self.head.store(*head, Ordering::SeqCst);
-        Some(self.polling.load(Ordering::SeqCst) != 0)
+        self.head.store(*head, Ordering::Release);
+        // Dekker: the new head is ordered before the look at the flag (the
+        // reader orders its clearing of the flag before its look at the
+        // head the same way), so one of the two sees the other.
+        fence(Ordering::SeqCst);
+        Some(self.polling.load(Ordering::Relaxed) != 0)
     }
 
     /// Initiator: marks its reader polling (`true`) or about to sleep, then
     /// hands every posted id from position `*tail` on to `take`.
     pub fn take(&self, polling: bool, tail: &mut u64, mut take: impl FnMut(u64)) {
         if (self.polling.load(Ordering::Relaxed) != 0) != polling {
-            self.polling.store(u64::from(polling), Ordering::SeqCst);
+            self.polling.store(u64::from(polling), Ordering::Relaxed);
+            if !polling {
+                // Dekker (see `post`): clearing the flag is ordered before
+                // the look at the head below. Setting it needs no fence: a
+                // target that misses it sends a WAKE frame it could have
+                // spared.
+                fence(Ordering::SeqCst);
+            }
         }
-        let head = self.head.load(Ordering::SeqCst);
+        let head = self.head.load(Ordering::Acquire);
         // A target that claims more than the lane holds is lying: take
         // what the lane can hold (the ids then fail as unknown requests).
         let n = head.wrapping_sub(*tail).min(ACKS);
@@ -367,6 +394,20 @@ impl Ring<'_> {
     /// Whether the consumer has emptied every slot before `end`.
     pub fn drained(&self, end: u64) -> bool {
         end.wrapping_sub(self.tail.load(Ordering::Acquire)) == 0
+    }
+
+    /// Producer: slot `*seq`, filled, goes to the consumer (its bytes are
+    /// visible to it before the new `head`); advances `*seq`.
+    fn publish(&self, seq: &mut u64) {
+        *seq = seq.wrapping_add(1);
+        self.head.store(*seq, Ordering::Release);
+    }
+
+    /// Consumer: slot `*seq`, emptied, goes back to the producer (every
+    /// read of it happens before the new `tail`); advances `*seq`.
+    fn release(&self, seq: &mut u64) {
+        *seq = seq.wrapping_add(1);
+        self.tail.store(*seq, Ordering::Release);
     }
 }
 
@@ -476,15 +517,13 @@ pub async unsafe fn put(
             fill += take;
             at += take;
             if fill == SLOT {
-                ring.head.store(seq.wrapping_add(1), Ordering::Release);
-                *seq = seq.wrapping_add(1);
+                ring.publish(seq);
                 fill = 0;
             }
         }
     }
     if fill > 0 {
-        ring.head.store(seq.wrapping_add(1), Ordering::Release);
-        *seq = seq.wrapping_add(1);
+        ring.publish(seq);
     }
     Ok(())
 }
@@ -547,8 +586,7 @@ pub async unsafe fn get(
             at += take;
             moved += take;
             if fill == SLOT || moved == total {
-                ring.tail.store(seq.wrapping_add(1), Ordering::Release);
-                *seq = seq.wrapping_add(1);
+                ring.release(seq);
                 fill = 0;
             }
         }
@@ -970,5 +1008,173 @@ mod tests {
         let v = verdict([0, 9, 511, 512].into_iter());
         assert!(refused(&v, 0) && refused(&v, 9) && refused(&v, 511));
         assert!(!refused(&v, 1) && !refused(&v, 8) && !refused(&v, 512));
+    }
+}
+
+/// Model checks of the ring counters and the acknowledgement lane with
+/// `loom`: every interleaving (and every reordering the memory orderings
+/// allow) of the real `Ring` and `AckLane` code on loom's atomics. Run by
+/// CI as `RUSTFLAGS="--cfg ferry_loom" cargo test -p backend-tcp --lib
+/// loom_model` (with fewer slots and lane entries, see [`SLOTS`], [`ACKS`]).
+#[cfg(all(test, ferry_loom))]
+mod loom_model {
+    use super::*;
+    use loom::sync::Arc;
+
+    /// The counters of one ring, and one stamp per slot standing for its
+    /// bytes (relaxed: only the ring's own orderings may make them visible).
+    struct RingMem {
+        head: AtomicU64,
+        tail: AtomicU64,
+        stamps: Vec<AtomicU64>,
+    }
+
+    impl RingMem {
+        fn new() -> Arc<RingMem> {
+            Arc::new(RingMem {
+                head: AtomicU64::new(0),
+                tail: AtomicU64::new(0),
+                stamps: (0..SLOTS).map(|_| AtomicU64::new(0)).collect(),
+            })
+        }
+        fn ring(&self) -> Ring<'_> {
+            Ring {
+                head: &self.head,
+                tail: &self.tail,
+                slots: std::ptr::null_mut(),
+            }
+        }
+        fn stamp(&self, seq: u64) -> &AtomicU64 {
+            &self.stamps[(seq % SLOTS) as usize]
+        }
+    }
+
+    /// Producer and consumer of one ring, wrapping around it: the consumer
+    /// sees each slot's contents as the producer left them when it
+    /// published the slot (so publishing orders the bytes before the
+    /// counter), and the producer never refills a slot the consumer has not
+    /// released (so it never sees a later stamp).
+    #[test]
+    fn the_ring_hands_each_slot_over_once_in_order() {
+        loom::model(|| {
+            let n = SLOTS + 1;
+            let mem = RingMem::new();
+            let m = Arc::clone(&mem);
+            let producer = loom::thread::spawn(move || {
+                let ring = m.ring();
+                let mut seq = 0;
+                for i in 0..n {
+                    while !ring.writable(seq) {
+                        loom::thread::yield_now();
+                    }
+                    m.stamp(seq).store(i + 1, Ordering::Relaxed);
+                    ring.publish(&mut seq);
+                }
+            });
+            let ring = mem.ring();
+            let mut seq = 0;
+            for i in 0..n {
+                while !ring.readable(seq) {
+                    loom::thread::yield_now();
+                }
+                assert_eq!(mem.stamp(seq).load(Ordering::Relaxed), i + 1, "slot {seq}");
+                ring.release(&mut seq);
+            }
+            producer.join().unwrap();
+            assert!(ring.drained(n));
+        });
+    }
+
+    struct LaneMem {
+        head: AtomicU64,
+        tail: AtomicU64,
+        polling: AtomicU64,
+        entries: Vec<AtomicU64>,
+    }
+
+    impl LaneMem {
+        fn new() -> Arc<LaneMem> {
+            Arc::new(LaneMem {
+                head: AtomicU64::new(0),
+                tail: AtomicU64::new(0),
+                polling: AtomicU64::new(0),
+                entries: (0..ACKS).map(|_| AtomicU64::new(0)).collect(),
+            })
+        }
+        fn lane(&self) -> AckLane<'_> {
+            AckLane {
+                head: &self.head,
+                tail: &self.tail,
+                polling: &self.polling,
+                ring: self.entries.as_ptr(),
+            }
+        }
+    }
+
+    /// The Dekker pair: the reader polls, then says it is about to sleep
+    /// and takes what was posted; the target posts one id meanwhile.
+    /// Whatever the interleaving, either the reader took the id before
+    /// sleeping, or the target was told to send a WAKE frame — no
+    /// acknowledgement waits for a sleeping reader.
+    #[test]
+    fn no_acknowledgement_waits_for_a_sleeping_reader() {
+        loom::model(|| {
+            let mem = LaneMem::new();
+            let m = Arc::clone(&mem);
+            let target = loom::thread::spawn(move || {
+                let mut head = 0;
+                m.lane().post(&mut head, 7)
+            });
+            let lane = mem.lane();
+            let mut tail = 0;
+            let mut got = Vec::new();
+            lane.take(true, &mut tail, |id| got.push(id));
+            lane.take(false, &mut tail, |id| got.push(id));
+            // The reader sleeps on the socket now.
+            let posted = target.join().unwrap();
+            assert!(
+                got == [7] || posted == Some(false),
+                "took {got:?}, the target was told {posted:?}"
+            );
+        });
+    }
+
+    /// More acknowledgements than the lane holds: each id arrives exactly
+    /// once — through the lane in order, or (lane full) on the socket —
+    /// and the reader never takes an entry the target has not written.
+    #[test]
+    fn a_full_lane_loses_and_repeats_nothing() {
+        loom::model(|| {
+            let ids = ACKS + 1;
+            let mem = LaneMem::new();
+            let m = Arc::clone(&mem);
+            let target = loom::thread::spawn(move || {
+                let lane = m.lane();
+                let mut head = 0;
+                let mut on_socket = Vec::new();
+                for id in 1..=ids {
+                    if lane.post(&mut head, id).is_none() {
+                        on_socket.push(id);
+                    }
+                }
+                on_socket
+            });
+            let lane = mem.lane();
+            let mut tail = 0;
+            let mut got = Vec::new();
+            for _ in 0..2 {
+                lane.take(true, &mut tail, |id| got.push(id));
+            }
+            let on_socket = target.join().unwrap();
+            lane.take(false, &mut tail, |id| got.push(id));
+            assert!(got.windows(2).all(|w| w[0] < w[1]), "lane order: {got:?}");
+            let mut all: Vec<u64> = got.iter().chain(&on_socket).copied().collect();
+            all.sort_unstable();
+            assert_eq!(
+                all,
+                (1..=ids).collect::<Vec<_>>(),
+                "lane {got:?}, socket {on_socket:?}"
+            );
+        });
     }
 }
