@@ -39,7 +39,7 @@
 //!   PID namespace, and the kernel lets the target `ptrace` the
 //!   initiator), payloads bypass the socket: frames below 8 MiB through a
 //!   sealed shared-memory staging area, copied by both processes at once
-//!   ([`stage`]), larger ones by `process_vm_readv` / `process_vm_writev`
+//!   (see the README), larger ones by `process_vm_readv` / `process_vm_writev`
 //!   performed by the target — always after its usual checks; the socket
 //!   carries only requests and (some) acknowledgements.
 //!   `same_host=auto|cma|off`; the path to each peer (or why not) is in
@@ -60,19 +60,39 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 mod client;
-pub mod cma;
+mod cma;
 mod config;
 mod engine;
-pub mod frame;
+mod frame;
 mod handshake;
 mod io;
 mod server;
-pub mod stage;
+mod stage;
 mod stream;
 #[cfg(feature = "test-hooks")]
 mod test_hooks;
 
 pub use cma::SameHost;
+pub use cma::{errno_name, kernel_copy_gbps};
 pub use config::TcpConfig;
 pub use engine::TcpEngine;
 pub use server::{MAX_QUEUED_NOTIFICATIONS, MAX_QUEUED_NOTIFICATION_BYTES};
+
+/// The wire format, the staging area and the same-host checks, for this
+/// workspace's own tests (raw and hostile peers speak the protocol by
+/// hand). Not part of the API: nothing here is covered by semver.
+#[doc(hidden)]
+pub mod test_support {
+    /// The frames (see PROTOCOL.md).
+    pub mod frame {
+        pub use crate::frame::*;
+    }
+    /// The same-host offer and its checks.
+    pub mod cma {
+        pub use crate::cma::*;
+    }
+    /// The staging area.
+    pub mod stage {
+        pub use crate::stage::*;
+    }
+}

@@ -8,7 +8,7 @@ mod common;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use backend_tcp::frame::{Request, Response, Status, HEADER_LEN};
+use backend_tcp::test_support::frame::{Request, Response, Status, HEADER_LEN};
 use backend_tcp::TcpConfig;
 use common::{engine, mem, pattern, raw_handshake};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
@@ -19,11 +19,11 @@ const MIB: usize = 1 << 20;
 
 /// WRITEV/READV segments, all in regions of generation `gen`.
 fn segments(segs: &[(u64, u64)], gen: u32) -> Vec<u8> {
-    let segs: Vec<backend_tcp::frame::Segment> = segs
+    let segs: Vec<backend_tcp::test_support::frame::Segment> = segs
         .iter()
-        .map(|&(addr, len)| backend_tcp::frame::Segment { addr, len, gen })
+        .map(|&(addr, len)| backend_tcp::test_support::frame::Segment { addr, len, gen })
         .collect();
-    backend_tcp::frame::encode_segments(&segs)
+    backend_tcp::test_support::frame::encode_segments(&segs)
 }
 
 fn secret(s: &str) -> TcpConfig {
@@ -53,8 +53,8 @@ async fn wrong_secret_is_refused_before_memory_is_touched() {
         let mut s = tokio::net::TcpStream::connect(b.segment_name())
             .await
             .unwrap();
-        let hello = backend_tcp::frame::Hello {
-            version: backend_tcp::frame::VERSION,
+        let hello = backend_tcp::test_support::frame::Hello {
+            version: backend_tcp::test_support::frame::VERSION,
             flags: 0,
             nonce: [0; 32],
             name: "intruder".into(),
@@ -72,7 +72,7 @@ async fn wrong_secret_is_refused_before_memory_is_touched() {
         let mut sink = Vec::new();
         let _ = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut sink)).await;
         assert!(
-            sink.contains(&backend_tcp::frame::REJECT),
+            sink.contains(&backend_tcp::test_support::frame::REJECT),
             "the target did not send a rejection"
         );
     }
@@ -213,13 +213,13 @@ where
     let addr = l.local_addr().unwrap().to_string();
     tokio::spawn(async move {
         let (mut s, _) = l.accept().await.unwrap();
-        let mut fixed = [0u8; backend_tcp::frame::HELLO_FIXED];
+        let mut fixed = [0u8; backend_tcp::test_support::frame::HELLO_FIXED];
         s.read_exact(&mut fixed).await.unwrap();
-        let (_, n) = backend_tcp::frame::Hello::decode_fixed(&fixed).unwrap();
+        let (_, n) = backend_tcp::test_support::frame::Hello::decode_fixed(&fixed).unwrap();
         let mut name = vec![0u8; n];
         s.read_exact(&mut name).await.unwrap();
-        let hello = backend_tcp::frame::Hello {
-            version: backend_tcp::frame::VERSION,
+        let hello = backend_tcp::test_support::frame::Hello {
+            version: backend_tcp::test_support::frame::VERSION,
             flags: 0,
             nonce: [2; 32],
             name: "fake".into(),
@@ -228,12 +228,12 @@ where
         let mut proof = [0u8; 32];
         s.read_exact(&mut proof).await.unwrap();
         // Welcome with a table covering everything the test uses.
-        let mut w = vec![backend_tcp::frame::WELCOME];
+        let mut w = vec![backend_tcp::test_support::frame::WELCOME];
         w.extend_from_slice(&[0u8; 32]);
         w.extend_from_slice(&60_000u32.to_le_bytes());
         w.extend_from_slice(&1u32.to_le_bytes());
-        w.extend_from_slice(&backend_tcp::frame::encode_table(&[
-            backend_tcp::frame::TableEntry {
+        w.extend_from_slice(&backend_tcp::test_support::frame::encode_table(&[
+            backend_tcp::test_support::frame::TableEntry {
                 addr: 0x1000,
                 len: u64::MAX / 2,
                 gen: 1,
@@ -683,7 +683,7 @@ async fn too_many_inbound_connections_are_refused() {
     // Refused with Busy, not silently.
     assert_eq!(
         buf.get(..2),
-        Some(&[backend_tcp::frame::REJECT, Status::Busy as u8][..]),
+        Some(&[backend_tcp::test_support::frame::REJECT, Status::Busy as u8][..]),
         "third connection not refused with Busy: {buf:?}"
     );
 }

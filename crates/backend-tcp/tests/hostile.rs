@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use backend_tcp::frame::{
+use backend_tcp::test_support::frame::{
     Hello, Request, Response, Segment, Status, TableEntry, HEADER_LEN, HELLO_FIXED, REJECT,
     VERSION, WELCOME,
 };
@@ -421,11 +421,13 @@ async fn frames_never_land_in_memory_registered_after_they_were_sent() {
         total: 8,
     };
     s.write_all(&wv.encode()).await.unwrap();
-    s.write_all(&backend_tcp::frame::encode_segments(&[Segment {
-        addr: buf.addr(),
-        len: 8,
-        gen: old,
-    }]))
+    s.write_all(&backend_tcp::test_support::frame::encode_segments(&[
+        Segment {
+            addr: buf.addr(),
+            len: 8,
+            gen: old,
+        },
+    ]))
     .await
     .unwrap();
     s.write_all(&[0xcd; 8]).await.unwrap();
@@ -511,11 +513,13 @@ where
         w.extend_from_slice(&[0u8; 32]);
         w.extend_from_slice(&600_000u32.to_le_bytes());
         w.extend_from_slice(&1u32.to_le_bytes());
-        w.extend_from_slice(&backend_tcp::frame::encode_table(&[TableEntry {
-            addr: 0x1000,
-            len: 1 << 30,
-            gen: 1,
-        }]));
+        w.extend_from_slice(&backend_tcp::test_support::frame::encode_table(&[
+            TableEntry {
+                addr: 0x1000,
+                len: 1 << 30,
+                gen: 1,
+            },
+        ]));
         s.write_all(&w).await.unwrap();
         common::refuse_same_host(&mut s).await;
         then(s).await;
@@ -659,11 +663,13 @@ async fn malformed_segment_table_is_answered_before_closing() {
         }
         .encode(),
     );
-    frames.extend_from_slice(&backend_tcp::frame::encode_segments(&[Segment {
-        addr: target.addr(),
-        len: 20,
-        gen,
-    }]));
+    frames.extend_from_slice(&backend_tcp::test_support::frame::encode_segments(&[
+        Segment {
+            addr: target.addr(),
+            len: 20,
+            gen,
+        },
+    ]));
     s.write_all(&frames).await.unwrap();
     let mut got = Vec::new();
     let r = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut got)).await;

@@ -10,8 +10,8 @@ use std::os::unix::process::CommandExt;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use backend_tcp::cma::{Offer, Refusal, OFFER_LEN};
-use backend_tcp::frame::{
+use backend_tcp::test_support::cma::{Offer, Refusal, OFFER_LEN};
+use backend_tcp::test_support::frame::{
     encode_cma_segments, CmaSegment, Request, Response, Segment, Status, HEADER_LEN,
 };
 use backend_tcp::{SameHost, TcpConfig, TcpEngine};
@@ -50,7 +50,7 @@ fn cfg(mode: SameHost) -> TcpConfig {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn large_copies_split_over_the_helper_land_exactly() {
     assert!(
-        backend_tcp::cma::helpers()
+        backend_tcp::test_support::cma::helpers()
             >= usize::from(
                 std::env::var_os("FERRY_CMA_HELPERS").is_none()
                     && std::thread::available_parallelism().map_or(1, usize::from) >= 2
@@ -496,8 +496,8 @@ async fn target_stopped_between_check_and_copy_changes_no_released_byte() {
 /// answer).
 fn true_offer(probe: &[u8; 16]) -> Offer {
     Offer {
-        boot_id: backend_tcp::cma::boot_id().unwrap(),
-        pidns: backend_tcp::cma::pid_namespace().unwrap(),
+        boot_id: backend_tcp::test_support::cma::boot_id().unwrap(),
+        pidns: backend_tcp::test_support::cma::pid_namespace().unwrap(),
         pid: std::process::id() as u64,
         probe_addr: probe.as_ptr() as u64,
         nonce: *probe,
@@ -934,7 +934,7 @@ fn hugetlb_memfd(size: usize, seals: libc::c_int) -> Result<std::os::fd::OwnedFd
 /// which the target's checks already cover.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn holes_punched_in_the_staging_area_do_not_hurt_the_target() {
-    use backend_tcp::stage::{self, Dir, Piece, Watch, AREA_LEN};
+    use backend_tcp::test_support::stage::{self, Dir, Piece, Watch, AREA_LEN};
     use std::os::fd::AsRawFd;
     let b = start(cfg(SameHost::Auto)).await;
     let target = mem(&b, 256 * 1024, 0).await;
@@ -1013,11 +1013,11 @@ async fn staged_raw(
 ) -> (
     tokio::net::TcpStream,
     u32,
-    backend_tcp::stage::Area,
+    backend_tcp::test_support::stage::Area,
     Box<[u8; 16]>,
 ) {
     let probe: Box<[u8; 16]> = Box::new(rand_nonce());
-    let area = backend_tcp::stage::Area::create().unwrap();
+    let area = backend_tcp::test_support::stage::Area::create().unwrap();
     let (mut s, table) = common::raw_handshake_gens(b.segment_name()).await;
     let r = offer_staged(
         &mut s,
@@ -1087,7 +1087,7 @@ async fn response<S: AsyncReadExt + Unpin>(s: &mut S) -> (Response, Vec<u32>) {
 /// the refused segment and then exactly the bytes of the others.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn raw_staging_area_is_checked_then_carries_swrite_and_sread() {
-    use backend_tcp::stage::{self, Dir, Piece, Watch, AREA_LEN, VERDICT_LEN};
+    use backend_tcp::test_support::stage::{self, Dir, Piece, Watch, AREA_LEN, VERDICT_LEN};
     use std::os::fd::AsRawFd;
     let b = start(cfg(SameHost::Auto)).await;
     let len = 512 * 1024;
@@ -1290,7 +1290,7 @@ async fn stalled_staged_stream_releases_the_region() {
 /// patience on every slot (16 slots x 0.8 s = 12.8 s here).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn trickled_staged_stream_ends_at_the_frame_deadline() {
-    use backend_tcp::stage::{self, Dir, Piece, Watch, SLOT};
+    use backend_tcp::test_support::stage::{self, Dir, Piece, Watch, SLOT};
     let b = start(TcpConfig {
         stall_timeout: Duration::from_secs(1),
         min_rate: MIB as u64,
@@ -1363,7 +1363,7 @@ async fn trickled_staged_stream_ends_at_the_frame_deadline() {
 /// failed one still with ERRV on the socket.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn staged_acknowledgements_use_the_lane_and_wake_a_sleeping_reader() {
-    use backend_tcp::stage::{self, Dir, Piece, Watch};
+    use backend_tcp::test_support::stage::{self, Dir, Piece, Watch};
     let b = start(cfg(SameHost::Auto)).await;
     let target = mem(&b, 64 * 1024, 0).await;
     let (mut s, gen, area, probe) = staged_raw(&b, target.addr()).await;

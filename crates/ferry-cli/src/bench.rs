@@ -611,7 +611,7 @@ async fn measure_baselines(
         Some(pid) => {
             let remote = setup.remote_addr;
             let r = tokio::task::spawn_blocking(move || {
-                ferry::backend_tcp::cma::kernel_copy_gbps(pid, remote, b, span, duration, total)
+                ferry::backend_tcp::kernel_copy_gbps(pid, remote, b, span, duration, total)
             })
             .await
             .context("kernel-copy baseline task failed")?;
@@ -620,7 +620,7 @@ async fn measure_baselines(
                 Err(e) => {
                     eprintln!(
                         "note: no kernel-copy baseline: process_vm_readv: {}",
-                        ferry::backend_tcp::cma::errno_name(e)
+                        ferry::backend_tcp::errno_name(e)
                     );
                     None
                 }

@@ -12,7 +12,9 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use ferry::backend_tcp::frame::{Hello, Request, HELLO_FIXED, NONCE_LEN, VERSION, WELCOME};
+use ferry::backend_tcp::test_support::frame::{
+    Hello, Request, HELLO_FIXED, NONCE_LEN, VERSION, WELCOME,
+};
 use ferry::backend_tcp::{TcpConfig, TcpEngine};
 use ferry::{Notification, TransferEngine};
 
@@ -353,9 +355,10 @@ fn raw_handshake(segment: &str, addr: u64) -> (TcpStream, u32) {
     s.read_exact(&mut head).unwrap();
     assert_eq!(head[0], WELCOME);
     let count = u32::from_le_bytes(head[37..41].try_into().unwrap());
-    let mut raw = vec![0u8; count as usize * ferry::backend_tcp::frame::TABLE_ENTRY_LEN];
+    let mut raw =
+        vec![0u8; count as usize * ferry::backend_tcp::test_support::frame::TABLE_ENTRY_LEN];
     s.read_exact(&mut raw).unwrap();
-    let table = ferry::backend_tcp::frame::decode_table(&raw).unwrap();
+    let table = ferry::backend_tcp::test_support::frame::decode_table(&raw).unwrap();
     let gen = table
         .iter()
         .find(|e| e.addr <= addr && addr < e.addr + e.len)

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use backend_tcp::frame::{
+use backend_tcp::test_support::frame::{
     decode_table, Hello, TableEntry, HELLO_FIXED, MAX_TABLE_ENTRIES, NONCE_LEN, REJECT,
     TABLE_ENTRY_LEN, VERSION, WELCOME,
 };
@@ -107,18 +107,18 @@ pub async fn raw_handshake_on(mut s: TcpStream) -> (TcpStream, Vec<TableEntry>) 
 /// frame after the welcome, if any): refused as disabled, so the connection
 /// carries payloads on the socket, which these fakes speak.
 pub async fn refuse_same_host(s: &mut TcpStream) {
-    use backend_tcp::frame::{kind, Response, Status, HEADER_LEN};
+    use backend_tcp::test_support::frame::{kind, Response, Status, HEADER_LEN};
     // An initiator with same_host=off sends no offer.
     let mut first = [0u8; 1];
     if s.peek(&mut first).await.unwrap_or(0) == 0 || first[0] != kind::SAME_HOST {
         return;
     }
-    let mut offer = [0u8; HEADER_LEN + backend_tcp::cma::OFFER_LEN];
+    let mut offer = [0u8; HEADER_LEN + backend_tcp::test_support::cma::OFFER_LEN];
     s.read_exact(&mut offer).await.expect("same-host offer");
     let no = Response::Err {
         id: 0,
         status: Status::SameHostRefused,
-        addr: backend_tcp::cma::Refusal::Disabled as u64,
+        addr: backend_tcp::test_support::cma::Refusal::Disabled as u64,
         len: 0,
     };
     s.write_all(&no.encode()).await.expect("refusal");
