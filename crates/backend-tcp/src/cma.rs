@@ -444,9 +444,7 @@ pub fn kernel_copy_gbps(
 }
 
 /// Copies of at least this many bytes are split over the helper threads.
-/// Smaller ones are not worth waking a helper: on the 2-vCPU development
-/// VM splitting cold copies gave 1.8× at 16 MiB, 1.1× at 4 MiB, and 0.65×
-/// (slower) at 1 MiB.
+/// Smaller ones are not worth waking a helper (BENCHMARKS.md).
 pub const PARALLEL_MIN: usize = 8 << 20;
 
 /// One part of a split copy: `(local, remote, len)` ranges, done in order.

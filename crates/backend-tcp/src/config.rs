@@ -77,7 +77,7 @@ pub struct TcpConfig {
     /// keeps polling for responses until this long after the connection's
     /// last activity (a request sent or a response received), decided as
     /// it polls; then it sleeps. Polling avoids the wake-up latency of an
-    /// idle CPU (≈ 40 µs per wake-up on small VMs) at the cost of a core
+    /// idle CPU (tens of µs per wake-up on small VMs) at the cost of a core
     /// polling while transfers are in flight — never while idle (with
     /// nothing outstanding only `spin` applies). Zero: `spin` only.
     pub spin_pending: Duration,

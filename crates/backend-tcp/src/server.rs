@@ -544,8 +544,8 @@ enum Served {
 /// the engine's multi-threaded runtime every request arriving on a polled
 /// socket still wakes the worker parked in the reactor, which then steals
 /// and bounces the polling task between threads — on a 2-vCPU machine
-/// those wake-ups took the CPU the initiator's process needed (measured:
-/// 1 MiB transfers ~30 % slower). On its own thread nothing else wakes.
+/// those wake-ups took the CPU the initiator's process needed
+/// (BENCHMARKS.md). On its own thread nothing else wakes.
 /// One thread per same-host connection (bounded by `max_inbound`); such
 /// peers are local processes the target may already `ptrace`.
 async fn serve_on_thread(

@@ -1,8 +1,8 @@
 //! Staging rings: how the same-host path moves frames below 8 MiB.
 //!
-//! One cross-memory copy (`process_vm_readv`) by the target runs at
-//! 0.55–0.8× of a user-space memcpy on the development VMs: the kernel pins
-//! and maps the other process's pages one by one. For frames from
+//! One cross-memory copy (`process_vm_readv`) by the target is slower than
+//! a user-space memcpy (the kernel pins and maps the other process's pages
+//! one by one; BENCHMARKS.md). For frames from
 //! [`crate::TcpConfig::same_host_stage`] (1 byte: all) up to
 //! [`crate::cma::PARALLEL_MIN`] (8 MiB) the bytes move through a small
 //! shared memory area instead, as two pipelined copies made by the two
@@ -601,9 +601,8 @@ const STREAM_MIN: usize = 4096;
 /// non-temporal (streaming) stores on x86-64 for copies of at least
 /// [`STREAM_MIN`] bytes: the destination — the registered memory a KV
 /// block lands in — is written around the caches instead of being read
-/// into them first. On the development VMs that moves 64 KiB into memory
-/// the CPU has not touched at 15 GB/s against 6 GB/s with memcpy, and the
-/// consumer of a ring stops being its bottleneck. Ends with a store fence:
+/// into them first, so the consumer of a ring stops being its bottleneck
+/// (BENCHMARKS.md). Ends with a store fence:
 /// the bytes are visible to every core before anything this thread stores
 /// (or sends) afterwards.
 ///

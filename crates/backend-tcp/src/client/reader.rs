@@ -40,8 +40,8 @@ pub(crate) async fn reader_task(
 /// for as long as the connection's last activity (a request sent, a
 /// response received) is less than `spin_pending` ago — decided while
 /// polling, so a request sent after the reader began waiting keeps it
-/// awake for its answer (on this VM a sleeping reader costs ~40 µs of
-/// wake-up). With nothing outstanding it sleeps after `spin`.
+/// awake for its answer (waking a sleeping reader costs tens of µs:
+/// BENCHMARKS.md). With nothing outstanding it sleeps after `spin`.
 pub(crate) async fn reader_loop(
     conn: &Arc<ConnShared>,
     spin: Duration,
