@@ -41,14 +41,84 @@ pub struct SinkStats {
     pub bytes: AtomicU64,
 }
 
+/// Most bytes of buffer all of a sink's streams hold together: one
+/// [`SPAN`], so the baseline's footprint is the engines' while a peer that
+/// opens streams (the sink has no authentication) cannot make it grow.
+pub const SINK_BUDGET: usize = SPAN;
+
+/// Each stream's own small buffer, used until (or while) it holds no chunk
+/// of the shared budget.
+const SCRATCH: usize = 64 << 10;
+
+/// Chunks of the shared budget: what is left of [`SINK_BUDGET`] once every
+/// stream's scratch buffer is counted.
+const BUDGET_CHUNKS: usize = (SINK_BUDGET - MAX_SINK_STREAMS * SCRATCH) / READ_CHUNK;
+
+/// One stream's buffers: chunks of the shared budget, taken as data
+/// arrives (up to [`SPAN`]), and cycled through once no more can be had;
+/// the scratch buffer while it has none.
+struct StreamBuffers {
+    budget: Arc<tokio::sync::Semaphore>,
+    scratch: Vec<u8>,
+    chunks: Vec<(Vec<u8>, tokio::sync::OwnedSemaphorePermit)>,
+    /// The chunk being filled (`None`: the scratch buffer) and the offset in it.
+    cur: Option<usize>,
+    off: usize,
+}
+
+impl StreamBuffers {
+    fn new(budget: Arc<tokio::sync::Semaphore>) -> StreamBuffers {
+        StreamBuffers {
+            budget,
+            // Touched up front, like registered memory.
+            scratch: vec![1u8; SCRATCH],
+            chunks: Vec::new(),
+            cur: None,
+            off: 0,
+        }
+    }
+
+    /// Where the next read goes (at most [`READ_CHUNK`] bytes).
+    fn next(&mut self) -> &mut [u8] {
+        let len = self.cur.map_or(SCRATCH, |_| READ_CHUNK);
+        if self.off >= len {
+            self.off = 0;
+            let room = self.chunks.len() < SPAN / READ_CHUNK;
+            let permit = if room {
+                Arc::clone(&self.budget).try_acquire_owned().ok()
+            } else {
+                None
+            };
+            self.cur = match permit {
+                Some(p) => {
+                    self.chunks.push((vec![1u8; READ_CHUNK], p));
+                    Some(self.chunks.len() - 1)
+                }
+                None if self.chunks.is_empty() => None,
+                None => Some(self.cur.map_or(0, |c| (c + 1) % self.chunks.len())),
+            };
+        }
+        let off = self.off;
+        match self.cur {
+            Some(c) => &mut self.chunks[c].0[off..],
+            None => &mut self.scratch[off..],
+        }
+    }
+
+    fn advance(&mut self, n: usize) {
+        self.off += n;
+    }
+}
+
 /// Serves `listener` until the task is dropped/aborted.
-/// At most [`MAX_SINK_STREAMS`] streams are served at once (each holds a
-/// [`SPAN`]-byte buffer, allocated only once its first bytes arrive);
-/// further connections wait in the accept queue. A stream silent for
-/// [`SINK_IDLE`] is dropped, so idle connections cannot hold the slots (or
-/// memory) for long.
+/// At most [`MAX_SINK_STREAMS`] streams are served at once; together they
+/// hold at most [`SINK_BUDGET`] bytes of buffer, taken as data arrives
+/// (nothing for a connection that sends nothing); further connections wait
+/// in the accept queue. A stream silent for [`SINK_IDLE`] is dropped, so
+/// idle connections cannot hold the slots (or memory) for long.
 pub async fn run_sink(listener: TcpListener, stats: Arc<SinkStats>) {
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_SINK_STREAMS));
+    let budget = Arc::new(tokio::sync::Semaphore::new(BUDGET_CHUNKS));
     loop {
         let Ok(slot) = Arc::clone(&slots).acquire_owned().await else {
             return;
@@ -57,6 +127,7 @@ pub async fn run_sink(listener: TcpListener, stats: Arc<SinkStats>) {
             continue;
         };
         let stats = Arc::clone(&stats);
+        let budget = Arc::clone(&budget);
         tokio::spawn(async move {
             let _slot = slot;
             let _ = stream.set_nodelay(true);
@@ -69,17 +140,14 @@ pub async fn run_sink(listener: TcpListener, stats: Arc<SinkStats>) {
                     return;
                 }
             }
-            // Touched up front, like registered memory.
-            let mut buf = vec![1u8; SPAN];
+            let mut bufs = StreamBuffers::new(budget);
             let mut got = 0u64;
-            let mut off = 0usize;
             loop {
-                let end = (off + READ_CHUNK).min(SPAN);
-                match tokio::time::timeout(SINK_IDLE, stream.read(&mut buf[off..end])).await {
+                match tokio::time::timeout(SINK_IDLE, stream.read(bufs.next())).await {
                     Ok(Ok(0)) => break,
                     Ok(Ok(n)) => {
                         got = got.saturating_add(n as u64);
-                        off = (off + n) % SPAN;
+                        bufs.advance(n);
                     }
                     Ok(Err(e)) => {
                         tracing::debug!(%peer, error = %e, "raw sink stream failed");
@@ -91,7 +159,7 @@ pub async fn run_sink(listener: TcpListener, stats: Arc<SinkStats>) {
                     }
                 }
             }
-            drop(buf);
+            drop(bufs);
             let add = |c: &AtomicU64, n: u64| {
                 let _ = c.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
                     Some(v.saturating_add(n))
@@ -102,6 +170,47 @@ pub async fn run_sink(listener: TcpListener, stats: Arc<SinkStats>) {
             let _ = stream.write_all(&got.to_le_bytes()).await;
             let _ = stream.shutdown().await;
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Streams take chunks of the shared budget as they fill them, never
+    /// more than [`SPAN`] each nor [`SINK_BUDGET`] together (scratch
+    /// buffers counted), and cycle through what they hold once the budget
+    /// is gone.
+    #[test]
+    fn streams_share_one_budget() {
+        let budget = Arc::new(tokio::sync::Semaphore::new(BUDGET_CHUNKS));
+        let mut streams: Vec<StreamBuffers> = (0..MAX_SINK_STREAMS)
+            .map(|_| StreamBuffers::new(Arc::clone(&budget)))
+            .collect();
+        // Each stream receives two spans' worth, interleaved.
+        for _ in 0..2 * SPAN / READ_CHUNK {
+            for s in &mut streams {
+                let n = s.next().len();
+                assert!(n > 0 && n <= READ_CHUNK);
+                s.advance(n);
+            }
+        }
+        let held: usize = streams
+            .iter()
+            .map(|s| s.scratch.len() + s.chunks.len() * READ_CHUNK)
+            .sum();
+        assert!(held <= SINK_BUDGET, "{held} bytes held");
+        assert_eq!(budget.available_permits(), 0, "the budget was used");
+        assert!(streams.iter().all(|s| s.chunks.len() * READ_CHUNK <= SPAN));
+        drop(streams);
+        assert_eq!(budget.available_permits(), BUDGET_CHUNKS, "chunks returned");
+        // Alone, a stream grows to one span and then cycles.
+        let mut one = StreamBuffers::new(Arc::clone(&budget));
+        for _ in 0..2 * SPAN / SCRATCH {
+            let n = one.next().len();
+            one.advance(n);
+        }
+        assert_eq!(one.chunks.len(), BUDGET_CHUNKS.min(SPAN / READ_CHUNK));
     }
 }
 

@@ -192,6 +192,47 @@ fn raw_sink_is_off_by_default_and_bounded_when_on() {
         during < before + 64 * 1024,
         "idle sink streams made serve allocate: {before} -> {during} KiB"
     );
+    drop(idle);
+    // One byte each, then silence (what took 64 MiB a stream): all of them
+    // together stay within the sink's 64 MiB budget, and so do streams that
+    // send a lot at once.
+    let mut poked: Vec<TcpStream> = (0..9)
+        .map(|_| TcpStream::connect(&sink).expect("connect"))
+        .collect();
+    for p in &mut poked {
+        p.write_all(&[1]).unwrap();
+    }
+    std::thread::sleep(Duration::from_secs(2));
+    let poked_rss = s.rss_kib();
+    let senders: Vec<_> = (0..4)
+        .map(|_| {
+            let sink = sink.clone();
+            std::thread::spawn(move || {
+                let mut t = TcpStream::connect(&sink).expect("connect");
+                let block = vec![9u8; 1 << 20];
+                for _ in 0..96 {
+                    if t.write_all(&block).is_err() {
+                        break;
+                    }
+                }
+            })
+        })
+        .collect();
+    let mut peak = poked_rss;
+    let t0 = std::time::Instant::now();
+    while senders.iter().any(|h| !h.is_finished()) && t0.elapsed() < Duration::from_secs(30) {
+        peak = peak.max(s.rss_kib());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for h in senders {
+        let _ = h.join();
+    }
+    eprintln!("with 9 poked streams {poked_rss} KiB, peak with senders {peak} KiB");
+    assert!(
+        poked_rss < before + 64 * 1024 && peak < before + 72 * 1024,
+        "sink streams grew serve past its budget: {before} -> {poked_rss} / {peak} KiB"
+    );
+    drop(poked);
     // A real stream is served (once the idle ones time out at the latest).
     let mut real = TcpStream::connect(&sink).expect("connect");
     real.write_all(&vec![7u8; 1 << 20]).unwrap();
@@ -202,7 +243,6 @@ fn raw_sink_is_off_by_default_and_bounded_when_on() {
     real.read_exact(&mut ack)
         .expect("the real stream was never served");
     assert_eq!(u64::from_le_bytes(ack), 1 << 20);
-    drop(idle);
 }
 
 /// Rows 9 and 10: counters a peer reports cannot overflow (debug builds
