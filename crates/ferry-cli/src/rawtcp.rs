@@ -173,47 +173,6 @@ pub async fn run_sink(listener: TcpListener, stats: Arc<SinkStats>) {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Streams take chunks of the shared budget as they fill them, never
-    /// more than [`SPAN`] each nor [`SINK_BUDGET`] together (scratch
-    /// buffers counted), and cycle through what they hold once the budget
-    /// is gone.
-    #[test]
-    fn streams_share_one_budget() {
-        let budget = Arc::new(tokio::sync::Semaphore::new(BUDGET_CHUNKS));
-        let mut streams: Vec<StreamBuffers> = (0..MAX_SINK_STREAMS)
-            .map(|_| StreamBuffers::new(Arc::clone(&budget)))
-            .collect();
-        // Each stream receives two spans' worth, interleaved.
-        for _ in 0..2 * SPAN / READ_CHUNK {
-            for s in &mut streams {
-                let n = s.next().len();
-                assert!(n > 0 && n <= READ_CHUNK);
-                s.advance(n);
-            }
-        }
-        let held: usize = streams
-            .iter()
-            .map(|s| s.scratch.len() + s.chunks.len() * READ_CHUNK)
-            .sum();
-        assert!(held <= SINK_BUDGET, "{held} bytes held");
-        assert_eq!(budget.available_permits(), 0, "the budget was used");
-        assert!(streams.iter().all(|s| s.chunks.len() * READ_CHUNK <= SPAN));
-        drop(streams);
-        assert_eq!(budget.available_permits(), BUDGET_CHUNKS, "chunks returned");
-        // Alone, a stream grows to one span and then cycles.
-        let mut one = StreamBuffers::new(Arc::clone(&budget));
-        for _ in 0..2 * SPAN / SCRATCH {
-            let n = one.next().len();
-            one.advance(n);
-        }
-        assert_eq!(one.chunks.len(), BUDGET_CHUNKS.min(SPAN / READ_CHUNK));
-    }
-}
-
 /// Sends `block`-sized writes over `streams` parallel connections to the
 /// sink at `addr` until `duration` has passed or `total` bytes are sent;
 /// returns GB/s (10^9 bytes per second) as confirmed by the sink.
@@ -270,4 +229,45 @@ pub async fn measure(
     }
     let secs = start.elapsed().as_secs_f64();
     Ok(confirmed as f64 / secs / 1e9)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Streams take chunks of the shared budget as they fill them, never
+    /// more than [`SPAN`] each nor [`SINK_BUDGET`] together (scratch
+    /// buffers counted), and cycle through what they hold once the budget
+    /// is gone.
+    #[test]
+    fn streams_share_one_budget() {
+        let budget = Arc::new(tokio::sync::Semaphore::new(BUDGET_CHUNKS));
+        let mut streams: Vec<StreamBuffers> = (0..MAX_SINK_STREAMS)
+            .map(|_| StreamBuffers::new(Arc::clone(&budget)))
+            .collect();
+        // Each stream receives two spans' worth, interleaved.
+        for _ in 0..2 * SPAN / READ_CHUNK {
+            for s in &mut streams {
+                let n = s.next().len();
+                assert!(n > 0 && n <= READ_CHUNK);
+                s.advance(n);
+            }
+        }
+        let held: usize = streams
+            .iter()
+            .map(|s| s.scratch.len() + s.chunks.len() * READ_CHUNK)
+            .sum();
+        assert!(held <= SINK_BUDGET, "{held} bytes held");
+        assert_eq!(budget.available_permits(), 0, "the budget was used");
+        assert!(streams.iter().all(|s| s.chunks.len() * READ_CHUNK <= SPAN));
+        drop(streams);
+        assert_eq!(budget.available_permits(), BUDGET_CHUNKS, "chunks returned");
+        // Alone, a stream grows to one span and then cycles.
+        let mut one = StreamBuffers::new(Arc::clone(&budget));
+        for _ in 0..2 * SPAN / SCRATCH {
+            let n = one.next().len();
+            one.advance(n);
+        }
+        assert_eq!(one.chunks.len(), BUDGET_CHUNKS.min(SPAN / READ_CHUNK));
+    }
 }
