@@ -111,6 +111,11 @@ pub struct TcpConfig {
     /// area is offered. Default 1: every frame below 8 MiB (small ones
     /// gain too: no `process_vm_*` call and no liveness check per copy).
     pub same_host_stage: Option<usize>,
+    /// Listen on an address other hosts can reach without a `secret`
+    /// (URL `insecure=1`). Without it [`crate::TcpEngine::start`] refuses
+    /// such an engine: anyone who can reach its port could read and write
+    /// every registered byte. Loopback addresses need no secret.
+    pub insecure: bool,
 }
 
 impl Default for TcpConfig {
@@ -137,6 +142,7 @@ impl Default for TcpConfig {
             same_host_unix: true,
             same_host_chunk: 16 << 20,
             same_host_stage: Some(1),
+            insecure: false,
         }
     }
 }
@@ -165,6 +171,7 @@ impl fmt::Debug for TcpConfig {
             .field("same_host_unix", &self.same_host_unix)
             .field("same_host_chunk", &self.same_host_chunk)
             .field("same_host_stage", &self.same_host_stage)
+            .field("insecure", &self.insecure)
             .finish()
     }
 }
@@ -216,6 +223,7 @@ impl TcpConfig {
     /// | `same_host_control`  | `same_host_unix`  | `unix` (true) or `tcp` (false): where a same-host connection's frames go |
     /// | `same_host_chunk`    | `same_host_chunk` | bytes per CWRITE / CREAD frame on the same-host path (4096..=64 MiB) |
     /// | `same_host_stage`    | `same_host_stage` | smallest frame moved through the staging area, bytes (1..=64 MiB), or `off` |
+    /// | `insecure`           | `insecure`        | `1`: listen beyond loopback without a secret (refused otherwise) |
     ///
     /// An unknown parameter, a repeated one, a value out of range or another
     /// scheme than `tcp` is [`Error::InvalidArgument`] naming it.
@@ -253,6 +261,17 @@ impl TcpConfig {
                         return Err(invalid("tcp URL parameter secret is empty".to_owned()));
                     }
                     cfg.secret = Some(value.to_string());
+                }
+                "insecure" => {
+                    cfg.insecure = match value.as_ref() {
+                        "1" | "true" => true,
+                        "0" | "false" => false,
+                        v => {
+                            return Err(invalid(format!(
+                                "tcp URL parameter insecure={v:?} must be 1 or 0"
+                            )))
+                        }
+                    }
                 }
                 "connections" => cfg.connections = parse_num(&key, &value)? as usize,
                 "timeout_ms" => {

@@ -70,8 +70,10 @@ impl std::fmt::Debug for TcpEngine {
 impl TcpEngine {
     /// Binds the listener and starts serving.
     ///
-    /// Fails with [`Error::InvalidArgument`] for a bad configuration and
-    /// [`Error::Io`] if the address cannot be resolved or bound. The
+    /// Fails with [`Error::InvalidArgument`] for a bad configuration — an
+    /// address beyond loopback without a `secret` included, unless
+    /// `insecure` says so — and [`Error::Io`] if the address cannot be
+    /// resolved or bound. The
     /// segment name is the bound `host:port` (so listen on a concrete
     /// address, not `0.0.0.0`, when peers should use the name as is).
     pub async fn start(config: TcpConfig) -> Result<TcpEngine> {
@@ -83,6 +85,15 @@ impl TcpEngine {
             .ok_or_else(|| {
                 Error::InvalidArgument(format!("{} resolves to no address", config.listen))
             })?;
+        if !addr.ip().is_loopback() && config.secret.is_none() && !config.insecure {
+            return Err(Error::InvalidArgument(format!(
+                "refusing to listen on {addr} without a secret: any host that can reach this \
+                 port could read and write every registered byte. Set a shared secret (for \
+                 `ferry serve`: the FERRY_SECRET environment variable or --secret-file; in a \
+                 URL: secret=, visible in the process list), listen on a loopback address, or \
+                 accept the exposure explicitly with insecure=1 (`ferry serve --insecure`)"
+            )));
+        }
         let sock = if addr.is_ipv4() {
             tokio::net::TcpSocket::new_v4()
         } else {

@@ -74,6 +74,12 @@ pub struct ServeArgs {
     /// process list.
     #[arg(long, value_name = "PATH")]
     secret_file: Option<PathBuf>,
+
+    /// Serve on an address other hosts can reach without a secret (TCP
+    /// backend): anyone who can reach the port can then read and write the
+    /// served region. Without it such a `serve` refuses to start.
+    #[arg(long)]
+    insecure: bool,
 }
 
 /// The backend URL with the secret from `--secret-file` or `FERRY_SECRET`
@@ -150,11 +156,21 @@ pub fn redact_url(url: &str) -> String {
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     // Signals first, so that none is lost while starting.
     let mut stop = stop_signals()?;
-    let url = with_secret(
+    if query_keys(&args.backend).any(|k| k.eq_ignore_ascii_case("secret")) {
+        eprintln!(
+            "warning: the secret given in --backend is visible to every user of this machine \
+             (/proc/PID/cmdline); use --secret-file or {SECRET_ENV} instead"
+        );
+    }
+    let mut url = with_secret(
         &args.backend,
         args.secret_file.as_ref(),
         std::env::var(SECRET_ENV).ok(),
     )?;
+    if args.insecure && url.starts_with("tcp://") {
+        let sep = if url.contains('?') { '&' } else { '?' };
+        url = format!("{url}{sep}insecure=1");
+    }
     let engine = Arc::new(
         Engine::open(&url)
             .await
@@ -384,8 +400,10 @@ fn client_url(url: &str) -> String {
     let redacted = redact_url(url);
     if let Some(rest) = redacted.strip_prefix("tcp://") {
         return match rest.split_once('?') {
-            Some((_, q)) => format!("tcp://0.0.0.0:0?{q}"),
-            None => "tcp://0.0.0.0:0".to_owned(),
+            // The bench's engine only dials out: loopback (no secret
+            // needed for its own listener).
+            Some((_, q)) => format!("tcp://127.0.0.1:0?{q}"),
+            None => "tcp://127.0.0.1:0".to_owned(),
         };
     }
     if let Some((base, query)) = redacted.split_once('?') {
@@ -465,9 +483,9 @@ mod tests {
     fn helpers() {
         assert_eq!(
             client_url("tcp://10.0.0.2:7000?secret=x"),
-            "tcp://0.0.0.0:0?secret=…"
+            "tcp://127.0.0.1:0?secret=…"
         );
-        assert_eq!(client_url("tcp://10.0.0.2:7000"), "tcp://0.0.0.0:0");
+        assert_eq!(client_url("tcp://10.0.0.2:7000"), "tcp://127.0.0.1:0");
         // The server's own name and port never go into the client's URL.
         assert_eq!(
             client_url("mooncake://?lib=/l.so&metadata=http://m:8080/metadata&name=srv&port=15000"),

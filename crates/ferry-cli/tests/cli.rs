@@ -571,3 +571,67 @@ mod mooncake {
         }
     }
 }
+
+/// `ferry serve` on an address other hosts can reach refuses to start
+/// without a secret, saying what is exposed and how to set one; with
+/// `--insecure` it starts (and stops on SIGINT).
+#[test]
+fn serve_beyond_loopback_needs_a_secret_or_insecure() {
+    let (_, err) = expect_code(
+        &["serve", "--size", "1MiB", "--backend", "tcp://0.0.0.0:0"],
+        1,
+    );
+    for needle in [
+        "without a secret",
+        "read and write",
+        "FERRY_SECRET",
+        "--secret-file",
+        "--insecure",
+    ] {
+        assert!(err.contains(needle), "{needle:?} missing: {err}");
+    }
+    let mut child = ferry()
+        .args([
+            "serve",
+            "--size",
+            "1MiB",
+            "--backend",
+            "tcp://0.0.0.0:0",
+            "--insecure",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn");
+    let stdout = child.stdout.take().expect("stdout");
+    let first = BufReader::new(stdout).lines().next();
+    let pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).expect("pid"));
+    let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT);
+    let _ = child.wait();
+    let first = first.expect("a banner").expect("a line");
+    assert!(
+        first.starts_with("ferry serve: backend tcp, segment 0.0.0.0:"),
+        "{first}"
+    );
+    // The secret in the URL works, with a warning about the process list.
+    let mut child = ferry()
+        .args([
+            "serve",
+            "--size",
+            "1MiB",
+            "--backend",
+            "tcp://0.0.0.0:0?secret=x",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    let stdout = child.stdout.take().expect("stdout");
+    let first = BufReader::new(stdout).lines().next();
+    let pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).expect("pid"));
+    let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT);
+    let out = child.wait_with_output().expect("wait");
+    assert!(first.is_some_and(|l| l.is_ok_and(|l| l.starts_with("ferry serve: backend tcp"))));
+    let err = text(&out.stderr);
+    assert!(err.contains("visible to every user"), "{err}");
+}
