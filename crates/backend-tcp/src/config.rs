@@ -69,6 +69,12 @@ pub struct TcpConfig {
     /// Most established inbound connections served at once; more are
     /// refused with `Busy`.
     pub max_inbound: usize,
+    /// Most established inbound connections from one source (an IPv4
+    /// address, or an IPv6 /64) at once: beyond it the source's own idle
+    /// connection is evicted, or the new one refused with `Busy`, so one
+    /// source holding idle connections cannot take every slot from the
+    /// others. `0`: a quarter of `max_inbound` (at least 1), the default.
+    pub max_per_source: usize,
     /// How long an idle connection polls the socket before sleeping in the
     /// kernel (bounded busy-poll: lower latency, no spinning while idle).
     /// Zero disables polling.
@@ -135,6 +141,7 @@ impl Default for TcpConfig {
             chunk_size: 1 << 20,
             max_batch: 65_536,
             max_inbound: 1024,
+            max_per_source: 0,
             spin: Duration::from_micros(50),
             spin_pending: Duration::from_micros(200),
             socket_buffer: None,
@@ -164,6 +171,7 @@ impl fmt::Debug for TcpConfig {
             .field("chunk_size", &self.chunk_size)
             .field("max_batch", &self.max_batch)
             .field("max_inbound", &self.max_inbound)
+            .field("max_per_source", &self.max_per_source)
             .field("spin", &self.spin)
             .field("spin_pending", &self.spin_pending)
             .field("socket_buffer", &self.socket_buffer)
@@ -187,6 +195,14 @@ fn parse_num(key: &str, value: &str) -> Result<u64> {
 }
 
 impl TcpConfig {
+    /// The effective per-source bound (see [`TcpConfig::max_per_source`]).
+    pub fn per_source_limit(&self) -> usize {
+        match self.max_per_source {
+            0 => (self.max_inbound / 4).max(1),
+            n => n.min(self.max_inbound),
+        }
+    }
+
     /// The deadline for moving `bytes` on top of `base`: `base + bytes /
     /// min_rate` (saturating).
     pub fn deadline_for(&self, base: Duration, bytes: u64) -> Duration {
@@ -210,6 +226,7 @@ impl TcpConfig {
     /// | `chunk_size`         | `chunk_size`      | split size in bytes, 1..=67108864        |
     /// | `max_batch`          | `max_batch`       | most requests per batch (> 0)            |
     /// | `max_inbound`        | `max_inbound`     | most established inbound connections (> 0) |
+    /// | `max_per_source`     | `max_per_source`  | most of them from one source (0: a quarter of `max_inbound`) |
     /// | `stall_timeout_ms`   | `stall_timeout`   | in-frame progress deadline, ms (> 0)     |
     /// | `min_rate`           | `min_rate`        | minimum bytes/s of payloads in flight (> 0) |
     /// | `handshake_timeout_ms` | `handshake_timeout` | inbound handshake deadline, ms (> 0) |
@@ -283,6 +300,12 @@ impl TcpConfig {
                 "chunk_size" => cfg.chunk_size = parse_num(&key, &value)? as usize,
                 "max_batch" => cfg.max_batch = parse_num(&key, &value)? as usize,
                 "max_inbound" => cfg.max_inbound = parse_num(&key, &value)? as usize,
+                "max_per_source" => {
+                    let n: u64 = value.parse().map_err(|_| {
+                        invalid(format!("tcp URL parameter max_per_source={value:?} is not a number"))
+                    })?;
+                    cfg.max_per_source = n as usize;
+                }
                 "stall_timeout_ms" => {
                     cfg.stall_timeout = Duration::from_millis(parse_num(&key, &value)?)
                 }

@@ -170,9 +170,42 @@ impl Core {
             .map(|(_, _, l)| Arc::clone(l))
     }
 
+    /// An idle connection of `source` not already chosen for eviction (the
+    /// longest idle).
+    fn idle_of(&self, source: IpAddr) -> Option<Arc<Live>> {
+        let live = lock(&self.live);
+        let now = self.now_ms();
+        live.values()
+            .filter(|l| l.source == source && !l.evicted.load(Ordering::Acquire))
+            .filter_map(|l| {
+                let since = l.idle_since.load(Ordering::Acquire);
+                (since != 0).then_some((now.saturating_sub(since), l))
+            })
+            .max_by_key(|(idle, _)| *idle)
+            .map(|(_, l)| Arc::clone(l))
+    }
+
+    /// Connections of `source` established now (not being evicted).
+    fn count_of(&self, source: IpAddr) -> usize {
+        lock(&self.live)
+            .values()
+            .filter(|l| l.source == source && !l.evicted.load(Ordering::Acquire))
+            .count()
+    }
+
     /// Admits a connection that completed its handshake, evicting an idle
-    /// one if `max_inbound` are established; `None`: refuse it (`Busy`).
-    fn admit(&self, source: IpAddr) -> Option<Admitted<'_>> {
+    /// one if `max_inbound` are established, or one of its source's own if
+    /// that source holds its share ([`TcpConfig::per_source_limit`]);
+    /// `Err(reason)`: refuse it (`Busy`).
+    fn admit(&self, source: IpAddr) -> Result<Admitted<'_>, &'static str> {
+        if self.count_of(source) >= self.config.per_source_limit() {
+            match self.idle_of(source) {
+                Some(victim) if !victim.evicted.swap(true, Ordering::AcqRel) => {
+                    victim.evict.notify_one();
+                }
+                _ => return Err("too many connections from this source"),
+            }
+        }
         if self.established.fetch_add(1, Ordering::AcqRel) >= self.config.max_inbound {
             match self.pick_evictable() {
                 Some(victim) if !victim.evicted.swap(true, Ordering::AcqRel) => {
@@ -180,7 +213,7 @@ impl Core {
                 }
                 _ => {
                     self.established.fetch_sub(1, Ordering::AcqRel);
-                    return None;
+                    return Err("too many connections");
                 }
             }
         }
@@ -192,7 +225,7 @@ impl Core {
             evict: Notify::new(),
         });
         lock(&self.live).insert(id, Arc::clone(&live));
-        Some(Admitted {
+        Ok(Admitted {
             core: self,
             id,
             live,
@@ -462,18 +495,15 @@ async fn serve_conn(
         }
         Some(Ok(r)) => r?,
     };
-    let Some(admitted) = core.admit(source_of(addr.ip())) else {
-        handshake::send_reject(
-            &stream,
-            Status::Busy,
-            "too many connections",
-            REJECT_TIMEOUT,
-        )
-        .await;
-        return Err(Error::SegmentUnavailable {
-            name: peer,
-            reason: "refused: too many established connections".to_owned(),
-        });
+    let admitted = match core.admit(source_of(addr.ip())) {
+        Ok(a) => a,
+        Err(why) => {
+            handshake::send_reject(&stream, Status::Busy, why, REJECT_TIMEOUT).await;
+            return Err(Error::SegmentUnavailable {
+                name: peer,
+                reason: format!("refused: {why}"),
+            });
+        }
     };
     handshake::send_welcome(
         &stream,

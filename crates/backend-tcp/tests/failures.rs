@@ -668,6 +668,9 @@ async fn reconnects_after_connection_loss() {
 async fn too_many_inbound_connections_are_refused() {
     let b = engine(TcpConfig {
         max_inbound: 2,
+        // All from one source here: the per-source share is not the bound
+        // under test (see tests/admission.rs).
+        max_per_source: 2,
         evict_idle: Duration::from_secs(3600),
         ..TcpConfig::default()
     })
