@@ -105,10 +105,13 @@ impl MooncakeConfig {
     /// `protocol` or `host`.
     pub fn from_url(url: &str) -> Result<MooncakeConfig> {
         let bad = |m: String| Error::InvalidArgument(m);
-        let parsed = url::Url::parse(url).map_err(|e| bad(format!("mooncake URL {url:?}: {e}")))?;
+        // Messages quote the URL with its secrets hidden.
+        let shown = transport_core::raw::redact_url(url);
+        let parsed =
+            url::Url::parse(url).map_err(|e| bad(format!("mooncake URL {shown:?}: {e}")))?;
         if parsed.scheme() != "mooncake" {
             return Err(bad(format!(
-                "URL {url:?} is not a mooncake:// URL (scheme {:?})",
+                "URL {shown:?} is not a mooncake:// URL (scheme {:?})",
                 parsed.scheme()
             )));
         }
@@ -116,7 +119,7 @@ impl MooncakeConfig {
             || !(parsed.path().is_empty() || parsed.path() == "/")
         {
             return Err(bad(format!(
-                "mooncake URL {url:?}: give everything as parameters, \
+                "mooncake URL {shown:?}: give everything as parameters, \
                  e.g. mooncake://?host=10.0.0.1&port=12345"
             )));
         }

@@ -245,21 +245,23 @@ impl TcpConfig {
     /// An unknown parameter, a repeated one, a value out of range or another
     /// scheme than `tcp` is [`Error::InvalidArgument`] naming it.
     pub fn from_url(url: &str) -> Result<TcpConfig> {
+        // Messages quote the URL with its secrets hidden.
+        let shown = transport_core::raw::redact_url(url);
         let parsed =
-            url::Url::parse(url).map_err(|e| invalid(format!("bad tcp URL {url:?}: {e}")))?;
+            url::Url::parse(url).map_err(|e| invalid(format!("bad tcp URL {shown:?}: {e}")))?;
         if parsed.scheme() != "tcp" {
             return Err(invalid(format!(
-                "URL {url:?} has scheme {:?}; the tcp backend needs tcp://HOST:PORT",
+                "URL {shown:?} has scheme {:?}; the tcp backend needs tcp://HOST:PORT",
                 parsed.scheme()
             )));
         }
         let host = parsed
             .host_str()
             .filter(|h| !h.is_empty())
-            .ok_or_else(|| invalid(format!("tcp URL {url:?} has no host")))?;
+            .ok_or_else(|| invalid(format!("tcp URL {shown:?} has no host")))?;
         if !(parsed.path().is_empty() || parsed.path() == "/") {
             return Err(invalid(format!(
-                "tcp URL {url:?} has a path; only tcp://HOST:PORT?params is accepted"
+                "tcp URL {shown:?} has a path; only tcp://HOST:PORT?params is accepted"
             )));
         }
         let port = parsed.port().unwrap_or(0);

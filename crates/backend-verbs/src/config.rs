@@ -254,7 +254,8 @@ impl VerbsConfig {
     pub fn from_url(url: &str) -> Result<VerbsConfig> {
         let rest = url.strip_prefix("verbs://").ok_or_else(|| {
             Error::InvalidArgument(format!(
-                "{url:?} is not a verbs URL (expected `verbs://DEVICE?param=value&...`)"
+                "{:?} is not a verbs URL (expected `verbs://DEVICE?param=value&...`)",
+                transport_core::raw::redact_url(url)
             ))
         })?;
         let (device, query) = match rest.split_once('?') {

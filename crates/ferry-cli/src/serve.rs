@@ -131,25 +131,10 @@ fn decode(s: &str) -> String {
         .into_owned()
 }
 
-/// A backend URL with every secret hidden, for messages: a parameter whose
-/// key *decodes* to `secret` (in any case, however it is percent-encoded)
-/// has its value replaced by `…`.
+/// A backend URL with every secret hidden, for messages (the one
+/// redaction every parser uses: `transport_core::raw::redact_url`).
 pub fn redact_url(url: &str) -> String {
-    let Some((base, query)) = url.split_once('?') else {
-        return url.to_owned();
-    };
-    let parts: Vec<String> = query
-        .split('&')
-        .map(|p| {
-            let key = p.split_once('=').map_or(p, |(k, _)| k);
-            if decode(key).trim().eq_ignore_ascii_case("secret") {
-                format!("{key}=…")
-            } else {
-                p.to_owned()
-            }
-        })
-        .collect();
-    format!("{base}?{}", parts.join("&"))
+    ferry::raw::redact_url(url)
 }
 
 /// Runs `ferry serve` until Ctrl-C / SIGTERM.

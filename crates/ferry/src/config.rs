@@ -252,9 +252,11 @@ impl FromStr for EngineConfig {
 
 /// Splits `scheme://rest`, checking the scheme's spelling.
 fn split_scheme(url: &str) -> Result<(&str, &str)> {
+    let shown = || transport_core::raw::redact_url(url);
     let (scheme, rest) = url.split_once("://").ok_or_else(|| {
         Error::InvalidArgument(format!(
-            "backend URL {url:?} has no scheme; expected tcp://…, mooncake://… or verbs://…"
+            "backend URL {:?} has no scheme; expected tcp://…, mooncake://… or verbs://…",
+            shown()
         ))
     })?;
     if scheme.is_empty()
@@ -263,7 +265,8 @@ fn split_scheme(url: &str) -> Result<(&str, &str)> {
             .all(|c| c.is_ascii_alphanumeric() || c == '+' || c == '-' || c == '.')
     {
         return Err(Error::InvalidArgument(format!(
-            "backend URL {url:?} has a malformed scheme {scheme:?}"
+            "backend URL {:?} has a malformed scheme",
+            shown()
         )));
     }
     Ok((scheme, rest))

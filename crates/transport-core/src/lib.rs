@@ -101,6 +101,7 @@ pub mod buffer;
 pub mod caps;
 pub mod engine;
 pub mod error;
+mod redact;
 pub mod region_table;
 pub mod types;
 
@@ -131,6 +132,7 @@ pub mod raw {
     pub use crate::adapter::{coalesce, AdapterLayer, CoalescedBatch, Layer};
     pub use crate::batch::{BatchDriver, BatchTable};
     pub use crate::error::live_batches_full;
+    pub use crate::redact::{is_secret_key, redact_url};
     pub use crate::region_table::{RegionGuard, RegionTable};
 
     /// HMAC-SHA256 challenge–response primitives for the backends'
