@@ -42,7 +42,6 @@ struct Inner {
     /// The tasks driving asynchronous batches (finished ones are pruned
     /// as new ones start); aborted by `shutdown`.
     tasks: Mutex<Vec<AbortHandle>>,
-    next_segment: AtomicU64,
     accept: Mutex<Option<AbortHandle>>,
 }
 
@@ -124,7 +123,6 @@ impl TcpEngine {
                 segments: Mutex::new(Segments::default()),
                 batches: BatchTable::new(BACKEND),
                 tasks: Mutex::new(Vec::new()),
-                next_segment: AtomicU64::new(1),
                 accept: Mutex::new(Some(accept)),
             }),
         })
@@ -333,7 +331,7 @@ impl TransferEngine for TcpEngine {
             .or_insert_with(|| (Arc::clone(&peer), 0));
         entry.1 += 1;
         let peer = Arc::clone(&entry.0);
-        let id = self.inner.next_segment.fetch_add(1, Ordering::Relaxed);
+        let id = SegmentId::fresh().0;
         segs.by_id.insert(
             id,
             Arc::new(Handle {

@@ -45,7 +45,6 @@ pub struct BatchTable {
 
 #[derive(Debug)]
 struct Entries {
-    next: u64,
     map: HashMap<u64, Entry>,
 }
 
@@ -71,7 +70,6 @@ impl BatchTable {
             backend: backend.into(),
             limit,
             entries: Mutex::new(Entries {
-                next: 1,
                 map: HashMap::new(),
             }),
         }
@@ -108,10 +106,9 @@ impl BatchTable {
         if e.map.len() >= self.limit {
             return Err(batches_full(&self.backend, self.limit));
         }
-        let id = e.next;
-        e.next += 1;
-        e.map.insert(id, entry);
-        Ok(BatchId(id))
+        let id = BatchId::fresh();
+        e.map.insert(id.0, entry);
+        Ok(id)
     }
 
     /// The wrapped engine's batch that `id` aliases, or `None` for a batch

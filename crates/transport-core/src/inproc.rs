@@ -60,7 +60,6 @@ struct Core {
     regions: RegionTable,
     notifications: Mutex<VecDeque<Notification>>,
     segments: Mutex<HashMap<u64, Arc<Segment>>>,
-    next_segment: AtomicU64,
     batches: BatchTable,
     /// Notifications sent to this engine are refused (for fault tests).
     refuse_notifications: std::sync::atomic::AtomicBool,
@@ -127,7 +126,6 @@ impl InprocEngine {
             regions: RegionTable::new(),
             notifications: Mutex::new(VecDeque::new()),
             segments: Mutex::new(HashMap::new()),
-            next_segment: AtomicU64::new(1),
             batches: BatchTable::new(BACKEND),
             refuse_notifications: std::sync::atomic::AtomicBool::new(false),
             pace_us: AtomicU64::new(0),
@@ -419,7 +417,7 @@ impl TransferEngine for InprocEngine {
                 reason: "no inproc engine of this process has that name".to_owned(),
             });
         };
-        let id = self.core.next_segment.fetch_add(1, Ordering::Relaxed);
+        let id = SegmentId::fresh().0;
         lock(&self.core.segments).insert(
             id,
             Arc::new(Segment {

@@ -38,13 +38,11 @@ pub(super) struct Segments {
     pub(super) by_id: HashMap<u64, Segment>,
     /// Library segment id and number of open handles, by name.
     by_name: HashMap<String, (i32, usize)>,
-    next: u64,
 }
 
 impl Segments {
     fn add(&mut self, name: &str, c_id: i32, peer: Option<RegionTable>) -> SegmentId {
-        self.next += 1;
-        let id = self.next;
+        let id = SegmentId::fresh().0;
         self.by_id.insert(
             id,
             Segment {

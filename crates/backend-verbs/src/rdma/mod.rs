@@ -64,7 +64,6 @@ pub(crate) struct Inner {
     local: RegionTable,
     mrs: Mutex<BTreeMap<u64, Arc<Mr>>>,
     segments: Mutex<HashMap<u64, Arc<Segment>>>,
-    next_segment: AtomicU64,
     batches: BatchTable,
     notifications: Mutex<Notes>,
     refuse_notifications: AtomicBool,
@@ -108,7 +107,6 @@ impl Inner {
             local: RegionTable::new(),
             mrs: Mutex::new(BTreeMap::new()),
             segments: Mutex::new(HashMap::new()),
-            next_segment: AtomicU64::new(1),
             batches: BatchTable::new(BACKEND),
             notifications: Mutex::new(Notes::default()),
             refuse_notifications: AtomicBool::new(false),
@@ -351,7 +349,7 @@ impl Inner {
                 seg
             }
         };
-        let id = self.next_segment.fetch_add(1, Ordering::Relaxed);
+        let id = SegmentId::fresh().0;
         lock(&self.segments).insert(id, seg);
         Ok(SegmentId(id))
     }

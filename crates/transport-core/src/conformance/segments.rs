@@ -102,8 +102,9 @@ pub async fn check_batch_register_rollback(
     Outcome::Passed
 }
 
-/// Transfers on a handle that was never opened, or was closed, fail with
-/// `UnknownSegment` and move nothing.
+/// Transfers on a handle that was never opened, was closed, or belongs to
+/// another engine of the process fail with `UnknownSegment` and move
+/// nothing.
 pub async fn check_unknown_segment(factory: Arc<dyn EngineFactory>, adapted: bool) -> Outcome {
     let p = match pair(&factory, adapted).await {
         Ok(p) => p,
@@ -168,6 +169,47 @@ pub async fn check_unknown_segment(factory: Arc<dyn EngineFactory>, adapted: boo
     p.a.transfer(p.seg, req)
         .await
         .unwrap_or_else(|e| panic!("transfer on the open handle failed: {e}"));
+    // Handles of another engine: `c` opens a peer `d` of its own. Each
+    // engine's handle used on the other is UnknownSegment there, and no
+    // peer's memory changes (with handles numbered per engine both would be
+    // #1, and `c` would write to `d`'s... or `a` to `b` through `c`'s).
+    let c = match engine(&factory, adapted).await {
+        Ok(e) => e,
+        Err(o) => return o,
+    };
+    let d = match engine(&factory, adapted).await {
+        Ok(e) => e,
+        Err(o) => return o,
+    };
+    let c_local = Mem::new(&c, 4096, 112).await;
+    let d_remote = Mem::new(&d, 4096, 0).await;
+    let c_seg = c
+        .open_segment(d.segment_name())
+        .await
+        .unwrap_or_else(|e| panic!("open_segment failed: {e}"));
+    assert_ne!(c_seg, p.seg, "two engines issued the same segment handle");
+    let before = remote.bytes();
+    let cross = TransferRequest::write(c_local.addr(), d_remote.addr(), 64);
+    check(
+        c.transfer(p.seg, cross).await,
+        "transfer on another engine's handle",
+    );
+    check(
+        p.a.transfer(c_seg, req).await,
+        "transfer on another engine's handle",
+    );
+    assert_bytes(
+        &d_remote.bytes(),
+        &[0; 4096],
+        "a peer's memory after a transfer on another engine's handle",
+    );
+    assert_bytes(
+        &remote.bytes(),
+        &before,
+        "a peer's memory after a transfer on another engine's handle",
+    );
+    c_local.release().await;
+    d_remote.release().await;
     local.release().await;
     remote.release().await;
     Outcome::Passed
