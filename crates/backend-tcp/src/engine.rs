@@ -1,7 +1,7 @@
 //! [`TcpEngine`]: the [`TransferEngine`] implementation.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
