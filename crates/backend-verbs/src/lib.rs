@@ -51,6 +51,8 @@
 
 mod auth;
 mod config;
+mod handshake;
+mod negotiate;
 mod plan;
 mod wire;
 
@@ -58,6 +60,7 @@ mod wire;
 mod rdma;
 
 pub use config::VerbsConfig;
+pub use negotiate::{Feature, FeatureState, PeerProtocol, VersionRange};
 
 use std::sync::Arc;
 
@@ -171,6 +174,23 @@ impl VerbsEngine {
         #[cfg(not(feature = "rdma"))]
         {
             let _ = refuse;
+            match self.never {}
+        }
+    }
+
+    /// What this engine and the peer of `segment` agreed on their control
+    /// channel (versions, the version in use, each optional feature on or
+    /// off and why), if the segment is connected and healthy. The same
+    /// report, for every connected peer and opener, is in
+    /// [`TransferEngine::backend_info`] (`peer …` / `opener …` entries).
+    pub async fn peer_protocol(&self, segment: SegmentId) -> Option<PeerProtocol> {
+        #[cfg(feature = "rdma")]
+        {
+            self.inner.peer_protocol(segment).await
+        }
+        #[cfg(not(feature = "rdma"))]
+        {
+            let _ = segment;
             match self.never {}
         }
     }
