@@ -26,6 +26,13 @@
 //!   is exchanged and before any notification is accepted; a peer that does
 //!   not prove the shared secret gets [`transport_core::Error::Authentication`]
 //!   (opener) or is disconnected (owner).
+//! - **Versions**: the control channel is negotiated: each side announces
+//!   a range of protocol versions (this build: 3–4) and optional features
+//!   ([`Feature`]); the pair uses the highest common version and the
+//!   features both have, and a build of protocol 3 (7c3e5e6) is served
+//!   protocol 3's frames unchanged. [`VerbsEngine::peer_protocol`] reports
+//!   what was agreed ([`PeerProtocol`]); only disjoint ranges are refused.
+//!   See the crate's `PROTOCOL.md`.
 //! - **Transfers**: a batch becomes a chain of work requests (native batch):
 //!   requests above the maximum message size are split, requests whose
 //!   remote ranges are contiguous share one work request with a
@@ -182,7 +189,8 @@ impl VerbsEngine {
     /// channel (versions, the version in use, each optional feature on or
     /// off and why), if the segment is connected and healthy. The same
     /// report, for every connected peer and opener, is in
-    /// [`TransferEngine::backend_info`] (`peer …` / `opener …` entries).
+    /// [`TransferEngine::backend_info`] (`protocol peer NAME` and
+    /// `protocol opener ADDR` entries; `peer NAME` gives the path).
     pub async fn peer_protocol(&self, segment: SegmentId) -> Option<PeerProtocol> {
         #[cfg(feature = "rdma")]
         {

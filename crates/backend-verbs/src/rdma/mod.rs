@@ -194,9 +194,18 @@ impl Inner {
                 }
             ),
         ));
+        // `peer NAME` → `path: …` is the convention `ferry bench` reads;
+        // the negotiated protocol is next to it.
         for p in self.peer_protocols() {
-            let key = if p.opened_here { "peer" } else { "opener" };
-            details.push((format!("{key} {}", p.peer), p.to_string()));
+            if p.opened_here {
+                details.push((
+                    format!("peer {}", p.peer),
+                    format!("path: RDMA RC queue pair, protocol {}", p.version),
+                ));
+                details.push((format!("protocol peer {}", p.peer), p.to_string()));
+            } else {
+                details.push((format!("protocol opener {}", p.peer), p.to_string()));
+            }
         }
         BackendInfo {
             backend: BACKEND.into(),
