@@ -363,10 +363,21 @@ async fn pair(
     owner_offer: Offer,
 ) -> (Result<Opened>, Result<Option<Agreement>>) {
     let (a, b) = duplex(1 << 16);
-    tokio::join!(
-        opener(a, secret, opener_offer),
-        owner(b, secret, owner_offer)
-    )
+    within(async {
+        tokio::join!(
+            opener(a, secret, opener_offer),
+            owner(b, secret, owner_offer)
+        )
+    })
+    .await
+}
+
+/// `f`, or a panic after a liveness bound: a handshake that waits for a
+/// frame the other side will never send fails instead of hanging.
+async fn within<T>(f: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(std::time::Duration::from_secs(20), f)
+        .await
+        .expect("the handshake hung (liveness bound)")
 }
 
 fn new_build() -> Offer {
@@ -498,7 +509,7 @@ async fn a_v3_opener_s_exact_bytes_negotiate_v3() {
             }]
         }
     );
-    let agreement = t.await.unwrap().unwrap().unwrap();
+    let agreement = within(t).await.unwrap().unwrap().unwrap();
     assert_eq!(agreement.version, 3);
     assert!(!agreement.negotiated);
     assert_eq!(agreement.features, FeatureSet::all());
@@ -553,7 +564,7 @@ async fn a_v3_opener_with_a_secret_negotiates_v3() {
     )
     .await;
     assert!(matches!(v3_read(&mut a).await, v3::Msg::Welcome { .. }));
-    assert_eq!(t.await.unwrap().unwrap().unwrap().version, 3);
+    assert_eq!(within(t).await.unwrap().unwrap().unwrap().version, 3);
 }
 
 /// A 7c3e5e6 owner, played with the v3 decoder: every frame the new opener
@@ -627,7 +638,9 @@ async fn v3_owner(mut b: DuplexStream, secret: Option<&'static str>) -> Vec<v3::
 async fn the_new_opener_sends_a_v3_owner_only_v3_frames() {
     for secret in [None, Some("s3cret")] {
         let (a, b) = duplex(1 << 16);
-        let (o, seen) = tokio::join!(opener(a, secret, new_build()), v3_owner(b, secret));
+        let (o, seen) =
+            within(async { tokio::join!(opener(a, secret, new_build()), v3_owner(b, secret)) })
+                .await;
         let o = o.unwrap();
         assert_eq!(o.agreement.version, 3);
         assert!(!o.agreement.negotiated);
@@ -718,7 +731,7 @@ async fn disjoint_ranges_are_refused_naming_both_on_both_sides() {
         }
         other => panic!("expected Incompatible, got {other:?}"),
     }
-    match t.await.unwrap() {
+    match within(t).await.unwrap() {
         Err(Error::Protocol { reason, .. }) => {
             assert!(
                 reason.contains("the opener speaks 7–9, the owner speaks 3–4"),
@@ -752,7 +765,7 @@ async fn disjoint_ranges_are_refused_naming_both_on_both_sides() {
     )
     .await
     .unwrap();
-    match o.await.unwrap() {
+    match within(o).await.unwrap() {
         Err(Error::Protocol { reason, .. }) => {
             assert!(
                 reason.contains("the opener speaks 3–4, the owner speaks 7–9"),
@@ -792,14 +805,17 @@ async fn disjoint_ranges_are_refused_naming_both_on_both_sides() {
         b.read_to_end(&mut rest).await.unwrap();
         rest
     });
-    match o.await.unwrap() {
+    match within(o).await.unwrap() {
         Err(Error::Protocol { reason, .. }) => {
             assert!(reason.contains("the owner speaks 3;"), "{reason}");
             assert!(reason.contains("upgrade the owner"), "{reason}");
         }
         other => panic!("expected a protocol error, got {other:?}"),
     }
-    assert!(t.await.unwrap().is_empty(), "nothing after the challenge");
+    assert!(
+        within(t).await.unwrap().is_empty(),
+        "nothing after the challenge"
+    );
 }
 
 #[tokio::test]
@@ -845,7 +861,7 @@ async fn unknown_extensions_are_ignored_and_reported() {
         }
         other => panic!("expected Agreed, got {other:?}"),
     }
-    let agreement = t.await.unwrap().unwrap().unwrap();
+    let agreement = within(t).await.unwrap().unwrap().unwrap();
     assert_eq!(agreement.features, [Feature::Notify].into_iter().collect());
     assert_eq!(agreement.peer.unknown, vec![777]);
     let r = PeerProtocol::new("opener", false, &agreement);
@@ -871,7 +887,7 @@ async fn an_owner_choosing_another_version_is_a_protocol_error() {
     )
     .await
     .unwrap();
-    match o.await.unwrap() {
+    match within(o).await.unwrap() {
         Err(Error::Protocol { reason, .. }) => {
             assert!(reason.contains("chose protocol 3"), "{reason}")
         }
@@ -902,7 +918,10 @@ async fn malformed_or_old_hellos_are_typed_errors() {
     }
     .encode();
     a.write_all(&v3::frame(&bad)).await.unwrap();
-    assert!(matches!(t.await.unwrap(), Err(Error::Protocol { .. })));
+    assert!(matches!(
+        within(t).await.unwrap(),
+        Err(Error::Protocol { .. })
+    ));
 
     // A hello of a version other than 3 (a hypothetical protocol-5 Hello).
     let (mut a, b) = duplex(1 << 16);
@@ -924,7 +943,10 @@ async fn malformed_or_old_hellos_are_typed_errors() {
         }
         other => panic!("expected Refused, got {other:?}"),
     }
-    assert!(matches!(t.await.unwrap(), Err(Error::Protocol { .. })));
+    assert!(matches!(
+        within(t).await.unwrap(),
+        Err(Error::Protocol { .. })
+    ));
 
     // A protocol-2 opener: refused at Auth, naming this range.
     let (mut a, b) = duplex(1 << 16);
@@ -949,7 +971,10 @@ async fn malformed_or_old_hellos_are_typed_errors() {
         }
         other => panic!("expected Refused, got {other:?}"),
     }
-    assert!(matches!(t.await.unwrap(), Err(Error::Protocol { .. })));
+    assert!(matches!(
+        within(t).await.unwrap(),
+        Err(Error::Protocol { .. })
+    ));
 
     // An owner capped at 3 treats an Offer as protocol 3 does: not a Hello.
     let (mut a, b) = duplex(1 << 16);
@@ -980,5 +1005,8 @@ async fn malformed_or_old_hellos_are_typed_errors() {
     )
     .await
     .unwrap();
-    assert!(matches!(t.await.unwrap(), Err(Error::Protocol { .. })));
+    assert!(matches!(
+        within(t).await.unwrap(),
+        Err(Error::Protocol { .. })
+    ));
 }
