@@ -6,6 +6,10 @@
 # Usage (as root, from anywhere):
 #   scripts/verbs-tests.sh           # conformance suite (raw + adapted) and fault tests
 #   scripts/verbs-tests.sh --bench   # also the verbs_bench example (release build)
+#   scripts/verbs-tests.sh --old-ferry PATH
+#       # also the cross-build test (tests/versions.rs) against PATH, a `ferry`
+#       # built from an older commit with `--features verbs` (e.g. 7c3e5e6):
+#       # it is copied into the guest and named by FERRY_VERBS_OLD_FERRY
 #
 # Installs cmake and libclang-dev with apt if missing (the `rdma` feature's
 # build needs them). CARGO_TARGET_DIR is honoured. Exit status 0 only if
@@ -14,11 +18,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 bench=0
-for a in "$@"; do
-  case "$a" in
+old_ferry=
+while [ $# -gt 0 ]; do
+  case "$1" in
     --bench) bench=1 ;;
-    *) echo "usage: $0 [--bench]" >&2; exit 2 ;;
+    --old-ferry) old_ferry=$(realpath "${2:?--old-ferry needs a path}"); shift ;;
+    *) echo "usage: $0 [--bench] [--old-ferry PATH]" >&2; exit 2 ;;
   esac
+  shift
 done
 
 # bindgen dlopens libclang.so itself (libclang-dev); libclang-cpp*.so or
@@ -49,13 +56,22 @@ if [ "$bench" -eq 1 ]; then
     --example verbs_bench --message-format=json | sed -n 's/.*"executable":"\([^"]*\)".*/\1/p')
 fi
 
+old_env=
+if [ -n "$old_ferry" ]; then
+  [ -x "$old_ferry" ] || { echo "verbs-tests: $old_ferry is not an executable" >&2; exit 2; }
+  # In the guest it runs once as `--version` (the line names its build) and
+  # is then driven by tests/versions.rs.
+  bins+=("$old_ferry::--version")
+  old_env="FERRY_VERBS_OLD_FERRY=/t/$(basename "$old_ferry")"
+fi
+
 printf 'verbs-tests: %s\n' "${bins[@]}"
 # One test at a time: the guest has few vCPUs and TCG is slow. In the guest
 # the verbs backend is required: a test that finds it unavailable fails.
 W=$(realpath -m "${RXE_VM_DIR:-/var/tmp/ferry-rxe-vm}")
 rm -f "$W/guest.log"
 RXE_VM_ARGS="${RXE_VM_ARGS:---test-threads=1}" \
-  RXE_VM_ENV="FERRY_REQUIRE_BACKENDS=verbs ${RXE_VM_ENV:-}" scripts/rxe-vm.sh "${bins[@]}"
+  RXE_VM_ENV="FERRY_REQUIRE_BACKENDS=verbs $old_env ${RXE_VM_ENV:-}" scripts/rxe-vm.sh "${bins[@]}"
 
 # A green run must have run verbs tests for real: some tests passed in the
 # guest, and none reported the backend unavailable.

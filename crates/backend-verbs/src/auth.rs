@@ -10,6 +10,12 @@
 //! owner  → opener  Proof { HMAC(secret, "…target" ‖ nonce_o ‖ nonce_t) }  (or Refused)
 //! ```
 //!
+//! A side that speaks the negotiated hello (protocol 4 and later) puts
+//! [`wire::NEGOTIATE_MARK`] in the last 8 bytes of its nonce (24 stay
+//! random); [`initiator`] returns whether the owner's nonce carries it,
+//! which is how the opener knows it may send `Offer` instead of protocol
+//! 3's `Hello`. The `Auth` frame itself is protocol 3's in every build.
+//!
 //! Nonces are 32 random bytes per connection and side, so a recorded proof
 //! is worthless on another connection; proofs are compared in constant time
 //! (`verify_slice`). A side with a secret accepts nothing from a side
@@ -23,6 +29,7 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use transport_core::raw::auth::{nonce, proof, verify};
 use transport_core::{Error, Result};
 
+use crate::negotiate::VersionRange;
 use crate::wire::{self, Msg, HANDSHAKE_MAX_FRAME, VERSION};
 
 const INITIATOR_LABEL: &[u8] = b"ferry-verbs/2 initiator";
@@ -65,7 +72,7 @@ fn refused(peer: &str, reason: String) -> Error {
     }
 }
 
-fn kind(m: &Msg) -> &'static str {
+pub(crate) fn kind(m: &Msg) -> &'static str {
     match m {
         Msg::Auth { .. } => "Auth",
         Msg::Challenge { .. } => "Challenge",
@@ -79,6 +86,9 @@ fn kind(m: &Msg) -> &'static str {
         Msg::RegionRemoved { .. } => "RegionRemoved",
         Msg::Notify { .. } => "Notify",
         Msg::NotifyAck => "NotifyAck",
+        Msg::Offer { .. } => "Offer",
+        Msg::Agreed { .. } => "Agreed",
+        Msg::Incompatible { .. } => "Incompatible",
     }
 }
 
@@ -108,7 +118,9 @@ async fn refuse<S: AsyncWrite + Unpin>(stream: &mut S, reason: &str) {
 
 /// The opener's side, first thing on a new control connection. `peer` is
 /// the segment name (for errors). Returns once the owner is authenticated
-/// (with a secret) or both sides agreed to run without one.
+/// (with a secret) or both sides agreed to run without one; `Ok(true)` if
+/// the owner's nonce carries the negotiation mark. `negotiates`: mark this
+/// side's nonce (a side capped at protocol 3 does not).
 ///
 /// Errors: [`Error::Authentication`] if the owner does not prove `secret`,
 /// has no secret while this side has one, requires one this side lacks, or
@@ -118,8 +130,13 @@ pub(crate) async fn initiator<S: AsyncRead + AsyncWrite + Unpin>(
     stream: &mut S,
     peer: &str,
     secret: Option<&str>,
-) -> Result<()> {
-    let no = nonce();
+    negotiates: bool,
+) -> Result<bool> {
+    let no = if negotiates {
+        wire::mark(nonce())
+    } else {
+        nonce()
+    };
     send(
         stream,
         peer,
@@ -166,8 +183,9 @@ pub(crate) async fn initiator<S: AsyncRead + AsyncWrite + Unpin>(
             ))
         }
     };
+    let marked = wire::is_marked(&nt);
     let Some(secret) = secret else {
-        return Ok(());
+        return Ok(marked);
     };
     send(
         stream,
@@ -180,7 +198,7 @@ pub(crate) async fn initiator<S: AsyncRead + AsyncWrite + Unpin>(
     match recv(stream, peer).await? {
         Some(Msg::Proof { mac }) => {
             if verify(secret, TARGET_LABEL, &no, &nt, &mac) {
-                Ok(())
+                Ok(marked)
             } else {
                 Err(auth_error(
                     peer,
@@ -204,6 +222,9 @@ pub(crate) async fn initiator<S: AsyncRead + AsyncWrite + Unpin>(
 /// The owner's side, first thing on an accepted control connection. `peer`
 /// is the remote address (for errors). On any error the caller drops the
 /// connection; nothing but `Challenge`, `Proof` and `Refused` has been sent.
+/// `negotiates`: mark this side's nonce; `versions`: this side's range (for
+/// the refusal of an older opener). Returns whether the opener's nonce
+/// carries the negotiation mark.
 ///
 /// Errors: [`Error::Authentication`] if the opener does not prove `secret`
 /// (or has none while this side has one, or has one while this side has
@@ -213,7 +234,9 @@ pub(crate) async fn target<S: AsyncRead + AsyncWrite + Unpin>(
     stream: &mut S,
     peer: &str,
     secret: Option<&str>,
-) -> Result<()> {
+    negotiates: bool,
+    versions: VersionRange,
+) -> Result<bool> {
     let closed = || Error::PeerLost {
         peer: peer.to_owned(),
         reason: "the opener closed the control channel during authentication".to_owned(),
@@ -232,7 +255,9 @@ pub(crate) async fn target<S: AsyncRead + AsyncWrite + Unpin>(
                 )
             } else {
                 format!(
-                    "protocol version {version} is not supported (this engine speaks {VERSION})"
+                    "protocol version {version} is not supported: this engine speaks {versions}; \
+                     upgrade the opener to a build that speaks {} or later",
+                    versions.min
                 )
             };
             refuse(stream, &reason).await;
@@ -257,7 +282,12 @@ pub(crate) async fn target<S: AsyncRead + AsyncWrite + Unpin>(
         .await;
         return Err(auth_error(peer, "the opener has no shared secret"));
     }
-    let nt = nonce();
+    let nt = if negotiates {
+        wire::mark(nonce())
+    } else {
+        nonce()
+    };
+    let marked = wire::is_marked(&no);
     send(
         stream,
         peer,
@@ -275,7 +305,7 @@ pub(crate) async fn target<S: AsyncRead + AsyncWrite + Unpin>(
                 "the opener has a shared secret and this engine has none",
             ));
         }
-        return Ok(());
+        return Ok(marked);
     };
     match recv(stream, peer).await? {
         Some(Msg::Proof { mac }) if verify(secret, INITIATOR_LABEL, &no, &nt, &mac) => {}
@@ -301,7 +331,8 @@ pub(crate) async fn target<S: AsyncRead + AsyncWrite + Unpin>(
             mac: proof(secret, TARGET_LABEL, &no, &nt),
         },
     )
-    .await
+    .await?;
+    Ok(marked)
 }
 
 #[cfg(test)]
@@ -310,19 +341,25 @@ mod tests {
     use crate::wire::NONCE_LEN;
     use tokio::io::{duplex, AsyncReadExt};
 
+    const RANGE: VersionRange = VersionRange { min: 3, max: 4 };
+
     async fn run(
         initiator_secret: Option<&str>,
         target_secret: Option<&str>,
     ) -> (Result<()>, Result<()>) {
         let (mut a, mut b) = duplex(1 << 16);
         let i = async {
-            let r = initiator(&mut a, "owner", initiator_secret).await;
+            let r = initiator(&mut a, "owner", initiator_secret, true)
+                .await
+                .map(|_| ());
             // The opener drops the connection on failure.
             drop(a);
             r
         };
         let t = async {
-            let r = target(&mut b, "opener", target_secret).await;
+            let r = target(&mut b, "opener", target_secret, true, RANGE)
+                .await
+                .map(|_| ());
             drop(b);
             r
         };
@@ -370,7 +407,8 @@ mod tests {
     async fn a_replayed_proof_is_refused() {
         let secret = "s";
         let (mut a, mut b) = duplex(1 << 16);
-        let owner = tokio::spawn(async move { target(&mut b, "opener", Some(secret)).await });
+        let owner =
+            tokio::spawn(async move { target(&mut b, "opener", Some(secret), true, RANGE).await });
         let no = [7u8; NONCE_LEN];
         wire::write_msg(
             &mut a,
@@ -414,7 +452,8 @@ mod tests {
     #[tokio::test]
     async fn old_protocol_and_oversized_first_frames_are_refused() {
         let (mut a, mut b) = duplex(1 << 16);
-        let owner = tokio::spawn(async move { target(&mut b, "opener", Some("s")).await });
+        let owner =
+            tokio::spawn(async move { target(&mut b, "opener", Some("s"), true, RANGE).await });
         wire::write_msg(
             &mut a,
             &Msg::Hello {
@@ -438,7 +477,7 @@ mod tests {
         assert!(matches!(owner.await.unwrap(), Err(Error::Protocol { .. })));
 
         let (mut a, mut b) = duplex(1 << 16);
-        let owner = tokio::spawn(async move { target(&mut b, "opener", None).await });
+        let owner = tokio::spawn(async move { target(&mut b, "opener", None, true, RANGE).await });
         tokio::io::AsyncWriteExt::write_all(&mut a, &(16u32 << 20).to_be_bytes())
             .await
             .unwrap();

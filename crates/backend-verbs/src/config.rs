@@ -38,6 +38,8 @@ use transport_core::{Error, Result};
 /// | `connect_timeout_ms` | control-channel connect and handshake deadline | `10000` |
 /// | `stall_timeout_ms` | no work completion for this long while work requests are outstanding (and at least twice the retry window, `timeout` × (`retry_cnt` + 1)): the device is taken to have stalled, the queue pair is destroyed and its requests fail `PeerLost` | `60000` |
 /// | `secret` | shared secret (percent-encoded, non-empty): every control connection starts with a mutual HMAC-SHA256 challenge–response, and a peer that does not prove the same secret gets no queue pair, region table or rkey | none (unauthenticated) |
+/// | `test_protocol_max` | **test only**: announce protocol versions up to this one (3 makes the engine speak exactly as a protocol-3 build, 7c3e5e6) | the newest this build speaks |
+/// | `test_features_off` | **test only**: comma-separated optional features this engine does not announce (`notify`, `region_push`, `table_fetch`) | none |
 ///
 /// An unknown parameter, a repeated one or a malformed value is
 /// [`Error::InvalidArgument`] naming it. `Debug` never prints the secret.
@@ -97,6 +99,16 @@ pub struct VerbsConfig {
     /// segment of an engine that has one ([`Error::Authentication`] too).
     /// Must not be empty.
     pub secret: Option<String>,
+    /// **Test only** (for cross-version tests): the newest control-channel
+    /// protocol version this engine announces; `Some(3)` makes it speak
+    /// exactly as a build of protocol 3 (7c3e5e6: no negotiated hello).
+    /// Values are clamped to the versions this build speaks.
+    #[doc(hidden)]
+    pub test_protocol_max: Option<u16>,
+    /// **Test only**: optional features this engine does not announce, so
+    /// that no connection uses them.
+    #[doc(hidden)]
+    pub test_features_off: Vec<crate::Feature>,
 }
 
 impl std::fmt::Debug for VerbsConfig {
@@ -122,6 +134,8 @@ impl std::fmt::Debug for VerbsConfig {
             .field("connect_timeout_ms", &self.connect_timeout_ms)
             .field("stall_timeout_ms", &self.stall_timeout_ms)
             .field("secret", &self.secret.as_ref().map(|_| "<redacted>"))
+            .field("test_protocol_max", &self.test_protocol_max)
+            .field("test_features_off", &self.test_features_off)
             .finish()
     }
 }
@@ -149,6 +163,8 @@ impl Default for VerbsConfig {
             connect_timeout_ms: 10_000,
             stall_timeout_ms: 60_000,
             secret: None,
+            test_protocol_max: None,
+            test_features_off: Vec::new(),
         }
     }
 }
@@ -173,6 +189,8 @@ const PARAMS: &[&str] = &[
     "connect_timeout_ms",
     "stall_timeout_ms",
     "secret",
+    "test_protocol_max",
+    "test_features_off",
 ];
 
 fn bad(param: &str, value: &str, why: &str) -> Error {
@@ -340,6 +358,22 @@ impl VerbsConfig {
                     }
                     cfg.secret = Some(value.clone());
                 }
+                "test_protocol_max" => {
+                    cfg.test_protocol_max = Some(num(
+                        &key,
+                        v,
+                        crate::negotiate::OLDEST,
+                        crate::negotiate::NEWEST,
+                    )?)
+                }
+                "test_features_off" => {
+                    for name in v.split(',').filter(|n| !n.is_empty()) {
+                        let f = crate::Feature::from_name(name).ok_or_else(|| {
+                            bad(&key, name, "a feature: notify, region_push or table_fetch")
+                        })?;
+                        cfg.test_features_off.push(f);
+                    }
+                }
                 _ => unreachable!("checked against PARAMS above"),
             }
         }
@@ -399,6 +433,22 @@ mod tests {
         assert_eq!(c.secret, None);
         let v6 = VerbsConfig::from_url("verbs://?listen=%5B::1%5D:0").unwrap();
         assert_eq!(v6.listen, "[::1]:0".parse().unwrap());
+    }
+
+    #[test]
+    fn test_only_protocol_knobs() {
+        let c = VerbsConfig::from_url(
+            "verbs://?test_protocol_max=3&test_features_off=notify,table_fetch",
+        )
+        .unwrap();
+        assert_eq!(c.test_protocol_max, Some(3));
+        assert_eq!(
+            c.test_features_off,
+            vec![crate::Feature::Notify, crate::Feature::TableFetch]
+        );
+        assert!(VerbsConfig::from_url("verbs://?test_protocol_max=2").is_err());
+        assert!(VerbsConfig::from_url("verbs://?test_protocol_max=99").is_err());
+        assert!(VerbsConfig::from_url("verbs://?test_features_off=bogus").is_err());
     }
 
     #[test]

@@ -26,6 +26,13 @@
 //!   is exchanged and before any notification is accepted; a peer that does
 //!   not prove the shared secret gets [`transport_core::Error::Authentication`]
 //!   (opener) or is disconnected (owner).
+//! - **Versions**: the control channel is negotiated: each side announces
+//!   a range of protocol versions (this build: 3–4) and optional features
+//!   ([`Feature`]); the pair uses the highest common version and the
+//!   features both have, and a build of protocol 3 (7c3e5e6) is served
+//!   protocol 3's frames unchanged. [`VerbsEngine::peer_protocol`] reports
+//!   what was agreed ([`PeerProtocol`]); only disjoint ranges are refused.
+//!   See the crate's `PROTOCOL.md`.
 //! - **Transfers**: a batch becomes a chain of work requests (native batch):
 //!   requests above the maximum message size are split, requests whose
 //!   remote ranges are contiguous share one work request with a
@@ -51,6 +58,8 @@
 
 mod auth;
 mod config;
+mod handshake;
+mod negotiate;
 mod plan;
 mod wire;
 
@@ -58,6 +67,7 @@ mod wire;
 mod rdma;
 
 pub use config::VerbsConfig;
+pub use negotiate::{Feature, FeatureState, PeerProtocol, VersionRange};
 
 use std::sync::Arc;
 
@@ -171,6 +181,24 @@ impl VerbsEngine {
         #[cfg(not(feature = "rdma"))]
         {
             let _ = refuse;
+            match self.never {}
+        }
+    }
+
+    /// What this engine and the peer of `segment` agreed on their control
+    /// channel (versions, the version in use, each optional feature on or
+    /// off and why), if the segment is connected and healthy. The same
+    /// report, for every connected peer and opener, is in
+    /// [`TransferEngine::backend_info`] (`protocol peer NAME` and
+    /// `protocol opener ADDR` entries; `peer NAME` gives the path).
+    pub async fn peer_protocol(&self, segment: SegmentId) -> Option<PeerProtocol> {
+        #[cfg(feature = "rdma")]
+        {
+            self.inner.peer_protocol(segment).await
+        }
+        #[cfg(not(feature = "rdma"))]
+        {
+            let _ = segment;
             match self.never {}
         }
     }

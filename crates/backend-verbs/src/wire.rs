@@ -11,6 +11,13 @@
 //! `crate::auth`), read with [`HANDSHAKE_MAX_FRAME`] as the frame bound;
 //! only then come `Hello` (queue pair) and `Welcome` (queue pair, regions).
 //!
+//! From protocol 4 the owner marks its `Challenge` nonce
+//! ([`NEGOTIATE_MARK`]) and an opener that sees the mark sends `Offer`
+//! (its version range and feature extensions) instead of `Hello`; the owner
+//! answers `Agreed` (its range and extensions, the chosen version) instead
+//! of `Welcome`, or `Incompatible`. A protocol-3 peer sees only the frames
+//! of protocol 3 (see `crate::handshake` and `PROTOCOL.md`).
+//!
 //! Notifications do not travel here (protocol 3): the opener SENDs them on
 //! the queue pair, after the batch's work requests
 //! ([`encode_notification`]), so that the owner sees one only after the
@@ -21,10 +28,31 @@
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use transport_core::{Error, Result};
 
+use crate::negotiate::VersionRange;
+
 /// Protocol version carried in `Auth` and `Hello` (2: the authentication
 /// exchange comes first; 3: notifications are SENT on the queue pair and
-/// answered here in order).
+/// answered here in order). Every build since sends 3 there: the `Auth`
+/// frame is protocol 3's, and the range a build speaks travels in `Offer`.
 pub(crate) const VERSION: u16 = 3;
+/// The last 8 bytes of a nonce from a side that speaks the negotiated hello
+/// (protocol 4 and later); the first 24 are random. A protocol-3 peer takes
+/// the whole as a nonce; the proofs cover it, so with a shared secret it
+/// cannot be stripped unnoticed.
+pub(crate) const NEGOTIATE_MARK: [u8; 8] = *b"fv/nego\x01";
+/// `nonce` with [`NEGOTIATE_MARK`] in its last bytes.
+pub(crate) fn mark(mut nonce: [u8; NONCE_LEN]) -> [u8; NONCE_LEN] {
+    nonce[NONCE_LEN - NEGOTIATE_MARK.len()..].copy_from_slice(&NEGOTIATE_MARK);
+    nonce
+}
+
+/// Whether `nonce` carries [`NEGOTIATE_MARK`].
+pub(crate) fn is_marked(nonce: &[u8; NONCE_LEN]) -> bool {
+    nonce[NONCE_LEN - NEGOTIATE_MARK.len()..] == NEGOTIATE_MARK
+}
+
+/// Most extensions one `Offer` or `Agreed` may carry.
+pub(crate) const MAX_EXTENSIONS: usize = 256;
 /// Largest frame accepted (a region table of ~700k entries).
 pub(crate) const MAX_FRAME: u32 = 16 << 20;
 /// Largest frame accepted during the handshake (authentication and `Hello`):
@@ -99,6 +127,40 @@ pub(crate) enum Msg {
     Notify { full: bool, reason: String },
     /// Owner → opener: the oldest unanswered notification is queued.
     NotifyAck,
+    /// Opener → owner (protocol 4+, instead of `Hello`, only to an owner
+    /// whose nonce carried [`NEGOTIATE_MARK`]): the versions and extensions
+    /// it speaks, its queue pair and its name.
+    Offer {
+        versions: VersionRange,
+        endpoint: QpEndpoint,
+        name: String,
+        extensions: Vec<Extension>,
+    },
+    /// Owner → opener (answer to `Offer`, instead of `Welcome`): the owner's
+    /// versions and extensions, the version chosen, its queue pair and its
+    /// region table.
+    Agreed {
+        versions: VersionRange,
+        version: u16,
+        extensions: Vec<Extension>,
+        endpoint: QpEndpoint,
+        regions: Vec<RemoteRegion>,
+    },
+    /// Owner → opener (answer to `Offer`): no common version; the owner's
+    /// range and why. The connection is closed after it.
+    Incompatible {
+        versions: VersionRange,
+        reason: String,
+    },
+}
+
+/// One extension of `Offer` / `Agreed`: an id and a body. The features of
+/// this build have empty bodies; a receiver ignores ids it does not know
+/// (and the bodies of those it knows, reserved for parameters).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Extension {
+    pub id: u16,
+    pub body: Vec<u8>,
 }
 
 const HELLO: u8 = 1;
@@ -113,6 +175,9 @@ const NOTIFY_ACK: u8 = 9;
 const AUTH: u8 = 10;
 const CHALLENGE: u8 = 11;
 const PROOF: u8 = 12;
+const OFFER: u8 = 13;
+const AGREED: u8 = 14;
+const INCOMPATIBLE: u8 = 15;
 
 /// Largest SEND payload of a notification: name and message, each as `u32`
 /// length + UTF-8.
@@ -157,6 +222,24 @@ fn put_region(out: &mut Vec<u8>, r: &RemoteRegion) {
     out.extend_from_slice(&r.addr.to_be_bytes());
     out.extend_from_slice(&r.len.to_be_bytes());
     out.extend_from_slice(&r.rkey.to_be_bytes());
+}
+
+fn put_range(out: &mut Vec<u8>, v: &VersionRange) {
+    out.extend_from_slice(&v.min.to_be_bytes());
+    out.extend_from_slice(&v.max.to_be_bytes());
+}
+
+/// `u16` count, then per extension `u16` id, `u16` body length, body. The
+/// encoder's callers keep counts and bodies within the bounds (this build's
+/// extensions have empty bodies).
+fn put_extensions(out: &mut Vec<u8>, es: &[Extension]) {
+    out.extend_from_slice(&(es.len().min(MAX_EXTENSIONS) as u16).to_be_bytes());
+    for e in es.iter().take(MAX_EXTENSIONS) {
+        let body = &e.body[..e.body.len().min(u16::MAX as usize)];
+        out.extend_from_slice(&e.id.to_be_bytes());
+        out.extend_from_slice(&(body.len() as u16).to_be_bytes());
+        out.extend_from_slice(body);
+    }
 }
 
 fn put_regions(out: &mut Vec<u8>, rs: &[RemoteRegion]) {
@@ -228,6 +311,37 @@ impl Msg {
                 out.push(PROOF);
                 out.extend_from_slice(mac);
             }
+            Msg::Offer {
+                versions,
+                endpoint,
+                name,
+                extensions,
+            } => {
+                out.push(OFFER);
+                put_range(&mut out, versions);
+                put_endpoint(&mut out, endpoint);
+                put_str(&mut out, name);
+                put_extensions(&mut out, extensions);
+            }
+            Msg::Agreed {
+                versions,
+                version,
+                extensions,
+                endpoint,
+                regions,
+            } => {
+                out.push(AGREED);
+                put_range(&mut out, versions);
+                out.extend_from_slice(&version.to_be_bytes());
+                put_extensions(&mut out, extensions);
+                put_endpoint(&mut out, endpoint);
+                put_regions(&mut out, regions);
+            }
+            Msg::Incompatible { versions, reason } => {
+                out.push(INCOMPATIBLE);
+                put_range(&mut out, versions);
+                put_str(&mut out, reason);
+            }
         }
         out
     }
@@ -269,6 +383,32 @@ impl Msg {
                 nonce: r.array()?,
             },
             PROOF => Msg::Proof { mac: r.array()? },
+            OFFER => Msg::Offer {
+                versions: r.range()?,
+                endpoint: r.endpoint()?,
+                name: r.string()?,
+                extensions: r.extensions()?,
+            },
+            AGREED => {
+                let versions = r.range()?;
+                let version = r.u16()?;
+                if !versions.contains(version) {
+                    return Err(r.err(format!(
+                        "the chosen version {version} is outside the owner's range {versions}"
+                    )));
+                }
+                Msg::Agreed {
+                    versions,
+                    version,
+                    extensions: r.extensions()?,
+                    endpoint: r.endpoint()?,
+                    regions: r.regions()?,
+                }
+            }
+            INCOMPATIBLE => Msg::Incompatible {
+                versions: r.range()?,
+                reason: r.string()?,
+            },
             k => return Err(r.err(format!("unknown frame kind {k}"))),
         };
         if r.pos != buf.len() {
@@ -341,6 +481,32 @@ impl Reader<'_> {
             gid: self.array()?,
             mtu: self.u8()?,
         })
+    }
+    fn range(&mut self) -> Result<VersionRange> {
+        let (min, max) = (self.u16()?, self.u16()?);
+        VersionRange::new(min, max)
+            .ok_or_else(|| self.err(format!("version range {min}..={max} is empty")))
+    }
+    fn extensions(&mut self) -> Result<Vec<Extension>> {
+        let n = self.u16()? as usize;
+        // Each extension is at least 4 bytes: refuse counts the frame cannot
+        // hold before allocating.
+        if n > MAX_EXTENSIONS || n.saturating_mul(4) > self.buf.len() - self.pos {
+            return Err(self.err(format!(
+                "extension count {n} exceeds the frame or {MAX_EXTENSIONS}"
+            )));
+        }
+        let mut out: Vec<Extension> = Vec::with_capacity(n);
+        for _ in 0..n {
+            let id = self.u16()?;
+            let len = self.u16()? as usize;
+            let body = self.take(len)?.to_vec();
+            if out.iter().any(|e| e.id == id) {
+                return Err(self.err(format!("extension {id} appears twice")));
+            }
+            out.push(Extension { id, body });
+        }
+        Ok(out)
     }
     fn region(&mut self) -> Result<RemoteRegion> {
         Ok(RemoteRegion {
@@ -452,6 +618,35 @@ mod tests {
             Msg::Proof {
                 mac: [0xaa; MAC_LEN],
             },
+            Msg::Offer {
+                versions: VersionRange { min: 3, max: 4 },
+                endpoint: ep,
+                name: "127.0.0.1:5000".into(),
+                extensions: vec![
+                    Extension {
+                        id: 1,
+                        body: vec![],
+                    },
+                    Extension {
+                        id: 900,
+                        body: vec![1, 2, 3],
+                    },
+                ],
+            },
+            Msg::Agreed {
+                versions: VersionRange { min: 3, max: 9 },
+                version: 4,
+                extensions: vec![Extension {
+                    id: 3,
+                    body: vec![],
+                }],
+                endpoint: ep,
+                regions: vec![r],
+            },
+            Msg::Incompatible {
+                versions: VersionRange { min: 5, max: 6 },
+                reason: "upgrade".into(),
+            },
         ]
     }
 
@@ -536,6 +731,122 @@ mod tests {
         assert_eq!(encode_notification(&big).len(), NOTIFICATION_MAX_PAYLOAD);
         let too_big = transport_core::Notification::new("n", "m".repeat(NOTIFICATION_MAX_PAYLOAD));
         assert!(decode_notification(&encode_notification(&too_big), "p").is_err());
+    }
+
+    #[test]
+    fn malformed_negotiation_frames_are_protocol_errors() {
+        let ep = QpEndpoint {
+            qpn: 1,
+            psn: 2,
+            lid: 3,
+            gid: [4; 16],
+            mtu: 3,
+        };
+        let offer = |min: u16, max: u16, extensions: Vec<Extension>| {
+            let mut enc = Msg::Offer {
+                versions: VersionRange { min: 3, max: 4 },
+                endpoint: ep,
+                name: "n".into(),
+                extensions,
+            }
+            .encode();
+            enc[1..3].copy_from_slice(&min.to_be_bytes());
+            enc[3..5].copy_from_slice(&max.to_be_bytes());
+            enc
+        };
+        let protocol_error = |b: &[u8]| matches!(Msg::decode(b, "p"), Err(Error::Protocol { .. }));
+        // An empty range.
+        assert!(protocol_error(&offer(5, 4, vec![])));
+        assert!(!protocol_error(&offer(4, 4, vec![])));
+        // The same extension twice.
+        let dup = vec![
+            Extension {
+                id: 2,
+                body: vec![],
+            },
+            Extension {
+                id: 2,
+                body: vec![9],
+            },
+        ];
+        assert!(protocol_error(&offer(3, 4, dup)));
+        // An extension count the frame cannot hold.
+        let mut huge = offer(3, 4, vec![]);
+        let at = huge.len() - 2;
+        huge[at..].copy_from_slice(&u16::MAX.to_be_bytes());
+        assert!(protocol_error(&huge));
+        // An extension body longer than the frame.
+        let mut long = offer(3, 4, vec![]);
+        let at = long.len() - 2;
+        long[at..].copy_from_slice(&1u16.to_be_bytes());
+        long.extend_from_slice(&7u16.to_be_bytes());
+        long.extend_from_slice(&100u16.to_be_bytes());
+        assert!(protocol_error(&long));
+        // A chosen version outside the owner's own range.
+        let mut agreed = Msg::Agreed {
+            versions: VersionRange { min: 3, max: 4 },
+            version: 4,
+            extensions: vec![],
+            endpoint: ep,
+            regions: vec![],
+        }
+        .encode();
+        agreed[5..7].copy_from_slice(&7u16.to_be_bytes());
+        assert!(protocol_error(&agreed));
+    }
+
+    #[test]
+    fn nonce_marks() {
+        let n = [0x5a; NONCE_LEN];
+        assert!(!is_marked(&n));
+        let m = mark(n);
+        assert!(is_marked(&m));
+        assert_eq!(
+            m[..NONCE_LEN - NEGOTIATE_MARK.len()],
+            n[..NONCE_LEN - NEGOTIATE_MARK.len()]
+        );
+    }
+
+    proptest::proptest! {
+        /// Any bytes decode to a frame or a protocol error, never a panic;
+        /// and what decodes re-encodes to the same bytes.
+        #[test]
+        fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..200)) {
+            match Msg::decode(&bytes, "p") {
+                Ok(m) => proptest::prop_assert_eq!(m.encode(), bytes),
+                Err(e) => proptest::prop_assert!(matches!(e, Error::Protocol { .. }), "{:?}", e),
+            }
+        }
+
+        /// The same, for bytes that start as a negotiated hello or answer.
+        #[test]
+        fn arbitrary_negotiation_frames_never_panic(
+            kind in proptest::sample::select(vec![OFFER, AGREED, INCOMPATIBLE]),
+            rest in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..120),
+        ) {
+            let mut bytes = vec![kind];
+            bytes.extend_from_slice(&rest);
+            match Msg::decode(&bytes, "p") {
+                Ok(m) => proptest::prop_assert_eq!(m.encode(), bytes),
+                Err(e) => proptest::prop_assert!(matches!(e, Error::Protocol { .. }), "{:?}", e),
+            }
+        }
+
+        /// Offers with arbitrary ranges and extensions round-trip.
+        #[test]
+        fn offers_round_trip(
+            min in 0u16..100, span in 0u16..100,
+            ids in proptest::collection::btree_set(proptest::prelude::any::<u16>(), 0..20),
+            name in "[a-z0-9.:]{0,40}",
+        ) {
+            let m = Msg::Offer {
+                versions: VersionRange { min, max: min + span },
+                endpoint: QpEndpoint { qpn: 1, psn: 2, lid: 3, gid: [7; 16], mtu: 5 },
+                name,
+                extensions: ids.into_iter().map(|id| Extension { id, body: vec![id as u8; (id % 5) as usize] }).collect(),
+            };
+            proptest::prop_assert_eq!(Msg::decode(&m.encode(), "p").unwrap(), m);
+        }
     }
 
     #[test]

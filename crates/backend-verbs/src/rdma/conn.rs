@@ -24,9 +24,10 @@ use transport_core::{Error, Notification, Result, Side, TransferOp};
 use super::device::{self, Device, Slots};
 use super::poller::{Poller, Watched};
 use super::progress::Progress;
-use crate::auth;
+use crate::handshake;
+use crate::negotiate::{FeatureSet, Offer, PeerProtocol};
 use crate::plan::WrPlan;
-use crate::wire::{self, Msg, QpEndpoint, RemoteRegion};
+use crate::wire::{self, Msg, RemoteRegion};
 
 /// Notifications one connection has in flight (SENT, not yet answered):
 /// the owner posts this many receives for the connection.
@@ -92,6 +93,10 @@ struct NoteWait {
 /// One connection to a peer segment.
 pub(crate) struct Conn {
     pub peer: String,
+    /// The features agreed with the peer.
+    pub features: FeatureSet,
+    /// What was negotiated, for reports.
+    pub protocol: PeerProtocol,
     dev: Arc<Device>,
     cq: Arc<BasicCompletionQueue>,
     sq: Mutex<Sq>,
@@ -164,44 +169,21 @@ impl Conn {
         let mut qp = dev.create_qp(&cq, dev.sq_depth, 1, dev.max_sge)?;
         let psn = device::random_psn();
         let local = dev.endpoint(&qp, psn);
-        let hello = Msg::Hello {
-            version: wire::VERSION,
-            endpoint: local,
-            name: local_name.to_owned(),
-        };
         let secret = dev.cfg.secret.as_deref();
-        let exchange = async {
-            // Nothing (not even this side's queue pair) is sent before the
-            // peer is authenticated.
-            auth::initiator(&mut stream, name, secret).await?;
-            wire::write_msg(&mut stream, &hello)
-                .await
-                .map_err(|e| unavailable(name, format!("sending hello: {e}")))?;
-            match wire::read_msg(&mut stream, name).await? {
-                Some(Msg::Welcome { endpoint, regions }) => Ok((endpoint, regions)),
-                Some(Msg::Refused { reason }) => {
-                    Err(unavailable(name, format!("refused: {reason}")))
-                }
-                Some(other) => Err(Error::Protocol {
-                    peer: name.to_owned(),
-                    reason: format!("expected Welcome, got {other:?}"),
-                }),
-                None => Err(unavailable(
+        let offer = Offer::local(dev.cfg.test_protocol_max, &dev.cfg.test_features_off);
+        let exchange = handshake::open(&mut stream, name, secret, &offer, local, local_name);
+        let opened = match tokio::time::timeout(deadline, exchange).await {
+            Ok(r) => r?,
+            Err(_) => {
+                return Err(unavailable(
                     name,
-                    "the peer closed the control channel during the handshake",
-                )),
+                    format!("handshake timed out after {deadline:?}"),
+                ))
             }
         };
-        let (remote, regions): (QpEndpoint, Vec<RemoteRegion>) =
-            match tokio::time::timeout(deadline, exchange).await {
-                Ok(r) => r?,
-                Err(_) => {
-                    return Err(unavailable(
-                        name,
-                        format!("handshake timed out after {deadline:?}"),
-                    ))
-                }
-            };
+        let (remote, regions) = (opened.endpoint, opened.regions);
+        let protocol = PeerProtocol::new(name, true, &opened.agreement);
+        tracing::debug!(peer = name, %protocol, "verbs control channel agreed");
         dev.connect_qp(
             &mut qp,
             psn,
@@ -214,6 +196,8 @@ impl Conn {
         let (ctl_tx, ctl_rx) = mpsc::channel(CTL_QUEUE);
         let conn = Arc::new(Conn {
             peer: name.to_owned(),
+            features: opened.agreement.features,
+            protocol,
             credits: Arc::new(Semaphore::new(dev.sq_depth as usize)),
             dev,
             cq,

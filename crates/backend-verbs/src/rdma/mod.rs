@@ -24,6 +24,7 @@ use self::device::Device;
 use self::poller::Poller;
 use self::progress::Progress;
 use crate::config::VerbsConfig;
+use crate::negotiate::{Feature, Offer, PeerProtocol};
 use crate::plan::{self, Piece};
 use crate::wire::{Msg, RemoteRegion};
 use crate::{Fault, BACKEND};
@@ -68,6 +69,8 @@ pub(crate) struct Inner {
     notifications: Mutex<Notes>,
     refuse_notifications: AtomicBool,
     subs: Mutex<HashMap<u64, Subscriber>>,
+    /// What was negotiated with each connected opener (same ids as `subs`).
+    inbound: Mutex<HashMap<u64, PeerProtocol>>,
     next_sub: AtomicU64,
 }
 
@@ -111,6 +114,7 @@ impl Inner {
             notifications: Mutex::new(Notes::default()),
             refuse_notifications: AtomicBool::new(false),
             subs: Mutex::new(HashMap::new()),
+            inbound: Mutex::new(HashMap::new()),
             next_sub: AtomicU64::new(1),
         });
         handle.spawn(server::accept_loop(listener, Arc::downgrade(&inner)));
@@ -174,6 +178,33 @@ impl Inner {
             }
             .into(),
         ));
+        let offer = self.offer();
+        let features: Vec<&str> = offer.features.iter().map(|f| f.name()).collect();
+        details.push((
+            "protocol".into(),
+            format!(
+                "control channel versions {}; features {}",
+                offer.versions,
+                if features.is_empty() {
+                    "none".to_owned()
+                } else {
+                    features.join(", ")
+                }
+            ),
+        ));
+        // `peer NAME` → `path: …` is the convention `ferry bench` reads;
+        // the negotiated protocol is next to it.
+        for p in self.peer_protocols() {
+            if p.opened_here {
+                details.push((
+                    format!("peer {}", p.peer),
+                    format!("path: RDMA RC queue pair, protocol {}", p.version),
+                ));
+                details.push((format!("protocol peer {}", p.peer), p.to_string()));
+            } else {
+                details.push((format!("protocol opener {}", p.peer), p.to_string()));
+            }
+        }
         BackendInfo {
             backend: BACKEND.into(),
             details,
@@ -195,6 +226,51 @@ impl Inner {
 
     fn subscribers(&self) -> MutexGuard<'_, HashMap<u64, Subscriber>> {
         lock(&self.subs)
+    }
+
+    fn inbound(&self) -> MutexGuard<'_, HashMap<u64, PeerProtocol>> {
+        lock(&self.inbound)
+    }
+
+    /// What this engine announces on every control connection.
+    fn offer(&self) -> Offer {
+        Offer::local(
+            self.dev.cfg.test_protocol_max,
+            &self.dev.cfg.test_features_off,
+        )
+    }
+
+    /// The protocol agreed with every peer connected now: the segments this
+    /// engine opened (whose connection is not being replaced), then the
+    /// openers connected to it.
+    pub(crate) fn peer_protocols(&self) -> Vec<PeerProtocol> {
+        let segs: Vec<Arc<Segment>> = lock(&self.segments).values().cloned().collect();
+        let mut out: Vec<PeerProtocol> = Vec::new();
+        for seg in segs {
+            if let Ok(slot) = seg.conn.try_lock() {
+                if let Some(c) = slot.as_ref().filter(|c| !c.is_broken()) {
+                    if !out.iter().any(|p| p.opened_here && p.peer == c.peer) {
+                        out.push(c.protocol.clone());
+                    }
+                }
+            }
+        }
+        let mut inbound: Vec<(u64, PeerProtocol)> = self
+            .inbound()
+            .iter()
+            .map(|(id, p)| (*id, p.clone()))
+            .collect();
+        inbound.sort_by_key(|(id, _)| *id);
+        out.extend(inbound.into_iter().map(|(_, p)| p));
+        out
+    }
+
+    pub(crate) async fn peer_protocol(&self, segment: SegmentId) -> Option<PeerProtocol> {
+        let seg = lock(&self.segments).get(&segment.0).cloned()?;
+        let slot = seg.conn.lock().await;
+        slot.as_ref()
+            .filter(|c| !c.is_broken())
+            .map(|c| c.protocol.clone())
     }
 
     /// Queues `msg` to every connected opener; one whose queue is full
@@ -501,6 +577,16 @@ impl Inner {
             n.validate()?;
         }
         let conn = self.conn(segment).await?;
+        if notify.is_some() && !conn.features.contains(Feature::Notify) {
+            return Err(Error::unsupported(
+                BACKEND,
+                Operation::Notify,
+                format!(
+                    "notifications are not in use with {}: {}",
+                    conn.peer, conn.protocol
+                ),
+            ));
+        }
         let batch = Arc::new(Progress::new(driver));
         let mut pieces = Vec::new();
         let mut guards = Vec::new();
@@ -533,7 +619,7 @@ impl Inner {
                 continue;
             };
             let mut rkey = conn.lookup(r.remote_addr, r.len);
-            if rkey.is_none() && !refreshed {
+            if rkey.is_none() && !refreshed && conn.features.contains(Feature::TableFetch) {
                 // The peer may have registered it after our last update.
                 refreshed = true;
                 if let Err(e) = conn.refresh_regions().await {

@@ -18,7 +18,8 @@ use super::conn::{NOTIFY_RING, NOTIFY_SLOT};
 use super::device::{self, Slots};
 use super::poller::{Poller, Watched};
 use super::Inner;
-use crate::auth;
+use crate::handshake;
+use crate::negotiate::{Feature, PeerProtocol};
 use crate::wire::{self, Msg};
 
 pub(crate) async fn accept_loop(listener: TcpListener, inner: std::sync::Weak<Inner>) {
@@ -53,50 +54,21 @@ async fn serve(mut stream: TcpStream, peer: &str, inner: Arc<Inner>) -> Result<(
     // Authentication first: nothing about this engine (queue pair, regions,
     // rkeys) is sent, and no notification is taken, before it succeeds.
     let secret = inner.dev.cfg.secret.as_deref();
-    let handshake = async {
-        auth::target(&mut stream, peer, secret).await?;
-        wire::read_msg_max(&mut stream, peer, wire::HANDSHAKE_MAX_FRAME).await
+    let offer = inner.offer();
+    let hello = tokio::time::timeout(
+        deadline,
+        handshake::accept(&mut stream, peer, secret, &offer),
+    )
+    .await
+    .map_err(|_| Error::Timeout {
+        operation: "waiting for the verbs authentication and hello".into(),
+        peer: Some(peer.to_owned()),
+        after: deadline,
+    })??;
+    let Some(hello) = hello else {
+        return Ok(());
     };
-    let hello = tokio::time::timeout(deadline, handshake)
-        .await
-        .map_err(|_| Error::Timeout {
-            operation: "waiting for the verbs authentication and hello".into(),
-            peer: Some(peer.to_owned()),
-            after: deadline,
-        })??;
-    let (remote, name) = match hello {
-        Some(Msg::Hello {
-            version,
-            endpoint,
-            name,
-        }) => {
-            if version != wire::VERSION {
-                let reason = format!(
-                    "protocol version {version} is not supported (this engine speaks {})",
-                    wire::VERSION
-                );
-                let _ = wire::write_msg(
-                    &mut stream,
-                    &Msg::Refused {
-                        reason: reason.clone(),
-                    },
-                )
-                .await;
-                return Err(Error::Protocol {
-                    peer: peer.to_owned(),
-                    reason,
-                });
-            }
-            (endpoint, name)
-        }
-        Some(other) => {
-            return Err(Error::Protocol {
-                peer: peer.to_owned(),
-                reason: format!("expected Hello, got {other:?}"),
-            })
-        }
-        None => return Ok(()),
-    };
+    let (remote, name, agreement) = (hello.endpoint, hello.name, hello.agreement);
     // The passive queue pair, its CQ (on the engine's completion channel)
     // and the receive ring for notifications: blocking verbs calls, off the
     // async workers.
@@ -132,12 +104,19 @@ async fn serve(mut stream: TcpStream, peer: &str, inner: Arc<Inner>) -> Result<(
     // Subscribe to region changes before the snapshot so none is missed.
     // The queue to this peer is bounded: a peer that does not read it is
     // disconnected (it reconnects with a fresh table).
+    // Without `region_push` the opener is not subscribed: it fetches the
+    // table on a miss.
     let (push_tx, mut push_rx) = mpsc::channel::<Msg>(PUSH_QUEUE);
     let kill = Arc::new(Notify::new());
     let id = inner.next_sub.fetch_add(1, Ordering::Relaxed);
-    inner
-        .subscribers()
-        .insert(id, (push_tx.clone(), Arc::clone(&kill)));
+    if agreement.features.contains(Feature::RegionPush) {
+        inner
+            .subscribers()
+            .insert(id, (push_tx.clone(), Arc::clone(&kill)));
+    }
+    let protocol = PeerProtocol::new(peer, false, &agreement);
+    tracing::debug!(peer, %protocol, "verbs control channel agreed");
+    inner.inbound().insert(id, protocol);
     let _unsub = Unsubscribe(Arc::clone(&inner), id);
     // SAFETY: only the address is used, as a map key.
     let qp_key = unsafe { qp.qp() }.as_ptr() as usize;
@@ -159,10 +138,7 @@ async fn serve(mut stream: TcpStream, peer: &str, inner: Arc<Inner>) -> Result<(
     for slot in 0..NOTIFY_RING {
         passive.post_recv(slot)?;
     }
-    let welcome = Msg::Welcome {
-        endpoint: local,
-        regions: inner.region_snapshot(),
-    };
+    let welcome = handshake::welcome(&agreement, local, inner.region_snapshot());
     let (mut rd, mut wr) = stream.into_split();
     wire::write_msg(&mut wr, &welcome)
         .await
@@ -362,5 +338,6 @@ struct Unsubscribe(Arc<Inner>, u64);
 impl Drop for Unsubscribe {
     fn drop(&mut self) {
         self.0.subscribers().remove(&self.1);
+        self.0.inbound().remove(&self.1);
     }
 }
