@@ -1,13 +1,15 @@
-//! Mixed versions keep serving (issue 22): this build's `ferry` against a
-//! `ferry` built from a pinned older commit of this repository, both ways
+//! Mixed versions keep serving (issue 22): this build's `ferry` against
+//! `ferry` built from pinned older commits of this repository (7c3e5e6,
+//! protocol 5; 4b6cd43, protocol 4), both ways
 //! — old `serve` / new `bench --peer` and new `serve` / old `bench --peer`
 //! — on the socket path and on the same-host path, every point verified by
 //! reading bytes back, the target's region checked for what was written.
 //!
-//! The old binary is built once from `git archive PINNED` (the same tree a
-//! `git worktree` would check out, without registering a worktree in the
-//! repository) into `target/compat/PINNED/` and reused while it exists.
-//! The pinned commit advances as `crates/backend-tcp/PROTOCOL.md` §0 says
+//! Each old binary is built once from `git archive COMMIT` (the same tree
+//! a `git worktree` would check out, without registering a worktree in the
+//! repository, which would go stale whenever `target/` is cleaned) into
+//! `target/compat/COMMIT/` and reused while it exists. The pinned commits
+//! advance as `crates/backend-tcp/PROTOCOL.md` §0 says
 //! (never to the commit under test). The test skips, printing why, only
 //! where git or the pinned commit is unavailable (a shallow clone, a
 //! source tarball); `FERRY_REQUIRE_BACKENDS` listing `compat` makes that
@@ -21,9 +23,14 @@ use std::sync::OnceLock;
 
 use transport_core::conformance::{backend_required, report_skip};
 
-/// The older build this one must interoperate with: main at the last
-/// protocol change before negotiation (ferry-tcp protocol 5).
+/// The older builds this one must interoperate with (PROTOCOL.md §0):
+/// main at the last protocol change before negotiation (ferry-tcp
+/// protocol 5, the full same-host path), and the oldest build the policy
+/// covers (protocol 4: no staging area). Each is built once (about two
+/// minutes each on a quiet machine, more under load).
 const PINNED: &str = "7c3e5e6";
+/// See [`PINNED`].
+const PINNED_V4: &str = "4b6cd43";
 
 fn workspace_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -40,24 +47,28 @@ fn target_dir() -> PathBuf {
 }
 
 /// The pinned `ferry`, built if not cached; `Err(reason)` to skip.
-fn pinned_ferry() -> Result<PathBuf, String> {
-    static BUILT: OnceLock<Result<PathBuf, String>> = OnceLock::new();
-    BUILT.get_or_init(build_pinned).clone()
+fn pinned_ferry(commit: &'static str) -> Result<PathBuf, String> {
+    static BUILT: [OnceLock<Result<PathBuf, String>>; 2] = [OnceLock::new(), OnceLock::new()];
+    let slot = usize::from(commit == PINNED_V4);
+    BUILT[slot].get_or_init(|| build_pinned(commit)).clone()
 }
 
-fn build_pinned() -> Result<PathBuf, String> {
+fn build_pinned(commit: &str) -> Result<PathBuf, String> {
+    // The builds share the machine: one at a time.
+    static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = ONE.lock().unwrap_or_else(|e| e.into_inner());
     let root = workspace_root();
-    let compat = target_dir().join("compat").join(PINNED);
+    let compat = target_dir().join("compat").join(commit);
     let bin = compat.join("target").join("debug").join("ferry");
     if bin.exists() {
         return Ok(bin);
     }
     let git = |args: &[&str]| Command::new("git").arg("-C").arg(&root).args(args).output();
-    match git(&["cat-file", "-e", &format!("{PINNED}^{{commit}}")]) {
+    match git(&["cat-file", "-e", &format!("{commit}^{{commit}}")]) {
         Err(e) => return Err(format!("git is not available: {e}")),
         Ok(o) if !o.status.success() => {
             return Err(format!(
-                "the pinned commit {PINNED} is not in this clone's history (shallow clone?): {}",
+                "the pinned commit {commit} is not in this clone's history (shallow clone?): {}",
                 String::from_utf8_lossy(&o.stderr).trim()
             ))
         }
@@ -73,10 +84,10 @@ fn build_pinned() -> Result<PathBuf, String> {
             .arg(&root)
             .args(["archive", "--format=tar", "-o"])
             .arg(&tar)
-            .arg(PINNED)
+            .arg(commit)
             .status()
             .expect("git archive");
-        assert!(archived.success(), "git archive {PINNED}");
+        assert!(archived.success(), "git archive {commit}");
         let unpacked = Command::new("tar")
             .arg("-xf")
             .arg(&tar)
@@ -86,12 +97,12 @@ fn build_pinned() -> Result<PathBuf, String> {
             .expect("tar");
         assert!(
             unpacked.success(),
-            "unpacking {PINNED} into {}",
+            "unpacking {commit} into {}",
             src.display()
         );
     }
     eprintln!(
-        "building ferry at {PINNED} into {} (once)",
+        "building ferry at {commit} into {} (once)",
         compat.display()
     );
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
@@ -113,7 +124,7 @@ fn build_pinned() -> Result<PathBuf, String> {
         .expect("running cargo for the pinned build");
     assert!(
         out.status.success(),
-        "building ferry at {PINNED} failed:\n{}",
+        "building ferry at {commit} failed:\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(bin.exists(), "{} was not built", bin.display());
@@ -121,8 +132,8 @@ fn build_pinned() -> Result<PathBuf, String> {
 }
 
 /// The pinned binary, or `None` after printing why the test skips.
-fn old_or_skip(test: &str) -> Option<PathBuf> {
-    match pinned_ferry() {
+fn old_or_skip(test: &str, commit: &'static str) -> Option<PathBuf> {
+    match pinned_ferry(commit) {
         Ok(p) => Some(p),
         Err(reason) if backend_required("compat") => {
             panic!("{test}: FERRY_REQUIRE_BACKENDS lists compat, but: {reason}")
@@ -272,29 +283,49 @@ fn changed(summary: &str) -> u64 {
         .unwrap_or_else(|| panic!("no count in {summary}"))
 }
 
+/// What the new build must report against an old one of `version`.
+fn expect_negotiated(report: &str, version: u16) {
+    assert!(
+        report.contains(&format!("version in use: {version}")),
+        "{report}"
+    );
+    assert!(report.contains("does not negotiate"), "{report}");
+    let on: &[&str] = match version {
+        5 => &["same-host", "control-channel", "staging-area", "ack-lane"],
+        _ => &["same-host", "control-channel"],
+    };
+    for f in ["same-host", "control-channel", "staging-area", "ack-lane"] {
+        let line = report
+            .lines()
+            .find(|l| l.split_whitespace().next() == Some(f))
+            .unwrap_or_else(|| panic!("{f} in {report}"));
+        if on.contains(&f) {
+            assert_eq!(line.split_whitespace().nth(1), Some("on"), "{report}");
+        } else {
+            assert!(line.contains("off: the peer lacks it"), "{report}");
+        }
+    }
+    let path = if version >= 5 {
+        "path: same-host staged"
+    } else {
+        "path: same-host cma"
+    };
+    assert!(report.contains(path), "{report}");
+}
+
 /// One direction: `server` serves, `client` benches and asks `caps`, on
-/// the same-host path and on the socket.
-fn pair(server: &Path, client: &Path, client_is_new: bool) {
+/// the same-host path and on the socket. `old_version`: the protocol of
+/// the old build of the pair; `client_is_new`: which one is the client.
+fn pair(server: &Path, client: &Path, client_is_new: bool, old_version: u16) {
     let s = serve(server, "tcp://127.0.0.1:0");
-    // Same host: the same-host path is chosen (`cma`: no note means the
-    // staging area and the control channel were taken too).
+    // Same host: the same-host path is chosen.
     let report = caps(client, &s, "tcp://127.0.0.1:0");
     assert!(
         report.contains(&format!("peer {}: path: cma", s.segment)),
         "{report}"
     );
     if client_is_new {
-        assert!(report.contains("version in use: 5"), "{report}");
-        assert!(report.contains("does not negotiate"), "{report}");
-        for f in ["same-host", "control-channel", "staging-area", "ack-lane"] {
-            assert!(
-                report
-                    .lines()
-                    .any(|l| l.split_whitespace().collect::<Vec<_>>() == [f, "on"]),
-                "{f} on: {report}"
-            );
-        }
-        assert!(report.contains("path: same-host staged"), "{report}");
+        expect_negotiated(&report, old_version);
     }
     bench(client, &s, "tcp://127.0.0.1:0");
     // The socket path, between the same two builds.
@@ -315,26 +346,42 @@ fn pair(server: &Path, client: &Path, client_is_new: bool) {
 
 #[test]
 fn old_serve_new_bench() {
-    let Some(old) = old_or_skip("old_serve_new_bench") else {
+    let Some(old) = old_or_skip("old_serve_new_bench", PINNED) else {
         return;
     };
-    pair(&old, &new_ferry(), true);
+    pair(&old, &new_ferry(), true, 5);
 }
 
 #[test]
 fn new_serve_old_bench() {
-    let Some(old) = old_or_skip("new_serve_old_bench") else {
+    let Some(old) = old_or_skip("new_serve_old_bench", PINNED) else {
         return;
     };
-    pair(&new_ferry(), &old, false);
+    pair(&new_ferry(), &old, false, 5);
 }
 
 #[test]
-fn the_pinned_build_is_older() {
-    let Some(old) = old_or_skip("the_pinned_build_is_older") else {
+fn v4_serve_new_bench() {
+    let Some(old) = old_or_skip("v4_serve_new_bench", PINNED_V4) else {
         return;
     };
-    // The old build announces one protocol version; this one a range.
+    pair(&old, &new_ferry(), true, 4);
+}
+
+#[test]
+fn new_serve_v4_bench() {
+    let Some(old) = old_or_skip("new_serve_v4_bench", PINNED_V4) else {
+        return;
+    };
+    pair(&new_ferry(), &old, false, 4);
+}
+
+#[test]
+fn the_pinned_builds_are_older() {
+    let Some(old) = old_or_skip("the_pinned_builds_are_older", PINNED) else {
+        return;
+    };
+    // The old builds announce one protocol version; this one a range.
     let mut v = String::new();
     cmd(&new_ferry())
         .arg("--version")
