@@ -11,8 +11,10 @@
 //! its oldest protocol) and a JSON object; the listener answers in the same
 //! framing. A Mooncake dialer that reaches a Ferry target is therefore
 //! recognised, logged, and answered with a Mooncake frame whose JSON
-//! carries `reply_msg` (the field Mooncake's handshake reports when a peer
-//! rejects it). A Ferry initiator that reaches a Mooncake listener sends
+//! carries the reason in `reply_msg` (the field Mooncake's handshake
+//! reports when a peer rejects it) and in `protocol` (which Mooncake names
+//! when it cannot use the segment descriptor a metadata request returned:
+//! `Unsupported segment descriptor, name … protocol ferry-tcp: …`). A Ferry initiator that reaches a Mooncake listener sends
 //! its hello, which the listener reads as an over-long length and closes on
 //! without answering: see [`crate::handshake`]'s error for that case.
 
@@ -86,18 +88,22 @@ pub fn describe(first: &[u8]) -> Option<String> {
     })
 }
 
-/// The Mooncake frame refusing a Mooncake handshake of type `t`.
+/// The Mooncake frame refusing a Mooncake handshake of type `t`: a JSON
+/// object whose `reply_msg` (what Mooncake reports for a rejected
+/// connection handshake) and `protocol` (what it reports for a segment
+/// descriptor it cannot use, the answer to a metadata request) both carry
+/// `reason`.
 pub fn mooncake_refusal(t: Option<u8>, reason: &str) -> Vec<u8> {
-    let mut json = String::from("{\"reply_msg\":\"");
+    let mut quoted = String::new();
     for c in reason.chars() {
         match c {
-            '"' => json.push_str("\\\""),
-            '\\' => json.push_str("\\\\"),
-            c if (c as u32) < 0x20 => json.push(' '),
-            c => json.push(c),
+            '"' => quoted.push_str("\\\""),
+            '\\' => quoted.push_str("\\\\"),
+            c if (c as u32) < 0x20 => quoted.push(' '),
+            c => quoted.push(c),
         }
     }
-    json.push_str("\"}\n");
+    let json = format!("{{\"reply_msg\":\"{quoted}\",\"protocol\":\"{quoted}\"}}\n");
     let body_len = json.len() as u64 + u64::from(t.is_some());
     let mut out = Vec::with_capacity(9 + json.len());
     out.extend_from_slice(&body_len.to_le_bytes());
@@ -117,7 +123,7 @@ pub async fn refuse(stream: &Stream, peer: &str, first: &[u8], timeout: Duration
     match &what {
         Some(Foreign::Mooncake(t)) => {
             tracing::warn!(%peer, "refused a connection: {text}");
-            let reason = "this port is a Ferry ferry-tcp target, not a Mooncake Transfer Engine";
+            let reason = "ferry-tcp: this port is a Ferry target, not a Mooncake Transfer Engine";
             let bytes = mooncake_refusal(*t, reason);
             let _ = crate::io::write_all_slices(
                 stream,
@@ -169,7 +175,7 @@ mod tests {
         assert_eq!(f[8], 1);
         let json = std::str::from_utf8(&f[9..]).unwrap();
         assert!(
-            json.starts_with("{\"reply_msg\":\"say \\\"no\\\"\"}"),
+            json.starts_with("{\"reply_msg\":\"say \\\"no\\\"\",\"protocol\":"),
             "{json}"
         );
     }
