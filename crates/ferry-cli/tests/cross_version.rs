@@ -165,7 +165,16 @@ struct Serve {
 }
 
 fn serve(bin: &Path, backend: &str) -> Serve {
-    let mut child = cmd(bin)
+    serve_with(bin, backend, None)
+}
+
+/// [`serve`] with a shared secret (from `FERRY_SECRET`).
+fn serve_with(bin: &Path, backend: &str, secret: Option<&str>) -> Serve {
+    let mut c = cmd(bin);
+    if let Some(s) = secret {
+        c.env("FERRY_SECRET", s);
+    }
+    let mut child = c
         .args(["serve", "--size", "8MiB", "--backend", backend])
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
@@ -374,6 +383,29 @@ fn new_serve_v4_bench() {
         return;
     };
     pair(&new_ferry(), &old, false, 4);
+}
+
+#[test]
+fn authenticated_pairs_prove_themselves_across_versions() {
+    let Some(old) = old_or_skip("authenticated_pairs", PINNED) else {
+        return;
+    };
+    let new = new_ferry();
+    for (server, client) in [(&old, &new), (&new, &old)] {
+        let s = serve_with(server, "tcp://127.0.0.1:0", Some("s3cret"));
+        bench(client, &s, "tcp://127.0.0.1:0?secret=s3cret");
+        let out = cmd(client)
+            .args(["caps", "--backend", "tcp://127.0.0.1:0?secret=wrong"])
+            .args(["--peer", &s.segment])
+            .output()
+            .expect("ferry caps");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains("authentication"),
+            "a wrong secret is refused: {err}"
+        );
+        stop(s);
+    }
 }
 
 #[test]
