@@ -462,3 +462,62 @@ fn check_offer_pins_the_process_it_checked() {
     let _ = child.wait();
     drop(probe);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_a_secret_an_altered_announcement_fails_the_proofs() {
+    // A MITM that turns the target's announced features off (so the
+    // initiator would not use them): with a secret, the proofs cover both
+    // extension blocks, so the target refuses the initiator's proof.
+    let secret = Some("s3cret".to_owned());
+    let b = engine(TcpConfig {
+        secret: secret.clone(),
+        ..TcpConfig::default()
+    })
+    .await;
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let target = b.segment_name().to_owned();
+    tokio::spawn(async move {
+        let (c, _) = l.accept().await.unwrap();
+        let t = TcpStream::connect(target).await.unwrap();
+        let (mut cr, mut cw) = c.into_split();
+        let (mut tr, mut tw) = t.into_split();
+        tokio::spawn(async move { tokio::io::copy(&mut cr, &mut tw).await });
+        // The target's hello, then its block: rewrite FEATURES.on to 0.
+        let mut fixed = [0u8; HELLO_FIXED];
+        tr.read_exact(&mut fixed).await.unwrap();
+        let (_, n) = Hello::decode_fixed(&fixed).unwrap();
+        let mut name = vec![0u8; n];
+        tr.read_exact(&mut name).await.unwrap();
+        let mut len = [0u8; 2];
+        tr.read_exact(&mut len).await.unwrap();
+        let mut body = vec![0u8; u16::from_le_bytes(len) as usize];
+        tr.read_exact(&mut body).await.unwrap();
+        let ext = Extensions::decode(&body).unwrap();
+        let altered = Extensions {
+            features: FeatureSet {
+                on: 0,
+                ..ext.features
+            },
+            ..ext
+        }
+        .encode();
+        cw.write_all(&[fixed.to_vec(), name, altered].concat())
+            .await
+            .unwrap();
+        let _ = tokio::io::copy(&mut tr, &mut cw).await;
+    });
+    let a = engine(TcpConfig {
+        secret,
+        ..TcpConfig::default()
+    })
+    .await;
+    let e = a.open_segment(&addr).await.unwrap_err();
+    assert!(matches!(e, Error::Authentication { .. }), "{e:?}");
+    // Unaltered, the same pair connects.
+    a.open_segment(b.segment_name()).await.unwrap();
+    assert_eq!(
+        a.peer_report(b.segment_name()).unwrap().version,
+        MAX_VERSION
+    );
+}
