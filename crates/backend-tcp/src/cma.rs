@@ -237,8 +237,12 @@ pub fn make_offer() -> Result<(Box<[u8; 16]>, Offer), String> {
 }
 
 /// Target side: whether the initiator behind `stream` may be reached by
-/// cross-memory attach; `Err((refusal, errno))` otherwise.
-pub fn check_offer(stream: &TcpStream, offer: &Offer) -> Result<i32, (Refusal, i32)> {
+/// cross-memory attach; `Err((refusal, errno))` otherwise. The process is
+/// pinned (pidfd) *before* it is checked, and found alive after: the checks
+/// therefore concern the process the returned [`Initiator`] holds, and a PID
+/// reused between check and pin cannot slip in (where the kernel has no
+/// pidfds, Linux < 5.3, this ordering cannot be enforced).
+pub fn check_offer(stream: &TcpStream, offer: &Offer) -> Result<Initiator, (Refusal, i32)> {
     if boot_id().ok().as_ref() != Some(&offer.boot_id) {
         return Err((Refusal::OtherHost, 0));
     }
@@ -249,6 +253,7 @@ pub fn check_offer(stream: &TcpStream, offer: &Offer) -> Result<i32, (Refusal, i
         .ok()
         .filter(|p| *p > 0)
         .ok_or((Refusal::NotTheOwner, 0))?;
+    let initiator = Initiator::new(pid);
     // The kernel's verdict first: this is the errno users need to see.
     let mut got = [0u8; 16];
     let dst = [iov(got.as_mut_ptr(), got.len())];
@@ -264,10 +269,15 @@ pub fn check_offer(stream: &TcpStream, offer: &Offer) -> Result<i32, (Refusal, i
         return Err((Refusal::ProbeMismatch, 0));
     }
     match socket_owned_by(stream, pid) {
-        Ok(true) => Ok(pid),
-        Ok(false) => Err((Refusal::NotTheOwner, 0)),
-        Err(e) => Err((Refusal::NotTheOwner, e)),
+        Ok(true) => {}
+        Ok(false) => return Err((Refusal::NotTheOwner, 0)),
+        Err(e) => return Err((Refusal::NotTheOwner, e)),
     }
+    // Alive now, so the PID named the pinned process throughout.
+    if !initiator.alive() {
+        return Err((Refusal::NotTheOwner, libc::ESRCH));
+    }
+    Ok(initiator)
 }
 
 /// The `/proc/net/tcp*` form of a socket address.
@@ -631,7 +641,7 @@ pub struct Initiator {
 }
 
 impl Initiator {
-    /// Pins `pid` (verified by [`check_offer`]).
+    /// Pins `pid` ([`check_offer`] pins before it checks).
     pub fn new(pid: i32) -> Initiator {
         // SAFETY: pidfd_open takes a PID and flags and returns a new fd
         // (or -1), which we own.
@@ -642,6 +652,12 @@ impl Initiator {
             unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) }
         });
         Initiator { pid, pidfd }
+    }
+
+    /// Whether the process is pinned by a pidfd (false where the kernel
+    /// has none).
+    pub fn pinned(&self) -> bool {
+        self.pidfd.is_some()
     }
 
     /// False once the process has exited (a pidfd polls readable then).

@@ -14,7 +14,6 @@ use transport_core::{
 
 use crate::client::Peer;
 use crate::config::TcpConfig;
-use crate::frame::VERSION;
 use crate::server::{accept_loop, Core};
 
 const BACKEND: &str = "tcp";
@@ -131,6 +130,19 @@ impl TcpEngine {
     /// Parses `url` with [`TcpConfig::from_url`] and starts an engine.
     pub async fn open(url: &str) -> Result<TcpEngine> {
         Self::start(TcpConfig::from_url(url)?).await
+    }
+
+    /// What this engine negotiated with the peer segment `name` on its
+    /// latest connection: both version ranges, the version in use, every
+    /// optional feature on or off and why, and the payload path. `None` if
+    /// the segment is not open (or never connected). Cheap; meant to be
+    /// logged after `open_segment`.
+    pub fn peer_report(&self, name: &str) -> Option<crate::PeerReport> {
+        let peer = lock(&self.inner.segments)
+            .by_name
+            .get(name)
+            .map(|(p, _)| Arc::clone(p))?;
+        peer.report()
     }
 
     /// The configuration the engine runs with.
@@ -255,7 +267,10 @@ impl TransferEngine for TcpEngine {
         peers.sort();
         let mut details = vec![
             ("segment".to_owned(), self.inner.core.name.clone()),
-            ("protocol".to_owned(), format!("ferry-tcp v{VERSION}")),
+            (
+                "protocol".to_owned(),
+                format!("ferry-tcp {} (negotiated)", crate::VersionRange::OURS),
+            ),
             ("connections per peer".to_owned(), c.connections.to_string()),
             (
                 "authentication".to_owned(),

@@ -10,12 +10,13 @@ use std::fmt;
 
 /// Magic that opens both hello messages.
 pub const MAGIC: [u8; 4] = *b"FRY\x01";
-/// Protocol version spoken by this crate (2: region generations in
-/// WRITE/READ frames, segments and tables; typed rejections; idle deadline
-/// in the welcome; 3: the same-host path, SAME_HOST / CWRITE / CREAD;
-/// 4: the same-host control channel, SAME_HOST_OK; 5: the staging area,
-/// SWRITE / SREAD).
-pub const VERSION: u16 = 5;
+/// The version field of the hellos this crate sends first (2: region
+/// generations in WRITE/READ frames, segments and tables; typed
+/// rejections; idle deadline in the welcome; 3: the same-host path,
+/// SAME_HOST / CWRITE / CREAD; 4: the same-host control channel,
+/// SAME_HOST_OK; 5: the staging area, SWRITE / SREAD). The versions this
+/// crate speaks, 4 to 6, are negotiated: see [`crate::negotiate`].
+pub const VERSION: u16 = crate::negotiate::LEGACY_VERSION;
 /// Size of every frame header.
 pub const HEADER_LEN: usize = 32;
 /// Largest payload one WRITE, READ or DATA frame may carry (initiators split
@@ -943,6 +944,10 @@ pub const HELLO_FIXED: usize = 4 + 2 + 2 + NONCE_LEN + 2;
 
 /// Hello flag: the sender holds a shared secret (server: requires proof).
 pub const FLAG_AUTH: u16 = 1;
+/// Hello flag: the sender negotiates versions and features (an extension
+/// block follows the target's hello and precedes the initiator's proof;
+/// see [`crate::negotiate`]). Peers before version 6 ignore it.
+pub const FLAG_EXT: u16 = 2;
 
 /// The first message of each side.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -8,10 +8,13 @@ use transport_core::raw::auth::{nonce, proof, verify};
 use transport_core::{Error, Result};
 
 use crate::frame::{
-    decode_table, Hello, Status, TableEntry, FLAG_AUTH, HELLO_FIXED, MAX_REJECT_MSG,
-    MAX_TABLE_ENTRIES, REJECT, TABLE_ENTRY_LEN, VERSION, WELCOME,
+    decode_table, Hello, Status, TableEntry, FLAG_AUTH, FLAG_EXT, HELLO_FIXED, MAGIC,
+    MAX_REJECT_MSG, MAX_TABLE_ENTRIES, REJECT, TABLE_ENTRY_LEN, WELCOME,
 };
 use crate::io::{read_some, write_all_slices, Pace};
+use crate::negotiate::{
+    self, Agreement, Extensions, FeatureSet, VersionRange, LEGACY_VERSION, MAX_EXT_LEN, MIN_VERSION,
+};
 
 const CLIENT_LABEL: &[u8] = b"ferry-tcp/2 initiator";
 const SERVER_LABEL: &[u8] = b"ferry-tcp/2 target";
@@ -56,19 +59,30 @@ async fn read_exact(stream: &Stream, buf: &mut [u8], timeout: Duration) -> std::
     Ok(())
 }
 
-/// Reads a hello whose first byte is `first` (already read).
-async fn read_hello_rest(
+/// Reads the fixed part of a hello whose first byte is `first` (already
+/// read).
+async fn read_fixed(
     stream: &Stream,
     peer: &str,
     first: u8,
     timeout: Duration,
-) -> Result<Hello> {
+) -> Result<[u8; HELLO_FIXED]> {
     let mut fixed = [0u8; HELLO_FIXED];
     fixed[0] = first;
     read_exact(stream, &mut fixed[1..], timeout)
         .await
         .map_err(|e| io_err(peer, "hello", timeout, e))?;
-    let (mut hello, name_len) = Hello::decode_fixed(&fixed).map_err(|e| Error::Protocol {
+    Ok(fixed)
+}
+
+/// Decodes a hello's fixed part (magic already checked) and reads its name.
+async fn finish_hello(
+    stream: &Stream,
+    peer: &str,
+    fixed: &[u8; HELLO_FIXED],
+    timeout: Duration,
+) -> Result<Hello> {
+    let (mut hello, name_len) = Hello::decode_fixed(fixed).map_err(|e| Error::Protocol {
         peer: peer.to_owned(),
         reason: e.0,
     })?;
@@ -138,7 +152,7 @@ async fn read_reject(stream: &Stream, peer: &str, timeout: Duration) -> Error {
         },
         Some(Status::BadVersion) => Error::Protocol {
             peer: peer.to_owned(),
-            reason: format!("the peer refused our protocol version {VERSION}: {reason}"),
+            reason: format!("the peer refused our protocol version: {reason}"),
         },
         _ => Error::SegmentUnavailable {
             name: peer.to_owned(),
@@ -153,21 +167,118 @@ pub struct Welcome {
     pub table: Vec<TableEntry>,
     /// The target's idle deadline for this connection (`None`: none).
     pub idle: Option<Duration>,
+    /// The version and features settled.
+    pub agreement: Agreement,
+}
+
+/// How an initiator's handshake ended without an error.
+pub enum ClientOutcome {
+    /// Connected.
+    Welcome(Welcome),
+    /// The target does not negotiate and speaks only this older version,
+    /// which this build speaks too: it has refused the hello (it names
+    /// [`LEGACY_VERSION`]); dial again with a hello of this version.
+    Redial(u16),
+}
+
+/// The error for a connection closed before the target's first byte: a
+/// ferry-tcp target always answers a hello (with its own, or a
+/// rejection), so this peer is something else.
+fn not_ferry_target(peer: &str, e: &Error) -> Error {
+    Error::Protocol {
+        peer: peer.to_owned(),
+        reason: format!(
+            "the peer closed the connection on our hello without answering ({e}): it is not a \
+             ferry-tcp target (a Mooncake Transfer Engine handshake port does this, for \
+             example); check the peer's address and backend"
+        ),
+    }
+}
+
+/// The error for a target whose first bytes are not a ferry-tcp hello.
+fn not_ferry_bytes(peer: &str, first: &[u8]) -> Error {
+    let what =
+        crate::foreign::describe(first).unwrap_or_else(|| "not a ferry-tcp target".to_owned());
+    Error::Protocol {
+        peer: peer.to_owned(),
+        reason: format!("the peer answered with {:02x?}: {what}", first),
+    }
+}
+
+/// The proof labels: the legacy ones, or for a negotiated handshake the
+/// version-6 labels followed by both extension blocks (so a MITM cannot
+/// alter what either side announced without failing the proofs).
+fn labels(exts: Option<(&[u8], &[u8])>) -> (Vec<u8>, Vec<u8>) {
+    match exts {
+        None => (CLIENT_LABEL.to_vec(), SERVER_LABEL.to_vec()),
+        Some((ei, et)) => {
+            let tail: Vec<u8> = [ei, et].concat();
+            (
+                [b"ferry-tcp/6 initiator".as_slice(), &tail].concat(),
+                [b"ferry-tcp/6 target".as_slice(), &tail].concat(),
+            )
+        }
+    }
+}
+
+/// Reads an extension block (u16 length, then the entries).
+async fn read_ext(stream: &Stream, peer: &str, timeout: Duration) -> Result<(Vec<u8>, Extensions)> {
+    let mut len = [0u8; 2];
+    read_exact(stream, &mut len, timeout)
+        .await
+        .map_err(|e| io_err(peer, "extension block", timeout, e))?;
+    let n = u16::from_le_bytes(len) as usize;
+    if n > MAX_EXT_LEN {
+        return Err(Error::Protocol {
+            peer: peer.to_owned(),
+            reason: format!("extension block of {n} bytes exceeds {MAX_EXT_LEN}"),
+        });
+    }
+    let mut body = vec![0u8; n];
+    read_exact(stream, &mut body, timeout)
+        .await
+        .map_err(|e| io_err(peer, "extension block", timeout, e))?;
+    let ext = Extensions::decode(&body).map_err(|reason| Error::Protocol {
+        peer: peer.to_owned(),
+        reason,
+    })?;
+    let mut raw = len.to_vec();
+    raw.extend_from_slice(&body);
+    Ok((raw, ext))
+}
+
+/// What a side announces: this build's range, its features, and (when it
+/// has the same-host path on) its host token for these nonces.
+fn our_extensions(features: FeatureSet, nc: &[u8; 32], nt: &[u8; 32]) -> Extensions {
+    Extensions {
+        versions: VersionRange::OURS,
+        features,
+        host: if features.enabled(negotiate::SAME_HOST) {
+            negotiate::host_token(nc, nt)
+        } else {
+            None
+        },
+    }
 }
 
 /// Initiator side. `peer` is the segment name (for errors). With a secret,
-/// the target must prove it too.
+/// the target must prove it too. `hello_version` is [`LEGACY_VERSION`]
+/// unless the target is known to speak only an older one
+/// ([`ClientOutcome::Redial`]); `features` are this engine's.
 pub async fn client(
     stream: &Stream,
     peer: &str,
     my_name: &str,
     secret: Option<&str>,
     timeout: Duration,
-) -> Result<Welcome> {
+    hello_version: u16,
+    features: FeatureSet,
+) -> Result<ClientOutcome> {
     let nc = nonce();
+    let auth = if secret.is_some() { FLAG_AUTH } else { 0 };
     let hello = Hello {
-        version: VERSION,
-        flags: if secret.is_some() { FLAG_AUTH } else { 0 },
+        version: hello_version,
+        flags: auth | FLAG_EXT,
         nonce: nc,
         name: my_name.to_owned(),
     };
@@ -175,26 +286,93 @@ pub async fn client(
         .await
         .map_err(|e| io_err(peer, "sending hello", timeout, e))?;
     // A busy target rejects before its hello.
-    let first = read_first(stream, peer, "hello", timeout).await?;
+    let first = match read_first(stream, peer, "hello", timeout).await {
+        Ok(b) => b,
+        Err(e @ Error::PeerLost { .. }) => return Err(not_ferry_target(peer, &e)),
+        Err(e) => return Err(e),
+    };
     if first == REJECT {
         return Err(read_reject(stream, peer, timeout).await);
     }
-    let server = read_hello_rest(stream, peer, first, timeout).await?;
-    if server.version != VERSION {
-        return Err(Error::Protocol {
-            peer: peer.to_owned(),
-            reason: format!(
-                "peer speaks ferry-tcp protocol version {}, this engine version {VERSION}",
-                server.version
-            ),
-        });
+    if first != MAGIC[0] {
+        return Err(not_ferry_bytes(peer, &[first]));
     }
+    let fixed = read_fixed(stream, peer, first, timeout).await?;
+    if fixed[..4] != MAGIC {
+        return Err(not_ferry_bytes(peer, &fixed[..8]));
+    }
+    let server = finish_hello(stream, peer, &fixed, timeout).await?;
     let ns = server.nonce;
+    let (ext_bytes, agreement) = if server.flags & FLAG_EXT != 0 {
+        let (their_raw, theirs) = read_ext(stream, peer, timeout).await?;
+        let mine = our_extensions(features, &nc, &ns);
+        let my_raw = mine.encode();
+        let Some(version) = VersionRange::OURS.highest_common(theirs.versions) else {
+            // Tell the target our range (it logs the refusal), then give up.
+            let _ = write_all(stream, &[&my_raw], timeout).await;
+            return Err(Error::Protocol {
+                peer: peer.to_owned(),
+                reason: negotiate::no_common_version(VersionRange::OURS, theirs.versions, "target"),
+            });
+        };
+        let same_host_token = match (mine.host, theirs.host) {
+            (Some(a), Some(b)) => Some(a == b),
+            _ => None,
+        };
+        let agreement = Agreement {
+            peer_versions: theirs.versions,
+            peer_negotiates: true,
+            version,
+            ours: features,
+            theirs: theirs.features,
+            same_host_token,
+        };
+        (Some((my_raw, their_raw)), agreement)
+    } else {
+        if negotiate::is_marked_legacy(&ns) {
+            return Err(Error::Protocol {
+                peer: peer.to_owned(),
+                reason: "the target negotiates but did not see our negotiation flag: the \
+                         handshake was altered on the way (downgrade refused)"
+                    .to_owned(),
+            });
+        }
+        let v = server.version;
+        if !(MIN_VERSION..=LEGACY_VERSION).contains(&v) {
+            return Err(Error::Protocol {
+                peer: peer.to_owned(),
+                reason: negotiate::no_common_version(
+                    VersionRange::OURS,
+                    VersionRange { min: v, max: v },
+                    "target",
+                ),
+            });
+        }
+        if v != hello_version {
+            // It has refused our hello already; it speaks `v`, and so do we.
+            return Ok(ClientOutcome::Redial(v));
+        }
+        let agreement = Agreement {
+            peer_versions: VersionRange { min: v, max: v },
+            peer_negotiates: false,
+            version: v,
+            ours: features,
+            theirs: FeatureSet::implied_by(v),
+            same_host_token: None,
+        };
+        (None, agreement)
+    };
+    let (client_label, server_label) = labels(
+        ext_bytes
+            .as_ref()
+            .map(|(m, t)| (m.as_slice(), t.as_slice())),
+    );
     let my_proof = match secret {
-        Some(s) => proof(s, CLIENT_LABEL, &nc, &ns),
+        Some(s) => proof(s, &client_label, &nc, &ns),
         None => [0u8; 32],
     };
-    write_all(stream, &[&my_proof], timeout)
+    let my_ext: &[u8] = ext_bytes.as_ref().map_or(&[], |(m, _)| m.as_slice());
+    write_all(stream, &[my_ext, &my_proof], timeout)
         .await
         .map_err(|e| io_err(peer, "sending proof", timeout, e))?;
     match read_first(stream, peer, "waiting for welcome", timeout).await? {
@@ -212,7 +390,7 @@ pub async fn client(
         .await
         .map_err(|e| io_err(peer, "target proof", timeout, e))?;
     if let Some(s) = secret {
-        if !verify(s, SERVER_LABEL, &nc, &ns, &server_proof) {
+        if !verify(s, &server_label, &nc, &ns, &server_proof) {
             return Err(Error::Authentication {
                 peer: peer.to_owned(),
                 reason: "the target did not prove knowledge of the shared secret".to_owned(),
@@ -239,10 +417,11 @@ pub async fn client(
         peer: peer.to_owned(),
         reason: e.0,
     })?;
-    Ok(Welcome {
+    Ok(ClientOutcome::Welcome(Welcome {
         table,
         idle: (idle_ms > 0).then(|| Duration::from_millis(idle_ms as u64)),
-    })
+        agreement,
+    }))
 }
 
 /// An initiator that proved itself (or a target without a secret): the
@@ -250,50 +429,116 @@ pub async fn client(
 pub struct Verified {
     /// The initiator's engine name (informational).
     pub name: String,
+    /// The version and features settled.
+    pub agreement: Agreement,
     proof: [u8; 32],
 }
 
 /// Target side, up to the verdict. Refuses (and sends a rejection) on a bad
-/// magic, version or proof, before touching memory.
+/// magic, version or proof, before touching memory. A peer that is not
+/// Ferry (recognised from its first bytes where possible, see
+/// [`crate::foreign`]) is answered in its own framing where that framing
+/// can carry a refusal, and refused with an error that names it.
 pub async fn server(
     stream: &Stream,
     peer_addr: &str,
     my_name: &str,
     secret: Option<&str>,
     timeout: Duration,
+    features: FeatureSet,
 ) -> Result<Verified> {
     let first = read_first(stream, peer_addr, "hello", timeout).await?;
-    let client = read_hello_rest(stream, peer_addr, first, timeout).await?;
-    let ns = nonce();
-    let hello = Hello {
-        version: VERSION,
-        flags: if secret.is_some() { FLAG_AUTH } else { 0 },
-        nonce: ns,
-        name: my_name.to_owned(),
-    };
-    write_all(stream, &[&hello.encode()], timeout)
-        .await
-        .map_err(|e| io_err(peer_addr, "sending hello", timeout, e))?;
-    if client.version != VERSION {
-        send_reject(
-            stream,
-            Status::BadVersion,
-            &format!("unsupported protocol version {}", client.version),
-            timeout,
-        )
-        .await;
-        return Err(Error::Protocol {
-            peer: peer_addr.to_owned(),
-            reason: format!("peer speaks protocol version {}", client.version),
-        });
+    let fixed = read_fixed(stream, peer_addr, first, timeout).await?;
+    if fixed[..4] != MAGIC {
+        return Err(crate::foreign::refuse(stream, peer_addr, &fixed, timeout).await);
     }
+    let client = finish_hello(stream, peer_addr, &fixed, timeout).await?;
+    let mut ns = nonce();
+    let auth = if secret.is_some() { FLAG_AUTH } else { 0 };
     let nc = client.nonce;
+    let (ext_bytes, agreement) = if client.flags & FLAG_EXT != 0 {
+        let mine = our_extensions(features, &nc, &ns);
+        let my_raw = mine.encode();
+        let hello = Hello {
+            version: LEGACY_VERSION,
+            flags: auth | FLAG_EXT,
+            nonce: ns,
+            name: my_name.to_owned(),
+        };
+        write_all(stream, &[&hello.encode(), &my_raw], timeout)
+            .await
+            .map_err(|e| io_err(peer_addr, "sending hello", timeout, e))?;
+        let (their_raw, theirs) = read_ext(stream, peer_addr, timeout).await?;
+        let Some(version) = VersionRange::OURS.highest_common(theirs.versions) else {
+            let reason =
+                negotiate::no_common_version(VersionRange::OURS, theirs.versions, "initiator");
+            send_reject(stream, Status::BadVersion, &reason, timeout).await;
+            return Err(Error::Protocol {
+                peer: format!("{} ({peer_addr})", client.name.escape_default()),
+                reason,
+            });
+        };
+        let same_host_token = match (mine.host, theirs.host) {
+            (Some(a), Some(b)) => Some(a == b),
+            _ => None,
+        };
+        let agreement = Agreement {
+            peer_versions: theirs.versions,
+            peer_negotiates: true,
+            version,
+            ours: features,
+            theirs: theirs.features,
+            same_host_token,
+        };
+        (Some((their_raw, my_raw)), agreement)
+    } else {
+        // A peer that does not negotiate: answer in its version if this
+        // build speaks it, marking the nonce (see `negotiate`).
+        negotiate::mark_legacy(&mut ns);
+        let v = client.version;
+        let speaks = (MIN_VERSION..=LEGACY_VERSION).contains(&v);
+        let hello = Hello {
+            version: if speaks { v } else { LEGACY_VERSION },
+            flags: auth,
+            nonce: ns,
+            name: my_name.to_owned(),
+        };
+        write_all(stream, &[&hello.encode()], timeout)
+            .await
+            .map_err(|e| io_err(peer_addr, "sending hello", timeout, e))?;
+        if !speaks {
+            let reason = negotiate::no_common_version(
+                VersionRange::OURS,
+                VersionRange { min: v, max: v },
+                "initiator",
+            );
+            send_reject(stream, Status::BadVersion, &reason, timeout).await;
+            return Err(Error::Protocol {
+                peer: format!("{} ({peer_addr})", client.name.escape_default()),
+                reason,
+            });
+        }
+        let agreement = Agreement {
+            peer_versions: VersionRange { min: v, max: v },
+            peer_negotiates: false,
+            version: v,
+            ours: features,
+            theirs: FeatureSet::implied_by(v),
+            same_host_token: None,
+        };
+        (None, agreement)
+    };
+    let (client_label, server_label) = labels(
+        ext_bytes
+            .as_ref()
+            .map(|(i, t)| (i.as_slice(), t.as_slice())),
+    );
     let mut client_proof = [0u8; 32];
     read_exact(stream, &mut client_proof, timeout)
         .await
         .map_err(|e| io_err(peer_addr, "initiator proof", timeout, e))?;
     if let Some(s) = secret {
-        if !verify(s, CLIENT_LABEL, &nc, &ns, &client_proof) {
+        if !verify(s, &client_label, &nc, &ns, &client_proof) {
             send_reject(
                 stream,
                 Status::AuthFailed,
@@ -309,8 +554,9 @@ pub async fn server(
     }
     Ok(Verified {
         name: client.name,
+        agreement,
         proof: match secret {
-            Some(s) => proof(s, SERVER_LABEL, &nc, &ns),
+            Some(s) => proof(s, &server_label, &nc, &ns),
             None => [0u8; 32],
         },
     })

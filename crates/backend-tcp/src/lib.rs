@@ -63,9 +63,11 @@ mod client;
 mod cma;
 mod config;
 mod engine;
+mod foreign;
 mod frame;
 mod handshake;
 mod io;
+mod negotiate;
 mod server;
 mod stage;
 mod stream;
@@ -76,6 +78,7 @@ pub use cma::SameHost;
 pub use cma::{errno_name, kernel_copy_gbps};
 pub use config::TcpConfig;
 pub use engine::TcpEngine;
+pub use negotiate::{FeatureOff, FeatureState, PeerReport, VersionRange};
 pub use server::{MAX_QUEUED_NOTIFICATIONS, MAX_QUEUED_NOTIFICATION_BYTES};
 
 /// The wire format, the staging area and the same-host checks, for this
@@ -94,5 +97,9 @@ pub mod test_support {
     /// The staging area.
     pub mod stage {
         pub use crate::stage::*;
+    }
+    /// The handshake's negotiation (extension blocks, features).
+    pub mod negotiate {
+        pub use crate::negotiate::*;
     }
 }

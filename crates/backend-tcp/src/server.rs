@@ -467,7 +467,14 @@ async fn serve_conn(
     let hs = tokio::select! {
         r = tokio::time::timeout(
             cfg.handshake_timeout,
-            handshake::server(&stream, &peer, &core.name, cfg.secret.as_deref(), cfg.handshake_timeout),
+            handshake::server(
+                &stream,
+                &peer,
+                &core.name,
+                cfg.secret.as_deref(),
+                cfg.handshake_timeout,
+                crate::negotiate::our_features(cfg, false),
+            ),
         ) => Some(r),
         _ = &mut evicted => None,
     };
@@ -515,7 +522,14 @@ async fn serve_conn(
     )
     .await?;
     let peer = format!("{} ({peer})", verified.name.escape_default());
-    tracing::debug!(%peer, "peer connected");
+    let agreed = verified.agreement.clone();
+    tracing::debug!(
+        %peer,
+        version = agreed.version,
+        peer_versions = %agreed.peer_versions,
+        negotiated = agreed.peer_negotiates,
+        "peer connected"
+    );
     let first = ConnState {
         rd: FrameReader::new(cfg.spin, core.pace()),
         out: Out {
@@ -525,6 +539,7 @@ async fn serve_conn(
         },
         cma_pid: None,
         stage: None,
+        agreed,
     };
     match serve(stream, &peer, core, &admitted.live, first).await? {
         Served::Closed => Ok(()),
@@ -544,6 +559,8 @@ struct ConnState {
     cma_pid: Option<cma::Initiator>,
     /// The staging area it offered, once mapped.
     stage: Option<TargetStage>,
+    /// The version and features the handshake settled.
+    agreed: crate::negotiate::Agreement,
 }
 
 /// The target's side of a connection's staging area.
@@ -879,6 +896,7 @@ async fn serve(
         mut out,
         mut cma_pid,
         mut stage,
+        agreed,
     } = st;
     // The segment table of the current CWRITE / CREAD.
     let mut cma_table: Vec<u8> = Vec::new();
@@ -1113,6 +1131,10 @@ async fn serve(
                 let offer = cma::Offer::decode(&raw);
                 let verdict = match &stream {
                     _ if cfg.same_host == SameHost::Off => Err((cma::Refusal::Disabled, 0)),
+                    _ if !agreed.theirs.enabled(crate::negotiate::SAME_HOST) => {
+                        let reason = "SAME_HOST from a peer that did not announce it".to_owned();
+                        return Err(malformed(&stream, &mut out, core, peer, id, reason).await);
+                    }
                     Stream::Tcp(tcp) if cma_pid.is_none() => cma::check_offer(tcp, &offer),
                     _ => {
                         let reason = "SAME_HOST on a connection that has agreed it".to_owned();
@@ -1120,10 +1142,24 @@ async fn serve(
                     }
                 };
                 match verdict {
-                    Ok(pid) => {
-                        let initiator = cma::Initiator::new(pid);
-                        let taken = channel.map_or(Err(0), |fd| initiator.take_channel(fd));
-                        let mapped = offered_stage.map_or(Err(0), |fd| initiator.take_stage(fd));
+                    Ok(initiator) => {
+                        let pid = initiator.pid;
+                        // Only what the handshake agreed (a peer of an
+                        // older version never offers more).
+                        let taken = match channel {
+                            None => Err(0),
+                            Some(_) if !agreed.both(crate::negotiate::CONTROL_CHANNEL) => {
+                                Err(libc::EOPNOTSUPP)
+                            }
+                            Some(fd) => initiator.take_channel(fd),
+                        };
+                        let staging_agreed = agreed.both(crate::negotiate::STAGING)
+                            && agreed.both(crate::negotiate::ACK_LANE);
+                        let mapped = match offered_stage {
+                            None => Err(0),
+                            Some(_) if !staging_agreed => Err(libc::EOPNOTSUPP),
+                            Some(fd) => initiator.take_stage(fd),
+                        };
                         let staging = mapped.as_ref().map(|_| ()).map_err(|e| *e as u32);
                         tracing::debug!(%peer, pid, ?taken, ?staging, "same-host path agreed");
                         stage = mapped.ok().map(|area| TargetStage {
@@ -1163,6 +1199,7 @@ async fn serve(
                             out,
                             cma_pid,
                             stage,
+                            agreed,
                         });
                         return Ok(Served::ToThread(stream, st));
                     }

@@ -11,7 +11,8 @@ const EXAMPLES: &str = "\
 Examples:
   ferry caps
   ferry caps --backend 'tcp://127.0.0.1:0?strict=1'
-  # the payload path to a peer (tcp: `cma` on the same host, else `tcp (reason)`)
+  # what was negotiated with a peer (tcp): both version ranges, the version in
+  # use, each optional feature on/off and why, the payload path
   ferry caps --peer 127.0.0.1:7000
   ferry caps --backend 'mooncake://?lib=/opt/mooncake/libtransfer_engine.so&metadata=P2PHANDSHAKE&protocol=tcp&host=127.0.0.1'
   ferry caps --backend 'verbs://mlx5_0?port=1&gid_index=3'
@@ -80,6 +81,27 @@ struct JsonOp {
     min_version: Option<String>,
 }
 
+/// One feature of a negotiated connection.
+#[derive(Serialize)]
+struct JsonFeature {
+    name: &'static str,
+    on: bool,
+    why_off: Option<String>,
+}
+
+/// What was negotiated with one peer (tcp backend).
+#[derive(Serialize)]
+struct JsonPeer {
+    peer: String,
+    this_engine_versions: String,
+    peer_versions: String,
+    peer_negotiates: bool,
+    version: u16,
+    features: Vec<JsonFeature>,
+    path: String,
+    path_detail: String,
+}
+
 #[derive(Serialize)]
 struct JsonReport {
     backend: String,
@@ -90,6 +112,7 @@ struct JsonReport {
     operations: Vec<JsonOp>,
     required: Vec<&'static str>,
     missing: Vec<String>,
+    peers: Vec<JsonPeer>,
 }
 
 /// Runs `ferry caps`.
@@ -117,6 +140,15 @@ pub async fn run(args: CapsArgs) -> anyhow::Result<()> {
     // live (backend_info is not cached).
     report.info.details = engine.backend_info().details;
     let missing = report.missing(&args.require);
+    // What was negotiated with each peer (backends that negotiate).
+    #[cfg(feature = "tcp")]
+    let peers: Vec<ferry::PeerReport> = args
+        .peer
+        .iter()
+        .filter_map(|p| engine.peer_report(p))
+        .collect();
+    #[cfg(not(feature = "tcp"))]
+    let peers: Vec<std::convert::Infallible> = Vec::new();
 
     if args.json {
         let operations = report
@@ -146,6 +178,7 @@ pub async fn run(args: CapsArgs) -> anyhow::Result<()> {
             operations,
             required: args.require.iter().map(|o| o.name()).collect(),
             missing: missing.iter().map(ToString::to_string).collect(),
+            peers: peers.iter().map(json_peer).collect(),
         };
         println!("{}", serde_json::to_string_pretty(&j)?);
     } else {
@@ -156,6 +189,9 @@ pub async fn run(args: CapsArgs) -> anyhow::Result<()> {
         if !args.require.is_empty() && missing.is_empty() {
             let names: Vec<&str> = args.require.iter().map(|o| o.name()).collect();
             println!("required: {} — all available", names.join(", "));
+        }
+        for p in &peers {
+            println!("negotiated with {p}");
         }
     }
     if missing.is_empty() {
@@ -169,6 +205,33 @@ pub async fn run(args: CapsArgs) -> anyhow::Result<()> {
         ))
         .into())
     }
+}
+
+#[cfg(feature = "tcp")]
+fn json_peer(p: &ferry::PeerReport) -> JsonPeer {
+    JsonPeer {
+        peer: p.peer.clone(),
+        this_engine_versions: p.ours.to_string(),
+        peer_versions: p.theirs.to_string(),
+        peer_negotiates: p.peer_negotiates,
+        version: p.version,
+        features: p
+            .features
+            .iter()
+            .map(|f| JsonFeature {
+                name: f.name,
+                on: f.off.is_none(),
+                why_off: f.off.as_ref().map(ToString::to_string),
+            })
+            .collect(),
+        path: p.path.clone(),
+        path_detail: p.path_detail.clone(),
+    }
+}
+
+#[cfg(not(feature = "tcp"))]
+fn json_peer(p: &std::convert::Infallible) -> JsonPeer {
+    match *p {}
 }
 
 fn add_param(url: &str, param: &str) -> String {

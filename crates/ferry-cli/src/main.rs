@@ -11,7 +11,7 @@ mod util;
 
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
 const EXAMPLES: &str = "\
 Examples:
@@ -70,7 +70,12 @@ fn init_tracing(verbose: u8) {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    // `--version`: the crate version and the wire-protocol ranges.
+    let version: &'static str = Box::leak(ferry::version_line().into_boxed_str());
+    let cli = match Cli::from_arg_matches(&Cli::command().version(version).get_matches()) {
+        Ok(c) => c,
+        Err(e) => e.exit(),
+    };
     let verbose = cli.verbose;
     init_tracing(verbose);
     let runtime = match tokio::runtime::Builder::new_multi_thread()

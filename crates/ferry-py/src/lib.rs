@@ -27,7 +27,7 @@ use pyo3::prelude::*;
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<engine::PyEngine>()?;
-    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("__version__", ferry::pep440_version())?;
     m.add(
         "BACKENDS",
         ferry::BackendKind::ALL

@@ -164,6 +164,25 @@ impl Engine {
         dispatch!(self, e => e.config())
     }
 
+    /// What this engine negotiated with the peer segment `name` (opened
+    /// with `open_segment`) on its latest connection: both version ranges,
+    /// the version in use, each optional feature on or off and why, and
+    /// the payload path — for a serving stack to log at connection time.
+    /// `None` if the segment is not open, or for a backend that does not
+    /// negotiate (Mooncake speaks the installed library's protocol).
+    #[cfg(feature = "tcp")]
+    pub fn peer_report(&self, name: &str) -> Option<crate::PeerReport> {
+        match *self {
+            #[cfg(feature = "tcp")]
+            Engine::Tcp(ref e) => e.get_ref().peer_report(name),
+            #[allow(unreachable_patterns)]
+            _ => {
+                let _ = name;
+                None
+            }
+        }
+    }
+
     /// The engine as a shared trait object, for code that chooses the
     /// backend at run time.
     pub fn into_dyn(self) -> Arc<dyn TransferEngine> {

@@ -69,6 +69,75 @@ pub use transport_core::raw;
 #[cfg(feature = "tcp")]
 pub use backend_tcp;
 
+/// What a TCP engine negotiated with a peer ([`Engine::peer_report`]).
+#[cfg(feature = "tcp")]
+pub use backend_tcp::{FeatureOff, FeatureState, PeerReport, VersionRange};
+
+/// A wire protocol this build speaks, with the range of its versions a
+/// peer may use (the pair negotiates the highest common one).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WireProtocol {
+    /// Its name (`ferry-tcp`).
+    pub name: &'static str,
+    /// Oldest version spoken.
+    pub min: u16,
+    /// Newest version spoken.
+    pub max: u16,
+}
+
+/// The wire protocols of the backends compiled into this build (Ferry's
+/// own protocols only: the Mooncake backend speaks the installed
+/// library's).
+pub fn wire_protocols() -> Vec<WireProtocol> {
+    [
+        #[cfg(feature = "tcp")]
+        WireProtocol {
+            name: "ferry-tcp",
+            min: backend_tcp::VersionRange::OURS.min,
+            max: backend_tcp::VersionRange::OURS.max,
+        },
+    ]
+    .to_vec()
+}
+
+/// `VERSION (wire protocols: ferry-tcp 4..=6)`: the crate version and the
+/// range of every wire protocol in [`wire_protocols`], for `--version`
+/// lines and logs.
+pub fn version_line() -> String {
+    let protocols: Vec<String> = wire_protocols()
+        .iter()
+        .map(|p| format!("{} {}..={}", p.name, p.min, p.max))
+        .collect();
+    let protocols = if protocols.is_empty() {
+        "none".to_owned()
+    } else {
+        protocols.join(", ")
+    };
+    format!(
+        "{} (wire protocols: {protocols})",
+        env!("CARGO_PKG_VERSION")
+    )
+}
+
+/// The crate version as a PEP 440 version whose local label names the
+/// wire-protocol ranges (`0.1.0+tcp4to6`): what the Python package's
+/// `ferry.__version__` is, so that `packaging.version.Version` still
+/// parses it and a person still reads which peers it talks to.
+pub fn pep440_version() -> String {
+    let labels: Vec<String> = wire_protocols()
+        .iter()
+        .map(|p| {
+            let short = p.name.trim_start_matches("ferry-");
+            format!("{short}{}to{}", p.min, p.max)
+        })
+        .collect();
+    if labels.is_empty() {
+        env!("CARGO_PKG_VERSION").to_owned()
+    } else {
+        format!("{}+{}", env!("CARGO_PKG_VERSION"), labels.join("."))
+    }
+}
+
 /// The Mooncake backend crate (feature `mooncake`).
 #[cfg(feature = "mooncake")]
 pub use backend_mooncake;

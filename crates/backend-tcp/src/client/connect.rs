@@ -3,7 +3,7 @@
 //! attach on it); then its reader task.
 
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -16,6 +16,7 @@ use super::reader::reader_task;
 use crate::cma::SameHost;
 use crate::handshake;
 use crate::io::Pace;
+use crate::negotiate::{self, Agreement, Feature, FeatureOff, FeatureState, PeerReport};
 use crate::stream::Stream;
 
 /// The error for a peer that cannot be reached.
@@ -26,8 +27,27 @@ fn connect_error(name: &str, e: &std::io::Error) -> Error {
     }
 }
 
+/// Whether the peer of `stream` can be on this host, judged from
+/// addresses alone (for a peer that does not negotiate, which sends no
+/// host token): a loopback address, or the address this connection leaves
+/// from (Linux routes a connection to one of its own addresses with that
+/// address as the source).
+fn peer_may_be_local(stream: &Stream) -> bool {
+    let Stream::Tcp(tcp) = stream else {
+        return true;
+    };
+    match (tcp.peer_addr(), tcp.local_addr()) {
+        (Ok(p), Ok(l)) => {
+            let canon = |ip: std::net::IpAddr| ip.to_canonical();
+            canon(p.ip()).is_loopback() || canon(p.ip()) == canon(l.ip())
+        }
+        _ => false,
+    }
+}
+
 impl Peer {
-    pub(crate) async fn connect(&self) -> Result<Conn> {
+    /// Dials the peer once (TCP, nodelay, buffers).
+    async fn dial(&self) -> Result<Stream> {
         let cfg = &self.core.config;
         let addr = tokio::net::lookup_host(&self.name)
             .await
@@ -52,36 +72,103 @@ impl Peer {
             .await
             .map_err(|e| connect_error(&self.name, &e))?;
         let _ = stream.set_nodelay(true);
-        let stream = Stream::Tcp(stream);
-        let welcome = handshake::client(
-            &stream,
-            &self.name,
-            &self.core.name,
-            cfg.secret.as_deref(),
-            cfg.connect_timeout,
-        )
-        .await?;
+        Ok(Stream::Tcp(stream))
+    }
+
+    /// Dials and runs the handshake (within `connect_timeout`), dialing
+    /// once more with an older hello if the target speaks only an older
+    /// version this build speaks (remembered for the next connections).
+    async fn dial_and_greet(&self) -> Result<(Stream, handshake::Welcome)> {
+        let cfg = &self.core.config;
+        let features = negotiate::our_features(cfg, true);
+        loop {
+            let hello_version = self.hello_version.load(Ordering::Relaxed);
+            let stream = self.dial().await?;
+            match handshake::client(
+                &stream,
+                &self.name,
+                &self.core.name,
+                cfg.secret.as_deref(),
+                cfg.connect_timeout,
+                hello_version,
+                features,
+            )
+            .await?
+            {
+                handshake::ClientOutcome::Welcome(w) => return Ok((stream, w)),
+                handshake::ClientOutcome::Redial(v) if v != hello_version => {
+                    tracing::debug!(peer = %self.name, version = v, "the target speaks an older version: dialing again with its hello");
+                    self.hello_version.store(v, Ordering::Relaxed);
+                }
+                handshake::ClientOutcome::Redial(v) => {
+                    return Err(Error::Protocol {
+                        peer: self.name.clone(),
+                        reason: format!("the target refused a version-{v} hello it named itself"),
+                    })
+                }
+            }
+        }
+    }
+
+    pub(crate) async fn connect(&self) -> Result<Conn> {
+        let cfg = &self.core.config;
+        let (stream, welcome) = self.dial_and_greet().await?;
         *transport_core::raw::write(&self.table) = Arc::new(welcome.table);
+        let agreed = welcome.agreement;
+        // Whether to offer the same-host path at all: both sides have it
+        // on, and the peer is on this host (both sent the same host token,
+        // or, for a peer that does not negotiate, its address is local).
+        // A remote peer thus never sees this process's PID, boot id,
+        // namespace or addresses, and no area or socket pair is made.
+        let local = agreed
+            .same_host_token
+            .unwrap_or_else(|| peer_may_be_local(&stream));
+        let plan = match agreed.why_off(negotiate::SAME_HOST) {
+            Some(why) => Err(why),
+            None if !local => Err(FeatureOff::NotSameHost),
+            None => Ok(()),
+        };
+        let mut report = FeatureReport::new(&agreed);
         let mut staged = None;
-        let (stream, cma) = match cfg.same_host {
-            SameHost::Off => {
-                *lock(&self.path) = Some("tcp (same_host=off)".to_owned());
+        let (stream, cma) = match plan {
+            Err(why) => {
+                let text = match &why {
+                    FeatureOff::DisabledHere(s) => s.to_string(),
+                    FeatureOff::DisabledByPeer => "the peer disables it (same_host=off)".to_owned(),
+                    other => other.to_string(),
+                };
+                *lock(&self.path) = Some(format!("tcp ({text})"));
+                if cfg.same_host == SameHost::Cma {
+                    return Err(Error::SegmentUnavailable {
+                        name: self.name.clone(),
+                        reason: format!("same_host=cma, but the path cannot apply: {text}"),
+                    });
+                }
+                report.off_all(why);
                 (stream, false)
             }
-            mode => {
+            Ok(()) => {
+                let mode = cfg.same_host;
+                let channel_agreed = agreed.why_off(negotiate::CONTROL_CHANNEL);
+                let stage_agreed = agreed
+                    .why_off(negotiate::STAGING)
+                    .or_else(|| agreed.why_off(negotiate::ACK_LANE));
                 // The control channel offered to the target: a Unix socket
                 // pair whose other end it takes over (see `cma`). Without
                 // one the connection stays on TCP.
-                let pair = if cfg.same_host_unix {
-                    std::os::unix::net::UnixStream::pair().map_err(|e| format!("socketpair: {e}"))
-                } else {
-                    Err("same_host_control=tcp".to_owned())
+                let pair = match &channel_agreed {
+                    None => std::os::unix::net::UnixStream::pair()
+                        .map_err(|e| format!("socketpair: {e}")),
+                    Some(FeatureOff::DisabledHere(s)) => Err(s.to_string()),
+                    Some(why) => Err(why.to_string()),
                 };
                 let offered = pair.as_ref().ok().map(|(_, theirs)| theirs.as_raw_fd());
                 // The staging area offered with it (see `stage`).
-                let area = match cfg.same_host_stage {
-                    Some(min) => crate::stage::Area::create().map(|a| (a, min)),
-                    None => Err("same_host_stage=off".to_owned()),
+                let area = match (&stage_agreed, cfg.same_host_stage) {
+                    (None, Some(min)) => crate::stage::Area::create().map(|a| (a, min)),
+                    (Some(FeatureOff::DisabledHere(s)), _) => Err(s.to_string()),
+                    (Some(why), _) => Err(why.to_string()),
+                    (None, None) => Err("same_host_stage=off".to_owned()),
                 };
                 let verdict = handshake::offer_same_host(
                     &stream,
@@ -96,6 +183,16 @@ impl Peer {
                 let ours = pair.map(|(ours, _theirs)| ours);
                 match verdict {
                     handshake::SameHostVerdict::Cma { channel, stage } => {
+                        report.set(negotiate::SAME_HOST, None);
+                        report.set(
+                            negotiate::CONTROL_CHANNEL,
+                            match (&channel_agreed, &ours, &channel) {
+                                (Some(why), _, _) => Some(why.clone()),
+                                (None, Err(e), _) => Some(FeatureOff::Refused(e.clone())),
+                                (None, Ok(_), Err(e)) => Some(FeatureOff::Refused(e.clone())),
+                                (None, Ok(_), Ok(())) => None,
+                            },
+                        );
                         // Not offered: why not; not taken: the target's reason.
                         let unix = ours.and_then(|u| channel.map(|()| u));
                         let mut notes = Vec::new();
@@ -112,6 +209,25 @@ impl Peer {
                                 stream
                             }
                         };
+                        let stage_off = match (&stage_agreed, &area, &stage) {
+                            (Some(why), _, _) => Some(why.clone()),
+                            (None, Err(e), _) => Some(FeatureOff::Refused(e.clone())),
+                            (None, Ok(_), Err(e)) => Some(FeatureOff::Refused(e.clone())),
+                            (None, Ok(_), Ok(())) => None,
+                        };
+                        report.set(negotiate::STAGING, stage_off.clone());
+                        report.set(
+                            negotiate::ACK_LANE,
+                            match stage_off {
+                                None => None,
+                                Some(FeatureOff::Refused(_)) => {
+                                    Some(FeatureOff::Needs(negotiate::STAGING.name))
+                                }
+                                Some(_) => agreed
+                                    .why_off(negotiate::ACK_LANE)
+                                    .or(Some(FeatureOff::Needs(negotiate::STAGING.name))),
+                            },
+                        );
                         staged = match (area, stage) {
                             (Ok((area, min)), Ok(())) => Some(ClientStage::new(
                                 area,
@@ -142,11 +258,27 @@ impl Peer {
                                 reason: format!("same_host=cma, but the path is refused: {reason}"),
                             });
                         }
+                        report.off_all(FeatureOff::Refused(reason));
                         (stream, false)
                     }
                 }
             }
         };
+        let path = match (cma, staged.is_some()) {
+            (false, _) => "socket",
+            (true, false) => "same-host cma",
+            (true, true) => "same-host staged",
+        };
+        *lock(&self.report) = Some(PeerReport {
+            peer: self.name.clone(),
+            ours: negotiate::VersionRange::OURS,
+            theirs: agreed.peer_versions,
+            peer_negotiates: agreed.peer_negotiates,
+            version: agreed.version,
+            features: report.states,
+            path: path.to_owned(),
+            path_detail: self.path().unwrap_or_default(),
+        });
         self.same_host
             .store(cma, std::sync::atomic::Ordering::Relaxed);
         let shared = Arc::new(ConnShared {
@@ -177,5 +309,49 @@ impl Peer {
         ))
         .abort_handle();
         Ok(Conn { shared, reader })
+    }
+}
+
+/// The per-feature states of a connection's report, filled in as the
+/// same-host negotiation goes.
+struct FeatureReport {
+    states: Vec<FeatureState>,
+}
+
+impl FeatureReport {
+    /// Every feature off for the reason the handshake gives (on if both
+    /// have it on, until the same-host answer says otherwise).
+    fn new(agreed: &Agreement) -> FeatureReport {
+        FeatureReport {
+            states: negotiate::FEATURES
+                .iter()
+                .map(|f| FeatureState {
+                    name: f.name,
+                    off: agreed.why_off(*f),
+                })
+                .collect(),
+        }
+    }
+
+    fn set(&mut self, f: Feature, off: Option<FeatureOff>) {
+        if let Some(s) = self.states.iter_mut().find(|s| s.name == f.name) {
+            s.off = off;
+        }
+    }
+
+    /// The same-host path is not used, for `why`: every feature that the
+    /// handshake left on depends on it.
+    fn off_all(&mut self, why: FeatureOff) {
+        for s in &mut self.states {
+            if s.off.is_none() {
+                s.off = Some(if s.name == negotiate::SAME_HOST.name {
+                    why.clone()
+                } else {
+                    FeatureOff::Needs(negotiate::SAME_HOST.name)
+                });
+            } else if s.name == negotiate::SAME_HOST.name {
+                s.off = Some(why.clone());
+            }
+        }
     }
 }

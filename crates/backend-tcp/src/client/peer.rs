@@ -39,6 +39,11 @@ pub struct Peer {
     pub(crate) path: Mutex<Option<String>>,
     /// The latest connection moves payloads by cross-memory attach.
     pub(crate) same_host: std::sync::atomic::AtomicBool,
+    /// What the latest connection negotiated.
+    pub(crate) report: Mutex<Option<crate::negotiate::PeerReport>>,
+    /// The version of the hellos sent to it: the legacy one, or an older
+    /// one the target named (see `connect`).
+    pub(crate) hello_version: std::sync::atomic::AtomicU16,
 }
 
 impl std::fmt::Debug for Peer {
@@ -59,6 +64,8 @@ impl Peer {
             rr: AtomicUsize::new(0),
             path: Mutex::new(None),
             same_host: std::sync::atomic::AtomicBool::new(false),
+            report: Mutex::new(None),
+            hello_version: std::sync::atomic::AtomicU16::new(crate::negotiate::LEGACY_VERSION),
         })
     }
 
@@ -66,6 +73,11 @@ impl Peer {
     /// the first connection.
     pub(crate) fn path(&self) -> Option<String> {
         lock(&self.path).clone()
+    }
+
+    /// What the latest connection negotiated; `None` before the first.
+    pub(crate) fn report(&self) -> Option<crate::negotiate::PeerReport> {
+        lock(&self.report).clone()
     }
 
     /// Closes every connection (pending requests fail with `Canceled`).
