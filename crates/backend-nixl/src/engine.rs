@@ -63,6 +63,17 @@ struct Notes {
 
 static AGENTS: AtomicU64 = AtomicU64::new(0);
 
+/// Who chose the native library a [`NixlConfig`] resolves to; see
+/// [`NixlEngine::start_trusted`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LibraryTrust {
+    /// The configuration (`lib=`, `FERRY_NIXL_LIB`, the loader's search
+    /// path, the active Python environment) comes from the operator, who
+    /// vouches for the library as they would for one linked at build time;
+    /// never from a peer or a request.
+    OperatorConfigured,
+}
+
 /// A Ferry engine over one NIXL agent. See the crate docs.
 pub struct NixlEngine {
     inner: Arc<Inner>,
@@ -277,6 +288,16 @@ pub(crate) fn decode_notification(sender: &str, bytes: &[u8]) -> (Notification, 
     (note, None)
 }
 
+impl std::fmt::Debug for NixlEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NixlEngine")
+            .field("segment", &self.inner.segment_name)
+            .field("agent", &self.inner.agent.name())
+            .field("library", &self.inner.lib.path())
+            .finish()
+    }
+}
+
 impl NixlEngine {
     /// Loads the library the configuration selects (see
     /// [`NixlLibrary::resolve`]) and starts an engine on it.
@@ -291,6 +312,16 @@ impl NixlEngine {
         // SAFETY: forwarded to the caller.
         let lib = unsafe { NixlLibrary::resolve(&config) }?;
         Self::start_with(lib, config).await
+    }
+
+    /// [`NixlEngine::start`] for code that states, with `trust`, that the
+    /// library the configuration resolves to was chosen by the operator (the
+    /// `ferry` facade does so for URLs, which it documents as trusted
+    /// configuration).
+    pub async fn start_trusted(config: NixlConfig, trust: LibraryTrust) -> Result<NixlEngine> {
+        let LibraryTrust::OperatorConfigured = trust;
+        // SAFETY: `trust` is the caller's statement of `start`'s contract.
+        unsafe { Self::start(config) }.await
     }
 
     /// Starts an engine on a library already loaded.
@@ -927,7 +958,10 @@ impl TransferEngine for NixlEngine {
             details: vec![
                 ("library".to_owned(), i.lib.path().display().to_string()),
                 ("library source".to_owned(), i.lib.source().to_string()),
-                ("nixl generation".to_owned(), i.lib.generation().to_string()),
+                (
+                    "nixl generation".to_owned(),
+                    format!("{} or later (from its symbols)", i.lib.generation()),
+                ),
                 ("agent".to_owned(), i.agent.name().to_owned()),
                 ("nixl backends".to_owned(), i.config.backends.join(",")),
                 ("nixl plugins available".to_owned(), i.plugins.join(",")),

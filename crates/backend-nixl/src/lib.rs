@@ -12,7 +12,7 @@ mod library;
 mod poller;
 
 pub use config::{NixlConfig, URL_PARAMETERS};
-pub use engine::NixlEngine;
+pub use engine::{LibraryTrust, NixlEngine};
 pub use library::{
     active_python_wheel_library, wheel_library_in, Generation, LibrarySource, NixlLibrary,
     DEFAULT_LIBRARY, LIBRARY_ENV, OPTIONAL_SYMBOLS, REQUIRED_SYMBOLS, WHEEL_LIBRARY_DIRS,

@@ -427,15 +427,19 @@ impl NixlLibrary {
             Self::load_from(Path::new(DEFAULT_LIBRARY), LibrarySource::LoaderSearch)
         } {
             Ok(lib) => return Ok(lib),
-            Err(e) => e,
+            Err(Error::Unavailable { reason, .. }) => reason,
+            Err(other) => return Err(other),
         };
         match active_python_wheel_library() {
             // SAFETY: forwarded to the caller.
-            Some(p) => unsafe { Self::load_from(&p, LibrarySource::PythonWheel) }.map_err(|e| {
-                unavailable(format!(
-                    "{first}; then the nixl wheel of the active Python environment: {e}"
-                ))
-            }),
+            Some(p) => {
+                unsafe { Self::load_from(&p, LibrarySource::PythonWheel) }.map_err(|e| match e {
+                    Error::Unavailable { reason, .. } => unavailable(format!(
+                        "{first}; then the nixl wheel of the active Python environment: {reason}"
+                    )),
+                    other => other,
+                })
+            }
             None => Err(unavailable(format!(
                 "{first}; no nixl wheel found in the active Python environment \
                  (VIRTUAL_ENV, or the python3 on PATH): `pip install --no-deps nixl-cu12`"
