@@ -10,6 +10,8 @@ mod control;
 mod engine;
 mod library;
 mod poller;
+#[doc(hidden)]
+pub mod test_support;
 
 pub use config::{NixlConfig, URL_PARAMETERS};
 pub use engine::{LibraryTrust, NixlEngine};

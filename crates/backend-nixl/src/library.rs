@@ -431,8 +431,8 @@ impl NixlLibrary {
             Err(other) => return Err(other),
         };
         match active_python_wheel_library() {
-            // SAFETY: forwarded to the caller.
             Some(p) => {
+                // SAFETY: forwarded to the caller.
                 unsafe { Self::load_from(&p, LibrarySource::PythonWheel) }.map_err(|e| match e {
                     Error::Unavailable { reason, .. } => unavailable(format!(
                         "{first}; then the nixl wheel of the active Python environment: {reason}"
