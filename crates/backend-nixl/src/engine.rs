@@ -239,8 +239,6 @@ fn apply_state(
     }
     for &(addr, len) in &s.regions {
         if !remote.contains(addr, len) {
-            // SAFETY (not unsafe code): a mirror entry only describes the
-            // peer's memory; nothing here dereferences it.
             // SAFETY: the region is never dereferenced by this process: it
             // is the peer's memory, recorded to check remote addresses.
             let r = unsafe {
