@@ -7,7 +7,7 @@
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::sync::{mpsc, OnceLock};
 use std::time::Duration;
 
 use backend_nixl::test_support::install_pinned_wheel;
@@ -17,10 +17,12 @@ use transport_core::Error;
 /// The wheel's library, or the skip (a failure when `FERRY_REQUIRE_BACKENDS`
 /// lists nixl).
 fn library(test: &str) -> Option<PathBuf> {
+    // Once per test binary: the tests run in parallel and share the venv.
+    static LIB: OnceLock<Result<PathBuf, String>> = OnceLock::new();
     let venv = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
         .join("nixl")
         .join("venv");
-    match install_pinned_wheel(&venv) {
+    match LIB.get_or_init(|| install_pinned_wheel(&venv)).clone() {
         Ok(lib) => Some(lib),
         Err(reason) => {
             let e = Error::Unavailable {
