@@ -379,8 +379,9 @@ impl Received {
 /// with the same parameters; for Mooncake the same parameters without the
 /// server's own identity (`name=`, `port=`: a second engine with the
 /// server's name would overwrite its metadata entry, and on v0.2.0-era
-/// builds a clash on its port aborts the process); secrets are shown as `…`
-/// for the user to fill.
+/// builds a clash on its port aborts the process); for NIXL likewise (the
+/// port is the server's metadata listener, the name its agent's); secrets
+/// are shown as `…` for the user to fill.
 fn client_url(url: &str) -> String {
     let redacted = redact_url(url);
     if let Some(rest) = redacted.strip_prefix("tcp://") {
@@ -392,7 +393,7 @@ fn client_url(url: &str) -> String {
         };
     }
     if let Some((base, query)) = redacted.split_once('?') {
-        if base.starts_with("mooncake:") {
+        if base.starts_with("mooncake:") || base.starts_with("nixl:") {
             let kept: Vec<&str> = query
                 .split('&')
                 .filter(|kv| {
@@ -477,6 +478,10 @@ mod tests {
             "mooncake://?lib=/l.so&metadata=http://m:8080/metadata"
         );
         assert_eq!(client_url("mooncake://?name=srv"), "mooncake://");
+        assert_eq!(
+            client_url("nixl://?backends=UCX&port=7000&name=srv"),
+            "nixl://?backends=UCX"
+        );
         assert_eq!(field("write block=4096 bytes=123", "bytes"), Some(123));
         assert_eq!(field("write block=4096", "bytes"), None);
     }

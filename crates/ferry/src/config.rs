@@ -20,11 +20,18 @@ pub enum BackendKind {
     Mooncake,
     /// `verbs://` — native RDMA verbs (feature `verbs`).
     Verbs,
+    /// `nixl://` — NVIDIA NIXL loaded at run time (feature `nixl`).
+    Nixl,
 }
 
 impl BackendKind {
     /// Every known backend, in documentation order.
-    pub const ALL: [BackendKind; 3] = [BackendKind::Tcp, BackendKind::Mooncake, BackendKind::Verbs];
+    pub const ALL: [BackendKind; 4] = [
+        BackendKind::Tcp,
+        BackendKind::Mooncake,
+        BackendKind::Verbs,
+        BackendKind::Nixl,
+    ];
 
     /// The URL scheme, which is also the backend name and the cargo feature.
     pub fn scheme(self) -> &'static str {
@@ -32,6 +39,7 @@ impl BackendKind {
             BackendKind::Tcp => "tcp",
             BackendKind::Mooncake => "mooncake",
             BackendKind::Verbs => "verbs",
+            BackendKind::Nixl => "nixl",
         }
     }
 
@@ -42,6 +50,7 @@ impl BackendKind {
             BackendKind::Tcp => cfg!(feature = "tcp"),
             BackendKind::Mooncake => cfg!(feature = "mooncake"),
             BackendKind::Verbs => cfg!(feature = "verbs"),
+            BackendKind::Nixl => cfg!(feature = "nixl"),
         }
     }
 
@@ -73,7 +82,7 @@ impl FromStr for BackendKind {
             .find(|k| k.scheme().eq_ignore_ascii_case(s))
             .ok_or_else(|| {
                 Error::InvalidArgument(format!(
-                    "unknown backend {s:?}; known: tcp://, mooncake://, verbs://"
+                    "unknown backend {s:?}; known: tcp://, mooncake://, verbs://, nixl://"
                 ))
             })
     }
@@ -91,6 +100,9 @@ pub enum BackendConfig {
     /// The verbs backend's configuration.
     #[cfg(feature = "verbs")]
     Verbs(backend_verbs::VerbsConfig),
+    /// The NIXL backend's configuration.
+    #[cfg(feature = "nixl")]
+    Nixl(backend_nixl::NixlConfig),
 }
 
 impl BackendConfig {
@@ -103,6 +115,8 @@ impl BackendConfig {
             BackendConfig::Mooncake(_) => BackendKind::Mooncake,
             #[cfg(feature = "verbs")]
             BackendConfig::Verbs(_) => BackendKind::Verbs,
+            #[cfg(feature = "nixl")]
+            BackendConfig::Nixl(_) => BackendKind::Nixl,
         }
     }
 
@@ -121,6 +135,10 @@ impl BackendConfig {
             )),
             #[cfg(feature = "verbs")]
             BackendKind::Verbs => Ok(BackendConfig::Verbs(backend_verbs::VerbsConfig::from_url(
+                url,
+            )?)),
+            #[cfg(feature = "nixl")]
+            BackendKind::Nixl => Ok(BackendConfig::Nixl(backend_nixl::NixlConfig::from_url(
                 url,
             )?)),
             #[allow(unreachable_patterns)]
@@ -147,19 +165,21 @@ impl fmt::Debug for BackendConfig {
 /// tcp://127.0.0.1:0?secret=s3cret&strict=1
 /// mooncake://?lib=/opt/mooncake/libtransfer_engine.so&metadata=P2PHANDSHAKE&protocol=tcp&host=127.0.0.1
 /// verbs://mlx5_0?port=1&gid_index=3
+/// nixl://?backends=UCX&host=127.0.0.1
 /// ```
 ///
 /// The scheme picks the backend; every query parameter except Ferry's own
 /// goes to the backend's `from_url` unchanged, which rejects unknown ones by
 /// name. The backends' parameters (full tables, defaults and limits in
 /// `backend_tcp::TcpConfig::from_url`, `backend_mooncake::MooncakeConfig::from_url`,
-/// `backend_verbs::VerbsConfig::from_url`):
+/// `backend_verbs::VerbsConfig::from_url`, `backend_nixl::NixlConfig::from_url`):
 ///
 /// | scheme | address part | parameters |
 /// |---|---|---|
 /// | `tcp://` | `host:port` to listen on (port 0: any); also the segment name | `secret` (shared secret, HMAC handshake), `connections`, `timeout_ms`, `connect_timeout_ms`, `chunk_size`, `max_batch`, `max_inbound`, `spin_us`, `socket_buffer` |
 /// | `mooncake://` | none (everything is a parameter) | `lib` (path of `libtransfer_engine.so`; else `FERRY_MOONCAKE_LIB`, then the loader path), `metadata` (`P2PHANDSHAKE` or a metadata server), `protocol` (`tcp`, `rdma`, …), `host`, `port`, `name`, `device`, `timeout_ms`, `ns_per_byte` |
 /// | `verbs://` | RDMA device name (`mlx5_0`; empty: the first with an active port) | `port`, `gid_index`, `listen` (control channel, also the segment name), `mtu`, `sq_depth`, `max_sge`, `signal_every`, `max_message`, `timeout`, `retry_cnt`, `rnr_retry`, `min_rnr_timer`, `max_rd_atomic`, `hop_limit`, `traffic_class`, `sl`, `connect_timeout_ms` |
+/// | `nixl://` | none (everything is a parameter) | `lib` (path of `libnixl_capi.so`; else `FERRY_NIXL_LIB`, the loader path, the active Python's `nixl` wheel), `backends` (`UCX`, …), `host`, `port` (metadata listener; `host:port` is the segment name), `name` (agent), `progress_thread`, `timeout_ms`, `ns_per_byte` |
 ///
 /// Ferry's own parameters, removed before the backend sees the URL:
 ///
@@ -255,7 +275,7 @@ fn split_scheme(url: &str) -> Result<(&str, &str)> {
     let shown = || transport_core::raw::redact_url(url);
     let (scheme, rest) = url.split_once("://").ok_or_else(|| {
         Error::InvalidArgument(format!(
-            "backend URL {:?} has no scheme; expected tcp://…, mooncake://… or verbs://…",
+            "backend URL {:?} has no scheme; expected tcp://…, mooncake://…, verbs://… or nixl://…",
             shown()
         ))
     })?;

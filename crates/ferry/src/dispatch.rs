@@ -17,7 +17,7 @@ use crate::config::{BackendConfig, BackendKind, EngineConfig};
 /// available (natively, emulated, or refused with a reason in strict mode).
 ///
 /// Dispatch is static: one variant per backend compiled in (cargo features
-/// `tcp`, `mooncake`, `verbs`). Users who pick a backend at run time and
+/// `tcp`, `mooncake`, `verbs`, `nixl`). Users who pick a backend at run time and
 /// prefer a trait object can use `Arc<dyn TransferEngine>` (see
 /// [`Engine::into_dyn`]). The enum is `#[non_exhaustive]` because the set of
 /// variants depends on the features enabled anywhere in the build.
@@ -32,6 +32,9 @@ pub enum Engine {
     /// The verbs backend.
     #[cfg(feature = "verbs")]
     Verbs(CapabilityAdapter<backend_verbs::VerbsEngine>),
+    /// The NIXL backend.
+    #[cfg(feature = "nixl")]
+    Nixl(CapabilityAdapter<backend_nixl::NixlEngine>),
 }
 
 // Why a macro and not `enum_dispatch`: `enum_dispatch` generates the impl
@@ -50,6 +53,8 @@ macro_rules! dispatch {
             Engine::Mooncake(ref $e) => $body,
             #[cfg(feature = "verbs")]
             Engine::Verbs(ref $e) => $body,
+            #[cfg(feature = "nixl")]
+            Engine::Nixl(ref $e) => $body,
         }
     };
 }
@@ -79,7 +84,8 @@ impl Engine {
     /// The URL is configuration, to be taken from the operator only: a
     /// `mooncake://` URL's `lib=` (or, without it, the `FERRY_MOONCAKE_LIB`
     /// environment variable) chooses a shared library that is loaded and run
-    /// inside this process. Never build one from a peer's or a request's
+    /// inside this process (so do a `nixl://` URL's `lib=` and
+    /// `FERRY_NIXL_LIB`). Never build one from a peer's or a request's
     /// input.
     pub async fn open(url: &str) -> Result<Engine> {
         Engine::start(EngineConfig::from_url(url)?).await
@@ -123,6 +129,17 @@ impl Engine {
                 backend_verbs::VerbsEngine::start(c).await?,
                 adapter,
             )),
+            // As for Mooncake: the URL's `lib=` (or FERRY_NIXL_LIB, the
+            // loader path, the active Python's wheel) is the operator's.
+            #[cfg(feature = "nixl")]
+            BackendConfig::Nixl(c) => Engine::Nixl(CapabilityAdapter::with_config(
+                backend_nixl::NixlEngine::start_trusted(
+                    c,
+                    backend_nixl::LibraryTrust::OperatorConfigured,
+                )
+                .await?,
+                adapter,
+            )),
         };
         engine.require(&require)?;
         tracing::debug!(
@@ -142,6 +159,8 @@ impl Engine {
             Engine::Mooncake(_) => BackendKind::Mooncake,
             #[cfg(feature = "verbs")]
             Engine::Verbs(_) => BackendKind::Verbs,
+            #[cfg(feature = "nixl")]
+            Engine::Nixl(_) => BackendKind::Nixl,
         }
     }
 

@@ -11,6 +11,7 @@
 //! | `tcp` (default) | `tcp://127.0.0.1:0?secret=…` | tokio TCP, no system library |
 //! | `mooncake` | `mooncake://?lib=/path/libtransfer_engine.so&metadata=P2PHANDSHAKE&protocol=tcp&host=127.0.0.1` | Mooncake Transfer Engine, loaded at run time |
 //! | `verbs` | `verbs://mlx5_0?port=1&gid_index=3` | native RDMA verbs |
+//! | `nixl` | `nixl://?backends=UCX&host=127.0.0.1` | NVIDIA NIXL (`libnixl_capi.so`), loaded at run time |
 //!
 //! [`Engine::open`] starts the backend the URL names and wraps it in the
 //! [`CapabilityAdapter`]: every operation of the trait is available, either
@@ -41,7 +42,12 @@
 // With no backend feature on, `Engine` and `BackendConfig` are empty enums:
 // the dispatch code is then unreachable by construction.
 #![cfg_attr(
-    not(any(feature = "tcp", feature = "mooncake", feature = "verbs")),
+    not(any(
+        feature = "tcp",
+        feature = "mooncake",
+        feature = "verbs",
+        feature = "nixl"
+    )),
     allow(unreachable_code, unused_variables, unused_imports, dead_code)
 )]
 
@@ -145,6 +151,10 @@ pub use backend_mooncake;
 /// The verbs backend crate (feature `verbs`).
 #[cfg(feature = "verbs")]
 pub use backend_verbs;
+
+/// The NIXL backend crate (feature `nixl`).
+#[cfg(feature = "nixl")]
+pub use backend_nixl;
 
 /// The repository README's examples, compiled as doc tests so that they stay
 /// true to the API.
