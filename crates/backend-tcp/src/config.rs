@@ -5,8 +5,8 @@ use std::time::Duration;
 
 use transport_core::{Error, Result};
 
-use crate::cma::SameHost;
 use crate::frame::MAX_OP_LEN;
+use crate::same_host::cma::SameHost;
 
 /// Configuration of a [`crate::TcpEngine`].
 ///
@@ -110,10 +110,10 @@ pub struct TcpConfig {
     /// 64 MiB.
     pub same_host_chunk: usize,
     /// On the same-host path, frames of at least this many bytes (and
-    /// below [`crate::cma::PARALLEL_MIN`], 8 MiB) move through the
+    /// below [`crate::same_host::cma::PARALLEL_MIN`], 8 MiB) move through the
     /// connection's staging area — two pipelined copies, one by each
     /// process — instead of one cross-memory copy by the target (see
-    /// [`crate::stage`]). `None` (URL `same_host_stage=off`): never; no
+    /// [`crate::same_host::stage`]). `None` (URL `same_host_stage=off`): never; no
     /// area is offered. Default 1: every frame below 8 MiB (small ones
     /// gain too: no `process_vm_*` call and no liveness check per copy).
     pub same_host_stage: Option<usize>,

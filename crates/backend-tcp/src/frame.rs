@@ -61,10 +61,10 @@ pub mod kind {
     /// `aux` segments as for WRITEV follow (`b` bytes in total to send
     /// back).
     pub const READV: u8 = 0x06;
-    /// Same-host negotiation: an offer of [`crate::cma::OFFER_LEN`] bytes
+    /// Same-host negotiation: an offer of [`crate::same_host::cma::OFFER_LEN`] bytes
     /// follows; `a` = 1 + the initiator's descriptor number of the control
     /// channel it offers (0: none), `b` = 1 + that of the staging area
-    /// (0: none; see [`crate::stage`]).
+    /// (0: none; see [`crate::same_host::stage`]).
     pub const SAME_HOST: u8 = 0x07;
     /// Cross-memory write: `aux` segments of 24 bytes follow (target addr,
     /// len, generation, initiator source addr); the target copies them.
@@ -73,7 +73,7 @@ pub mod kind {
     /// the initiator's destinations.
     pub const CREAD: u8 = 0x09;
     /// Staged write: segments as for CWRITE (initiator addr 0) follow; the
-    /// payload comes through the staging area ([`crate::stage`]).
+    /// payload comes through the staging area ([`crate::same_host::stage`]).
     pub const SWRITE: u8 = 0x0a;
     /// Staged read: segments as for CREAD (initiator addr 0); the verdict
     /// and payload come through the staging area.
@@ -131,7 +131,7 @@ pub enum Status {
     /// generation differs from the frame's): refused, nothing touched.
     StaleRegion = 10,
     /// SAME_HOST refused: `a` is the reason code
-    /// ([`crate::cma::Refusal`]), `b` an errno or 0.
+    /// ([`crate::same_host::cma::Refusal`]), `b` an errno or 0.
     SameHostRefused = 11,
     /// A cross-memory copy failed (`a`/`b`: the target range); the
     /// initiator's range could not be read or written.
@@ -579,7 +579,7 @@ pub enum Response {
         stage: std::result::Result<(), u32>,
     },
     /// Acknowledgements wait in the staging area's lane
-    /// ([`crate::stage::AckLane`]).
+    /// ([`crate::same_host::stage::AckLane`]).
     Wake,
 }
 

@@ -617,7 +617,7 @@ pub async fn offer_same_host(
     stage: Option<std::os::fd::RawFd>,
     timeout: Duration,
 ) -> Result<SameHostVerdict> {
-    let (probe, offer) = match crate::cma::make_offer() {
+    let (probe, offer) = match crate::same_host::cma::make_offer() {
         Ok(x) => x,
         Err(reason) => return Ok(SameHostVerdict::Refused(reason)),
     };
@@ -644,11 +644,17 @@ pub async fn offer_same_host(
         }) => Ok(SameHostVerdict::Cma {
             channel: channel.map_err(|errno| match errno {
                 0 => "no channel offered".to_owned(),
-                e => format!("pidfd_getfd: {}", crate::cma::errno_name(e as i32)),
+                e => format!(
+                    "pidfd_getfd: {}",
+                    crate::same_host::cma::errno_name(e as i32)
+                ),
             }),
             stage: stage.map_err(|errno| match errno {
                 0 => "no staging area offered".to_owned(),
-                e => format!("staging area: {}", crate::cma::errno_name(e as i32)),
+                e => format!(
+                    "staging area: {}",
+                    crate::same_host::cma::errno_name(e as i32)
+                ),
             }),
         }),
         Ok(crate::frame::Response::Err {
@@ -656,9 +662,9 @@ pub async fn offer_same_host(
             status: Status::SameHostRefused,
             addr,
             len,
-        }) => Ok(SameHostVerdict::Refused(crate::cma::Refusal::describe(
-            addr, len,
-        ))),
+        }) => Ok(SameHostVerdict::Refused(
+            crate::same_host::cma::Refusal::describe(addr, len),
+        )),
         other => Err(Error::Protocol {
             peer: peer.to_owned(),
             reason: format!("unexpected answer to the same-host offer: {other:?}"),

@@ -243,7 +243,7 @@ pub const SPIN_SLICE: Duration = Duration::from_micros(20);
 pub type SpinWhile = std::sync::Arc<dyn Fn() -> bool + Send + Sync>;
 
 /// Called with `true` on every round of polling and with `false` right
-/// before a read sleeps in the kernel (see [`crate::stage::AckLane`]: the
+/// before a read sleeps in the kernel (see [`crate::same_host::stage::AckLane`]: the
 /// initiator's reader takes acknowledgements posted in shared memory).
 /// Returns whether it completed something: the poller then yields at once,
 /// so that the task it woke runs now rather than after the next slice.

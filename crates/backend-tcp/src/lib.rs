@@ -60,7 +60,6 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 mod client;
-mod cma;
 mod config;
 mod engine;
 mod foreign;
@@ -68,17 +67,17 @@ mod frame;
 mod handshake;
 mod io;
 mod negotiate;
+mod same_host;
 mod server;
-mod stage;
 mod stream;
 #[cfg(feature = "test-hooks")]
 mod test_hooks;
 
-pub use cma::SameHost;
-pub use cma::{errno_name, kernel_copy_gbps};
 pub use config::TcpConfig;
 pub use engine::TcpEngine;
 pub use negotiate::{FeatureOff, FeatureState, PeerReport, VersionRange};
+pub use same_host::cma::SameHost;
+pub use same_host::cma::{errno_name, kernel_copy_gbps};
 pub use server::{MAX_QUEUED_NOTIFICATIONS, MAX_QUEUED_NOTIFICATION_BYTES};
 
 /// The wire format, the staging area and the same-host checks, for this
@@ -92,11 +91,11 @@ pub mod test_support {
     }
     /// The same-host offer and its checks.
     pub mod cma {
-        pub use crate::cma::*;
+        pub use crate::same_host::cma::*;
     }
     /// The staging area.
     pub mod stage {
-        pub use crate::stage::*;
+        pub use crate::same_host::stage::*;
     }
     /// The handshake's negotiation (extension blocks, features).
     pub mod negotiate {

@@ -270,8 +270,8 @@ pub fn is_marked_legacy(nonce: &[u8; 32]) -> bool {
 /// (the boot id is 122 random bits, and the nonces are fresh). `None`
 /// where either cannot be read (no `/proc`).
 pub fn host_token(initiator: &[u8; 32], target: &[u8; 32]) -> Option<[u8; 32]> {
-    let boot = crate::cma::boot_id().ok()?;
-    let ns = crate::cma::pid_namespace().ok()?;
+    let boot = crate::same_host::cma::boot_id().ok()?;
+    let ns = crate::same_host::cma::pid_namespace().ok()?;
     let end = boot.iter().position(|&b| b == 0).unwrap_or(boot.len());
     let key = format!("{}/{ns}", String::from_utf8_lossy(&boot[..end]));
     Some(transport_core::raw::auth::proof(
@@ -343,7 +343,7 @@ pub fn no_common_version(ours: VersionRange, theirs: VersionRange, peer_role: &s
 pub fn our_features(cfg: &crate::TcpConfig, initiator: bool) -> FeatureSet {
     let has = FEATURES.iter().fold(0, |m, f| m | f.bit);
     let mut on = has;
-    if cfg.same_host == crate::cma::SameHost::Off {
+    if cfg.same_host == crate::same_host::cma::SameHost::Off {
         on = 0;
     }
     if initiator {

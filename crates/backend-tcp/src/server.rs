@@ -26,7 +26,6 @@ use tokio::task::JoinSet;
 use transport_core::raw::lock;
 use transport_core::{Error, MemoryRegion, Notification, RegionGuard, RegionTable, Side};
 
-use crate::cma::{self, SameHost};
 use crate::config::TcpConfig;
 use crate::frame::{
     decode_cma_segments, decode_segments, encode_table, Request, Response, Segment, Status,
@@ -35,6 +34,7 @@ use crate::frame::{
 };
 use crate::handshake;
 use crate::io::{write_all, write_all_slices, Bytes, FrameReader, Next, Pace};
+use crate::same_host::cma::{self, SameHost};
 
 /// Payload bytes received after which pending acknowledgements are sent
 /// even if more requests are already waiting (so large transfers complete
@@ -565,7 +565,7 @@ struct ConnState {
 
 /// The target's side of a connection's staging area.
 struct TargetStage {
-    area: crate::stage::Area,
+    area: crate::same_host::stage::Area,
     /// The next slot to empty in the ring from the initiator.
     from_initiator: u64,
     /// The next slot to fill in the ring to it.
@@ -806,9 +806,9 @@ async fn staged_copy(
     guards: &[Result<RegionGuard, Status>],
     segs: &[Segment],
     refused: &[u32],
-    watch: &crate::stage::Watch<'_>,
-) -> Result<(), crate::stage::Stop> {
-    use crate::stage::{self, Dir, Piece};
+    watch: &crate::same_host::stage::Watch<'_>,
+) -> Result<(), crate::same_host::stage::Stop> {
+    use crate::same_host::stage::{self, Dir, Piece};
     let pieces = guards.iter().zip(segs).map(|(g, s)| Piece {
         // Refused (null): its bytes are dropped (SWRITE) or never sent
         // (SREAD).
@@ -1242,7 +1242,7 @@ async fn serve(
                         return Err(malformed(&stream, &mut out, core, peer, id, reason).await);
                     };
                     let alive = || initiator.alive_for(&stream);
-                    let watch = crate::stage::Watch {
+                    let watch = crate::same_host::stage::Watch {
                         alive: &alive,
                         stall: cfg.stall_timeout,
                         // From the frame's first byte, as on the socket.

@@ -1,7 +1,7 @@
 //! The byte stream a connection runs on: the TCP connection it was made
 //! on, or — once two engines on one host have agreed the same-host path —
 //! the Unix socket pair the target took over from the initiator (see
-//! [`crate::cma`]). Frames, acknowledgements and notifications are the
+//! [`crate::same_host::cma`]). Frames, acknowledgements and notifications are the
 //! same on both; a Unix socket only makes each of them cheaper (a loopback
 //! TCP `sendmsg` runs the whole TCP/IP stack for the receiver).
 

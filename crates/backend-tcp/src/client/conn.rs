@@ -58,7 +58,7 @@ pub(crate) enum PendingKind {
         guards: Vec<Arc<RegionGuard>>,
         /// The target writes this process's memory itself (a CREAD): if
         /// the operation ends without its answer, the guards are held
-        /// until the target is shown to have stopped (see [`super::fence`]).
+        /// until the target is shown to have stopped (see [`crate::same_host::fence`]).
         target_writes: bool,
     },
 }
@@ -76,7 +76,7 @@ pub(crate) struct PendingOp {
 impl PendingOp {
     /// The guards that must outlive this operation if it ends without the
     /// target's answer (those of a CREAD, which the target copies into
-    /// this process's memory; see [`super::fence`]).
+    /// this process's memory; see [`crate::same_host::fence`]).
     fn take_unproven(&mut self) -> Vec<Arc<RegionGuard>> {
         match &mut self.kind {
             PendingKind::Cma {
@@ -143,7 +143,7 @@ pub(crate) struct ConnShared {
     /// Payloads move by cross-memory attach (the target copies).
     pub(crate) cma: bool,
     /// The staging area the target mapped, if any: medium payloads move
-    /// through it (see [`crate::stage`]).
+    /// through it (see [`crate::same_host::stage`]).
     pub(crate) stage: Option<ClientStage>,
     /// Microseconds after `born` of the last request sent or response
     /// header received: the reader keeps polling (instead of sleeping)
@@ -158,7 +158,7 @@ const DOZE: Duration = Duration::from_micros(50);
 /// The initiator's side of a connection's staging area.
 pub(crate) struct ClientStage {
     /// The shared area.
-    pub(crate) area: crate::stage::Area,
+    pub(crate) area: crate::same_host::stage::Area,
     /// Frames of at least this many bytes go through it.
     pub(crate) min: usize,
     /// How long a copy waits for the target to make room (or to fill a
@@ -184,7 +184,11 @@ pub(crate) struct ClientStage {
 }
 
 impl ClientStage {
-    pub(crate) fn new(area: crate::stage::Area, min: usize, patience: Duration) -> ClientStage {
+    pub(crate) fn new(
+        area: crate::same_host::stage::Area,
+        min: usize,
+        patience: Duration,
+    ) -> ClientStage {
         ClientStage {
             area,
             min,
@@ -231,7 +235,7 @@ impl ConnShared {
             // from an earlier failure) reads on until the target's end.
             let _ = sock.shutdown(std::net::Shutdown::Write);
             if !unproven.is_empty() {
-                super::fence::hold_until_closed(
+                crate::same_host::fence::hold_until_closed(
                     &self.stream,
                     unproven,
                     self.pace.stall,

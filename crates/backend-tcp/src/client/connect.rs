@@ -13,10 +13,10 @@ use transport_core::{Error, Result};
 use super::conn::{ClientStage, Conn, ConnShared, PendingMap};
 use super::peer::Peer;
 use super::reader::reader_task;
-use crate::cma::SameHost;
 use crate::handshake;
 use crate::io::Pace;
 use crate::negotiate::{self, Agreement, Feature, FeatureOff, FeatureState, PeerReport};
+use crate::same_host::cma::SameHost;
 use crate::stream::Stream;
 
 /// The error for a peer that cannot be reached.
@@ -165,7 +165,7 @@ impl Peer {
                 let offered = pair.as_ref().ok().map(|(_, theirs)| theirs.as_raw_fd());
                 // The staging area offered with it (see `stage`).
                 let area = match (&stage_agreed, cfg.same_host_stage) {
-                    (None, Some(min)) => crate::stage::Area::create().map(|a| (a, min)),
+                    (None, Some(min)) => crate::same_host::stage::Area::create().map(|a| (a, min)),
                     (Some(FeatureOff::DisabledHere(s)), _) => Err(s.to_string()),
                     (Some(why), _) => Err(why.to_string()),
                     (None, None) => Err("same_host_stage=off".to_owned()),

@@ -10,7 +10,6 @@
 //! - [`peer`]: an opened peer, its connection slots and control requests;
 //! - [`connect`]: dialing, handshake and the same-host path negotiation;
 //! - [`conn`]: one connection's operations in flight and their completion;
-//! - [`fence`]: holding memory a same-host target may still write;
 //! - [`reader`]: the reader task that completes them from responses;
 //! - [`send`]: planned wire operations, their frames, and sending them;
 //! - [`batch`]: running a batch (validation, planning, retry, notification)
@@ -20,7 +19,6 @@
 mod batch;
 mod conn;
 mod connect;
-mod fence;
 mod peer;
 mod reader;
 mod send;

@@ -13,7 +13,7 @@ use super::conn::{ClientStage, ConnShared, PendingKind, PendingOp, TableCache};
 use super::wire_ops::WireOps;
 use crate::frame::{encode_cma_segments, encode_segments, CmaSegment, Request, Segment};
 use crate::io::{write_all, Bytes};
-use crate::stage;
+use crate::same_host::stage;
 
 /// If a send is abandoned before it started writing (its caller was
 /// dropped while waiting for the write lock), withdraws its operations so
@@ -200,8 +200,8 @@ pub(crate) async fn send_ops(
                     let total: u64 = parts.iter().map(|p| p.3).sum();
                     let staged = conn.stage.as_ref().is_some_and(|st| {
                         total >= st.min as u64
-                            && (total < crate::cma::PARALLEL_MIN as u64
-                                || crate::cma::helpers() == 0)
+                            && (total < crate::same_host::cma::PARALLEL_MIN as u64
+                                || crate::same_host::cma::helpers() == 0)
                     });
                     if staged {
                         staging.push((

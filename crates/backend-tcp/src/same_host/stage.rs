@@ -4,7 +4,7 @@
 //! a user-space memcpy (the kernel pins and maps the other process's pages
 //! one by one; BENCHMARKS.md). For frames from
 //! [`crate::TcpConfig::same_host_stage`] (1 byte: all) up to
-//! [`crate::cma::PARALLEL_MIN`] (8 MiB) the bytes move through a small
+//! [`crate::same_host::cma::PARALLEL_MIN`] (8 MiB) the bytes move through a small
 //! shared memory area instead, as two pipelined copies made by the two
 //! processes at once: the initiator copies its registered memory into a
 //! slot while the target copies the previous slot into (out of) its
@@ -154,20 +154,29 @@ impl Area {
             )
         };
         if fd < 0 {
-            return Err(format!("memfd_create: {}", crate::cma::errno_name(errno())));
+            return Err(format!(
+                "memfd_create: {}",
+                crate::same_host::cma::errno_name(errno())
+            ));
         }
         // SAFETY: a fresh descriptor we own.
         let fd = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
         // SAFETY: plain calls on our own descriptor.
         let sized = unsafe { libc::ftruncate(fd.as_raw_fd(), AREA_LEN as libc::off_t) };
         if sized < 0 {
-            return Err(format!("ftruncate: {}", crate::cma::errno_name(errno())));
+            return Err(format!(
+                "ftruncate: {}",
+                crate::same_host::cma::errno_name(errno())
+            ));
         }
         // SAFETY: as above.
         if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, SEALS) } < 0 {
-            return Err(format!("sealing: {}", crate::cma::errno_name(errno())));
+            return Err(format!(
+                "sealing: {}",
+                crate::same_host::cma::errno_name(errno())
+            ));
         }
-        Area::map(fd).map_err(|e| format!("mmap: {}", crate::cma::errno_name(e)))
+        Area::map(fd).map_err(|e| format!("mmap: {}", crate::same_host::cma::errno_name(e)))
     }
 
     /// Maps an area the initiator offered (target side), after checking
@@ -351,7 +360,7 @@ impl Drop for Area {
             // Cannot happen for an exact-size tmpfs mapping (checked in
             // `adopt`); say so rather than leak silently.
             tracing::warn!(
-                errno = %crate::cma::errno_name(errno()),
+                errno = %crate::same_host::cma::errno_name(errno()),
                 "munmap of a staging area failed: its mapping is leaked"
             );
         }

@@ -1,0 +1,51 @@
+//! The same-host path: how two engines of one machine move payloads without
+//! the socket, in one place. PROTOCOL.md §5 has the bytes; this is the
+//! protocol's shape, its states and the invariants the code keeps.
+//!
+//! **Negotiation** (per connection, after the authenticated handshake;
+//! [`cma`]). The initiator offers the path only to a peer that can be on
+//! this host (a negotiating peer proves it with a keyed hash of boot id and
+//! PID namespace; an older one must be on loopback or this connection's own
+//! address). Its SAME_HOST request carries boot id, PID namespace, PID, the
+//! address of a probe word holding a fresh nonce, and optionally the
+//! number of its end of a Unix socket pair (the control channel) and of a
+//! sealed memfd (the staging area). The target pins the initiator's
+//! process with a pidfd first, then checks boot id, namespace, that the
+//! PID holds this very connection's socket and that `process_vm_readv` of
+//! the probe returns the nonce (the kernel grants it ptrace-level access);
+//! it takes the channel and the area with `pidfd_getfd`, maps the area
+//! only if it is a tmpfs memfd of exactly its size sealed against
+//! shrinking and growing, and answers SAME_HOST_OK with a verdict for each.
+//! States: `offered → agreed` (the connection moves to a thread of the
+//! target's own and, with the channel, onto the Unix socket) or
+//! `offered → refused(reason, errno)` (it stays a socket connection).
+//!
+//! **Moving bytes.** Frames of 8 MiB and more: CWRITE / CREAD, one
+//! cross-memory copy by the target (split over a helper thread) into or out
+//! of the initiator's own registered memory ([`cma`]). Smaller frames:
+//! SWRITE / SREAD through the staging area's two rings of slots, both
+//! processes copying at once ([`stage`]); the target acknowledges staged
+//! requests in the area's lane while the initiator's reader polls it, with
+//! a WAKE frame once it sleeps (a Dekker pair, model-checked with loom).
+//!
+//! **Invariants.**
+//! - The target copies only into (out of) ranges it checked under their
+//!   region guards, and into the initiator only at addresses the initiator
+//!   named and holds registered.
+//! - Every frame has one deadline from its first byte, `stall_timeout +
+//!   bytes / min_rate`, on both sides; an initiator's batch deadline counts
+//!   from before its first frame, staged bytes included.
+//! - No byte of the initiator's memory changes after `unregister` returns:
+//!   copies out of the area into it are made by the initiator under a gate
+//!   that failing the connection closes; a CREAD that ends without the
+//!   target's answer keeps its memory registered until the target has
+//!   closed its side of the connection, which it does only after its
+//!   copies returned ([`fence`]), else `unregister` fails with `RegionHeld`
+//!   and the memory is leaked, never freed.
+//! - Nothing a peer writes into the area can make the target fault or
+//!   touch memory outside its checked ranges: slot addresses stay inside
+//!   the mapping, counters are only compared.
+
+pub(crate) mod cma;
+pub(crate) mod fence;
+pub(crate) mod stage;
