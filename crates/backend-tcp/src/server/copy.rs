@@ -1,0 +1,140 @@
+//! The copies of the same-host requests: CWRITE / CREAD by cross-memory
+//! attach, SWRITE / SREAD through the staging area, and the segment
+//! verdicts they report.
+
+use super::serve::TargetStage;
+use super::*;
+
+/// Holds every segment of a WRITEV/READV that lies in a live region of its
+/// generation (`Err(status)` for the others, which fail individually).
+pub(super) fn acquire_segments(core: &Core, segs: &[Segment]) -> Vec<Result<RegionGuard, Status>> {
+    segs.iter()
+        .map(|s| core.acquire(s.addr, s.len, s.gen))
+        .collect()
+}
+
+/// Performs the copies of a CWRITE (`read` false: from the initiator into
+/// the guarded target ranges) or CREAD (from them into the initiator) for
+/// the segments whose guard was acquired; `None` if every segment moved,
+/// else the status and indices of those that did not. `one_call`: the
+/// segments do not overlap, so all of them may go in one system call.
+pub(super) fn cma_copy(
+    pid: i32,
+    read: bool,
+    segs: &[crate::frame::CmaSegment],
+    guards: &[Result<RegionGuard, Status>],
+    one_call: bool,
+) -> Option<(Status, Vec<u32>)> {
+    let total: u64 = segs.iter().map(|s| s.seg.len).sum();
+    if one_call && guards.iter().all(Result::is_ok) {
+        let ok = if total as usize >= cma::PARALLEL_MIN && cma::helpers() > 0 {
+            let pairs: Vec<(usize, u64, usize)> = guards
+                .iter()
+                .flatten()
+                .zip(segs)
+                .map(|(g, s)| (g.as_ptr() as usize, s.local, g.len() as usize))
+                .collect();
+            // SAFETY: every local range is held registered (and so valid)
+            // by its guard until after copy_split has returned (it waits
+            // for its helper threads); the kernel checks the initiator's
+            // ranges (EFAULT, never a fault here).
+            unsafe { cma::copy_split(pid, read, &pairs) }.is_ok()
+        } else {
+            let local: Vec<libc::iovec> = guards
+                .iter()
+                .flatten()
+                .map(|g| cma::iov(g.as_ptr(), g.len() as usize))
+                .collect();
+            let remote: Vec<libc::iovec> = segs
+                .iter()
+                .map(|s| cma::iov(s.local as usize as *mut u8, s.seg.len as usize))
+                .collect();
+            // SAFETY: as above, for one system call.
+            (unsafe { cma::copy(pid, read, &local, &remote) }) == Ok(total as usize)
+        };
+        if ok {
+            return None;
+        }
+        // A short or refused call: redo segment by segment to find which.
+    }
+    let mut failed = Vec::new();
+    let mut status = None;
+    for (i, (g, s)) in guards.iter().zip(segs).enumerate() {
+        let st = match g {
+            Ok(g) => {
+                // SAFETY: as above, for this guard's range.
+                let r = unsafe { cma::copy_all(pid, read, g.as_ptr(), s.local, g.len() as usize) };
+                match r {
+                    Ok(()) => continue,
+                    Err(_) => Status::CopyFailed,
+                }
+            }
+            Err(st) => *st,
+        };
+        failed.push(i as u32);
+        // StaleRegion first (the initiator retries), then unregistered.
+        status = Some(match (status, st) {
+            (Some(Status::StaleRegion), _) | (_, Status::StaleRegion) => Status::StaleRegion,
+            (Some(Status::AddressNotRegistered), _) | (_, Status::AddressNotRegistered) => {
+                Status::AddressNotRegistered
+            }
+            _ => st,
+        });
+    }
+    status.map(|st| (st, failed))
+}
+
+/// Moves an SWRITE's stream out of the staging area into the guarded
+/// ranges (the bytes of refused segments are dropped), or an SREAD's
+/// verdict (naming the `refused` segments) and accepted ranges into it —
+/// then waits until the initiator has emptied the ring, so that the
+/// acknowledgement follows the data.
+pub(super) async fn staged_copy(
+    st: &mut TargetStage,
+    read: bool,
+    guards: &[Result<RegionGuard, Status>],
+    segs: &[Segment],
+    refused: &[u32],
+    watch: &crate::same_host::stage::Watch<'_>,
+) -> Result<(), crate::same_host::stage::Stop> {
+    use crate::same_host::stage::{self, Dir, Piece};
+    let pieces = guards.iter().zip(segs).map(|(g, s)| Piece {
+        // Refused (null): its bytes are dropped (SWRITE) or never sent
+        // (SREAD).
+        ptr: g.as_ref().map_or(std::ptr::null_mut(), |g| g.as_ptr()),
+        len: s.len as usize,
+    });
+    if !read {
+        let ring = st.area.ring(Dir::ToTarget);
+        // The initiator sends every segment's bytes, refused ones too.
+        let pieces: Vec<Piece> = pieces.collect();
+        // SAFETY: every non-null piece is a range its guard holds
+        // registered (and so valid) until the caller drops `guards`, after
+        // this returns.
+        return unsafe { stage::get(&ring, &mut st.from_initiator, &pieces, watch, None) }.await;
+    }
+    let ring = st.area.ring(Dir::ToInitiator);
+    let mut verdict = stage::verdict(refused.iter().map(|&i| i as usize));
+    let v = [Piece {
+        ptr: verdict.as_mut_ptr(),
+        len: verdict.len(),
+    }];
+    // SAFETY: `verdict` is valid for reads until this returns.
+    unsafe { stage::put(&ring, &mut st.to_initiator, &v, watch) }.await?;
+    let accepted: Vec<Piece> = pieces.filter(|p| !p.ptr.is_null()).collect();
+    // SAFETY: as for SWRITE, read instead of written.
+    unsafe { stage::put(&ring, &mut st.to_initiator, &accepted, watch) }.await?;
+    let end = st.to_initiator;
+    stage::wait(|| ring.drained(end), watch).await
+}
+
+/// The status a v-frame reports for its failed segments: `StaleRegion` if
+/// any failed for that reason (the initiator refreshes its table and
+/// retries them), else `AddressNotRegistered`.
+pub(super) fn failed_status(guards: &[Result<RegionGuard, Status>]) -> Status {
+    if guards.iter().any(|g| matches!(g, Err(Status::StaleRegion))) {
+        Status::StaleRegion
+    } else {
+        Status::AddressNotRegistered
+    }
+}
