@@ -281,3 +281,27 @@ def test_install_in_process():
     finally:
         fm.uninstall()
     assert mooncake.engine.TransferEngine is original
+
+
+def test_other_python_threads_run_during_a_transfer():
+    """Ferry releases the caller's GIL and takes it only to call the wheel,
+    whose transfer calls release it (both wheels): a Python thread keeps
+    counting while a 256 MiB write is in flight."""
+    from test_gil import count_during
+
+    a, b = started(), started()
+    size = 256 << 20
+    src = ctypes.create_string_buffer(size)
+    dst = ctypes.create_string_buffer(size)
+    ctypes.memmove(address(src), b"gil-free", 8)
+    assert a.register_memory(address(src), size) == 0
+    assert b.register_memory(address(dst), size) == 0
+    peer = b.ferry_engine().segment_name
+    rets = []
+    during, elapsed = count_during(
+        lambda: rets.append(a.transfer_sync_write(peer, address(src), address(dst), size))
+    )
+    assert rets == [0], a.last_error()
+    assert dst.raw[:8] == b"gil-free"
+    assert elapsed > 0.02, f"the transfer took only {elapsed * 1e3:.1f} ms: not long enough to tell"
+    assert during > 1000, f"the other thread counted only {during} in {elapsed * 1e3:.1f} ms"
