@@ -43,6 +43,15 @@ def started(url="mooncake-py://"):
     return te
 
 
+@pytest.fixture(scope="module")
+def pair():
+    """Two engines shared by the tests of this module: every engine holds
+    ports, and 0.3.3's random port choice collides more often the more are
+    open (Ferry retries that collision, see src/wheel.rs). Each test
+    unregisters what it registered."""
+    return started(), started()
+
+
 def test_default_backend_is_the_wheel():
     te = TransferEngine()
     assert te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0, te.last_error()
@@ -51,11 +60,11 @@ def test_default_backend_is_the_wheel():
     assert WHEEL.split("==")[1] in report["text"], report["text"]
 
 
-def test_sglang_batch_sequence_through_the_wheel():
+def test_sglang_batch_sequence_through_the_wheel(pair):
     """batch_register_memory, transfer_sync_write, a 64 x 64 KiB
     batch_transfer_sync_write and batch_unregister_memory, the calls SGLang's
     Mooncake wrapper makes, through Ferry with the wheel moving the bytes."""
-    prefill, decode = started(), started()
+    prefill, decode = pair
     support = prefill.ferry_support()
     expected = "native" if NATIVE_BATCH else "emulated"
     for m in ("batch_register_memory", "batch_unregister_memory", "batch_transfer_sync_write"):
@@ -81,8 +90,8 @@ def test_sglang_batch_sequence_through_the_wheel():
     assert isinstance(prefill.last_error(), ferry.AddressNotRegistered)
 
 
-def test_out_of_region_writes(caplog):
-    a, b = started(), started()
+def test_out_of_region_writes(caplog, pair):
+    a, b = pair
     src = ctypes.create_string_buffer(b"x" * 4096, 4096)
     dst = ctypes.create_string_buffer(4096)
     assert a.register_memory(address(src), 4096) == 0
@@ -104,6 +113,8 @@ def test_out_of_region_writes(caplog):
         assert "cannot see the peer's registered ranges" in guarantee["reason"]
         with pytest.raises(ferry.MissingCapabilities):
             ferry.Engine("mooncake-py://?require=peer_validation")
+    assert a.unregister_memory(address(src)) == 0
+    assert b.unregister_memory(address(dst)) == 0
 
 
 def test_strict_and_require_apply_to_the_wheel():
@@ -283,13 +294,13 @@ def test_install_in_process():
     assert mooncake.engine.TransferEngine is original
 
 
-def test_other_python_threads_run_during_a_transfer():
+def test_other_python_threads_run_during_a_transfer(pair):
     """Ferry releases the caller's GIL and takes it only to call the wheel,
     whose transfer calls release it (both wheels): a Python thread keeps
     counting while a 256 MiB write is in flight."""
     from test_gil import count_during
 
-    a, b = started(), started()
+    a, b = pair
     size = 256 << 20
     src = ctypes.create_string_buffer(size)
     dst = ctypes.create_string_buffer(size)
@@ -305,3 +316,5 @@ def test_other_python_threads_run_during_a_transfer():
     assert dst.raw[:8] == b"gil-free"
     assert elapsed > 0.02, f"the transfer took only {elapsed * 1e3:.1f} ms: not long enough to tell"
     assert during > 1000, f"the other thread counted only {during} in {elapsed * 1e3:.1f} ms"
+    assert a.unregister_memory(address(src)) == 0
+    assert b.unregister_memory(address(dst)) == 0

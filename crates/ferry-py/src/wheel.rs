@@ -53,6 +53,11 @@ pub(crate) const KNOWN_PROTOCOLS: [&str; 11] = [
     "ubshmem",
 ];
 
+/// How often `initialize` is tried when the wheel's port collides.
+const BIND_ATTEMPTS: u32 = 4;
+/// The wheel's message for that collision.
+const BIND_COLLISION: &str = "Address already in use";
+
 /// Where Linux lists RDMA devices.
 const RDMA_DEVICES: &str = "/sys/class/infiniband";
 
@@ -379,33 +384,46 @@ impl WheelEngine {
             .and_then(|m| m.getattr("__file__").ok())
             .and_then(|f| f.extract::<String>().ok());
         let (distribution, version) = wheel_version(py);
-        let wheel = class
-            .call0()
-            .map_err(|e| py_failure("TransferEngine()", &e))?;
-        let rc: i64 = if config.metadata_type.is_empty() {
-            wheel.call_method1(
-                "initialize",
-                (
-                    &config.host,
-                    &config.metadata,
-                    &config.protocol,
-                    &config.device,
-                ),
-            )
-        } else {
-            wheel.call_method1(
-                "initialize_ext",
-                (
-                    &config.host,
-                    &config.metadata,
-                    &config.protocol,
-                    &config.device,
-                    &config.metadata_type,
-                ),
-            )
-        }
-        .and_then(|r| r.extract())
-        .map_err(|e| py_failure("initialize", &e))?;
+        // 0.3.3's TCP transport binds a randomly chosen port and raises
+        // "bind: Address already in use" when it collides: a fresh engine
+        // picks another, so that one error is tried again (bounded).
+        let mut attempt = 0;
+        let (wheel, rc) = loop {
+            attempt += 1;
+            let wheel = class
+                .call0()
+                .map_err(|e| py_failure("TransferEngine()", &e))?;
+            let out: PyResult<i64> = if config.metadata_type.is_empty() {
+                wheel.call_method1(
+                    "initialize",
+                    (
+                        &config.host,
+                        &config.metadata,
+                        &config.protocol,
+                        &config.device,
+                    ),
+                )
+            } else {
+                wheel.call_method1(
+                    "initialize_ext",
+                    (
+                        &config.host,
+                        &config.metadata,
+                        &config.protocol,
+                        &config.device,
+                        &config.metadata_type,
+                    ),
+                )
+            }
+            .and_then(|r| r.extract());
+            match out {
+                Ok(rc) => break (wheel, rc),
+                Err(e) if attempt < BIND_ATTEMPTS && e.to_string().contains(BIND_COLLISION) => {
+                    continue
+                }
+                Err(e) => return Err(py_failure("initialize", &e)),
+            }
+        };
         if rc != 0 {
             return Err(returned("initialize", rc));
         }
