@@ -3,6 +3,7 @@ call it, on every backend — every batch method present, return conventions
 kept, failures negative (never a crash)."""
 
 import ctypes
+import logging
 import time
 
 import pytest
@@ -17,11 +18,11 @@ def started(backend, hostname=None):
     hostname = hostname or backend.hostname()
     metadata = backend.metadata or "P2PHANDSHAKE"
     # SGLang's and vLLM's call: initialize(hostname, "P2PHANDSHAKE", protocol,
-    # device). Their default protocol is "rdma": Ferry's own transports accept
-    # it (and move the bytes over TCP); over Mooncake it is Mooncake's choice
-    # and these hosts have no RDMA device, so "tcp" there (MOONCAKE_PROTOCOL).
-    protocol = "tcp" if backend.name.startswith("mooncake") else "rdma"
-    assert te.initialize(hostname, metadata, protocol, "") == 0, te.last_error
+    # device). These hosts have no RDMA device, and Ferry's own transports
+    # refuse "rdma" unless the fallback is asked for
+    # (test_tcp_backend_fails_loudly): "tcp" everywhere.
+    protocol = "tcp"
+    assert te.initialize(hostname, metadata, protocol, "") == 0, te.last_error()
     return te
 
 
@@ -55,7 +56,7 @@ def test_sglang_flow(backend):
     ret = prefill.batch_transfer_sync_write(
         sid, [address(b) for b in kv_src], [address(b) for b in kv_dst], [len(b) for b in kv_src]
     )
-    assert ret == 0, prefill.last_error
+    assert ret == 0, prefill.last_error()
     assert kv_dst == kv_src
     assert prefill.send_probe(sid) == 0
     # deregister / batch_deregister
@@ -93,7 +94,7 @@ def test_async_batches_and_status(backend):
     a = started(backend)
     b = started(backend)
     src = a.allocate_managed_buffer(1 << 20)
-    assert src != 0, a.last_error
+    assert src != 0, a.last_error()
     payload = pattern(1 << 20, seed=2)
     assert a.write_bytes_to_buffer(src, payload, len(payload)) == 0
     dst = bytearray(1 << 20)
@@ -140,7 +141,7 @@ def test_failures_are_negative_returns(backend):
     sid = session(backend, b)
     # unregistered remote and local addresses
     assert a.transfer_sync_write(sid, address(src), address(dst) + 8192, 16) < 0
-    assert isinstance(a.last_error, ferry.AddressNotRegistered)
+    assert isinstance(a.last_error(), ferry.AddressNotRegistered)
     assert a.transfer_sync_write(sid, address(src) + 8190, address(dst), 16) < 0
     assert a.batch_transfer_sync_write(sid, [address(src)] * 2, [address(dst), address(dst) + 10**6], [16, 16]) < 0
     assert dst[16:] == bytearray(8192 - 16)
@@ -155,7 +156,7 @@ def test_failures_are_negative_returns(backend):
     assert a.get_batch_transfer_status([12345]) < 0
     assert a.transfer_check_status(12345) < 0
     assert a.register_memory(address(src), len(src)) < 0
-    assert isinstance(a.last_error, ferry.RegionOverlap)
+    assert isinstance(a.last_error(), ferry.RegionOverlap)
     assert a.unregister_memory(address(src) + 1) < 0
     # a failed async batch: status -1, and it is released
     bid = a.batch_transfer_async_write(sid, [address(src)], [address(dst) + 9000], [16])
@@ -180,7 +181,7 @@ def test_uninitialized_engine_is_an_error_not_a_crash():
         te.get_rpc_port()
     bad = TransferEngine("mooncake://?lib=/nonexistent/libtransfer_engine.so")
     assert bad.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == -1
-    assert isinstance(bad.last_error, ferry.Unavailable)
+    assert isinstance(bad.last_error(), ferry.Unavailable)
 
 
 def test_notifications(backend):
@@ -194,7 +195,7 @@ def test_notifications(backend):
     note = TransferNotify("prefill-0", "room 42 done")
     ret = a.transfer_sync(sid, address(src), address(dst), 4096, Write, note)
     if not backend.notify:
-        assert ret < 0 and isinstance(a.last_error, ferry.Unsupported)
+        assert ret < 0 and isinstance(a.last_error(), ferry.Unsupported)
         assert b.get_notifies() == []
         return
     assert ret == 0 and dst == src
@@ -259,3 +260,59 @@ def test_concurrent_threads(backend):
         results = list(pool.map(worker, range(threads)))
     assert all(c == 0 for codes in results for c in codes), results
     assert dst == src
+
+
+def test_tcp_backend_fails_loudly(caplog, monkeypatch):
+    """On tcp:// nothing is downgraded silently: a transport it cannot
+    honour, an unknown protocol, a missing device and a metadata server it
+    cannot use are initialize() == -1, logged at WARNING with the reason."""
+    monkeypatch.delenv("MC_FORCE_TCP", raising=False)
+    monkeypatch.delenv("FERRY_ALLOW_PROTOCOL_FALLBACK", raising=False)
+    cases = [
+        (("127.0.0.1", "P2PHANDSHAKE", "rdma", ""), "cannot be honoured"),
+        (("127.0.0.1", "P2PHANDSHAKE", "rmda", ""), "unknown protocol 'rmda'"),
+        (("127.0.0.1", "P2PHANDSHAKE", "tcp", "nonexistent0"), "nonexistent0"),
+        (("127.0.0.1", "etcd://10.0.0.9:2379", "tcp", ""), "metadata server"),
+    ]
+    for args, why in cases:
+        caplog.clear()
+        te = TransferEngine("tcp://")
+        with caplog.at_level(logging.WARNING, logger="ferry.mooncake"):
+            assert te.initialize(*args) == -1, args
+        assert why in str(te.last_error()), (args, te.last_error())
+        assert any(
+            r.levelno == logging.WARNING and why in r.getMessage() for r in caplog.records
+        ), args
+
+
+def test_tcp_protocol_fallback_is_opt_in(caplog, monkeypatch):
+    monkeypatch.delenv("MC_FORCE_TCP", raising=False)
+    monkeypatch.delenv("FERRY_ALLOW_PROTOCOL_FALLBACK", raising=False)
+    te = TransferEngine("tcp://?allow_protocol_fallback=1")
+    with caplog.at_level(logging.WARNING, logger="ferry.mooncake"):
+        assert te.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "") == 0, te.last_error()
+    assert any("falling back" in r.getMessage() for r in caplog.records)
+    monkeypatch.setenv("FERRY_ALLOW_PROTOCOL_FALLBACK", "1")
+    assert TransferEngine("tcp://").initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "") == 0
+    monkeypatch.delenv("FERRY_ALLOW_PROTOCOL_FALLBACK")
+    # MC_FORCE_TCP (set to any value): Mooncake's TCP transport only.
+    monkeypatch.setenv("MC_FORCE_TCP", "1")
+    assert TransferEngine("tcp://").initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "") == 0
+
+
+def test_default_url_without_the_wheel(monkeypatch):
+    monkeypatch.delenv("FERRY_URL", raising=False)
+    import importlib.util
+
+    from ferry import mooncake as fm
+
+    expected = "mooncake-py://" if importlib.util.find_spec("mooncake") else "tcp://"
+    assert fm.default_url() == expected
+    assert TransferEngine()._base_url == expected
+
+
+def test_get_engine_ptr_without_a_wheel(backend):
+    te = started(backend)
+    assert te.get_engine_ptr() == 0
+    assert "no Mooncake C++ engine" in str(te.last_error())
+    assert te.get_engine() is te.ferry_engine()

@@ -26,10 +26,10 @@ DECODE = textwrap.dedent(
     url, metadata = sys.argv[1], sys.argv[2]
     layers, blocks, block = map(int, sys.argv[3:6])
     te = TransferEngine(url)
-    assert te.initialize("127.0.0.1", metadata, "tcp", "") == 0, te.last_error
+    assert te.initialize("127.0.0.1", metadata, "tcp", "") == 0, te.last_error()
     kv = [bytearray(blocks * block) for _ in range(layers)]
     addrs = [ctypes.addressof((ctypes.c_char * len(b)).from_buffer(b)) for b in kv]
-    assert te.batch_register_memory(addrs, [len(b) for b in kv]) == 0, te.last_error
+    assert te.batch_register_memory(addrs, [len(b) for b in kv]) == 0, te.last_error()
     print(json.dumps({"session": te.get_engine().segment_name, "addrs": addrs}), flush=True)
     deadline = time.time() + 60
     notes = []
@@ -67,7 +67,7 @@ def test_prefill_to_decode_handoff(name, tmp_path_factory):
         # Prefill: its own KV blocks, written layer by layer into the decode
         # side's blocks in a scattered order, one batch with a notification.
         prefill = TransferEngine(url)
-        assert prefill.initialize("127.0.0.1", metadata, "tcp", "") == 0, prefill.last_error
+        assert prefill.initialize("127.0.0.1", metadata, "tcp", "") == 0, prefill.last_error()
         src = [bytearray(pattern(BLOCKS * BLOCK, seed=l + 1)) for l in range(LAYERS)]
         src_addrs = [address(b) for b in src]
         assert prefill.batch_register_memory(src_addrs, [len(b) for b in src]) == 0
@@ -80,7 +80,7 @@ def test_prefill_to_decode_handoff(name, tmp_path_factory):
                 lens.append(BLOCK)
         note = TransferNotify("prefill-0", "room 7 done")
         ret = prefill.batch_transfer_sync(info["session"], bufs, peers, lens, Write, note)
-        assert ret == 0, prefill.last_error
+        assert ret == 0, prefill.last_error()
         out = json.loads(decode.stdout.readline())
         assert out.get("note") == ["prefill-0", "room 7 done"], out
         expected = bytearray()

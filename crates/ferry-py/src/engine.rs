@@ -18,6 +18,7 @@ use transport_core::inproc::InprocEngine;
 use crate::convert::{error_object, report_dict, result_object, to_pyerr};
 use crate::memory::{address_of, resolve, Keep, Resolved};
 use crate::runtime::{block_on, run, runtime};
+use crate::wheel::{WheelConfig, WheelEngine};
 
 /// A Ferry engine: a local endpoint with registered memory that opens peer
 /// segments and moves bytes. Every method that waits releases the GIL.
@@ -34,7 +35,12 @@ pub(crate) struct PyEngine {
 
 impl Drop for PyEngine {
     fn drop(&mut self) {
-        let Some(Handle { engine, report }) = self.inner.take() else {
+        let Some(Handle {
+            engine,
+            report,
+            wheel,
+        }) = self.inner.take()
+        else {
             return;
         };
         let Ok(rt) = runtime() else {
@@ -62,7 +68,8 @@ impl Drop for PyEngine {
                 let _guard = rt.enter();
                 drop(report);
                 drop(engine);
-            })
+            });
+            drop(wheel);
         });
     }
 }
@@ -72,6 +79,8 @@ impl Drop for PyEngine {
 struct Handle {
     engine: Arc<dyn TransferEngine>,
     report: Box<dyn Fn() -> CapabilityReport + Send + Sync>,
+    /// On `mooncake-py://`: the wheel's own engine object.
+    wheel: Option<Py<PyAny>>,
 }
 
 impl Handle {
@@ -81,6 +90,7 @@ impl Handle {
         Handle {
             engine,
             report: Box::new(move || for_report.report()),
+            wheel: None,
         }
     }
 
@@ -90,8 +100,32 @@ impl Handle {
         Handle {
             engine: adapter,
             report: Box::new(move || for_report.report()),
+            wheel: None,
         }
     }
+}
+
+/// `mooncake-py://…` (see [`crate::wheel`]): the installed Mooncake wheel's
+/// engine, initialized here with the GIL held, behind the capability
+/// adapter. `MC_FORCE_TCP` (set to any value) asks the wheel for its TCP
+/// transport only, as Mooncake defines it.
+fn open_wheel(py: Python<'_>, url: &str) -> ferry::Result<Handle> {
+    let force_tcp = std::env::var_os("MC_FORCE_TCP").is_some();
+    let config = WheelConfig::from_url(url, force_tcp)?;
+    let adapter_config = config.adapter.clone();
+    let require = config.require.clone();
+    let rt = runtime().map_err(|e| ferry::Error::Unavailable {
+        backend: crate::wheel::BACKEND.to_owned(),
+        reason: e.to_string(),
+    })?;
+    let _guard = rt.enter();
+    let engine = WheelEngine::start(py, config)?;
+    let wheel = engine.wheel(py);
+    let adapter = CapabilityAdapter::with_config(engine, adapter_config);
+    adapter.require(&require)?;
+    let mut handle = Handle::adapter(adapter);
+    handle.wheel = Some(wheel);
+    Ok(handle)
 }
 
 /// `inproc://[name]?caps=none|all|op,op&pace_us=N&strict=1&require=op,op`: engines of this
@@ -284,6 +318,46 @@ impl PyEngine {
         // `register_memory`, which this API mirrors).
         Ok(unsafe { MemoryRegion::from_raw_parts(resolved.addr as *mut u8, len, loc) })
     }
+
+    /// The region with its memory kind checked (see [`crate::cuda`]): a
+    /// pointer the CUDA driver calls device memory, given as host memory
+    /// (`*`, `cpu:N`), becomes `cuda:N` with `*` on a backend that takes GPU
+    /// memory, and is refused otherwise, before the backend sees it.
+    fn checked_kind(&self, region: MemoryRegion) -> ferry::Result<MemoryRegion> {
+        if !region.location().is_host() {
+            return Ok(region);
+        }
+        let crate::cuda::Kind::Device { ordinal } = crate::cuda::classify(region.addr()) else {
+            return Ok(region);
+        };
+        let engine = self
+            .engine()
+            .map_err(|_| ferry::Error::InvalidArgument("the engine is closed".to_owned()))?;
+        if engine.capabilities().memory.cuda && region.location().as_str() == "*" {
+            let len = usize::try_from(region.len())
+                .map_err(|_| ferry::Error::InvalidArgument("length too large".to_owned()))?;
+            // SAFETY: the same memory as `region`, which was built under the
+            // contract stated in `region_of`; only the location changes.
+            return Ok(unsafe {
+                MemoryRegion::from_raw_parts(region.addr() as *mut u8, len, Location::cuda(ordinal))
+            });
+        }
+        Err(ferry::Error::InvalidArgument(format!(
+            "{:#x}+{} is CUDA device memory of GPU {ordinal} (cuPointerGetAttribute), given as {}; \
+             the {} backend {} takes host memory only. Backends that take GPU memory: mooncake:// \
+             over a CUDA build of libtransfer_engine.so, mooncake-py:// over a CUDA build of the \
+             Mooncake wheel (mooncake.engine.SUPPORT_CUDA)",
+            region.addr(),
+            region.len(),
+            region.location(),
+            engine.backend_name(),
+            if engine.capabilities().memory.cuda {
+                "is given a host location and"
+            } else {
+                "here"
+            },
+        )))
+    }
 }
 
 #[pymethods]
@@ -293,7 +367,9 @@ impl PyEngine {
     /// `strict=1`, `require=op,op`, …). Blocks (GIL released) until started.
     #[new]
     fn py_new(py: Python<'_>, url: &str) -> PyResult<PyEngine> {
-        let handle = if url.starts_with("inproc://") {
+        let handle = if url.starts_with(crate::wheel::SCHEME) {
+            open_wheel(py, url)
+        } else if url.starts_with("inproc://") {
             let rt = runtime()?;
             let _guard = rt.enter();
             open_inproc(url)
@@ -313,7 +389,14 @@ impl PyEngine {
         Ok(self.engine()?.segment_name().to_owned())
     }
 
-    /// The backend: `tcp`, `mooncake` or `verbs`.
+    /// On `mooncake-py://`: the installed wheel's own
+    /// `mooncake.engine.TransferEngine` that moves the bytes (what
+    /// `mooncake.store` and `mooncake.pg` take); `None` on other backends.
+    fn wheel_engine(&self, py: Python<'_>) -> PyResult<Option<Py<PyAny>>> {
+        Ok(self.handle()?.wheel.as_ref().map(|w| w.clone_ref(py)))
+    }
+
+    /// The backend: `tcp`, `mooncake`, `mooncake-py`, `verbs` or `inproc`.
     #[getter]
     fn backend(&self) -> PyResult<String> {
         Ok(self.engine()?.backend_name().to_owned())
@@ -341,6 +424,7 @@ impl PyEngine {
         let engine = self.engine()?;
         let resolved = resolve(target, length)?;
         let region = Self::region_of(&resolved, location)?;
+        let region = self.checked_kind(region).map_err(|e| to_pyerr(py, &e))?;
         block_on(py, engine.register(&region))?.map_err(|e| to_pyerr(py, &e))?;
         let (addr, len) = (resolved.addr, resolved.len);
         self.regions().insert(addr, (len, resolved.keep));
@@ -389,7 +473,16 @@ impl PyEngine {
         for (i, t) in targets.iter().enumerate() {
             let len = lengths.as_ref().and_then(|l| l.get(i).copied().flatten());
             let r = resolve(t, len)?;
-            regions.push(Self::region_of(&r, location)?);
+            let region = Self::region_of(&r, location)?;
+            let region = self.checked_kind(region).map_err(|e| {
+                let e = ferry::Error::BatchRegisterFailed {
+                    index: i,
+                    addr: r.addr,
+                    source: Box::new(e),
+                };
+                to_pyerr(py, &e)
+            })?;
+            regions.push(region);
             resolved.push(r);
         }
         block_on(py, engine.batch_register(&regions))?.map_err(|e| to_pyerr(py, &e))?;

@@ -1,7 +1,11 @@
 //! # ferry-py — the Python package `ferry`
 //!
 //! The native half of the wheel (`ferry._native`): one class, `Engine`, a
-//! thin layer over [`ferry::Engine`]. The Python half (`python/ferry`) adds
+//! thin layer over [`ferry::Engine`], plus one backend of its own,
+//! `mooncake-py://` (`wheel.rs`: the installed Mooncake wheel's engine,
+//! called through pyo3, behind the same capability adapter as every
+//! backend), and the memory-kind check at registration (`cuda.rs`). The
+//! Python half (`python/ferry`) adds
 //! the exception classes, the `asyncio` flavour of the waiting calls and
 //! `ferry.mooncake.TransferEngine`, the drop-in for Mooncake's Python API.
 //!
@@ -17,9 +21,11 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 mod convert;
+mod cuda;
 mod engine;
 mod memory;
 mod runtime;
+mod wheel;
 
 use pyo3::prelude::*;
 
@@ -28,6 +34,7 @@ use pyo3::prelude::*;
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<engine::PyEngine>()?;
     m.add("__version__", ferry::pep440_version())?;
+    m.add_function(wrap_pyfunction!(cuda_driver_present, m)?)?;
     m.add(
         "BACKENDS",
         ferry::BackendKind::ALL
@@ -37,4 +44,11 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
             .collect::<Vec<_>>(),
     )?;
     Ok(())
+}
+
+/// Whether a CUDA driver (`libcuda.so.1`, or `FERRY_CUDA_LIB`) was found:
+/// without one every registered pointer is taken as host memory.
+#[pyfunction]
+fn cuda_driver_present() -> bool {
+    cuda::driver_present()
 }

@@ -13,12 +13,22 @@
 //!    `ferry` binary passed in environment variables. The test fails when
 //!    pytest fails.
 //!
+//! 4. `mooncake_wheels`: the real Mooncake wheels from the package registry
+//!    (`mooncake-transfer-engine==0.3.3`, `mooncake-transfer-engine-non-cuda
+//!    ==0.3.13.post1`), each in its own kept venv
+//!    (`<target>/tmp/ferry-py/venv-mc033`, `venv-mc0313`) with Ferry's wheel,
+//!    run `pytests/test_wheel.py` (`mooncake-py://`). They skip (printed) only
+//!    where python3 is missing, the registry is unreachable or the wheel does
+//!    not import (libibverbs.so.1 missing); `FERRY_REQUIRE_BACKENDS` listing
+//!    `mooncake-py` turns that skip into a failure.
+//!
 //! Only a machine without `python3` at all skips (printed); a missing
 //! `venv` module, a failed install or build is a failure with the reason.
 //! `.ci/run` installs python3 and python3-venv where they are missing.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::Mutex;
 
 use mooncake_testlibs::{library_path, Generation};
 
@@ -64,9 +74,67 @@ fn cargo() -> String {
     std::env::var("CARGO").unwrap_or_else(|_| env!("CARGO").to_owned())
 }
 
+/// What the build step made: the wheel, and the PATH and cargo it used.
+struct Built {
+    python: String,
+    wheel: PathBuf,
+    work: PathBuf,
+}
+
+/// Builds the wheel once per test binary (both tests need it; the second
+/// waits for the first).
+fn built() -> Option<Built> {
+    static BUILT: Mutex<Option<(String, PathBuf)>> = Mutex::new(None);
+    let python = find_python()?;
+    let work = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("ferry-py");
+    let mut slot = BUILT.lock().unwrap_or_else(|p| p.into_inner());
+    if slot.is_none() {
+        *slot = Some((python.clone(), build(&python, &work)));
+    }
+    let (python, wheel) = slot.clone()?;
+    Some(Built {
+        python,
+        wheel,
+        work,
+    })
+}
+
+fn pip_install(vpython: &Path, what: &str, args: &[&str]) -> std::process::Output {
+    eprintln!("ferry-py pytest: pip install {what}");
+    Command::new(vpython)
+        .args(["-m", "pip", "install", "--disable-pip-version-check", "-q"])
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run pip: {e}"))
+}
+
+fn make_venv(python: &str, venv: &Path) {
+    if venv.join("bin/python").exists() {
+        return;
+    }
+    let out = Command::new(python)
+        .args(["-m", "venv"])
+        .arg(venv)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {python} -m venv: {e}"));
+    assert!(
+        out.status.success(),
+        "`{python} -m venv {}` failed: the venv module is missing or broken \
+         (on Debian/Ubuntu: apt-get install python3-venv):\n{}",
+        venv.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 #[test]
 fn pytest_suite() {
-    let Some(python) = find_python() else {
+    let Some(Built {
+        python: _,
+        wheel,
+        work,
+    }) = built()
+    else {
         // Not silent: the notice bypasses the harness's output capture.
         eprintln!(
             "skipped: ferry-py pytest_suite: python3 not found (install python3 and python3-venv; \
@@ -76,28 +144,163 @@ fn pytest_suite() {
     };
     let root = workspace_root();
     let crate_dir = root.join("crates/ferry-py");
-    let work = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("ferry-py");
+    let vpython = work.join("venv/bin/python");
+    let target = work.join("target");
+    install_wheel(&vpython, &wheel);
+    run(
+        "building ferry serve (the Rust peer)",
+        Command::new(cargo())
+            .args(["build", "-p", "ferry-cli", "--manifest-path"])
+            .arg(root.join("Cargo.toml"))
+            .env("CARGO_TARGET_DIR", &target),
+    );
+
+    // 3. pytest, from a directory outside the source tree so that the
+    // installed wheel (not python/ferry) is imported.
+    let ferry_bin = target.join("debug/ferry");
+    let status = Command::new(&vpython)
+        .args(["-m", "pytest", "-v", "-p", "no:cacheprovider", "-rs"])
+        .arg(crate_dir.join("pytests"))
+        .current_dir(&work)
+        .env("FERRY_TEST_MOONCAKE_OLD", library_path(Generation::V0_2_0))
+        .env(
+            "FERRY_TEST_MOONCAKE_CURRENT",
+            library_path(Generation::Current),
+        )
+        .env("FERRY_TEST_FERRY_BIN", &ferry_bin)
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .env_remove("PYTHONPATH")
+        .env_remove("FERRY_TEST_WHEEL")
+        .env_remove("FERRY_URL")
+        .env_remove("FERRY_MOONCAKE_SHIM")
+        .status()
+        .expect("running pytest");
+    assert!(
+        status.success(),
+        "the ferry-py pytest suite failed ({status}); its output is above"
+    );
+}
+
+fn install_wheel(vpython: &Path, wheel: &Path) {
+    run(
+        "installing the wheel",
+        Command::new(vpython)
+            .args([
+                "-m",
+                "pip",
+                "install",
+                "--disable-pip-version-check",
+                "-q",
+                "--force-reinstall",
+                "--no-deps",
+            ])
+            .arg(wheel),
+    );
+}
+
+/// Whether `FERRY_REQUIRE_BACKENDS` lists `backend`.
+fn required(backend: &str) -> bool {
+    std::env::var("FERRY_REQUIRE_BACKENDS")
+        .unwrap_or_default()
+        .split(',')
+        .any(|b| b.trim() == backend)
+}
+
+/// Skips (printed) or, when `mooncake-py` is required, fails.
+fn unavailable(reason: &str) {
+    assert!(
+        !required("mooncake-py"),
+        "mooncake-py is required (FERRY_REQUIRE_BACKENDS) but {reason}"
+    );
+    eprintln!("skipped: ferry-py mooncake_wheels: {reason}");
+}
+
+/// The real Mooncake wheels from the package registry, each in its own
+/// virtual environment (`<target>/tmp/ferry-py/venv-<name>`, kept), with
+/// Ferry's wheel: `pytests/test_wheel.py` runs `ferry.mooncake` over them
+/// (`mooncake-py://`) and against a plain-wheel process. 0.3.3 lacks the
+/// batch calls and imports only with `ASAN_OPTIONS=verify_asan_link_order=0`;
+/// 0.3.13.post1 (non-CUDA) has them natively.
+#[test]
+fn mooncake_wheels() {
+    let Some(Built {
+        python,
+        wheel,
+        work,
+    }) = built()
+    else {
+        unavailable("python3 not found (install python3 and python3-venv; .ci/run does)");
+        return;
+    };
+    let crate_dir = workspace_root().join("crates/ferry-py");
+    let wheels = [
+        ("mc033", "mooncake-transfer-engine==0.3.3"),
+        ("mc0313", "mooncake-transfer-engine-non-cuda==0.3.13.post1"),
+    ];
+    for (name, requirement) in wheels {
+        let venv = work.join(format!("venv-{name}"));
+        make_venv(&python, &venv);
+        let vpython = venv.join("bin/python");
+        let stamp = venv.join(".ferry-wheel-installed");
+        if !stamp.exists() {
+            let out = pip_install(&vpython, requirement, &[requirement, "pytest>=7"]);
+            if !out.status.success() {
+                unavailable(&format!(
+                    "`pip install {requirement}` failed (registry unreachable?): {}",
+                    String::from_utf8_lossy(&out.stderr).trim()
+                ));
+                return;
+            }
+            std::fs::write(&stamp, b"ok\n").expect("writing the venv stamp");
+        }
+        install_wheel(&vpython, &wheel);
+        // The wheels link libibverbs.so.1 (Debian: libibverbs1; .ci/run
+        // installs it).
+        let probe = Command::new(&vpython)
+            .args(["-c", "import mooncake.engine"])
+            .env("ASAN_OPTIONS", ASAN_OPTIONS)
+            .output()
+            .expect("running python");
+        if !probe.status.success() {
+            unavailable(&format!(
+                "{requirement} does not import: {}",
+                String::from_utf8_lossy(&probe.stderr).trim()
+            ));
+            return;
+        }
+        let status = Command::new(&vpython)
+            .args(["-m", "pytest", "-v", "-p", "no:cacheprovider", "-rs"])
+            .arg(crate_dir.join("pytests/test_wheel.py"))
+            .current_dir(&work)
+            .env("FERRY_TEST_WHEEL", requirement)
+            .env("ASAN_OPTIONS", ASAN_OPTIONS)
+            .env("PYTHONDONTWRITEBYTECODE", "1")
+            .env_remove("PYTHONPATH")
+            .env_remove("FERRY_URL")
+            .env_remove("FERRY_MOONCAKE_SHIM")
+            .env_remove("MC_FORCE_TCP")
+            .status()
+            .expect("running pytest");
+        assert!(
+            status.success(),
+            "test_wheel.py over {requirement} failed ({status}); its output is above"
+        );
+    }
+}
+
+/// What 0.3.3's wheel needs to import (it links an ASan runtime that is
+/// not first in the library list); harmless for the others.
+const ASAN_OPTIONS: &str = "verify_asan_link_order=0:detect_leaks=0";
+
+/// 1-2 of the module docs: the venv with the tools, the wheel built.
+fn build(python: &str, work: &Path) -> PathBuf {
+    let crate_dir = workspace_root().join("crates/ferry-py");
     let venv = work.join("venv");
     let target = work.join("target");
     let dist = work.join("dist");
     let bin = venv.join("bin");
     let vpython = bin.join("python");
-
-    // 1. The virtual environment and the tools.
-    if !vpython.exists() {
-        let out = Command::new(&python)
-            .args(["-m", "venv"])
-            .arg(&venv)
-            .output()
-            .unwrap_or_else(|e| panic!("cannot run {python} -m venv: {e}"));
-        assert!(
-            out.status.success(),
-            "`{python} -m venv {}` failed: the venv module is missing or broken \
-             (on Debian/Ubuntu: apt-get install python3-venv):\n{}",
-            venv.display(),
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
+    make_venv(python, &venv);
     let stamp = venv.join(".ferry-tools-installed");
     if !stamp.exists() {
         run(
@@ -171,47 +374,5 @@ fn pytest_suite() {
         name.contains("-cp39-abi3-"),
         "the wheel is not an abi3 wheel for CPython >= 3.9: {name}"
     );
-    run(
-        "installing the wheel",
-        Command::new(&vpython)
-            .args([
-                "-m",
-                "pip",
-                "install",
-                "--disable-pip-version-check",
-                "-q",
-                "--force-reinstall",
-                "--no-deps",
-            ])
-            .arg(wheel),
-    );
-    run(
-        "building ferry serve (the Rust peer)",
-        Command::new(&cargo)
-            .args(["build", "-p", "ferry-cli", "--manifest-path"])
-            .arg(root.join("Cargo.toml"))
-            .env("CARGO_TARGET_DIR", &target),
-    );
-
-    // 3. pytest, from a directory outside the source tree so that the
-    // installed wheel (not python/ferry) is imported.
-    let ferry_bin = target.join("debug/ferry");
-    let status = Command::new(&vpython)
-        .args(["-m", "pytest", "-v", "-p", "no:cacheprovider", "-rs"])
-        .arg(crate_dir.join("pytests"))
-        .current_dir(&work)
-        .env("FERRY_TEST_MOONCAKE_OLD", library_path(Generation::V0_2_0))
-        .env(
-            "FERRY_TEST_MOONCAKE_CURRENT",
-            library_path(Generation::Current),
-        )
-        .env("FERRY_TEST_FERRY_BIN", &ferry_bin)
-        .env("PYTHONDONTWRITEBYTECODE", "1")
-        .env_remove("PYTHONPATH")
-        .status()
-        .expect("running pytest");
-    assert!(
-        status.success(),
-        "the ferry-py pytest suite failed ({status}); its output is above"
-    );
+    wheel.clone()
 }

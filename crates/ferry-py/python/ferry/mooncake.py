@@ -18,26 +18,59 @@ and the log line at ``initialize`` say which methods are native, emulated
 or unsupported on this engine. Wrong argument *types* raise ``TypeError`` as
 Mooncake's pybind11 binding does; everything else (unregistered addresses,
 unreachable peers, lists of different lengths) is a negative return, and the
-Ferry exception behind it is kept in :attr:`TransferEngine.last_error`.
+Ferry exception behind it is kept for :meth:`TransferEngine.last_error`.
 
 The backend comes from the constructor's ``url`` or the ``FERRY_URL``
-environment variable; the default is ``tcp://`` (Ferry's TCP transport, no
-Mooncake installed). ``mooncake://?lib=/path/libtransfer_engine.so`` runs
-over an installed Mooncake library.
+environment variable. Without either, the default is ``mooncake-py://``
+when the Mooncake wheel is installed (``mooncake.engine`` can be found):
+the wheel's own engine moves the bytes, with its transports (RDMA, TCP) and
+its wire protocol, so this node keeps talking to plain Mooncake nodes, and
+Ferry adds the methods that wheel lacks. With no wheel installed the default
+is ``tcp://`` (Ferry's TCP transport: every node of the cluster must then
+run Ferry; it does not interoperate with Mooncake nodes).
+``mooncake://?lib=/path/libtransfer_engine.so`` runs over a Mooncake C-API
+library.
+
+Failures are loud: a failed call returns Mooncake's negative value, logs
+the reason at WARNING on the ``ferry.mooncake`` logger, and keeps it for
+:meth:`TransferEngine.last_error`. ``initialize`` refuses a transport the
+backend cannot honour (``protocol="rdma"`` on ``tcp://``) unless the
+fallback is asked for (``allow_protocol_fallback=1`` in the URL or
+``FERRY_ALLOW_PROTOCOL_FALLBACK=1``), an unknown protocol, a device that
+does not exist and a metadata server the backend cannot use.
+``MC_FORCE_TCP`` (set to any value) means the TCP transport only, as in
+Mooncake.
+
+No code edit in the serving stack: :func:`install` (or
+``FERRY_MOONCAKE_SHIM=1`` in the environment, read at interpreter start-up)
+makes ``from mooncake.engine import TransferEngine`` give Ferry's class over
+the installed wheel.
 """
 
 import ctypes
 import enum
+import importlib.abc
+import importlib.util
 import json
 import logging
 import os
+import sys
 import threading
 import urllib.parse
 
 from . import Engine
 from .errors import AddressNotRegistered, FerryError
 
-__all__ = ["TransferEngine", "TransferOpcode", "TransferNotify", "Read", "Write"]
+__all__ = [
+    "TransferEngine",
+    "TransferOpcode",
+    "TransferNotify",
+    "Read",
+    "Write",
+    "install",
+    "uninstall",
+    "default_url",
+]
 
 logger = logging.getLogger("ferry.mooncake")
 
@@ -116,6 +149,50 @@ def _bracket(host):
     return f"[{host}]" if ":" in host else host
 
 
+#: Transports Mooncake's ``initialize`` knows (its ``protocol`` argument).
+KNOWN_PROTOCOLS = (
+    "tcp",
+    "rdma",
+    "nvmeof",
+    "nvlink",
+    "nvlink_intra",
+    "hip",
+    "cxl",
+    "efa",
+    "ascend",
+    "barex",
+    "ubshmem",
+)
+
+_TRUE = ("1", "true", "yes", "on")
+
+
+def _wheel_present():
+    """Whether ``mooncake.engine`` can be found (without importing it)."""
+    try:
+        return importlib.util.find_spec("mooncake.engine") is not None
+    except Exception:  # a broken mooncake package counts as absent
+        return False
+
+
+def default_url():
+    """The backend URL used when neither the constructor nor ``FERRY_URL``
+    names one: ``mooncake-py://`` if the Mooncake wheel is installed, else
+    ``tcp://``."""
+    return "mooncake-py://" if _wheel_present() else "tcp://"
+
+
+def _force_tcp():
+    """``MC_FORCE_TCP`` set (to any value): Mooncake's TCP transport only."""
+    return os.environ.get("MC_FORCE_TCP") is not None
+
+
+def _device_exists(name):
+    return os.path.exists(os.path.join("/sys/class/infiniband", name)) or os.path.exists(
+        os.path.join("/sys/class/net", name)
+    )
+
+
 class TransferEngine:
     """``mooncake.engine.TransferEngine`` on Ferry (see the module docs).
 
@@ -128,15 +205,23 @@ class TransferEngine:
     TransferOpcode = TransferOpcode
 
     def __init__(self, url=None):
-        self._base_url = url or os.environ.get("FERRY_URL") or "tcp://"
+        self._base_url = url or os.environ.get("FERRY_URL") or self._default_url()
         self._engine = None
         self._lock = threading.Lock()
         self._segments = {}
         self._batches = {}
         self._next_batch = 1
         self._managed = {}
-        #: The Ferry exception behind the last negative return (or ``None``).
-        self.last_error = None
+        self._last_error = None
+
+    @staticmethod
+    def _default_url():
+        return default_url()
+
+    def last_error(self):
+        """The exception behind the last failed call (negative return), or
+        ``None``. Its reason was also logged at WARNING on ``ferry.mooncake``."""
+        return self._last_error
 
     # -- set-up -------------------------------------------------------------
 
@@ -168,13 +253,54 @@ class TransferEngine:
         base_path, _, base_query = rest.partition("?")
         params = urllib.parse.parse_qsl(base_query, keep_blank_values=True)
         host, port = _split_host_port(local_hostname or "")
+        protocol = protocol or "tcp"
+        if protocol not in KNOWN_PROTOCOLS:
+            raise ValueError(
+                f"unknown protocol {protocol!r} (Mooncake knows: {', '.join(KNOWN_PROTOCOLS)})"
+            )
+        if scheme == "mooncake-py":
+            own = dict(params)
+            own.setdefault("host", local_hostname or "127.0.0.1")
+            own.setdefault("metadata", metadata_server or "P2PHANDSHAKE")
+            own.setdefault("protocol", protocol)
+            if device_name:
+                own.setdefault("device", device_name)
+            if metadata_type:
+                own.setdefault("metadata_type", metadata_type)
+            return "mooncake-py://?" + urllib.parse.urlencode(own)
         if scheme == "tcp":
-            # Ferry's TCP transport moves the bytes whatever `protocol`
-            # names; the segment name is host:port, the port Ferry's own.
-            if protocol and protocol != "tcp":
-                logger.info(
-                    "protocol %r requested: Ferry's tcp backend moves the bytes over TCP",
+            # Ferry's TCP transport moves the bytes; the segment name is
+            # host:port, the port Ferry's own. Anything it cannot honour is
+            # refused unless the caller opted in to the fallback.
+            fallback = [v for k, v in params if k == "allow_protocol_fallback"]
+            params = [(k, v) for k, v in params if k != "allow_protocol_fallback"]
+            allowed = (fallback and fallback[-1].lower() in _TRUE) or os.environ.get(
+                "FERRY_ALLOW_PROTOCOL_FALLBACK", ""
+            ).lower() in _TRUE
+            if protocol != "tcp" and not _force_tcp():
+                if not allowed:
+                    raise ValueError(
+                        f"protocol {protocol!r} cannot be honoured: Ferry's tcp:// backend moves "
+                        "bytes over TCP only. Use mooncake-py:// (the installed Mooncake wheel) "
+                        "or mooncake:// for RDMA, or opt in to TCP with allow_protocol_fallback=1 "
+                        "in the URL or FERRY_ALLOW_PROTOCOL_FALLBACK=1 (or MC_FORCE_TCP)"
+                    )
+                logger.warning(
+                    "protocol %r requested: falling back to Ferry's TCP transport "
+                    "(allow_protocol_fallback)",
                     protocol,
+                )
+            for dev in filter(None, (d.strip() for d in (device_name or "").split(","))):
+                if not _device_exists(dev):
+                    raise ValueError(
+                        f"device {dev!r} does not exist (neither /sys/class/infiniband/{dev} "
+                        f"nor /sys/class/net/{dev})"
+                    )
+            if metadata_server not in ("", None, "P2PHANDSHAKE") and metadata_type != "p2p":
+                raise ValueError(
+                    f"metadata server {metadata_server!r} cannot be used by Ferry's tcp:// backend "
+                    "(its segment names are host:port, P2PHANDSHAKE only); use mooncake-py:// "
+                    "or mooncake:// with a metadata server"
                 )
             host = host or (base_path.rsplit(":", 1)[0] if base_path else "127.0.0.1")
             query = urllib.parse.urlencode(params)
@@ -233,6 +359,15 @@ class TransferEngine:
                 "min_version": None,
             }
             out[method] = dict(entry, operation=op)
+        # The guarantees, as the capability report states them: "yes"/"no"
+        # (e.g. peer_validation "no" where Ferry cannot know the peer's
+        # registered ranges and the transport does not check them).
+        for name, entry in report["guarantees"].items():
+            out[name] = dict(
+                entry,
+                operation=name,
+                guarantee="yes" if entry["support"] != "unsupported" else "no",
+            )
         return out
 
     def get_rpc_port(self):
@@ -244,7 +379,36 @@ class TransferEngine:
             return -1
 
     def get_engine(self):
-        """The :class:`ferry.Engine` underneath (not a C++ object)."""
+        """On ``mooncake-py://``: what the wheel's own ``get_engine()``
+        returns (the C++ ``mooncake::TransferEngine`` that ``mooncake.store``
+        and ``mooncake.pg`` take), or the wheel's engine object where the
+        wheel has no ``get_engine``. On Ferry's own backends: the
+        :class:`ferry.Engine` (no C++ object exists)."""
+        engine = self._require()
+        wheel = engine.wheel_engine()
+        if wheel is None:
+            return engine
+        getter = getattr(wheel, "get_engine", None)
+        return getter() if getter is not None else wheel
+
+    def get_engine_ptr(self):
+        """The wheel's ``get_engine_ptr()`` on ``mooncake-py://`` (the C++
+        engine's address); ``0`` (logged, :meth:`last_error`) where there is
+        none: Ferry's own backends, or a wheel without it."""
+        engine = self._require()
+        wheel = engine.wheel_engine()
+        getter = None if wheel is None else getattr(wheel, "get_engine_ptr", None)
+        if getter is None:
+            why = (
+                f"the {engine.backend} backend has no Mooncake C++ engine"
+                if wheel is None
+                else "the installed Mooncake wheel has no get_engine_ptr"
+            )
+            return self._fail("get_engine_ptr", RuntimeError(why), 0)
+        return getter()
+
+    def ferry_engine(self):
+        """The :class:`ferry.Engine` underneath, on every backend."""
         return self._require()
 
     def get_local_topology(self, device_name=None):
@@ -614,8 +778,8 @@ class TransferEngine:
         return 0
 
     def _fail(self, method, error, code):
-        self.last_error = error
-        logger.debug("%s failed: %s", method, error)
+        self._last_error = error
+        logger.warning("%s failed: %s", method, error)
         return code
 
 
@@ -626,3 +790,109 @@ def _op(opcode):
         return "read" if TransferOpcode(int(opcode)) == TransferOpcode.Read else "write"
     except (TypeError, ValueError):
         raise TypeError(f"opcode must be TransferOpcode.Read or .Write, got {opcode!r}")
+
+
+# -- the shim: `from mooncake.engine import TransferEngine` → Ferry ----------
+
+_ENV_SHIM = "FERRY_MOONCAKE_SHIM"
+
+
+def _shim_class(original):
+    """Ferry's TransferEngine with ``mooncake-py://`` as its default and the
+    wheel's class kept for Ferry's backend (``_ferry_wheel_class``)."""
+
+    class MooncakeShimTransferEngine(TransferEngine):
+        """``ferry.mooncake.TransferEngine`` standing in for
+        ``mooncake.engine.TransferEngine`` (see :func:`ferry.mooncake.install`)."""
+
+        _ferry_wheel_class = original
+
+        @staticmethod
+        def _default_url():
+            return "mooncake-py://"
+
+    MooncakeShimTransferEngine.__name__ = "TransferEngine"
+    MooncakeShimTransferEngine.__qualname__ = "TransferEngine"
+    return MooncakeShimTransferEngine
+
+
+def _patch(module):
+    current = getattr(module, "TransferEngine", None)
+    if current is None or getattr(current, "_ferry_wheel_class", None) is not None:
+        return
+    module.TransferEngine = _shim_class(current)
+    logger.info(
+        "ferry.mooncake shim: mooncake.engine.TransferEngine is Ferry's, over the wheel's %s",
+        current,
+    )
+
+
+class _ShimFinder:
+    """A meta-path finder that patches ``mooncake.engine`` once it is loaded."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "mooncake.engine":
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        spec.loader = _PatchingLoader(spec.loader)
+        return spec
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    """Loads ``mooncake.engine`` with the wheel's loader, then patches it."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def create_module(self, spec):
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module):
+        self._inner.exec_module(module)
+        _patch(module)
+
+
+_FINDER = _ShimFinder()
+
+
+def install():
+    """Makes ``from mooncake.engine import TransferEngine`` return Ferry's
+    class running over the installed wheel (``mooncake-py://``, unless
+    ``FERRY_URL`` names another backend), so a serving stack gets the batch
+    methods its wheel lacks without a code edit. Works whether or not
+    ``mooncake.engine`` is already imported; idempotent. ``ferry.mooncake``
+    itself is unaffected. Also done at interpreter start-up when
+    ``FERRY_MOONCAKE_SHIM=1`` (the wheel's ``ferry-mooncake-shim.pth``)."""
+    if _FINDER not in sys.meta_path:
+        sys.meta_path.insert(0, _FINDER)
+    module = sys.modules.get("mooncake.engine")
+    if module is not None:
+        _patch(module)
+
+
+def uninstall():
+    """Undoes :func:`install`: the wheel's class is ``mooncake.engine``'s
+    again (engines already made stay Ferry's)."""
+    if _FINDER in sys.meta_path:
+        sys.meta_path.remove(_FINDER)
+    module = sys.modules.get("mooncake.engine")
+    current = getattr(module, "TransferEngine", None) if module is not None else None
+    original = getattr(current, "_ferry_wheel_class", None)
+    if original is not None:
+        module.TransferEngine = original
+
+
+def _install_from_env():
+    """Called by the ``.pth`` start-up hook: :func:`install` when
+    ``FERRY_MOONCAKE_SHIM`` is true."""
+    if os.environ.get(_ENV_SHIM, "").lower() in _TRUE:
+        install()
