@@ -155,10 +155,25 @@ fn pytest_suite() {
             .env("CARGO_TARGET_DIR", &target),
     );
 
+    // The real NIXL library (the pinned wheel, shared with backend-nixl's
+    // tests); without it test_nixl.py skips, or fails when nixl is required.
+    let nixl_venv = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("nixl/venv");
+    let nixl_lib = match backend_nixl::test_support::install_pinned_wheel(&nixl_venv) {
+        Ok(lib) => Some(lib),
+        Err(reason) => {
+            eprintln!("ferry-py pytest_suite: no NIXL library for test_nixl.py: {reason}");
+            None
+        }
+    };
+
     // 3. pytest, from a directory outside the source tree so that the
     // installed wheel (not python/ferry) is imported.
     let ferry_bin = target.join("debug/ferry");
-    let status = Command::new(&vpython)
+    let mut pytest = Command::new(&vpython);
+    if let Some(lib) = &nixl_lib {
+        pytest.env("FERRY_TEST_NIXL_LIB", lib);
+    }
+    let status = pytest
         .args(["-m", "pytest", "-v", "-p", "no:cacheprovider", "-rs"])
         .arg(crate_dir.join("pytests"))
         .current_dir(&work)

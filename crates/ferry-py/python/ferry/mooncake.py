@@ -145,6 +145,22 @@ def _split_host_port(hostname):
         return hostname, 0
 
 
+def _is_loopback(host):
+    """Whether ``host`` (a name or an address) is a loopback address."""
+    import ipaddress
+    import socket
+
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
+
+
 def _bracket(host):
     return f"[{host}]" if ":" in host else host
 
@@ -303,6 +319,21 @@ class TransferEngine:
                     "or mooncake:// with a metadata server"
                 )
             host = host or (base_path.rsplit(":", 1)[0] if base_path else "127.0.0.1")
+            keys = {k.lower() for k, _ in params}
+            secret = os.environ.get("FERRY_SECRET")
+            if "secret" not in keys and secret:
+                params.append(("secret", secret))
+                keys.add("secret")
+            if "secret" not in keys and "insecure" not in keys and not _is_loopback(host):
+                # What Mooncake does silently; Ferry's engine refuses it
+                # unless told, so the drop-in says it once and goes on.
+                logger.warning(
+                    "listening on %s without a secret: any host that can reach this port can "
+                    "read and write every registered byte; set FERRY_SECRET (the same on every "
+                    "node) to authenticate peers",
+                    host,
+                )
+                params.append(("insecure", "1"))
             query = urllib.parse.urlencode(params)
             return f"tcp://{_bracket(host)}:{port}" + (f"?{query}" if query else "")
         if scheme == "mooncake":
