@@ -969,6 +969,12 @@ impl TransferEngine for NixlEngine {
                     ),
                 ),
                 (
+                    "ucx modules".to_owned(),
+                    crate::ucx_env::decision()
+                        .unwrap_or("not examined")
+                        .to_owned(),
+                ),
+                (
                     "cuda memory".to_owned(),
                     "passed to NIXL as VRAM; untested on this build's hosts".to_owned(),
                 ),

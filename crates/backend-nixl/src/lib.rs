@@ -12,6 +12,7 @@ mod library;
 mod poller;
 #[doc(hidden)]
 pub mod test_support;
+mod ucx_env;
 
 pub use config::{NixlConfig, URL_PARAMETERS};
 pub use engine::{LibraryTrust, NixlEngine};

@@ -455,7 +455,9 @@ impl NixlLibrary {
     /// are called with the signatures of NIXL's C API: `path` must be NIXL's
     /// `libnixl_capi.so` (any release from 0.9.0) or a library implementing
     /// the same C API, not merely one exporting functions with the same
-    /// names.
+    /// names. The first load in a process may set `UCX_MODULES=^efa` in the
+    /// environment (see the README, "Exit crash of the wheel's UCX"): no
+    /// other thread may call libc's `getenv`/`setenv` at that moment.
     pub unsafe fn load(path: &Path) -> Result<Arc<NixlLibrary>> {
         // SAFETY: forwarded to the caller.
         unsafe { Self::load_from(path, LibrarySource::Config) }
@@ -465,6 +467,10 @@ impl NixlLibrary {
         use libloading::os::unix::{Library as UnixLibrary, RTLD_LOCAL, RTLD_NOW};
         let shown = path.display().to_string();
         tracing::debug!(path = %shown, source = %source, "ferry: loading the NIXL C API library");
+        // SAFETY: this function's contract (loading native code, which runs
+        // its initialisers) covers the environment write `apply` may make;
+        // see crate::ucx_env for why it is made.
+        unsafe { crate::ucx_env::apply() };
         // SAFETY: see the function contract; RTLD_NODELETE: see its docs.
         let lib = unsafe { UnixLibrary::open(Some(path), RTLD_NOW | RTLD_LOCAL | RTLD_NODELETE) }
             .map(libloading::Library::from)
