@@ -281,7 +281,7 @@ fn after<'a>(line: &'a str, flag: &str) -> &'a str {
 }
 
 /// The real protocol-3 build: `ferry` of 7c3e5e6 (built with
-/// `--no-default-features --features verbs`), named by
+/// `--features verbs`: `scripts/build-old-ferry.sh 7c3e5e6 --features verbs`), named by
 /// `FERRY_VERBS_OLD_FERRY`. Its `ferry serve` is opened by an engine of
 /// this build (write, read back, notification), and its `ferry bench
 /// --peer` drives an engine of this build (every point read back and
