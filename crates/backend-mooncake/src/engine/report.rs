@@ -26,7 +26,7 @@ impl MooncakeEngine {
 
     /// Whether writes are confirmed by reading them back (see `landed`).
     pub(super) fn confirms_writes(&self) -> bool {
-        self.inner.scratch.is_some()
+        self.inner.scratch.is_some() && sends_unacknowledged(&self.inner.lib, &self.inner.config)
     }
 
     /// What "completed" means and whether the peer checks addresses, in
