@@ -849,6 +849,28 @@ fn mixed_builds_serve_and_bench_peer_every_pair() {
                     error_line(&run.stderr)
                 )
             };
+            // A ≥ v0.3.12 initiator and a v0.3.5–v0.3.11 target: the target
+            // neither acknowledges writes nor checks addresses, so the
+            // initiator must confirm its writes (and say so), and a refused
+            // notification must say why.
+            if gi >= Generation::V0_3_12 && (Generation::V0_3_5..Generation::V0_3_12).contains(&gt)
+            {
+                if !run
+                    .stderr
+                    .contains("Ferry confirms writes to it by reading them back")
+                {
+                    failures.push(format!(
+                        "{pair}: the initiator did not say it confirms writes to the older peer"
+                    ));
+                }
+                if notify_refused(&run)
+                    && !error_line(&run.stderr).contains("rejected the notification")
+                {
+                    failures.push(format!(
+                        "{pair}: the notification refusal does not say why: {cell}"
+                    ));
+                }
+            }
             let compatible = wire_family(gt) == wire_family(gi);
             if compatible && !data_ok {
                 failures.push(format!("{pair}: builds of one family must work: {cell}"));

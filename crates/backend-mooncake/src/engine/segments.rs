@@ -47,6 +47,15 @@ pub(super) struct Segments {
 }
 
 impl Segments {
+    /// The name of the segment library id `c_id` opens, when its peer's
+    /// generation does not acknowledge writes (see `Segment`).
+    pub(super) fn unacknowledged_peer_name(&self, c_id: i32) -> Option<String> {
+        self.by_name
+            .iter()
+            .find(|(_, (id, _, unacked))| *id == c_id && *unacked)
+            .map(|(name, _)| name.clone())
+    }
+
     fn add(
         &mut self,
         name: &str,
