@@ -243,17 +243,15 @@ async fn p2p_descriptor(name: &str) -> Option<Value> {
     serde_json::from_slice(json).ok()
 }
 
-/// The key Mooncake stores `name`'s descriptor under.
-fn metadata_key(name: &str) -> String {
-    // ≥ v0.3.12 prefix every key with MC_METADATA_CLUSTER_ID (older builds
-    // ignore it; a key not found is no reason to refuse).
+/// The key Mooncake stores `name`'s descriptor under; `cluster` is
+/// `MC_METADATA_CLUSTER_ID`, which ≥ v0.3.12 put in front of every key
+/// (older builds ignore it; a key not found is no reason to refuse).
+fn metadata_key(name: &str, cluster: Option<&str>) -> String {
     let mut prefix = "mooncake/".to_owned();
-    if let Ok(c) = std::env::var("MC_METADATA_CLUSTER_ID") {
-        if !c.is_empty() {
-            prefix.push_str(&c);
-            if !c.ends_with('/') {
-                prefix.push('/');
-            }
+    if let Some(c) = cluster.filter(|c| !c.is_empty()) {
+        prefix.push_str(c);
+        if !c.ends_with('/') {
+            prefix.push('/');
         }
     }
     if name.contains('/') {
@@ -271,7 +269,8 @@ async fn http_descriptor(metadata: &str, name: &str) -> Option<Value> {
         .remove(b'.')
         .remove(b'_')
         .remove(b'~');
-    let key = metadata_key(name);
+    let cluster = std::env::var("MC_METADATA_CLUSTER_ID").ok();
+    let key = metadata_key(name, cluster.as_deref());
     let target = format!(
         "{metadata}?key={}",
         percent_encoding::utf8_percent_encode(&key, UNRESERVED)
@@ -363,9 +362,9 @@ mod tests {
 
     #[test]
     fn keys_and_names() {
-        std::env::remove_var("MC_METADATA_CLUSTER_ID");
-        assert_eq!(metadata_key("ferry-1-0"), "mooncake/ram/ferry-1-0");
-        assert_eq!(metadata_key("x/y"), "mooncake/x/y");
+        assert_eq!(metadata_key("ferry-1-0", None), "mooncake/ram/ferry-1-0");
+        assert_eq!(metadata_key("x/y", None), "mooncake/x/y");
+        assert_eq!(metadata_key("a", Some("c1")), "mooncake/c1/ram/a");
         assert_eq!(
             host_port("127.0.0.1:15000"),
             Some(("127.0.0.1".to_owned(), 15000))
@@ -373,5 +372,94 @@ mod tests {
         assert_eq!(host_port("[::1]:15000"), Some(("::1".to_owned(), 15000)));
         assert_eq!(host_port("ferry-1-0"), None);
         assert_eq!(host_port("h:0"), None);
+    }
+
+    /// A one-shot listener answering the first connection with `reply`
+    /// after reading `expect` bytes; what it read.
+    async fn responder(
+        expect: usize,
+        reply: Vec<u8>,
+    ) -> (String, tokio::task::JoinHandle<Vec<u8>>) {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let task = tokio::spawn(async move {
+            let (mut s, _) = l.accept().await.unwrap();
+            let mut got = vec![0u8; expect];
+            s.read_exact(&mut got).await.unwrap();
+            s.write_all(&reply).await.unwrap();
+            s.shutdown().await.unwrap();
+            got
+        });
+        (addr, task)
+    }
+
+    fn framed(type_byte: Option<u8>, json: &str) -> Vec<u8> {
+        let len = json.len() + usize::from(type_byte.is_some());
+        let mut v = (len as u64).to_le_bytes().to_vec();
+        v.extend(type_byte);
+        v.extend_from_slice(json.as_bytes());
+        v
+    }
+
+    #[tokio::test]
+    async fn p2p_metadata_request_and_both_reply_framings() {
+        let desc = r#"{"name":"127.0.0.1:1","protocol":"tcp","tcp_data_port":4000}"#;
+        for type_byte in [Some(METADATA_REQUEST), None] {
+            // The request: u64 length, type 1, JSON; read 9 bytes of it.
+            let (addr, task) = responder(9, framed(type_byte, desc)).await;
+            let got = fetch_descriptor(P2P_HANDSHAKE, &addr)
+                .await
+                .expect("descriptor");
+            assert_eq!(TcpWire::of_descriptor(&got), Some(TcpWire::DataPort));
+            let head = task.await.unwrap();
+            let len = u64::from_le_bytes(head[..8].try_into().unwrap());
+            assert!(
+                len > 24,
+                "request shorter than other protocols' headers: {len}"
+            );
+            assert_eq!(head[8], METADATA_REQUEST);
+        }
+        // Another reply type, a closed connection, garbage: no descriptor.
+        let (addr, _t) = responder(9, framed(Some(0), desc)).await;
+        assert!(fetch_descriptor(P2P_HANDSHAKE, &addr).await.is_none());
+        let (addr, _t) = responder(9, Vec::new()).await;
+        assert!(fetch_descriptor(P2P_HANDSHAKE, &addr).await.is_none());
+        let (addr, _t) = responder(9, u64::MAX.to_le_bytes().to_vec()).await;
+        assert!(fetch_descriptor(P2P_HANDSHAKE, &addr).await.is_none());
+        assert!(fetch_descriptor("etcd://127.0.0.1:2379", "x")
+            .await
+            .is_none());
+    }
+
+    #[tokio::test]
+    async fn http_metadata_get_with_the_escaped_key() {
+        let body = r#"{"name":"ferry-1-0","protocol":"tcp"}"#;
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let server = tokio::spawn(async move {
+            let (mut s, _) = l.accept().await.unwrap();
+            let mut head = Vec::new();
+            let mut b = [0u8; 1];
+            while !head.ends_with(b"\r\n\r\n") {
+                s.read_exact(&mut b).await.unwrap();
+                head.push(b[0]);
+            }
+            let reply = format!(
+                "HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{body}",
+                body.len()
+            );
+            s.write_all(reply.as_bytes()).await.unwrap();
+            String::from_utf8(head).unwrap()
+        });
+        let url = format!("http://{addr}/metadata");
+        let got = fetch_descriptor(&url, "ferry-1-0")
+            .await
+            .expect("descriptor");
+        assert_eq!(TcpWire::of_descriptor(&got), Some(TcpWire::RpcPort));
+        let head = server.await.unwrap();
+        assert!(
+            head.starts_with("GET /metadata?key=mooncake%2Fram%2Fferry-1-0 HTTP/1.1\r\n"),
+            "{head}"
+        );
     }
 }
