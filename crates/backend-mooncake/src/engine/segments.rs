@@ -140,12 +140,13 @@ impl MooncakeEngine {
             tracing::warn!(
                 segment = name,
                 "mooncake: the peer is {}: it neither acknowledges writes nor checks \
-                 addresses; Ferry confirms writes to it by reading them back{}",
+                 addresses; {}",
                 peer.releases(),
                 if self.inner.scratch.is_some() {
-                    ""
+                    "Ferry confirms writes to it by reading them back"
                 } else {
-                    " (not: confirm_writes is off)"
+                    "confirm_writes is off, so a write to it is reported when it is sent, \
+                     before it has landed"
                 }
             );
         } else {
