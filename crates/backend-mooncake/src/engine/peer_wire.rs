@@ -144,6 +144,31 @@ impl TcpWire {
         }
     }
 
+    /// Which peers an engine of this wire talks to, for the capability
+    /// report.
+    pub(crate) fn peers_detail(self) -> &'static str {
+        match self {
+            TcpWire::RpcPort => {
+                "Mooncake v0.2.x peers only; open_segment refuses a peer of v0.3.0 or later \
+                 (protocol error naming both) where its segment descriptor can be read"
+            }
+            TcpWire::RpcPortPlusOne => {
+                "Mooncake v0.3.0–v0.3.4 peers only; open_segment refuses others (protocol \
+                 error naming both) where their segment descriptor can be read"
+            }
+            TcpWire::DataPort => {
+                "Mooncake v0.3.5 or later; open_segment refuses older peers (protocol error \
+                 naming both) where their segment descriptor can be read"
+            }
+            TcpWire::Acknowledged => {
+                "Mooncake v0.3.5 or later; v0.3.5–v0.3.11 peers neither acknowledge writes \
+                 (Ferry confirms writes to them by reading them back, unless confirm_writes \
+                 is off) nor check addresses; open_segment refuses older peers (protocol \
+                 error naming both) where their segment descriptor can be read"
+            }
+        }
+    }
+
     /// Which wires interoperate: those that send data to the same place.
     fn family(self) -> u8 {
         match self {

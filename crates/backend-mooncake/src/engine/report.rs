@@ -112,6 +112,14 @@ impl MooncakeEngine {
         let (completion, validation) = self.guarantees();
         details.push(("completion".to_owned(), completion));
         details.push(("peer address validation".to_owned(), validation.to_owned()));
+        if self.inner.config.protocol == "tcp" {
+            details.push((
+                "peer generations".to_owned(),
+                super::peer_wire::TcpWire::of_generation(lib.generation())
+                    .peers_detail()
+                    .to_owned(),
+            ));
+        }
         if self.inner.config.protocol == "tcp" && lib.generation() == Generation::V0_3_6 {
             details.push((
                 "bad peer addresses".to_owned(),
