@@ -65,6 +65,28 @@ fn expected(gen: Lib, engine: &MooncakeEngine) -> String {
              regions)\n",
         );
     }
+    // Which peers it talks to (where data goes changed in v0.3.0 and v0.3.5).
+    s.push_str(match gen {
+        Lib::V0_2_0 => {
+            "peer generations: Mooncake v0.2.x peers only; open_segment refuses a peer of \
+             v0.3.0 or later (protocol error naming both) where its segment descriptor can be \
+             read\n"
+        }
+        Lib::V0_3_0 => {
+            "peer generations: Mooncake v0.3.0–v0.3.4 peers only; open_segment refuses others \
+             (protocol error naming both) where their segment descriptor can be read\n"
+        }
+        Lib::Current => {
+            "peer generations: Mooncake v0.3.5 or later; v0.3.5–v0.3.11 peers neither \
+             acknowledge writes (Ferry confirms writes to them by reading them back, unless \
+             confirm_writes is off) nor check addresses; open_segment refuses older peers \
+             (protocol error naming both) where their segment descriptor can be read\n"
+        }
+        _ => {
+            "peer generations: Mooncake v0.3.5 or later; open_segment refuses older peers \
+             (protocol error naming both) where their segment descriptor can be read\n"
+        }
+    });
     if gen == Lib::V0_3_6 {
         s.push_str(
             "bad peer addresses: a TCP transfer to an unmapped address crashes the peer on \

@@ -632,3 +632,287 @@ async fn error_paths_against_a_peer_process_on_every_real_build() {
         engine.unregister(buf.addr()).await.expect("unregister");
     }
 }
+
+/// Which builds' TCP transports send data to the same place (the test's own
+/// statement of the matrix in the backend's README, "Mixed builds"): v0.2.x
+/// to the RPC port, v0.3.0–v0.3.4 to the RPC port + 1, v0.3.5 and later to
+/// the `tcp_data_port` they publish.
+fn wire_family(g: Generation) -> u8 {
+    match g {
+        Generation::V0_2_0 => 0,
+        Generation::V0_3_0 => 1,
+        _ => 2,
+    }
+}
+
+/// How the refusal names a peer of generation `g`.
+fn wire_releases(g: Generation) -> &'static str {
+    match g {
+        Generation::V0_2_0 => "Mooncake v0.2.x",
+        Generation::V0_3_0 => "Mooncake v0.3.0–v0.3.4",
+        Generation::V0_3_12 => "Mooncake v0.3.12 or later",
+        _ => "Mooncake v0.3.5–v0.3.11",
+    }
+}
+
+/// Wall-clock bound of one `ferry bench` of the matrix (its batches have a
+/// 5 s deadline): beyond it the pair is recorded as a hang.
+const PAIR_BOUND: Duration = Duration::from_secs(120);
+
+/// The outcome of one `ferry bench --peer` run.
+struct PairRun {
+    success: bool,
+    stdout: Vec<u8>,
+    stderr: String,
+    elapsed: Duration,
+    hung: bool,
+}
+
+fn run_bounded(mut cmd: Command) -> PairRun {
+    let started = std::time::Instant::now();
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn ferry bench");
+    let mut out = child.stdout.take().expect("stdout");
+    let mut err = child.stderr.take().expect("stderr");
+    let o = std::thread::spawn(move || {
+        let mut v = Vec::new();
+        let _ = std::io::Read::read_to_end(&mut out, &mut v);
+        v
+    });
+    let e = std::thread::spawn(move || {
+        let mut v = Vec::new();
+        let _ = std::io::Read::read_to_end(&mut err, &mut v);
+        v
+    });
+    let mut hung = false;
+    let status = loop {
+        if let Some(st) = child.try_wait().expect("wait ferry bench") {
+            break st;
+        }
+        if started.elapsed() > PAIR_BOUND {
+            hung = true;
+            let _ = child.kill();
+            break child.wait().expect("reap ferry bench");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let elapsed = started.elapsed();
+    PairRun {
+        success: status.success() && !hung,
+        stdout: o.join().unwrap_or_default(),
+        stderr: String::from_utf8_lossy(&e.join().unwrap_or_default()).into_owned(),
+        elapsed,
+        hung,
+    }
+}
+
+/// The last `error: …` line of a failed run, or its last line.
+fn error_line(stderr: &str) -> String {
+    let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+    lines
+        .iter()
+        .rev()
+        .find(|l| l.starts_with("error"))
+        .or(lines.last())
+        .map_or_else(|| "(no output)".to_owned(), |l| (*l).to_owned())
+}
+
+/// Every ordered pair of the real builds: `ferry serve` of one (the target)
+/// and `ferry bench --peer` of another (the initiator), each Ferry's
+/// Mooncake backend in its own process, writes and reads byte-checked.
+/// `P2PHANDSHAKE` where both builds have it, else one `ferry metadata-server`
+/// for both. Builds of one wire family must exchange bytes; builds of
+/// different families must be refused by `open_segment` fast, with an error
+/// naming both generations. With `FERRY_MOONCAKE_PEER_CHECK=0` (the check
+/// off) incompatible pairs are only recorded, to show what the library does
+/// on its own.
+#[test]
+fn mixed_builds_serve_and_bench_peer_every_pair() {
+    let Some(libs) = real_libs("mixed_builds_serve_and_bench_peer_every_pair") else {
+        return;
+    };
+    let checking = std::env::var("FERRY_MOONCAKE_PEER_CHECK").map_or(true, |v| v != "0");
+    let gens: Vec<Generation> = libs.iter().map(|l| generation(l)).collect();
+    let label = |i: usize| {
+        let name = libs[i].parent().and_then(Path::file_name).map_or_else(
+            || libs[i].display().to_string(),
+            |n| n.to_string_lossy().into_owned(),
+        );
+        format!("{name} ({})", gens[i])
+    };
+    let mut cells = Vec::new();
+    let mut failures = Vec::new();
+    for t in 0..libs.len() {
+        for i in 0..libs.len() {
+            let (gt, gi) = (gens[t], gens[i]);
+            let p2p = gt >= Generation::V0_3_0 && gi >= Generation::V0_3_0;
+            let server = (!p2p).then(metadata_server);
+            let md = server.as_ref().map(|(_, u)| u.as_str());
+            let peer = serve_peer(&url_for(&libs[t], md), "8MiB");
+            let bench_run = |ops: &str, blocks: &str, batches: &str| {
+                let mut bench = ferry();
+                bench.args([
+                    "bench",
+                    "--peer",
+                    &peer.segment,
+                    "--remote-addr",
+                    &format!("{:#x}", peer.addr),
+                    "--remote-len",
+                    &peer.len.to_string(),
+                    "--backend",
+                    &format!("{}&timeout_ms=5000", url_for(&libs[i], md)),
+                    "--json",
+                    "--no-baselines",
+                    "--ops",
+                    ops,
+                    "--blocks",
+                    blocks,
+                    "--batches",
+                    batches,
+                    "--duration",
+                    "200ms",
+                    "--warmup",
+                    "20ms",
+                ]);
+                // Mooncake's log lines (glog, on stderr) would interleave
+                // with the bench's error message.
+                if std::env::var_os("FERRY_REAL_PEER_LOGS").is_none() {
+                    bench.env("GLOG_minloglevel", "3");
+                }
+                run_bounded(bench)
+            };
+            let run = bench_run("write,read", "4KiB,1MiB", "1,8");
+            let pair = format!(
+                "target {} <- initiator {} ({})",
+                label(t),
+                label(i),
+                if p2p {
+                    "P2PHANDSHAKE"
+                } else {
+                    "metadata server"
+                }
+            );
+            // The bench notifies the peer after each point it verified; a
+            // TCP engine of v0.3.5–v0.3.7 rejects notifications. Then every
+            // point is run on its own: verified, then the notification
+            // refused, is bytes exchanged.
+            let notify_refused = |r: &PairRun| {
+                !r.success
+                    && r.stderr.contains("sending the end-of-point notification")
+                    && r.stderr.contains("genNotifyInEngine")
+            };
+            let mut data_ok = run.success;
+            let cell = if run.success {
+                let v: serde_json::Value =
+                    serde_json::from_slice(&run.stdout).unwrap_or(serde_json::Value::Null);
+                let points = v.as_array().cloned().unwrap_or_default();
+                let unverified = points.iter().filter(|p| p["verified"] != true).count();
+                if points.is_empty() || unverified > 0 {
+                    data_ok = false;
+                    failures.push(format!(
+                        "{pair}: {unverified} of {} points not verified",
+                        points.len()
+                    ));
+                }
+                format!("works ({} points verified)", points.len() - unverified)
+            } else if notify_refused(&run) {
+                let mut verified = 0;
+                let mut other = Vec::new();
+                for op in ["write", "read"] {
+                    for block in ["4KiB", "1MiB"] {
+                        for batch in ["1", "8"] {
+                            let r = bench_run(op, block, batch);
+                            if r.success || notify_refused(&r) {
+                                verified += 1;
+                            } else {
+                                other.push(format!(
+                                    "{op} {block}×{batch}: {}",
+                                    error_line(&r.stderr)
+                                ));
+                            }
+                        }
+                    }
+                }
+                data_ok = other.is_empty();
+                if !data_ok {
+                    failures.push(format!("{pair}: points failed: {}", other.join("; ")));
+                }
+                format!(
+                    "bytes move ({verified} of 8 points verified); the end-of-point \
+                     notification is refused: {}",
+                    error_line(&run.stderr)
+                )
+            } else if run.hung {
+                format!("hangs (killed after {:?})", run.elapsed)
+            } else {
+                format!(
+                    "fails after {:.1?}: {}",
+                    run.elapsed,
+                    error_line(&run.stderr)
+                )
+            };
+            // A ≥ v0.3.12 initiator and a v0.3.5–v0.3.11 target: the target
+            // neither acknowledges writes nor checks addresses, so the
+            // initiator must confirm its writes (and say so), and a refused
+            // notification must say why.
+            if gi >= Generation::V0_3_12 && (Generation::V0_3_5..Generation::V0_3_12).contains(&gt)
+            {
+                if !run
+                    .stderr
+                    .contains("Ferry confirms writes to it by reading them back")
+                {
+                    failures.push(format!(
+                        "{pair}: the initiator did not say it confirms writes to the older peer"
+                    ));
+                }
+                if notify_refused(&run) && !run.stderr.contains("rejected the notification") {
+                    failures.push(format!(
+                        "{pair}: the notification refusal does not say why: {cell}"
+                    ));
+                }
+            }
+            let compatible = wire_family(gt) == wire_family(gi);
+            if compatible && !data_ok {
+                failures.push(format!("{pair}: builds of one family must work: {cell}"));
+            }
+            if !compatible && checking {
+                let e = &run.stderr;
+                let named = e.contains("protocol error")
+                    && e.contains(&format!("this engine is {}", gi.mooncake_version()))
+                    && e.contains(&format!("the peer is {}", wire_releases(gt)));
+                if run.success || !named || run.elapsed > Duration::from_secs(30) {
+                    failures.push(format!(
+                        "{pair}: must be refused fast, naming both generations: {cell}"
+                    ));
+                }
+            }
+            eprintln!("mixed builds: {pair}: {cell}");
+            cells.push((t, i, cell));
+            // The target must have survived its peer.
+            let mut peer = peer;
+            if let Ok(Some(st)) = peer.proc.child.try_wait() {
+                eprintln!("mixed builds: {pair}: the target exited: {st}");
+            }
+        }
+    }
+    eprintln!("mixed builds matrix (rows: target, columns: initiator):");
+    for t in 0..libs.len() {
+        let row: Vec<String> = (0..libs.len())
+            .map(|i| {
+                cells
+                    .iter()
+                    .find(|(a, b, _)| *a == t && *b == i)
+                    .map_or_else(String::new, |(_, _, c)| c.clone())
+            })
+            .collect();
+        eprintln!("| {} | {} |", label(t), row.join(" | "));
+    }
+    assert!(
+        failures.is_empty(),
+        "mixed builds:\n{}",
+        failures.join("\n")
+    );
+}

@@ -27,6 +27,10 @@ pub(super) struct Target {
     peer: String,
     gate: OwnedRwLockReadGuard<()>,
     peer_table: Option<RegionTable>,
+    /// Whether writes to this peer are confirmed by reading them back (see
+    /// `landed`): this build does not know when they land, or the peer's
+    /// generation does not acknowledge them.
+    confirm: bool,
 }
 
 /// A batch checked and held by [`MooncakeEngine::start_batch`], handed to
@@ -44,6 +48,8 @@ struct Prepared {
     deadline: Instant,
     notify: Option<Notification>,
     driver: BatchDriver,
+    /// See [`Target::confirm`].
+    confirm_writes: bool,
 }
 
 /// Writes left out of a batch because other writes of it cover them (see
@@ -97,23 +103,32 @@ impl MooncakeEngine {
             }
             n.validate()?;
         }
-        let (c_id, peer, gate, peer_table) = {
+        let (c_id, peer, gate, peer_table, unacknowledged_peer) = {
             let segs = lock(&inner.segments);
             let s = segs
                 .by_id
                 .get(&segment.0)
                 .ok_or(Error::UnknownSegment(segment))?;
-            (s.c_id, s.name.clone(), Arc::clone(&s.gate), s.peer.clone())
+            (
+                s.c_id,
+                s.name.clone(),
+                Arc::clone(&s.gate),
+                s.peer.clone(),
+                s.unacknowledged_peer,
+            )
         };
         let gate = gate.read_owned().await;
         if !lock(&inner.segments).by_id.contains_key(&segment.0) {
             return Err(Error::UnknownSegment(segment));
         }
+        let confirm =
+            self.confirms_writes() || (unacknowledged_peer && self.inner.scratch.is_some());
         Ok(Target {
             c_id,
             peer,
             gate,
             peer_table,
+            confirm,
         })
     }
 
@@ -142,6 +157,7 @@ impl MooncakeEngine {
             peer,
             gate,
             peer_table,
+            confirm,
         } = target;
         let mut guards = Vec::new();
         let mut entries: Vec<CTransferRequest> = Vec::new();
@@ -217,6 +233,7 @@ impl MooncakeEngine {
             deadline,
             notify: notify.cloned(),
             driver: driver.clone(),
+            confirm_writes: confirm,
         };
         tokio::spawn(async move { engine.run_batch(batch, launched_tx).await });
         launched.await.map_err(|_| {
@@ -239,6 +256,7 @@ impl MooncakeEngine {
             deadline,
             notify,
             driver,
+            confirm_writes,
         } = batch;
         if launched.is_closed() {
             // The caller is gone before anything was sent: nobody can see
@@ -257,7 +275,7 @@ impl MooncakeEngine {
         // Requests refused after the probes, with their errors (a shadowed
         // write takes the error of a refused write that covers it).
         let mut early: HashMap<usize, Error> = HashMap::new();
-        if self.confirms_writes() {
+        if confirm_writes {
             let writes: Vec<usize> = (0..entries.len())
                 .filter(|&i| entries[i].opcode == OPCODE_WRITE)
                 .collect();

@@ -10,6 +10,8 @@
 //! - `poller`: library batches and the poller thread that completes them;
 //! - `landed`: confirming that writes landed on builds that do not say;
 //! - `notify`: notifications (probe, send, receive);
+//! - `peer_wire`: refusing a peer whose Mooncake generation cannot talk to
+//!   this one, from its segment descriptor;
 //! - `report`: capabilities and the capability report.
 
 use std::ffi::{c_void, CString};
@@ -30,6 +32,7 @@ use crate::library::{Generation, MooncakeLibrary};
 mod batches;
 mod landed;
 mod notify;
+mod peer_wire;
 mod poller;
 mod regions;
 mod report;

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use transport_core::{Error, MissingCapability, Notification, Operation, Result};
 
 use super::poller::Core;
-use super::{blocking, cstring, MooncakeEngine, RawEngine, BACKEND};
+use super::{blocking, cstring, lock, MooncakeEngine, RawEngine, BACKEND};
 use crate::codes::call_error;
 use crate::config::MooncakeConfig;
 use crate::library::{CNotifyMsg, Generation, MooncakeLibrary};
@@ -72,7 +72,28 @@ impl MooncakeEngine {
         })
         .await?;
         if rc != 0 {
-            return Err(call_error("genNotifyInEngine", i64::from(rc)));
+            let code = i64::from(rc);
+            if crate::codes::MooncakeErrorCode::from_raw(code)
+                == Some(crate::codes::MooncakeErrorCode::Metadata)
+            {
+                if let Some(peer) = lock(&self.inner.segments).unacknowledged_peer_name(c_id) {
+                    // A peer of v0.3.5–v0.3.11 (see `peer_wire`): its TCP
+                    // engine rejects notifications before v0.3.8.
+                    return Err(Error::Unsupported {
+                        backend: BACKEND.into(),
+                        operation: Operation::Notify,
+                        reason: format!(
+                            "the peer {peer} is Mooncake v0.3.5–v0.3.11 and rejected the \
+                             notification (genNotifyInEngine returned {}): TCP engines \
+                             before v0.3.8 reject every notification; the data before it \
+                             moved",
+                            crate::codes::code_name(code)
+                        ),
+                        min_version: Some("Mooncake v0.3.8 at the peer".into()),
+                    });
+                }
+            }
+            return Err(call_error("genNotifyInEngine", code));
         }
         Ok(())
     }

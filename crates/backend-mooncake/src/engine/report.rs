@@ -26,7 +26,7 @@ impl MooncakeEngine {
 
     /// Whether writes are confirmed by reading them back (see `landed`).
     pub(super) fn confirms_writes(&self) -> bool {
-        self.inner.scratch.is_some()
+        self.inner.scratch.is_some() && sends_unacknowledged(&self.inner.lib, &self.inner.config)
     }
 
     /// What "completed" means and whether the peer checks addresses, in
@@ -112,6 +112,14 @@ impl MooncakeEngine {
         let (completion, validation) = self.guarantees();
         details.push(("completion".to_owned(), completion));
         details.push(("peer address validation".to_owned(), validation.to_owned()));
+        if self.inner.config.protocol == "tcp" {
+            details.push((
+                "peer generations".to_owned(),
+                super::peer_wire::TcpWire::of_generation(lib.generation())
+                    .peers_detail()
+                    .to_owned(),
+            ));
+        }
         if self.inner.config.protocol == "tcp" && lib.generation() == Generation::V0_3_6 {
             details.push((
                 "bad peer addresses".to_owned(),

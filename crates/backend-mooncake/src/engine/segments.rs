@@ -8,6 +8,7 @@ use tokio::sync::RwLock;
 use transport_core::raw::lock;
 use transport_core::{Error, RegionTable, Result, SegmentId};
 
+use super::peer_wire::{fetch_descriptor, peer_check_enabled, TcpWire};
 use super::{blocking, cstring, MooncakeEngine};
 use crate::codes::call_error;
 
@@ -31,17 +32,37 @@ pub(super) struct Segment {
     pub(super) name: String,
     pub(super) gate: Arc<RwLock<()>>,
     pub(super) peer: Option<RegionTable>,
+    /// The peer's generation does not acknowledge writes although this
+    /// build does (a ≥ v0.3.12 engine and a v0.3.5–v0.3.11 peer): writes to
+    /// it are confirmed by reading them back (see `landed`).
+    pub(super) unacknowledged_peer: bool,
 }
 
 #[derive(Default)]
 pub(super) struct Segments {
     pub(super) by_id: HashMap<u64, Segment>,
-    /// Library segment id and number of open handles, by name.
-    by_name: HashMap<String, (i32, usize)>,
+    /// Library segment id, number of open handles and whether the peer
+    /// leaves writes unacknowledged, by name.
+    by_name: HashMap<String, (i32, usize, bool)>,
 }
 
 impl Segments {
-    fn add(&mut self, name: &str, c_id: i32, peer: Option<RegionTable>) -> SegmentId {
+    /// The name of the segment library id `c_id` opens, when its peer's
+    /// generation does not acknowledge writes (see `Segment`).
+    pub(super) fn unacknowledged_peer_name(&self, c_id: i32) -> Option<String> {
+        self.by_name
+            .iter()
+            .find(|(_, (id, _, unacked))| *id == c_id && *unacked)
+            .map(|(name, _)| name.clone())
+    }
+
+    fn add(
+        &mut self,
+        name: &str,
+        c_id: i32,
+        peer: Option<RegionTable>,
+        unacknowledged_peer: bool,
+    ) -> SegmentId {
         let id = SegmentId::fresh().0;
         self.by_id.insert(
             id,
@@ -50,6 +71,7 @@ impl Segments {
                 name: name.to_owned(),
                 gate: Arc::new(RwLock::new(())),
                 peer,
+                unacknowledged_peer,
             },
         );
         SegmentId(id)
@@ -63,12 +85,13 @@ impl MooncakeEngine {
         let peer = || lock(&PEERS).get(name).map(|(_, t)| t.clone());
         {
             let mut segs = lock(&self.inner.segments);
-            if let Some((c_id, refs)) = segs.by_name.get_mut(name) {
+            if let Some((c_id, refs, unacked)) = segs.by_name.get_mut(name) {
                 *refs += 1;
-                let c_id = *c_id;
-                return Ok(segs.add(name, c_id, peer()));
+                let (c_id, unacked) = (*c_id, *unacked);
+                return Ok(segs.add(name, c_id, peer(), unacked));
             }
         }
+        let unacked = self.check_peer_generation(name).await?;
         let name_c = cstring("segment name", name)?;
         let this = Arc::clone(&self.inner);
         let c_id = blocking(move || {
@@ -85,10 +108,55 @@ impl MooncakeEngine {
         let mut segs = lock(&self.inner.segments);
         // Another open of the same name may have won the race; the library
         // returned the same cached segment to both.
-        let entry = segs.by_name.entry(name.to_owned()).or_insert((c_id, 0));
+        let entry = segs
+            .by_name
+            .entry(name.to_owned())
+            .or_insert((c_id, 0, unacked));
         entry.1 += 1;
-        let c_id = entry.0;
-        Ok(segs.add(name, c_id, peer()))
+        let (c_id, unacked) = (entry.0, entry.2);
+        Ok(segs.add(name, c_id, peer(), unacked))
+    }
+
+    /// Refuses a peer whose segment descriptor shows a Mooncake generation
+    /// this engine's TCP transport cannot exchange bytes with (see
+    /// `peer_wire`), before the library tries and fails. `Ok(true)`: the
+    /// peer can be reached but does not acknowledge writes although this
+    /// build does.
+    async fn check_peer_generation(&self, name: &str) -> Result<bool> {
+        if self.inner.config.protocol != "tcp" || !peer_check_enabled() {
+            return Ok(false);
+        }
+        let Some(desc) = fetch_descriptor(&self.inner.config.metadata, name).await else {
+            return Ok(false);
+        };
+        let Some(peer) = TcpWire::of_descriptor(&desc) else {
+            return Ok(false);
+        };
+        let generation = self.inner.lib.generation();
+        let local = TcpWire::of_generation(generation);
+        local.check_peer(generation, peer, name)?;
+        let unacked = local == TcpWire::Acknowledged && peer != TcpWire::Acknowledged;
+        if unacked {
+            tracing::warn!(
+                segment = name,
+                "mooncake: the peer is {}: it neither acknowledges writes nor checks \
+                 addresses; {}",
+                peer.releases(),
+                if self.inner.scratch.is_some() {
+                    "Ferry confirms writes to it by reading them back"
+                } else {
+                    "confirm_writes is off, so a write to it is reported when it is sent, \
+                     before it has landed"
+                }
+            );
+        } else {
+            tracing::debug!(
+                segment = name,
+                peer = peer.releases(),
+                "mooncake: peer generation"
+            );
+        }
+        Ok(unacked)
     }
 
     /// `close_segment`: waits for the transfers on the handle, then closes
@@ -103,7 +171,7 @@ impl MooncakeEngine {
         let last = {
             let mut segs = lock(&self.inner.segments);
             match segs.by_name.get_mut(&closing.name) {
-                Some((_, refs)) if *refs > 1 => {
+                Some((_, refs, _)) if *refs > 1 => {
                     *refs -= 1;
                     false
                 }

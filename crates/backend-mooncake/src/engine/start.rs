@@ -299,8 +299,11 @@ impl MooncakeEngine {
             ),
         })?;
         // From here on the Core destroys the engine when dropped.
-        let scratch = (sends_unacknowledged(&lib, &config) && config.confirm_writes != Some(false))
-            .then(|| Arc::new(Scratch::new()));
+        // Also on TCP builds that acknowledge writes: for peers of a
+        // generation that does not (see `segments::check_peer_generation`).
+        let scratch = ((sends_unacknowledged(&lib, &config) || config.protocol == "tcp")
+            && config.confirm_writes != Some(false))
+        .then(|| Arc::new(Scratch::new()));
         let core = Arc::new(Core {
             lib: Arc::clone(&lib),
             raw,
