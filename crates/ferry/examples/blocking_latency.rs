@@ -1,0 +1,190 @@
+//! Diagnostic for issue 24 (small transfers from Python): the p50 latency
+//! of one 4 KiB write when the caller is (a) a task on a runtime worker
+//! thread (what `ferry bench` does), (b) a thread outside the runtime that
+//! polls the future itself, spinning then parking (what ferry-py's
+//! `block_on` does), (c) a thread outside the runtime that spawns the call
+//! on the runtime and waits for it (spin, then park).
+//!
+//! Run against a `ferry serve` on the same host:
+//!
+//! ```text
+//! ferry serve --backend tcp://127.0.0.1:0 --size 64MiB     # prints --peer and --remote-addr
+//! cargo run --release -p ferry --example blocking_latency -- \
+//!     'tcp://127.0.0.1:0' PEER REMOTE_ADDR [ITERATIONS]    # add ?same_host=off for the socket path
+//! ```
+//!
+//! `MODE=a` or `MODE=b` runs only that caller kind (for `strace -c`).
+use std::future::Future;
+use std::pin::pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll, Wake, Waker};
+use std::time::{Duration, Instant};
+
+use ferry::{Engine, HostBuffer, Location, SegmentId, TransferEngine, TransferRequest};
+
+struct Signal {
+    woken: AtomicBool,
+    thread: std::thread::Thread,
+}
+impl Wake for Signal {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.woken.store(true, Ordering::Release);
+        self.thread.unpark();
+    }
+}
+const SPIN: Duration = Duration::from_micros(50);
+fn run<F: Future>(rt: &tokio::runtime::Runtime, fut: F) -> F::Output {
+    let _g = rt.enter();
+    let s = Arc::new(Signal {
+        woken: AtomicBool::new(false),
+        thread: std::thread::current(),
+    });
+    let w = Waker::from(s.clone());
+    let mut cx = Context::from_waker(&w);
+    let mut fut = pin!(fut);
+    loop {
+        if let Poll::Ready(o) = fut.as_mut().poll(&mut cx) {
+            return o;
+        }
+        let start = Instant::now();
+        while !s.woken.swap(false, Ordering::AcqRel) {
+            if start.elapsed() < SPIN {
+                std::thread::yield_now();
+            } else {
+                std::thread::park();
+            }
+        }
+    }
+}
+/// Spawn on the runtime, wait with spin then park.
+fn spawn_wait<F>(rt: &tokio::runtime::Runtime, fut: F) -> F::Output
+where
+    F: Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    let slot = Arc::new((
+        Mutex::new(None),
+        AtomicBool::new(false),
+        std::thread::current(),
+    ));
+    let s2 = slot.clone();
+    rt.spawn(async move {
+        let o = fut.await;
+        *s2.0.lock().unwrap() = Some(o);
+        s2.1.store(true, Ordering::Release);
+        s2.2.unpark();
+    });
+    let start = Instant::now();
+    while !slot.1.load(Ordering::Acquire) {
+        if start.elapsed() < SPIN {
+            std::hint::spin_loop();
+        } else {
+            std::thread::park();
+        }
+    }
+    let o = slot.0.lock().unwrap().take().unwrap();
+    o
+}
+
+fn p50(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v[v.len() / 2]
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let url = &args[1];
+    let peer = args[2].clone();
+    let remote = u64::from_str_radix(args[3].trim_start_matches("0x"), 16).unwrap();
+    let n: usize = args.get(4).map(|s| s.parse().unwrap()).unwrap_or(5000);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let engine: Arc<Engine> = Arc::new(rt.block_on(Engine::open(url)).unwrap());
+    let src = HostBuffer::new(1 << 20).unwrap();
+    src.fill(7);
+    // SAFETY: `src` lives until the end of `main`, after the engine is
+    // done with it (the process ends there).
+    let region = unsafe { src.region(Location::cpu(0)) };
+    rt.block_on(engine.register(&region)).unwrap();
+    let seg: SegmentId = rt.block_on(engine.open_segment(&peer)).unwrap();
+    let req = TransferRequest::write(src.addr(), remote, 4096);
+    println!(
+        "{}",
+        engine
+            .backend_info()
+            .details
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect::<Vec<_>>()
+            .join("; ")
+    );
+    let mode = std::env::var("MODE").unwrap_or_default();
+    if mode == "b" {
+        let mut b = Vec::with_capacity(n);
+        for _ in 0..n {
+            let t = Instant::now();
+            run(&rt, engine.transfer(seg, req)).unwrap();
+            b.push(t.elapsed());
+        }
+        println!("foreign-poll {:?}", p50(b));
+        return;
+    }
+    if mode == "a" {
+        let e = engine.clone();
+        let a = rt
+            .block_on(rt.spawn(async move {
+                let mut v = Vec::with_capacity(n);
+                for _ in 0..n {
+                    let t = Instant::now();
+                    e.transfer(seg, req).await.unwrap();
+                    v.push(t.elapsed());
+                }
+                v
+            }))
+            .unwrap();
+        println!("worker {:?}", p50(a));
+        return;
+    }
+    for round in 0..3 {
+        // (a) worker task
+        let e = engine.clone();
+        let a = rt
+            .block_on(rt.spawn(async move {
+                let mut v = Vec::with_capacity(n);
+                for _ in 0..n {
+                    let t = Instant::now();
+                    e.transfer(seg, req).await.unwrap();
+                    v.push(t.elapsed());
+                }
+                v
+            }))
+            .unwrap();
+        // (b) foreign poll
+        let mut b = Vec::with_capacity(n);
+        for _ in 0..n {
+            let t = Instant::now();
+            run(&rt, engine.transfer(seg, req)).unwrap();
+            b.push(t.elapsed());
+        }
+        // (c) spawn + wait
+        let mut c = Vec::with_capacity(n);
+        for _ in 0..n {
+            let t = Instant::now();
+            let e = engine.clone();
+            spawn_wait(&rt, async move { e.transfer(seg, req).await }).unwrap();
+            c.push(t.elapsed());
+        }
+        println!(
+            "round {round}: worker {:?}  foreign-poll {:?}  spawn-wait {:?}",
+            p50(a),
+            p50(b),
+            p50(c)
+        );
+    }
+}
