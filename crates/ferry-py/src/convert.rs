@@ -174,6 +174,7 @@ fn describe(py: Python<'_>, e: &Error, f: &Bound<'_, PyDict>) -> PyResult<&'stat
             context,
             kind,
             message,
+            ..
         } => {
             f.set_item("context", context)?;
             f.set_item("kind", format!("{kind:?}"))?;

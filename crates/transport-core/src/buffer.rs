@@ -45,6 +45,7 @@ impl HostBuffer {
             context: format!("allocating {len} bytes"),
             kind: std::io::ErrorKind::OutOfMemory,
             message: "allocation failed".into(),
+            source: None,
         })?;
         Ok(HostBuffer { ptr, len })
     }

@@ -1,6 +1,7 @@
 //! The one error type every Ferry operation returns.
 
 use std::fmt;
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::caps::{MissingCapability, Operation};
@@ -221,6 +222,10 @@ pub enum Error {
         kind: std::io::ErrorKind,
         /// The OS message.
         message: String,
+        /// The `std::io::Error` itself, where there was one (its
+        /// `raw_os_error`, its own source), as [`std::error::Error::source`].
+        #[source]
+        source: Option<IoSource>,
     },
     /// The backend cannot run here (library not found, no device…).
     #[error("the {backend} backend is unavailable: {reason}")]
@@ -292,17 +297,7 @@ impl Error {
             | Error::SegmentUnavailable { .. }
             | Error::QueueFull { .. }
             | Error::BatchBusy(_) => true,
-            Error::Io { kind, .. } => matches!(
-                kind,
-                std::io::ErrorKind::ConnectionReset
-                    | std::io::ErrorKind::ConnectionAborted
-                    | std::io::ErrorKind::ConnectionRefused
-                    | std::io::ErrorKind::BrokenPipe
-                    | std::io::ErrorKind::TimedOut
-                    | std::io::ErrorKind::Interrupted
-                    | std::io::ErrorKind::WouldBlock
-                    | std::io::ErrorKind::UnexpectedEof
-            ),
+            Error::Io { kind, .. } => io_kind_is_transient(*kind),
             Error::BatchFailed { first, .. } => first.is_retryable(),
             _ => false,
         }
@@ -319,14 +314,224 @@ impl Error {
     }
 
     /// Builds [`Error::Io`] from an `std::io::Error` and what was being done.
+    /// The error is kept as the source (a copy with the same kind, OS code
+    /// and message: `std::io::Error` is not `Clone`).
     pub fn io(context: impl Into<String>, err: &std::io::Error) -> Self {
         Error::Io {
             context: context.into(),
             kind: err.kind(),
             message: err.to_string(),
+            source: Some(IoSource::copy_of(err)),
+        }
+    }
+
+    /// [`Error::io`] taking the error by value (kept whole as the source).
+    pub fn from_io(context: impl Into<String>, err: std::io::Error) -> Self {
+        Error::Io {
+            context: context.into(),
+            kind: err.kind(),
+            message: err.to_string(),
+            source: Some(IoSource(Arc::new(err))),
+        }
+    }
+
+    /// What kind of failure this is, for a program that branches on it.
+    /// For [`Error::BatchFailed`] and [`Error::BatchRegisterFailed`] it is
+    /// the kind of the first failure (the cause), so that a batch failing
+    /// because its peer was lost reads as [`ErrorKind::PeerLost`].
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Error::Unsupported { .. } | Error::MissingCapabilities { .. } => ErrorKind::Unsupported,
+            Error::AddressNotRegistered { .. } | Error::RegionNotRegistered { .. } => {
+                ErrorKind::NotRegistered
+            }
+            Error::RegionOverlap { .. } => ErrorKind::AlreadyRegistered,
+            Error::RegionHeld { .. } => ErrorKind::RegionHeld,
+            Error::BatchRegisterFailed { source, .. } => source.kind(),
+            Error::InvalidArgument(_) | Error::BatchTooLarge { .. } => ErrorKind::InvalidArgument,
+            Error::SegmentUnavailable { .. } => ErrorKind::PeerUnreachable,
+            Error::UnknownSegment(_) | Error::UnknownBatch(_) => ErrorKind::UnknownHandle,
+            Error::BatchBusy(_) => ErrorKind::Busy,
+            Error::BatchFailed { first, .. } => first.kind(),
+            Error::PeerLost { .. } => ErrorKind::PeerLost,
+            Error::Timeout { .. } => ErrorKind::Timeout,
+            Error::Protocol { .. } => ErrorKind::Protocol,
+            Error::Authentication { .. } => ErrorKind::Authentication,
+            Error::Io { .. } => ErrorKind::Io,
+            Error::Unavailable { .. } | Error::MissingSymbol { .. } => ErrorKind::Unavailable,
+            Error::Backend { .. } | Error::TransferFailed { .. } => ErrorKind::Backend,
+            Error::Canceled(_) => ErrorKind::Canceled,
+            Error::QueueFull { .. } => ErrorKind::QueueFull,
+        }
+    }
+
+    /// Whether, and how, trying again can help (see [`Retry`]).
+    pub fn retry(&self) -> Retry {
+        match self {
+            // Refused before anything was done; the condition can pass.
+            Error::QueueFull { .. }
+            | Error::BatchBusy(_)
+            | Error::RegionHeld { .. }
+            | Error::SegmentUnavailable { .. } => Retry::Temporary,
+            // A transfer was (or may have been) under way: some or all of
+            // its bytes may have landed, and a notification may have been
+            // delivered.
+            Error::PeerLost { .. }
+            | Error::Timeout { .. }
+            | Error::TransferFailed { .. }
+            | Error::Backend { .. }
+            | Error::Canceled(_) => Retry::MaybeApplied,
+            Error::Io { kind, .. } => {
+                if io_kind_is_transient(*kind) {
+                    Retry::MaybeApplied
+                } else {
+                    Retry::Permanent
+                }
+            }
+            Error::BatchFailed { first, .. } => first.retry(),
+            // Nothing stays registered after a failed batch register.
+            Error::BatchRegisterFailed { source, .. } => match source.retry() {
+                Retry::MaybeApplied => Retry::Temporary,
+                other => other,
+            },
+            Error::Unsupported { .. }
+            | Error::MissingCapabilities { .. }
+            | Error::AddressNotRegistered { .. }
+            | Error::RegionOverlap { .. }
+            | Error::RegionNotRegistered { .. }
+            | Error::InvalidArgument(_)
+            | Error::UnknownSegment(_)
+            | Error::UnknownBatch(_)
+            | Error::BatchTooLarge { .. }
+            | Error::Protocol { .. }
+            | Error::Authentication { .. }
+            | Error::Unavailable { .. }
+            | Error::MissingSymbol { .. } => Retry::Permanent,
         }
     }
 }
+
+fn io_kind_is_transient(kind: std::io::ErrorKind) -> bool {
+    matches!(
+        kind,
+        std::io::ErrorKind::ConnectionReset
+            | std::io::ErrorKind::ConnectionAborted
+            | std::io::ErrorKind::ConnectionRefused
+            | std::io::ErrorKind::BrokenPipe
+            | std::io::ErrorKind::TimedOut
+            | std::io::ErrorKind::Interrupted
+            | std::io::ErrorKind::WouldBlock
+            | std::io::ErrorKind::UnexpectedEof
+    )
+}
+
+/// What kind of failure an [`Error`] is ([`Error::kind`]): one value per
+/// situation a program handles differently, stable across backends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ErrorKind {
+    /// The backend does not offer the operation (or strict mode found
+    /// required operations missing).
+    Unsupported,
+    /// An address range or region is not registered.
+    NotRegistered,
+    /// A region overlaps one already registered.
+    AlreadyRegistered,
+    /// A region cannot be released yet: a peer may still write it.
+    RegionHeld,
+    /// A malformed argument (zero length, too many requests…).
+    InvalidArgument,
+    /// A peer segment could not be opened or reached.
+    PeerUnreachable,
+    /// A segment or batch handle this engine does not know.
+    UnknownHandle,
+    /// The batch still has requests in flight.
+    Busy,
+    /// The peer went away.
+    PeerLost,
+    /// A deadline passed.
+    Timeout,
+    /// The peer broke the protocol (or speaks another one).
+    Protocol,
+    /// Authentication failed.
+    Authentication,
+    /// An operating-system I/O error.
+    Io,
+    /// The backend cannot run here (library, symbol or device missing).
+    Unavailable,
+    /// The backend's library reported a failure of its own.
+    Backend,
+    /// The engine is shutting down, or the operation was canceled.
+    Canceled,
+    /// A bounded queue or table is full.
+    QueueFull,
+}
+
+/// Whether trying again can help ([`Error::retry`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Retry {
+    /// Nothing was done, and the condition can pass (a full queue, a busy
+    /// batch, a peer not reachable yet): the same call may succeed later.
+    Temporary,
+    /// The operation was under way when it failed: some or all of it may
+    /// have taken effect (bytes written, a notification delivered). A
+    /// transfer may be retried (writing the same bytes again is harmless),
+    /// but nothing may be assumed about what landed.
+    MaybeApplied,
+    /// Trying the same call again cannot succeed: change the input, the
+    /// configuration or the peer.
+    Permanent,
+}
+
+/// The `std::io::Error` behind an [`Error::Io`], shared so that the error
+/// stays `Clone`. Two are equal when kind, OS code and message are.
+#[derive(Clone)]
+pub struct IoSource(Arc<std::io::Error>);
+
+impl IoSource {
+    /// A copy of `err` with the same kind, OS error code and message.
+    pub fn copy_of(err: &std::io::Error) -> Self {
+        let copy = match err.raw_os_error() {
+            Some(code) => std::io::Error::from_raw_os_error(code),
+            None => std::io::Error::new(err.kind(), err.to_string()),
+        };
+        IoSource(Arc::new(copy))
+    }
+
+    /// The error.
+    pub fn get(&self) -> &std::io::Error {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for IoSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Debug::fmt(&*self.0, f)
+    }
+}
+
+impl std::fmt::Display for IoSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(&*self.0, f)
+    }
+}
+
+impl std::error::Error for IoSource {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.0.source()
+    }
+}
+
+impl PartialEq for IoSource {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.kind() == other.0.kind()
+            && self.0.raw_os_error() == other.0.raw_os_error()
+            && self.0.to_string() == other.0.to_string()
+    }
+}
+
+impl Eq for IoSource {}
 
 /// [`Error::QueueFull`] for an engine holding [`crate::MAX_LIVE_BATCHES`]
 /// batches.

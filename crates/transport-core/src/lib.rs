@@ -116,7 +116,7 @@ pub use caps::{
     BackendInfo, Capabilities, CapabilityReport, MemoryKinds, MissingCapability, Operation, Support,
 };
 pub use engine::TransferEngine;
-pub use error::{live_batches_full, Error, Result, Side};
+pub use error::{live_batches_full, Error, ErrorKind, IoSource, Result, Retry, Side};
 pub use region_table::{RegionGuard, RegionTable};
 pub use types::{
     BatchId, BatchReport, BatchStatus, Location, MemoryRegion, Notification, SegmentId, TransferOp,

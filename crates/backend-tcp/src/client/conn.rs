@@ -402,6 +402,7 @@ impl ConnShared {
                 context: format!("cross-memory copy by {} at [{addr:#x}, +{len})", self.peer),
                 kind: std::io::ErrorKind::Other,
                 message: "the target could not reach this process's memory".to_owned(),
+                source: None,
             },
             Status::ShuttingDown => Error::PeerLost {
                 peer: self.peer.clone(),
