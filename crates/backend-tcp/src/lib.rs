@@ -72,6 +72,7 @@ mod server;
 mod stream;
 #[cfg(feature = "test-hooks")]
 mod test_hooks;
+mod tls;
 
 pub use config::TcpConfig;
 pub use engine::TcpEngine;
@@ -79,6 +80,7 @@ pub use negotiate::{FeatureOff, FeatureState, PeerReport, VersionRange};
 pub use same_host::cma::SameHost;
 pub use same_host::cma::{errno_name, kernel_copy_gbps};
 pub use server::{MAX_QUEUED_NOTIFICATIONS, MAX_QUEUED_NOTIFICATION_BYTES};
+pub use tls::TlsMode;
 
 /// The wire format, the staging area and the same-host checks, for this
 /// workspace's own tests (raw and hostile peers speak the protocol by
