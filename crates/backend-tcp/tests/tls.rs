@@ -69,6 +69,10 @@ async fn round_trip(a: &TcpEngine, b: &TcpEngine, target: &str, len: usize) {
     .await
     .expect("read");
     assert!(back.to_vec() == data, "read bytes differ");
+    // The buffers are freed next: unregister them first.
+    a.unregister(src.addr()).await.unwrap();
+    a.unregister(back.addr()).await.unwrap();
+    b.unregister(dst.addr()).await.unwrap();
 }
 
 fn tls_of(e: &TcpEngine, peer: &str) -> Result<String, FeatureOff> {
@@ -274,6 +278,9 @@ async fn capture_through_proxy(a: &TcpEngine, b: &TcpEngine) -> (bool, bool, usi
     .await
     .expect("read through the proxy");
     assert!(dst.to_vec() == data && back.to_vec() == data);
+    a.unregister(src.addr()).await.unwrap();
+    a.unregister(back.addr()).await.unwrap();
+    b.unregister(dst.addr()).await.unwrap();
     let cap = seen.lock().unwrap().clone();
     let whole = contains(&cap, &data);
     let piece = (0..len - 16)

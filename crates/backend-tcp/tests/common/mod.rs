@@ -56,6 +56,8 @@ pub fn with_test_tls(cfg: &mut TcpConfig) {
 /// server and client use), as PEM files.
 #[derive(Clone, Debug)]
 pub struct TlsFiles {
+    /// Their directory.
+    pub dir: std::path::PathBuf,
     /// The leaf certificate.
     pub cert: std::path::PathBuf,
     /// Its private key.
@@ -87,6 +89,7 @@ pub fn make_tls_files(tag: &str) -> TlsFiles {
     ];
     let leaf = params.signed_by(&key, &ca, &ca_key).expect("leaf cert");
     let files = TlsFiles {
+        dir: dir.clone(),
         cert: dir.join("cert.pem"),
         key: dir.join("key.pem"),
         ca: dir.join("ca.pem"),
@@ -97,10 +100,37 @@ pub fn make_tls_files(tag: &str) -> TlsFiles {
     files
 }
 
-/// The test certificates shared by a test binary's engines.
+/// The test certificates shared by a test binary's engines (a child
+/// process of a test uses its parent's: the directory in
+/// `FERRY_TEST_TLS_DIR`, see [`child_env`]).
 pub fn tls_files() -> &'static TlsFiles {
     static FILES: std::sync::OnceLock<TlsFiles> = std::sync::OnceLock::new();
-    FILES.get_or_init(|| make_tls_files("shared"))
+    FILES.get_or_init(|| match std::env::var_os("FERRY_TEST_TLS_DIR") {
+        Some(dir) => {
+            let dir = std::path::PathBuf::from(dir);
+            TlsFiles {
+                cert: dir.join("cert.pem"),
+                key: dir.join("key.pem"),
+                ca: dir.join("ca.pem"),
+                dir,
+            }
+        }
+        None => make_tls_files("shared"),
+    })
+}
+
+/// What a child engine process of a test needs in its environment to
+/// speak to its parent's engines (under `FERRY_TEST_TLS=cert`: the same
+/// certificates).
+pub fn child_env() -> Vec<(&'static str, std::ffi::OsString)> {
+    if std::env::var("FERRY_TEST_TLS").as_deref() == Ok("cert") {
+        vec![(
+            "FERRY_TEST_TLS_DIR",
+            tls_files().dir.clone().into_os_string(),
+        )]
+    } else {
+        Vec::new()
+    }
 }
 
 /// A host buffer filled with `byte`, registered with `e`.
@@ -214,4 +244,20 @@ pub fn assert_path(e: &TcpEngine, peer: &str) {
         _ => "path: cma",
     };
     assert_eq!(path, want, "the path to {peer}");
+    assert_tls(e, peer);
+}
+
+/// Under `FERRY_TEST_TLS`, asserts that the connection of `e` to `peer`
+/// runs TLS (where the run puts TLS on both: with `secret`, only engines
+/// with a secret have it).
+pub fn assert_tls(e: &TcpEngine, peer: &str) {
+    let want = match std::env::var("FERRY_TEST_TLS").as_deref() {
+        Ok("cert") => true,
+        Ok("secret") => e.config().secret.is_some(),
+        _ => false,
+    };
+    if want {
+        let r = e.peer_report(peer).expect("a peer report");
+        assert!(r.tls.is_ok(), "FERRY_TEST_TLS: TLS is off to {peer}: {r}");
+    }
 }
