@@ -44,6 +44,11 @@
 //!   carries only requests and (some) acknowledgements.
 //!   `same_host=auto|cma|off`; the path to each peer (or why not) is in
 //!   `backend_info()`. See the README.
+//! - **TLS 1.3** (`tls=on|require`, rustls, no OpenSSL), negotiated in the
+//!   handshake: certificates (`tls_cert`, `tls_key`, `tls_ca`, mutual) or an
+//!   identity derived from the shared secret; the HMAC proofs run inside TLS
+//!   bound to its exporter. The same-host path is not encrypted (it never
+//!   leaves the machine). See the README and `PROTOCOL.md` §1.3.
 //! - **Latency**: `TCP_NODELAY`, a bounded busy-poll before sleeping (no
 //!   core spins while idle), and acknowledgements coalesced per batch.
 //!
