@@ -290,6 +290,21 @@ impl TransferEngine for TcpEngine {
                     "none".to_owned()
                 },
             ),
+            (
+                "tls".to_owned(),
+                match &self.inner.core.tls {
+                    None => "off".to_owned(),
+                    Some(t) => format!(
+                        "{} (TLS 1.3, {}; the same-host path is not encrypted)",
+                        if t.mode == crate::tls::TlsMode::Require {
+                            "require"
+                        } else {
+                            "on"
+                        },
+                        t.identity.describe()
+                    ),
+                },
+            ),
             ("same_host".to_owned(), c.same_host.to_string()),
         ];
         // Per open peer: the payload path and why.

@@ -669,7 +669,14 @@ fn serve_with_tls_and_caps_names_the_cipher_suite() {
     let caps = run(&["caps", "--backend", url, "--tls", "require", "--peer", &seg]);
     let clear = run(&["caps", "--backend", url, "--peer", &seg]);
     let json = run(&[
-        "caps", "--backend", url, "--tls", "on", "--peer", &seg, "--json",
+        "caps",
+        "--backend",
+        url,
+        "--tls",
+        "on",
+        "--peer",
+        &seg,
+        "--json",
     ]);
     let pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).expect("pid"));
     let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT);
