@@ -95,6 +95,8 @@ pub struct TlsContext {
     pub mode: TlsMode,
     /// How this engine names itself.
     pub identity: Identity,
+    /// The relay's progress bound (`stall_timeout`).
+    stall: Duration,
     client: Arc<rustls::ClientConfig>,
     server: Arc<rustls::ServerConfig>,
 }
@@ -325,6 +327,7 @@ impl TlsContext {
         Ok(Some(Arc::new(TlsContext {
             mode: cfg.tls,
             identity,
+            stall: cfg.stall_timeout,
             client: Arc::new(client),
             server: Arc::new(server),
         })))
@@ -355,7 +358,12 @@ impl TlsContext {
             .map_err(|_| tls_timeout(peer, timeout))?
             .map_err(|e| tls_error(peer, "the target", e))?;
         let session = session_of(&**tls.get_ref().1, peer)?;
-        *stream = spawn_relay(tokio_rustls::TlsStream::Client(tls), addrs, peer)?;
+        *stream = spawn_relay(
+            tokio_rustls::TlsStream::Client(tls),
+            addrs,
+            peer,
+            self.stall,
+        )?;
         Ok(session)
     }
 
@@ -373,7 +381,12 @@ impl TlsContext {
             .map_err(|_| tls_timeout(peer, timeout))?
             .map_err(|e| tls_error(peer, "the initiator", e))?;
         let session = session_of(&**tls.get_ref().1, peer)?;
-        *stream = spawn_relay(tokio_rustls::TlsStream::Server(tls), addrs, peer)?;
+        *stream = spawn_relay(
+            tokio_rustls::TlsStream::Server(tls),
+            addrs,
+            peer,
+            self.stall,
+        )?;
         Ok(session)
     }
 }
@@ -476,20 +489,73 @@ fn take_tcp(
 
 /// Moves the TLS session into a relay task and returns the plaintext end.
 fn spawn_relay(
-    mut tls: tokio_rustls::TlsStream<tokio::net::TcpStream>,
+    tls: tokio_rustls::TlsStream<tokio::net::TcpStream>,
     addrs: (SocketAddr, SocketAddr),
     peer: &str,
+    stall: Duration,
 ) -> Result<Stream> {
-    let (ours, mut theirs) =
-        tokio::net::UnixStream::pair().map_err(|e| Error::io("socketpair", &e))?;
+    let (ours, theirs) = tokio::net::UnixStream::pair().map_err(|e| Error::io("socketpair", &e))?;
     let p = peer.to_owned();
     tokio::spawn(async move {
-        match tokio::io::copy_bidirectional_with_sizes(&mut tls, &mut theirs, RELAY_BUF, RELAY_BUF)
-            .await
-        {
-            Ok((up, down)) => tracing::trace!(peer = %p, up, down, "TLS relay ended"),
+        match relay(tls, theirs, stall).await {
+            Ok(()) => tracing::trace!(peer = %p, "TLS relay ended"),
             Err(e) => tracing::debug!(peer = %p, %e, "TLS relay ended"),
         }
     });
     Ok(Stream::Tls(ours, addrs))
+}
+
+/// Pumps plaintext between the TLS session and the connection's end of
+/// the Unix pair until both directions end. Bounded like a connection in
+/// clear: a write to the peer that makes no progress for `stall` ends the
+/// relay (and so the connection), and once either direction has ended the
+/// other gets at most `stall` more (a peer that ignores our close, or an
+/// end of the pair that was dropped while the peer is silent, cannot keep
+/// the task and its socket alive).
+async fn relay(
+    tls: tokio_rustls::TlsStream<tokio::net::TcpStream>,
+    unix: tokio::net::UnixStream,
+    stall: Duration,
+) -> std::io::Result<()> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let stalled = || std::io::Error::new(std::io::ErrorKind::TimedOut, "the TLS peer stalled");
+    let (mut tr, mut tw) = tokio::io::split(tls);
+    let (mut ur, mut uw) = unix.into_split();
+    let up = async {
+        let mut buf = vec![0u8; RELAY_BUF];
+        loop {
+            let n = ur.read(&mut buf).await?;
+            if n == 0 {
+                break;
+            }
+            tokio::time::timeout(stall, async {
+                tw.write_all(&buf[..n]).await?;
+                tw.flush().await
+            })
+            .await
+            .map_err(|_| stalled())??;
+        }
+        // close_notify and FIN.
+        let _ = tokio::time::timeout(stall, tw.shutdown()).await;
+        Ok::<(), std::io::Error>(())
+    };
+    let down = async {
+        let mut buf = vec![0u8; RELAY_BUF];
+        loop {
+            let n = tr.read(&mut buf).await?;
+            if n == 0 {
+                break;
+            }
+            uw.write_all(&buf[..n]).await?;
+        }
+        let _ = uw.shutdown().await;
+        Ok::<(), std::io::Error>(())
+    };
+    tokio::pin!(up, down);
+    let (first, rest) = tokio::select! {
+        r = &mut up => (r, tokio::time::timeout(stall, &mut down).await),
+        r = &mut down => (r, tokio::time::timeout(stall, &mut up).await),
+    };
+    first?;
+    rest.map_err(|_| stalled())?
 }

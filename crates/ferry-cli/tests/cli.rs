@@ -657,8 +657,19 @@ fn serve_with_tls_and_caps_names_the_cipher_suite() {
         .spawn()
         .expect("spawn");
     let stdout = child.stdout.take().expect("stdout");
-    let first = BufReader::new(stdout).lines().next();
-    let first = first.expect("a banner").expect("a line");
+    // Keep reading: a closed pipe would end `serve` at its next line.
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let first = rx
+        .recv_timeout(Duration::from_secs(60))
+        .expect("a banner line");
     let seg = first
         .split("segment ")
         .nth(1)
