@@ -122,6 +122,21 @@ pub struct TcpConfig {
     /// such an engine: anyone who can reach its port could read and write
     /// every registered byte. Loopback addresses need no secret.
     pub insecure: bool,
+    /// TLS 1.3 on the socket path (URL `tls=off|on|require`, see
+    /// [`crate::tls`]): `Off` (default) never; `On` with every peer that
+    /// has it on, in clear with the others; `Require` refuses peers
+    /// without it. The same-host path is not encrypted (it never leaves
+    /// the machine).
+    pub tls: crate::tls::TlsMode,
+    /// PEM certificate chain this engine presents (URL `tls_cert=`);
+    /// with `tls_key` and `tls_ca`. Without the three, the TLS identity is
+    /// derived from `secret`.
+    pub tls_cert: Option<std::path::PathBuf>,
+    /// PEM private key of `tls_cert` (URL `tls_key=`).
+    pub tls_key: Option<std::path::PathBuf>,
+    /// PEM CA certificates that peers' chains must chain to (URL
+    /// `tls_ca=`): both directions are checked (mutual authentication).
+    pub tls_ca: Option<std::path::PathBuf>,
 }
 
 impl Default for TcpConfig {
@@ -150,6 +165,10 @@ impl Default for TcpConfig {
             same_host_chunk: 16 << 20,
             same_host_stage: Some(1),
             insecure: false,
+            tls: crate::tls::TlsMode::Off,
+            tls_cert: None,
+            tls_key: None,
+            tls_ca: None,
         }
     }
 }
@@ -180,6 +199,10 @@ impl fmt::Debug for TcpConfig {
             .field("same_host_chunk", &self.same_host_chunk)
             .field("same_host_stage", &self.same_host_stage)
             .field("insecure", &self.insecure)
+            .field("tls", &self.tls)
+            .field("tls_cert", &self.tls_cert)
+            .field("tls_key", &self.tls_key)
+            .field("tls_ca", &self.tls_ca)
             .finish()
     }
 }
@@ -241,6 +264,10 @@ impl TcpConfig {
     /// | `same_host_chunk`    | `same_host_chunk` | bytes per CWRITE / CREAD frame on the same-host path (4096..=64 MiB) |
     /// | `same_host_stage`    | `same_host_stage` | smallest frame moved through the staging area, bytes (1..=64 MiB), or `off` |
     /// | `insecure`           | `insecure`        | `1`: listen beyond loopback without a secret (refused otherwise) |
+    /// | `tls`                | `tls`             | `off` (default), `on` (with peers that have it) or `require` |
+    /// | `tls_cert`           | `tls_cert`        | PEM certificate chain file (with `tls_key`, `tls_ca`) |
+    /// | `tls_key`            | `tls_key`         | PEM private key file                     |
+    /// | `tls_ca`             | `tls_ca`          | PEM CA file peers' chains are checked against |
     ///
     /// An unknown parameter, a repeated one, a value out of range or another
     /// scheme than `tcp` is [`Error::InvalidArgument`] naming it.
@@ -290,6 +317,24 @@ impl TcpConfig {
                                 "tcp URL parameter insecure={v:?} must be 1 or 0"
                             )))
                         }
+                    }
+                }
+                "tls" => {
+                    cfg.tls = crate::tls::TlsMode::parse(&value).ok_or_else(|| {
+                        invalid(format!(
+                            "tcp URL parameter tls={value:?} must be off, on or require"
+                        ))
+                    })?
+                }
+                "tls_cert" | "tls_key" | "tls_ca" => {
+                    if value.is_empty() {
+                        return Err(invalid(format!("tcp URL parameter {key} is empty")));
+                    }
+                    let path = Some(std::path::PathBuf::from(value.as_ref()));
+                    match key.as_ref() {
+                        "tls_cert" => cfg.tls_cert = path,
+                        "tls_key" => cfg.tls_key = path,
+                        _ => cfg.tls_ca = path,
                     }
                 }
                 "connections" => cfg.connections = parse_num(&key, &value)? as usize,
@@ -376,7 +421,8 @@ impl TcpConfig {
                          timeout_ms, connect_timeout_ms, chunk_size, max_batch, max_inbound, \
                          stall_timeout_ms, min_rate, handshake_timeout_ms, max_handshakes, \
                          idle_timeout_ms, evict_idle_ms, spin_us, spin_pending_us, socket_buffer, same_host, \
-                         same_host_control, same_host_chunk, same_host_stage"
+                         same_host_control, same_host_chunk, same_host_stage, insecure, \
+                         tls, tls_cert, tls_key, tls_ca"
                     )))
                 }
             }
@@ -433,6 +479,24 @@ impl TcpConfig {
         }
         if self.secret.as_deref() == Some("") {
             return Err(invalid("secret must not be empty".into()));
+        }
+        let files = [&self.tls_cert, &self.tls_key, &self.tls_ca]
+            .iter()
+            .filter(|f| f.is_some())
+            .count();
+        if files != 0 && files != 3 {
+            return Err(invalid(
+                "tls_cert, tls_key and tls_ca go together (each side presents its chain and \
+                 checks the peer's against the CA)"
+                    .into(),
+            ));
+        }
+        if self.tls != crate::tls::TlsMode::Off && files == 0 && self.secret.is_none() {
+            return Err(invalid(
+                "tls=on/require needs a shared secret (the TLS identity is derived from it) \
+                 or tls_cert, tls_key and tls_ca"
+                    .into(),
+            ));
         }
         Ok(())
     }

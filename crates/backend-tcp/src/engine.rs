@@ -83,7 +83,15 @@ impl TcpEngine {
             .ok_or_else(|| {
                 Error::InvalidArgument(format!("{} resolves to no address", config.listen))
             })?;
-        if !addr.ip().is_loopback() && config.secret.is_none() && !config.insecure {
+        // Files first: a bad one is an error before anything is bound.
+        let tls = crate::tls::TlsContext::new(&config)?;
+        // Mutual certificate authentication that no peer can skip counts
+        // as authentication too.
+        let certified = tls.as_ref().is_some_and(|t| {
+            t.mode == crate::tls::TlsMode::Require
+                && t.identity == crate::tls::Identity::Certificates
+        });
+        if !addr.ip().is_loopback() && config.secret.is_none() && !config.insecure && !certified {
             return Err(Error::InvalidArgument(format!(
                 "refusing to listen on {addr} without a secret: any host that can reach this \
                  port could read and write every registered byte. Set a shared secret (for \
@@ -113,7 +121,9 @@ impl TcpEngine {
         let bound = listener
             .local_addr()
             .map_err(|e| Error::io("reading the bound address", &e))?;
-        let core = Arc::new(Core::new(bound.to_string(), config));
+        let mut core = Core::new(bound.to_string(), config);
+        core.tls = tls;
+        let core = Arc::new(core);
         let accept = tokio::spawn(accept_loop(listener, Arc::clone(&core))).abort_handle();
         tracing::debug!(segment = %core.name, "tcp engine started");
         Ok(TcpEngine {
@@ -278,6 +288,21 @@ impl TransferEngine for TcpEngine {
                     "HMAC-SHA256 shared secret".to_owned()
                 } else {
                     "none".to_owned()
+                },
+            ),
+            (
+                "tls".to_owned(),
+                match &self.inner.core.tls {
+                    None => "off".to_owned(),
+                    Some(t) => format!(
+                        "{} (TLS 1.3, {}; the same-host path is not encrypted)",
+                        if t.mode == crate::tls::TlsMode::Require {
+                            "require"
+                        } else {
+                            "on"
+                        },
+                        t.identity.describe()
+                    ),
                 },
             ),
             ("same_host".to_owned(), c.same_host.to_string()),

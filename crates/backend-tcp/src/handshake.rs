@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use crate::stream::Stream;
+use crate::tls::{Identity, Session, TlsContext, TlsMode};
 use transport_core::raw::auth::{nonce, proof, verify};
 use transport_core::{Error, Result};
 
@@ -208,11 +209,17 @@ fn not_ferry_bytes(peer: &str, first: &[u8]) -> Error {
 /// The proof labels: the legacy ones, or for a negotiated handshake the
 /// version-6 labels followed by both extension blocks (so a MITM cannot
 /// alter what either side announced without failing the proofs).
-fn labels(exts: Option<(&[u8], &[u8])>) -> (Vec<u8>, Vec<u8>) {
+///
+/// Under TLS the tail ends with 32 bytes of the TLS exporter
+/// ([`crate::tls::Session::exporter`]): the proofs then hold only on the
+/// TLS session they were made in, so a man in the middle that ran its own
+/// TLS session with each side could not relay them.
+fn labels(exts: Option<(&[u8], &[u8])>, exporter: Option<&[u8; 32]>) -> (Vec<u8>, Vec<u8>) {
     match exts {
         None => (CLIENT_LABEL.to_vec(), SERVER_LABEL.to_vec()),
         Some((ei, et)) => {
-            let tail: Vec<u8> = [ei, et].concat();
+            let x: &[u8] = exporter.map_or(&[], |x| x.as_slice());
+            let tail: Vec<u8> = [ei, et, x].concat();
             (
                 [b"ferry-tcp/6 initiator".as_slice(), &tail].concat(),
                 [b"ferry-tcp/6 target".as_slice(), &tail].concat(),
@@ -249,7 +256,12 @@ async fn read_ext(stream: &Stream, peer: &str, timeout: Duration) -> Result<(Vec
 
 /// What a side announces: this build's range, its features, and (when it
 /// has the same-host path on) its host token for these nonces.
-fn our_extensions(features: FeatureSet, nc: &[u8; 32], nt: &[u8; 32]) -> Extensions {
+fn our_extensions(
+    features: FeatureSet,
+    tls: Option<&TlsContext>,
+    nc: &[u8; 32],
+    nt: &[u8; 32],
+) -> Extensions {
     Extensions {
         versions: VersionRange::OURS,
         features,
@@ -258,6 +270,63 @@ fn our_extensions(features: FeatureSet, nc: &[u8; 32], nt: &[u8; 32]) -> Extensi
         } else {
             None
         },
+        tls: tls
+            .filter(|_| features.enabled(negotiate::TLS))
+            .map(|t| t.identity as u8),
+    }
+}
+
+/// Whether a connection runs TLS (PROTOCOL.md §1.3): `Ok(true)` if both
+/// sides have it on with the same kind of identity, `Ok(false)` to stay
+/// in clear, `Err(reason)` if this side requires TLS and the peer cannot
+/// (or the two identities differ).
+fn tls_plan(
+    tls: Option<&TlsContext>,
+    theirs: Option<&Extensions>,
+    peer_role: &str,
+) -> std::result::Result<bool, String> {
+    let Some(ours) = tls else {
+        return Ok(false);
+    };
+    let required = ours.mode == TlsMode::Require;
+    let lacking = match theirs {
+        None => Some(format!(
+            "the {peer_role} does not negotiate (a Ferry build before protocol version 6): it \
+             cannot speak TLS"
+        )),
+        Some(t) if t.features.has & negotiate::TLS.bit == 0 => {
+            Some(format!("the {peer_role} lacks TLS (an older Ferry build)"))
+        }
+        Some(t) if !t.features.enabled(negotiate::TLS) => {
+            Some(format!("the {peer_role} has TLS off (tls=off)"))
+        }
+        Some(_) => None,
+    };
+    if let Some(why) = lacking {
+        return if required {
+            Err(format!("tls=require here, but {why}"))
+        } else {
+            Ok(false)
+        };
+    }
+    let kind = theirs.and_then(|t| t.tls).and_then(Identity::from_u8);
+    if kind == Some(ours.identity) {
+        return Ok(true);
+    }
+    Err(format!(
+        "TLS identities differ: this engine uses {}, the {peer_role} {}; give both sides \
+         tls_cert, tls_key and tls_ca, or neither (the identity is then derived from the shared \
+         secret)",
+        ours.identity.describe(),
+        kind.map_or("an unknown kind", Identity::describe)
+    ))
+}
+
+/// The agreement's TLS description of a session.
+fn tls_text(tls: Option<&TlsContext>, session: &Option<Session>) -> Option<String> {
+    match (tls, session) {
+        (Some(t), Some(s)) => Some(format!("{}, {}", s.suite, t.identity.describe())),
+        _ => None,
     }
 }
 
@@ -265,14 +334,19 @@ fn our_extensions(features: FeatureSet, nc: &[u8; 32], nt: &[u8; 32]) -> Extensi
 /// the target must prove it too. `hello_version` is [`LEGACY_VERSION`]
 /// unless the target is known to speak only an older one
 /// ([`ClientOutcome::Redial`]); `features` are this engine's.
+///
+/// With `tls` and a target that has TLS on, the TLS handshake runs right
+/// after the extension blocks, and `stream` becomes its plaintext end.
+#[allow(clippy::too_many_arguments)]
 pub async fn client(
-    stream: &Stream,
+    stream: &mut Stream,
     peer: &str,
     my_name: &str,
     secret: Option<&str>,
     timeout: Duration,
     hello_version: u16,
     features: FeatureSet,
+    tls: Option<&TlsContext>,
 ) -> Result<ClientOutcome> {
     let nc = nonce();
     let auth = if secret.is_some() { FLAG_AUTH } else { 0 };
@@ -303,9 +377,9 @@ pub async fn client(
     }
     let server = finish_hello(stream, peer, &fixed, timeout).await?;
     let ns = server.nonce;
-    let (ext_bytes, agreement) = if server.flags & FLAG_EXT != 0 {
+    let (ext_bytes, agreement, use_tls) = if server.flags & FLAG_EXT != 0 {
         let (their_raw, theirs) = read_ext(stream, peer, timeout).await?;
-        let mine = our_extensions(features, &nc, &ns);
+        let mine = our_extensions(features, tls, &nc, &ns);
         let my_raw = mine.encode();
         let Some(version) = VersionRange::OURS.highest_common(theirs.versions) else {
             // Tell the target our range (it logs the refusal), then give up.
@@ -319,6 +393,17 @@ pub async fn client(
             (Some(a), Some(b)) => Some(a == b),
             _ => None,
         };
+        let use_tls = match tls_plan(tls, Some(&theirs), "target") {
+            Ok(b) => b,
+            Err(reason) => {
+                // Tell the target (it logs the refusal), then give up.
+                let _ = write_all(stream, &[&my_raw], timeout).await;
+                return Err(Error::Authentication {
+                    peer: peer.to_owned(),
+                    reason,
+                });
+            }
+        };
         let agreement = Agreement {
             peer_versions: theirs.versions,
             peer_negotiates: true,
@@ -326,9 +411,16 @@ pub async fn client(
             ours: features,
             theirs: theirs.features,
             same_host_token,
+            tls: None,
         };
-        (Some((my_raw, their_raw)), agreement)
+        (Some((my_raw, their_raw)), agreement, use_tls)
     } else {
+        if let Err(reason) = tls_plan(tls, None, "target") {
+            return Err(Error::Authentication {
+                peer: peer.to_owned(),
+                reason,
+            });
+        }
         if negotiate::is_marked_legacy(&ns) {
             return Err(Error::Protocol {
                 peer: peer.to_owned(),
@@ -359,19 +451,35 @@ pub async fn client(
             ours: features,
             theirs: FeatureSet::implied_by(v),
             same_host_token: None,
+            tls: None,
         };
-        (None, agreement)
+        (None, agreement, false)
     };
+    let (ext_bytes, mut agreement, use_tls) = (ext_bytes, agreement, use_tls);
+    let my_ext: &[u8] = ext_bytes.as_ref().map_or(&[], |(m, _)| m.as_slice());
+    // Under TLS the block goes in clear, then the TLS handshake runs on
+    // the same socket, then everything else inside it.
+    let session = match tls.filter(|_| use_tls) {
+        Some(t) => {
+            write_all(stream, &[my_ext], timeout)
+                .await
+                .map_err(|e| io_err(peer, "sending the extension block", timeout, e))?;
+            Some(t.connect(stream, peer, timeout).await?)
+        }
+        None => None,
+    };
+    agreement.tls = tls_text(tls, &session);
     let (client_label, server_label) = labels(
         ext_bytes
             .as_ref()
             .map(|(m, t)| (m.as_slice(), t.as_slice())),
+        session.as_ref().map(|s| &s.exporter),
     );
     let my_proof = match secret {
         Some(s) => proof(s, &client_label, &nc, &ns),
         None => [0u8; 32],
     };
-    let my_ext: &[u8] = ext_bytes.as_ref().map_or(&[], |(m, _)| m.as_slice());
+    let my_ext: &[u8] = if session.is_some() { &[] } else { my_ext };
     write_all(stream, &[my_ext, &my_proof], timeout)
         .await
         .map_err(|e| io_err(peer, "sending proof", timeout, e))?;
@@ -439,13 +547,18 @@ pub struct Verified {
 /// Ferry (recognised from its first bytes where possible, see
 /// [`crate::foreign`]) is answered in its own framing where that framing
 /// can carry a refusal, and refused with an error that names it.
+///
+/// With `tls` and an initiator that has TLS on, the TLS handshake runs
+/// right after the initiator's extension block, and `stream` becomes its
+/// plaintext end.
 pub async fn server(
-    stream: &Stream,
+    stream: &mut Stream,
     peer_addr: &str,
     my_name: &str,
     secret: Option<&str>,
     timeout: Duration,
     features: FeatureSet,
+    tls: Option<&TlsContext>,
 ) -> Result<Verified> {
     let first = read_first(stream, peer_addr, "hello", timeout).await?;
     let fixed = read_fixed(stream, peer_addr, first, timeout).await?;
@@ -456,8 +569,8 @@ pub async fn server(
     let mut ns = nonce();
     let auth = if secret.is_some() { FLAG_AUTH } else { 0 };
     let nc = client.nonce;
-    let (ext_bytes, agreement) = if client.flags & FLAG_EXT != 0 {
-        let mine = our_extensions(features, &nc, &ns);
+    let (ext_bytes, agreement, use_tls) = if client.flags & FLAG_EXT != 0 {
+        let mine = our_extensions(features, tls, &nc, &ns);
         let my_raw = mine.encode();
         let hello = Hello {
             version: LEGACY_VERSION,
@@ -482,6 +595,16 @@ pub async fn server(
             (Some(a), Some(b)) => Some(a == b),
             _ => None,
         };
+        let use_tls = match tls_plan(tls, Some(&theirs), "initiator") {
+            Ok(b) => b,
+            Err(reason) => {
+                send_reject(stream, Status::AuthFailed, &reason, timeout).await;
+                return Err(Error::Authentication {
+                    peer: format!("{} ({peer_addr})", client.name.escape_default()),
+                    reason,
+                });
+            }
+        };
         let agreement = Agreement {
             peer_versions: theirs.versions,
             peer_negotiates: true,
@@ -489,8 +612,9 @@ pub async fn server(
             ours: features,
             theirs: theirs.features,
             same_host_token,
+            tls: None,
         };
-        (Some((their_raw, my_raw)), agreement)
+        (Some((their_raw, my_raw)), agreement, use_tls)
     } else {
         // A peer that does not negotiate: answer in its version if this
         // build speaks it, marking the nonce (see `negotiate`).
@@ -525,13 +649,28 @@ pub async fn server(
             ours: features,
             theirs: FeatureSet::implied_by(v),
             same_host_token: None,
+            tls: None,
         };
-        (None, agreement)
+        if let Err(reason) = tls_plan(tls, None, "initiator") {
+            send_reject(stream, Status::AuthFailed, &reason, timeout).await;
+            return Err(Error::Authentication {
+                peer: format!("{} ({peer_addr})", client.name.escape_default()),
+                reason,
+            });
+        }
+        (None, agreement, false)
     };
+    let mut agreement = agreement;
+    let session = match tls.filter(|_| use_tls) {
+        Some(t) => Some(t.accept(stream, peer_addr, timeout).await?),
+        None => None,
+    };
+    agreement.tls = tls_text(tls, &session);
     let (client_label, server_label) = labels(
         ext_bytes
             .as_ref()
             .map(|(i, t)| (i.as_slice(), t.as_slice())),
+        session.as_ref().map(|s| &s.exporter),
     );
     let mut client_proof = [0u8; 32];
     read_exact(stream, &mut client_proof, timeout)

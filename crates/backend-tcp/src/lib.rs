@@ -44,6 +44,11 @@
 //!   carries only requests and (some) acknowledgements.
 //!   `same_host=auto|cma|off`; the path to each peer (or why not) is in
 //!   `backend_info()`. See the README.
+//! - **TLS 1.3** (`tls=on|require`, rustls, no OpenSSL), negotiated in the
+//!   handshake: certificates (`tls_cert`, `tls_key`, `tls_ca`, mutual) or an
+//!   identity derived from the shared secret; the HMAC proofs run inside TLS
+//!   bound to its exporter. The same-host path is not encrypted (it never
+//!   leaves the machine). See the README and `PROTOCOL.md` §1.3.
 //! - **Latency**: `TCP_NODELAY`, a bounded busy-poll before sleeping (no
 //!   core spins while idle), and acknowledgements coalesced per batch.
 //!
@@ -72,6 +77,7 @@ mod server;
 mod stream;
 #[cfg(feature = "test-hooks")]
 mod test_hooks;
+mod tls;
 
 pub use config::TcpConfig;
 pub use engine::TcpEngine;
@@ -79,6 +85,7 @@ pub use negotiate::{FeatureOff, FeatureState, PeerReport, VersionRange};
 pub use same_host::cma::SameHost;
 pub use same_host::cma::{errno_name, kernel_copy_gbps};
 pub use server::{MAX_QUEUED_NOTIFICATIONS, MAX_QUEUED_NOTIFICATION_BYTES};
+pub use tls::TlsMode;
 
 /// The wire format, the staging area and the same-host checks, for this
 /// workspace's own tests (raw and hostile peers speak the protocol by

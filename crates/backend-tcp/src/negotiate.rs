@@ -32,6 +32,9 @@ const EXT_VERSIONS: u16 = 1;
 const EXT_FEATURES: u16 = 2;
 /// Extension type: the same-host token (32 bytes, see [`host_token`]).
 const EXT_HOST: u16 = 3;
+/// Extension type: how the sender names itself in TLS (1 byte,
+/// [`crate::tls::Identity`]); only from a side with TLS on.
+const EXT_TLS: u16 = 4;
 
 /// A range of protocol versions, both ends included.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -115,6 +118,16 @@ pub const ACK_LANE: Feature = Feature {
     setting: "same_host_stage=off",
 };
 
+/// TLS 1.3 on the socket path (PROTOCOL.md §1.3). Not one of
+/// [`FEATURES`], which are the same-host path's: it is reported apart,
+/// with its cipher suite.
+pub const TLS: Feature = Feature {
+    bit: 16,
+    name: "tls",
+    since: u16::MAX,
+    setting: "tls=off",
+};
+
 /// Every optional feature this build implements, in report order.
 pub const FEATURES: [Feature; 4] = [SAME_HOST, CONTROL_CHANNEL, STAGING, ACK_LANE];
 
@@ -155,6 +168,9 @@ pub struct Extensions {
     pub features: FeatureSet,
     /// Its same-host token, if it offers the same-host path.
     pub host: Option<[u8; 32]>,
+    /// Its TLS identity kind (see [`crate::tls::Identity`]), if it has TLS
+    /// on.
+    pub tls: Option<u8>,
 }
 
 impl Extensions {
@@ -177,6 +193,9 @@ impl Extensions {
         if let Some(t) = &self.host {
             entry(EXT_HOST, t);
         }
+        if let Some(t) = self.tls {
+            entry(EXT_TLS, &[t]);
+        }
         let mut out = Vec::with_capacity(2 + body.len());
         out.extend_from_slice(&(body.len() as u16).to_le_bytes());
         out.extend_from_slice(&body);
@@ -193,7 +212,8 @@ impl Extensions {
                 body.len()
             ));
         }
-        let (mut versions, mut features, mut host) = (None, FeatureSet::default(), None);
+        let (mut versions, mut features, mut host, mut tls) =
+            (None, FeatureSet::default(), None, None);
         let mut rest = body;
         while !rest.is_empty() {
             let [t0, t1, l0, l1, tail @ ..] = rest else {
@@ -232,7 +252,8 @@ impl Extensions {
                     b.copy_from_slice(v);
                     host = Some(b);
                 }
-                (EXT_VERSIONS | EXT_FEATURES | EXT_HOST, v) => {
+                (EXT_TLS, [t]) => tls = Some(*t),
+                (EXT_VERSIONS | EXT_FEATURES | EXT_HOST | EXT_TLS, v) => {
                     return Err(format!("extension {t} has a length of {}", v.len()));
                 }
                 _ => {}
@@ -243,6 +264,7 @@ impl Extensions {
             versions,
             features,
             host,
+            tls,
         })
     }
 }
@@ -299,6 +321,9 @@ pub struct Agreement {
     /// Both sent the same same-host token (`None`: the peer does not
     /// negotiate, or one side sent no token).
     pub same_host_token: Option<bool>,
+    /// The TLS session: its cipher suite and how the peers were named
+    /// (`None`: in clear).
+    pub tls: Option<String>,
 }
 
 impl Agreement {
@@ -341,10 +366,13 @@ pub fn no_common_version(ours: VersionRange, theirs: VersionRange, peer_role: &s
 /// a target's `same_host` (a target takes whatever channel and area an
 /// agreed initiator offers).
 pub fn our_features(cfg: &crate::TcpConfig, initiator: bool) -> FeatureSet {
-    let has = FEATURES.iter().fold(0, |m, f| m | f.bit);
+    let has = FEATURES.iter().fold(TLS.bit, |m, f| m | f.bit);
     let mut on = has;
     if cfg.same_host == crate::same_host::cma::SameHost::Off {
-        on = 0;
+        on = TLS.bit;
+    }
+    if cfg.tls == crate::tls::TlsMode::Off {
+        on &= !TLS.bit;
     }
     if initiator {
         if !cfg.same_host_unix {
@@ -423,6 +451,10 @@ pub struct PeerReport {
     /// The path's details, as `backend_info` shows them (`tcp (reason)`,
     /// `cma (notes)`).
     pub path_detail: String,
+    /// TLS on the connection: `Ok(cipher suite and identity)` (e.g.
+    /// `TLS13_AES_256_GCM_SHA384, identity derived from the shared
+    /// secret`), or why it is off.
+    pub tls: std::result::Result<String, FeatureOff>,
 }
 
 impl fmt::Display for PeerReport {
@@ -445,6 +477,10 @@ impl fmt::Display for PeerReport {
                 None => writeln!(f, "  {:<16} on", s.name)?,
                 Some(why) => writeln!(f, "  {:<16} off: {why}", s.name)?,
             }
+        }
+        match &self.tls {
+            Ok(suite) => writeln!(f, "  {:<16} on: {suite}", TLS.name)?,
+            Err(why) => writeln!(f, "  {:<16} off: {why}", TLS.name)?,
         }
         write!(f, "  path: {} ({})", self.path, self.path_detail)
     }
@@ -482,6 +518,7 @@ mod tests {
             versions: VersionRange { min: 4, max: 6 },
             features: FeatureSet { has: 15, on: 5 },
             host: Some([7; 32]),
+            tls: Some(1),
         };
         let bytes = e.encode();
         let len = u16::from_le_bytes([bytes[0], bytes[1]]) as usize;
@@ -554,6 +591,7 @@ mod tests {
             ours: FeatureSet { has: 15, on: 13 },
             theirs: FeatureSet::implied_by(4),
             same_host_token: None,
+            tls: None,
         };
         assert_eq!(a.why_off(SAME_HOST), None);
         assert_eq!(

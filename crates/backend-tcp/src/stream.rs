@@ -6,6 +6,7 @@
 //! TCP `sendmsg` runs the whole TCP/IP stack for the receiver).
 
 use std::io;
+use std::net::SocketAddr;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 
 use tokio::io::Interest;
@@ -18,6 +19,10 @@ pub enum Stream {
     Tcp(TcpStream),
     /// The same-host control channel: one end of a Unix socket pair.
     Unix(UnixStream),
+    /// A TCP connection under TLS: the plaintext end of a Unix socket pair
+    /// whose other end a relay task pumps through the TLS session (see
+    /// [`crate::tls`]), and the TCP connection's (local, peer) addresses.
+    Tls(UnixStream, (SocketAddr, SocketAddr)),
 }
 
 impl Stream {
@@ -25,7 +30,7 @@ impl Stream {
     pub async fn readable(&self) -> io::Result<()> {
         match self {
             Stream::Tcp(s) => s.readable().await,
-            Stream::Unix(s) => s.readable().await,
+            Stream::Unix(s) | Stream::Tls(s, _) => s.readable().await,
         }
     }
 
@@ -33,7 +38,7 @@ impl Stream {
     pub async fn writable(&self) -> io::Result<()> {
         match self {
             Stream::Tcp(s) => s.writable().await,
-            Stream::Unix(s) => s.writable().await,
+            Stream::Unix(s) | Stream::Tls(s, _) => s.writable().await,
         }
     }
 
@@ -46,8 +51,23 @@ impl Stream {
     ) -> io::Result<R> {
         match self {
             Stream::Tcp(s) => s.try_io(interest, f),
-            Stream::Unix(s) => s.try_io(interest, f),
+            Stream::Unix(s) | Stream::Tls(s, _) => s.try_io(interest, f),
         }
+    }
+
+    /// The TCP connection's (local, peer) addresses (`None` on the
+    /// same-host channel).
+    pub fn tcp_addrs(&self) -> Option<(SocketAddr, SocketAddr)> {
+        match self {
+            Stream::Tcp(s) => Some((s.local_addr().ok()?, s.peer_addr().ok()?)),
+            Stream::Tls(_, a) => Some(*a),
+            Stream::Unix(_) => None,
+        }
+    }
+
+    /// Whether this runs under TLS.
+    pub fn is_tls(&self) -> bool {
+        matches!(self, Stream::Tls(..))
     }
 
     /// Whether this is the same-host Unix channel.
@@ -59,7 +79,7 @@ impl Stream {
     pub fn into_owned_fd(self) -> io::Result<(bool, OwnedFd)> {
         Ok(match self {
             Stream::Tcp(s) => (false, s.into_std()?.into()),
-            Stream::Unix(s) => (true, s.into_std()?.into()),
+            Stream::Unix(s) | Stream::Tls(s, _) => (true, s.into_std()?.into()),
         })
     }
 
@@ -78,7 +98,7 @@ impl AsRawFd for Stream {
     fn as_raw_fd(&self) -> RawFd {
         match self {
             Stream::Tcp(s) => s.as_raw_fd(),
-            Stream::Unix(s) => s.as_raw_fd(),
+            Stream::Unix(s) | Stream::Tls(s, _) => s.as_raw_fd(),
         }
     }
 }
@@ -87,7 +107,7 @@ impl AsFd for Stream {
     fn as_fd(&self) -> BorrowedFd<'_> {
         match self {
             Stream::Tcp(s) => s.as_fd(),
-            Stream::Unix(s) => s.as_fd(),
+            Stream::Unix(s) | Stream::Tls(s, _) => s.as_fd(),
         }
     }
 }

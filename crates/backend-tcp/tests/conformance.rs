@@ -5,7 +5,9 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};
 
-use backend_tcp::{SameHost, TcpConfig, TcpEngine};
+mod common;
+
+use backend_tcp::{SameHost, TcpConfig, TcpEngine, TlsMode};
 use transport_core::conformance::EngineFactory;
 use transport_core::{Result, TransferEngine};
 
@@ -167,6 +169,54 @@ mod socket_forced {
         secret: Some("conformance".to_owned()),
         connections: 2,
         same_host: SameHost::Off,
+        ..TcpConfig::default()
+    })
+    .unknown_at("127.0.0.1:1"));
+}
+
+/// TLS 1.3 with the identity derived from the secret, on the socket.
+mod tls_secret {
+    use super::*;
+
+    transport_core::conformance_tests!(TcpFactory::new(|| TcpConfig {
+        secret: Some("conformance".to_owned()),
+        tls: TlsMode::Require,
+        connections: 2,
+        same_host: SameHost::Off,
+        ..TcpConfig::default()
+    })
+    .unknown_at("127.0.0.1:1"));
+}
+
+/// TLS 1.3 with certificates (mutual), no secret, small chunks on three
+/// connections, on the socket.
+mod tls_cert {
+    use super::*;
+
+    transport_core::conformance_tests!(TcpFactory::new(|| {
+        let f = common::tls_files();
+        TcpConfig {
+            tls: TlsMode::Require,
+            tls_cert: Some(f.cert.clone()),
+            tls_key: Some(f.key.clone()),
+            tls_ca: Some(f.ca.clone()),
+            connections: 3,
+            chunk_size: 100_000,
+            same_host: SameHost::Off,
+            ..TcpConfig::default()
+        }
+    })
+    .unknown_at("127.0.0.1:1"));
+}
+
+/// TLS 1.3 then the same-host path (its payloads stay kernel copies).
+mod tls_same_host {
+    use super::*;
+
+    transport_core::conformance_tests!(TcpFactory::new(|| TcpConfig {
+        secret: Some("conformance".to_owned()),
+        tls: TlsMode::Require,
+        connections: 2,
         ..TcpConfig::default()
     })
     .unknown_at("127.0.0.1:1"));

@@ -196,6 +196,7 @@ async fn garbage_from_an_initiator_is_refused_and_nothing_else_changes() {
     let a = engine(TcpConfig::default()).await;
     let src = mem(&a, 4096, 0x66).await;
     let seg = a.open_segment(b.segment_name()).await.unwrap();
+    common::assert_tls(&a, b.segment_name());
     a.transfer(seg, TransferRequest::write(src.addr(), target.addr(), 4096))
         .await
         .expect("engine still serves after garbage");
@@ -424,6 +425,7 @@ async fn unregister_waits_for_an_outbound_transfer() {
     src.write(0, &pattern(5, len)).unwrap();
     let dst = mem(&b, len, 0).await;
     let seg = a.open_segment(b.segment_name()).await.unwrap();
+    common::assert_tls(&a, b.segment_name());
     common::assert_path(&a, b.segment_name());
     let a2 = a.clone();
     let (sa, da) = (src.addr(), dst.addr());
@@ -473,6 +475,7 @@ async fn dropped_target_engine_mid_batch() {
     let cm = mem(&c, 4 * MIB, 0).await;
     let sb = a.open_segment(b.segment_name()).await.unwrap();
     let sc = a.open_segment(c.segment_name()).await.unwrap();
+    common::assert_tls(&a, c.segment_name());
     // 4 GiB: same-host copies run at several GB/s, and the batch must
     // still be running when the target goes.
     let reqs: Vec<_> = (0..1024)
@@ -577,6 +580,7 @@ async fn killed_peer_process_mid_batch() {
             "--test-threads=1",
         ])
         .env(CHILD_ENV, "1")
+        .envs(common::child_env())
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
@@ -772,6 +776,7 @@ async fn stale_table_fails_only_the_affected_requests() {
     let r1 = mem(&b, 4096, 0).await;
     let r2 = mem(&b, 4096, 0).await;
     let seg = a.open_segment(b.segment_name()).await.unwrap();
+    common::assert_tls(&a, b.segment_name());
     b.unregister(r2.addr()).await.unwrap();
     let reqs = [
         TransferRequest::write(src.addr(), r1.addr(), 64),
@@ -843,6 +848,7 @@ async fn readv_reports_refused_segments_and_returns_the_rest() {
     let dst = mem(&a, 4096, 0).await;
     let gone = mem(&b, 4096, 0x99).await;
     let seg = a.open_segment(b.segment_name()).await.unwrap();
+    common::assert_tls(&a, b.segment_name());
     b.unregister(gone.addr()).await.unwrap();
     let reqs = [
         TransferRequest::read(dst.addr(), t, 64),

@@ -216,6 +216,7 @@ async fn negotiating_target(
             versions: range,
             features: FeatureSet::implied_by(5),
             host,
+            tls: None,
         };
         s.write_all(&[mine.encode(), ext.encode()].concat())
             .await
@@ -274,6 +275,7 @@ async fn no_common_version_names_both_ranges_and_what_to_upgrade() {
         versions: VersionRange { min: 1, max: 3 },
         features: FeatureSet::default(),
         host: None,
+        tls: None,
     };
     s.write_all(&mine.encode()).await.unwrap();
     let mut rej = Vec::new();

@@ -14,13 +14,15 @@ Examples:
   # what was negotiated with a peer (tcp): both version ranges, the version in
   # use, each optional feature on/off and why, the payload path
   ferry caps --peer 127.0.0.1:7000
+  # with TLS (the line `tls  on: TLS13_…` names the cipher suite)
+  ferry caps --backend 'tcp://127.0.0.1:0?secret=S' --tls require --peer 10.0.0.2:7000
   ferry caps --backend 'mooncake://?lib=/opt/mooncake/libtransfer_engine.so&metadata=P2PHANDSHAKE&protocol=tcp&host=127.0.0.1'
   ferry caps --backend 'verbs://mlx5_0?port=1&gid_index=3'
   # in a start-up script: fail unless batches and notifications are native
   ferry caps --backend \"$FERRY_URL\" --strict --require batch_transfer,notify || exit 1
 
 Backend URLs (the scheme is also the cargo feature that compiles the backend in):
-  tcp://HOST:PORT[?secret=S]            tokio TCP (default feature)
+  tcp://HOST:PORT[?secret=S&tls=on]     tokio TCP (default feature)
   mooncake://?lib=PATH&metadata=…&…     Mooncake Transfer Engine, loaded at run time
   verbs://DEVICE?port=N&gid_index=N     RDMA verbs
 Ferry's own parameters, on any URL: strict=1 (no emulation), coalesce=0,
@@ -58,6 +60,9 @@ pub struct CapsArgs {
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
+
+    #[command(flatten)]
+    tls: crate::serve::TlsArgs,
 }
 
 /// Required capabilities are missing (exit status 3).
@@ -100,6 +105,10 @@ struct JsonPeer {
     features: Vec<JsonFeature>,
     path: String,
     path_detail: String,
+    /// The TLS cipher suite and identity, if the connection runs TLS.
+    tls: Option<String>,
+    /// Why TLS is off, if it is.
+    tls_off: Option<String>,
 }
 
 #[derive(Serialize)]
@@ -126,6 +135,7 @@ pub async fn run(args: CapsArgs) -> anyhow::Result<()> {
     } else {
         args.backend.clone()
     };
+    let url = args.tls.apply(&url)?;
     let engine = Engine::open(&url)
         .await
         .with_context(|| format!("opening {}", redact(&url)))?;
@@ -226,6 +236,8 @@ fn json_peer(p: &ferry::PeerReport) -> JsonPeer {
             .collect(),
         path: p.path.clone(),
         path_detail: p.path_detail.clone(),
+        tls: p.tls.as_ref().ok().cloned(),
+        tls_off: p.tls.as_ref().err().map(ToString::to_string),
     }
 }
 

@@ -23,6 +23,8 @@ Examples:
   ferry serve --backend tcp://10.0.0.2:7000 --size 256MiB --raw-listen 10.0.0.2:7001
   # it prints the command to run on the other machine, e.g.
   ferry bench --peer 10.0.0.2:7000 --remote-addr 0x7f3a5c000000 --remote-len 268435456 --raw-peer 10.0.0.2:7001
+  # TLS 1.3 (identity derived from the secret; or --tls-cert/--tls-key/--tls-ca)
+  FERRY_SECRET=s3cret ferry serve --backend tcp://10.0.0.2:7000 --tls require
   # on one machine, for a try
   ferry serve --size 64MiB
 
@@ -80,6 +82,71 @@ pub struct ServeArgs {
     /// served region. Without it such a `serve` refuses to start.
     #[arg(long)]
     insecure: bool,
+
+    #[command(flatten)]
+    tls: TlsArgs,
+}
+
+/// TLS 1.3 settings of the TCP backend (`ferry serve`, `ferry caps`),
+/// added to its URL as `tls=`, `tls_cert=`, `tls_key=`, `tls_ca=`.
+#[derive(clap::Args, Debug, Default)]
+pub struct TlsArgs {
+    /// TLS 1.3 on the TCP socket path: `off`, `on` (with every peer that
+    /// has it on, in clear with the others) or `require` (refuse peers
+    /// without it). Without --tls-cert/--tls-key/--tls-ca the identity is
+    /// derived from the shared secret. The same-host path is never
+    /// encrypted (it does not leave the machine).
+    #[arg(long, value_name = "MODE", value_parser = ["off", "on", "require"])]
+    tls: Option<String>,
+
+    /// PEM certificate chain this engine presents (with --tls-key, --tls-ca).
+    #[arg(long, value_name = "PATH", requires = "tls")]
+    tls_cert: Option<PathBuf>,
+
+    /// PEM private key of --tls-cert.
+    #[arg(long, value_name = "PATH", requires = "tls")]
+    tls_key: Option<PathBuf>,
+
+    /// PEM CA certificates the peer's chain must chain to (checked in both
+    /// directions: mutual authentication).
+    #[arg(long, value_name = "PATH", requires = "tls")]
+    tls_ca: Option<PathBuf>,
+}
+
+impl TlsArgs {
+    /// `url` with these settings added (an error if the URL sets them too,
+    /// or is not a tcp URL).
+    pub fn apply(&self, url: &str) -> anyhow::Result<String> {
+        let Some(mode) = &self.tls else {
+            return Ok(url.to_owned());
+        };
+        if !url.starts_with("tcp://") {
+            bail!("--tls applies to the tcp backend only");
+        }
+        if query_keys(url).any(|k| k.starts_with("tls")) {
+            bail!("the backend URL already has TLS settings; give them one way only");
+        }
+        let mut out = url.to_owned();
+        let mut add = |k: &str, v: &str| {
+            let sep = if out.contains('?') { '&' } else { '?' };
+            let v = percent_encoding::utf8_percent_encode(v, percent_encoding::NON_ALPHANUMERIC);
+            out = format!("{out}{sep}{k}={v}");
+        };
+        add("tls", mode);
+        for (k, p) in [
+            ("tls_cert", &self.tls_cert),
+            ("tls_key", &self.tls_key),
+            ("tls_ca", &self.tls_ca),
+        ] {
+            if let Some(p) = p {
+                let p = p
+                    .to_str()
+                    .with_context(|| format!("--{} is not UTF-8", k.replace('_', "-")))?;
+                add(k, p);
+            }
+        }
+        Ok(out)
+    }
 }
 
 /// The backend URL with the secret from `--secret-file` or `FERRY_SECRET`
@@ -147,11 +214,12 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
              (/proc/PID/cmdline); use --secret-file or {SECRET_ENV} instead"
         );
     }
-    let mut url = with_secret(
+    let url = with_secret(
         &args.backend,
         args.secret_file.as_ref(),
         std::env::var(SECRET_ENV).ok(),
     )?;
+    let mut url = args.tls.apply(&url)?;
     if args.insecure && url.starts_with("tcp://") {
         let sep = if url.contains('?') { '&' } else { '?' };
         url = format!("{url}{sep}insecure=1");

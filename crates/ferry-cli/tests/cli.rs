@@ -635,3 +635,75 @@ fn serve_beyond_loopback_needs_a_secret_or_insecure() {
     let err = text(&out.stderr);
     assert!(err.contains("visible to every user"), "{err}");
 }
+
+/// `ferry serve --tls require` (identity derived from FERRY_SECRET), and
+/// `ferry caps --tls require --peer` naming the cipher suite; a peer
+/// without TLS is refused with the reason.
+#[test]
+fn serve_with_tls_and_caps_names_the_cipher_suite() {
+    let mut child = ferry()
+        .args([
+            "serve",
+            "--size",
+            "1MiB",
+            "--backend",
+            "tcp://127.0.0.1:0?same_host=off",
+            "--tls",
+            "require",
+        ])
+        .env("FERRY_SECRET", "tls-cli-secret")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn");
+    let stdout = child.stdout.take().expect("stdout");
+    // Keep reading: a closed pipe would end `serve` at its next line.
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let first = rx
+        .recv_timeout(Duration::from_secs(60))
+        .expect("a banner line");
+    let seg = first
+        .split("segment ")
+        .nth(1)
+        .and_then(|r| r.split([',', ' ']).next())
+        .unwrap_or_else(|| panic!("no segment in {first:?}"))
+        .to_owned();
+    let url = "tcp://127.0.0.1:0?secret=tls-cli-secret&same_host=off";
+    let caps = run(&["caps", "--backend", url, "--tls", "require", "--peer", &seg]);
+    let clear = run(&["caps", "--backend", url, "--peer", &seg]);
+    let json = run(&[
+        "caps",
+        "--backend",
+        url,
+        "--tls",
+        "on",
+        "--peer",
+        &seg,
+        "--json",
+    ]);
+    let pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).expect("pid"));
+    let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT);
+    let _ = child.wait();
+    let out = text(&caps.stdout);
+    assert!(caps.status.success(), "{out}{}", text(&caps.stderr));
+    let line = out
+        .lines()
+        .find(|l| l.trim_start().starts_with("tls "))
+        .unwrap_or_else(|| panic!("no tls line in {out}"));
+    assert!(line.contains("on: TLS13_"), "{line}");
+    assert!(line.contains("shared secret"), "{line}");
+    let err = text(&clear.stderr);
+    assert_eq!(clear.status.code(), Some(1), "{err}");
+    assert!(err.contains("tls=require"), "{err}");
+    let j: serde_json::Value = serde_json::from_slice(&json.stdout).expect("json");
+    let suite = j["peers"][0]["tls"].as_str().unwrap_or_default();
+    assert!(suite.starts_with("TLS13_"), "{j}");
+}

@@ -33,15 +33,15 @@ fn connect_error(name: &str, e: &std::io::Error) -> Error {
 /// from (Linux routes a connection to one of its own addresses with that
 /// address as the source).
 fn peer_may_be_local(stream: &Stream) -> bool {
-    let Stream::Tcp(tcp) = stream else {
+    if let Stream::Unix(_) = stream {
         return true;
-    };
-    match (tcp.peer_addr(), tcp.local_addr()) {
-        (Ok(p), Ok(l)) => {
+    }
+    match stream.tcp_addrs().map(|(l, p)| (p, l)) {
+        Some((p, l)) => {
             let canon = |ip: std::net::IpAddr| ip.to_canonical();
             canon(p.ip()).is_loopback() || canon(p.ip()) == canon(l.ip())
         }
-        _ => false,
+        None => false,
     }
 }
 
@@ -83,15 +83,16 @@ impl Peer {
         let features = negotiate::our_features(cfg, true);
         loop {
             let hello_version = self.hello_version.load(Ordering::Relaxed);
-            let stream = self.dial().await?;
+            let mut stream = self.dial().await?;
             match handshake::client(
-                &stream,
+                &mut stream,
                 &self.name,
                 &self.core.name,
                 cfg.secret.as_deref(),
                 cfg.connect_timeout,
                 hello_version,
                 features,
+                self.core.tls.as_deref(),
             )
             .await?
             {
@@ -278,6 +279,12 @@ impl Peer {
             features: report.states,
             path: path.to_owned(),
             path_detail: self.path().unwrap_or_default(),
+            tls: match &agreed.tls {
+                Some(t) => Ok(t.clone()),
+                None => Err(agreed
+                    .why_off(negotiate::TLS)
+                    .unwrap_or(FeatureOff::ThisEngineLacks)),
+            },
         });
         self.same_host
             .store(cma, std::sync::atomic::Ordering::Relaxed);

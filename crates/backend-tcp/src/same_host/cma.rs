@@ -243,6 +243,24 @@ pub fn make_offer() -> Result<(Box<[u8; 16]>, Offer), String> {
 /// reused between check and pin cannot slip in (where the kernel has no
 /// pidfds, Linux < 5.3, this ordering cannot be enforced).
 pub fn check_offer(stream: &TcpStream, offer: &Offer) -> Result<Initiator, (Refusal, i32)> {
+    let errno = |e: std::io::Error| e.raw_os_error().unwrap_or(libc::EIO);
+    let addrs = (
+        stream
+            .local_addr()
+            .map_err(|e| (Refusal::NotTheOwner, errno(e)))?,
+        stream
+            .peer_addr()
+            .map_err(|e| (Refusal::NotTheOwner, errno(e)))?,
+    );
+    check_offer_on(addrs, offer)
+}
+
+/// [`check_offer`] for the TCP connection with these (local, peer)
+/// addresses (under TLS the connection's socket is a relay's).
+pub fn check_offer_on(
+    addrs: (std::net::SocketAddr, std::net::SocketAddr),
+    offer: &Offer,
+) -> Result<Initiator, (Refusal, i32)> {
     if boot_id().ok().as_ref() != Some(&offer.boot_id) {
         return Err((Refusal::OtherHost, 0));
     }
@@ -268,7 +286,7 @@ pub fn check_offer(stream: &TcpStream, offer: &Offer) -> Result<Initiator, (Refu
     if got != offer.nonce {
         return Err((Refusal::ProbeMismatch, 0));
     }
-    match socket_owned_by(stream, pid) {
+    match socket_owned_by(addrs, pid) {
         Ok(true) => {}
         Ok(false) => return Err((Refusal::NotTheOwner, 0)),
         Err(e) => return Err((Refusal::NotTheOwner, e)),
@@ -300,12 +318,11 @@ fn proc_addr(a: &std::net::SocketAddr) -> String {
 /// Whether process `pid` holds the other end of `stream` (a socket whose
 /// local address is our peer address and remote address ours). `Err`:
 /// errno of a lookup that failed.
-fn socket_owned_by(stream: &TcpStream, pid: i32) -> Result<bool, i32> {
+fn socket_owned_by(
+    (ours, theirs): (std::net::SocketAddr, std::net::SocketAddr),
+    pid: i32,
+) -> Result<bool, i32> {
     let errno = |e: std::io::Error| e.raw_os_error().unwrap_or(libc::EIO);
-    let (ours, theirs) = (
-        stream.local_addr().map_err(errno)?,
-        stream.peer_addr().map_err(errno)?,
-    );
     let (want_local, want_remote) = (proc_addr(&theirs), proc_addr(&ours));
     let mut inode = None;
     for table in ["/proc/net/tcp", "/proc/net/tcp6"] {

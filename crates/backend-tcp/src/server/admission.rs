@@ -227,19 +227,20 @@ async fn serve_conn(
     mut evicted: oneshot::Receiver<()>,
 ) -> Result<(), Error> {
     let _ = stream.set_nodelay(true);
-    let stream = Stream::Tcp(stream);
+    let mut stream = Stream::Tcp(stream);
     let cfg = &core.config;
     let peer = addr.to_string();
     let hs = tokio::select! {
         r = tokio::time::timeout(
             cfg.handshake_timeout,
             handshake::server(
-                &stream,
+                &mut stream,
                 &peer,
                 &core.name,
                 cfg.secret.as_deref(),
                 cfg.handshake_timeout,
                 crate::negotiate::our_features(cfg, false),
+                core.tls.as_deref(),
             ),
         ) => Some(r),
         _ = &mut evicted => None,

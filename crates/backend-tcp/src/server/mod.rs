@@ -110,6 +110,8 @@ pub struct Core {
     pub name: String,
     /// Its configuration.
     pub config: TcpConfig,
+    /// Its TLS configurations (`None`: `tls=off`).
+    pub tls: Option<std::sync::Arc<crate::tls::TlsContext>>,
     /// Its registered regions.
     pub regions: RegionTable,
     gens: Mutex<Generations>,
@@ -131,6 +133,7 @@ impl Core {
     pub fn new(name: String, config: TcpConfig) -> Core {
         Core {
             name,
+            tls: None,
             config,
             regions: RegionTable::new(),
             gens: Mutex::new(Generations::default()),

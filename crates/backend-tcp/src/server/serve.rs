@@ -456,7 +456,12 @@ pub(super) async fn serve(
                         let reason = "SAME_HOST from a peer that did not announce it".to_owned();
                         return Err(malformed(&stream, &mut out, core, peer, id, reason).await);
                     }
-                    Stream::Tcp(tcp) if cma_pid.is_none() => cma::check_offer(tcp, &offer),
+                    s if cma_pid.is_none() && !matches!(s, Stream::Unix(_)) => {
+                        match s.tcp_addrs() {
+                            Some(addrs) => cma::check_offer_on(addrs, &offer),
+                            None => Err((cma::Refusal::NotTheOwner, libc::EIO)),
+                        }
+                    }
                     _ => {
                         let reason = "SAME_HOST on a connection that has agreed it".to_owned();
                         return Err(malformed(&stream, &mut out, core, peer, id, reason).await);

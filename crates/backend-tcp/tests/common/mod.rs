@@ -16,8 +16,13 @@ use transport_core::{HostBuffer, Location, TransferEngine};
 /// `same_host=auto` (under which engines of one host use the cross-memory
 /// path), so the fault tests run on either path; `FERRY_TEST_STAGE=off`
 /// turns the staging area off (every same-host frame is then one kernel
-/// copy by the target).
+/// copy by the target). `FERRY_TEST_TLS=cert` turns TLS on (`tls=on`) in
+/// every engine with the test certificates ([`tls_files`]);
+/// `FERRY_TEST_TLS=secret` in every engine that has a secret (the identity
+/// derived from it). Hand-made raw peers do not announce TLS and stay in
+/// clear.
 pub async fn engine(mut cfg: TcpConfig) -> Arc<TcpEngine> {
+    with_test_tls(&mut cfg);
     if cfg.same_host == backend_tcp::SameHost::Auto {
         if let Ok(v) = std::env::var("FERRY_TEST_SAME_HOST") {
             cfg.same_host = backend_tcp::SameHost::parse(&v).expect("auto, cma or off");
@@ -27,6 +32,105 @@ pub async fn engine(mut cfg: TcpConfig) -> Arc<TcpEngine> {
         cfg.same_host_stage = None;
     }
     Arc::new(TcpEngine::start(cfg).await.expect("engine starts"))
+}
+
+/// Applies `FERRY_TEST_TLS` (see [`engine`]) to `cfg`.
+pub fn with_test_tls(cfg: &mut TcpConfig) {
+    if cfg.tls != backend_tcp::TlsMode::Off {
+        return;
+    }
+    match std::env::var("FERRY_TEST_TLS").as_deref() {
+        Ok("cert") => {
+            let f = tls_files();
+            cfg.tls = backend_tcp::TlsMode::On;
+            cfg.tls_cert = Some(f.cert.clone());
+            cfg.tls_key = Some(f.key.clone());
+            cfg.tls_ca = Some(f.ca.clone());
+        }
+        Ok("secret") if cfg.secret.is_some() => cfg.tls = backend_tcp::TlsMode::On,
+        _ => {}
+    }
+}
+
+/// A CA and a certificate it signed (for `localhost` and `127.0.0.1`,
+/// server and client use), as PEM files.
+#[derive(Clone, Debug)]
+pub struct TlsFiles {
+    /// Their directory.
+    pub dir: std::path::PathBuf,
+    /// The leaf certificate.
+    pub cert: std::path::PathBuf,
+    /// Its private key.
+    pub key: std::path::PathBuf,
+    /// The CA's certificate.
+    pub ca: std::path::PathBuf,
+}
+
+/// Makes a fresh CA and leaf under a new directory named after `tag`.
+pub fn make_tls_files(tag: &str) -> TlsFiles {
+    use rcgen::{
+        BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair,
+    };
+    let dir = std::env::temp_dir().join(format!("ferry-tls-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let ca_key = KeyPair::generate().expect("CA key");
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).expect("CA params");
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca_params
+        .distinguished_name
+        .push(DnType::CommonName, format!("ferry test CA {tag}"));
+    let ca = ca_params.self_signed(&ca_key).expect("CA cert");
+    let key = KeyPair::generate().expect("leaf key");
+    let mut params = CertificateParams::new(vec!["localhost".to_owned(), "127.0.0.1".to_owned()])
+        .expect("leaf params");
+    params.extended_key_usages = vec![
+        ExtendedKeyUsagePurpose::ServerAuth,
+        ExtendedKeyUsagePurpose::ClientAuth,
+    ];
+    let leaf = params.signed_by(&key, &ca, &ca_key).expect("leaf cert");
+    let files = TlsFiles {
+        dir: dir.clone(),
+        cert: dir.join("cert.pem"),
+        key: dir.join("key.pem"),
+        ca: dir.join("ca.pem"),
+    };
+    std::fs::write(&files.cert, leaf.pem()).expect("write cert");
+    std::fs::write(&files.key, key.serialize_pem()).expect("write key");
+    std::fs::write(&files.ca, ca.pem()).expect("write CA");
+    files
+}
+
+/// The test certificates shared by a test binary's engines (a child
+/// process of a test uses its parent's: the directory in
+/// `FERRY_TEST_TLS_DIR`, see [`child_env`]).
+pub fn tls_files() -> &'static TlsFiles {
+    static FILES: std::sync::OnceLock<TlsFiles> = std::sync::OnceLock::new();
+    FILES.get_or_init(|| match std::env::var_os("FERRY_TEST_TLS_DIR") {
+        Some(dir) => {
+            let dir = std::path::PathBuf::from(dir);
+            TlsFiles {
+                cert: dir.join("cert.pem"),
+                key: dir.join("key.pem"),
+                ca: dir.join("ca.pem"),
+                dir,
+            }
+        }
+        None => make_tls_files("shared"),
+    })
+}
+
+/// What a child engine process of a test needs in its environment to
+/// speak to its parent's engines (under `FERRY_TEST_TLS=cert`: the same
+/// certificates).
+pub fn child_env() -> Vec<(&'static str, std::ffi::OsString)> {
+    if std::env::var("FERRY_TEST_TLS").as_deref() == Ok("cert") {
+        vec![(
+            "FERRY_TEST_TLS_DIR",
+            tls_files().dir.clone().into_os_string(),
+        )]
+    } else {
+        Vec::new()
+    }
 }
 
 /// A host buffer filled with `byte`, registered with `e`.
@@ -140,4 +244,20 @@ pub fn assert_path(e: &TcpEngine, peer: &str) {
         _ => "path: cma",
     };
     assert_eq!(path, want, "the path to {peer}");
+    assert_tls(e, peer);
+}
+
+/// Under `FERRY_TEST_TLS`, asserts that the connection of `e` to `peer`
+/// runs TLS (where the run puts TLS on both: with `secret`, only engines
+/// with a secret have it).
+pub fn assert_tls(e: &TcpEngine, peer: &str) {
+    let want = match std::env::var("FERRY_TEST_TLS").as_deref() {
+        Ok("cert") => true,
+        Ok("secret") => e.config().secret.is_some(),
+        _ => false,
+    };
+    if want {
+        let r = e.peer_report(peer).expect("a peer report");
+        assert!(r.tls.is_ok(), "FERRY_TEST_TLS: TLS is off to {peer}: {r}");
+    }
 }

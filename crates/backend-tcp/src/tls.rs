@@ -1,0 +1,561 @@
+//! TLS 1.3 on a connection (PROTOCOL.md §1.3), with rustls and its `ring`
+//! provider (no OpenSSL).
+//!
+//! Two ways to name the peers:
+//!
+//! - **Certificates** (`tls_cert`, `tls_key`, `tls_ca`): the target
+//!   presents its chain, the initiator checks it against `tls_ca` and the
+//!   host of the segment name; the initiator presents its own chain, which
+//!   the target checks against the same CA (mutual authentication).
+//! - **An identity derived from the shared secret** (no files): rustls has
+//!   no external-PSK API, so each role's Ed25519 key is derived from the
+//!   secret (HKDF-SHA256), the target presents a self-signed certificate
+//!   of its key, and the initiator accepts exactly that public key (the
+//!   TLS 1.3 CertificateVerify signature must verify with it; nothing else
+//!   in the certificate counts). This is not a TLS PSK: it is an
+//!   authenticated (EC)DHE handshake whose server key only holders of the
+//!   secret can compute. The initiator is then authenticated by the HMAC
+//!   proof, which runs inside TLS and is bound to the TLS exporter.
+//!
+//! Once the handshake is done, the TLS session lives in a relay task that
+//! pumps plaintext between it and one end of a Unix socket pair; the
+//! connection's own code (frames, zero-copy `sendmsg` / `recvmsg`, fences)
+//! runs unchanged on the other end ([`Stream::Tls`]). That costs two extra
+//! kernel copies per byte on top of the encryption (see the README's
+//! figures).
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, ServerName, UnixTime};
+use rustls::{DigitallySignedStruct, SignatureScheme};
+use transport_core::{Error, Result};
+
+use crate::stream::Stream;
+
+/// The `tls` setting.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum TlsMode {
+    /// Never (default): connections stay in clear; TLS is announced off.
+    #[default]
+    Off,
+    /// TLS with every peer that has it on; clear with the others.
+    On,
+    /// TLS or nothing: a peer without it is refused.
+    Require,
+}
+
+impl TlsMode {
+    /// Parses a URL value: `off`/`0`, `on`/`1`, `require`.
+    pub fn parse(s: &str) -> Option<TlsMode> {
+        match s {
+            "off" | "0" | "false" => Some(TlsMode::Off),
+            "on" | "1" | "true" => Some(TlsMode::On),
+            "require" => Some(TlsMode::Require),
+            _ => None,
+        }
+    }
+}
+
+/// How a side names itself in TLS (the value of the TLS extension).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Identity {
+    /// An Ed25519 key derived from the shared secret.
+    Secret = 1,
+    /// Certificate files and a CA.
+    Certificates = 2,
+}
+
+impl Identity {
+    /// From the extension's byte.
+    pub fn from_u8(v: u8) -> Option<Identity> {
+        match v {
+            1 => Some(Identity::Secret),
+            2 => Some(Identity::Certificates),
+            _ => None,
+        }
+    }
+
+    /// For reports.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Identity::Secret => "identity derived from the shared secret",
+            Identity::Certificates => "certificates",
+        }
+    }
+}
+
+/// An engine's TLS configurations, built once at start.
+pub struct TlsContext {
+    /// `tls=on` or `require`.
+    pub mode: TlsMode,
+    /// How this engine names itself.
+    pub identity: Identity,
+    /// The relay's progress bound (`stall_timeout`).
+    stall: Duration,
+    client: Arc<rustls::ClientConfig>,
+    server: Arc<rustls::ServerConfig>,
+}
+
+impl std::fmt::Debug for TlsContext {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TlsContext")
+            .field("mode", &self.mode)
+            .field("identity", &self.identity)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What a TLS handshake settled.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Session {
+    /// The cipher suite (`TLS13_AES_256_GCM_SHA384`, …).
+    pub suite: String,
+    /// 32 bytes of the TLS exporter (label `EXPORTER-ferry-tcp`), which
+    /// the HMAC proofs cover.
+    pub exporter: [u8; 32],
+}
+
+/// The exporter's label (RFC 8446 §7.5).
+const EXPORTER_LABEL: &[u8] = b"EXPORTER-ferry-tcp";
+/// The plaintext relay's buffer, each way.
+const RELAY_BUF: usize = 256 << 10;
+
+fn invalid(msg: String) -> Error {
+    Error::InvalidArgument(msg)
+}
+
+/// ring's provider with TLS13_AES_128_GCM_SHA256 first (both sides use
+/// this order, so it is the suite two Ferry engines agree on): 10 AES
+/// rounds instead of AES-256's 14, the cheapest suite on CPUs with AES-NI.
+fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+    let mut p = rustls::crypto::ring::default_provider();
+    p.cipher_suites
+        .sort_by_key(|s| s.suite() != rustls::CipherSuite::TLS13_AES_128_GCM_SHA256);
+    Arc::new(p)
+}
+
+/// The PKCS#8 (v1) encoding of an Ed25519 private key seed (RFC 8410).
+fn ed25519_pkcs8(seed: &[u8; 32]) -> Vec<u8> {
+    const PREFIX: [u8; 16] = [
+        0x30, 0x2e, 0x02, 0x01, 0x00, 0x30, 0x05, 0x06, 0x03, 0x2b, 0x65, 0x70, 0x04, 0x22, 0x04,
+        0x20,
+    ];
+    [PREFIX.as_slice(), seed].concat()
+}
+
+/// The Ed25519 seed of `role` (`target` or `initiator`) for `secret`:
+/// HKDF-SHA256(salt `ferry-tcp tls v1`, ikm secret, info `role`).
+fn derive_seed(secret: &str, role: &str) -> [u8; 32] {
+    let hk = hkdf::Hkdf::<sha2::Sha256>::new(Some(b"ferry-tcp tls v1"), secret.as_bytes());
+    let mut seed = [0u8; 32];
+    // 32 bytes is far below HKDF's limit (255 × 32): cannot fail.
+    let _ = hk.expand(role.as_bytes(), &mut seed);
+    seed
+}
+
+/// The target's derived certificate, its key and its public key.
+fn derived_target(
+    secret: &str,
+) -> Result<(CertificateDer<'static>, PrivateKeyDer<'static>, Vec<u8>)> {
+    use ring::signature::KeyPair as _;
+    let seed = derive_seed(secret, "target");
+    let pair = ring::signature::Ed25519KeyPair::from_seed_unchecked(&seed)
+        .map_err(|_| invalid("deriving the TLS key from the secret failed".to_owned()))?;
+    let public = pair.public_key().as_ref().to_vec();
+    let pkcs8 = PrivatePkcs8KeyDer::from(ed25519_pkcs8(&seed));
+    let key = rcgen::KeyPair::from_pkcs8_der_and_sign_algo(&pkcs8, &rcgen::PKCS_ED25519)
+        .map_err(|e| invalid(format!("the derived TLS key: {e}")))?;
+    let params = rcgen::CertificateParams::new(vec!["ferry-tcp".to_owned()])
+        .map_err(|e| invalid(format!("the derived TLS certificate: {e}")))?;
+    let cert = params
+        .self_signed(&key)
+        .map_err(|e| invalid(format!("the derived TLS certificate: {e}")))?;
+    Ok((cert.der().clone(), PrivateKeyDer::Pkcs8(pkcs8), public))
+}
+
+/// Accepts exactly one Ed25519 public key: the certificate is not read,
+/// the handshake signature must verify with the pinned key.
+#[derive(Debug)]
+struct PinnedKey {
+    public: Vec<u8>,
+}
+
+impl ServerCertVerifier for PinnedKey {
+    fn verify_server_cert(
+        &self,
+        _end_entity: &CertificateDer<'_>,
+        _intermediates: &[CertificateDer<'_>],
+        _server_name: &ServerName<'_>,
+        _ocsp: &[u8],
+        _now: UnixTime,
+    ) -> std::result::Result<ServerCertVerified, rustls::Error> {
+        // Identity is proven by the CertificateVerify signature below.
+        Ok(ServerCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        _message: &[u8],
+        _cert: &CertificateDer<'_>,
+        _dss: &DigitallySignedStruct,
+    ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
+        Err(rustls::Error::PeerIncompatible(
+            rustls::PeerIncompatible::Tls12NotOffered,
+        ))
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        _cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
+        if dss.scheme != SignatureScheme::ED25519 {
+            return Err(rustls::Error::InvalidCertificate(
+                rustls::CertificateError::BadSignature,
+            ));
+        }
+        ring::signature::UnparsedPublicKey::new(&ring::signature::ED25519, &self.public)
+            .verify(message, dss.signature())
+            .map(|()| HandshakeSignatureValid::assertion())
+            .map_err(|_| {
+                rustls::Error::InvalidCertificate(
+                    rustls::CertificateError::ApplicationVerificationFailure,
+                )
+            })
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        vec![SignatureScheme::ED25519]
+    }
+}
+
+fn load_certs(path: &Path, what: &str) -> Result<Vec<CertificateDer<'static>>> {
+    let certs: Vec<_> = CertificateDer::pem_file_iter(path)
+        .map_err(|e| invalid(format!("{what} {}: {e}", path.display())))?
+        .collect::<std::result::Result<_, _>>()
+        .map_err(|e| invalid(format!("{what} {}: {e}", path.display())))?;
+    if certs.is_empty() {
+        return Err(invalid(format!(
+            "{what} {} holds no PEM certificate",
+            path.display()
+        )));
+    }
+    Ok(certs)
+}
+
+impl TlsContext {
+    /// The context of `cfg`, or `None` with `tls=off`. Reads the files
+    /// named (errors name the file and the problem, never key bytes).
+    pub fn new(cfg: &crate::TcpConfig) -> Result<Option<Arc<TlsContext>>> {
+        if cfg.tls == TlsMode::Off {
+            return Ok(None);
+        }
+        let tls13: &[&rustls::SupportedProtocolVersion] = &[&rustls::version::TLS13];
+        let rustls_err = |e: rustls::Error| invalid(format!("TLS configuration: {e}"));
+        let (identity, client, server) = match (&cfg.tls_cert, &cfg.tls_key, &cfg.tls_ca) {
+            (Some(cert), Some(key), Some(ca)) => {
+                let chain = load_certs(cert, "tls_cert")?;
+                let key = PrivateKeyDer::from_pem_file(key)
+                    .map_err(|e| invalid(format!("tls_key {}: {e}", key.display())))?;
+                let mut roots = rustls::RootCertStore::empty();
+                for c in load_certs(ca, "tls_ca")? {
+                    roots
+                        .add(c)
+                        .map_err(|e| invalid(format!("tls_ca {}: {e}", ca.display())))?;
+                }
+                let roots = Arc::new(roots);
+                let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+                    Arc::clone(&roots),
+                    provider(),
+                )
+                .build()
+                .map_err(|e| invalid(format!("tls_ca {}: {e}", ca.display())))?;
+                let server = rustls::ServerConfig::builder_with_provider(provider())
+                    .with_protocol_versions(tls13)
+                    .map_err(rustls_err)?
+                    .with_client_cert_verifier(verifier)
+                    .with_single_cert(chain.clone(), key.clone_key())
+                    .map_err(rustls_err)?;
+                let client = rustls::ClientConfig::builder_with_provider(provider())
+                    .with_protocol_versions(tls13)
+                    .map_err(rustls_err)?
+                    .with_root_certificates(roots)
+                    .with_client_auth_cert(chain, key)
+                    .map_err(rustls_err)?;
+                (Identity::Certificates, client, server)
+            }
+            (None, None, None) => {
+                let Some(secret) = cfg.secret.as_deref() else {
+                    return Err(invalid(
+                        "tls=on/require needs either a shared secret (the TLS identity is \
+                         derived from it) or tls_cert, tls_key and tls_ca"
+                            .to_owned(),
+                    ));
+                };
+                let (cert, key, public) = derived_target(secret)?;
+                let server = rustls::ServerConfig::builder_with_provider(provider())
+                    .with_protocol_versions(tls13)
+                    .map_err(rustls_err)?
+                    .with_no_client_auth()
+                    .with_single_cert(vec![cert], key)
+                    .map_err(rustls_err)?;
+                let client = rustls::ClientConfig::builder_with_provider(provider())
+                    .with_protocol_versions(tls13)
+                    .map_err(rustls_err)?
+                    .dangerous()
+                    .with_custom_certificate_verifier(Arc::new(PinnedKey { public }))
+                    .with_no_client_auth();
+                (Identity::Secret, client, server)
+            }
+            _ => {
+                return Err(invalid(
+                    "tls_cert, tls_key and tls_ca go together (each side presents its chain \
+                     and checks the peer's against the CA); without any of them the TLS \
+                     identity is derived from the shared secret"
+                        .to_owned(),
+                ))
+            }
+        };
+        let mut client = client;
+        client.enable_sni = identity == Identity::Certificates;
+        Ok(Some(Arc::new(TlsContext {
+            mode: cfg.tls,
+            identity,
+            stall: cfg.stall_timeout,
+            client: Arc::new(client),
+            server: Arc::new(server),
+        })))
+    }
+
+    /// Initiator side: runs the TLS handshake on `stream` (a TCP stream)
+    /// with the target `peer` (`host:port`; with certificates the host is
+    /// the name checked) and replaces `stream` with the plaintext end.
+    pub async fn connect(
+        &self,
+        stream: &mut Stream,
+        peer: &str,
+        timeout: Duration,
+    ) -> Result<Session> {
+        let (tcp, addrs) = take_tcp(stream, peer)?;
+        let name = match self.identity {
+            Identity::Secret => ServerName::try_from("ferry-tcp").map(|n| n.to_owned()),
+            Identity::Certificates => {
+                let host = peer.rsplit_once(':').map_or(peer, |(h, _)| h);
+                let host = host.trim_start_matches('[').trim_end_matches(']');
+                ServerName::try_from(host.to_owned())
+            }
+        }
+        .map_err(|e| Error::InvalidArgument(format!("TLS server name of {peer}: {e}")))?;
+        let connector = tokio_rustls::TlsConnector::from(Arc::clone(&self.client));
+        let tls = tokio::time::timeout(timeout, connector.connect(name, tcp))
+            .await
+            .map_err(|_| tls_timeout(peer, timeout))?
+            .map_err(|e| tls_error(peer, "the target", e))?;
+        let session = session_of(&**tls.get_ref().1, peer)?;
+        *stream = spawn_relay(
+            tokio_rustls::TlsStream::Client(tls),
+            addrs,
+            peer,
+            self.stall,
+        )?;
+        Ok(session)
+    }
+
+    /// Target side: as [`TlsContext::connect`].
+    pub async fn accept(
+        &self,
+        stream: &mut Stream,
+        peer: &str,
+        timeout: Duration,
+    ) -> Result<Session> {
+        let (tcp, addrs) = take_tcp(stream, peer)?;
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::clone(&self.server));
+        let tls = tokio::time::timeout(timeout, acceptor.accept(tcp))
+            .await
+            .map_err(|_| tls_timeout(peer, timeout))?
+            .map_err(|e| tls_error(peer, "the initiator", e))?;
+        let session = session_of(&**tls.get_ref().1, peer)?;
+        *stream = spawn_relay(
+            tokio_rustls::TlsStream::Server(tls),
+            addrs,
+            peer,
+            self.stall,
+        )?;
+        Ok(session)
+    }
+}
+
+fn tls_timeout(peer: &str, after: Duration) -> Error {
+    Error::Timeout {
+        operation: "TLS handshake".to_owned(),
+        peer: Some(peer.to_owned()),
+        after,
+    }
+}
+
+/// A failed TLS handshake: a certificate or signature the peer could not
+/// prove is [`Error::Authentication`]; a closed connection
+/// [`Error::PeerLost`]; anything else [`Error::Protocol`].
+fn tls_error(peer: &str, who: &str, e: std::io::Error) -> Error {
+    let inner = e
+        .get_ref()
+        .and_then(|i| i.downcast_ref::<rustls::Error>())
+        .cloned();
+    match inner {
+        Some(
+            r @ (rustls::Error::InvalidCertificate(_)
+            | rustls::Error::NoCertificatesPresented
+            | rustls::Error::AlertReceived(
+                rustls::AlertDescription::BadCertificate
+                | rustls::AlertDescription::CertificateRequired
+                | rustls::AlertDescription::UnknownCA
+                | rustls::AlertDescription::DecryptError
+                | rustls::AlertDescription::CertificateUnknown,
+            )),
+        ) => Error::Authentication {
+            peer: peer.to_owned(),
+            reason: format!("TLS handshake: {r} ({who} could not be authenticated, or refused us)"),
+        },
+        Some(r) => Error::Protocol {
+            peer: peer.to_owned(),
+            reason: format!("TLS handshake: {r}"),
+        },
+        None => match e.kind() {
+            std::io::ErrorKind::UnexpectedEof
+            | std::io::ErrorKind::ConnectionReset
+            | std::io::ErrorKind::BrokenPipe
+            | std::io::ErrorKind::ConnectionAborted => Error::PeerLost {
+                peer: peer.to_owned(),
+                reason: format!("during the TLS handshake: {e}"),
+            },
+            _ => Error::Protocol {
+                peer: peer.to_owned(),
+                reason: format!("TLS handshake: {e}"),
+            },
+        },
+    }
+}
+
+fn session_of<D>(conn: &rustls::ConnectionCommon<D>, peer: &str) -> Result<Session> {
+    if conn.protocol_version() != Some(rustls::ProtocolVersion::TLSv1_3) {
+        return Err(Error::Protocol {
+            peer: peer.to_owned(),
+            reason: format!("TLS negotiated {:?}, not TLS 1.3", conn.protocol_version()),
+        });
+    }
+    let suite = conn
+        .negotiated_cipher_suite()
+        .map(|s| format!("{:?}", s.suite()))
+        .unwrap_or_else(|| "unknown".to_owned());
+    let exporter = conn
+        .export_keying_material([0u8; 32], EXPORTER_LABEL, None)
+        .map_err(|e| Error::Protocol {
+            peer: peer.to_owned(),
+            reason: format!("TLS exporter: {e}"),
+        })?;
+    Ok(Session { suite, exporter })
+}
+
+/// Takes the TCP stream out of `stream` (leaving a placeholder that is
+/// replaced right after).
+fn take_tcp(
+    stream: &mut Stream,
+    peer: &str,
+) -> Result<(tokio::net::TcpStream, (SocketAddr, SocketAddr))> {
+    let Some(addrs) = stream.tcp_addrs() else {
+        return Err(Error::Protocol {
+            peer: peer.to_owned(),
+            reason: "TLS can only start on a TCP connection".to_owned(),
+        });
+    };
+    let (a, _b) = tokio::net::UnixStream::pair().map_err(|e| Error::io("socketpair", &e))?;
+    match std::mem::replace(stream, Stream::Unix(a)) {
+        Stream::Tcp(t) => Ok((t, addrs)),
+        other => {
+            *stream = other;
+            Err(Error::Protocol {
+                peer: peer.to_owned(),
+                reason: "TLS already runs on this connection".to_owned(),
+            })
+        }
+    }
+}
+
+/// Moves the TLS session into a relay task and returns the plaintext end.
+fn spawn_relay(
+    tls: tokio_rustls::TlsStream<tokio::net::TcpStream>,
+    addrs: (SocketAddr, SocketAddr),
+    peer: &str,
+    stall: Duration,
+) -> Result<Stream> {
+    let (ours, theirs) = tokio::net::UnixStream::pair().map_err(|e| Error::io("socketpair", &e))?;
+    let p = peer.to_owned();
+    tokio::spawn(async move {
+        match relay(tls, theirs, stall).await {
+            Ok(()) => tracing::trace!(peer = %p, "TLS relay ended"),
+            Err(e) => tracing::debug!(peer = %p, %e, "TLS relay ended"),
+        }
+    });
+    Ok(Stream::Tls(ours, addrs))
+}
+
+/// Pumps plaintext between the TLS session and the connection's end of
+/// the Unix pair until both directions end. Bounded like a connection in
+/// clear: a write to the peer that makes no progress for `stall` ends the
+/// relay (and so the connection), and once either direction has ended the
+/// other gets at most `stall` more (a peer that ignores our close, or an
+/// end of the pair that was dropped while the peer is silent, cannot keep
+/// the task and its socket alive).
+async fn relay(
+    tls: tokio_rustls::TlsStream<tokio::net::TcpStream>,
+    unix: tokio::net::UnixStream,
+    stall: Duration,
+) -> std::io::Result<()> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let stalled = || std::io::Error::new(std::io::ErrorKind::TimedOut, "the TLS peer stalled");
+    let (mut tr, mut tw) = tokio::io::split(tls);
+    let (mut ur, mut uw) = unix.into_split();
+    let up = async {
+        let mut buf = vec![0u8; RELAY_BUF];
+        loop {
+            let n = ur.read(&mut buf).await?;
+            if n == 0 {
+                break;
+            }
+            tokio::time::timeout(stall, async {
+                tw.write_all(&buf[..n]).await?;
+                tw.flush().await
+            })
+            .await
+            .map_err(|_| stalled())??;
+        }
+        // close_notify and FIN.
+        let _ = tokio::time::timeout(stall, tw.shutdown()).await;
+        Ok::<(), std::io::Error>(())
+    };
+    let down = async {
+        let mut buf = vec![0u8; RELAY_BUF];
+        loop {
+            let n = tr.read(&mut buf).await?;
+            if n == 0 {
+                break;
+            }
+            uw.write_all(&buf[..n]).await?;
+        }
+        let _ = uw.shutdown().await;
+        Ok::<(), std::io::Error>(())
+    };
+    tokio::pin!(up, down);
+    let (first, rest) = tokio::select! {
+        r = &mut up => (r, tokio::time::timeout(stall, &mut down).await),
+        r = &mut down => (r, tokio::time::timeout(stall, &mut up).await),
+    };
+    first?;
+    rest.map_err(|_| stalled())?
+}
