@@ -541,21 +541,34 @@ async fn relay(
     };
     let down = async {
         let mut buf = vec![0u8; RELAY_BUF];
-        loop {
-            let n = tr.read(&mut buf).await?;
-            if n == 0 {
-                break;
+        let r = async {
+            loop {
+                let n = tr.read(&mut buf).await?;
+                if n == 0 {
+                    return Ok::<(), std::io::Error>(());
+                }
+                uw.write_all(&buf[..n]).await?;
             }
-            uw.write_all(&buf[..n]).await?;
         }
+        .await;
+        // The connection sees the end at once, also when the session
+        // failed (a TLS alert such as the target refusing our
+        // certificate): it must not wait for the other direction.
         let _ = uw.shutdown().await;
-        Ok::<(), std::io::Error>(())
+        r
     };
     tokio::pin!(up, down);
-    let (first, rest) = tokio::select! {
-        r = &mut up => (r, tokio::time::timeout(stall, &mut down).await),
-        r = &mut down => (r, tokio::time::timeout(stall, &mut up).await),
+    let rest: std::result::Result<std::io::Result<()>, tokio::time::error::Elapsed> = tokio::select! {
+        r = &mut up => {
+            // A failed direction ends the relay now: dropping both halves
+            // closes the TLS socket and the connection's end of the pair.
+            r?;
+            tokio::time::timeout(stall, &mut down).await
+        }
+        r = &mut down => {
+            r?;
+            tokio::time::timeout(stall, &mut up).await
+        }
     };
-    first?;
     rest.map_err(|_| stalled())?
 }
