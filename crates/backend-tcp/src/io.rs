@@ -15,9 +15,11 @@
 //! bytes it read past a header into the destination, through raw pointers;
 //! see [`FrameReader::set_lookahead`].)
 
+use std::future::Future;
 use std::io;
 use std::marker::PhantomData;
 use std::os::fd::AsRawFd;
+use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use crate::stream::Stream;
@@ -286,7 +288,12 @@ where
                 break;
             }
             let woke = hook.is_some_and(|h| h(true));
-            if woke || yielded.is_none_or(|y| now.duration_since(y) >= SPIN_SLICE) {
+            // A blocked caller waiting to read its own answer takes over
+            // at the yield (transport_core::assist).
+            if woke
+                || yielded.is_none_or(|y| now.duration_since(y) >= SPIN_SLICE)
+                || transport_core::assist::should_yield()
+            {
                 tokio::task::yield_now().await;
                 yielded = Some(Instant::now());
             } else {
@@ -305,10 +312,32 @@ where
     }
     let wait = async {
         loop {
-            stream.readable().await?;
-            match stream.try_io(tokio::io::Interest::READABLE, &mut attempt) {
-                Err(e) if retry(&e) => continue,
-                other => return other,
+            // Driven by a blocked caller whose answer is due: poll, don't
+            // wait for readiness (transport_core::assist::driven).
+            let readable = stream.readable();
+            let mut readable = std::pin::pin!(readable);
+            let ready = std::future::poll_fn(|cx| match readable.as_mut().poll(cx) {
+                Poll::Ready(r) => Poll::Ready(Some(r)),
+                Poll::Pending
+                    if transport_core::assist::driven() && extend.is_some_and(|f| f()) =>
+                {
+                    Poll::Ready(None)
+                }
+                Poll::Pending => Poll::Pending,
+            })
+            .await;
+            match ready {
+                Some(r) => {
+                    r?;
+                    match stream.try_io(tokio::io::Interest::READABLE, &mut attempt) {
+                        Err(e) if retry(&e) => continue,
+                        other => return other,
+                    }
+                }
+                None => match attempt() {
+                    Err(e) if retry(&e) => tokio::task::yield_now().await,
+                    other => return other,
+                },
             }
         }
     };

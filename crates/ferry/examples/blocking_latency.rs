@@ -2,8 +2,10 @@
 //! of one 4 KiB write when the caller is (a) a task on a runtime worker
 //! thread (what `ferry bench` does), (b) a thread outside the runtime that
 //! polls the future itself, spinning then parking (what ferry-py's
-//! `block_on` does), (c) a thread outside the runtime that spawns the call
-//! on the runtime and waits for it (spin, then park).
+//! `block_on` did before `ferry::assist`), (c) a thread outside the
+//! runtime that spawns the call on the runtime and waits for it (spin, then
+//! park), (d) a thread outside the runtime in `ferry::assist::block_on`,
+//! which drives the connection's reader itself (what ferry-py does now).
 //!
 //! Run against a `ferry serve` on the same host:
 //!
@@ -13,7 +15,8 @@
 //!     'tcp://127.0.0.1:0' PEER REMOTE_ADDR [ITERATIONS]    # add ?same_host=off for the socket path
 //! ```
 //!
-//! `MODE=a` or `MODE=b` runs only that caller kind (for `strace -c`).
+//! `MODE=a`, `MODE=b` or `MODE=d` runs only that caller kind (for
+//! `strace -c`).
 use std::future::Future;
 use std::pin::pin;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -135,6 +138,16 @@ fn main() {
         println!("foreign-poll {:?}", p50(b));
         return;
     }
+    if mode == "d" {
+        let mut d = Vec::with_capacity(n);
+        for _ in 0..n {
+            let t = Instant::now();
+            ferry::assist::block_on(rt.handle(), engine.transfer(seg, req)).unwrap();
+            d.push(t.elapsed());
+        }
+        println!("assisted {:?}", p50(d));
+        return;
+    }
     if mode == "a" {
         let e = engine.clone();
         let a = rt
@@ -180,11 +193,19 @@ fn main() {
             spawn_wait(&rt, async move { e.transfer(seg, req).await }).unwrap();
             c.push(t.elapsed());
         }
+        // (d) assisted: the caller drives the reader
+        let mut d = Vec::with_capacity(n);
+        for _ in 0..n {
+            let t = Instant::now();
+            ferry::assist::block_on(rt.handle(), engine.transfer(seg, req)).unwrap();
+            d.push(t.elapsed());
+        }
         println!(
-            "round {round}: worker {:?}  foreign-poll {:?}  spawn-wait {:?}",
+            "round {round}: worker {:?}  foreign-poll {:?}  spawn-wait {:?}  assisted {:?}",
             p50(a),
             p50(b),
-            p50(c)
+            p50(c),
+            p50(d)
         );
     }
 }

@@ -71,6 +71,12 @@ pub use transport_core::{
 /// behind its `conformance` and `inproc` features.
 pub use transport_core::raw;
 
+/// Blocking calls from threads outside the runtime (Python, C callers):
+/// [`assist::block_on`] runs a call on the calling thread, which drives the
+/// connections the call uses while it waits instead of waiting to be woken
+/// by a runtime worker.
+pub use transport_core::assist;
+
 /// The TCP backend crate (feature `tcp`).
 #[cfg(feature = "tcp")]
 pub use backend_tcp;

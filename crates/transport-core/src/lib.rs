@@ -95,6 +95,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 pub mod adapter;
+pub mod assist;
 mod auth;
 pub mod batch;
 pub mod buffer;

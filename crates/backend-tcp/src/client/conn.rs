@@ -149,6 +149,9 @@ pub(crate) struct ConnShared {
     /// header received: the reader keeps polling (instead of sleeping)
     /// for `spin_pending` after it while requests are outstanding.
     pub(crate) activity_us: AtomicU64,
+    /// The reader task, for a blocked caller to drive while it waits for
+    /// its answer ([`transport_core::assist`]).
+    pub(crate) assist: transport_core::assist::Handle,
 }
 
 /// How long the reader sleeps between looks while a caller copies through

@@ -288,7 +288,11 @@ impl Peer {
         });
         self.same_host
             .store(cma, std::sync::atomic::Ordering::Relaxed);
+        // The reader: a task that a caller blocked on this connection's
+        // answer (a Python thread) drives itself, see transport_core::assist.
+        let reader = transport_core::assist::Task::new();
         let shared = Arc::new(ConnShared {
+            assist: reader.handle(),
             stream,
             peer: self.name.clone(),
             pending: Mutex::new(PendingMap::default()),
@@ -308,13 +312,14 @@ impl Peer {
         });
         // Retire idle connections well before the target's idle deadline.
         let idle = welcome.idle.map(|d| d / 2);
-        let reader = tokio::spawn(reader_task(
-            Arc::clone(&shared),
-            cfg.spin,
-            cfg.spin_pending,
-            idle,
-        ))
-        .abort_handle();
+        let reader = reader
+            .spawn(reader_task(
+                Arc::clone(&shared),
+                cfg.spin,
+                cfg.spin_pending,
+                idle,
+            ))
+            .abort_handle();
         Ok(Conn { shared, reader })
     }
 }

@@ -385,6 +385,8 @@ pub(crate) async fn send_ops(
     let mut poison = PoisonOnDrop(Some(conn));
     let res = write_all(&conn.stream, &bufs, conn.pace).await;
     conn.touch();
+    // A blocked caller (a Python thread) reads its answer itself.
+    conn.assist.offer();
     if let Err(e) = res {
         poison.0 = None;
         conn.fail_all(conn.lost(&e));

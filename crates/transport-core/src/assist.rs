@@ -1,0 +1,690 @@
+//! Blocking callers that drive an engine's I/O themselves.
+//!
+//! An engine's background work (a TCP connection's reader, which reads the
+//! answers and completes the operations they belong to) runs as a task on
+//! the engine's Tokio runtime. A caller that is itself a task on that
+//! runtime gets its result on the same worker thread, for free. A caller
+//! that *blocks* a thread outside the runtime (a Python thread in
+//! `batch_transfer_sync_write`, a C caller) gets it only through a
+//! cross-thread wake-up: the worker that completed the operation must
+//! `unpark` the caller, and a parked thread takes tens of microseconds to run
+//! again on a VM, longer than a whole 4 KiB transfer on the same host
+//! (measured: 5–12 µs p50 from a worker task, 110–160 µs from an outside
+//! thread; see `crates/ferry/examples/blocking_latency.rs`).
+//!
+//! This module removes that hop (leader/follower): a background task made
+//! with [`Task`] can be *driven by a blocked caller*. [`block_on`] runs a
+//! future on the calling thread; every assisted task that the future used
+//! (it calls [`Handle::offer`], e.g. when it sends a request on a
+//! connection) is taken over by the calling thread while it waits: the
+//! caller polls the task itself, reads its own answer and completes its own
+//! operation (and any other that arrives meanwhile), with no wake-up in
+//! between. When the caller's future is done it hands the task back to the
+//! runtime.
+//!
+//! One thread polls a task at a time: the runtime's pump or one blocked
+//! caller. Other blocked callers wait for their wake-up as before. The task
+//! is always polled with the same waker (its slot's), which forwards a
+//! wake-up to whoever owns the task at that moment, so readiness and timers
+//! registered by one owner reach the next.
+//!
+//! Nothing here is unsafe; the futures only change threads between polls,
+//! which `Send` allows.
+
+use std::cell::RefCell;
+use std::future::Future;
+use std::pin::{pin, Pin};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::task::{Context, Poll, Wake, Waker};
+use std::thread::Thread;
+use std::time::{Duration, Instant};
+
+use crate::raw::lock;
+
+type BoxFut = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+/// Where an assisted task lives between polls.
+struct Slot {
+    state: Mutex<SlotState>,
+    /// A blocked caller found the task busy and waits to take it: the task
+    /// should yield at its next chance ([`should_yield`]).
+    wanted: Arc<AtomicBool>,
+}
+
+#[derive(Default)]
+struct SlotState {
+    /// The task's future; `None` while someone polls it (or once finished).
+    fut: Option<BoxFut>,
+    /// Finished (returned `Ready`) or canceled (its pump was dropped).
+    done: bool,
+    /// The pump's waker (the runtime's task), when it last found the
+    /// future away.
+    pump: Option<Waker>,
+    /// The blocked caller that holds the future now, if any.
+    driver: Option<Waker>,
+    /// Woken since it was last polled: it must be polled again.
+    woken: bool,
+}
+
+/// The one waker the future is ever polled with: records the wake-up and
+/// passes it to the current owner.
+struct SlotWaker(Weak<Slot>);
+
+impl Wake for SlotWaker {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+    fn wake_by_ref(self: &Arc<Self>) {
+        let Some(slot) = self.0.upgrade() else { return };
+        let to = {
+            let mut s = lock(&slot.state);
+            s.woken = true;
+            match &s.driver {
+                Some(d) => Some(d.clone()),
+                None => s.pump.clone(),
+            }
+        };
+        if let Some(w) = to {
+            w.wake();
+        }
+    }
+}
+
+/// A background task that blocked callers may drive: make it, give its
+/// [`Handle`] to whatever starts work the task finishes, then
+/// [`Task::spawn`] it.
+pub struct Task {
+    slot: Arc<Slot>,
+}
+
+/// Names an assisted task to the blocked caller of the current thread
+/// ([`Handle::offer`]). Holds it weakly: a handle keeps nothing alive.
+#[derive(Clone)]
+pub struct Handle(Weak<Slot>);
+
+impl std::fmt::Debug for Handle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("assist::Handle")
+    }
+}
+
+impl Default for Task {
+    fn default() -> Self {
+        Task::new()
+    }
+}
+
+impl Task {
+    /// A task not yet started.
+    pub fn new() -> Task {
+        Task {
+            slot: Arc::new(Slot {
+                state: Mutex::new(SlotState::default()),
+                wanted: Arc::new(AtomicBool::new(false)),
+            }),
+        }
+    }
+
+    /// Its handle.
+    pub fn handle(&self) -> Handle {
+        Handle(Arc::downgrade(&self.slot))
+    }
+
+    /// Spawns `fut` on the current runtime (panics outside one, like
+    /// `tokio::spawn`). Aborting the returned handle drops the future,
+    /// also when a blocked caller holds it at that moment (it is dropped
+    /// when the caller hands it back).
+    pub fn spawn<F>(self, fut: F) -> tokio::task::JoinHandle<()>
+    where
+        F: Future<Output = ()> + Send + 'static,
+    {
+        lock(&self.slot.state).fut = Some(Box::pin(fut));
+        tokio::spawn(Pump {
+            slot: self.slot,
+            waker: None,
+        })
+    }
+}
+
+/// The runtime's side: polls the future whenever no blocked caller does.
+struct Pump {
+    slot: Arc<Slot>,
+    /// Built once (the slot's waker).
+    waker: Option<Waker>,
+}
+
+impl Future for Pump {
+    type Output = ();
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        let slot = Arc::clone(&self.slot);
+        let waker = self
+            .waker
+            .get_or_insert_with(|| Waker::from(Arc::new(SlotWaker(Arc::downgrade(&slot)))))
+            .clone();
+        let mut fut = {
+            let mut s = lock(&slot.state);
+            if s.done {
+                return Poll::Ready(());
+            }
+            if !s.pump.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
+                s.pump = Some(cx.waker().clone());
+            }
+            if s.fut.is_some() && slot.wanted.swap(false, Ordering::Relaxed) {
+                // A blocked caller waits for it (it made the task yield):
+                // leave it to the caller for one round of the scheduler.
+                cx.waker().wake_by_ref();
+                return Poll::Pending;
+            }
+            match s.fut.take() {
+                Some(f) => {
+                    s.woken = false;
+                    f
+                }
+                // A blocked caller has it: it wakes us when it hands it
+                // back with work left.
+                None => return Poll::Pending,
+            }
+        };
+        let out = poll_as(&slot, &mut fut, &waker, false);
+        let mut s = lock(&slot.state);
+        match out {
+            Poll::Ready(()) => {
+                s.done = true;
+                Poll::Ready(())
+            }
+            Poll::Pending => {
+                s.fut = Some(fut);
+                Poll::Pending
+            }
+        }
+    }
+}
+
+impl Drop for Pump {
+    fn drop(&mut self) {
+        // Aborted (or finished): the future goes now, or when the caller
+        // that holds it hands it back.
+        let fut = {
+            let mut s = lock(&self.slot.state);
+            s.done = true;
+            s.fut.take()
+        };
+        drop(fut);
+    }
+}
+
+thread_local! {
+    /// The assisted task being polled on this thread, if any: its
+    /// `wanted` flag, and whether a blocked caller polls it.
+    static CURRENT: RefCell<Option<(Arc<AtomicBool>, bool)>> = const { RefCell::new(None) };
+}
+
+/// Polls `fut` as the task of `slot`: [`should_yield`] inside sees it.
+fn poll_as(slot: &Slot, fut: &mut BoxFut, waker: &Waker, driven: bool) -> Poll<()> {
+    struct Restore(Option<(Arc<AtomicBool>, bool)>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            let prev = self.0.take();
+            CURRENT.with(|c| *c.borrow_mut() = prev);
+        }
+    }
+    let _restore =
+        Restore(CURRENT.with(|c| c.borrow_mut().replace((Arc::clone(&slot.wanted), driven))));
+    fut.as_mut().poll(&mut Context::from_waker(waker))
+}
+
+/// Whether the assisted task running on this thread should yield now: a
+/// blocked caller waits to drive it (it then reads its own answer). A task
+/// that polls in a loop (a reader spinning for an answer) checks this
+/// between attempts. `false` outside an assisted task.
+pub fn should_yield() -> bool {
+    CURRENT.with(|c| {
+        c.borrow()
+            .as_ref()
+            .is_some_and(|(w, _)| w.load(Ordering::Relaxed))
+    })
+}
+
+/// Whether the assisted task running on this thread is driven by a blocked
+/// caller right now. Such a task should poll (try its read, then yield)
+/// rather than wait for readiness while the caller's answer is due: the
+/// caller's thread is spinning for it anyway, and readiness would reach it
+/// only through the runtime's I/O driver thread, the wake-up this module
+/// exists to avoid.
+pub fn driven() -> bool {
+    CURRENT.with(|c| c.borrow().as_ref().is_some_and(|(_, d)| *d))
+}
+
+thread_local! {
+    /// The tasks offered to this thread's [`block_on`] (`None`: the thread
+    /// is not in one).
+    static OFFERED: RefCell<Option<Vec<Weak<Slot>>>> = const { RefCell::new(None) };
+}
+
+impl Handle {
+    /// Tells the blocked caller of this thread, if there is one, that the
+    /// future it runs waits for this task: it then drives the task itself
+    /// while it waits. No-op on any other thread (a runtime worker, a
+    /// thread outside [`block_on`]).
+    pub fn offer(&self) {
+        OFFERED.with(|o| {
+            if let Some(list) = o.borrow_mut().as_mut() {
+                if !list.iter().any(|w| w.ptr_eq(&self.0)) {
+                    list.push(self.0.clone());
+                }
+            }
+        });
+    }
+}
+
+/// Wakes the thread in [`block_on`].
+struct Signal {
+    woken: AtomicBool,
+    thread: Thread,
+}
+
+impl Wake for Signal {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.woken.store(true, Ordering::Release);
+        // Cheap when the thread is not parked (no system call).
+        self.thread.unpark();
+    }
+}
+
+/// How long a blocked caller with nothing to drive spins (yielding the CPU)
+/// for its wake-up before it sleeps: waking a sleeping thread costs tens of
+/// microseconds on a VM.
+const SPIN: Duration = Duration::from_micros(50);
+
+/// A task this thread holds, handed back when dropped (also on a panic).
+struct Held {
+    slot: Arc<Slot>,
+    fut: Option<BoxFut>,
+    waker: Waker,
+}
+
+impl Held {
+    /// Polls the task once. Returns whether it asks to be polled again at
+    /// once (it yielded) — `false` once it waits on readiness or a timer,
+    /// or has finished.
+    fn poll(&mut self) -> bool {
+        let Some(fut) = self.fut.as_mut() else {
+            return false;
+        };
+        lock(&self.slot.state).woken = false;
+        match poll_as(&self.slot, fut, &self.waker, true) {
+            Poll::Ready(()) => {
+                self.fut = None;
+                let pump = {
+                    let mut s = lock(&self.slot.state);
+                    s.done = true;
+                    s.driver = None;
+                    s.pump.take()
+                };
+                // Let the pump see that it is over.
+                if let Some(p) = pump {
+                    p.wake();
+                }
+                false
+            }
+            Poll::Pending => lock(&self.slot.state).woken,
+        }
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        let Some(fut) = self.fut.take() else { return };
+        let (pump, drop_it) = {
+            let mut s = lock(&self.slot.state);
+            s.driver = None;
+            if s.done {
+                (None, Some(fut))
+            } else {
+                s.fut = Some(fut);
+                // Work left (it yielded, or was woken while we held it):
+                // the runtime's pump takes over now.
+                (if s.woken { s.pump.clone() } else { None }, None)
+            }
+        };
+        drop(drop_it);
+        if let Some(p) = pump {
+            p.wake();
+        }
+    }
+}
+
+/// What [`take`] found.
+enum Taken {
+    Held(Held),
+    /// Someone else polls it right now.
+    Busy,
+    /// Finished or canceled.
+    Gone,
+}
+
+/// Takes the task of `slot` if nobody polls it now.
+fn take(slot: Arc<Slot>, me: &Waker) -> Taken {
+    let fut = {
+        let mut s = lock(&slot.state);
+        if s.done {
+            return Taken::Gone;
+        }
+        if s.driver.is_some() {
+            return Taken::Busy;
+        }
+        let Some(f) = s.fut.take() else {
+            // The runtime polls it: ask it to yield.
+            slot.wanted.store(true, Ordering::Relaxed);
+            return Taken::Busy;
+        };
+        slot.wanted.store(false, Ordering::Relaxed);
+        s.driver = Some(me.clone());
+        f
+    };
+    let waker = Waker::from(Arc::new(SlotWaker(Arc::downgrade(&slot))));
+    Taken::Held(Held {
+        slot,
+        fut: Some(fut),
+        waker,
+    })
+}
+
+/// Leaves the thread's offer list as it was (nested calls, panics).
+struct OfferScope(Option<Vec<Weak<Slot>>>);
+
+impl Drop for OfferScope {
+    fn drop(&mut self) {
+        let prev = self.0.take();
+        OFFERED.with(|o| *o.borrow_mut() = prev);
+    }
+}
+
+fn take_offers() -> Vec<Weak<Slot>> {
+    OFFERED.with(|o| match o.borrow_mut().as_mut() {
+        Some(list) => std::mem::take(list),
+        None => Vec::new(),
+    })
+}
+
+/// Runs `fut` to completion on the calling thread, which blocks, inside
+/// the runtime of `rt` (for timers and spawned tasks), and drives the
+/// assisted tasks `fut` offers while it waits (see the module's docs).
+/// With nothing to drive it spins briefly, then sleeps until woken.
+///
+/// For threads outside the runtime (Python threads, C callers). Called on
+/// a runtime worker it would block that worker like any blocking call:
+/// don't.
+pub fn block_on<F: Future>(rt: &tokio::runtime::Handle, fut: F) -> F::Output {
+    let _enter = rt.enter();
+    let _scope = OfferScope(OFFERED.with(|o| o.borrow_mut().replace(Vec::new())));
+    let signal = Arc::new(Signal {
+        woken: AtomicBool::new(false),
+        thread: std::thread::current(),
+    });
+    let me = Waker::from(Arc::clone(&signal));
+    let mut cx = Context::from_waker(&me);
+    let mut fut = pin!(fut);
+    // Tasks offered but busy elsewhere when we looked: tried again.
+    let mut wanted: Vec<Weak<Slot>> = Vec::new();
+    let mut held: Vec<Held> = Vec::new();
+    // Takes what is free of `wanted` into `held`; whether it took any.
+    let grab = |wanted: &mut Vec<Weak<Slot>>, held: &mut Vec<Held>| {
+        let before = held.len();
+        wanted.retain(|w| match w.upgrade() {
+            None => false,
+            Some(slot) => match take(slot, &me) {
+                Taken::Held(h) => {
+                    held.push(h);
+                    false
+                }
+                Taken::Busy => true,
+                Taken::Gone => false,
+            },
+        });
+        held.len() > before
+    };
+    loop {
+        signal.woken.store(false, Ordering::Relaxed);
+        if let Poll::Ready(out) = fut.as_mut().poll(&mut cx) {
+            // `held` hands its tasks back as it drops.
+            return out;
+        }
+        for w in take_offers() {
+            let known = wanted.iter().any(|x| x.ptr_eq(&w))
+                || held
+                    .iter()
+                    .any(|h| std::ptr::eq(Arc::as_ptr(&h.slot), w.as_ptr()));
+            if !known {
+                wanted.push(w);
+            }
+        }
+        grab(&mut wanted, &mut held);
+        let mut again = false;
+        for h in &mut held {
+            again |= h.poll();
+        }
+        held.retain(|h| h.fut.is_some());
+        if again {
+            continue;
+        }
+        // Nothing to poll at once: wait for a wake-up (ours, or a held
+        // task's), taking a busy task as soon as it comes free.
+        let start = Instant::now();
+        while !signal.woken.load(Ordering::Acquire) {
+            if !wanted.is_empty() && grab(&mut wanted, &mut held) {
+                break;
+            }
+            if start.elapsed() < SPIN {
+                std::thread::yield_now();
+            } else {
+                // `unpark` before `park` makes `park` return at once, so no
+                // wake-up is lost between the check and the sleep.
+                std::thread::park();
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicUsize;
+
+    fn runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap()
+    }
+
+    /// A task that answers requests sent over a channel: driven by the
+    /// runtime when nobody blocks, by the blocked caller otherwise (its
+    /// thread is the one that runs the task's code).
+    #[test]
+    fn a_blocked_caller_drives_the_offered_task_on_its_own_thread() {
+        let rt = runtime();
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(
+            tokio::sync::oneshot::Sender<std::thread::ThreadId>,
+            u32,
+        )>();
+        let task = Task::new();
+        let handle = task.handle();
+        let join = {
+            let _g = rt.enter();
+            task.spawn(async move {
+                while let Some((reply, _n)) = rx.recv().await {
+                    let _ = reply.send(std::thread::current().id());
+                }
+            })
+        };
+        let me = std::thread::current().id();
+        // Blocked callers: the answer comes from this very thread.
+        for i in 0..100 {
+            let (rtx, rrx) = tokio::sync::oneshot::channel();
+            let ran_on = block_on(rt.handle(), async {
+                handle.offer();
+                // The caller takes the task before the request exists, as
+                // a connection's caller does before its answer can arrive.
+                tokio::task::yield_now().await;
+                tx.send((rtx, i)).unwrap();
+                rrx.await.unwrap()
+            });
+            assert_eq!(ran_on, me, "call {i}");
+        }
+        // A task on the runtime: the pump answers, on a worker.
+        let ran_on = rt.block_on(async {
+            let (rtx, rrx) = tokio::sync::oneshot::channel();
+            tx.send((rtx, 0)).unwrap();
+            rrx.await.unwrap()
+        });
+        assert_ne!(ran_on, me);
+        drop(tx);
+        rt.block_on(join).unwrap();
+    }
+
+    /// Without an offer the caller only waits: the task runs on the
+    /// runtime, and a wake-up from there ends the wait.
+    #[test]
+    fn without_an_offer_the_task_stays_on_the_runtime() {
+        let rt = runtime();
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<
+            tokio::sync::oneshot::Sender<std::thread::ThreadId>,
+        >();
+        let task = Task::new();
+        let _g = rt.enter();
+        let join = task.spawn(async move {
+            while let Some(reply) = rx.recv().await {
+                let _ = reply.send(std::thread::current().id());
+            }
+        });
+        drop(_g);
+        let (rtx, rrx) = tokio::sync::oneshot::channel();
+        tx.send(rtx).unwrap();
+        let ran_on = block_on(rt.handle(), async { rrx.await.unwrap() });
+        assert_ne!(ran_on, std::thread::current().id());
+        drop(tx);
+        rt.block_on(join).unwrap();
+    }
+
+    /// Many callers at once on one task: each gets its own answer, none
+    /// hangs, whoever drives completes the others' work too.
+    #[test]
+    fn many_blocked_callers_share_one_task() {
+        let rt = runtime();
+        let (tx, mut rx) =
+            tokio::sync::mpsc::unbounded_channel::<(tokio::sync::oneshot::Sender<u64>, u64)>();
+        let task = Task::new();
+        let handle = task.handle();
+        let join = {
+            let _g = rt.enter();
+            task.spawn(async move {
+                while let Some((reply, n)) = rx.recv().await {
+                    // Let timers and other owners interleave.
+                    tokio::task::yield_now().await;
+                    let _ = reply.send(n * 2);
+                }
+            })
+        };
+        let done = Arc::new(AtomicUsize::new(0));
+        std::thread::scope(|s| {
+            for t in 0..8u64 {
+                let (tx, handle, rt, done) = (tx.clone(), handle.clone(), rt.handle(), &done);
+                s.spawn(move || {
+                    for i in 0..500u64 {
+                        let n = t * 1000 + i;
+                        let (rtx, rrx) = tokio::sync::oneshot::channel();
+                        tx.send((rtx, n)).unwrap();
+                        let got = block_on(rt, async {
+                            handle.offer();
+                            rrx.await.unwrap()
+                        });
+                        assert_eq!(got, n * 2);
+                        done.fetch_add(1, Ordering::Relaxed);
+                    }
+                });
+            }
+        });
+        assert_eq!(done.load(Ordering::Relaxed), 8 * 500);
+        drop(tx);
+        rt.block_on(join).unwrap();
+    }
+
+    /// A task waiting on a timer while a caller holds it: the timer's
+    /// wake-up reaches the caller, and once it hands the task back, the
+    /// runtime's pump (not the gone caller) gets later wake-ups.
+    #[test]
+    fn timers_reach_whoever_holds_the_task() {
+        let rt = runtime();
+        let (tx, mut rx) =
+            tokio::sync::mpsc::unbounded_channel::<tokio::sync::oneshot::Sender<()>>();
+        let task = Task::new();
+        let handle = task.handle();
+        let join = {
+            let _g = rt.enter();
+            task.spawn(async move {
+                while let Some(reply) = rx.recv().await {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                    let _ = reply.send(());
+                }
+            })
+        };
+        for _ in 0..5 {
+            let (rtx, rrx) = tokio::sync::oneshot::channel();
+            tx.send(rtx).unwrap();
+            block_on(rt.handle(), async {
+                handle.offer();
+                rrx.await.unwrap()
+            });
+            // The caller returns before the task goes back to its loop:
+            // the next request is served by the runtime.
+            let (rtx, rrx) = tokio::sync::oneshot::channel();
+            tx.send(rtx).unwrap();
+            rt.block_on(async { tokio::time::timeout(Duration::from_secs(5), rrx).await })
+                .expect("the pump serves the task once the caller is gone")
+                .unwrap();
+        }
+        drop(tx);
+        rt.block_on(join).unwrap();
+    }
+
+    /// Aborting the task while a caller holds it drops the future when the
+    /// caller hands it back; the caller itself is not hurt.
+    #[test]
+    fn abort_while_held_drops_the_future() {
+        let rt = runtime();
+        struct Flag(Arc<AtomicBool>);
+        impl Drop for Flag {
+            fn drop(&mut self) {
+                self.0.store(true, Ordering::SeqCst);
+            }
+        }
+        let dropped = Arc::new(AtomicBool::new(false));
+        let task = Task::new();
+        let handle = task.handle();
+        let flag = Flag(Arc::clone(&dropped));
+        let join = {
+            let _g = rt.enter();
+            task.spawn(async move {
+                let _flag = flag;
+                std::future::pending::<()>().await;
+            })
+        };
+        let abort = join.abort_handle();
+        block_on(rt.handle(), async {
+            handle.offer();
+            // Let the caller take the task, then abort it meanwhile.
+            tokio::task::yield_now().await;
+            abort.abort();
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        });
+        assert!(rt.block_on(join).unwrap_err().is_cancelled());
+        assert!(dropped.load(Ordering::SeqCst));
+    }
+}
