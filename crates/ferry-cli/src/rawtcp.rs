@@ -54,20 +54,77 @@ const SCRATCH: usize = 64 << 10;
 /// stream's scratch buffer is counted.
 const BUDGET_CHUNKS: usize = (SINK_BUDGET - MAX_SINK_STREAMS * SCRATCH) / READ_CHUNK;
 
+/// The shared budget: permits for [`BUDGET_CHUNKS`] chunks and the chunks
+/// already made. A chunk a stream gives back is kept for the next stream
+/// rather than freed, so the sink's footprint is bounded by the budget
+/// itself, not by how the allocator reuses what it was given back (freed
+/// 1 MiB blocks spread over the runtime's per-thread arenas once took
+/// serve 16 MiB past the budget).
+struct Budget {
+    permits: Arc<tokio::sync::Semaphore>,
+    spare: std::sync::Mutex<Vec<Vec<u8>>>,
+    /// Chunks made so far (never more than [`BUDGET_CHUNKS`]).
+    made: AtomicU64,
+}
+
+impl Budget {
+    fn new() -> Arc<Budget> {
+        Arc::new(Budget {
+            permits: Arc::new(tokio::sync::Semaphore::new(BUDGET_CHUNKS)),
+            spare: std::sync::Mutex::new(Vec::new()),
+            made: AtomicU64::new(0),
+        })
+    }
+
+    /// A chunk, if the budget has one left.
+    fn take(self: &Arc<Budget>) -> Option<Chunk> {
+        let permit = Arc::clone(&self.permits).try_acquire_owned().ok()?;
+        let spare = self.spare.lock().ok().and_then(|mut s| s.pop());
+        let buf = spare.unwrap_or_else(|| {
+            self.made.fetch_add(1, Ordering::Relaxed);
+            // Touched up front, like registered memory.
+            vec![1u8; READ_CHUNK]
+        });
+        Some(Chunk {
+            buf,
+            budget: Arc::clone(self),
+            _permit: permit,
+        })
+    }
+}
+
+/// One chunk of the budget, held by a stream.
+struct Chunk {
+    buf: Vec<u8>,
+    budget: Arc<Budget>,
+    /// Released after `drop` has put the buffer back (fields drop after
+    /// the body), so chunks made never exceed the permits.
+    _permit: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl Drop for Chunk {
+    fn drop(&mut self) {
+        let buf = std::mem::take(&mut self.buf);
+        if let Ok(mut spare) = self.budget.spare.lock() {
+            spare.push(buf);
+        }
+    }
+}
+
 /// One stream's buffers: chunks of the shared budget, taken as data
 /// arrives (up to [`SPAN`]), and cycled through once no more can be had;
 /// the scratch buffer while it has none.
 struct StreamBuffers {
-    budget: Arc<tokio::sync::Semaphore>,
+    budget: Arc<Budget>,
     scratch: Vec<u8>,
-    chunks: Vec<(Vec<u8>, tokio::sync::OwnedSemaphorePermit)>,
+    chunks: Vec<Chunk>,
     /// The chunk being filled (`None`: the scratch buffer) and the offset in it.
     cur: Option<usize>,
     off: usize,
 }
 
 impl StreamBuffers {
-    fn new(budget: Arc<tokio::sync::Semaphore>) -> StreamBuffers {
+    fn new(budget: Arc<Budget>) -> StreamBuffers {
         StreamBuffers {
             budget,
             // Touched up front, like registered memory.
@@ -84,14 +141,10 @@ impl StreamBuffers {
         if self.off >= len {
             self.off = 0;
             let room = self.chunks.len() < SPAN / READ_CHUNK;
-            let permit = if room {
-                Arc::clone(&self.budget).try_acquire_owned().ok()
-            } else {
-                None
-            };
-            self.cur = match permit {
-                Some(p) => {
-                    self.chunks.push((vec![1u8; READ_CHUNK], p));
+            let chunk = if room { self.budget.take() } else { None };
+            self.cur = match chunk {
+                Some(c) => {
+                    self.chunks.push(c);
                     Some(self.chunks.len() - 1)
                 }
                 None if self.chunks.is_empty() => None,
@@ -100,7 +153,7 @@ impl StreamBuffers {
         }
         let off = self.off;
         match self.cur {
-            Some(c) => &mut self.chunks[c].0[off..],
+            Some(c) => &mut self.chunks[c].buf[off..],
             None => &mut self.scratch[off..],
         }
     }
@@ -118,7 +171,7 @@ impl StreamBuffers {
 /// idle connections cannot hold the slots (or memory) for long.
 pub async fn run_sink(listener: TcpListener, stats: Arc<SinkStats>) {
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_SINK_STREAMS));
-    let budget = Arc::new(tokio::sync::Semaphore::new(BUDGET_CHUNKS));
+    let budget = Budget::new();
     loop {
         let Ok(slot) = Arc::clone(&slots).acquire_owned().await else {
             return;
@@ -241,7 +294,7 @@ mod tests {
     /// is gone.
     #[test]
     fn streams_share_one_budget() {
-        let budget = Arc::new(tokio::sync::Semaphore::new(BUDGET_CHUNKS));
+        let budget = Budget::new();
         let mut streams: Vec<StreamBuffers> = (0..MAX_SINK_STREAMS)
             .map(|_| StreamBuffers::new(Arc::clone(&budget)))
             .collect();
@@ -258,10 +311,14 @@ mod tests {
             .map(|s| s.scratch.len() + s.chunks.len() * READ_CHUNK)
             .sum();
         assert!(held <= SINK_BUDGET, "{held} bytes held");
-        assert_eq!(budget.available_permits(), 0, "the budget was used");
+        assert_eq!(budget.permits.available_permits(), 0, "the budget was used");
         assert!(streams.iter().all(|s| s.chunks.len() * READ_CHUNK <= SPAN));
         drop(streams);
-        assert_eq!(budget.available_permits(), BUDGET_CHUNKS, "chunks returned");
+        assert_eq!(
+            budget.permits.available_permits(),
+            BUDGET_CHUNKS,
+            "chunks returned"
+        );
         // Alone, a stream grows to one span and then cycles.
         let mut one = StreamBuffers::new(Arc::clone(&budget));
         for _ in 0..2 * SPAN / SCRATCH {
@@ -269,5 +326,24 @@ mod tests {
             one.advance(n);
         }
         assert_eq!(one.chunks.len(), BUDGET_CHUNKS.min(SPAN / READ_CHUNK));
+        // Streams after the first reuse the chunks given back: the sink
+        // never made more than its budget.
+        drop(one);
+        for _ in 0..3 {
+            let mut streams: Vec<StreamBuffers> = (0..3)
+                .map(|_| StreamBuffers::new(Arc::clone(&budget)))
+                .collect();
+            for _ in 0..SPAN / READ_CHUNK {
+                for s in &mut streams {
+                    let n = s.next().len();
+                    s.advance(n);
+                }
+            }
+        }
+        assert_eq!(
+            budget.made.load(Ordering::Relaxed),
+            BUDGET_CHUNKS as u64,
+            "chunks made"
+        );
     }
 }
