@@ -162,9 +162,13 @@ impl TcpEngine {
 
     /// Stops the listener and every inbound connection, closes every peer
     /// connection (their pending requests fail with [`Error::Canceled`]) and
-    /// cancels the asynchronous batches. Registered regions stay
+    /// cancels the asynchronous batches. From the moment it returns no
+    /// inbound request is acted on (one already being served finishes) and
+    /// no connection is welcomed: a peer sees its connection end, never an
+    /// answer from an engine that has stopped. Registered regions stay
     /// registered. Idempotent; also done on drop.
     pub fn shutdown(&self) {
+        self.inner.core.close();
         if let Some(a) = lock(&self.inner.accept).take() {
             a.abort();
         }

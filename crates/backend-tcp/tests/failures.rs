@@ -917,3 +917,46 @@ async fn shutdown_and_dropped_submits_leave_no_batch_hanging() {
     );
     assert_eq!(a.live_batches(), Some(0));
 }
+
+/// Once `shutdown` returns, the engine acts on no request any more: a peer
+/// with an established connection sees that connection end (a retryable
+/// error), never an answer from the stopped engine — not a write that
+/// lands, not a table without regions — on the socket and the same-host
+/// path alike. (A stopped engine's same-host thread once answered a table
+/// refresh with an empty table, and the initiator failed with
+/// `AddressNotRegistered` instead of reconnecting.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shut_down_engine_answers_no_more_requests() {
+    for same_host in [backend_tcp::SameHost::Auto, backend_tcp::SameHost::Off] {
+        for round in 0..10 {
+            let b = engine(TcpConfig {
+                same_host,
+                ..TcpConfig::default()
+            })
+            .await;
+            let a = engine(TcpConfig {
+                same_host,
+                connect_timeout: Duration::from_secs(1),
+                ..TcpConfig::default()
+            })
+            .await;
+            let before = mem(&a, 4096, 0x11).await;
+            let after = mem(&a, 4096, 0x22).await;
+            let m = mem(&b, 4096, 0).await;
+            let seg = a.open_segment(b.segment_name()).await.unwrap();
+            a.transfer(seg, TransferRequest::write(before.addr(), m.addr(), 4096))
+                .await
+                .expect("write before shutdown");
+            b.shutdown();
+            let r = a
+                .transfer(seg, TransferRequest::write(after.addr(), m.addr(), 4096))
+                .await;
+            let e = r.expect_err("a shut-down engine took a write");
+            assert!(
+                e.is_retryable() && !matches!(e, Error::AddressNotRegistered { .. }),
+                "{same_host:?} round {round}: {e:?}"
+            );
+            assert_eq!(m.to_vec(), vec![0x11; 4096], "{same_host:?} round {round}");
+        }
+    }
+}

@@ -279,6 +279,12 @@ async fn serve_conn(
             });
         }
     };
+    if core.is_closed() {
+        return Err(Error::SegmentUnavailable {
+            name: peer,
+            reason: "the engine shut down".to_owned(),
+        });
+    }
     handshake::send_welcome(
         &stream,
         &peer,

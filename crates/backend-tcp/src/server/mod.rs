@@ -120,6 +120,9 @@ pub struct Core {
     /// Refuse every notification (answer `NotifyQueueFull`); for fault
     /// tests (see `TcpEngine::set_refuse_notifications`).
     pub refuse_notifications: AtomicBool,
+    /// Set by [`Core::close`]: no request is answered and no connection
+    /// admitted any more.
+    closed: AtomicBool,
     /// Established inbound connections (admitted, not yet ended).
     established: AtomicUsize,
     /// The established connections, for eviction.
@@ -129,6 +132,22 @@ pub struct Core {
 }
 
 impl Core {
+    /// Stops serving: from the moment this returns, every connection ends
+    /// at its next request (before acting on it) and no new one is
+    /// welcomed. Aborting the connection tasks alone is not enough: an
+    /// abort takes effect only at a task's next await and a same-host
+    /// connection runs on a thread of its own, so a shut-down engine could
+    /// still answer (a table refresh, a write) for a while — the initiator
+    /// then saw an engine without regions, not a lost connection.
+    pub fn close(&self) {
+        self.closed.store(true, Ordering::Release);
+    }
+
+    /// Whether [`Core::close`] was called.
+    pub fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+
     /// A core with no regions.
     pub fn new(name: String, config: TcpConfig) -> Core {
         Core {
@@ -139,6 +158,7 @@ impl Core {
             gens: Mutex::new(Generations::default()),
             notifications: Mutex::new(NotificationQueue::default()),
             refuse_notifications: AtomicBool::new(false),
+            closed: AtomicBool::new(false),
             established: AtomicUsize::new(0),
             live: Mutex::new(HashMap::new()),
             next_live: AtomicU64::new(1),

@@ -248,6 +248,10 @@ pub(super) async fn serve(
                 return Ok(Served::Closed);
             }
         };
+        if core.is_closed() {
+            tracing::debug!(%peer, "engine shut down: closing the connection");
+            return Ok(Served::Closed);
+        }
         let req = match Request::decode(&hdr) {
             Ok(r) => r,
             Err(e) => return Err(malformed(&stream, &mut out, core, peer, 0, e.0).await),
