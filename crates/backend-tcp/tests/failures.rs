@@ -960,3 +960,61 @@ async fn a_shut_down_engine_answers_no_more_requests() {
         }
     }
 }
+
+/// A batch spread over two connections still lands whole when the second
+/// cannot be opened (here the target admits one connection; on a loaded
+/// host, a handshake slower than its timeout): the requests meant for it
+/// go over the live one instead of failing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_that_cannot_be_opened_does_not_fail_requests() {
+    for same_host in [backend_tcp::SameHost::Auto, backend_tcp::SameHost::Off] {
+        let b = engine(TcpConfig {
+            same_host,
+            max_inbound: 1,
+            max_per_source: 1,
+            evict_idle: Duration::from_secs(3600),
+            ..TcpConfig::default()
+        })
+        .await;
+        let a = engine(TcpConfig {
+            same_host,
+            connections: 2,
+            connect_timeout: Duration::from_secs(2),
+            // Requests larger than a chunk are split over the connections.
+            chunk_size: 1 << 20,
+            same_host_chunk: 1 << 20,
+            ..TcpConfig::default()
+        })
+        .await;
+        const BLOCK: usize = 2 << 20;
+        let data = pattern(7, 8 * BLOCK);
+        let src = mem(&a, 8 * BLOCK, 0).await;
+        src.write(0, &data).unwrap();
+        let dst = mem(&b, 16 * BLOCK, 0).await;
+        let seg = a.open_segment(b.segment_name()).await.unwrap();
+        // Gaps between the destinations: nothing merges the requests.
+        let reqs: Vec<TransferRequest> = (0..8)
+            .map(|i| {
+                TransferRequest::write(
+                    src.addr() + (i * BLOCK) as u64,
+                    dst.addr() + (2 * i * BLOCK) as u64,
+                    BLOCK as u64,
+                )
+            })
+            .collect();
+        let report = a.batch_transfer(seg, &reqs, None).await.expect("batch");
+        assert!(
+            report.results.iter().all(|r| r.is_ok()),
+            "{same_host:?}: {:?}",
+            report.results
+        );
+        let got = dst.to_vec();
+        for i in 0..8 {
+            assert_eq!(
+                &got[2 * i * BLOCK..(2 * i + 1) * BLOCK],
+                &data[i * BLOCK..(i + 1) * BLOCK],
+                "{same_host:?}: block {i}"
+            );
+        }
+    }
+}

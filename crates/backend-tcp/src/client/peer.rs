@@ -122,8 +122,23 @@ impl Peer {
         Ok(shared)
     }
 
+    /// A live connection of a slot other than `c`, if there is one.
+    fn live_other(&self, c: usize) -> Option<Arc<ConnShared>> {
+        self.slots
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| *i != c)
+            .find_map(|(_, slot)| {
+                transport_core::raw::read(&slot.cur)
+                    .as_ref()
+                    .filter(|x| !x.shared.dead.load(Ordering::Acquire))
+                    .map(|x| Arc::clone(&x.shared))
+            })
+    }
+
     /// Sends `ops` on connection slot `c` (connecting if needed; a
-    /// connection retired for idleness is replaced). Returns the
+    /// connection retired for idleness is replaced; if `c` cannot be
+    /// connected, on another slot's live connection). Returns the
     /// connection they went out on, or `None` if they failed up front.
     pub(crate) async fn send_on(
         &self,
@@ -132,15 +147,27 @@ impl Peer {
         mut ops: Vec<OutOp>,
     ) -> Option<Arc<ConnShared>> {
         for _ in 0..3 {
-            match self.conn(c).await {
-                Ok(conn) => match send_ops(&conn, state, ops).await {
-                    Ok(()) => return Some(conn),
-                    Err(back) => ops = back,
+            let conn = match self.conn(c).await {
+                Ok(conn) => conn,
+                // An extra connection that cannot be opened (a handshake
+                // slower than its timeout on a loaded host, the target at
+                // its connection limit) is no reason to fail requests a
+                // live connection can carry.
+                Err(e) => match self.live_other(c) {
+                    Some(conn) => {
+                        tracing::debug!(peer = %self.name, slot = c, error = %e,
+                            "cannot open this connection; using another");
+                        conn
+                    }
+                    None => {
+                        fail_ops(state, &ops, &e);
+                        return None;
+                    }
                 },
-                Err(e) => {
-                    fail_ops(state, &ops, &e);
-                    return None;
-                }
+            };
+            match send_ops(&conn, state, ops).await {
+                Ok(()) => return Some(conn),
+                Err(back) => ops = back,
             }
         }
         let e = Error::PeerLost {

@@ -58,6 +58,11 @@ pub async fn check_finished_after_notification(
                 .unwrap_or_else(|e| panic!("submit with a notification failed: {e}"));
         let start = Instant::now();
         loop {
+            // The states as `status` shows them (before a release removes
+            // the batch): a failure names its request's error.
+            let st =
+                p.a.status(id)
+                    .unwrap_or_else(|e| panic!("status({id}) failed: {e}"));
             let over = if by_release {
                 match p.a.release_batch(id).await {
                     Ok(()) => true,
@@ -65,9 +70,6 @@ pub async fn check_finished_after_notification(
                     Err(e) => panic!("release_batch({id}) failed: {e}"),
                 }
             } else {
-                let st =
-                    p.a.status(id)
-                        .unwrap_or_else(|e| panic!("status({id}) failed: {e}"));
                 st.is_finished()
             };
             if over {
@@ -75,13 +77,14 @@ pub async fn check_finished_after_notification(
                 assert!(
                     got.contains(&note),
                     "batch {id} ({} requests) was {} before its notification reached the peer \
-                     (the peer has {got:?})",
+                     (the peer has {got:?}; the batch's states: {:?})",
                     part.len(),
                     if by_release {
                         "released"
                     } else {
                         "finished for status"
                     },
+                    st.states,
                 );
                 break;
             }
