@@ -992,16 +992,7 @@ async fn a_connection_that_cannot_be_opened_does_not_fail_requests() {
         src.write(0, &data).unwrap();
         let dst = mem(&b, 16 * BLOCK, 0).await;
         let seg = a.open_segment(b.segment_name()).await.unwrap();
-        // Gaps between the destinations: nothing merges the requests.
-        let reqs: Vec<TransferRequest> = (0..8)
-            .map(|i| {
-                TransferRequest::write(
-                    src.addr() + (i * BLOCK) as u64,
-                    dst.addr() + (2 * i * BLOCK) as u64,
-                    BLOCK as u64,
-                )
-            })
-            .collect();
+        let reqs = transport_core::conformance::scattered_writes(src.addr(), dst.addr(), BLOCK, 8);
         let report = a.batch_transfer(seg, &reqs, None).await.expect("batch");
         assert!(
             report.results.iter().all(|r| r.is_ok()),

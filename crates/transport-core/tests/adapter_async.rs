@@ -33,15 +33,7 @@ async fn a_native_async_batch_is_forwarded_with_its_per_request_progress() {
     register(&peer, &dst).await;
     let seg = a.open_segment(peer.segment_name()).await.unwrap();
     // Scattered destinations: nothing to merge, so the batch is forwarded.
-    let reqs: Vec<TransferRequest> = (0..4)
-        .map(|i| {
-            TransferRequest::write(
-                src.addr() + (i * BLOCK) as u64,
-                dst.addr() + (2 * i * BLOCK) as u64,
-                BLOCK as u64,
-            )
-        })
-        .collect();
+    let reqs = transport_core::conformance::scattered_writes(src.addr(), dst.addr(), BLOCK, 4);
     let id = a.submit(seg, &reqs, None).await.unwrap();
     // A task-driven batch publishes every state at once at the end; the
     // backend's own batch shows requests completing one by one.

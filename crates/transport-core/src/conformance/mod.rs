@@ -326,6 +326,22 @@ pub fn report_skip(what: &str) {
     let _ = writeln!(std::io::stderr().lock(), "skipped: {what}");
 }
 
+/// `n` writes of `block` bytes: block `i` of `src` to block `2 i` of
+/// `dst`, a block-sized gap after each destination, so that no layer can
+/// merge the requests into fewer, larger ones (a batch of them is
+/// forwarded as it is). `dst` needs `2 n block` bytes.
+pub fn scattered_writes(src: u64, dst: u64, block: usize, n: usize) -> Vec<TransferRequest> {
+    (0..n)
+        .map(|i| {
+            TransferRequest::write(
+                src + (i * block) as u64,
+                dst + (2 * i * block) as u64,
+                block as u64,
+            )
+        })
+        .collect()
+}
+
 /// Instantiates every conformance check as a `#[test]`, in `mod raw` (the
 /// engines as the factory makes them) and `mod adapted` (each wrapped in a
 /// default [`CapabilityAdapter`](crate::CapabilityAdapter)).
