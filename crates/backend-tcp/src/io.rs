@@ -251,17 +251,32 @@ pub type SpinWhile = std::sync::Arc<dyn Fn() -> bool + Send + Sync>;
 /// so that the task it woke runs now rather than after the next slice.
 pub type SpinHook = std::sync::Arc<dyn Fn(bool) -> bool + Send + Sync>;
 
+/// A pause in polling that is not a sleep: while `active` says so, a
+/// reader whose polling has ended waits for the socket or for `nudge`
+/// without calling its hook with `false` (so it still counts as polling:
+/// the initiator's reader while a caller moves a long stream through the
+/// staging area, which nudges it when done), then polls again.
+#[derive(Clone)]
+pub struct Pause {
+    /// Whether to pause rather than sleep.
+    pub active: std::sync::Arc<dyn Fn() -> bool + Send + Sync>,
+    /// Ends a pause (a permit given while no pause waits ends the next).
+    pub nudge: std::sync::Arc<tokio::sync::Notify>,
+}
+
 /// The polling / sleeping / timeout logic of every read: `attempt` is one
 /// non-blocking read. Polls for up to `spin` first, and then for as long
 /// as `extend` says (yielding to other tasks between attempts), then sleeps
 /// until readable; waiting longer than `timeout` (if given) is a
 /// `TimedOut` error. `Ok(0)` is EOF.
+#[allow(clippy::too_many_arguments)]
 async fn read_with<F>(
     stream: &Stream,
     mut attempt: F,
     spin: Duration,
     extend: Option<&SpinWhile>,
     hook: Option<&SpinHook>,
+    pause: Option<&Pause>,
     timeout: Option<Duration>,
 ) -> io::Result<usize>
 where
@@ -274,6 +289,52 @@ where
         Err(e) if retry(&e) => {}
         other => return other,
     }
+    let until = timeout.map(|t| tokio::time::Instant::now() + t);
+    loop {
+        if let Some(n) = spin_phase(&mut attempt, spin, extend, hook).await {
+            return n;
+        }
+        let Some(p) = pause.filter(|p| (p.active)()) else {
+            break;
+        };
+        let nudged = p.nudge.notified();
+        let mut nudged = std::pin::pin!(nudged);
+        nudged.as_mut().enable();
+        if !(p.active)() {
+            continue;
+        }
+        let expired = async {
+            match until {
+                Some(at) => tokio::time::sleep_until(at).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            r = stream.readable() => {
+                r?;
+                match stream.try_io(tokio::io::Interest::READABLE, &mut attempt) {
+                    Err(e) if retry(&e) => {}
+                    other => return other,
+                }
+            }
+            _ = &mut nudged => {}
+            _ = expired => return Err(timed_out()),
+        }
+    }
+    sleep_phase(stream, attempt, extend, hook, timeout).await
+}
+
+/// The polling part of [`read_with`]: `Some` with the read's result, or
+/// `None` once polling is over.
+async fn spin_phase<F>(
+    attempt: &mut F,
+    spin: Duration,
+    extend: Option<&SpinWhile>,
+    hook: Option<&SpinHook>,
+) -> Option<io::Result<usize>>
+where
+    F: FnMut() -> io::Result<usize>,
+{
     if !spin.is_zero() || extend.is_some() {
         let start = Instant::now();
         // Yield at once (a task this one just woke runs next on this
@@ -301,10 +362,25 @@ where
             }
             match attempt() {
                 Err(e) if retry(&e) => {}
-                other => return other,
+                other => return Some(other),
             }
         }
     }
+    None
+}
+
+/// The sleeping part of [`read_with`]: tells the hook, then waits until
+/// readable (or for `timeout`).
+async fn sleep_phase<F>(
+    stream: &Stream,
+    mut attempt: F,
+    extend: Option<&SpinWhile>,
+    hook: Option<&SpinHook>,
+    timeout: Option<Duration>,
+) -> io::Result<usize>
+where
+    F: FnMut() -> io::Result<usize>,
+{
     if let Some(h) = hook {
         if h(false) {
             tokio::task::yield_now().await;
@@ -360,6 +436,7 @@ pub async fn read_some(
         stream,
         || raw_read(stream, &[b], 0, Bytes::empty()),
         Duration::ZERO,
+        None,
         None,
         None,
         timeout,
@@ -466,6 +543,8 @@ pub struct FrameReader {
     extend: Option<SpinWhile>,
     /// Called while polling and before sleeping (see [`SpinHook`]).
     hook: Option<SpinHook>,
+    /// Pauses instead of sleeping while it says so (see [`Pause`]).
+    pause: Option<Pause>,
     pace: Pace,
     /// When the payload of the current frame must have arrived (set by
     /// [`FrameReader::begin_frame`], cleared by the next header).
@@ -567,6 +646,11 @@ impl FrameReader {
         self.hook = Some(hook);
     }
 
+    /// Pauses rather than sleeps while `pause` says so (see [`Pause`]).
+    pub fn set_pause(&mut self, pause: Pause) {
+        self.pause = Some(pause);
+    }
+
     /// A reader polling for `spin` before sleeping; `pace` bounds waits
     /// inside a frame.
     pub fn new(spin: Duration, pace: Pace) -> Self {
@@ -579,6 +663,7 @@ impl FrameReader {
             spin,
             extend: None,
             hook: None,
+            pause: None,
             pace,
             frame_deadline: None,
         }
@@ -636,6 +721,7 @@ impl FrameReader {
                 self.spin,
                 self.extend.as_ref(),
                 self.hook.as_ref(),
+                self.pause.as_ref(),
                 timeout,
             )
             .await;
@@ -716,6 +802,7 @@ impl FrameReader {
                 self.spin,
                 self.extend.as_ref(),
                 self.hook.as_ref(),
+                self.pause.as_ref(),
                 Some(wait),
             )
             .await?;

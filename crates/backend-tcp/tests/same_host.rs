@@ -956,6 +956,8 @@ async fn holes_punched_in_the_staging_area_do_not_hurt_the_target() {
         alive: &alive,
         stall: Duration::from_secs(10),
         deadline: None,
+        // A test thread, not a runtime's: it may block.
+        blocking: true,
     };
     let mut seq = 0u64;
     for round in 0..3u8 {
@@ -1159,6 +1161,8 @@ async fn raw_staging_area_is_checked_then_carries_swrite_and_sread() {
         alive: &alive,
         stall: Duration::from_secs(10),
         deadline: None,
+        // A test thread, not a runtime's: it may block.
+        blocking: true,
     };
     // 300 000 bytes in the region (five slots, the last part-filled), 1000
     // outside every region, 5 in the region again.
@@ -1310,6 +1314,8 @@ async fn trickled_staged_stream_ends_at_the_frame_deadline() {
             alive: &alive,
             stall: Duration::from_secs(30),
             deadline: None,
+            // A test thread, not a runtime's: it may block.
+            blocking: true,
         };
         let ring = area.ring(Dir::ToTarget);
         let mut seq = 0u64;
@@ -1372,6 +1378,8 @@ async fn staged_acknowledgements_use_the_lane_and_wake_a_sleeping_reader() {
         alive: &alive,
         stall: Duration::from_secs(10),
         deadline: None,
+        // A test thread, not a runtime's: it may block.
+        blocking: true,
     };
     let (mut seq, mut tail) = (0u64, 0u64);
     let mut taken = Vec::new();

@@ -154,10 +154,6 @@ pub(crate) struct ConnShared {
     pub(crate) assist: transport_core::assist::Handle,
 }
 
-/// How long the reader sleeps between looks while a caller copies through
-/// the staging area.
-const DOZE: Duration = Duration::from_micros(50);
-
 /// The initiator's side of a connection's staging area.
 pub(crate) struct ClientStage {
     /// The shared area.
@@ -174,9 +170,15 @@ pub(crate) struct ClientStage {
     /// before it releases the write lock, so that streams go through the
     /// rings in the order of their frames.
     pub(crate) cursor: tokio::sync::Mutex<(u64, u64)>,
-    /// Callers copying through the area right now (the reader dozes
-    /// instead of spinning meanwhile, see [`ConnShared::poll_on`]).
+    /// Callers copying through the area right now (the reader waits for
+    /// readiness instead of spinning meanwhile, see [`ConnShared::poll_on`]).
     pub(crate) movers: std::sync::atomic::AtomicU32,
+    /// Those of them moving more than the rings hold (they wait for the
+    /// target as they go: milliseconds).
+    pub(crate) long_movers: std::sync::atomic::AtomicU32,
+    /// Ends the reader's pause once a long move is over (see
+    /// [`crate::io::Pause`]).
+    pub(crate) nudge: Arc<tokio::sync::Notify>,
     /// The next position to take in the area's acknowledgement lane (only
     /// the reader task takes).
     pub(crate) lane_tail: AtomicU64,
@@ -198,6 +200,8 @@ impl ClientStage {
             patience,
             cursor: tokio::sync::Mutex::new((0, 0)),
             movers: std::sync::atomic::AtomicU32::new(0),
+            long_movers: std::sync::atomic::AtomicU32::new(0),
+            nudge: Arc::new(tokio::sync::Notify::new()),
             lane_tail: AtomicU64::new(0),
             gate: Mutex::new(()),
         }
@@ -296,15 +300,26 @@ impl ConnShared {
     /// Whether the reader should keep polling: requests are outstanding
     /// and the last activity is less than `window` ago.
     pub(crate) fn poll_on(&self, window: Duration) -> bool {
-        if self
-            .stage
-            .as_ref()
-            .is_some_and(|st| st.movers.load(Ordering::Relaxed) > 0)
-        {
-            // A caller is copying through the staging area (and the
-            // target with it): leave them the CPUs, look in now and then.
-            std::thread::sleep(DOZE);
-            return true;
+        if let Some(st) = &self.stage {
+            if st.long_movers.load(Ordering::Relaxed) > 0 {
+                // A caller moves a long stream through the staging area,
+                // and the target with it: the two copying threads need the
+                // CPUs for a millisecond or more. Stop polling and pause
+                // (`crate::io::Pause`): still "polling" for the target, so
+                // its acknowledgements wait in the lane without a WAKE
+                // frame, until the mover nudges the reader when done.
+                // Never sleep in this task: that would stall every task of
+                // the caller's runtime.
+                return false;
+            }
+            if st.movers.load(Ordering::Relaxed) > 0 {
+                // A short copy (the rings hold it all, a few µs): keep
+                // polling, so that the target posts the acknowledgement in
+                // the lane, but offer the CPU to the copying threads
+                // between looks. A yield, not a sleep.
+                std::thread::yield_now();
+                return true;
+            }
         }
         let last = self.activity_us.load(Ordering::Relaxed);
         let now = self.born.elapsed().as_micros() as u64;
@@ -467,5 +482,34 @@ impl Drop for Conn {
             "connection to {} closed",
             self.shared.peer
         )));
+    }
+}
+
+/// A caller moving streams through the staging area, counted in
+/// [`ClientStage::movers`] (and `long_movers`) for as long as it lives —
+/// also when its future is dropped mid-move; the reader is nudged when it
+/// ends.
+pub(crate) struct Moving<'a> {
+    st: &'a ClientStage,
+    long: bool,
+}
+
+impl<'a> Moving<'a> {
+    pub(crate) fn new(st: &'a ClientStage, long: bool) -> Moving<'a> {
+        st.movers.fetch_add(1, Ordering::Relaxed);
+        if long {
+            st.long_movers.fetch_add(1, Ordering::Relaxed);
+        }
+        Moving { st, long }
+    }
+}
+
+impl Drop for Moving<'_> {
+    fn drop(&mut self) {
+        if self.long {
+            self.st.long_movers.fetch_sub(1, Ordering::Relaxed);
+        }
+        self.st.movers.fetch_sub(1, Ordering::Relaxed);
+        self.st.nudge.notify_one();
     }
 }

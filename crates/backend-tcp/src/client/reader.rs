@@ -53,9 +53,18 @@ pub(crate) async fn reader_loop(
         let c = Arc::clone(conn);
         rd.set_spin_while(Arc::new(move || c.poll_on(spin_pending)));
     }
-    if conn.stage.is_some() {
+    if let Some(st) = &conn.stage {
         let c = Arc::clone(conn);
         rd.set_spin_hook(Arc::new(move |polling| c.take_lane(polling)));
+        let c = Arc::clone(conn);
+        rd.set_pause(crate::io::Pause {
+            active: Arc::new(move || {
+                c.stage
+                    .as_ref()
+                    .is_some_and(|st| st.long_movers.load(Ordering::Relaxed) > 0)
+            }),
+            nudge: Arc::clone(&st.nudge),
+        });
     }
     let mut ids = vec![0u8; MAX_ACKS as usize * 8];
     let stream = &conn.stream;

@@ -396,9 +396,13 @@ pub(crate) async fn send_ops(
         // In frame order: the next sender waits for this cursor after us.
         let mut cursor = st.cursor.lock().await;
         drop(w);
-        st.movers.fetch_add(1, Ordering::Relaxed);
+        let bytes: usize = staging
+            .iter()
+            .flat_map(|(_, pieces)| pieces.iter().map(|p| p.len))
+            .sum();
+        let moving = super::conn::Moving::new(st, bytes > stage::RING_BYTES);
         let moved = move_staged(conn, batch, st, &mut cursor, &staging).await;
-        st.movers.fetch_sub(1, Ordering::Relaxed);
+        drop(moving);
         if let Err(stop) = moved {
             conn.fail_all(stop.error(
                 &conn.peer,
@@ -430,6 +434,8 @@ async fn move_staged(
         stall: st.patience,
         // The batch's own deadline covers moving its staged bytes too.
         deadline: batch.deadline(),
+        // The caller's task: sleeps go to the blocking pool.
+        blocking: false,
     };
     let gate = stage::Gate {
         lock: &st.gate,

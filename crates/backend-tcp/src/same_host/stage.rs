@@ -59,6 +59,9 @@ pub const SLOTS: u64 = 4;
 /// Slots per ring, fewer for the model checker (a smaller state space).
 #[cfg(ferry_loom)]
 pub const SLOTS: u64 = 2;
+/// Bytes one ring holds: a stream no longer than this is copied in
+/// without waiting for the other side.
+pub const RING_BYTES: usize = SLOTS as usize * SLOT;
 /// The control page: the four counters, each on its own cache line.
 const CONTROL: usize = 4096;
 /// Size of the shared area.
@@ -83,8 +86,11 @@ pub const VERDICT_LEN: usize = MAX_SEGMENTS as usize / 8;
 /// Spin this long for the other side before yielding the CPU.
 const SPIN: Duration = Duration::from_micros(50);
 /// Then yield the CPU between checks for this long, before sleeping.
-const YIELD: Duration = Duration::from_millis(1);
-/// Sleep step once the other side is slow (it was descheduled, or stalls).
+const YIELD: Duration = Duration::from_micros(200);
+/// Longest single sleep once the other side is slow (it was descheduled,
+/// or stalls): a sleep ends earlier when the other side moves its counter
+/// (see [`Sleeper`]); between sleeps the wait checks that the other side
+/// is alive and the stall timeout.
 const NAP: Duration = Duration::from_millis(1);
 
 /// The direction of a ring.
@@ -255,9 +261,14 @@ impl Area {
         // at offsets 0, 64, 128, 192 (page-aligned mapping); AtomicU64 has
         // the layout of u64 and every access to them is atomic.
         let counter = |i: usize| unsafe { &*self.base.as_ptr().add(i * 64).cast::<AtomicU64>() };
+        // SAFETY: each counter's sleeper flag, the u64 after it on its
+        // cache line (offset i * 64 + 8), as above.
+        let flag = |i: usize| unsafe { &*self.base.as_ptr().add(i * 64 + 8).cast::<AtomicU64>() };
         Ring {
             head: counter(2 * d),
             tail: counter(2 * d + 1),
+            head_sleeper: flag(2 * d),
+            tail_sleeper: flag(2 * d + 1),
             // SAFETY: inside the mapping: CONTROL + 2 rings of slots.
             slots: unsafe { self.base.as_ptr().add(CONTROL + d * SLOTS as usize * SLOT) },
         }
@@ -371,6 +382,10 @@ impl Drop for Area {
 pub struct Ring<'a> {
     head: &'a AtomicU64,
     tail: &'a AtomicU64,
+    /// Set while the consumer sleeps on `head` (see [`Sleeper`]).
+    head_sleeper: &'a AtomicU64,
+    /// Set while the producer sleeps on `tail`.
+    tail_sleeper: &'a AtomicU64,
     slots: *mut u8,
 }
 
@@ -410,6 +425,7 @@ impl Ring<'_> {
     fn publish(&self, seq: &mut u64) {
         *seq = seq.wrapping_add(1);
         self.head.store(*seq, Ordering::Release);
+        self.head_waiter().wake();
     }
 
     /// Consumer: slot `*seq`, emptied, goes back to the producer (every
@@ -417,7 +433,138 @@ impl Ring<'_> {
     fn release(&self, seq: &mut u64) {
         *seq = seq.wrapping_add(1);
         self.tail.store(*seq, Ordering::Release);
+        self.tail_waiter().wake();
     }
+
+    /// The consumer's sleeper: it waits on `head`.
+    fn head_waiter(&self) -> Sleeper<'_> {
+        Sleeper {
+            counter: self.head,
+            flag: self.head_sleeper,
+        }
+    }
+
+    /// The producer's sleeper: it waits on `tail`.
+    pub fn tail_waiter(&self) -> Sleeper<'_> {
+        Sleeper {
+            counter: self.tail,
+            flag: self.tail_sleeper,
+        }
+    }
+}
+
+/// A counter of a ring and the flag its one waiter sets while it sleeps,
+/// so that a side descheduled for milliseconds (two busy CPUs) wakes its
+/// peer the moment it moves the counter instead of the peer napping in
+/// fixed steps: the kernel's futex on the counter's low 32 bits, which
+/// works across the two processes (a shared mapping, so not a private
+/// futex). The flag and the counter form a Dekker pair: the waiter sets
+/// the flag, then reads the counter; the other side moves the counter,
+/// then reads the flag — with a full fence between each pair, at least one
+/// of them sees the other's store, so either the waiter does not sleep or
+/// it is woken (`loom_model` checks this). A peer that writes the flag
+/// can only cost futile wake-ups, or a sleep until [`NAP`] ends.
+pub struct Sleeper<'a> {
+    counter: &'a AtomicU64,
+    flag: &'a AtomicU64,
+}
+
+impl Sleeper<'_> {
+    /// After moving the counter: wakes a waiter that sleeps on it.
+    /// Returns whether it woke (or would have woken) one.
+    fn wake(&self) -> bool {
+        fence(Ordering::SeqCst);
+        // The waiter clears the flag itself once awake (clearing it here
+        // could erase the flag of its next sleep).
+        let sleeping = self.flag.load(Ordering::Relaxed) != 0;
+        #[cfg(not(ferry_loom))]
+        if sleeping {
+            futex_wake(self.counter.as_ptr() as usize);
+        }
+        sleeping
+    }
+
+    /// Announces a sleep: returns the counter's value the sleep is on, or
+    /// `None` if `ready()` already holds (no sleep; the flag is cleared).
+    fn prepare(&self, ready: &impl Fn() -> bool) -> Option<u64> {
+        self.flag.store(1, Ordering::Relaxed);
+        fence(Ordering::SeqCst);
+        let seen = self.counter.load(Ordering::Acquire);
+        if ready() {
+            self.flag.store(0, Ordering::Relaxed);
+            return None;
+        }
+        Some(seen)
+    }
+
+    /// Ends a sleep (woken or not).
+    fn done(&self) {
+        self.flag.store(0, Ordering::Relaxed);
+    }
+}
+
+/// Sleeps while the 32-bit word at `word` (the low half of a ring
+/// counter: little-endian) equals `seen`'s low half, at most `max`
+/// (spurious returns are fine: the caller checks again). An address, not
+/// a reference: a sleep handed to the blocking pool may outlive the wait
+/// that started it, and then its area may be gone (the call fails with
+/// EFAULT; nothing is read or written by this process).
+#[cfg(not(ferry_loom))]
+fn futex_wait(word: usize, seen: u64, max: Duration) {
+    let ts = libc::timespec {
+        tv_sec: max.as_secs() as libc::time_t,
+        tv_nsec: max.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: FUTEX_WAIT only reads the word (inside the kernel, which
+    // checks the address) and sleeps; `ts` is a valid relative timeout for
+    // the call's duration.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word as *const u32,
+            libc::FUTEX_WAIT,
+            seen as u32,
+            &ts as *const libc::timespec,
+        )
+    };
+}
+
+#[cfg(not(ferry_loom))]
+fn futex_wake(word: usize) {
+    // SAFETY: FUTEX_WAKE does not touch memory; it keys the wait queue on
+    // the address.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word as *const u32,
+            libc::FUTEX_WAKE,
+            i32::MAX,
+        )
+    };
+}
+
+/// One sleep of a slow wait, on `on`'s counter: on this thread where
+/// `blocking` (a thread the engine owns), else on the blocking pool, so
+/// that a caller's runtime is never blocked.
+async fn sleep_on(on: &Sleeper<'_>, ready: &impl Fn() -> bool, blocking: bool) {
+    let Some(seen) = on.prepare(ready) else {
+        return;
+    };
+    #[cfg(not(ferry_loom))]
+    {
+        let word = on.counter.as_ptr() as usize;
+        if blocking {
+            futex_wait(word, seen, NAP);
+        } else {
+            let _ = tokio::task::spawn_blocking(move || futex_wait(word, seen, NAP)).await;
+        }
+    }
+    #[cfg(ferry_loom)]
+    {
+        let _ = (seen, blocking);
+        tokio::time::sleep(NAP).await;
+    }
+    on.done();
 }
 
 /// What a wait checks besides its condition.
@@ -432,6 +579,9 @@ pub struct Watch<'a> {
     /// byte, as on the socket), so that a peer publishing one slot just
     /// inside the stall timeout cannot stretch a frame without bound.
     pub deadline: Option<Instant>,
+    /// Whether a slow wait may block this thread (a thread the engine
+    /// owns); otherwise its sleeps run on the runtime's blocking pool.
+    pub blocking: bool,
 }
 
 impl Watch<'_> {
@@ -441,9 +591,18 @@ impl Watch<'_> {
 }
 
 /// Waits until `ready()`: spins briefly (the other side is copying a slot,
-/// a few µs), then yields the CPU, then sleeps in steps of 1 ms, checking
-/// that the other side is alive, for at most the stall timeout.
-pub async fn wait(ready: impl Fn() -> bool, watch: &Watch<'_>) -> Result<(), Stop> {
+/// a few µs), then yields the CPU, then sleeps on `on`'s counter until the
+/// other side moves it (at most [`NAP`] at a time, checking that the other
+/// side is alive), for at most the stall timeout. Sleeping rather than
+/// spinning once the other side is slow is what keeps the path fast when
+/// busy processes compete for the CPUs: a spinning waiter takes the CPU
+/// the side it waits for needs, a sleeping one is woken the moment it can
+/// go on.
+pub async fn wait(
+    ready: impl Fn() -> bool,
+    on: &Sleeper<'_>,
+    watch: &Watch<'_>,
+) -> Result<(), Stop> {
     if ready() {
         return Ok(());
     }
@@ -476,7 +635,7 @@ pub async fn wait(ready: impl Fn() -> bool, watch: &Watch<'_>) -> Result<(), Sto
         if watch.expired(waited) {
             return Err(Stop::Stalled);
         }
-        tokio::time::sleep(NAP).await;
+        sleep_on(on, &ready, watch.blocking).await;
     }
 }
 
@@ -515,7 +674,7 @@ pub async unsafe fn put(
         while at < p.len {
             if fill == 0 {
                 let s = *seq;
-                wait(|| ring.writable(s), watch).await?;
+                wait(|| ring.writable(s), &ring.tail_waiter(), watch).await?;
             }
             let take = (p.len - at).min(SLOT - fill);
             // SAFETY: the source by the caller's guarantee; the slot is
@@ -573,7 +732,7 @@ pub async unsafe fn get(
         while at < p.len {
             if fill == 0 {
                 let s = *seq;
-                wait(|| ring.readable(s), watch).await?;
+                wait(|| ring.readable(s), &ring.head_waiter(), watch).await?;
             }
             let take = (p.len - at).min(SLOT - fill);
             if !p.ptr.is_null() {
@@ -709,6 +868,8 @@ mod tests {
             alive: &alive,
             stall: Duration::from_secs(10),
             deadline: None,
+            // The blocking-pool sleeps of a caller's runtime.
+            blocking: false,
         };
         std::thread::scope(|s| {
             let producer = s.spawn(|| {
@@ -805,25 +966,30 @@ mod tests {
     #[test]
     fn waits_end_when_the_other_side_is_gone_or_stalls() {
         let rt = runtime();
+        let area = Area::create().unwrap();
+        let ring = area.ring(Dir::ToTarget);
+        let on = ring.tail_waiter();
         let gone = || false;
         let w = Watch {
             alive: &gone,
             stall: Duration::from_secs(10),
             deadline: None,
+            blocking: true,
         };
         let t = Instant::now();
-        assert_eq!(rt.block_on(wait(|| false, &w)), Err(Stop::Gone));
+        assert_eq!(rt.block_on(wait(|| false, &on, &w)), Err(Stop::Gone));
         assert!(t.elapsed() < Duration::from_secs(5));
         let alive = || true;
         let w = Watch {
             alive: &alive,
             stall: Duration::from_millis(30),
             deadline: None,
+            blocking: true,
         };
         let t = Instant::now();
-        assert_eq!(rt.block_on(wait(|| false, &w)), Err(Stop::Stalled));
+        assert_eq!(rt.block_on(wait(|| false, &on, &w)), Err(Stop::Stalled));
         assert!(t.elapsed() >= Duration::from_millis(30));
-        assert_eq!(rt.block_on(wait(|| true, &w)), Ok(()));
+        assert_eq!(rt.block_on(wait(|| true, &on, &w)), Ok(()));
     }
 
     /// A frame's deadline ends a stream that keeps making progress, just
@@ -841,6 +1007,7 @@ mod tests {
             alive: &alive,
             stall,
             deadline: Some(start + Duration::from_millis(500)),
+            blocking: true,
         };
         let (r, took) = std::thread::scope(|s| {
             s.spawn(|| {
@@ -849,6 +1016,7 @@ mod tests {
                     alive: &alive,
                     stall: Duration::from_secs(1),
                     deadline: None,
+                    blocking: true,
                 };
                 let mut seq = 0;
                 // One slot every 150 ms: always inside the stall timeout.
@@ -894,6 +1062,7 @@ mod tests {
             alive: &alive,
             stall: Duration::from_secs(10),
             deadline: None,
+            blocking: true,
         };
         let src = vec![7u8; 1000];
         let mut dst = vec![0u8; 1000];
@@ -1034,6 +1203,8 @@ mod loom_model {
     struct RingMem {
         head: AtomicU64,
         tail: AtomicU64,
+        head_sleeper: AtomicU64,
+        tail_sleeper: AtomicU64,
         stamps: Vec<AtomicU64>,
     }
 
@@ -1042,6 +1213,8 @@ mod loom_model {
             Arc::new(RingMem {
                 head: AtomicU64::new(0),
                 tail: AtomicU64::new(0),
+                head_sleeper: AtomicU64::new(0),
+                tail_sleeper: AtomicU64::new(0),
                 stamps: (0..SLOTS).map(|_| AtomicU64::new(0)).collect(),
             })
         }
@@ -1049,6 +1222,8 @@ mod loom_model {
             Ring {
                 head: &self.head,
                 tail: &self.tail,
+                head_sleeper: &self.head_sleeper,
+                tail_sleeper: &self.tail_sleeper,
                 slots: std::ptr::null_mut(),
             }
         }
@@ -1090,6 +1265,31 @@ mod loom_model {
             }
             producer.join().unwrap();
             assert!(ring.drained(n));
+        });
+    }
+
+    /// The sleeper's Dekker pair: a waiter that decides to sleep on a
+    /// counter value the other side has already moved past is woken (the
+    /// futex then returns at once too, but only if the value differs in
+    /// the kernel's view: the wake is what the model proves).
+    #[test]
+    fn a_sleeping_waiter_is_never_missed() {
+        loom::model(|| {
+            let mem = RingMem::new();
+            let m = Arc::clone(&mem);
+            let mover = loom::thread::spawn(move || {
+                // What `publish` does: move the counter, then wake.
+                m.head.store(1, Ordering::Release);
+                m.ring().head_waiter().wake()
+            });
+            let ring = mem.ring();
+            let on = ring.head_waiter();
+            let slept_on = on.prepare(&|| ring.readable(0));
+            let woke = mover.join().unwrap();
+            if slept_on == Some(0) {
+                assert!(woke, "a waiter slept on a value nobody woke it from");
+            }
+            on.done();
         });
     }
 

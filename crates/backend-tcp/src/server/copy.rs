@@ -125,7 +125,7 @@ pub(super) async fn staged_copy(
     // SAFETY: as for SWRITE, read instead of written.
     unsafe { stage::put(&ring, &mut st.to_initiator, &accepted, watch) }.await?;
     let end = st.to_initiator;
-    stage::wait(|| ring.drained(end), watch).await
+    stage::wait(|| ring.drained(end), &ring.tail_waiter(), watch).await
 }
 
 /// The status a v-frame reports for its failed segments: `StaleRegion` if

@@ -577,6 +577,9 @@ pub(super) async fn serve(
                         stall: cfg.stall_timeout,
                         // From the frame's first byte, as on the socket.
                         deadline: Some(pace.deadline(total)),
+                        // Staged frames are served on the connection's own
+                        // thread (`serve_on_thread`).
+                        blocking: true,
                     };
                     let failed: Vec<u32> = (0..guards.len() as u32)
                         .filter(|&i| guards[i as usize].is_err())
