@@ -19,6 +19,11 @@ same machine conditions; the figures are medians, the ratios medians of the
 per-round ratios. Mooncake comes from the ``mooncake-transfer-engine-non-cuda``
 wheel (``pip install mooncake-transfer-engine-non-cuda``); without it only
 Ferry is measured. ``--json`` prints the figures as JSON.
+
+``--calls`` measures per call instead (see ``ferry._bench_calls``): the p50
+and p99 of one 4 KiB write on Ferry's same-host and socket paths, Mooncake's
+and NIXL's Python APIs; ``--threads N`` threads on one engine and session;
+and small calls beside a thread writing 16 MiB batches.
 """
 
 import argparse
@@ -227,12 +232,28 @@ def main(argv=None):
     p.add_argument("--serve", choices=["ferry", "mooncake"], help=argparse.SUPPRESS)
     p.add_argument("--no-mooncake", action="store_true", help="measure Ferry only")
     p.add_argument(
+        "--calls",
+        action="store_true",
+        help="per-call figures instead: 4 KiB latency p50/p99 on Ferry's two paths, "
+        "Mooncake and NIXL; N threads on one engine; fairness beside 16 MiB batches",
+    )
+    p.add_argument("--per-round", type=int, default=2000, help="--calls: calls per round")
+    p.add_argument("--threads", type=int, default=10, help="--calls: threads (0: skip)")
+    p.add_argument("--no-nixl", action="store_true", help="--calls: leave NIXL out")
+    p.add_argument("--serve-calls", choices=["ferry", "mooncake", "nixl"], help=argparse.SUPPRESS)
+    p.add_argument(
         "--ferry-url",
         default=os.environ.get("FERRY_URL", "tcp://?same_host=off"),
         help="Ferry's backend URL (default: TCP with the same-host path off, as "
         "Mooncake's TCP transport; `tcp://` lets two processes on one host use it)",
     )
     args = p.parse_args(argv)
+    if args.serve_calls or args.calls:
+        from ferry import _bench_calls
+
+        if args.serve_calls:
+            return _bench_calls.serve(args.serve_calls)
+        return _bench_calls.run(args)
     # ferry.mooncake.TransferEngine() and the --serve child read FERRY_URL.
     os.environ["FERRY_URL"] = args.ferry_url
     if args.serve:
