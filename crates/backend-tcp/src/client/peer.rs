@@ -95,12 +95,6 @@ impl Peer {
     /// is absent or dead.
     pub(crate) async fn conn(&self, i: usize) -> Result<Arc<ConnShared>> {
         let slot = &self.slots[i];
-        let live = |slot: &SlotState| {
-            transport_core::raw::read(&slot.cur)
-                .as_ref()
-                .filter(|c| !c.shared.dead.load(Ordering::Acquire))
-                .map(|c| Arc::clone(&c.shared))
-        };
         if let Some(c) = live(slot) {
             return Ok(c);
         }
@@ -128,12 +122,7 @@ impl Peer {
             .iter()
             .enumerate()
             .filter(|(i, _)| *i != c)
-            .find_map(|(_, slot)| {
-                transport_core::raw::read(&slot.cur)
-                    .as_ref()
-                    .filter(|x| !x.shared.dead.load(Ordering::Acquire))
-                    .map(|x| Arc::clone(&x.shared))
-            })
+            .find_map(|(_, slot)| live(slot))
     }
 
     /// Sends `ops` on connection slot `c` (connecting if needed; a
@@ -259,4 +248,12 @@ impl Peer {
             .pop()
             .unwrap_or_else(|| Err(Error::Canceled("no result".into())))
     }
+}
+
+/// The slot's connection, if it has one that is not dead.
+fn live(slot: &SlotState) -> Option<Arc<ConnShared>> {
+    transport_core::raw::read(&slot.cur)
+        .as_ref()
+        .filter(|c| !c.shared.dead.load(Ordering::Acquire))
+        .map(|c| Arc::clone(&c.shared))
 }
