@@ -321,7 +321,9 @@ where
             _ = expired => return Err(timed_out()),
         }
     }
-    sleep_phase(stream, attempt, extend, hook, timeout).await
+    // What is left of `timeout` (a pause took some of it).
+    let left = until.map(|at| at.saturating_duration_since(tokio::time::Instant::now()));
+    sleep_phase(stream, attempt, extend, hook, left).await
 }
 
 /// The polling part of [`read_with`]: `Some` with the read's result, or

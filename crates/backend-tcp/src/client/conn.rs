@@ -189,6 +189,12 @@ pub(crate) struct ClientStage {
 }
 
 impl ClientStage {
+    /// Whether a caller is moving a stream longer than the rings (the
+    /// reader then pauses instead of polling: see [`ConnShared::poll_on`]).
+    pub(crate) fn moving_long(&self) -> bool {
+        self.long_movers.load(Ordering::Relaxed) > 0
+    }
+
     pub(crate) fn new(
         area: crate::same_host::stage::Area,
         min: usize,
@@ -301,7 +307,7 @@ impl ConnShared {
     /// and the last activity is less than `window` ago.
     pub(crate) fn poll_on(&self, window: Duration) -> bool {
         if let Some(st) = &self.stage {
-            if st.long_movers.load(Ordering::Relaxed) > 0 {
+            if st.moving_long() {
                 // A caller moves a long stream through the staging area,
                 // and the target with it: the two copying threads need the
                 // CPUs for a millisecond or more. Stop polling and pause
@@ -487,8 +493,8 @@ impl Drop for Conn {
 
 /// A caller moving streams through the staging area, counted in
 /// [`ClientStage::movers`] (and `long_movers`) for as long as it lives —
-/// also when its future is dropped mid-move; the reader is nudged when it
-/// ends.
+/// also when its future is dropped mid-move; the reader is nudged when a
+/// long move ends.
 pub(crate) struct Moving<'a> {
     st: &'a ClientStage,
     long: bool,
@@ -506,10 +512,11 @@ impl<'a> Moving<'a> {
 
 impl Drop for Moving<'_> {
     fn drop(&mut self) {
+        self.st.movers.fetch_sub(1, Ordering::Relaxed);
         if self.long {
             self.st.long_movers.fetch_sub(1, Ordering::Relaxed);
+            // Only a long move pauses the reader.
+            self.st.nudge.notify_one();
         }
-        self.st.movers.fetch_sub(1, Ordering::Relaxed);
-        self.st.nudge.notify_one();
     }
 }

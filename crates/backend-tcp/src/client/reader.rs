@@ -58,11 +58,7 @@ pub(crate) async fn reader_loop(
         rd.set_spin_hook(Arc::new(move |polling| c.take_lane(polling)));
         let c = Arc::clone(conn);
         rd.set_pause(crate::io::Pause {
-            active: Arc::new(move || {
-                c.stage
-                    .as_ref()
-                    .is_some_and(|st| st.long_movers.load(Ordering::Relaxed) > 0)
-            }),
+            active: Arc::new(move || c.stage.as_ref().is_some_and(|st| st.moving_long())),
             nudge: Arc::clone(&st.nudge),
         });
     }
