@@ -24,6 +24,12 @@ const SERVER_LABEL: &[u8] = b"ferry-tcp/2 target";
 // label || initiator nonce || target nonce) with the labels above.
 
 fn io_err(peer: &str, what: &str, timeout: Duration, e: std::io::Error) -> Error {
+    // Under TLS: an alert such as the target refusing our certificate
+    // (TLS 1.3 checks the client's only after the client's side of the
+    // handshake is done, so the refusal arrives with the first read).
+    if let Some(err) = crate::tls::io_error_tls(peer, "the peer", &e) {
+        return err;
+    }
     match e.kind() {
         std::io::ErrorKind::TimedOut => Error::Timeout {
             operation: format!("handshake ({what})"),

@@ -186,6 +186,9 @@ fn sys_msg(stream: &Stream, iov: &mut [libc::iovec], send: bool) -> io::Result<u
     if iov.is_empty() {
         return Ok(0);
     }
+    if let Some(tls) = stream.tls() {
+        return tls_msg(tls, iov, send);
+    }
     // SAFETY: an all-zero msghdr is a valid "no address, no control data"
     // header.
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
@@ -208,6 +211,30 @@ fn sys_msg(stream: &Stream, iov: &mut [libc::iovec], send: bool) -> io::Result<u
         Err(io::Error::last_os_error())
     } else {
         Ok(r as usize)
+    }
+}
+
+/// [`sys_msg`] under TLS: the same ranges, through the session (see
+/// [`crate::tls::conn`]).
+fn tls_msg(tls: &crate::tls::conn::TlsConn, iov: &[libc::iovec], send: bool) -> io::Result<usize> {
+    if send {
+        let bufs: Vec<io::IoSlice<'_>> = iov
+            .iter()
+            .map(|v| {
+                // SAFETY: as for `sendmsg` in `sys_msg`: each iovec names
+                // memory valid for reads of its length for this call (a
+                // Rust buffer borrowed by its `Bytes`, or registered memory
+                // a caller's RegionGuard keeps registered); rustls only
+                // copies out of it.
+                let b = unsafe { std::slice::from_raw_parts(v.iov_base as *const u8, v.iov_len) };
+                io::IoSlice::new(b)
+            })
+            .collect();
+        tls.send(&bufs)
+    } else {
+        // SAFETY: as for `recvmsg` in `sys_msg`: each iovec names memory
+        // valid for writes of its length for this call.
+        unsafe { tls.recv(iov) }
     }
 }
 
@@ -472,6 +499,9 @@ pub async fn write_all(stream: &Stream, bufs: &[Bytes<'_>], pace: Pace) -> io::R
             off = 0;
         }
         if idx == bufs.len() {
+            if let Some(tls) = stream.tls() {
+                flush_tls(stream, tls, pace, deadline).await?;
+            }
             return Ok(());
         }
         tokio::task::consume_budget().await;
@@ -515,6 +545,33 @@ pub async fn write_all(stream: &Stream, bufs: &[Bytes<'_>], pace: Pace) -> io::R
             }
         }
     }
+}
+
+/// Waits until the TLS records of what was written are in the socket (a
+/// write returns only then, as on a clear socket), bounded as the write.
+async fn flush_tls(
+    stream: &Stream,
+    tls: &crate::tls::conn::TlsConn,
+    pace: Pace,
+    deadline: Instant,
+) -> io::Result<()> {
+    match tls.flush() {
+        Ok(()) => return Ok(()),
+        Err(e) if retry(&e) => {}
+        Err(e) => return Err(e),
+    }
+    let wait = async {
+        loop {
+            stream.writable().await?;
+            match stream.try_io(tokio::io::Interest::WRITABLE, || tls.flush()) {
+                Err(e) if retry(&e) => continue,
+                other => return other,
+            }
+        }
+    };
+    tokio::time::timeout(pace.wait(deadline)?, wait)
+        .await
+        .unwrap_or_else(|_| Err(timed_out()))
 }
 
 /// Writes plain byte slices (handshake and control messages).

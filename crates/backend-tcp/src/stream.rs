@@ -12,6 +12,8 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use tokio::io::Interest;
 use tokio::net::{TcpStream, UnixStream};
 
+use crate::tls::conn::{Detached, TlsConn};
+
 /// A connection's socket, registered with the current Tokio runtime.
 #[derive(Debug)]
 pub enum Stream {
@@ -19,10 +21,18 @@ pub enum Stream {
     Tcp(TcpStream),
     /// The same-host control channel: one end of a Unix socket pair.
     Unix(UnixStream),
-    /// A TCP connection under TLS: the plaintext end of a Unix socket pair
-    /// whose other end a relay task pumps through the TLS session (see
-    /// [`crate::tls`]), and the TCP connection's (local, peer) addresses.
-    Tls(UnixStream, (SocketAddr, SocketAddr)),
+    /// A TCP connection under TLS: the socket and the session's state,
+    /// driven by the connection's own reads and writes (see
+    /// [`crate::tls::conn`]).
+    Tls(Box<TlsConn>),
+}
+
+/// A [`Stream`] taken off its runtime (see [`Stream::into_owned`]).
+pub enum OwnedStream {
+    /// A clear socket: Unix (`true`) or TCP.
+    Fd(bool, OwnedFd),
+    /// A TLS connection with its session.
+    Tls(Box<Detached>),
 }
 
 impl Stream {
@@ -30,7 +40,13 @@ impl Stream {
     pub async fn readable(&self) -> io::Result<()> {
         match self {
             Stream::Tcp(s) => s.readable().await,
-            Stream::Unix(s) | Stream::Tls(s, _) => s.readable().await,
+            Stream::Unix(s) => s.readable().await,
+            Stream::Tls(t) => {
+                if t.has_plaintext() {
+                    return Ok(());
+                }
+                t.tcp().readable().await
+            }
         }
     }
 
@@ -38,7 +54,8 @@ impl Stream {
     pub async fn writable(&self) -> io::Result<()> {
         match self {
             Stream::Tcp(s) => s.writable().await,
-            Stream::Unix(s) | Stream::Tls(s, _) => s.writable().await,
+            Stream::Unix(s) => s.writable().await,
+            Stream::Tls(t) => t.tcp().writable().await,
         }
     }
 
@@ -51,7 +68,8 @@ impl Stream {
     ) -> io::Result<R> {
         match self {
             Stream::Tcp(s) => s.try_io(interest, f),
-            Stream::Unix(s) | Stream::Tls(s, _) => s.try_io(interest, f),
+            Stream::Unix(s) => s.try_io(interest, f),
+            Stream::Tls(t) => t.tcp().try_io(interest, f),
         }
     }
 
@@ -60,7 +78,7 @@ impl Stream {
     pub fn tcp_addrs(&self) -> Option<(SocketAddr, SocketAddr)> {
         match self {
             Stream::Tcp(s) => Some((s.local_addr().ok()?, s.peer_addr().ok()?)),
-            Stream::Tls(_, a) => Some(*a),
+            Stream::Tls(t) => Some(t.addrs()),
             Stream::Unix(_) => None,
         }
     }
@@ -76,21 +94,30 @@ impl Stream {
     }
 
     /// Deregisters the socket from this runtime (to move it to another).
-    pub fn into_owned_fd(self) -> io::Result<(bool, OwnedFd)> {
+    pub fn into_owned(self) -> io::Result<OwnedStream> {
         Ok(match self {
-            Stream::Tcp(s) => (false, s.into_std()?.into()),
-            Stream::Unix(s) | Stream::Tls(s, _) => (true, s.into_std()?.into()),
+            Stream::Tcp(s) => OwnedStream::Fd(false, s.into_std()?.into()),
+            Stream::Unix(s) => OwnedStream::Fd(true, s.into_std()?.into()),
+            Stream::Tls(t) => OwnedStream::Tls(Box::new(t.detach()?)),
         })
     }
 
-    /// Registers a socket taken by [`Stream::into_owned_fd`] with the
+    /// Registers a stream taken by [`Stream::into_owned`] with the
     /// current runtime.
-    pub fn from_owned_fd(unix: bool, fd: OwnedFd) -> io::Result<Stream> {
-        Ok(if unix {
-            Stream::Unix(UnixStream::from_std(fd.into())?)
-        } else {
-            Stream::Tcp(TcpStream::from_std(fd.into())?)
+    pub fn from_owned(owned: OwnedStream) -> io::Result<Stream> {
+        Ok(match owned {
+            OwnedStream::Fd(true, fd) => Stream::Unix(UnixStream::from_std(fd.into())?),
+            OwnedStream::Fd(false, fd) => Stream::Tcp(TcpStream::from_std(fd.into())?),
+            OwnedStream::Tls(d) => Stream::Tls(Box::new(d.attach()?)),
         })
+    }
+
+    /// The TLS connection, if this runs under TLS.
+    pub fn tls(&self) -> Option<&TlsConn> {
+        match self {
+            Stream::Tls(t) => Some(t),
+            _ => None,
+        }
     }
 }
 
@@ -98,7 +125,8 @@ impl AsRawFd for Stream {
     fn as_raw_fd(&self) -> RawFd {
         match self {
             Stream::Tcp(s) => s.as_raw_fd(),
-            Stream::Unix(s) | Stream::Tls(s, _) => s.as_raw_fd(),
+            Stream::Unix(s) => s.as_raw_fd(),
+            Stream::Tls(t) => t.tcp().as_raw_fd(),
         }
     }
 }
@@ -107,7 +135,8 @@ impl AsFd for Stream {
     fn as_fd(&self) -> BorrowedFd<'_> {
         match self {
             Stream::Tcp(s) => s.as_fd(),
-            Stream::Unix(s) | Stream::Tls(s, _) => s.as_fd(),
+            Stream::Unix(s) => s.as_fd(),
+            Stream::Tls(t) => t.tcp().as_fd(),
         }
     }
 }

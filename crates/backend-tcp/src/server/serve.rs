@@ -57,7 +57,7 @@ pub(super) async fn serve_on_thread(
     live: Arc<Live>,
     st: ConnState,
 ) -> Result<(), Error> {
-    let (unix, fd) = stream.into_owned_fd().map_err(|e| io_error(&peer, e))?;
+    let owned = stream.into_owned().map_err(|e| io_error(&peer, e))?;
     let (done_tx, done_rx) = oneshot::channel();
     let (stop_tx, stop_rx) = oneshot::channel::<()>();
     let p = peer.clone();
@@ -68,7 +68,7 @@ pub(super) async fn serve_on_thread(
                 .build()
                 .map_err(|e| io_error(&p, e))?;
             rt.block_on(async {
-                let stream = Stream::from_owned_fd(unix, fd).map_err(|e| io_error(&p, e))?;
+                let stream = Stream::from_owned(owned).map_err(|e| io_error(&p, e))?;
                 tokio::select! {
                     r = serve(stream, &p, &core, &live, st) => r.map(|_| ()),
                     _ = stop_rx => Ok(()),

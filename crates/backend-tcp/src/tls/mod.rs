@@ -17,12 +17,13 @@
 //!   secret can compute. The initiator is then authenticated by the HMAC
 //!   proof, which runs inside TLS and is bound to the TLS exporter.
 //!
-//! Once the handshake is done, the TLS session lives in a relay task that
-//! pumps plaintext between it and one end of a Unix socket pair; the
-//! connection's own code (frames, zero-copy `sendmsg` / `recvmsg`, fences)
-//! runs unchanged on the other end ([`Stream::Tls`]). That costs two extra
-//! kernel copies per byte on top of the encryption (see the README's
-//! figures).
+//! Once the handshake is done (tokio-rustls drives it), the session and
+//! the TCP socket move into a [`conn::TlsConn`], which the connection's own
+//! non-blocking reads and writes drive ([`crate::io`]): frames, pacing,
+//! deadlines and fences run unchanged on it, and a byte costs the
+//! encryption and rustls's copies, nothing more.
+
+pub(crate) mod conn;
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -95,8 +96,6 @@ pub struct TlsContext {
     pub mode: TlsMode,
     /// How this engine names itself.
     pub identity: Identity,
-    /// The relay's progress bound (`stall_timeout`).
-    stall: Duration,
     client: Arc<rustls::ClientConfig>,
     server: Arc<rustls::ServerConfig>,
 }
@@ -122,8 +121,6 @@ pub struct Session {
 
 /// The exporter's label (RFC 8446 §7.5).
 const EXPORTER_LABEL: &[u8] = b"EXPORTER-ferry-tcp";
-/// The plaintext relay's buffer, each way.
-const RELAY_BUF: usize = 256 << 10;
 
 fn invalid(msg: String) -> Error {
     Error::InvalidArgument(msg)
@@ -327,7 +324,6 @@ impl TlsContext {
         Ok(Some(Arc::new(TlsContext {
             mode: cfg.tls,
             identity,
-            stall: cfg.stall_timeout,
             client: Arc::new(client),
             server: Arc::new(server),
         })))
@@ -358,12 +354,12 @@ impl TlsContext {
             .map_err(|_| tls_timeout(peer, timeout))?
             .map_err(|e| tls_error(peer, "the target", e))?;
         let session = session_of(&**tls.get_ref().1, peer)?;
-        *stream = spawn_relay(
-            tokio_rustls::TlsStream::Client(tls),
+        let (tcp, state) = tls.into_inner();
+        *stream = Stream::Tls(Box::new(conn::TlsConn::new(
+            tcp,
             addrs,
-            peer,
-            self.stall,
-        )?;
+            rustls::Connection::Client(state),
+        )));
         Ok(session)
     }
 
@@ -381,12 +377,12 @@ impl TlsContext {
             .map_err(|_| tls_timeout(peer, timeout))?
             .map_err(|e| tls_error(peer, "the initiator", e))?;
         let session = session_of(&**tls.get_ref().1, peer)?;
-        *stream = spawn_relay(
-            tokio_rustls::TlsStream::Server(tls),
+        let (tcp, state) = tls.into_inner();
+        *stream = Stream::Tls(Box::new(conn::TlsConn::new(
+            tcp,
             addrs,
-            peer,
-            self.stall,
-        )?;
+            rustls::Connection::Server(state),
+        )));
         Ok(session)
     }
 }
@@ -403,43 +399,55 @@ fn tls_timeout(peer: &str, after: Duration) -> Error {
 /// prove is [`Error::Authentication`]; a closed connection
 /// [`Error::PeerLost`]; anything else [`Error::Protocol`].
 fn tls_error(peer: &str, who: &str, e: std::io::Error) -> Error {
-    let inner = e
-        .get_ref()
-        .and_then(|i| i.downcast_ref::<rustls::Error>())
-        .cloned();
-    match inner {
-        Some(
-            r @ (rustls::Error::InvalidCertificate(_)
-            | rustls::Error::NoCertificatesPresented
-            | rustls::Error::AlertReceived(
-                rustls::AlertDescription::BadCertificate
-                | rustls::AlertDescription::CertificateRequired
-                | rustls::AlertDescription::UnknownCA
-                | rustls::AlertDescription::DecryptError
-                | rustls::AlertDescription::CertificateUnknown,
-            )),
-        ) => Error::Authentication {
+    if let Some(r) = e.get_ref().and_then(|i| i.downcast_ref::<rustls::Error>()) {
+        return rustls_error(peer, who, r);
+    }
+    match e.kind() {
+        std::io::ErrorKind::UnexpectedEof
+        | std::io::ErrorKind::ConnectionReset
+        | std::io::ErrorKind::BrokenPipe
+        | std::io::ErrorKind::ConnectionAborted => Error::PeerLost {
             peer: peer.to_owned(),
-            reason: format!("TLS handshake: {r} ({who} could not be authenticated, or refused us)"),
+            reason: format!("during the TLS handshake: {e}"),
         },
-        Some(r) => Error::Protocol {
+        _ => Error::Protocol {
             peer: peer.to_owned(),
-            reason: format!("TLS handshake: {r}"),
-        },
-        None => match e.kind() {
-            std::io::ErrorKind::UnexpectedEof
-            | std::io::ErrorKind::ConnectionReset
-            | std::io::ErrorKind::BrokenPipe
-            | std::io::ErrorKind::ConnectionAborted => Error::PeerLost {
-                peer: peer.to_owned(),
-                reason: format!("during the TLS handshake: {e}"),
-            },
-            _ => Error::Protocol {
-                peer: peer.to_owned(),
-                reason: format!("TLS handshake: {e}"),
-            },
+            reason: format!("TLS handshake: {e}"),
         },
     }
+}
+
+/// A TLS error: a certificate or signature one side could not prove (also
+/// as an alert the peer sent, such as a target refusing our certificate
+/// once our side of the handshake was done) is [`Error::Authentication`],
+/// anything else [`Error::Protocol`].
+pub(crate) fn rustls_error(peer: &str, who: &str, r: &rustls::Error) -> Error {
+    match r {
+        rustls::Error::InvalidCertificate(_)
+        | rustls::Error::NoCertificatesPresented
+        | rustls::Error::AlertReceived(
+            rustls::AlertDescription::BadCertificate
+            | rustls::AlertDescription::CertificateRequired
+            | rustls::AlertDescription::UnknownCA
+            | rustls::AlertDescription::DecryptError
+            | rustls::AlertDescription::CertificateUnknown,
+        ) => Error::Authentication {
+            peer: peer.to_owned(),
+            reason: format!("TLS: {r} ({who} could not be authenticated, or refused us)"),
+        },
+        r => Error::Protocol {
+            peer: peer.to_owned(),
+            reason: format!("TLS: {r}"),
+        },
+    }
+}
+
+/// The TLS error an I/O error of a TLS connection carries, if any (see
+/// [`conn`]).
+pub(crate) fn io_error_tls(peer: &str, who: &str, e: &std::io::Error) -> Option<Error> {
+    e.get_ref()
+        .and_then(|i| i.downcast_ref::<rustls::Error>())
+        .map(|r| rustls_error(peer, who, r))
 }
 
 fn session_of<D>(conn: &rustls::ConnectionCommon<D>, peer: &str) -> Result<Session> {
@@ -485,90 +493,4 @@ fn take_tcp(
             })
         }
     }
-}
-
-/// Moves the TLS session into a relay task and returns the plaintext end.
-fn spawn_relay(
-    tls: tokio_rustls::TlsStream<tokio::net::TcpStream>,
-    addrs: (SocketAddr, SocketAddr),
-    peer: &str,
-    stall: Duration,
-) -> Result<Stream> {
-    let (ours, theirs) = tokio::net::UnixStream::pair().map_err(|e| Error::io("socketpair", &e))?;
-    let p = peer.to_owned();
-    tokio::spawn(async move {
-        match relay(tls, theirs, stall).await {
-            Ok(()) => tracing::trace!(peer = %p, "TLS relay ended"),
-            Err(e) => tracing::debug!(peer = %p, %e, "TLS relay ended"),
-        }
-    });
-    Ok(Stream::Tls(ours, addrs))
-}
-
-/// Pumps plaintext between the TLS session and the connection's end of
-/// the Unix pair until both directions end. Bounded like a connection in
-/// clear: a write to the peer that makes no progress for `stall` ends the
-/// relay (and so the connection), and once either direction has ended the
-/// other gets at most `stall` more (a peer that ignores our close, or an
-/// end of the pair that was dropped while the peer is silent, cannot keep
-/// the task and its socket alive).
-async fn relay(
-    tls: tokio_rustls::TlsStream<tokio::net::TcpStream>,
-    unix: tokio::net::UnixStream,
-    stall: Duration,
-) -> std::io::Result<()> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let stalled = || std::io::Error::new(std::io::ErrorKind::TimedOut, "the TLS peer stalled");
-    let (mut tr, mut tw) = tokio::io::split(tls);
-    let (mut ur, mut uw) = unix.into_split();
-    let up = async {
-        let mut buf = vec![0u8; RELAY_BUF];
-        loop {
-            let n = ur.read(&mut buf).await?;
-            if n == 0 {
-                break;
-            }
-            tokio::time::timeout(stall, async {
-                tw.write_all(&buf[..n]).await?;
-                tw.flush().await
-            })
-            .await
-            .map_err(|_| stalled())??;
-        }
-        // close_notify and FIN.
-        let _ = tokio::time::timeout(stall, tw.shutdown()).await;
-        Ok::<(), std::io::Error>(())
-    };
-    let down = async {
-        let mut buf = vec![0u8; RELAY_BUF];
-        let r = async {
-            loop {
-                let n = tr.read(&mut buf).await?;
-                if n == 0 {
-                    return Ok::<(), std::io::Error>(());
-                }
-                uw.write_all(&buf[..n]).await?;
-            }
-        }
-        .await;
-        // The connection sees the end at once, also when the session
-        // failed (a TLS alert such as the target refusing our
-        // certificate): it must not wait for the other direction.
-        let _ = uw.shutdown().await;
-        r
-    };
-    tokio::pin!(up, down);
-    let rest: std::result::Result<std::io::Result<()>, tokio::time::error::Elapsed> = tokio::select! {
-        r = &mut up => {
-            // A failed direction ends the relay now: dropping both halves
-            // closes the TLS socket and the connection's end of the pair.
-            r?;
-            tokio::time::timeout(stall, &mut down).await
-        }
-        r = &mut down => {
-            r?;
-            tokio::time::timeout(stall, &mut up).await
-        }
-    };
-    rest.map_err(|_| stalled())?
 }
