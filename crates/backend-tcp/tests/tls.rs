@@ -433,6 +433,26 @@ async fn the_same_host_path_runs_after_a_tls_handshake() {
     assert!(r.path.starts_with("same-host"), "{r}");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tls_connection_moved_to_its_own_thread_keeps_its_session() {
+    // With the frames kept on the TCP connection (`same_host_unix` off),
+    // the target serves the agreed same-host connection on a thread of its
+    // own: the TLS session moves there with the socket, and frames, acks
+    // and notifications keep flowing encrypted.
+    let cfg = || TcpConfig {
+        same_host: SameHost::Auto,
+        same_host_unix: false,
+        ..secret_cfg(TlsMode::Require)
+    };
+    let (a, b) = (start(cfg()).await, start(cfg()).await);
+    for len in [4096, 300_000, 1 << 20] {
+        round_trip(&a, &b, b.segment_name(), len).await;
+    }
+    let r = a.peer_report(b.segment_name()).unwrap();
+    assert!(r.tls.is_ok(), "{r}");
+    assert!(r.path.starts_with("same-host"), "{r}");
+}
+
 #[test]
 fn tls_settings_are_checked() {
     for (url, want) in [

@@ -256,7 +256,7 @@ pub fn check_offer(stream: &TcpStream, offer: &Offer) -> Result<Initiator, (Refu
 }
 
 /// [`check_offer`] for the TCP connection with these (local, peer)
-/// addresses (under TLS the connection's socket is a relay's).
+/// addresses.
 pub fn check_offer_on(
     addrs: (std::net::SocketAddr, std::net::SocketAddr),
     offer: &Offer,
