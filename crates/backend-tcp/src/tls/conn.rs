@@ -27,7 +27,7 @@
 
 use std::io::{self, IoSlice, Read, Write};
 use std::net::SocketAddr;
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::{Mutex, MutexGuard};
 
 use tokio::net::TcpStream;
@@ -37,23 +37,65 @@ use tokio::net::TcpStream;
 /// fewer system calls per MiB).
 const SEND_BUFFER: usize = 256 << 10;
 
-/// The TCP socket as rustls's non-blocking byte source and sink.
+/// Ciphertext taken from the socket per `recv` (see [`State`]).
+const READ_BUFFER: usize = 64 << 10;
+
+/// The TCP socket as rustls's non-blocking byte source and sink: plain
+/// `recv` / `sendmsg` system calls, as [`crate::io`] makes on a clear
+/// socket. Not Tokio's `try_read` / `try_write`: those return
+/// `WouldBlock` without asking the kernel while the runtime's readiness
+/// flag is clear, so a reader polling for an answer would see it only once
+/// the reactor next ran (measured: 4 KiB writes at p50 140 µs instead of
+/// 35). A `WouldBlock` from here clears the readiness through the caller's
+/// `Stream::try_io`, as on a clear socket.
 struct Sock<'a>(&'a TcpStream);
+
+fn last_os<T>(r: isize, ok: impl FnOnce(usize) -> T) -> io::Result<T> {
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(ok(r as usize))
+    }
+}
 
 impl Read for Sock<'_> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        // Clears Tokio's read readiness when the socket is empty.
-        self.0.try_read(buf)
+        // SAFETY: `buf` is valid for writes of its length; the socket is
+        // open while borrowed.
+        let r = unsafe {
+            libc::recv(
+                self.0.as_raw_fd(),
+                buf.as_mut_ptr().cast(),
+                buf.len(),
+                libc::MSG_DONTWAIT,
+            )
+        };
+        last_os(r, |n| n)
     }
 }
 
 impl Write for Sock<'_> {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        self.0.try_write(buf)
+        self.write_vectored(&[IoSlice::new(buf)])
     }
 
     fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
-        self.0.try_write_vectored(bufs)
+        // SAFETY: an all-zero msghdr is a valid "no address, no control
+        // data" header.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        // IoSlice is ABI-compatible with iovec (std guarantees it on Unix).
+        msg.msg_iov = bufs.as_ptr() as *mut libc::iovec;
+        msg.msg_iovlen = bufs.len().min(1024) as _;
+        // SAFETY: the iovecs name the borrowed slices, valid for reads for
+        // the call; the socket is open while borrowed.
+        let r = unsafe {
+            libc::sendmsg(
+                self.0.as_raw_fd(),
+                &msg,
+                libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
+            )
+        };
+        last_os(r, |n| n)
     }
 
     fn flush(&mut self) -> io::Result<()> {
@@ -65,7 +107,17 @@ impl Write for Sock<'_> {
 pub struct TlsConn {
     tcp: TcpStream,
     addrs: (SocketAddr, SocketAddr),
-    state: Mutex<rustls::Connection>,
+    state: Mutex<State>,
+}
+
+/// The session and the ciphertext read from the socket but not yet given
+/// to rustls (`inbuf[pos..len]`): one `recv` takes up to [`READ_BUFFER`]
+/// bytes, where rustls alone would read 4 KiB per system call.
+struct State {
+    conn: rustls::Connection,
+    inbuf: Box<[u8]>,
+    pos: usize,
+    len: usize,
 }
 
 impl std::fmt::Debug for TlsConn {
@@ -80,7 +132,7 @@ impl std::fmt::Debug for TlsConn {
 pub struct Detached {
     fd: OwnedFd,
     addrs: (SocketAddr, SocketAddr),
-    state: rustls::Connection,
+    state: State,
 }
 
 fn tls_io_error(e: rustls::Error) -> io::Error {
@@ -92,9 +144,22 @@ impl TlsConn {
     pub fn new(
         tcp: TcpStream,
         addrs: (SocketAddr, SocketAddr),
-        mut state: rustls::Connection,
+        mut conn: rustls::Connection,
     ) -> TlsConn {
-        state.set_buffer_limit(Some(SEND_BUFFER));
+        conn.set_buffer_limit(Some(SEND_BUFFER));
+        TlsConn::with_state(
+            tcp,
+            addrs,
+            State {
+                conn,
+                inbuf: vec![0u8; READ_BUFFER].into_boxed_slice(),
+                pos: 0,
+                len: 0,
+            },
+        )
+    }
+
+    fn with_state(tcp: TcpStream, addrs: (SocketAddr, SocketAddr), state: State) -> TlsConn {
         TlsConn {
             tcp,
             addrs,
@@ -102,7 +167,7 @@ impl TlsConn {
         }
     }
 
-    fn lock(&self) -> MutexGuard<'_, rustls::Connection> {
+    fn lock(&self) -> MutexGuard<'_, State> {
         // A panic while holding it leaves rustls's state as it was between
         // two of its own calls: still consistent.
         self.state.lock().unwrap_or_else(|p| p.into_inner())
@@ -122,7 +187,10 @@ impl TlsConn {
     /// is waiting, or the stream has ended or failed.
     pub fn has_plaintext(&self) -> bool {
         let mut st = self.lock();
-        match st.process_new_packets() {
+        if st.pos < st.len {
+            return true;
+        }
+        match st.conn.process_new_packets() {
             Ok(io) => io.plaintext_bytes_to_read() > 0 || io.peer_has_closed(),
             Err(_) => true,
         }
@@ -150,7 +218,7 @@ impl TlsConn {
                 let b = unsafe { std::slice::from_raw_parts_mut(v.iov_base as *mut u8, v.iov_len) };
                 let mut at = 0;
                 while at < b.len() {
-                    match st.reader().read(&mut b[at..]) {
+                    match st.conn.reader().read(&mut b[at..]) {
                         Ok(0) => {
                             ended = true;
                             break;
@@ -178,11 +246,26 @@ impl TlsConn {
             }
             // At the end of the stream (0) the processing below makes the
             // reader report it.
-            st.read_tls(&mut Sock(&self.tcp))?;
-            let processed = st.process_new_packets();
+            if st.pos == st.len {
+                let State {
+                    inbuf, pos, len, ..
+                } = &mut *st;
+                let n = Sock(&self.tcp).read(inbuf)?;
+                (*pos, *len) = (0, n);
+            }
+            let State {
+                conn,
+                inbuf,
+                pos,
+                len,
+            } = &mut *st;
+            // A whole slice reader never fails; at the end of the stream
+            // (nothing read) rustls notes it and the reader reports it.
+            *pos += conn.read_tls(&mut &inbuf[*pos..*len])?;
+            let processed = conn.process_new_packets();
             // Answers rustls owes the peer (an alert, a key update) go out
             // now if the socket takes them; a later send flushes the rest.
-            let _ = flush_state(&mut st, &self.tcp);
+            let _ = flush_state(conn, &self.tcp);
             processed.map_err(tls_io_error)?;
         }
     }
@@ -192,12 +275,12 @@ impl TlsConn {
     /// are still waiting for the socket (then nothing was taken).
     pub fn send(&self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
         let mut st = self.lock();
-        flush_state(&mut st, &self.tcp)?;
-        let n = st.writer().write_vectored(bufs)?;
+        flush_state(&mut st.conn, &self.tcp)?;
+        let n = st.conn.writer().write_vectored(bufs)?;
         if n == 0 && bufs.iter().any(|b| !b.is_empty()) {
             return Err(io::ErrorKind::WouldBlock.into());
         }
-        match flush_state(&mut st, &self.tcp) {
+        match flush_state(&mut st.conn, &self.tcp) {
             Err(e) if e.kind() != io::ErrorKind::WouldBlock => Err(e),
             _ => Ok(n),
         }
@@ -206,7 +289,7 @@ impl TlsConn {
     /// Writes records still waiting for the socket: `Ok` once none is
     /// left, `WouldBlock` if the socket is full.
     pub fn flush(&self) -> io::Result<()> {
-        flush_state(&mut self.lock(), &self.tcp)
+        flush_state(&mut self.lock().conn, &self.tcp)
     }
 
     /// Takes the connection off its runtime.
@@ -224,7 +307,7 @@ impl Detached {
     /// Registers the connection with the current runtime.
     pub fn attach(self) -> io::Result<TlsConn> {
         let tcp = TcpStream::from_std(self.fd.into())?;
-        Ok(TlsConn::new(tcp, self.addrs, self.state))
+        Ok(TlsConn::with_state(tcp, self.addrs, self.state))
     }
 }
 
