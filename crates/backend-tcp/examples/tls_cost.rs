@@ -1,8 +1,9 @@
 //! Where the cost of TLS goes on this machine: AES-GCM alone (ring, one
 //! core), a loopback TCP stream in clear and under rustls (no Ferry), and
-//! the same TLS stream behind one Unix-socket relay hop on each side (what
-//! `tls=on` adds to the socket path, see src/tls.rs). Each line is GB/s of
-//! payload for 1 MiB writes. `cargo run --release -p backend-tcp --example
+//! the same TLS stream behind one Unix-socket relay hop on each side (the
+//! design `tls=on` had until 2026-12-03; now the connection's own I/O
+//! drives rustls, see src/tls/conn.rs). Each line is GB/s of payload for
+//! 1 MiB writes. `cargo run --release -p backend-tcp --example
 //! tls_cost [GiB]`.
 
 use std::sync::Arc;
@@ -156,8 +157,8 @@ async fn tls_pair(
     (cl, sv.await.unwrap())
 }
 
-/// A Unix pair whose far end is copied to and from `io` (src/tls.rs's
-/// relay, 256 KiB buffers).
+/// A Unix pair whose far end is copied to and from `io` (the former TLS
+/// relay's design, 256 KiB buffers).
 fn relay<T: AsyncRead + AsyncWrite + Unpin + Send + 'static>(mut io: T) -> UnixStream {
     let (a, mut b) = UnixStream::pair().unwrap();
     tokio::spawn(async move {
