@@ -349,17 +349,10 @@ impl TlsContext {
         }
         .map_err(|e| Error::InvalidArgument(format!("TLS server name of {peer}: {e}")))?;
         let connector = tokio_rustls::TlsConnector::from(Arc::clone(&self.client));
-        let tls = tokio::time::timeout(timeout, connector.connect(name, tcp))
-            .await
-            .map_err(|_| tls_timeout(peer, timeout))?
-            .map_err(|e| tls_error(peer, "the target", e))?;
+        let tls = handshake(connector.connect(name, tcp), timeout, peer, "the target").await?;
         let session = session_of(&**tls.get_ref().1, peer)?;
         let (tcp, state) = tls.into_inner();
-        *stream = Stream::Tls(Box::new(conn::TlsConn::new(
-            tcp,
-            addrs,
-            rustls::Connection::Client(state),
-        )));
+        adopt(stream, tcp, addrs, state.into());
         Ok(session)
     }
 
@@ -372,19 +365,36 @@ impl TlsContext {
     ) -> Result<Session> {
         let (tcp, addrs) = take_tcp(stream, peer)?;
         let acceptor = tokio_rustls::TlsAcceptor::from(Arc::clone(&self.server));
-        let tls = tokio::time::timeout(timeout, acceptor.accept(tcp))
-            .await
-            .map_err(|_| tls_timeout(peer, timeout))?
-            .map_err(|e| tls_error(peer, "the initiator", e))?;
+        let tls = handshake(acceptor.accept(tcp), timeout, peer, "the initiator").await?;
         let session = session_of(&**tls.get_ref().1, peer)?;
         let (tcp, state) = tls.into_inner();
-        *stream = Stream::Tls(Box::new(conn::TlsConn::new(
-            tcp,
-            addrs,
-            rustls::Connection::Server(state),
-        )));
+        adopt(stream, tcp, addrs, state.into());
         Ok(session)
     }
+}
+
+/// Runs a TLS handshake within `timeout`, its failure named as [`tls_error`]
+/// says (`who`: the other side).
+async fn handshake<T>(
+    hs: impl std::future::Future<Output = std::io::Result<T>>,
+    timeout: Duration,
+    peer: &str,
+    who: &str,
+) -> Result<T> {
+    tokio::time::timeout(timeout, hs)
+        .await
+        .map_err(|_| tls_timeout(peer, timeout))?
+        .map_err(|e| tls_error(peer, who, e))
+}
+
+/// Puts the session and its socket in place of `stream`'s placeholder.
+fn adopt(
+    stream: &mut Stream,
+    tcp: tokio::net::TcpStream,
+    addrs: (SocketAddr, SocketAddr),
+    state: rustls::Connection,
+) {
+    *stream = Stream::Tls(Box::new(conn::TlsConn::new(tcp, addrs, state)));
 }
 
 fn tls_timeout(peer: &str, after: Duration) -> Error {
