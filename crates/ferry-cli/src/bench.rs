@@ -573,19 +573,11 @@ async fn setup(args: &BenchArgs, max_block: u64) -> anyhow::Result<Setup> {
     })
 }
 
-/// A backend URL with secrets hidden, for messages.
+/// A backend URL with secrets hidden, for messages: the redaction every
+/// parser uses (`transport_core::raw::redact_url`: `secret` in the query,
+/// userinfo, paths), not one of our own that knew only the query.
 pub fn redact(url: &str) -> String {
-    let Some((base, query)) = url.split_once('?') else {
-        return url.to_owned();
-    };
-    let parts: Vec<String> = query
-        .split('&')
-        .map(|p| match p.split_once('=') {
-            Some((k, _)) if k.eq_ignore_ascii_case("secret") => format!("{k}=…"),
-            _ => p.to_owned(),
-        })
-        .collect();
-    format!("{base}?{}", parts.join("&"))
+    crate::serve::redact_url(url)
 }
 
 async fn measure_baselines(
@@ -949,6 +941,15 @@ mod tests {
             "tcp://h:1?secret=…&strict=1"
         );
         assert_eq!(redact("tcp://h:1"), "tcp://h:1");
+        // Userinfo and paths too (the earlier helper of this file kept them).
+        for url in [
+            "tcp://user:abc@h:1",
+            "tcp://h:1/abc?strict=1",
+            "mooncake://h:1/abc#abc",
+        ] {
+            let shown = redact(url);
+            assert!(!shown.contains("abc"), "{url} -> {shown}");
+        }
     }
 
     #[test]
