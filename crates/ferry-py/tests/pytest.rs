@@ -127,8 +127,19 @@ fn make_venv(python: &str, venv: &Path) {
     );
 }
 
+/// The two suites run one after the other, not on two test threads at
+/// once: each starts processes with real Mooncake wheels (and the NIXL
+/// wheel), which take ports and CPU of their own; side by side on a
+/// 2-CPU machine the 0.3.3 wheel once aborted inside `initialize` (SIGABRT
+/// in `test_install_in_process`, with the other suite's wheel engines
+/// running beside it).
+static ONE_SUITE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
 #[test]
 fn pytest_suite() {
+    let _one = ONE_SUITE_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
     let Some(Built {
         python: _,
         wheel,
@@ -238,6 +249,9 @@ fn unavailable(reason: &str) {
 /// 0.3.13.post1 (non-CUDA) has them natively.
 #[test]
 fn mooncake_wheels() {
+    let _one = ONE_SUITE_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
     let Some(Built {
         python,
         wheel,
