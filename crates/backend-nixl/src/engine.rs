@@ -52,11 +52,10 @@ type Writer = Arc<tokio::sync::Mutex<OwnedWriteHalf>>;
 type Waiters<T> = Arc<Mutex<HashMap<u64, oneshot::Sender<T>>>>;
 type RegDescs = Vec<(u64, u64, u64)>;
 
-/// Notifications taken from NIXL and not yet from Ferry, and the tokens of
-/// those whose delivery a sender may ask to confirm.
+/// The tokens of the notifications taken from NIXL whose delivery a sender
+/// may ask to confirm (the notifications themselves wait in `Inner::inbox`).
 #[derive(Default)]
 struct Notes {
-    queue: VecDeque<Notification>,
     seen: HashSet<(String, u64)>,
     seen_order: VecDeque<(String, u64)>,
 }
@@ -103,6 +102,8 @@ struct Inner {
     poller: Arc<Poller>,
     tasks: Mutex<Vec<AbortHandle>>,
     notes: Mutex<Notes>,
+    /// Notifications taken from NIXL and not yet from Ferry.
+    inbox: transport_core::raw::Inbox,
     refuse_notifications: std::sync::atomic::AtomicBool,
 }
 
@@ -393,6 +394,7 @@ impl NixlEngine {
             poller,
             tasks: Mutex::new(Vec::new()),
             notes: Mutex::new(Notes::default()),
+            inbox: transport_core::raw::Inbox::new(MAX_QUEUED_NOTIFICATIONS, usize::MAX),
             refuse_notifications: std::sync::atomic::AtomicBool::new(false),
         });
         let weak = Arc::downgrade(&inner);
@@ -812,11 +814,14 @@ impl Inner {
         let mut notes = lock(&self.notes);
         for (sender, bytes) in got {
             let (note, token) = decode_notification(&sender, &bytes);
-            if notes.queue.len() >= MAX_QUEUED_NOTIFICATIONS {
-                notes.queue.pop_front();
+            // Taken from NIXL, it cannot be refused any more: beyond the
+            // bound the oldest goes (under `notes`, so drains keep NIXL's
+            // order).
+            if let Err(transport_core::raw::PushRefused::Full) = self.inbox.push(note.clone()) {
+                let _ = self.inbox.take_next(None);
                 tracing::warn!("ferry: nixl notification queue full; dropped the oldest");
+                let _ = self.inbox.push(note);
             }
-            notes.queue.push_back(note);
             if let Some(t) = token {
                 let key = (sender, t);
                 if notes.seen.insert(key.clone()) {
@@ -1194,7 +1199,16 @@ impl TransferEngine for NixlEngine {
 
     async fn take_notifications(&self) -> Result<Vec<Notification>> {
         self.inner.drain_notes()?;
-        Ok(lock(&self.inner.notes).queue.drain(..).collect())
+        Ok(self.inner.inbox.take_all())
+    }
+
+    async fn next_notification(&self, name: Option<&str>) -> Result<Notification> {
+        // `drain_notes` is synchronous: nothing it took can be lost to a
+        // dropped future.
+        self.inner
+            .inbox
+            .pull_then(name, || std::future::ready(self.inner.drain_notes()))
+            .await
     }
 
     fn live_batches(&self) -> Option<usize> {

@@ -387,14 +387,28 @@ impl TransferEngine for TcpEngine {
     }
 
     async fn close_segment(&self, segment: SegmentId) -> Result<()> {
-        let handle = lock(&self.inner.segments)
-            .by_id
-            .remove(&segment.0)
-            .ok_or(Error::UnknownSegment(segment))?;
-        // Wait for the handle's transfers in flight.
-        *handle.gate.write().await = false;
+        let handle = self.handle(segment)?;
+        // Wait for the handle's transfers in flight. Up to here a dropped
+        // future has changed nothing: the handle is still open and in the
+        // table. From the gate on nothing awaits, so the handle is closed,
+        // leaves the table and its peer's count drops in one step (before,
+        // the handle left the table first, and a future dropped while it
+        // waited for the gate leaked the peer and its tasks until shutdown).
+        let mut open = handle.gate.write().await;
+        if !*open {
+            return Err(Error::UnknownSegment(segment));
+        }
+        *open = false;
+        drop(open);
         let last = {
             let mut segs = lock(&self.inner.segments);
+            if segs
+                .by_id
+                .get(&segment.0)
+                .is_some_and(|h| Arc::ptr_eq(h, &handle))
+            {
+                segs.by_id.remove(&segment.0);
+            }
             match segs.by_name.get_mut(&handle.peer.name) {
                 Some((p, n)) if Arc::ptr_eq(p, &handle.peer) => {
                     *n -= 1;
@@ -502,8 +516,10 @@ impl TransferEngine for TcpEngine {
     async fn take_notifications(&self) -> Result<Vec<Notification>> {
         // The queue's memory goes to the caller with it (the count restarts
         // from zero; see MAX_QUEUED_NOTIFICATION_BYTES for the bound).
-        let mut q = lock(&self.inner.core.notifications);
-        q.bytes = 0;
-        Ok(Vec::from(std::mem::take(&mut q.queue)))
+        Ok(self.inner.core.notifications.take_all())
+    }
+
+    async fn next_notification(&self, name: Option<&str>) -> Result<Notification> {
+        Ok(self.inner.core.notifications.next(name).await?)
     }
 }

@@ -337,6 +337,10 @@ impl TransferEngine for VerbsEngine {
         forward!(self, i => Ok(i.take_notifications()))
     }
 
+    async fn next_notification(&self, name: Option<&str>) -> Result<Notification> {
+        forward!(self, i => i.next_notification(name).await)
+    }
+
     fn live_batches(&self) -> Option<usize> {
         forward!(self, i => Some(i.live_batches()))
     }

@@ -1015,6 +1015,14 @@ impl TransferEngine for WheelEngine {
         ))
     }
 
+    async fn next_notification(&self, _name: Option<&str>) -> Result<Notification> {
+        Err(Error::unsupported(
+            BACKEND,
+            Operation::Notify,
+            "Ferry's mooncake-py backend does not bridge the wheel's notifications",
+        ))
+    }
+
     fn live_batches(&self) -> Option<usize> {
         None
     }

@@ -290,6 +290,10 @@ impl TransferEngine for Engine {
         dispatch!(self, e => e.take_notifications().await)
     }
 
+    async fn next_notification(&self, name: Option<&str>) -> Result<Notification> {
+        dispatch!(self, e => e.next_notification(name).await)
+    }
+
     fn live_batches(&self) -> Option<usize> {
         dispatch!(self, e => TransferEngine::live_batches(e))
     }

@@ -135,7 +135,26 @@ pub trait TransferEngine: Send + Sync + 'static {
     }
 
     /// Takes the notifications received so far, oldest first. Never waits.
+    ///
+    /// Cancel-safe: the notifications live in a queue the engine owns until
+    /// this call returns them, so a dropped future loses none (they are
+    /// returned by the next call).
     async fn take_notifications(&self) -> Result<Vec<Notification>> {
+        Err(unsupported(self.backend_name(), Operation::Notify))
+    }
+
+    /// Waits for the next notification — the oldest one queued, or the
+    /// next to arrive — whose `name` is `name` (any name with `None`), and
+    /// takes it; every other notification stays queued, in order, for
+    /// `take_notifications` and later calls.
+    ///
+    /// Cancel-safe: a dropped future (`tokio::time::timeout`, `select!`)
+    /// has taken nothing. Waits without a bound: wrap it in a timeout.
+    /// Ends with [`Error::Canceled`] once the engine shuts down;
+    /// [`Error::Unsupported`] (operation [`Operation::Notify`]) where the
+    /// engine has no notifications.
+    async fn next_notification(&self, name: Option<&str>) -> Result<Notification> {
+        let _ = name;
         Err(unsupported(self.backend_name(), Operation::Notify))
     }
 

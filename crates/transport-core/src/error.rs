@@ -547,3 +547,9 @@ pub(crate) fn batches_full(backend: &str, limit: usize) -> Error {
         limit: format!("{limit} batches"),
     }
 }
+
+impl From<crate::inbox::Closed> for Error {
+    fn from(_: crate::inbox::Closed) -> Error {
+        Error::Canceled("the engine shut down while waiting for a notification".to_owned())
+    }
+}

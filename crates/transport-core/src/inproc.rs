@@ -17,7 +17,7 @@
 //! the scheduler between chunks, so a large transfer really is in flight
 //! while other tasks run (as it is on a NIC).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
@@ -58,7 +58,7 @@ struct Core {
     name: String,
     caps: Capabilities,
     regions: RegionTable,
-    notifications: Mutex<VecDeque<Notification>>,
+    notifications: crate::inbox::Inbox,
     segments: Mutex<HashMap<u64, Arc<Segment>>>,
     batches: BatchTable,
     /// Notifications sent to this engine are refused (for fault tests).
@@ -124,7 +124,7 @@ impl InprocEngine {
             name: name.clone(),
             caps,
             regions: RegionTable::new(),
-            notifications: Mutex::new(VecDeque::new()),
+            notifications: crate::inbox::Inbox::new(MAX_QUEUED_NOTIFICATIONS, usize::MAX),
             segments: Mutex::new(HashMap::new()),
             batches: BatchTable::new(BACKEND),
             refuse_notifications: std::sync::atomic::AtomicBool::new(false),
@@ -325,16 +325,19 @@ fn deliver(segment: &Segment, note: Notification) -> Result<()> {
             reason: "the peer refuses notifications".to_owned(),
         });
     }
-    let mut q = lock(&peer.notifications);
-    if q.len() >= MAX_QUEUED_NOTIFICATIONS {
-        return Err(Error::QueueFull {
+    match peer.notifications.push(note) {
+        Ok(()) => Ok(()),
+        Err(crate::inbox::PushRefused::Full) => Err(Error::QueueFull {
             backend: BACKEND.into(),
             what: format!("{}'s notification queue", segment.name),
             limit: format!("{MAX_QUEUED_NOTIFICATIONS} notifications"),
-        });
+        }),
+        Err(crate::inbox::PushRefused::Closed) => Err(Error::SegmentUnavailable {
+            name: segment.name.clone(),
+            reason: "the peer engine is shutting down; the notification was not delivered"
+                .to_owned(),
+        }),
     }
-    q.push_back(note);
-    Ok(())
 }
 
 #[async_trait]
@@ -521,7 +524,14 @@ impl TransferEngine for InprocEngine {
         if !self.core.caps.notify {
             return Err(self.unsupported(Operation::Notify));
         }
-        Ok(lock(&self.core.notifications).drain(..).collect())
+        Ok(self.core.notifications.take_all())
+    }
+
+    async fn next_notification(&self, name: Option<&str>) -> Result<Notification> {
+        if !self.core.caps.notify {
+            return Err(self.unsupported(Operation::Notify));
+        }
+        Ok(self.core.notifications.next(name).await?)
     }
 
     fn live_batches(&self) -> Option<usize> {

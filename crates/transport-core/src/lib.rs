@@ -102,6 +102,7 @@ pub mod buffer;
 pub mod caps;
 pub mod engine;
 pub mod error;
+mod inbox;
 mod redact;
 pub mod region_table;
 pub mod types;
@@ -133,6 +134,7 @@ pub mod raw {
     pub use crate::adapter::{coalesce, AdapterLayer, CoalescedBatch, Layer};
     pub use crate::batch::{BatchDriver, BatchTable};
     pub use crate::error::live_batches_full;
+    pub use crate::inbox::{notification_cost, Closed, Inbox, PushRefused};
     pub use crate::redact::{is_secret_key, redact_url};
     pub use crate::region_table::{RegionGuard, RegionTable};
 

@@ -119,6 +119,9 @@ impl TransferEngine for Probe {
     async fn take_notifications(&self) -> Result<Vec<Notification>> {
         self.inner.take_notifications().await
     }
+    async fn next_notification(&self, name: Option<&str>) -> Result<Notification> {
+        self.inner.next_notification(name).await
+    }
     fn live_batches(&self) -> Option<usize> {
         self.inner.live_batches()
     }

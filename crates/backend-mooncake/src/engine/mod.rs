@@ -86,6 +86,11 @@ struct Inner {
     /// Name of the notification the start-up probe sent to this engine
     /// itself (filtered out of `take_notifications`).
     probe_name: String,
+    /// What the library's queue gave us and no caller has taken yet (see
+    /// `notify::pull`). Unbounded like the library's own queue, whose
+    /// contents it only moves: a notification taken from the library
+    /// cannot be refused any more.
+    inbox: transport_core::raw::Inbox,
 }
 
 impl Inner {
@@ -287,5 +292,9 @@ impl TransferEngine for MooncakeEngine {
 
     async fn take_notifications(&self) -> Result<Vec<Notification>> {
         self.take_received().await
+    }
+
+    async fn next_notification(&self, name: Option<&str>) -> Result<Notification> {
+        self.next_received(name).await
     }
 }

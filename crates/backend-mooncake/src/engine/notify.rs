@@ -98,9 +98,13 @@ impl MooncakeEngine {
         Ok(())
     }
 
-    /// `take_notifications`: the notifications received so far (without the
-    /// start-up probe's).
-    pub(super) async fn take_received(&self) -> Result<Vec<Notification>> {
+    /// Moves what the library received into the engine's inbox (without
+    /// the start-up probe's). The library's queue is emptied inside a
+    /// blocking task that runs to its end even if the caller's future is
+    /// dropped, and what it took goes into the inbox the engine owns, never
+    /// into the future's result: a dropped `take_notifications` or
+    /// `next_notification` loses nothing.
+    async fn pull(&self) -> Result<()> {
         let lib = &self.inner.lib;
         let get = match (self.has_notify(), lib.api.get_notifs) {
             (true, Some(g)) => g,
@@ -109,14 +113,16 @@ impl MooncakeEngine {
         let free_notifs = lib.api.free_notifs;
         let this = Arc::clone(&self.inner);
         blocking(move || {
+            // Pulls one at a time, so that what one took is queued before
+            // the next takes more (the library's order is kept).
+            let _pulling = this.inbox.pull_guard();
             let mut size: c_int = 0;
             // SAFETY: live engine; `size` is writable.
             let arr = unsafe { get(this.raw(), &mut size) };
             let n = usize::try_from(size).unwrap_or(0);
             if arr.is_null() || n == 0 {
-                return Vec::new();
+                return;
             }
-            let mut out = Vec::with_capacity(n);
             for i in 0..n {
                 // SAFETY: the library returned an array of `size` entries.
                 let m = unsafe { *arr.add(i) };
@@ -130,7 +136,9 @@ impl MooncakeEngine {
                 };
                 let n = Notification::new(text(m.name), text(m.msg));
                 if n.name != this.probe_name {
-                    out.push(n);
+                    // Unbounded (see `Inner::inbox`): refused only once
+                    // the engine is gone, when nobody can take it.
+                    let _ = this.inbox.push(n);
                 }
             }
             match free_notifs {
@@ -143,9 +151,22 @@ impl MooncakeEngine {
                 // SAFETY: the array was allocated with malloc, freed once.
                 None => unsafe { free(arr.cast()) },
             }
-            out
         })
         .await
+    }
+
+    /// `take_notifications`: the notifications received so far.
+    pub(super) async fn take_received(&self) -> Result<Vec<Notification>> {
+        self.pull().await?;
+        Ok(self.inner.inbox.take_all())
+    }
+
+    /// `next_notification`: pulls from the library until a wanted one came.
+    pub(super) async fn next_received(&self, name: Option<&str>) -> Result<Notification> {
+        if !self.has_notify() || self.inner.lib.api.get_notifs.is_none() {
+            return Err(self.refuse_notify());
+        }
+        self.inner.inbox.pull_then(name, || self.pull()).await
     }
 }
 

@@ -393,6 +393,7 @@ impl MooncakeEngine {
                 scratch,
                 notify_gap,
                 probe_name,
+                inbox: transport_core::raw::Inbox::new(usize::MAX, usize::MAX),
             }),
         })
     }

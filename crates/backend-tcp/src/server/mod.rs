@@ -12,7 +12,7 @@
 //! `min_rate` (after a `stall_timeout` grace), so a region is never held by
 //! a slow peer for longer than that.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -49,10 +49,6 @@ const ACK_FLUSH_BYTES: u64 = 512 * 1024;
 /// most twice this much.
 pub const MAX_QUEUED_NOTIFICATION_BYTES: usize = 32 << 20;
 
-/// Bytes counted for each queued notification besides its strings (the
-/// `Notification` itself, its queue slot and allocator headers).
-pub const NOTIFICATION_OVERHEAD: usize = std::mem::size_of::<Notification>() + 64;
-
 /// How long a refused connection's rejection may take to send.
 const REJECT_TIMEOUT: Duration = Duration::from_millis(200);
 
@@ -69,23 +65,8 @@ struct Live {
     evict: Notify,
 }
 
-/// Notifications received and not yet taken, with the memory they occupy.
-#[derive(Debug, Default)]
-pub struct NotificationQueue {
-    /// Oldest first.
-    pub queue: VecDeque<Notification>,
-    /// Bytes allocated for `queue`'s notifications (see
-    /// [`MAX_QUEUED_NOTIFICATION_BYTES`]).
-    pub bytes: usize,
-}
-
 /// Most notifications queued before NOTIFY requests are refused.
 pub const MAX_QUEUED_NOTIFICATIONS: usize = 65_536;
-
-/// Bytes a notification is counted for in the queue.
-pub fn notification_cost(n: &Notification) -> usize {
-    n.name.capacity() + n.message.capacity() + NOTIFICATION_OVERHEAD
-}
 
 /// Generations of the live regions: a number given to each registration
 /// (never 0; wraps after 2³² registrations), sent in the region table and
@@ -116,7 +97,7 @@ pub struct Core {
     pub regions: RegionTable,
     gens: Mutex<Generations>,
     /// Notifications received, oldest first.
-    pub notifications: Mutex<NotificationQueue>,
+    pub notifications: transport_core::raw::Inbox,
     /// Refuse every notification (answer `NotifyQueueFull`); for fault
     /// tests (see `TcpEngine::set_refuse_notifications`).
     pub refuse_notifications: AtomicBool,
@@ -141,6 +122,8 @@ impl Core {
     /// then saw an engine without regions, not a lost connection.
     pub fn close(&self) {
         self.closed.store(true, Ordering::Release);
+        // Whoever awaits a notification learns that none will come.
+        self.notifications.close();
     }
 
     /// Whether [`Core::close`] was called.
@@ -156,7 +139,10 @@ impl Core {
             config,
             regions: RegionTable::new(),
             gens: Mutex::new(Generations::default()),
-            notifications: Mutex::new(NotificationQueue::default()),
+            notifications: transport_core::raw::Inbox::new(
+                MAX_QUEUED_NOTIFICATIONS,
+                MAX_QUEUED_NOTIFICATION_BYTES,
+            ),
             refuse_notifications: AtomicBool::new(false),
             closed: AtomicBool::new(false),
             established: AtomicUsize::new(0),

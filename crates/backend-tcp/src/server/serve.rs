@@ -323,18 +323,13 @@ pub(super) async fn serve(
                 match n.filter(|n| n.validate().is_ok()) {
                     None => out.err(id, Status::NotifyInvalid, name_len, msg_len),
                     Some(n) => {
-                        let cost = notification_cost(&n);
-                        let mut q = lock(&core.notifications);
                         if core.refuse_notifications.load(Ordering::Relaxed)
-                            || q.queue.len() >= MAX_QUEUED_NOTIFICATIONS
-                            || q.bytes + cost > MAX_QUEUED_NOTIFICATION_BYTES
+                            || core.notifications.push(n).is_err()
                         {
-                            drop(q);
+                            // Full (or the engine shutting down): the
+                            // sender sees a retryable refusal.
                             out.err(id, Status::NotifyQueueFull, name_len, msg_len);
                         } else {
-                            q.queue.push_back(n);
-                            q.bytes += cost;
-                            drop(q);
                             out.acks.push(id);
                         }
                     }

@@ -6,7 +6,7 @@ mod poller;
 mod progress;
 mod server;
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -37,15 +37,9 @@ const MAX_CHAIN: usize = 64;
 /// refused, and the sender's batch fails its last request with
 /// [`Error::QueueFull`].
 pub const MAX_QUEUED_NOTIFICATIONS: usize = 1024;
-/// Most bytes (names and messages) of the notifications an engine holds.
+/// Most bytes of the notifications an engine holds, counted as allocated
+/// (`transport_core::raw::notification_cost`).
 pub const MAX_QUEUED_NOTIFICATION_BYTES: usize = 16 << 20;
-
-/// The notifications received and not yet taken, with their size.
-#[derive(Default)]
-struct Notes {
-    queue: VecDeque<Notification>,
-    bytes: usize,
-}
 
 /// The control queue of one connected opener and the switch that
 /// disconnects it when the queue overflows.
@@ -66,7 +60,7 @@ pub(crate) struct Inner {
     mrs: Mutex<BTreeMap<u64, Arc<Mr>>>,
     segments: Mutex<HashMap<u64, Arc<Segment>>>,
     batches: BatchTable,
-    notifications: Mutex<Notes>,
+    notifications: transport_core::raw::Inbox,
     refuse_notifications: AtomicBool,
     subs: Mutex<HashMap<u64, Subscriber>>,
     /// What was negotiated with each connected opener (same ids as `subs`).
@@ -111,7 +105,10 @@ impl Inner {
             mrs: Mutex::new(BTreeMap::new()),
             segments: Mutex::new(HashMap::new()),
             batches: BatchTable::new(BACKEND),
-            notifications: Mutex::new(Notes::default()),
+            notifications: transport_core::raw::Inbox::new(
+                MAX_QUEUED_NOTIFICATIONS,
+                MAX_QUEUED_NOTIFICATION_BYTES,
+            ),
             refuse_notifications: AtomicBool::new(false),
             subs: Mutex::new(HashMap::new()),
             inbound: Mutex::new(HashMap::new()),
@@ -131,6 +128,7 @@ impl Inner {
     /// helper thread: the caller (often a Tokio worker dropping the engine)
     /// never blocks on either.
     pub(crate) fn shutdown(&self) {
+        self.notifications.close();
         let rt = lock(&self.runtime).take();
         let poller = Arc::clone(&self.poller);
         let stopper = std::thread::Builder::new()
@@ -301,30 +299,28 @@ impl Inner {
         if self.refuse_notifications.load(Ordering::Relaxed) {
             return Err((false, "this engine refuses notifications".to_owned()));
         }
-        let size = n.name.len() + n.message.len();
-        let mut q = lock(&self.notifications);
-        if q.queue.len() >= MAX_QUEUED_NOTIFICATIONS
-            || q.bytes + size > MAX_QUEUED_NOTIFICATION_BYTES
-        {
-            return Err((
+        match self.notifications.push(n) {
+            Ok(()) => Ok(()),
+            Err(transport_core::raw::PushRefused::Full) => Err((
                 true,
                 format!(
                     "{MAX_QUEUED_NOTIFICATIONS} notifications or {MAX_QUEUED_NOTIFICATION_BYTES} bytes \
-                     (holding {} notifications of {} bytes)",
-                    q.queue.len(),
-                    q.bytes
+                     (holding {} notifications)",
+                    self.notifications.len()
                 ),
-            ));
+            )),
+            Err(transport_core::raw::PushRefused::Closed) => {
+                Err((false, "this engine is shutting down".to_owned()))
+            }
         }
-        q.bytes += size;
-        q.queue.push_back(n);
-        Ok(())
     }
 
     pub(crate) fn take_notifications(&self) -> Vec<Notification> {
-        let mut q = lock(&self.notifications);
-        q.bytes = 0;
-        std::mem::take(&mut q.queue).into()
+        self.notifications.take_all()
+    }
+
+    pub(crate) async fn next_notification(&self, name: Option<&str>) -> Result<Notification> {
+        Ok(self.notifications.next(name).await?)
     }
 
     pub(crate) fn set_refuse_notifications(&self, refuse: bool) {

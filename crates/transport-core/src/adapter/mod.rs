@@ -805,6 +805,13 @@ impl<E: TransferEngine + ?Sized> TransferEngine for CapabilityAdapter<E> {
         self.inner.take_notifications().await
     }
 
+    async fn next_notification(&self, name: Option<&str>) -> Result<Notification> {
+        if !self.shared.effective.notify {
+            return Err(self.shared.refuse(Operation::Notify));
+        }
+        self.inner.next_notification(name).await
+    }
+
     fn live_batches(&self) -> Option<usize> {
         // The backend's count includes the batches forwarded as aliases and
         // those the adapter submitted for itself.

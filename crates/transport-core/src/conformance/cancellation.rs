@@ -1,14 +1,16 @@
 //! Cancellation: futures dropped at any await point leave nothing behind.
 //!
 //! A property test: random plans of operations (`transfer`,
-//! `batch_transfer`, `submit` then `wait`, `batch_register`), each future
-//! polled a random number of times and then dropped. After every plan:
-//! no batch is left in either engine once the ids the plan obtained are
-//! waited for, no region of a dropped `batch_register` is half registered,
-//! and after `unregister` returns no byte of the unregistered memory changes.
-
-use std::pin::Pin;
-use std::task::{Context, Poll};
+//! `batch_transfer`, `submit` then `wait`, `batch_register`, `unregister`,
+//! `close_segment`), each future polled a random number of times and then
+//! dropped. After every plan: no batch is left in either engine once the
+//! ids the plan obtained are waited for, no region of a dropped
+//! `batch_register` is half registered, a dropped `unregister` left its
+//! region either registered or not (and registrable again once
+//! unregistered), a dropped `close_segment` left its handle either closed
+//! or working (and closable), and after `unregister` returns no byte of
+//! the unregistered memory changes. (`take_notifications` and
+//! `next_notification` dropped mid-way: `check_awaited_notification`.)
 
 use proptest::strategy::{Strategy, ValueTree};
 use proptest::test_runner::{Config, TestRunner};
@@ -38,41 +40,21 @@ enum Op {
     SubmitWait,
     /// `batch_register` of three regions.
     BatchRegister,
+    /// `unregister` of a region registered for it.
+    Unregister,
+    /// `close_segment` of a second handle of the peer's segment.
+    CloseSegment,
 }
 
-const OPS: [Op; 5] = [
+const OPS: [Op; 7] = [
     Op::Write,
     Op::Read,
     Op::Batch,
     Op::SubmitWait,
     Op::BatchRegister,
+    Op::Unregister,
+    Op::CloseSegment,
 ];
-
-/// Polls `fut` up to `polls` times, letting the runtime run between polls;
-/// `Some` if it completed, else it is dropped still pending.
-async fn poll_then_drop<T>(
-    mut fut: Pin<Box<dyn Future<Output = T> + Send + '_>>,
-    polls: u32,
-) -> Option<T> {
-    for i in 0..polls {
-        let ready = std::future::poll_fn(|cx: &mut Context<'_>| {
-            Poll::Ready(match fut.as_mut().poll(cx) {
-                Poll::Ready(v) => Some(v),
-                Poll::Pending => None,
-            })
-        })
-        .await;
-        if ready.is_some() {
-            return ready;
-        }
-        if i % 2 == 0 {
-            tokio::task::yield_now().await;
-        } else {
-            tokio::time::sleep(Duration::from_micros(200)).await;
-        }
-    }
-    None
-}
 
 /// Drops futures of every operation at random poll counts and checks that
 /// nothing is left behind (see the module docs).
@@ -200,6 +182,88 @@ pub async fn check_cancellation(factory: Arc<dyn EngineFactory>, adapted: bool) 
                                 });
                         }
                     }
+                }
+                Op::Unregister => {
+                    let r = spare.region(0, CHUNK);
+                    within(
+                        &format!("{what}: register for unregister"),
+                        p.a.register(&r),
+                    )
+                    .await
+                    .unwrap_or_else(|e| panic!("{what}: register failed: {e}"));
+                    poll_then_drop(p.a.unregister(r.addr()), polls).await;
+                    // Either still registered (a register probe overlaps:
+                    // unregister it for real) or gone (the probe registers
+                    // it: unregister the probe).
+                    poll_until(&format!("{what}: a dropped unregister settles"), || {
+                        let a = Arc::clone(&p.a);
+                        let r = r.clone();
+                        async move {
+                            match within("a register probe", a.register(&r)).await {
+                                Ok(()) | Err(Error::RegionOverlap { .. }) => {}
+                                // Its unregister still finishing.
+                                Err(Error::RegionHeld { .. }) => return None,
+                                Err(e) => panic!("register probe after a dropped unregister: {e}"),
+                            }
+                            within(
+                                "unregister after a dropped unregister",
+                                a.unregister(r.addr()),
+                            )
+                            .await
+                            .unwrap_or_else(|e| {
+                                panic!("unregister after a dropped unregister failed: {e}")
+                            });
+                            Some(())
+                        }
+                    })
+                    .await;
+                }
+                Op::CloseSegment => {
+                    let seg2 = within(
+                        &format!("{what}: open_segment"),
+                        p.a.open_segment(p.b.segment_name()),
+                    )
+                    .await
+                    .unwrap_or_else(|e| panic!("{what}: open_segment failed: {e}"));
+                    let closed = poll_then_drop(p.a.close_segment(seg2), polls).await;
+                    if let Some(Err(e)) = &closed {
+                        panic!("{what}: close_segment failed: {e}");
+                    }
+                    // Either closed (UnknownSegment from then on) or still
+                    // working, and then closable.
+                    let probe = TransferRequest::write(local.addr(), remote.addr(), 64);
+                    match within(
+                        &format!("{what}: transfer on it"),
+                        p.a.transfer(seg2, probe),
+                    )
+                    .await
+                    {
+                        Err(Error::UnknownSegment(s)) => assert_eq!(s, seg2, "{what}"),
+                        Ok(()) => {
+                            assert!(
+                                closed.is_none(),
+                                "{what}: a closed segment handle still moves bytes"
+                            );
+                            within(&format!("{what}: close_segment"), p.a.close_segment(seg2))
+                                .await
+                                .unwrap_or_else(|e| {
+                                    panic!("{what}: close after a dropped close failed: {e}")
+                                });
+                        }
+                        Err(e) => panic!(
+                            "{what}: after a dropped close_segment the handle is neither \
+                             closed nor working: {e}"
+                        ),
+                    }
+                    // The first handle is unaffected.
+                    within(
+                        &format!("{what}: transfer on the first handle"),
+                        p.a.transfer(p.seg, probe),
+                    )
+                    .await
+                    .unwrap_or_else(|e| {
+                        panic!("{what}: the pair's own handle broke after closing another: {e}")
+                    });
                 }
             }
         }

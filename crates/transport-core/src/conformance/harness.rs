@@ -341,3 +341,29 @@ pub(super) fn assert_bytes(actual: &[u8], expected: &[u8], what: &str) {
         );
     }
 }
+
+/// Polls `fut` up to `polls` times, letting the runtime run between polls;
+/// `Some` if it completed, else it is dropped still pending.
+pub(super) async fn poll_then_drop<T>(
+    mut fut: std::pin::Pin<Box<dyn Future<Output = T> + Send + '_>>,
+    polls: u32,
+) -> Option<T> {
+    for i in 0..polls {
+        let ready = std::future::poll_fn(|cx: &mut std::task::Context<'_>| {
+            std::task::Poll::Ready(match fut.as_mut().poll(cx) {
+                std::task::Poll::Ready(v) => Some(v),
+                std::task::Poll::Pending => None,
+            })
+        })
+        .await;
+        if ready.is_some() {
+            return ready;
+        }
+        if i % 2 == 0 {
+            tokio::task::yield_now().await;
+        } else {
+            tokio::time::sleep(Duration::from_micros(200)).await;
+        }
+    }
+    None
+}

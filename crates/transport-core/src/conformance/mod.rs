@@ -148,6 +148,7 @@ pub const CHECKS: &[&str] = &[
     "finished_after_notification",
     "notify_failure_after_data",
     "cancellation",
+    "awaited_notification",
 ];
 
 /// Runs the check called `name` (one of [`CHECKS`]).
@@ -180,6 +181,7 @@ pub async fn run_check(name: &str, factory: Arc<dyn EngineFactory>, adapted: boo
         "finished_after_notification" => check_finished_after_notification(f, a).await,
         "notify_failure_after_data" => check_notify_failure_after_data(f, a).await,
         "cancellation" => check_cancellation(f, a).await,
+        "awaited_notification" => check_awaited_notification(f, a).await,
         other => panic!("unknown conformance check {other:?}; known: {CHECKS:?}"),
     }
 }
@@ -389,7 +391,8 @@ macro_rules! __conformance_mode {
                 open_unknown_segment,
                 finished_after_notification,
                 notify_failure_after_data,
-                cancellation
+                cancellation,
+                awaited_notification
             );
         }
     };
@@ -431,7 +434,7 @@ pub use basics::{
 pub use batches::{check_async_batch, check_batch_many, check_batch_one, check_batch_thousands};
 pub use cancellation::check_cancellation;
 pub use harness::pattern;
-pub use notifications::check_notification;
+pub use notifications::{check_awaited_notification, check_notification};
 pub use rules::{check_finished_after_notification, check_notify_failure_after_data};
 pub use segments::{
     check_batch_register_rollback, check_open_unknown_segment, check_unknown_segment,

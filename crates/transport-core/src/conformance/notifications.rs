@@ -170,3 +170,151 @@ pub async fn check_notification(factory: Arc<dyn EngineFactory>, adapted: bool) 
     remote.release().await;
     Outcome::Passed
 }
+
+/// `next_notification` waits for a notification sent after the call and
+/// takes only the one it names, leaving the others queued in order; with
+/// no name it takes the oldest. A `take_notifications` or
+/// `next_notification` future dropped after any number of polls loses no
+/// notification and delivers none twice (an engine whose library keeps
+/// its own queue must move what it took into a queue of its own before the
+/// caller can drop the future). An engine without notifications refuses
+/// `next_notification` with the operation named.
+pub async fn check_awaited_notification(factory: Arc<dyn EngineFactory>, adapted: bool) -> Outcome {
+    let p = match pair(&factory, adapted).await {
+        Ok(p) => p,
+        Err(o) => return o,
+    };
+    let caps = p.a.capabilities();
+    if !caps.notify {
+        match within(
+            "next_notification without notify",
+            p.b.next_notification(None),
+        )
+        .await
+        {
+            Err(Error::Unsupported { operation, .. }) => assert_eq!(operation, Operation::Notify),
+            other => panic!("next_notification on an engine without notify: {other:?}"),
+        }
+        return Outcome::Passed;
+    }
+    if batch_path(&caps).is_none() {
+        return Outcome::Skipped(format!("needs notify with a batch path ({NEEDS_BATCH})"));
+    }
+    const N: usize = 4096;
+    const MAX_POLLS: u32 = 8;
+    let local = Mem::new(&p.a, N, 95).await;
+    let remote = Mem::new(&p.b, N, 0).await;
+    let reqs = [TransferRequest::write(local.at(0), remote.at(0), N as u64)];
+    let send = |note: Notification| {
+        let (a, seg) = (Arc::clone(&p.a), p.seg);
+        async move {
+            let report = within(
+                "a batch with a notification",
+                batch(&a, seg, &reqs, Some(&note)),
+            )
+            .await
+            .unwrap_or_else(|e| panic!("batch with notification {note:?} refused: {e}"));
+            assert_all_ok(&report, "batch with a notification");
+        }
+    };
+    // Takes until `want` notifications named `name` came (all of them
+    // kept, in order).
+    let collect = |name: &'static str, want: usize, mut got: Vec<Notification>| {
+        let b = Arc::clone(&p.b);
+        async move {
+            let start = Instant::now();
+            while got.iter().filter(|n| n.name == name).count() < want {
+                assert!(
+                    start.elapsed() < LIVENESS,
+                    "gave up after {LIVENESS:?} waiting for {want} notifications named {name:?}; \
+                     got {got:?}"
+                );
+                got.extend(
+                    b.take_notifications()
+                        .await
+                        .unwrap_or_else(|e| panic!("take_notifications failed: {e}")),
+                );
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            got
+        }
+    };
+    let leftovers = p.b.take_notifications().await.expect("take_notifications");
+    assert!(
+        leftovers.is_empty(),
+        "a fresh engine has notifications: {leftovers:?}"
+    );
+
+    // 1. A waiter that starts before anything is sent gets the one it
+    //    names; the other stays queued.
+    let other = Notification::new("awaited-other", "first");
+    let wanted = Notification::new("awaited-kv", "second");
+    let (got, ()) = tokio::join!(
+        within(
+            "next_notification(awaited-kv)",
+            p.b.next_notification(Some("awaited-kv"))
+        ),
+        async {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            send(other.clone()).await;
+            send(wanted.clone()).await;
+        }
+    );
+    assert_eq!(
+        got.unwrap_or_else(|e| panic!("next_notification failed: {e}")),
+        wanted
+    );
+    let rest = collect("awaited-other", 1, Vec::new()).await;
+    assert_eq!(
+        rest,
+        vec![other],
+        "what next_notification(name) left queued"
+    );
+
+    // 2. Without a name: the oldest first, at once when queued.
+    let (n1, n2) = (
+        Notification::new("awaited-any", "1"),
+        Notification::new("awaited-any", "2"),
+    );
+    send(n1.clone()).await;
+    send(n2.clone()).await;
+    for want in [n1, n2] {
+        let got = within("next_notification(None)", p.b.next_notification(None))
+            .await
+            .unwrap_or_else(|e| panic!("next_notification failed: {e}"));
+        assert_eq!(got, want, "next_notification(None) is not oldest first");
+    }
+
+    // 3. Futures dropped after any number of polls lose nothing.
+    let mut expected = Vec::new();
+    let mut got = Vec::new();
+    for polls in 0..MAX_POLLS {
+        for next in [false, true] {
+            let n = Notification::new(
+                "awaited-drop",
+                format!("{polls}-{}", if next { "next" } else { "take" }),
+            );
+            send(n.clone()).await;
+            expected.push(n);
+            if next {
+                if let Some(r) =
+                    poll_then_drop(p.b.next_notification(Some("awaited-drop")), polls).await
+                {
+                    got.push(r.unwrap_or_else(|e| panic!("next_notification failed: {e}")));
+                }
+            } else if let Some(r) = poll_then_drop(p.b.take_notifications(), polls).await {
+                got.extend(r.unwrap_or_else(|e| panic!("take_notifications failed: {e}")));
+            }
+        }
+    }
+    let mut got = collect("awaited-drop", expected.len(), got).await;
+    got.sort_by(|x, y| x.message.cmp(&y.message));
+    expected.sort_by(|x, y| x.message.cmp(&y.message));
+    assert_eq!(
+        got, expected,
+        "the notifications taken around dropped take_notifications / next_notification futures"
+    );
+    local.release().await;
+    remote.release().await;
+    Outcome::Passed
+}
