@@ -6,6 +6,7 @@
 mod common;
 
 use std::process::{Command, Stdio};
+use std::sync::Arc;
 use std::time::Duration;
 
 use backend_tcp::test_support::frame::{Request, Response, Status, HEADER_LEN};
@@ -1008,4 +1009,46 @@ async fn a_connection_that_cannot_be_opened_does_not_fail_requests() {
             );
         }
     }
+}
+
+/// `close_segment` dropped while it waits for the handle's transfers in
+/// flight changes nothing: the handle still works and closes later, and
+/// once it is closed the engine holds no connection to the peer (before,
+/// the handle left the table first, so the dropped close leaked the peer
+/// and its tasks until shutdown: `peer_report` still saw it open).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_close_segment_leaves_no_peer_behind() {
+    const LEN: usize = 32 << 20;
+    let b = engine(TcpConfig::default()).await;
+    let a = engine(TcpConfig::default()).await;
+    let src = mem(&a, LEN, 0x5a).await;
+    let dst = mem(&b, LEN, 0).await;
+    for round in 0..3 {
+        let seg = a.open_segment(b.segment_name()).await.expect("open");
+        let write = TransferRequest::write(src.addr(), dst.addr(), LEN as u64);
+        let moving = {
+            let a = Arc::clone(&a);
+            tokio::spawn(async move { a.transfer(seg, write).await })
+        };
+        // Let the write take the handle's gate, then start closing and
+        // drop the close while it waits for the write.
+        tokio::time::sleep(Duration::from_millis(2)).await;
+        let dropped = tokio::time::timeout(Duration::from_micros(200), a.close_segment(seg)).await;
+        moving.await.expect("join").expect("the write in flight");
+        if dropped.is_err() {
+            // The handle was not closed: it still moves bytes.
+            a.transfer(seg, TransferRequest::write(src.addr(), dst.addr(), 64))
+                .await
+                .unwrap_or_else(|e| panic!("round {round}: the handle after a dropped close: {e}"));
+            a.close_segment(seg)
+                .await
+                .unwrap_or_else(|e| panic!("round {round}: closing after a dropped close: {e}"));
+        }
+        assert!(
+            a.peer_report(b.segment_name()).is_none(),
+            "round {round}: every handle is closed, yet the engine still holds its peer"
+        );
+    }
+    a.unregister(src.addr()).await.expect("unregister");
+    b.unregister(dst.addr()).await.expect("unregister");
 }
