@@ -135,6 +135,10 @@ impl TransferEngine for Masked {
         self.check(Operation::Notify)?;
         self.inner.take_notifications().await
     }
+    async fn next_notification(&self, name: Option<&str>) -> Result<Notification> {
+        self.check(Operation::Notify)?;
+        self.inner.next_notification(name).await
+    }
     fn live_batches(&self) -> Option<usize> {
         self.inner.live_batches()
     }

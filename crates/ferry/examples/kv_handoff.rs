@@ -17,7 +17,7 @@
 //! `tcp://127.0.0.1:0`; any backend URL with notifications works).
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use ferry::{
     Engine, Error, Notification, RegisteredBuffer, RegisteredBuffers, TransferEngine,
@@ -85,22 +85,17 @@ impl KvCache {
     }
 }
 
-/// Waits until a notification arrives on `engine` (polling, as Mooncake's
-/// `getNotifies` users do), or fails after `timeout`.
+/// Waits until the prefill notification arrives on `engine` (awaited, not
+/// polled: the engine wakes the caller when it comes), or fails after
+/// `timeout`; a timed-out wait takes nothing from the queue.
 async fn wait_notification(engine: &Engine, timeout: Duration) -> ferry::Result<Notification> {
-    let start = Instant::now();
-    loop {
-        if let Some(n) = engine.take_notifications().await?.into_iter().next() {
-            return Ok(n);
-        }
-        if start.elapsed() > timeout {
-            return Err(Error::Timeout {
-                operation: "waiting for the prefill notification".into(),
-                peer: None,
-                after: timeout,
-            });
-        }
-        tokio::time::sleep(Duration::from_millis(2)).await;
+    match tokio::time::timeout(timeout, engine.next_notification(None)).await {
+        Ok(n) => n,
+        Err(_) => Err(Error::Timeout {
+            operation: "waiting for the prefill notification".into(),
+            peer: None,
+            after: timeout,
+        }),
     }
 }
 

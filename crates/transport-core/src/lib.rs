@@ -75,8 +75,9 @@
 //! prefill.close_segment(peer).await?;
 //!
 //! // Decode node: the notification says the blocks are in place.
-//! let notes = decode.take_notifications().await?;
-//! assert_eq!(notes, vec![done]);
+//! // (`next_notification` waits for it; wrap it in a timeout in real code.)
+//! let note = decode.next_notification(Some("prefill-0")).await?;
+//! assert_eq!(note, done);
 //! for (i, &b) in dst_blocks.iter().enumerate() {
 //!     let mut block = vec![0u8; BLOCK];
 //!     kv_cache.memory().read(b as usize * BLOCK, &mut block)?;
