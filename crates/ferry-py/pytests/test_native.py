@@ -128,6 +128,33 @@ def test_notifications(pair, backend):
 
         time.sleep(0.001)
     assert notes == [("prefill", "req-1 done")]
+    # Awaited: the one named comes, the other stays queued; a wait that
+    # times out takes nothing and returns None.
+    assert b.next_notification("nobody", timeout=0.05) is None
+    a.batch_transfer(seg, "write", [sa], [da], [8192], notify=("other", "first"))
+    a.batch_transfer(seg, "write", [sa], [da], [8192], notify=("prefill", "req-2 done"))
+    assert b.next_notification("prefill", timeout=30) == ("prefill", "req-2 done")
+    assert b.next_notification(timeout=30) == ("other", "first")
+    with pytest.raises(ValueError):
+        b.next_notification(timeout=-1)
+    # A wait without a timeout still sees signals (Ctrl-C): a handler that
+    # raises ends it.
+    import signal
+
+    class Woken(Exception):
+        pass
+
+    def on_alarm(signum, frame):
+        raise Woken()
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        with pytest.raises(Woken):
+            b.next_notification("nobody")
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
 
 
 @pytest.mark.parametrize("kind", ["bytearray", "memoryview", "array", "ctypes", "numpy", "array_interface", "data_ptr"])

@@ -671,6 +671,56 @@ impl PyEngine {
         Ok(notes.into_iter().map(|n| (n.name, n.message)).collect())
     }
 
+    /// Waits for the next notification (the oldest queued, or the next to
+    /// arrive) whose name is `name` (any with `None`) and takes it, leaving
+    /// every other one queued: `(name, message)`, or `None` once `timeout`
+    /// seconds have passed without one. Releases the GIL while it waits
+    /// and sees Ctrl-C within 100 ms; a wait that times out or is
+    /// interrupted takes nothing.
+    #[pyo3(signature = (name=None, timeout=None))]
+    fn next_notification(
+        &self,
+        py: Python<'_>,
+        name: Option<String>,
+        timeout: Option<f64>,
+    ) -> PyResult<Option<(String, String)>> {
+        let engine = self.engine()?;
+        let limit = match timeout {
+            None => None,
+            Some(t) if t.is_finite() && t >= 0.0 => Some(std::time::Duration::from_secs_f64(t)),
+            Some(t) => {
+                return Err(PyValueError::new_err(format!(
+                    "timeout must be a non-negative number of seconds, not {t}"
+                )))
+            }
+        };
+        let start = std::time::Instant::now();
+        const SLICE: std::time::Duration = std::time::Duration::from_millis(100);
+        loop {
+            let slice = match limit {
+                None => SLICE,
+                Some(l) => l.saturating_sub(start.elapsed()).min(SLICE),
+            };
+            // Cancel-safe: a slice that ends without one has taken nothing.
+            // (The timer is made inside the runtime, where `block_on` polls.)
+            let got = block_on(py, async {
+                tokio::time::timeout(slice, engine.next_notification(name.as_deref())).await
+            })?;
+            match got {
+                Ok(n) => {
+                    let n = n.map_err(|e| to_pyerr(py, &e))?;
+                    return Ok(Some((n.name, n.message)));
+                }
+                Err(_) => {
+                    py.check_signals()?;
+                    if limit.is_some_and(|l| start.elapsed() >= l) {
+                        return Ok(None);
+                    }
+                }
+            }
+        }
+    }
+
     /// `transfer` without blocking: `callback(error, None)` is called from a
     /// runtime thread when it is done. (`ferry.Engine.transfer_async` wraps
     /// this in an asyncio future.)
