@@ -59,10 +59,10 @@ pub use dispatch::Engine;
 
 pub use transport_core::{
     AdapterConfig, BackendInfo, BatchId, BatchReport, BatchStatus, Capabilities, CapabilityAdapter,
-    CapabilityReport, Error, HostBuffer, Location, MemoryKinds, MemoryRegion, MissingCapability,
-    Notification, Operation, RegisteredBuffer, RegisteredBuffers, Result, SegmentId, Side, Support,
-    TransferEngine, TransferOp, TransferRequest, TransferState, MAX_LIVE_BATCHES,
-    MAX_NOTIFICATION_MESSAGE, MAX_NOTIFICATION_NAME,
+    CapabilityReport, Error, HostBuffer, LocalSpan, Location, MemoryKinds, MemoryRegion,
+    MissingCapability, Notification, Operation, RegisteredBuffer, RegisteredBuffers, RemoteSpan,
+    Result, SegmentId, Side, Support, TransferEngine, TransferOp, TransferRequest, TransferState,
+    MAX_LIVE_BATCHES, MAX_NOTIFICATION_MESSAGE, MAX_NOTIFICATION_NAME,
 };
 
 /// What backend authors need and users do not: the region table, the

@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 use crate::engine::TransferEngine;
 use crate::error::{Error, Result};
+use crate::span::{LocalSpan, RemoteSpan};
 use crate::types::{Location, MemoryRegion};
 
 const PAGE: usize = 4096;
@@ -246,6 +247,21 @@ impl<E: TransferEngine + ?Sized> RegisteredBuffer<E> {
     /// The underlying memory, for copying bytes in and out.
     pub fn memory(&self) -> &HostBuffer {
         self.mem()
+    }
+    /// The whole buffer as a [`LocalSpan`] for building requests.
+    pub fn span(&self) -> LocalSpan {
+        LocalSpan::new(self.addr(), self.len() as u64)
+    }
+    /// The bytes `range` (offsets from the start) as a [`LocalSpan`];
+    /// [`crate::Error::InvalidArgument`] if the range leaves the buffer.
+    pub fn slice(&self, range: impl std::ops::RangeBounds<u64>) -> Result<LocalSpan> {
+        self.span().slice(range)
+    }
+    /// What a peer needs to reach this buffer: the segment name of the
+    /// engine it was first registered with, its address and length (send
+    /// it out of band; it serialises with the feature `serde`).
+    pub fn descriptor(&self) -> RemoteSpan {
+        RemoteSpan::new(self.engine().segment_name(), self.addr(), self.len() as u64)
     }
     /// The engine it was first registered with.
     pub fn engine(&self) -> &Arc<E> {

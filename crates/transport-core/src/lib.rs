@@ -106,6 +106,7 @@ pub mod error;
 mod inbox;
 mod redact;
 pub mod region_table;
+mod span;
 pub mod types;
 
 #[cfg(feature = "conformance")]
@@ -121,6 +122,7 @@ pub use caps::{
 pub use engine::TransferEngine;
 pub use error::{live_batches_full, Error, ErrorKind, IoSource, Result, Retry, Side};
 pub use region_table::{RegionGuard, RegionTable};
+pub use span::{LocalSpan, RemoteSpan};
 pub use types::{
     BatchId, BatchReport, BatchStatus, Location, MemoryRegion, Notification, SegmentId, TransferOp,
     TransferRequest, TransferState, MAX_LIVE_BATCHES, MAX_NOTIFICATION_MESSAGE,
