@@ -72,13 +72,13 @@ impl TransferEngine for Masked {
         }
         info
     }
-    async fn register(&self, region: &MemoryRegion) -> Result<()> {
+    async fn register(&self, region: MemoryRegion) -> Result<()> {
         self.inner.register(region).await
     }
     async fn unregister(&self, addr: u64) -> Result<()> {
         self.inner.unregister(addr).await
     }
-    async fn batch_register(&self, regions: &[MemoryRegion]) -> Result<()> {
+    async fn batch_register(&self, regions: Vec<MemoryRegion>) -> Result<()> {
         self.check(Operation::BatchRegister)?;
         self.inner.batch_register(regions).await
     }

@@ -126,7 +126,7 @@ impl Setup {
     ) -> Setup {
         let a = make(backend, flavor).await;
         for i in 0..2 {
-            a.register(&page(local, i))
+            a.register(page(local, i))
                 .await
                 .expect("register local page");
         }
@@ -134,7 +134,7 @@ impl Setup {
         for &buf in remotes {
             let b = make(backend, flavor).await;
             for i in 0..2 {
-                b.register(&page(buf, i))
+                b.register(page(buf, i))
                     .await
                     .expect("register remote page");
             }
@@ -720,7 +720,7 @@ async fn nothing_but_obstacle(
             .collect(),
     };
     for r in &free {
-        e.register(&region(buf, *r))
+        e.register(region(buf, *r))
             .await
             .map_err(|err| format!("a range of the buffer is still registered: {err}"))?;
     }
@@ -744,16 +744,15 @@ fn batch_register_rolls_back(backend: Backend, flavor: Flavor, cases: u32) {
         .run(&register_spec(), |spec| {
             rt.block_on(async {
                 if let Some(o) = spec.obstacle {
-                    e.register(&region(buf, o))
-                        .await
-                        .expect("register obstacle");
+                    e.register(region(buf, o)).await.expect("register obstacle");
                 }
                 let regions: Vec<MemoryRegion> =
                     spec.regions.iter().map(|&r| region(buf, r)).collect();
-                let res = e.batch_register(&regions).await;
+                let addrs: Vec<u64> = regions.iter().map(MemoryRegion::addr).collect();
+                let res = e.batch_register(regions).await;
                 let verdict = match (first_failure(&spec), res) {
                     (Some(i), Err(Error::BatchRegisterFailed { index, addr, .. })) => {
-                        if index != i || addr != regions[i].addr() {
+                        if index != i || addr != addrs[i] {
                             Err(format!("failed at {index} ({addr:#x}), expected {i}"))
                         } else {
                             nothing_but_obstacle(&e, buf, spec.obstacle).await
@@ -761,8 +760,8 @@ fn batch_register_rolls_back(backend: Backend, flavor: Flavor, cases: u32) {
                     }
                     (None, Ok(())) => {
                         let mut r = Ok(());
-                        for reg in &regions {
-                            if let Err(err) = e.unregister(reg.addr()).await {
+                        for &addr in &addrs {
+                            if let Err(err) = e.unregister(addr).await {
                                 r = Err(format!("a batch-registered region is missing: {err}"));
                             }
                         }

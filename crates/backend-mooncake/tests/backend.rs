@@ -45,15 +45,15 @@ async fn every_supported_generation_is_detected_and_moves_bytes() {
         let dst = buffer(64 << 10, 0xEE);
         let back = buffer(64 << 10, 0);
         // SAFETY: test buffers outlive their registrations: each test's transfers have finished before its engines and buffers are dropped.
-        a.register(&unsafe { src.region(Location::cpu(0)) })
+        a.register(unsafe { src.region(Location::cpu(0)) })
             .await
             .unwrap();
         // SAFETY: test buffers outlive their registrations: each test's transfers have finished before its engines and buffers are dropped.
-        a.register(&unsafe { back.region(Location::cpu(0)) })
+        a.register(unsafe { back.region(Location::cpu(0)) })
             .await
             .unwrap();
         // SAFETY: test buffers outlive their registrations: each test's transfers have finished before its engines and buffers are dropped.
-        b.register(&unsafe { dst.region(Location::cpu(0)) })
+        b.register(unsafe { dst.region(Location::cpu(0)) })
             .await
             .unwrap();
         let seg = a.open_segment(b.segment_name()).await.unwrap();
@@ -193,11 +193,11 @@ async fn unregistered_remote_address_fails_on_every_generation() {
         let dst = buffer(4096, 0);
         let elsewhere = buffer(4096, 9);
         // SAFETY: test buffers outlive their registrations: each test's transfers have finished before its engines and buffers are dropped.
-        a.register(&unsafe { src.region(Location::cpu(0)) })
+        a.register(unsafe { src.region(Location::cpu(0)) })
             .await
             .unwrap();
         // SAFETY: test buffers outlive their registrations: each test's transfers have finished before its engines and buffers are dropped.
-        b.register(&unsafe { dst.region(Location::cpu(0)) })
+        b.register(unsafe { dst.region(Location::cpu(0)) })
             .await
             .unwrap();
         let seg = a.open_segment(b.segment_name()).await.unwrap();
@@ -289,11 +289,11 @@ async fn async_batches_poll_wait_and_refuse_busy_release() {
     let src = buffer(8192, 3);
     let dst = buffer(8192, 0);
     // SAFETY: test buffers outlive their registrations: each test's transfers have finished before its engines and buffers are dropped.
-    a.register(&unsafe { src.region(Location::cpu(0)) })
+    a.register(unsafe { src.region(Location::cpu(0)) })
         .await
         .unwrap();
     // SAFETY: test buffers outlive their registrations: each test's transfers have finished before its engines and buffers are dropped.
-    b.register(&unsafe { dst.region(Location::cpu(0)) })
+    b.register(unsafe { dst.region(Location::cpu(0)) })
         .await
         .unwrap();
     let seg = a.open_segment(b.segment_name()).await.unwrap();
@@ -341,11 +341,11 @@ async fn deadline_fails_the_batch_and_the_library_batch_is_still_freed() {
         let src = buffer(4096, 5);
         let dst = buffer(4096, 0);
         // SAFETY: test buffers outlive their registrations: each test's transfers have finished before its engines and buffers are dropped.
-        a.register(&unsafe { src.region(Location::cpu(0)) })
+        a.register(unsafe { src.region(Location::cpu(0)) })
             .await
             .unwrap();
         // SAFETY: test buffers outlive their registrations: each test's transfers have finished before its engines and buffers are dropped.
-        b.register(&unsafe { dst.region(Location::cpu(0)) })
+        b.register(unsafe { dst.region(Location::cpu(0)) })
             .await
             .unwrap();
         let seg = a.open_segment(b.segment_name()).await.unwrap();
@@ -394,11 +394,11 @@ async fn unregister_waits_for_a_transfer_in_flight() {
     let src = buffer(4096, 8);
     let dst = buffer(4096, 0);
     // SAFETY: test buffers outlive their registrations: each test's transfers have finished before its engines and buffers are dropped.
-    a.register(&unsafe { src.region(Location::cpu(0)) })
+    a.register(unsafe { src.region(Location::cpu(0)) })
         .await
         .unwrap();
     // SAFETY: test buffers outlive their registrations: each test's transfers have finished before its engines and buffers are dropped.
-    b.register(&unsafe { dst.region(Location::cpu(0)) })
+    b.register(unsafe { dst.region(Location::cpu(0)) })
         .await
         .unwrap();
     let seg = a.open_segment(b.segment_name()).await.unwrap();
@@ -442,11 +442,11 @@ async fn notifications_where_the_library_has_them() {
         let src = buffer(4096, 4);
         let dst = buffer(4096, 0);
         // SAFETY: test buffers outlive their registrations: each test's transfers have finished before its engines and buffers are dropped.
-        a.register(&unsafe { src.region(Location::cpu(0)) })
+        a.register(unsafe { src.region(Location::cpu(0)) })
             .await
             .unwrap();
         // SAFETY: test buffers outlive their registrations: each test's transfers have finished before its engines and buffers are dropped.
-        b.register(&unsafe { dst.region(Location::cpu(0)) })
+        b.register(unsafe { dst.region(Location::cpu(0)) })
             .await
             .unwrap();
         let seg = a.open_segment(b.segment_name()).await.unwrap();
@@ -532,7 +532,7 @@ async fn batch_register_is_all_or_nothing() {
             }
         };
         let err = a
-            .batch_register(&[
+            .batch_register(vec![
                 // SAFETY: test buffers outlive their registrations: each test's transfers have finished before its engines and buffers are dropped.
                 unsafe { x.region(Location::cpu(0)) },
                 // SAFETY: test buffers outlive their registrations: each test's transfers have finished before its engines and buffers are dropped.
@@ -547,7 +547,7 @@ async fn batch_register_is_all_or_nothing() {
         );
         // Nothing stayed registered: registering each alone works.
         // SAFETY: test buffers outlive their registrations: each test's transfers have finished before its engines and buffers are dropped.
-        a.batch_register(&[unsafe { x.region(Location::cpu(0)) }, unsafe {
+        a.batch_register(vec![unsafe { x.region(Location::cpu(0)) }, unsafe {
             y.region(Location::cpu(0))
         }])
         .await
@@ -559,7 +559,7 @@ async fn batch_register_is_all_or_nothing() {
         );
         let cuda = a
             // SAFETY: test buffers outlive their registrations: each test's transfers have finished before its engines and buffers are dropped.
-            .register(&unsafe { y.region(Location::cuda(0)) })
+            .register(unsafe { y.region(Location::cuda(0)) })
             .await
             .unwrap_err();
         assert!(matches!(cuda, Error::InvalidArgument(_)), "{cuda:?}");
@@ -575,11 +575,11 @@ async fn segments_refcount_and_unknown_ones_fail() {
     let src = buffer(4096, 6);
     let dst = buffer(4096, 0);
     // SAFETY: test buffers outlive their registrations: each test's transfers have finished before its engines and buffers are dropped.
-    a.register(&unsafe { src.region(Location::cpu(0)) })
+    a.register(unsafe { src.region(Location::cpu(0)) })
         .await
         .unwrap();
     // SAFETY: test buffers outlive their registrations: each test's transfers have finished before its engines and buffers are dropped.
-    b.register(&unsafe { dst.region(Location::cpu(0)) })
+    b.register(unsafe { dst.region(Location::cpu(0)) })
         .await
         .unwrap();
     let s1 = a.open_segment(b.segment_name()).await.unwrap();
@@ -615,7 +615,7 @@ async fn library_error_codes_of_both_signs_have_one_name() {
                 Location::cpu(0),
             )
         };
-        let err = a.register(&null).await.unwrap_err();
+        let err = a.register(null).await.unwrap_err();
         let code = if gen.negative_error_codes() { -1 } else { 1 };
         assert_eq!(
             err,
@@ -667,11 +667,11 @@ async fn dropping_an_engine_with_a_batch_in_flight_finishes_it_first() {
     let src = buffer(4096, 0x5A);
     let dst = buffer(4096, 0);
     // SAFETY: test buffers outlive their registrations: each test's transfers have finished before its engines and buffers are dropped.
-    a.register(&unsafe { src.region(Location::cpu(0)) })
+    a.register(unsafe { src.region(Location::cpu(0)) })
         .await
         .unwrap();
     // SAFETY: test buffers outlive their registrations: each test's transfers have finished before its engines and buffers are dropped.
-    b.register(&unsafe { dst.region(Location::cpu(0)) })
+    b.register(unsafe { dst.region(Location::cpu(0)) })
         .await
         .unwrap();
     let seg = a.open_segment(b.segment_name()).await.unwrap();
@@ -790,7 +790,7 @@ async fn writes_are_landed_when_completed_only_with_confirmation() {
             .unwrap();
         let dst = buffer(1 << 20, 0);
         // SAFETY: test buffers outlive their registrations: each test's transfers have finished before its engines and buffers are dropped.
-        b.register(&unsafe { dst.region(Location::cpu(0)) })
+        b.register(unsafe { dst.region(Location::cpu(0)) })
             .await
             .unwrap();
         for confirm in [false, true] {
@@ -801,7 +801,7 @@ async fn writes_are_landed_when_completed_only_with_confirmation() {
             let fill = if confirm { 2 } else { 1 };
             let src = buffer(1 << 20, fill);
             // SAFETY: test buffers outlive their registrations: each test's transfers have finished before its engines and buffers are dropped.
-            a.register(&unsafe { src.region(Location::cpu(0)) })
+            a.register(unsafe { src.region(Location::cpu(0)) })
                 .await
                 .unwrap();
             let seg = a.open_segment(b.segment_name()).await.unwrap();
@@ -849,11 +849,11 @@ async fn dropped_transfer_futures_leave_no_batch_behind() {
         let src = buffer(4096, 3);
         let dst = buffer(4096, 0);
         // SAFETY: test buffers outlive their registrations: each test's transfers have finished before its engines and buffers are dropped.
-        a.register(&unsafe { src.region(Location::cpu(0)) })
+        a.register(unsafe { src.region(Location::cpu(0)) })
             .await
             .unwrap();
         // SAFETY: test buffers outlive their registrations: each test's transfers have finished before its engines and buffers are dropped.
-        b.register(&unsafe { dst.region(Location::cpu(0)) })
+        b.register(unsafe { dst.region(Location::cpu(0)) })
             .await
             .unwrap();
         let seg = a.open_segment(b.segment_name()).await.unwrap();
@@ -905,11 +905,11 @@ async fn overlapping_writes_have_all_landed_when_the_batch_is_reported() {
         src.write(0, &fill).unwrap();
         let dst = buffer(8192, 0);
         // SAFETY: test buffers outlive their registrations: each test's transfers have finished before its engines and buffers are dropped.
-        a.register(&unsafe { src.region(Location::cpu(0)) })
+        a.register(unsafe { src.region(Location::cpu(0)) })
             .await
             .unwrap();
         // SAFETY: test buffers outlive their registrations: each test's transfers have finished before its engines and buffers are dropped.
-        b.register(&unsafe { dst.region(Location::cpu(0)) })
+        b.register(unsafe { dst.region(Location::cpu(0)) })
             .await
             .unwrap();
         let seg = a.open_segment(b.segment_name()).await.unwrap();
@@ -930,7 +930,7 @@ async fn overlapping_writes_have_all_landed_when_the_batch_is_reported() {
             // Unregistering waits for nothing: no write is still on its way.
             b.unregister(dst.addr()).await.unwrap();
             // SAFETY: as above.
-            b.register(&unsafe { dst.region(Location::cpu(0)) })
+            b.register(unsafe { dst.region(Location::cpu(0)) })
                 .await
                 .unwrap();
         }
@@ -962,11 +962,11 @@ async fn concurrent_batches_writing_the_same_bytes_have_landed_when_reported() {
         src.write(4096, &q).unwrap();
         let dst = buffer(4096, 0);
         // SAFETY: test buffers outlive their registrations: each test's transfers have finished before its engines and buffers are dropped.
-        a.register(&unsafe { src.region(Location::cpu(0)) })
+        a.register(unsafe { src.region(Location::cpu(0)) })
             .await
             .unwrap();
         // SAFETY: as above.
-        b.register(&unsafe { dst.region(Location::cpu(0)) })
+        b.register(unsafe { dst.region(Location::cpu(0)) })
             .await
             .unwrap();
         let seg = a.open_segment(b.segment_name()).await.unwrap();
@@ -1014,7 +1014,7 @@ async fn writes_sent_past_the_deadline_land_before_unregister_returns() {
         let src = buffer(4096, 5);
         let dst = buffer(4096, 0);
         // SAFETY: test buffers outlive their registrations: each test's transfers have finished before its engines and buffers are dropped.
-        a.register(&unsafe { src.region(Location::cpu(0)) })
+        a.register(unsafe { src.region(Location::cpu(0)) })
             .await
             .unwrap();
         let seg = a.open_segment(b.segment_name()).await.unwrap();
@@ -1023,7 +1023,7 @@ async fn writes_sent_past_the_deadline_land_before_unregister_returns() {
         for (what, fill) in [("write", 0u8), ("complement", 5u8)] {
             dst.fill(fill);
             // SAFETY: as above.
-            b.register(&unsafe { dst.region(Location::cpu(0)) })
+            b.register(unsafe { dst.region(Location::cpu(0)) })
                 .await
                 .unwrap();
             let w = TransferRequest::write(src.addr(), dst.addr(), 4096);

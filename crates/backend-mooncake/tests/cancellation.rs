@@ -55,11 +55,12 @@ async fn settle(e: &backend_mooncake::MooncakeEngine) {
 /// regions are left unregistered.
 async fn registered_all_or_none(
     e: &backend_mooncake::MooncakeEngine,
-    regions: &[MemoryRegion],
+    bufs: &[HostBuffer],
     what: &str,
 ) -> bool {
     let mut states = Vec::new();
-    for r in regions {
+    let addrs: Vec<u64> = bufs.iter().map(HostBuffer::addr).collect();
+    for r in regions_of(bufs) {
         // Registering again: `RegionOverlap` from the table if it is there;
         // Ok only if the library takes it too (it refuses a region it
         // still has).
@@ -75,7 +76,6 @@ async fn registered_all_or_none(
     );
     // Every region is registered now, in both (the library refuses to
     // unregister what it does not have).
-    let addrs: Vec<u64> = regions.iter().map(MemoryRegion::addr).collect();
     e.batch_unregister(&addrs)
         .await
         .unwrap_or_else(|err| panic!("{what}: table and library disagree: {err:?}"));
@@ -100,12 +100,11 @@ async fn dropped_register_futures_leave_regions_whole() {
     for gen in SUPPORTED {
         let e = start(gen, &metadata_for(gen)).await;
         let bufs = buffers();
-        let regions = regions_of(&bufs);
         for polls in poll_counts() {
             let what = format!("{gen}: register dropped after {polls} polls");
-            let got = poll_then_drop(e.register(&regions[0]), polls).await;
+            let got = poll_then_drop(e.register(regions_of(&bufs).remove(0)), polls).await;
             settle(&e).await;
-            let registered = registered_all_or_none(&e, &regions[..1], &what).await;
+            let registered = registered_all_or_none(&e, &bufs[..1], &what).await;
             match got {
                 Some(Ok(())) => assert!(registered, "{what}: Ok but not registered"),
                 Some(Err(err)) => panic!("{what}: {err:?}"),
@@ -120,13 +119,12 @@ async fn dropped_batch_register_futures_register_all_or_nothing() {
     for gen in SUPPORTED {
         let e = start(gen, &metadata_for(gen)).await;
         let bufs = buffers();
-        let regions = regions_of(&bufs);
         let mut seen = [false; 2];
         for polls in poll_counts() {
             let what = format!("{gen}: batch_register dropped after {polls} polls");
-            let got = poll_then_drop(e.batch_register(&regions), polls).await;
+            let got = poll_then_drop(e.batch_register(regions_of(&bufs)), polls).await;
             settle(&e).await;
-            let registered = registered_all_or_none(&e, &regions, &what).await;
+            let registered = registered_all_or_none(&e, &bufs, &what).await;
             seen[usize::from(registered)] = true;
             match got {
                 Some(Ok(())) => assert!(registered, "{what}: Ok but not registered"),
@@ -149,10 +147,10 @@ async fn dropped_batch_unregister_futures_leave_tables_agreeing() {
         let addrs: Vec<u64> = regions.iter().map(MemoryRegion::addr).collect();
         for polls in poll_counts() {
             let what = format!("{gen}: batch_unregister dropped after {polls} polls");
-            e.batch_register(&regions).await.unwrap();
+            e.batch_register(regions_of(&bufs)).await.unwrap();
             let got = poll_then_drop(e.batch_unregister(&addrs), polls).await;
             settle(&e).await;
-            let registered = registered_all_or_none(&e, &regions, &what).await;
+            let registered = registered_all_or_none(&e, &bufs, &what).await;
             match got {
                 Some(Ok(())) => assert!(!registered, "{what}: Ok but still registered"),
                 Some(Err(err)) => panic!("{what}: {err:?}"),

@@ -85,7 +85,7 @@ async fn child_peer() {
     buf.write(0, &data).unwrap();
     // SAFETY: `buf` lives until after the unregister at the end.
     let region = unsafe { MemoryRegion::from_raw_parts(buf.as_ptr(), BUF, Location::cpu(0)) };
-    engine.register(&region).await.unwrap();
+    engine.register(region).await.unwrap();
     println!("READY {} {}", engine.segment_name(), buf.addr());
     let stdin = std::io::stdin();
     for line in stdin.lock().lines() {
@@ -173,7 +173,7 @@ async fn cross_process(gen: Lib) {
     let a = start(gen, &metadata).await;
     let local = HostBuffer::new(BUF).unwrap();
     // SAFETY: the buffer outlives its registration (unregistered before the test ends).
-    a.register(&unsafe { local.region(Location::cpu(0)) })
+    a.register(unsafe { local.region(Location::cpu(0)) })
         .await
         .unwrap();
     let seg = a.open_segment(&peer.segment).await.unwrap();

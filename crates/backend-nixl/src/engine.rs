@@ -25,9 +25,9 @@ use tokio::sync::{oneshot, Notify};
 use tokio::task::AbortHandle;
 use transport_core::raw::{lock, BatchDriver, BatchTable};
 use transport_core::{
-    BackendInfo, BatchId, BatchReport, BatchStatus, Capabilities, Error, MemoryKinds, MemoryRegion,
-    Notification, RegionGuard, RegionTable, Result, SegmentId, Side, TransferEngine, TransferOp,
-    TransferRequest,
+    BackendInfo, BatchId, BatchReport, BatchStatus, Capabilities, Error, Location, MemoryKinds,
+    MemoryRegion, Notification, RegionGuard, RegionInfo, RegionTable, Result, SegmentId, Side,
+    TransferEngine, TransferOp, TransferRequest,
 };
 
 use crate::agent::{Agent, XferReq};
@@ -779,8 +779,7 @@ impl Drop for NixlEngine {
     }
 }
 
-fn mem_kind(region: &MemoryRegion) -> Result<(i32, u64)> {
-    let loc = region.location();
+fn mem_kind(loc: &Location) -> Result<(i32, u64)> {
     if loc.is_host() {
         let node = loc
             .as_str()
@@ -860,10 +859,10 @@ impl Inner {
 
     /// Registers with NIXL and advertises; the region is already in the
     /// table. Nothing awaits: cancel-safe.
-    fn register_nixl(&self, regions: &[MemoryRegion]) -> Result<()> {
+    fn register_nixl(&self, regions: &[RegionInfo]) -> Result<()> {
         let mut by_kind: BTreeMap<i32, RegDescs> = BTreeMap::new();
         for r in regions {
-            let (kind, dev) = mem_kind(r)?;
+            let (kind, dev) = mem_kind(r.location())?;
             by_kind
                 .entry(kind)
                 .or_default()
@@ -925,7 +924,7 @@ impl Inner {
             // Err: the connection closed, the peer has nothing in flight.
             let _ = w.await;
         }
-        let (kind, dev) = mem_kind(&region)?;
+        let (kind, dev) = mem_kind(region.location())?;
         self.agent
             .register(kind, &[(region.addr(), region.len(), dev)], false)
     }
@@ -989,8 +988,8 @@ impl TransferEngine for NixlEngine {
         }
     }
 
-    async fn register(&self, region: &MemoryRegion) -> Result<()> {
-        self.batch_register(std::slice::from_ref(region))
+    async fn register(&self, region: MemoryRegion) -> Result<()> {
+        self.batch_register(vec![region])
             .await
             .map_err(|e| match e {
                 Error::BatchRegisterFailed { source, .. } => *source,
@@ -1008,14 +1007,14 @@ impl TransferEngine for NixlEngine {
             .map_err(|e| Error::Canceled(format!("unregistering: {e}")))?
     }
 
-    async fn batch_register(&self, regions: &[MemoryRegion]) -> Result<()> {
+    async fn batch_register(&self, regions: Vec<MemoryRegion>) -> Result<()> {
         for (index, r) in regions.iter().enumerate() {
             let checked = if r.is_empty() {
                 Err(Error::InvalidArgument(
                     "cannot register an empty region".to_owned(),
                 ))
             } else {
-                mem_kind(r).map(|_| ())
+                mem_kind(r.location()).map(|_| ())
             };
             if let Err(e) = checked {
                 return Err(Error::BatchRegisterFailed {
@@ -1025,14 +1024,15 @@ impl TransferEngine for NixlEngine {
                 });
             }
         }
+        let infos: Vec<RegionInfo> = regions.iter().map(MemoryRegion::info).collect();
         self.inner.regions.insert_all(regions)?;
-        if let Err(e) = self.inner.register_nixl(regions) {
-            for r in regions {
+        if let Err(e) = self.inner.register_nixl(&infos) {
+            for r in &infos {
                 let _ = self.inner.regions.remove(r.addr()).await;
             }
             return Err(Error::BatchRegisterFailed {
                 index: 0,
-                addr: regions.first().map(MemoryRegion::addr).unwrap_or(0),
+                addr: infos.first().map(RegionInfo::addr).unwrap_or(0),
                 source: Box::new(e),
             });
         }

@@ -116,7 +116,7 @@ fn stuck_request_fails_at_deadline_and_keeps_its_memory() {
         // SAFETY: `src` outlives its registration (unregistered below,
         // before it is dropped).
         let region = unsafe { src.region(Location::cpu(0)) };
-        a.register(&region).await.expect("register");
+        a.register(region).await.expect("register");
         let seg = a.open_segment(&segment).await.expect("open the child");
         // The path works while the target runs.
         a.transfer(seg, TransferRequest::write(src.addr(), remote, 4096))

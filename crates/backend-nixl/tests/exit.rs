@@ -37,7 +37,7 @@ fn child_moves_bytes_then_exits() {
         src.fill(0xa7);
         // SAFETY: `src` outlives its registration (released below).
         let region = unsafe { src.region(Location::cpu(0)) };
-        a.register(&region).await.expect("register a");
+        a.register(region).await.expect("register a");
         let seg = a.open_segment(b.segment_name()).await.expect("open b");
         a.transfer(
             seg,

@@ -232,11 +232,11 @@ async fn pair(connections: usize, params: &str, buf: usize) -> Pair {
     local.fill(0x5a);
     remote.fill(1);
     // SAFETY: the buffers live until the end of the benchmark, after the engines.
-    a.register(&unsafe { local.region(Location::cpu(0)) })
+    a.register(unsafe { local.region(Location::cpu(0)) })
         .await
         .expect("register");
     // SAFETY: the buffers live until the end of the benchmark, after the engines.
-    b.register(&unsafe { remote.region(Location::cpu(0)) })
+    b.register(unsafe { remote.region(Location::cpu(0)) })
         .await
         .expect("register");
     let seg = a.open_segment(b.segment_name()).await.expect("open");

@@ -42,7 +42,7 @@ async fn main() -> transport_core::Result<()> {
             let buf = HostBuffer::new(parse_u64(&args[2]) as usize)?;
             engine
                 // SAFETY: the buffer outlives its registration (unregistered before it is dropped).
-                .register(&unsafe { buf.region(Location::cpu(0)) })
+                .register(unsafe { buf.region(Location::cpu(0)) })
                 .await?;
             println!(
                 "segment {} buffer {:#x} len {}",
@@ -72,11 +72,11 @@ async fn main() -> transport_core::Result<()> {
             let back = HostBuffer::new(len)?;
             engine
                 // SAFETY: the buffer outlives its registration (unregistered before it is dropped).
-                .register(&unsafe { src.region(Location::cpu(0)) })
+                .register(unsafe { src.region(Location::cpu(0)) })
                 .await?;
             engine
                 // SAFETY: the buffer outlives its registration (unregistered before it is dropped).
-                .register(&unsafe { back.region(Location::cpu(0)) })
+                .register(unsafe { back.region(Location::cpu(0)) })
                 .await?;
             let seg = engine.open_segment(&args[2]).await?;
             let block = 4 << 20;

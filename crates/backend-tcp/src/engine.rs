@@ -321,7 +321,7 @@ impl TransferEngine for TcpEngine {
         }
     }
 
-    async fn register(&self, region: &MemoryRegion) -> Result<()> {
+    async fn register(&self, region: MemoryRegion) -> Result<()> {
         region.require_host("tcp")?;
         self.inner.core.register(region)
     }
@@ -330,7 +330,7 @@ impl TransferEngine for TcpEngine {
         self.inner.core.unregister(addr).await
     }
 
-    async fn batch_register(&self, regions: &[MemoryRegion]) -> Result<()> {
+    async fn batch_register(&self, regions: Vec<MemoryRegion>) -> Result<()> {
         for (index, region) in regions.iter().enumerate() {
             region
                 .require_host("tcp")

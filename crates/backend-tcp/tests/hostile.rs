@@ -389,7 +389,7 @@ async fn frames_never_land_in_memory_registered_after_they_were_sent() {
     // Re-registered at the same address (the same buffer).
     b.unregister(buf.addr()).await.unwrap();
     // SAFETY: the buffer outlives its registration (the test's transfers finish first).
-    b.register(&unsafe { buf.region(transport_core::Location::cpu(0)) })
+    b.register(unsafe { buf.region(transport_core::Location::cpu(0)) })
         .await
         .unwrap();
     let w = Request::Write {
@@ -467,7 +467,7 @@ async fn frames_never_land_in_memory_registered_after_they_were_sent() {
     let seg = a.open_segment(b.segment_name()).await.unwrap();
     b.unregister(buf.addr()).await.unwrap();
     // SAFETY: the buffer outlives its registration (the test's transfers finish first).
-    b.register(&unsafe { buf.region(transport_core::Location::cpu(0)) })
+    b.register(unsafe { buf.region(transport_core::Location::cpu(0)) })
         .await
         .unwrap();
     let reqs = [

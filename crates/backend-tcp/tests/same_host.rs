@@ -463,7 +463,7 @@ async fn target_stopped_between_check_and_copy_changes_no_released_byte() {
     // SAFETY: `dst` outlives every registration of it (unregistered below).
     let region = || unsafe { dst.region(transport_core::Location::cpu(0)) };
     assert!(matches!(
-        a.register(&region()).await,
+        a.register(region()).await,
         Err(Error::RegionOverlap { .. })
     ));
     resume();
@@ -471,7 +471,7 @@ async fn target_stopped_between_check_and_copy_changes_no_released_byte() {
     // the stream, closes: the region leaves the table.
     let t = Instant::now();
     loop {
-        match a.register(&region()).await {
+        match a.register(region()).await {
             Ok(()) => break,
             Err(Error::RegionOverlap { .. }) if t.elapsed() < Duration::from_secs(20) => {
                 tokio::time::sleep(Duration::from_millis(20)).await

@@ -52,11 +52,11 @@ async fn main() {
     let dst = HostBuffer::new(total).expect("alloc");
     src.fill(0xa5);
     // SAFETY: the buffers live until the end of the benchmark, after the engines.
-    a.register(&unsafe { src.region(Location::cpu(0)) })
+    a.register(unsafe { src.region(Location::cpu(0)) })
         .await
         .expect("register");
     // SAFETY: the buffers live until the end of the benchmark, after the engines.
-    b.register(&unsafe { dst.region(Location::cpu(0)) })
+    b.register(unsafe { dst.region(Location::cpu(0)) })
         .await
         .expect("register");
     let seg = a.open_segment(b.segment_name()).await.expect("open");

@@ -265,7 +265,7 @@ impl TransferEngine for VerbsEngine {
         forward!(self, i => i.backend_info())
     }
 
-    async fn register(&self, region: &MemoryRegion) -> Result<()> {
+    async fn register(&self, region: MemoryRegion) -> Result<()> {
         forward!(self, i => i.register(region).await)
     }
 
@@ -273,7 +273,7 @@ impl TransferEngine for VerbsEngine {
         forward!(self, i => i.unregister(addr).await)
     }
 
-    async fn batch_register(&self, regions: &[MemoryRegion]) -> Result<()> {
+    async fn batch_register(&self, regions: Vec<MemoryRegion>) -> Result<()> {
         let _ = regions;
         Err(Error::unsupported(
             BACKEND,

@@ -48,7 +48,7 @@ async fn registered(e: &VerbsEngine, len: usize, seed: u8) -> HostBuffer {
         b.write(0, &pattern(seed, len)).expect("fill");
     }
     // SAFETY: callers keep the buffer alive until it is unregistered or its engine is dropped.
-    e.register(&unsafe { b.region(Location::cpu(0)) })
+    e.register(unsafe { b.region(Location::cpu(0)) })
         .await
         .expect("register");
     b

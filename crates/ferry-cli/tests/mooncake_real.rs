@@ -445,7 +445,7 @@ async fn error_paths_against_a_peer_process_on_every_real_build() {
         unsafe { std::ptr::copy_nonoverlapping(pattern.as_ptr(), buf.as_ptr(), LEN) };
         engine
             // SAFETY: the buffer outlives its registration (unregistered below, before it is dropped).
-            .register(&unsafe { buf.region(ferry::Location::cpu(0)) })
+            .register(unsafe { buf.region(ferry::Location::cpu(0)) })
             .await
             .unwrap_or_else(|e| panic!("{}", what(&format!("register: {e}"))));
 
@@ -569,7 +569,7 @@ async fn error_paths_against_a_peer_process_on_every_real_build() {
         let back = ferry::HostBuffer::new(LEN).expect("buffer");
         engine
             // SAFETY: the buffer outlives its registration (unregistered below, before it is dropped).
-            .register(&unsafe { back.region(ferry::Location::cpu(0)) })
+            .register(unsafe { back.region(ferry::Location::cpu(0)) })
             .await
             .expect("register");
         let read = ferry::TransferRequest::read(back.addr(), peer.addr, LEN as u64);

@@ -425,7 +425,7 @@ impl PyEngine {
         let resolved = resolve(target, length)?;
         let region = Self::region_of(&resolved, location)?;
         let region = self.checked_kind(region).map_err(|e| to_pyerr(py, &e))?;
-        block_on(py, engine.register(&region))?.map_err(|e| to_pyerr(py, &e))?;
+        block_on(py, engine.register(region))?.map_err(|e| to_pyerr(py, &e))?;
         let (addr, len) = (resolved.addr, resolved.len);
         self.regions().insert(addr, (len, resolved.keep));
         Ok((addr, len))
@@ -485,7 +485,7 @@ impl PyEngine {
             regions.push(region);
             resolved.push(r);
         }
-        block_on(py, engine.batch_register(&regions))?.map_err(|e| to_pyerr(py, &e))?;
+        block_on(py, engine.batch_register(regions))?.map_err(|e| to_pyerr(py, &e))?;
         let out = resolved.iter().map(|r| (r.addr, r.len)).collect();
         let mut table = self.regions();
         for r in resolved {

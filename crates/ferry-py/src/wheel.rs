@@ -552,9 +552,9 @@ impl Inner {
 
     async fn register(self: Arc<Self>, region: MemoryRegion) -> Result<()> {
         self.check_kind(&region)?;
-        self.regions.insert(region.clone())?;
         let (addr, len) = (region.addr(), region.len());
         let location = region.location().as_str().to_owned();
+        self.regions.insert(region)?;
         let with_location = self.methods.register_location;
         let out = self
             .call_ok("register_memory", move |_, w| {
@@ -587,7 +587,6 @@ impl Inner {
                 source: Box::new(e),
             })?;
         }
-        self.regions.insert_all(&regions)?;
         let addrs: Vec<u64> = regions.iter().map(MemoryRegion::addr).collect();
         let lens: Vec<u64> = regions.iter().map(MemoryRegion::len).collect();
         let first = regions
@@ -599,6 +598,7 @@ impl Inner {
         } else {
             "*".to_owned()
         };
+        self.regions.insert_all(regions)?;
         let call_addrs = addrs.clone();
         let out = self
             .call_ok("batch_register_memory", move |_, w| {
@@ -880,15 +880,15 @@ impl TransferEngine for WheelEngine {
 
     /// Registers with Ferry's table and the wheel, or with neither; runs to
     /// its end even if this future is dropped.
-    async fn register(&self, region: &MemoryRegion) -> Result<()> {
-        detached(self.inner.clone().register(region.clone())).await
+    async fn register(&self, region: MemoryRegion) -> Result<()> {
+        detached(self.inner.clone().register(region)).await
     }
 
     async fn unregister(&self, addr: u64) -> Result<()> {
         detached(self.inner.clone().unregister(addr)).await
     }
 
-    async fn batch_register(&self, regions: &[MemoryRegion]) -> Result<()> {
+    async fn batch_register(&self, regions: Vec<MemoryRegion>) -> Result<()> {
         if !self.inner.methods.batch_register {
             return Err(Error::unsupported(
                 BACKEND,
@@ -896,7 +896,7 @@ impl TransferEngine for WheelEngine {
                 "the installed Mooncake wheel has no batch_register_memory",
             ));
         }
-        detached(self.inner.clone().batch_register(regions.to_vec())).await
+        detached(self.inner.clone().batch_register(regions)).await
     }
 
     async fn batch_unregister(&self, addrs: &[u64]) -> Result<()> {

@@ -114,7 +114,7 @@ fn main() {
     // SAFETY: `src` lives until the end of `main`, after the engine is
     // done with it (the process ends there).
     let region = unsafe { src.region(Location::cpu(0)) };
-    rt.block_on(engine.register(&region)).unwrap();
+    rt.block_on(engine.register(region)).unwrap();
     let seg: SegmentId = rt.block_on(engine.open_segment(&peer)).unwrap();
     let req = TransferRequest::write(src.addr(), remote, 4096);
     println!(

@@ -228,7 +228,7 @@ impl TransferEngine for Engine {
         dispatch!(self, e => e.backend_info())
     }
 
-    async fn register(&self, region: &MemoryRegion) -> Result<()> {
+    async fn register(&self, region: MemoryRegion) -> Result<()> {
         dispatch!(self, e => e.register(region).await)
     }
 
@@ -236,7 +236,7 @@ impl TransferEngine for Engine {
         dispatch!(self, e => e.unregister(addr).await)
     }
 
-    async fn batch_register(&self, regions: &[MemoryRegion]) -> Result<()> {
+    async fn batch_register(&self, regions: Vec<MemoryRegion>) -> Result<()> {
         dispatch!(self, e => e.batch_register(regions).await)
     }
 

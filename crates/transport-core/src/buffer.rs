@@ -192,7 +192,7 @@ impl<E: TransferEngine + ?Sized> RegisteredBuffer<E> {
         // If this future is dropped while the register runs, the memory may
         // end up registered: it is leaked then, never freed.
         let held = Pending(Some(memory));
-        match engine.register(&region).await {
+        match engine.register(region).await {
             Ok(()) => Ok(RegisteredBuffer {
                 engines: vec![engine],
                 location,
@@ -216,7 +216,7 @@ impl<E: TransferEngine + ?Sized> RegisteredBuffer<E> {
         // Listed before the register runs: if this future is dropped half
         // way, the memory is still unregistered from it before being freed.
         self.engines.push(Arc::clone(&engine));
-        match engine.register(&region).await {
+        match engine.register(region).await {
             Ok(()) => Ok(()),
             Err(e) => {
                 self.engines.pop();
@@ -426,7 +426,7 @@ impl<E: TransferEngine + ?Sized> RegisteredBuffers<E> {
             .collect();
         // Dropped half way, the registration may go on: leak, never free.
         let held: Vec<Pending> = buffers.into_iter().map(|b| Pending(Some(b))).collect();
-        match engine.batch_register(&regions).await {
+        match engine.batch_register(regions).await {
             Ok(()) => Ok(RegisteredBuffers {
                 engine,
                 buffers: held.into_iter().filter_map(Pending::keep).collect(),

@@ -44,12 +44,14 @@ pub trait TransferEngine: Send + Sync + 'static {
     fn backend_info(&self) -> BackendInfo;
 
     /// Registers `region` so that it can be a local source/destination and a
-    /// remote target of peers.
+    /// remote target of peers. Takes the region: each `unsafe`
+    /// [`MemoryRegion::from_raw_parts`] vouches for one registration (make
+    /// a new one to register the memory again after `unregister`).
     ///
     /// Fails with [`Error::InvalidArgument`] for an empty region or a
     /// location the backend cannot register, and with
     /// [`Error::RegionOverlap`] if it overlaps a registered region.
-    async fn register(&self, region: &MemoryRegion) -> Result<()>;
+    async fn register(&self, region: MemoryRegion) -> Result<()>;
 
     /// Unregisters the region that starts at `addr`.
     ///
@@ -61,7 +63,7 @@ pub trait TransferEngine: Send + Sync + 'static {
     /// Registers every region, all or nothing: if one fails, those already
     /// registered by this call are unregistered and the error is
     /// [`Error::BatchRegisterFailed`] naming the failed index.
-    async fn batch_register(&self, regions: &[MemoryRegion]) -> Result<()> {
+    async fn batch_register(&self, regions: Vec<MemoryRegion>) -> Result<()> {
         let _ = regions;
         Err(unsupported(self.backend_name(), Operation::BatchRegister))
     }

@@ -30,8 +30,8 @@ use crate::engine::TransferEngine;
 use crate::error::{Error, Result, Side};
 use crate::region_table::RegionTable;
 use crate::types::{
-    BatchId, BatchReport, BatchStatus, MemoryRegion, Notification, SegmentId, TransferOp,
-    TransferRequest,
+    BatchId, BatchReport, BatchStatus, MemoryRegion, Notification, RegionInfo, SegmentId,
+    TransferOp, TransferRequest,
 };
 
 const BACKEND: &str = "inproc";
@@ -181,7 +181,7 @@ impl InprocEngine {
     }
 
     /// The registered regions, in address order (for tests and tools).
-    pub fn regions(&self) -> Vec<MemoryRegion> {
+    pub fn regions(&self) -> Vec<RegionInfo> {
         self.core.regions.regions()
     }
 
@@ -372,18 +372,18 @@ impl TransferEngine for InprocEngine {
         }
     }
 
-    async fn register(&self, region: &MemoryRegion) -> Result<()> {
+    async fn register(&self, region: MemoryRegion) -> Result<()> {
         region.require_host("inproc")?;
         // A paced engine takes its time, as pinning memory does.
         self.core.pause().await;
-        self.core.regions.insert(region.clone())
+        self.core.regions.insert(region)
     }
 
     async fn unregister(&self, addr: u64) -> Result<()> {
         self.core.regions.remove(addr).await.map(drop)
     }
 
-    async fn batch_register(&self, regions: &[MemoryRegion]) -> Result<()> {
+    async fn batch_register(&self, regions: Vec<MemoryRegion>) -> Result<()> {
         if !self.core.caps.batch_register {
             return Err(self.unsupported(Operation::BatchRegister));
         }

@@ -124,8 +124,8 @@ pub use error::{live_batches_full, Error, ErrorKind, IoSource, Result, Retry, Si
 pub use region_table::{RegionGuard, RegionTable};
 pub use span::{LocalSpan, RemoteSpan};
 pub use types::{
-    BatchId, BatchReport, BatchStatus, Location, MemoryRegion, Notification, SegmentId, TransferOp,
-    TransferRequest, TransferState, MAX_LIVE_BATCHES, MAX_NOTIFICATION_MESSAGE,
+    BatchId, BatchReport, BatchStatus, Location, MemoryRegion, Notification, RegionInfo, SegmentId,
+    TransferOp, TransferRequest, TransferState, MAX_LIVE_BATCHES, MAX_NOTIFICATION_MESSAGE,
     MAX_NOTIFICATION_NAME,
 };
 

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use tokio::sync::Notify;
 
 use crate::error::{Error, Result, Side};
-use crate::types::MemoryRegion;
+use crate::types::{MemoryRegion, RegionInfo};
 
 #[derive(Debug)]
 struct Entry {
@@ -65,7 +65,7 @@ impl RegionTable {
     /// never sees a region that a failed batch would take back. The error is
     /// [`Error::BatchRegisterFailed`] naming the first region that cannot be
     /// added.
-    pub fn insert_all(&self, regions: &[MemoryRegion]) -> Result<()> {
+    pub fn insert_all(&self, regions: Vec<MemoryRegion>) -> Result<()> {
         let mut map = self.lock();
         for (index, region) in regions.iter().enumerate() {
             let earlier = regions[..index].iter().find(|r| r.overlaps(region));
@@ -82,7 +82,7 @@ impl RegionTable {
             }
         }
         for region in regions {
-            insert_entry(&mut map, region.clone());
+            insert_entry(&mut map, region);
         }
         Ok(())
     }
@@ -206,11 +206,11 @@ impl RegionTable {
     }
 
     /// The live regions, in address order.
-    pub fn regions(&self) -> Vec<MemoryRegion> {
+    pub fn regions(&self) -> Vec<RegionInfo> {
         self.lock()
             .values()
             .filter(|e| !e.closing)
-            .map(|e| e.region.clone())
+            .map(|e| e.region.info())
             .collect()
     }
 
@@ -399,7 +399,7 @@ mod tests {
             region(0x3000, 0x100),
             region(0x10f0, 0x20),
         ];
-        match t.insert_all(&batch) {
+        match t.insert_all(Vec::from(batch)) {
             Err(Error::BatchRegisterFailed {
                 index: 2,
                 addr: 0x10f0,
@@ -419,11 +419,12 @@ mod tests {
         // Regions of one batch may not overlap each other either.
         let twins = [region(0x4000, 0x100), region(0x4080, 0x100)];
         assert!(matches!(
-            t.insert_all(&twins),
+            t.insert_all(Vec::from(twins)),
             Err(Error::BatchRegisterFailed { index: 1, .. })
         ));
         assert_eq!(t.len(), 1);
-        t.insert_all(&batch[..2]).unwrap();
+        t.insert_all(vec![region(0x2000, 0x100), region(0x3000, 0x100)])
+            .unwrap();
         assert_eq!(t.len(), 3);
     }
 

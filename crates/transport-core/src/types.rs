@@ -78,7 +78,11 @@ impl FromStr for Location {
 /// promise about raw memory (see [`MemoryRegion::from_raw_parts`]); every
 /// transfer is checked against registered regions, so transfers themselves
 /// are safe to call.
-#[derive(Clone, Debug, PartialEq, Eq)]
+///
+/// Not `Clone`, and [`crate::TransferEngine::register`] takes it by value:
+/// each `unsafe` construction vouches for one registration, so a copy kept
+/// somewhere cannot register the memory again after it was freed.
+#[derive(Debug, PartialEq, Eq)]
 pub struct MemoryRegion {
     addr: u64,
     len: u64,
@@ -148,6 +152,47 @@ impl MemoryRegion {
     /// Whether the two regions share at least one byte.
     pub fn overlaps(&self, other: &MemoryRegion) -> bool {
         self.addr < other.end() && other.addr < self.end()
+    }
+
+    /// What a listing shows of it (a copy that cannot be registered).
+    pub fn info(&self) -> RegionInfo {
+        RegionInfo {
+            addr: self.addr,
+            len: self.len,
+            location: self.location.clone(),
+        }
+    }
+}
+
+/// A registered region as listings show it (`RegionTable::regions`):
+/// bounds and location, and no way to register the memory again.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct RegionInfo {
+    addr: u64,
+    len: u64,
+    location: Location,
+}
+
+impl RegionInfo {
+    /// Start address.
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+    /// Length in bytes.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+    /// Whether it has no bytes (a registered region never has).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// One past the last byte (saturating).
+    pub fn end(&self) -> u64 {
+        self.addr.saturating_add(self.len)
+    }
+    /// Where the memory lives.
+    pub fn location(&self) -> &Location {
+        &self.location
     }
 }
 

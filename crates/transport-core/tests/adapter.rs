@@ -54,13 +54,13 @@ impl TransferEngine for Probe {
     fn backend_info(&self) -> BackendInfo {
         self.inner.backend_info()
     }
-    async fn register(&self, region: &MemoryRegion) -> Result<()> {
+    async fn register(&self, region: MemoryRegion) -> Result<()> {
         self.inner.register(region).await
     }
     async fn unregister(&self, addr: u64) -> Result<()> {
         self.inner.unregister(addr).await
     }
-    async fn batch_register(&self, regions: &[MemoryRegion]) -> Result<()> {
+    async fn batch_register(&self, regions: Vec<MemoryRegion>) -> Result<()> {
         self.inner.batch_register(regions).await
     }
     async fn batch_unregister(&self, addrs: &[u64]) -> Result<()> {
@@ -150,11 +150,11 @@ async fn rig(probe: Probe, peer_caps: Capabilities, config: AdapterConfig, len: 
         .unwrap();
     adapter
         // SAFETY: the buffer outlives its registration (the test's transfers finish first).
-        .register(&unsafe { local.region(Location::cpu(0)) })
+        .register(unsafe { local.region(Location::cpu(0)) })
         .await
         .unwrap();
     // SAFETY: the buffer outlives its registration (the test's transfers finish first).
-    peer.register(&unsafe { remote.region(Location::cpu(0)) })
+    peer.register(unsafe { remote.region(Location::cpu(0)) })
         .await
         .unwrap();
     let seg = adapter.open_segment(peer.segment_name()).await.unwrap();
@@ -352,7 +352,7 @@ async fn strict_mode_refuses_and_names_every_missing_capability() {
     );
     let caps = strict.capabilities();
     assert!(caps.batch_transfer && !caps.batch_register && !caps.async_batch);
-    match strict.batch_register(&[]).await {
+    match strict.batch_register(vec![]).await {
         Err(Error::Unsupported { operation, .. }) => {
             assert_eq!(operation, Operation::BatchRegister)
         }

@@ -18,7 +18,7 @@ async fn register(e: &dyn TransferEngine, buf: &HostBuffer) {
     // SAFETY: `buf` outlives the engines' use of it (unregistered at the end
     // of each test, before it is dropped).
     let r = unsafe { MemoryRegion::from_raw_parts(buf.as_ptr(), buf.len(), Location::cpu(0)) };
-    e.register(&r).await.unwrap();
+    e.register(r).await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

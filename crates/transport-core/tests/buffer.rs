@@ -81,7 +81,7 @@ async fn buffers_register_together_and_release_together() {
             // SAFETY: refused (overlap), so never registered by this call.
             let again = unsafe { b.region(Location::cpu(0)) };
             assert!(matches!(
-                e.register(&again).await,
+                e.register(again).await,
                 Err(Error::RegionOverlap { .. })
             ));
         }

@@ -215,7 +215,7 @@ impl TransferEngine for MooncakeEngine {
     /// Registers `region` with the library and the engine's region table,
     /// or with neither: the registration runs to its end even if this
     /// future is dropped.
-    async fn register(&self, region: &MemoryRegion) -> Result<()> {
+    async fn register(&self, region: MemoryRegion) -> Result<()> {
         self.register_one(region).await
     }
 
@@ -224,7 +224,7 @@ impl TransferEngine for MooncakeEngine {
     }
 
     /// All or nothing, and runs to its end even if this future is dropped.
-    async fn batch_register(&self, regions: &[MemoryRegion]) -> Result<()> {
+    async fn batch_register(&self, regions: Vec<MemoryRegion>) -> Result<()> {
         self.register_all(regions).await
     }
 

@@ -9,7 +9,7 @@ use std::future::Future;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use transport_core::{Error, MemoryRegion, Result};
+use transport_core::{Error, MemoryRegion, RegionInfo, Result};
 
 use super::{blocking, cstring, Inner, MooncakeEngine};
 use crate::codes::call_error;
@@ -62,16 +62,15 @@ fn check_host(region: &MemoryRegion) -> Result<()> {
 impl MooncakeEngine {
     /// `register`: the region goes into the `RegionTable` and the library,
     /// or into neither.
-    pub(super) async fn register_one(&self, region: &MemoryRegion) -> Result<()> {
-        check_host(region)?;
+    pub(super) async fn register_one(&self, region: MemoryRegion) -> Result<()> {
+        check_host(&region)?;
         let loc = cstring("location", region.location().as_str())?;
         let inner = Arc::clone(&self.inner);
-        let region = region.clone();
         to_completion(&self.inner, async move {
             let _registering = inner.registry.read().await;
-            inner.regions.insert(region.clone())?;
-            let this = Arc::clone(&inner);
             let (addr, len) = (region.addr(), region.len());
+            inner.regions.insert(region)?;
+            let this = Arc::clone(&inner);
             let rc = blocking(move || {
                 // SAFETY: live engine; the caller promised (MemoryRegion) that
                 // the range is valid while registered; `loc` outlives the call.
@@ -121,7 +120,7 @@ impl MooncakeEngine {
     }
 
     /// `batch_register`: every region or none, in both tables.
-    pub(super) async fn register_all(&self, regions: &[MemoryRegion]) -> Result<()> {
+    pub(super) async fn register_all(&self, regions: Vec<MemoryRegion>) -> Result<()> {
         let fail = |index: usize, source: Error| Error::BatchRegisterFailed {
             index,
             addr: regions[index].addr(),
@@ -133,7 +132,6 @@ impl MooncakeEngine {
             }
         }
         let inner = Arc::clone(&self.inner);
-        let regions = regions.to_vec();
         to_completion(&self.inner, register_batch(inner, regions)).await
     }
 
@@ -177,15 +175,18 @@ impl MooncakeEngine {
 }
 
 /// The body of `batch_register` (run to completion, see `to_completion`).
-async fn register_batch(inner: Arc<Inner>, regions: Vec<MemoryRegion>) -> Result<()> {
+async fn register_batch(inner: Arc<Inner>, owned: Vec<MemoryRegion>) -> Result<()> {
+    // The table takes the regions; the library calls below need only
+    // their bounds and locations.
+    let regions: Vec<RegionInfo> = owned.iter().map(MemoryRegion::info).collect();
     let fail = |index: usize, source: Error| Error::BatchRegisterFailed {
         index,
         addr: regions[index].addr(),
         source: Box::new(source),
     };
     let _registering = inner.registry.read().await;
-    for (i, r) in regions.iter().enumerate() {
-        if let Err(e) = inner.regions.insert(r.clone()) {
+    for (i, r) in owned.into_iter().enumerate() {
+        if let Err(e) = inner.regions.insert(r) {
             for done in &regions[..i] {
                 let _ = inner.regions.remove(done.addr()).await;
             }

@@ -160,24 +160,26 @@ impl Core {
     /// for at least `evict_idle` and not already chosen, one of the
     /// source holding the most connections, idle longest.
     /// Registers `region` under a new generation.
-    pub fn register(&self, region: &MemoryRegion) -> transport_core::Result<()> {
+    pub fn register(&self, region: MemoryRegion) -> transport_core::Result<()> {
         // The generation lock is held across the insert so that a guard
         // acquired on the new region reads its generation, not a missing or
         // older one.
         let mut g = lock(&self.gens);
-        self.regions.insert(region.clone())?;
+        let addr = region.addr();
+        self.regions.insert(region)?;
         let gen = g.bump();
-        g.by_base.insert(region.addr(), gen);
+        g.by_base.insert(addr, gen);
         Ok(())
     }
 
     /// Registers every region or none, each under a new generation.
-    pub fn register_all(&self, regions: &[MemoryRegion]) -> transport_core::Result<()> {
+    pub fn register_all(&self, regions: Vec<MemoryRegion>) -> transport_core::Result<()> {
         let mut g = lock(&self.gens);
+        let addrs: Vec<u64> = regions.iter().map(MemoryRegion::addr).collect();
         self.regions.insert_all(regions)?;
-        for r in regions {
+        for addr in addrs {
             let gen = g.bump();
-            g.by_base.insert(r.addr(), gen);
+            g.by_base.insert(addr, gen);
         }
         Ok(())
     }

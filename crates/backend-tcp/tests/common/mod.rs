@@ -138,7 +138,7 @@ pub async fn mem(e: &TcpEngine, len: usize, byte: u8) -> HostBuffer {
     let b = HostBuffer::new(len).expect("alloc");
     b.fill(byte);
     // SAFETY: callers keep the buffer alive until it is unregistered or its engine is dropped.
-    e.register(&unsafe { b.region(Location::cpu(0)) })
+    e.register(unsafe { b.region(Location::cpu(0)) })
         .await
         .expect("register");
     b

@@ -327,7 +327,7 @@ impl Inner {
         self.refuse_notifications.store(refuse, Ordering::Relaxed);
     }
 
-    pub(crate) async fn register(&self, region: &MemoryRegion) -> Result<()> {
+    pub(crate) async fn register(&self, region: MemoryRegion) -> Result<()> {
         if !region.location().is_host() {
             return Err(Error::InvalidArgument(format!(
                 "the verbs backend registers host memory only; {} needs GPUDirect RDMA, which this build does not support",
@@ -370,16 +370,16 @@ impl Inner {
         .map_err(|e| Error::Canceled(format!("ibv_reg_mr did not finish: {e}")))??;
         // From here on nothing awaits: the registration completes or fails
         // as a whole.
-        if let Err(e) = self.local.insert(region.clone()) {
-            drop_off_workers(mr);
-            return Err(e);
-        }
         let remote = RemoteRegion {
             addr: region.addr(),
             len: region.len(),
             rkey: mr.rkey(),
         };
-        lock(&self.mrs).insert(region.addr(), mr);
+        if let Err(e) = self.local.insert(region) {
+            drop_off_workers(mr);
+            return Err(e);
+        }
+        lock(&self.mrs).insert(remote.addr, mr);
         self.broadcast(&Msg::RegionAdded(remote));
         Ok(())
     }

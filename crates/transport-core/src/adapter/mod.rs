@@ -586,7 +586,7 @@ impl<E: TransferEngine + ?Sized> TransferEngine for CapabilityAdapter<E> {
         self.inner.backend_info()
     }
 
-    async fn register(&self, region: &MemoryRegion) -> Result<()> {
+    async fn register(&self, region: MemoryRegion) -> Result<()> {
         self.inner.register(region).await
     }
 
@@ -594,7 +594,7 @@ impl<E: TransferEngine + ?Sized> TransferEngine for CapabilityAdapter<E> {
         self.inner.unregister(addr).await
     }
 
-    async fn batch_register(&self, regions: &[MemoryRegion]) -> Result<()> {
+    async fn batch_register(&self, regions: Vec<MemoryRegion>) -> Result<()> {
         let s = &self.shared;
         if s.native.batch_register {
             return self.inner.batch_register(regions).await;
@@ -609,16 +609,17 @@ impl<E: TransferEngine + ?Sized> TransferEngine for CapabilityAdapter<E> {
             inner: Arc::clone(&self.inner),
             addrs: Vec::with_capacity(regions.len()),
         };
-        for (index, region) in regions.iter().enumerate() {
+        for (index, region) in regions.into_iter().enumerate() {
+            let addr = region.addr();
             if let Err(source) = self.inner.register(region).await {
                 done.run().await;
                 return Err(Error::BatchRegisterFailed {
                     index,
-                    addr: region.addr(),
+                    addr,
                     source: Box::new(source),
                 });
             }
-            done.addrs.push(region.addr());
+            done.addrs.push(addr);
         }
         done.addrs.clear();
         Ok(())

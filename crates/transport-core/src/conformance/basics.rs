@@ -52,7 +52,7 @@ pub async fn check_register_unregister(factory: Arc<dyn EngineFactory>, adapted:
     assert_bytes(&dst.bytes(), &before, "an unregistered region was written");
     // SAFETY: a zero-length region; nothing is ever accessed through it.
     let empty = unsafe { MemoryRegion::from_raw_parts(dst.buf().as_ptr(), 0, Location::cpu(0)) };
-    match p.b.register(&empty).await {
+    match p.b.register(empty).await {
         Err(Error::InvalidArgument(_)) => {}
         other => panic!("register of an empty region: expected InvalidArgument, got {other:?}"),
     }
@@ -87,7 +87,7 @@ pub async fn check_overlap_refused(factory: Arc<dyn EngineFactory>, adapted: boo
         (6000, 100, "a region inside it"),
         (0, 16384, "a region containing it"),
     ] {
-        match e.register(&m.region(off, len)).await {
+        match e.register(m.region(off, len)).await {
             Err(Error::RegionOverlap {
                 existing_addr,
                 existing_len,
@@ -286,7 +286,8 @@ pub async fn check_capability_honesty(factory: Arc<dyn EngineFactory>, adapted: 
     // batch_register / batch_unregister
     let extra = Mem::unregistered(&a, 8192, 0);
     let regions = [extra.region(0, 4096), extra.region(4096, 4096)];
-    let r = a.batch_register(&regions).await;
+    let addrs = [regions[0].addr(), regions[1].addr()];
+    let r = a.batch_register(Vec::from(regions)).await;
     honest(
         caps.batch_register,
         &r,
@@ -298,7 +299,6 @@ pub async fn check_capability_honesty(factory: Arc<dyn EngineFactory>, adapted: 
             panic!("batch_register of two fresh regions failed: {e}");
         }
     }
-    let addrs = [regions[0].addr(), regions[1].addr()];
     if caps.batch_register {
         let r = a.batch_unregister(&addrs).await;
         honest(

@@ -143,20 +143,23 @@ pub async fn check_cancellation(factory: Arc<dyn EngineFactory>, adapted: bool) 
                 Op::BatchRegister => {
                     let regions: Vec<MemoryRegion> =
                         (0..3).map(|i| spare.region(i * CHUNK, CHUNK)).collect();
-                    poll_then_drop(p.a.batch_register(&regions), polls).await;
+                    let addrs: Vec<u64> = regions.iter().map(MemoryRegion::addr).collect();
+                    poll_then_drop(p.a.batch_register(regions), polls).await;
                     // All or nothing, once any rollback of the dropped call
                     // has run: either every region is registered or none.
                     let state = poll_until(&format!("{what}: batch_register settles"), || {
                         let a = Arc::clone(&p.a);
-                        let regions = regions.clone();
+                        let spare = &spare;
                         async move {
                             let mut reg = Vec::new();
-                            for r in &regions {
+                            for i in 0..3 {
                                 // Registering again tells: Overlap means the
                                 // region is registered.
+                                let r = spare.region(i * CHUNK, CHUNK);
+                                let addr = r.addr();
                                 reg.push(match within("a register probe", a.register(r)).await {
                                     Ok(()) => {
-                                        within("unregister of a probe", a.unregister(r.addr()))
+                                        within("unregister of a probe", a.unregister(addr))
                                             .await
                                             .unwrap_or_else(|e| {
                                                 panic!("unregister of a probe failed: {e}")
@@ -174,8 +177,8 @@ pub async fn check_cancellation(factory: Arc<dyn EngineFactory>, adapted: bool) 
                     })
                     .await;
                     if state {
-                        for r in &regions {
-                            within(&format!("{what}: unregister"), p.a.unregister(r.addr()))
+                        for &addr in &addrs {
+                            within(&format!("{what}: unregister"), p.a.unregister(addr))
                                 .await
                                 .unwrap_or_else(|e| {
                                     panic!("{what}: unregister after a dropped batch_register: {e}")
@@ -184,35 +187,32 @@ pub async fn check_cancellation(factory: Arc<dyn EngineFactory>, adapted: bool) 
                     }
                 }
                 Op::Unregister => {
-                    let r = spare.region(0, CHUNK);
+                    let addr = spare.region(0, CHUNK).addr();
                     within(
                         &format!("{what}: register for unregister"),
-                        p.a.register(&r),
+                        p.a.register(spare.region(0, CHUNK)),
                     )
                     .await
                     .unwrap_or_else(|e| panic!("{what}: register failed: {e}"));
-                    poll_then_drop(p.a.unregister(r.addr()), polls).await;
+                    poll_then_drop(p.a.unregister(addr), polls).await;
                     // Either still registered (a register probe overlaps:
                     // unregister it for real) or gone (the probe registers
                     // it: unregister the probe).
                     poll_until(&format!("{what}: a dropped unregister settles"), || {
                         let a = Arc::clone(&p.a);
-                        let r = r.clone();
+                        let r = spare.region(0, CHUNK);
                         async move {
-                            match within("a register probe", a.register(&r)).await {
+                            match within("a register probe", a.register(r)).await {
                                 Ok(()) | Err(Error::RegionOverlap { .. }) => {}
                                 // Its unregister still finishing.
                                 Err(Error::RegionHeld { .. }) => return None,
                                 Err(e) => panic!("register probe after a dropped unregister: {e}"),
                             }
-                            within(
-                                "unregister after a dropped unregister",
-                                a.unregister(r.addr()),
-                            )
-                            .await
-                            .unwrap_or_else(|e| {
-                                panic!("unregister after a dropped unregister failed: {e}")
-                            });
+                            within("unregister after a dropped unregister", a.unregister(addr))
+                                .await
+                                .unwrap_or_else(|e| {
+                                    panic!("unregister after a dropped unregister failed: {e}")
+                                });
                             Some(())
                         }
                     })

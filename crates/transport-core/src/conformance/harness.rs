@@ -116,11 +116,12 @@ impl Mem {
 
     pub(super) async fn register(&mut self, offset: usize, len: usize) {
         let region = self.region(offset, len);
+        let addr = region.addr();
         self.engine
-            .register(&region)
+            .register(region)
             .await
-            .unwrap_or_else(|e| panic!("register of {:#x}+{len} failed: {e}", region.addr()));
-        self.registered.push(region.addr());
+            .unwrap_or_else(|e| panic!("register of {addr:#x}+{len} failed: {e}"));
+        self.registered.push(addr);
     }
 
     pub(super) async fn unregister(&mut self, offset: usize) {

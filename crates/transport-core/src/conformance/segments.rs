@@ -38,10 +38,11 @@ pub async fn check_batch_register_rollback(
     ];
     for (ranges, bad) in attempts {
         let regions: Vec<MemoryRegion> = ranges.iter().map(|&(o, l)| m.region(o, l)).collect();
-        match p.b.batch_register(&regions).await {
+        let addrs: Vec<u64> = regions.iter().map(MemoryRegion::addr).collect();
+        match p.b.batch_register(regions).await {
             Err(Error::BatchRegisterFailed { index, addr, .. }) => {
                 assert_eq!(index, bad, "BatchRegisterFailed names the wrong index");
-                assert_eq!(addr, regions[bad].addr(), "BatchRegisterFailed names the wrong address");
+                assert_eq!(addr, addrs[bad], "BatchRegisterFailed names the wrong address");
             }
             other => panic!("batch_register with a bad region {bad}: expected BatchRegisterFailed, got {other:?}"),
         }
@@ -75,7 +76,8 @@ pub async fn check_batch_register_rollback(
         .iter()
         .map(|&o| m.region(o, PAGE))
         .collect();
-    p.b.batch_register(&good)
+    let good_addrs: Vec<u64> = good.iter().map(MemoryRegion::addr).collect();
+    p.b.batch_register(good)
         .await
         .unwrap_or_else(|e| panic!("batch_register of three free regions failed: {e}"));
     for o in [0, PAGE, 2 * PAGE] {
@@ -85,7 +87,7 @@ pub async fn check_batch_register_rollback(
             .unwrap_or_else(|e| panic!("write into a batch-registered region failed: {e}"));
     }
     if p.b.capabilities().batch_unregister {
-        let addrs: Vec<u64> = good.iter().map(MemoryRegion::addr).collect();
+        let addrs = good_addrs.clone();
         p.b.batch_unregister(&addrs)
             .await
             .unwrap_or_else(|e| panic!("batch_unregister failed: {e}"));
