@@ -81,7 +81,12 @@ impl FromStr for Location {
 ///
 /// Not `Clone`, and [`crate::TransferEngine::register`] takes it by value:
 /// each `unsafe` construction vouches for one registration, so a copy kept
-/// somewhere cannot register the memory again after it was freed.
+/// somewhere cannot register the memory again after it was freed:
+///
+/// ```compile_fail
+/// fn copies<T: Clone>() {}
+/// copies::<transport_core::MemoryRegion>();
+/// ```
 #[derive(Debug, PartialEq, Eq)]
 pub struct MemoryRegion {
     addr: u64,
