@@ -45,6 +45,8 @@ const CONFIRM_TIMEOUT: Duration = Duration::from_secs(10);
 /// Most notifications kept for `take_notifications` (older ones are
 /// dropped, with a warning, beyond it).
 const MAX_QUEUED_NOTIFICATIONS: usize = 1 << 20;
+/// How long dropping an engine waits for its poller thread to end.
+const POLLER_STOP: Duration = Duration::from_secs(5);
 /// Most confirmation tokens remembered while no `CONFIRM` asked for them.
 const MAX_SEEN_TOKENS: usize = 1 << 16;
 
@@ -775,7 +777,10 @@ impl Drop for NixlEngine {
                 r.abort();
             }
         }
-        self.inner.poller.stop();
+        // Waits for the poller thread (bounded), so that no thread of
+        // ours tears an agent down after the engine is gone, possibly while
+        // the process exits (see `Poller::stop_and_wait`).
+        self.inner.poller.stop_and_wait(POLLER_STOP);
     }
 }
 
