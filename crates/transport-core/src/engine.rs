@@ -27,6 +27,13 @@ use crate::types::{
 /// - Requests of one batch may run concurrently and in any order; a batch
 ///   whose destination ranges overlap leaves the overlap unspecified.
 /// - A batch of zero requests is valid (useful to send only a notification).
+/// - Ordering: a call that starts after another returned sees its effects
+///   (bytes, registrations, closed handles); calls that run at the same time
+///   are not ordered with each other.
+/// - Cancel-safety: every method says what a future dropped before it
+///   completes (a `tokio::time::timeout`, a `select!`) leaves behind; the
+///   conformance suite's `cancellation` and `awaited_notification` checks
+///   drop each one after every number of polls and check exactly that.
 #[async_trait]
 pub trait TransferEngine: Send + Sync + 'static {
     /// Backend name: `tcp`, `mooncake`, `verbs`, `inproc`.
@@ -51,6 +58,11 @@ pub trait TransferEngine: Send + Sync + 'static {
     /// Fails with [`Error::InvalidArgument`] for an empty region or a
     /// location the backend cannot register, and with
     /// [`Error::RegionOverlap`] if it overlaps a registered region.
+    ///
+    /// Cancel-safety: a dropped future leaves the region registered or not,
+    /// never half (a registration in a library runs to its end); a
+    /// [`crate::RegisteredBuffer`] whose registration was dropped leaks its
+    /// memory rather than free it possibly registered.
     async fn register(&self, region: MemoryRegion) -> Result<()>;
 
     /// Unregisters the region that starts at `addr`.
@@ -58,11 +70,18 @@ pub trait TransferEngine: Send + Sync + 'static {
     /// Returns only when no transfer (local or from a peer) uses the region
     /// any more: transfers in flight finish or fail first, new ones are
     /// refused. After it returns the caller may free the memory.
+    ///
+    /// Cancel-safety: a dropped future leaves the region registered (and
+    /// usable) or unregistered; only a call that returned `Ok` promises
+    /// that no byte of it changes any more.
     async fn unregister(&self, addr: u64) -> Result<()>;
 
     /// Registers every region, all or nothing: if one fails, those already
     /// registered by this call are unregistered and the error is
     /// [`Error::BatchRegisterFailed`] naming the failed index.
+    ///
+    /// Cancel-safety: all or nothing also when dropped (a rollback runs on
+    /// a task of its own).
     async fn batch_register(&self, regions: Vec<MemoryRegion>) -> Result<()> {
         let _ = regions;
         Err(unsupported(self.backend_name(), Operation::BatchRegister))
@@ -71,6 +90,8 @@ pub trait TransferEngine: Send + Sync + 'static {
     /// Unregisters the regions starting at each address (same waiting rule as
     /// [`TransferEngine::unregister`]). Every address is attempted; the first
     /// error is returned.
+    ///
+    /// Cancel-safety: as [`TransferEngine::unregister`], region by region.
     async fn batch_unregister(&self, addrs: &[u64]) -> Result<()> {
         let _ = addrs;
         Err(unsupported(self.backend_name(), Operation::BatchUnregister))
@@ -81,9 +102,18 @@ pub trait TransferEngine: Send + Sync + 'static {
     async fn open_segment(&self, name: &str) -> Result<SegmentId>;
 
     /// Closes a handle. Transfers in flight on it finish or fail first.
+    ///
+    /// Cancel-safety: a dropped future leaves the handle closed
+    /// ([`Error::UnknownSegment`] from then on) or open, working and
+    /// closable; never a handle that neither works nor releases its peer.
     async fn close_segment(&self, segment: SegmentId) -> Result<()>;
 
     /// Performs one request and waits for it.
+    ///
+    /// Cancel-safety: a dropped future may have moved some, all or none of
+    /// the bytes (retry class [`crate::Retry::MaybeApplied`]); it leaves no
+    /// batch behind, and once `unregister` of either memory returns no byte
+    /// of it changes.
     async fn transfer(&self, segment: SegmentId, request: TransferRequest) -> Result<()>;
 
     /// Performs every request and waits for all of them. `Err` means the
@@ -93,6 +123,9 @@ pub trait TransferEngine: Send + Sync + 'static {
     ///
     /// With `notify`, the notification is delivered to the peer after every
     /// request has landed, and only if every request succeeded.
+    ///
+    /// Cancel-safety: as [`TransferEngine::transfer`], for every request;
+    /// the notification may or may not have been sent.
     async fn batch_transfer(
         &self,
         segment: SegmentId,
@@ -106,6 +139,10 @@ pub trait TransferEngine: Send + Sync + 'static {
     /// Starts every request and returns at once with a batch id for
     /// [`TransferEngine::status`], [`TransferEngine::wait`] and
     /// [`TransferEngine::release_batch`]. `notify` as in `batch_transfer`.
+    ///
+    /// Cancel-safety: a dropped future either submitted nothing or
+    /// submitted a batch the engine finishes and reclaims by itself
+    /// ([`TransferEngine::live_batches`] returns to where it was).
     async fn submit(
         &self,
         segment: SegmentId,
@@ -124,6 +161,9 @@ pub trait TransferEngine: Send + Sync + 'static {
 
     /// Waits until every request of `batch` is terminal, releases the batch
     /// and returns the report. The id is invalid afterwards.
+    ///
+    /// Cancel-safety: a dropped future leaves the batch as it was; a later
+    /// `wait` (or `status` and `release_batch`) takes it.
     async fn wait(&self, batch: BatchId) -> Result<BatchReport> {
         let _ = batch;
         Err(unsupported(self.backend_name(), Operation::BatchWait))
