@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # verbs-tests.sh — the verbs backend's tests on a real verbs stack, one
-# command: builds backend-verbs' test binaries (feature `rdma`) on this
+# command: builds ferry-verbs' test binaries (feature `rdma`) on this
 # host, then runs them on soft-RoCE inside a QEMU guest (scripts/rxe-vm.sh).
 #
 # Usage (as root, from anywhere):
@@ -45,14 +45,14 @@ if [ ${#need[@]} -gt 0 ]; then
   apt-get update -qq && apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
 fi
 
-echo "verbs-tests: building the test binaries (cargo test -p backend-verbs --features rdma --no-run)"
-mapfile -t bins < <(cargo test -p backend-verbs --features rdma --no-run --message-format=json \
+echo "verbs-tests: building the test binaries (cargo test -p ferry-verbs --features rdma --no-run)"
+mapfile -t bins < <(cargo test -p ferry-verbs --features rdma --no-run --message-format=json \
   | sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | grep -v '/examples/')
 [ ${#bins[@]} -gt 0 ] || { echo "verbs-tests: no test binaries were built" >&2; exit 1; }
 
 if [ "$bench" -eq 1 ]; then
   echo "verbs-tests: building the verbs_bench example (release)"
-  mapfile -t -O ${#bins[@]} bins < <(cargo build -p backend-verbs --features rdma --release \
+  mapfile -t -O ${#bins[@]} bins < <(cargo build -p ferry-verbs --features rdma --release \
     --example verbs_bench --message-format=json | sed -n 's/.*"executable":"\([^"]*\)".*/\1/p')
 fi
 

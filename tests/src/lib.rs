@@ -10,7 +10,7 @@
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use transport_core::{
+use ferry_core::{
     BackendInfo, BatchId, BatchReport, BatchStatus, Capabilities, Error, MemoryRegion,
     MissingCapability, Notification, Operation, Result, SegmentId, TransferEngine, TransferRequest,
 };

@@ -17,15 +17,15 @@
 
 use std::sync::Arc;
 
-use backend_tcp::{TcpConfig, TcpEngine};
-use ferry_tests::{normalize, Masked};
-use proptest::prelude::*;
-use proptest::test_runner::{Config, TestCaseError, TestRunner};
-use transport_core::inproc::InprocEngine;
-use transport_core::{
+use ferry_core::inproc::InprocEngine;
+use ferry_core::{
     AdapterConfig, BatchReport, Capabilities, CapabilityAdapter, Error, HostBuffer, Location,
     MemoryRegion, Result, SegmentId, Side, TransferEngine, TransferRequest,
 };
+use ferry_tcp::{TcpConfig, TcpEngine};
+use ferry_tests::{normalize, Masked};
+use proptest::prelude::*;
+use proptest::test_runner::{Config, TestCaseError, TestRunner};
 
 const PAGE: usize = 4096;
 const SPAN: usize = 3 * PAGE;
@@ -330,10 +330,10 @@ fn model(
                     let ro = (r.remote_addr - remote_base) as usize;
                     let n = r.len as usize;
                     match r.op {
-                        transport_core::TransferOp::Write => {
+                        ferry_core::TransferOp::Write => {
                             remote[ro..ro + n].copy_from_slice(&local[lo..lo + n])
                         }
-                        transport_core::TransferOp::Read => {
+                        ferry_core::TransferOp::Read => {
                             local[lo..lo + n].copy_from_slice(&remote[ro..ro + n])
                         }
                     }
@@ -360,7 +360,7 @@ fn check_outcome(
 }
 
 fn fill(buf: &HostBuffer, seed: u64) {
-    buf.write(0, &transport_core::conformance::pattern(seed, SPAN))
+    buf.write(0, &ferry_core::conformance::pattern(seed, SPAN))
         .expect("filling test memory");
 }
 
@@ -491,9 +491,9 @@ fn check_model(
     mems: &[Vec<u8>],
     outcomes: &[Vec<Result<()>>],
 ) -> std::result::Result<(), TestCaseError> {
-    let mut local_m = transport_core::conformance::pattern(1, SPAN);
+    let mut local_m = ferry_core::conformance::pattern(1, SPAN);
     for (k, r) in reqs.iter().enumerate() {
-        let mut remote_m = transport_core::conformance::pattern(2 + k as u64, SPAN);
+        let mut remote_m = ferry_core::conformance::pattern(2 + k as u64, SPAN);
         let want = model(
             r,
             local_base,

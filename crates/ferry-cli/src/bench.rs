@@ -574,7 +574,7 @@ async fn setup(args: &BenchArgs, max_block: u64) -> anyhow::Result<Setup> {
 }
 
 /// A backend URL with secrets hidden, for messages: the redaction every
-/// parser uses (`transport_core::raw::redact_url`: `secret` in the query,
+/// parser uses (`ferry_core::raw::redact_url`: `secret` in the query,
 /// userinfo, paths), not one of our own that knew only the query.
 pub fn redact(url: &str) -> String {
     crate::serve::redact_url(url)
@@ -603,7 +603,7 @@ async fn measure_baselines(
         Some(pid) => {
             let remote = setup.remote_addr;
             let r = tokio::task::spawn_blocking(move || {
-                ferry::backend_tcp::kernel_copy_gbps(pid, remote, b, span, duration, total)
+                ferry::ferry_tcp::kernel_copy_gbps(pid, remote, b, span, duration, total)
             })
             .await
             .context("kernel-copy baseline task failed")?;
@@ -612,7 +612,7 @@ async fn measure_baselines(
                 Err(e) => {
                     eprintln!(
                         "note: no kernel-copy baseline: process_vm_readv: {}",
-                        ferry::backend_tcp::errno_name(e)
+                        ferry::ferry_tcp::errno_name(e)
                     );
                     None
                 }

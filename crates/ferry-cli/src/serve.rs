@@ -199,7 +199,7 @@ fn decode(s: &str) -> String {
 }
 
 /// A backend URL with every secret hidden, for messages (the one
-/// redaction every parser uses: `transport_core::raw::redact_url`).
+/// redaction every parser uses: `ferry_core::raw::redact_url`).
 pub fn redact_url(url: &str) -> String {
     ferry::raw::redact_url(url)
 }

@@ -9,7 +9,7 @@
 //! a `git worktree` would check out, without registering a worktree in the
 //! repository, which would go stale whenever `target/` is cleaned) into
 //! `target/compat/COMMIT/` and reused while it exists. The pinned commits
-//! advance as `crates/backend-tcp/PROTOCOL.md` §0 says
+//! advance as `crates/ferry-tcp/PROTOCOL.md` §0 says
 //! (never to the commit under test). The test skips, printing why, only
 //! where git or the pinned commit is unavailable (a shallow clone, a
 //! source tarball); `FERRY_REQUIRE_BACKENDS` listing `compat` makes that
@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
 
-use transport_core::conformance::{backend_required, report_skip};
+use ferry_core::conformance::{backend_required, report_skip};
 
 /// The older builds this one must interoperate with (PROTOCOL.md §0):
 /// main at the last protocol change before negotiation (ferry-tcp

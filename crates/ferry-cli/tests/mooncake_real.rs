@@ -2,7 +2,7 @@
 //!
 //! `FERRY_MOONCAKE_REAL_LIBS=/path/a/libtransfer_engine.so[,/path/b/…]`
 //! names C-API libraries built from Mooncake's sources (see
-//! `crates/backend-mooncake/README.md`, "Real builds"). For each library,
+//! `crates/ferry-mooncake/README.md`, "Real builds"). For each library,
 //! these tests run:
 //!
 //! - the whole conformance suite, raw and through the adapter, with the
@@ -23,9 +23,9 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
-use ferry::backend_mooncake::{Generation, MooncakeConfig, MooncakeEngine, MooncakeLibrary};
+use ferry::ferry_mooncake::{Generation, MooncakeConfig, MooncakeEngine, MooncakeLibrary};
 use ferry::{Result, TransferEngine};
-use transport_core::conformance::{report_skip, run_check, EngineFactory, Outcome, CHECKS};
+use ferry_core::conformance::{report_skip, run_check, EngineFactory, Outcome, CHECKS};
 
 #[allow(dead_code)]
 #[path = "../../ferry/examples/kv_handoff.rs"]
@@ -47,7 +47,7 @@ fn real_libs(test: &str) -> Option<Vec<PathBuf>> {
         _ => {
             report_skip(&format!(
                 "{test}: {REAL_LIBS_ENV} names no real Mooncake library (build them with \
-                 shared/tools/mooncake-capi.sh; see crates/backend-mooncake/README.md)"
+                 shared/tools/mooncake-capi.sh; see crates/ferry-mooncake/README.md)"
             ));
             None
         }
@@ -189,10 +189,7 @@ fn conformance_suite_on_every_real_build() {
     std::env::set_var("MC_TCP_BIND_ADDRESS", "127.0.0.1");
     // A real library named here must run: an engine that cannot start fails
     // the check instead of skipping it.
-    std::env::set_var(
-        transport_core::conformance::REQUIRE_BACKENDS_ENV,
-        "mooncake",
-    );
+    std::env::set_var(ferry_core::conformance::REQUIRE_BACKENDS_ENV, "mooncake");
     let mut failures = Vec::new();
     for lib in &libs {
         let gen = generation(lib);

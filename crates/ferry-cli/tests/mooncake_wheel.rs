@@ -11,7 +11,7 @@
 use std::io::{BufRead, BufReader, Read};
 use std::process::{Command, Stdio};
 
-use transport_core::conformance::{backend_required, report_skip};
+use ferry_core::conformance::{backend_required, report_skip};
 
 const SCRIPT: &str = r#"
 import sys, time, ctypes

@@ -10,9 +10,9 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{mpsc, OnceLock};
 use std::time::Duration;
 
-use backend_nixl::test_support::install_pinned_wheel;
-use transport_core::conformance::skip_unavailable;
-use transport_core::Error;
+use ferry_core::conformance::skip_unavailable;
+use ferry_core::Error;
+use ferry_nixl::test_support::install_pinned_wheel;
 
 /// The wheel's library, or the skip (a failure when `FERRY_REQUIRE_BACKENDS`
 /// lists nixl).

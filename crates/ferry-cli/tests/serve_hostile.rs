@@ -12,10 +12,10 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use ferry::backend_tcp::test_support::frame::{
+use ferry::ferry_tcp::test_support::frame::{
     Hello, Request, HELLO_FIXED, NONCE_LEN, VERSION, WELCOME,
 };
-use ferry::backend_tcp::{TcpConfig, TcpEngine};
+use ferry::ferry_tcp::{TcpConfig, TcpEngine};
 use ferry::{Notification, TransferEngine};
 
 /// Kills the child on drop so a failed test leaves no process behind.
@@ -396,9 +396,9 @@ fn raw_handshake(segment: &str, addr: u64) -> (TcpStream, u32) {
     assert_eq!(head[0], WELCOME);
     let count = u32::from_le_bytes(head[37..41].try_into().unwrap());
     let mut raw =
-        vec![0u8; count as usize * ferry::backend_tcp::test_support::frame::TABLE_ENTRY_LEN];
+        vec![0u8; count as usize * ferry::ferry_tcp::test_support::frame::TABLE_ENTRY_LEN];
     s.read_exact(&mut raw).unwrap();
-    let table = ferry::backend_tcp::test_support::frame::decode_table(&raw).unwrap();
+    let table = ferry::ferry_tcp::test_support::frame::decode_table(&raw).unwrap();
     let gen = table
         .iter()
         .find(|e| e.addr <= addr && addr < e.addr + e.len)

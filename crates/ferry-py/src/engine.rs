@@ -10,10 +10,10 @@ use ferry::{
     Location, MemoryRegion, Notification, Operation, SegmentId, TransferEngine, TransferOp,
     TransferRequest, TransferState,
 };
+use ferry_core::inproc::InprocEngine;
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
-use transport_core::inproc::InprocEngine;
 
 use crate::convert::{error_object, report_dict, result_object, to_pyerr};
 use crate::memory::{address_of, resolve, Keep, Resolved};

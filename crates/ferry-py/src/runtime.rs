@@ -43,7 +43,7 @@ where
 /// The body of [`block_on`], for a caller that has already released the GIL:
 /// the calling thread drives the connections its call uses while it waits
 /// (it reads its own answer: no wake-up from a worker thread in between,
-/// see `transport_core::assist`), and otherwise spins briefly, then sleeps.
+/// see `ferry_core::assist`), and otherwise spins briefly, then sleeps.
 pub(crate) fn run<F: Future>(rt: &Runtime, fut: F) -> F::Output {
     ferry::assist::block_on(rt.handle(), fut)
 }

@@ -29,9 +29,9 @@ use ferry::{
     MissingCapability, Notification, Operation, Result, SegmentId, TransferEngine, TransferOp,
     TransferRequest,
 };
+use ferry_core::raw::RegionTable;
+use ferry_core::Side;
 use pyo3::prelude::*;
-use transport_core::raw::RegionTable;
-use transport_core::Side;
 
 /// The backend's name in reports and errors.
 pub(crate) const BACKEND: &str = "mooncake-py";

@@ -166,10 +166,10 @@ fn pytest_suite() {
             .env("CARGO_TARGET_DIR", &target),
     );
 
-    // The real NIXL library (the pinned wheel, shared with backend-nixl's
+    // The real NIXL library (the pinned wheel, shared with ferry-nixl's
     // tests); without it test_nixl.py skips, or fails when nixl is required.
     let nixl_venv = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("nixl/venv");
-    let nixl_lib = match backend_nixl::test_support::install_pinned_wheel(&nixl_venv) {
+    let nixl_lib = match ferry_nixl::test_support::install_pinned_wheel(&nixl_venv) {
         Ok(lib) => Some(lib),
         Err(reason) => {
             eprintln!("ferry-py pytest_suite: no NIXL library for test_nixl.py: {reason}");

@@ -4,7 +4,7 @@
 use std::fmt;
 use std::str::FromStr;
 
-use transport_core::{AdapterConfig, Error, Operation, Result};
+use ferry_core::{AdapterConfig, Error, Operation, Result};
 
 /// Query parameters that belong to Ferry (the adapter), not to a backend.
 /// They are removed from the URL before the backend parses it.
@@ -93,16 +93,16 @@ impl FromStr for BackendKind {
 pub enum BackendConfig {
     /// The TCP backend's configuration.
     #[cfg(feature = "tcp")]
-    Tcp(backend_tcp::TcpConfig),
+    Tcp(ferry_tcp::TcpConfig),
     /// The Mooncake backend's configuration.
     #[cfg(feature = "mooncake")]
-    Mooncake(backend_mooncake::MooncakeConfig),
+    Mooncake(ferry_mooncake::MooncakeConfig),
     /// The verbs backend's configuration.
     #[cfg(feature = "verbs")]
-    Verbs(backend_verbs::VerbsConfig),
+    Verbs(ferry_verbs::VerbsConfig),
     /// The NIXL backend's configuration.
     #[cfg(feature = "nixl")]
-    Nixl(backend_nixl::NixlConfig),
+    Nixl(ferry_nixl::NixlConfig),
 }
 
 impl BackendConfig {
@@ -128,19 +128,17 @@ impl BackendConfig {
         let kind: BackendKind = scheme.parse()?;
         match kind {
             #[cfg(feature = "tcp")]
-            BackendKind::Tcp => Ok(BackendConfig::Tcp(backend_tcp::TcpConfig::from_url(url)?)),
+            BackendKind::Tcp => Ok(BackendConfig::Tcp(ferry_tcp::TcpConfig::from_url(url)?)),
             #[cfg(feature = "mooncake")]
             BackendKind::Mooncake => Ok(BackendConfig::Mooncake(
-                backend_mooncake::MooncakeConfig::from_url(url)?,
+                ferry_mooncake::MooncakeConfig::from_url(url)?,
             )),
             #[cfg(feature = "verbs")]
-            BackendKind::Verbs => Ok(BackendConfig::Verbs(backend_verbs::VerbsConfig::from_url(
+            BackendKind::Verbs => Ok(BackendConfig::Verbs(ferry_verbs::VerbsConfig::from_url(
                 url,
             )?)),
             #[cfg(feature = "nixl")]
-            BackendKind::Nixl => Ok(BackendConfig::Nixl(backend_nixl::NixlConfig::from_url(
-                url,
-            )?)),
+            BackendKind::Nixl => Ok(BackendConfig::Nixl(ferry_nixl::NixlConfig::from_url(url)?)),
             #[allow(unreachable_patterns)]
             other => Err(other.disabled_error()),
         }
@@ -171,8 +169,8 @@ impl fmt::Debug for BackendConfig {
 /// The scheme picks the backend; every query parameter except Ferry's own
 /// goes to the backend's `from_url` unchanged, which rejects unknown ones by
 /// name. The backends' parameters (full tables, defaults and limits in
-/// `backend_tcp::TcpConfig::from_url`, `backend_mooncake::MooncakeConfig::from_url`,
-/// `backend_verbs::VerbsConfig::from_url`, `backend_nixl::NixlConfig::from_url`):
+/// `ferry_tcp::TcpConfig::from_url`, `ferry_mooncake::MooncakeConfig::from_url`,
+/// `ferry_verbs::VerbsConfig::from_url`, `ferry_nixl::NixlConfig::from_url`):
 ///
 /// | scheme | address part | parameters |
 /// |---|---|---|
@@ -272,7 +270,7 @@ impl FromStr for EngineConfig {
 
 /// Splits `scheme://rest`, checking the scheme's spelling.
 fn split_scheme(url: &str) -> Result<(&str, &str)> {
-    let shown = || transport_core::raw::redact_url(url);
+    let shown = || ferry_core::raw::redact_url(url);
     let (scheme, rest) = url.split_once("://").ok_or_else(|| {
         Error::InvalidArgument(format!(
             "backend URL {:?} has no scheme; expected tcp://…, mooncake://…, verbs://… or nixl://…",

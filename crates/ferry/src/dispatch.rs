@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use transport_core::{
+use ferry_core::{
     AdapterConfig, BackendInfo, BatchId, BatchReport, BatchStatus, Capabilities, CapabilityAdapter,
     CapabilityReport, MemoryRegion, Notification, Operation, Result, SegmentId, TransferEngine,
     TransferRequest,
@@ -25,21 +25,21 @@ use crate::config::{BackendConfig, BackendKind, EngineConfig};
 pub enum Engine {
     /// The TCP backend.
     #[cfg(feature = "tcp")]
-    Tcp(CapabilityAdapter<backend_tcp::TcpEngine>),
+    Tcp(CapabilityAdapter<ferry_tcp::TcpEngine>),
     /// The Mooncake backend.
     #[cfg(feature = "mooncake")]
-    Mooncake(CapabilityAdapter<backend_mooncake::MooncakeEngine>),
+    Mooncake(CapabilityAdapter<ferry_mooncake::MooncakeEngine>),
     /// The verbs backend.
     #[cfg(feature = "verbs")]
-    Verbs(CapabilityAdapter<backend_verbs::VerbsEngine>),
+    Verbs(CapabilityAdapter<ferry_verbs::VerbsEngine>),
     /// The NIXL backend.
     #[cfg(feature = "nixl")]
-    Nixl(CapabilityAdapter<backend_nixl::NixlEngine>),
+    Nixl(CapabilityAdapter<ferry_nixl::NixlEngine>),
 }
 
 // Why a macro and not `enum_dispatch`: `enum_dispatch` generates the impl
 // only when it sees the trait definition, i.e. when the trait and the enum
-// live in one crate (`TransferEngine` lives in transport-core), and our
+// live in one crate (`TransferEngine` lives in ferry-core), and our
 // trait methods are `async-trait` methods whose signatures it would have to
 // see after expansion. This macro is the whole dispatcher: one `match` arm
 // per compiled-in variant. With no backend compiled in, the enum is empty
@@ -94,8 +94,8 @@ impl Engine {
     /// Starts the backend `config` names, wraps it in the capability adapter
     /// and checks `config.require`.
     ///
-    /// Errors: the backend's start-up error (e.g. [`transport_core::Error::Unavailable`]
-    /// on a machine without the library or device); [`transport_core::Error::MissingCapabilities`]
+    /// Errors: the backend's start-up error (e.g. [`ferry_core::Error::Unavailable`]
+    /// on a machine without the library or device); [`ferry_core::Error::MissingCapabilities`]
     /// when a required operation is not available.
     pub async fn start(config: EngineConfig) -> Result<Engine> {
         let EngineConfig {
@@ -106,7 +106,7 @@ impl Engine {
         let engine: Engine = match backend {
             #[cfg(feature = "tcp")]
             BackendConfig::Tcp(c) => Engine::Tcp(CapabilityAdapter::with_config(
-                backend_tcp::TcpEngine::start(c).await?,
+                ferry_tcp::TcpEngine::start(c).await?,
                 adapter,
             )),
             #[cfg(feature = "mooncake")]
@@ -117,25 +117,25 @@ impl Engine {
                 // The URL's `lib=` (or FERRY_MOONCAKE_LIB) names the library;
                 // `Engine::open` documents that the configuration chooses
                 // native code run in this process.
-                let engine = backend_mooncake::MooncakeEngine::start_trusted(
+                let engine = ferry_mooncake::MooncakeEngine::start_trusted(
                     c,
-                    backend_mooncake::LibraryTrust::OperatorConfigured,
+                    ferry_mooncake::LibraryTrust::OperatorConfigured,
                 )
                 .await?;
                 Engine::Mooncake(CapabilityAdapter::with_config(engine, adapter))
             }
             #[cfg(feature = "verbs")]
             BackendConfig::Verbs(c) => Engine::Verbs(CapabilityAdapter::with_config(
-                backend_verbs::VerbsEngine::start(c).await?,
+                ferry_verbs::VerbsEngine::start(c).await?,
                 adapter,
             )),
             // As for Mooncake: the URL's `lib=` (or FERRY_NIXL_LIB, the
             // loader path, the active Python's wheel) is the operator's.
             #[cfg(feature = "nixl")]
             BackendConfig::Nixl(c) => Engine::Nixl(CapabilityAdapter::with_config(
-                backend_nixl::NixlEngine::start_trusted(
+                ferry_nixl::NixlEngine::start_trusted(
                     c,
-                    backend_nixl::LibraryTrust::OperatorConfigured,
+                    ferry_nixl::LibraryTrust::OperatorConfigured,
                 )
                 .await?,
                 adapter,
@@ -173,7 +173,7 @@ impl Engine {
 
     /// Start-up check: `Ok` if every operation in `ops` is available
     /// (natively, or emulated unless strict), else
-    /// [`transport_core::Error::MissingCapabilities`] naming each missing one.
+    /// [`ferry_core::Error::MissingCapabilities`] naming each missing one.
     pub fn require(&self, ops: &[Operation]) -> Result<()> {
         dispatch!(self, e => e.require(ops))
     }

@@ -36,7 +36,7 @@
 //! # Ok(()) }
 //! ```
 //!
-//! The user's API of `transport_core` is re-exported here, so users depend
+//! The user's API of `ferry_core` is re-exported here, so users depend
 //! on `ferry` alone; what only backend authors need is in [`raw`].
 #![forbid(unsafe_code)]
 // With no backend feature on, `Engine` and `BackendConfig` are empty enums:
@@ -57,7 +57,7 @@ mod dispatch;
 pub use config::{BackendConfig, BackendKind, EngineConfig};
 pub use dispatch::Engine;
 
-pub use transport_core::{
+pub use ferry_core::{
     AdapterConfig, BackendInfo, BatchId, BatchReport, BatchStatus, Capabilities, CapabilityAdapter,
     CapabilityReport, Error, HostBuffer, LocalSpan, Location, MemoryKinds, MemoryRegion,
     MissingCapability, Notification, Operation, RegisteredBuffer, RegisteredBuffers, RemoteSpan,
@@ -66,24 +66,24 @@ pub use transport_core::{
 };
 
 /// What backend authors need and users do not: the region table, the
-/// adapter as a layer, request coalescing (see `transport_core::raw`). The
-/// conformance suite and the in-process engine are in `transport_core`
+/// adapter as a layer, request coalescing (see `ferry_core::raw`). The
+/// conformance suite and the in-process engine are in `ferry_core`
 /// behind its `conformance` and `inproc` features.
-pub use transport_core::raw;
+pub use ferry_core::raw;
 
 /// Blocking calls from threads outside the runtime (Python, C callers):
 /// [`assist::block_on`] runs a call on the calling thread, which drives the
 /// connections the call uses while it waits instead of waiting to be woken
 /// by a runtime worker.
-pub use transport_core::assist;
+pub use ferry_core::assist;
 
 /// The TCP backend crate (feature `tcp`).
 #[cfg(feature = "tcp")]
-pub use backend_tcp;
+pub use ferry_tcp;
 
 /// What a TCP engine negotiated with a peer ([`Engine::peer_report`]).
 #[cfg(feature = "tcp")]
-pub use backend_tcp::{FeatureOff, FeatureState, PeerReport, VersionRange};
+pub use ferry_tcp::{FeatureOff, FeatureState, PeerReport, VersionRange};
 
 /// A wire protocol this build speaks, with the range of its versions a
 /// peer may use (the pair negotiates the highest common one).
@@ -105,8 +105,8 @@ pub fn wire_protocols() -> Vec<WireProtocol> {
         #[cfg(feature = "tcp")]
         WireProtocol {
             name: "ferry-tcp",
-            min: backend_tcp::VersionRange::OURS.min,
-            max: backend_tcp::VersionRange::OURS.max,
+            min: ferry_tcp::VersionRange::OURS.min,
+            max: ferry_tcp::VersionRange::OURS.max,
         },
     ]
     .to_vec()
@@ -152,15 +152,15 @@ pub fn pep440_version() -> String {
 
 /// The Mooncake backend crate (feature `mooncake`).
 #[cfg(feature = "mooncake")]
-pub use backend_mooncake;
+pub use ferry_mooncake;
 
 /// The verbs backend crate (feature `verbs`).
 #[cfg(feature = "verbs")]
-pub use backend_verbs;
+pub use ferry_verbs;
 
 /// The NIXL backend crate (feature `nixl`).
 #[cfg(feature = "nixl")]
-pub use backend_nixl;
+pub use ferry_nixl;
 
 /// The repository README's examples, compiled as doc tests so that they stay
 /// true to the API.

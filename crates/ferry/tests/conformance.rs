@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use ferry::{Engine, Result, TransferEngine};
-use transport_core::conformance::EngineFactory;
+use ferry_core::conformance::EngineFactory;
 
 /// Engines opened from a URL through the facade.
 struct UrlFactory(&'static str);
@@ -25,10 +25,10 @@ impl EngineFactory for UrlFactory {
     }
 }
 
-transport_core::conformance_tests!(UrlFactory("tcp://127.0.0.1:0?secret=conformance"));
+ferry_core::conformance_tests!(UrlFactory("tcp://127.0.0.1:0?secret=conformance"));
 
 /// Strict mode: with every operation native on TCP, nothing may change.
 mod strict {
     use super::*;
-    transport_core::conformance_tests!(UrlFactory("tcp://127.0.0.1:0?strict=1&coalesce=0"));
+    ferry_core::conformance_tests!(UrlFactory("tcp://127.0.0.1:0?strict=1&coalesce=0"));
 }

@@ -52,7 +52,7 @@ def _ucx_env(tls):
     """The environment a NIXL side runs with: the operator's, plus
     ``UCX_MODULES=^efa`` where unset (the wheel's EFA module brings a second
     libibverbs that crashes the process at exit on hosts without EFA; see
-    the backend-nixl README) and ``UCX_TLS`` for the socket variant."""
+    the ferry-nixl README) and ``UCX_TLS`` for the socket variant."""
     env = dict(os.environ)
     env.setdefault("UCX_MODULES", "^efa")
     if tls:

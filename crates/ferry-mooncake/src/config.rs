@@ -1,0 +1,269 @@
+//! Engine configuration and the `mooncake://` URL.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use ferry_core::{Error, Result};
+
+/// Metadata connection string that makes current Mooncake builds (≥ v0.3.0)
+/// exchange segment descriptors peer to peer, without a metadata server.
+pub const P2P_HANDSHAKE: &str = "P2PHANDSHAKE";
+
+/// Everything [`crate::MooncakeEngine::start`] needs.
+///
+/// `Default` gives: library resolved as described in
+/// [`crate::MooncakeLibrary::resolve`], metadata `P2PHANDSHAKE`, protocol
+/// `tcp`, host `127.0.0.1`, port 0, a generated server name, no device
+/// filter, and a per-batch deadline of 30 s + 1 ns per byte (Mooncake's own).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MooncakeConfig {
+    /// Path of `libtransfer_engine.so`; `None` = environment variable, then
+    /// the loader's search path.
+    pub library: Option<PathBuf>,
+    /// Metadata connection string: `P2PHANDSHAKE` (Mooncake ≥ v0.3.0), or a
+    /// metadata server (`http://host:port/metadata`, `etcd://host:port`,
+    /// `redis://host:port`, or what the loaded library accepts).
+    pub metadata: String,
+    /// Transport to install: `tcp`, `rdma`, `nvlink`, … (as the library
+    /// names them).
+    pub protocol: String,
+    /// Address or host name the engine announces to peers.
+    pub host: String,
+    /// RPC port (0: let the library choose; `P2PHANDSHAKE` builds always
+    /// choose their own).
+    pub port: u16,
+    /// `local_server_name`; with a metadata server it is the segment name
+    /// peers open. `None`: `ferry-<pid>-<n>`.
+    pub name: Option<String>,
+    /// Device filter for the transport: a comma-separated list of NIC names
+    /// (`mlx5_0,mlx5_1`) or a full Mooncake NIC priority matrix (JSON,
+    /// starting with `{`), passed to `installTransport` (ignored by `tcp`).
+    pub device: Option<String>,
+    /// Fixed part of each batch's deadline.
+    pub timeout: Duration,
+    /// Per-byte part of each batch's deadline, in nanoseconds.
+    pub timeout_ns_per_byte: u64,
+    /// On builds whose TCP transport reports a write completed when it is
+    /// sent (before v0.3.12), confirm that each write landed by reading its
+    /// last byte back before reporting it completed. `None` = yes (the
+    /// facade says no in strict mode). Ignored where the build acknowledges
+    /// writes itself.
+    pub confirm_writes: Option<bool>,
+}
+
+impl Default for MooncakeConfig {
+    fn default() -> Self {
+        MooncakeConfig {
+            library: None,
+            metadata: P2P_HANDSHAKE.to_owned(),
+            protocol: "tcp".to_owned(),
+            host: "127.0.0.1".to_owned(),
+            port: 0,
+            name: None,
+            device: None,
+            timeout: Duration::from_secs(30),
+            timeout_ns_per_byte: 1,
+            confirm_writes: None,
+        }
+    }
+}
+
+/// The URL parameters [`MooncakeConfig::from_url`] accepts.
+pub const URL_PARAMETERS: [&str; 10] = [
+    "lib",
+    "metadata",
+    "protocol",
+    "host",
+    "port",
+    "name",
+    "device",
+    "timeout_ms",
+    "ns_per_byte",
+    "confirm_writes",
+];
+
+impl MooncakeConfig {
+    /// Parses `mooncake://?param=value&…`. Parameters (all optional; values
+    /// percent-decoded):
+    ///
+    /// | parameter | meaning | default |
+    /// |---|---|---|
+    /// | `lib` | path of `libtransfer_engine.so` | `FERRY_MOONCAKE_LIB`, then `libtransfer_engine.so` via the loader |
+    /// | `metadata` | metadata connection string | `P2PHANDSHAKE` |
+    /// | `protocol` | transport (`tcp`, `rdma`, …) | `tcp` |
+    /// | `host` | address announced to peers | `127.0.0.1` |
+    /// | `port` | RPC port (0: library's choice) | `0` |
+    /// | `name` | `local_server_name` | `ferry-<pid>-<n>` |
+    /// | `device` | NIC list or NIC priority matrix JSON | none |
+    /// | `timeout_ms` | fixed part of each batch's deadline | `30000` |
+    /// | `ns_per_byte` | per-byte part of the deadline, ns | `1` |
+    /// | `confirm_writes` | `1`/`0`: on builds before v0.3.12, confirm each write landed before reporting it completed | `1` (`0` in strict mode) |
+    ///
+    /// Errors ([`Error::InvalidArgument`]): another scheme, a host or path in
+    /// the URL (put them in parameters), an unknown or repeated parameter
+    /// (named in the message), an unparsable number, an empty `metadata`,
+    /// `protocol` or `host`.
+    pub fn from_url(url: &str) -> Result<MooncakeConfig> {
+        let bad = |m: String| Error::InvalidArgument(m);
+        // Messages quote the URL with its secrets hidden.
+        let shown = ferry_core::raw::redact_url(url);
+        let parsed =
+            url::Url::parse(url).map_err(|e| bad(format!("mooncake URL {shown:?}: {e}")))?;
+        if parsed.scheme() != "mooncake" {
+            return Err(bad(format!(
+                "URL {shown:?} is not a mooncake:// URL (scheme {:?})",
+                parsed.scheme()
+            )));
+        }
+        if parsed.host_str().is_some_and(|h| !h.is_empty())
+            || !(parsed.path().is_empty() || parsed.path() == "/")
+        {
+            return Err(bad(format!(
+                "mooncake URL {shown:?}: give everything as parameters, \
+                 e.g. mooncake://?host=10.0.0.1&port=12345"
+            )));
+        }
+        let mut cfg = MooncakeConfig::default();
+        let mut seen: Vec<String> = Vec::new();
+        for (key, value) in parsed.query_pairs() {
+            let key = key.into_owned();
+            let value = value.into_owned();
+            if seen.contains(&key) {
+                return Err(bad(format!("mooncake URL: parameter `{key}` given twice")));
+            }
+            let number = |v: &str| -> Result<u64> {
+                v.parse::<u64>().map_err(|_| {
+                    bad(format!(
+                        "mooncake URL: parameter `{key}` must be a non-negative integer, got {v:?}"
+                    ))
+                })
+            };
+            match key.as_str() {
+                "lib" => cfg.library = Some(PathBuf::from(&value)),
+                "metadata" => cfg.metadata = value,
+                "protocol" => cfg.protocol = value,
+                "host" => cfg.host = value,
+                "port" => {
+                    cfg.port = u16::try_from(number(&value)?)
+                        .map_err(|_| bad(format!("mooncake URL: port {value} is out of range")))?
+                }
+                "name" => cfg.name = Some(value),
+                "device" => cfg.device = Some(value),
+                "timeout_ms" => cfg.timeout = Duration::from_millis(number(&value)?),
+                "ns_per_byte" => cfg.timeout_ns_per_byte = number(&value)?,
+                "confirm_writes" => {
+                    cfg.confirm_writes = Some(match value.as_str() {
+                        "1" | "true" | "yes" => true,
+                        "0" | "false" | "no" => false,
+                        v => {
+                            return Err(bad(format!(
+                                "mooncake URL: `confirm_writes` must be 1 or 0, got {v:?}"
+                            )))
+                        }
+                    })
+                }
+                other => {
+                    return Err(bad(format!(
+                        "mooncake URL: unknown parameter `{other}` (known: {})",
+                        URL_PARAMETERS.join(", ")
+                    )))
+                }
+            }
+            seen.push(key);
+        }
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Checks the fields that must not be empty or contain NUL bytes.
+    pub fn validate(&self) -> Result<()> {
+        for (what, v) in [
+            ("metadata", &self.metadata),
+            ("protocol", &self.protocol),
+            ("host", &self.host),
+        ] {
+            if v.is_empty() {
+                return Err(Error::InvalidArgument(format!(
+                    "mooncake config: `{what}` is empty"
+                )));
+            }
+        }
+        let texts = [
+            Some(&self.metadata),
+            Some(&self.protocol),
+            Some(&self.host),
+            self.name.as_ref(),
+            self.device.as_ref(),
+        ];
+        if texts.into_iter().flatten().any(|s| s.contains('\0')) {
+            return Err(Error::InvalidArgument(
+                "mooncake config: values may not contain NUL bytes".to_owned(),
+            ));
+        }
+        if self.name.as_ref().is_some_and(String::is_empty) {
+            return Err(Error::InvalidArgument(
+                "mooncake config: `name` is empty".to_owned(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The deadline of a batch moving `bytes` bytes: `timeout` +
+    /// `timeout_ns_per_byte` × `bytes` (saturating).
+    pub fn deadline_for(&self, bytes: u64) -> Duration {
+        self.timeout.saturating_add(Duration::from_nanos(
+            bytes.saturating_mul(self.timeout_ns_per_byte),
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_every_parameter() {
+        let c = MooncakeConfig::from_url(
+            "mooncake://?lib=/opt/mc/libtransfer_engine.so&metadata=http%3A%2F%2Fm%3A8080%2Fmetadata\
+             &protocol=rdma&host=10.0.0.2&port=12345&name=prefill-0&device=mlx5_0,mlx5_1\
+             &timeout_ms=5000&ns_per_byte=2&confirm_writes=0",
+        )
+        .unwrap();
+        assert_eq!(
+            c,
+            MooncakeConfig {
+                library: Some(PathBuf::from("/opt/mc/libtransfer_engine.so")),
+                metadata: "http://m:8080/metadata".into(),
+                protocol: "rdma".into(),
+                host: "10.0.0.2".into(),
+                port: 12345,
+                name: Some("prefill-0".into()),
+                device: Some("mlx5_0,mlx5_1".into()),
+                timeout: Duration::from_secs(5),
+                timeout_ns_per_byte: 2,
+                confirm_writes: Some(false),
+            }
+        );
+        assert_eq!(
+            MooncakeConfig::from_url("mooncake://").unwrap(),
+            MooncakeConfig::default()
+        );
+        assert_eq!(c.deadline_for(1000), Duration::from_nanos(5_000_002_000));
+    }
+
+    #[test]
+    fn rejects_bad_urls_naming_the_problem() {
+        let err = |u: &str| match MooncakeConfig::from_url(u) {
+            Err(Error::InvalidArgument(m)) => m,
+            other => panic!("{u}: expected InvalidArgument, got {other:?}"),
+        };
+        assert!(err("mooncake://?colour=blue").contains("`colour`"));
+        assert!(err("mooncake://?port=1&port=2").contains("`port` given twice"));
+        assert!(err("mooncake://?port=70000").contains("out of range"));
+        assert!(err("mooncake://?timeout_ms=soon").contains("`timeout_ms`"));
+        assert!(err("tcp://?lib=x").contains("not a mooncake://"));
+        assert!(err("mooncake://somehost:1/").contains("parameters"));
+        assert!(err("mooncake://?protocol=").contains("`protocol` is empty"));
+        assert!(err("mooncake://?name=a%00b").contains("NUL"));
+    }
+}

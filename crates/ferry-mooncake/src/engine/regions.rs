@@ -1,0 +1,261 @@
+//! Registering memory. Registration changes two tables, the library's and
+//! Ferry's `RegionTable`, with `await`s in between, so `register`,
+//! `batch_register` and `batch_unregister` run to completion in a task of
+//! their own: a caller that drops the future does not leave a region in one
+//! table and not the other, or a batch half registered.
+
+use std::ffi::c_void;
+use std::future::Future;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use ferry_core::{Error, MemoryRegion, RegionInfo, Result};
+
+use super::{blocking, cstring, Inner, MooncakeEngine};
+use crate::codes::call_error;
+use crate::library::CBufferEntry;
+
+/// Counts a registration in flight (see
+/// [`MooncakeEngine::registrations_in_flight`]) until dropped.
+struct InFlight(Arc<Inner>);
+
+impl InFlight {
+    fn new(inner: &Arc<Inner>) -> InFlight {
+        inner.registering.fetch_add(1, Ordering::AcqRel);
+        InFlight(Arc::clone(inner))
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.registering.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Runs `f` in a task of its own and waits for it: dropping the returned
+/// future leaves `f` running to its end.
+async fn to_completion<T: Send + 'static>(
+    inner: &Arc<Inner>,
+    f: impl Future<Output = Result<T>> + Send + 'static,
+) -> Result<T> {
+    let counted = InFlight::new(inner);
+    tokio::spawn(async move {
+        let _counted = counted;
+        f.await
+    })
+    .await
+    .map_err(|e| Error::Canceled(format!("a Mooncake registration did not finish: {e}")))?
+}
+
+fn check_host(region: &MemoryRegion) -> Result<()> {
+    if region.location().is_host() {
+        Ok(())
+    } else {
+        Err(Error::InvalidArgument(format!(
+            "the mooncake backend registers host memory only; {} is not (the C API does not \
+             say whether the library was built with CUDA)",
+            region.location()
+        )))
+    }
+}
+
+impl MooncakeEngine {
+    /// `register`: the region goes into the `RegionTable` and the library,
+    /// or into neither.
+    pub(super) async fn register_one(&self, region: MemoryRegion) -> Result<()> {
+        check_host(&region)?;
+        let loc = cstring("location", region.location().as_str())?;
+        let inner = Arc::clone(&self.inner);
+        to_completion(&self.inner, async move {
+            let _registering = inner.registry.read().await;
+            let (addr, len) = (region.addr(), region.len());
+            inner.regions.insert(region)?;
+            let this = Arc::clone(&inner);
+            let rc = blocking(move || {
+                // SAFETY: live engine; the caller promised (MemoryRegion) that
+                // the range is valid while registered; `loc` outlives the call.
+                unsafe {
+                    (this.lib.api.register)(
+                        this.raw(),
+                        addr as usize as *mut c_void,
+                        len as usize,
+                        loc.as_ptr(),
+                        1,
+                    )
+                }
+            })
+            .await;
+            match rc {
+                Ok(0) => Ok(()),
+                other => {
+                    inner.regions.remove(addr).await?;
+                    Err(match other {
+                        Ok(rc) => call_error("registerLocalMemory", i64::from(rc)),
+                        Err(e) => e,
+                    })
+                }
+            }
+        })
+        .await
+    }
+
+    /// `unregister`: waits for the transfers using the region, then removes
+    /// it from the `RegionTable` and the library. (Dropped while waiting,
+    /// the region stays registered; once it is out of the table, the
+    /// library call is already on the blocking pool and completes.)
+    pub(super) async fn unregister_one(&self, addr: u64) -> Result<()> {
+        // Registrations under way end first.
+        drop(self.inner.registry.write().await);
+        self.inner.regions.remove(addr).await?;
+        let this = Arc::clone(&self.inner);
+        let rc = blocking(move || {
+            // SAFETY: live engine; no transfer uses the region any more.
+            unsafe { (this.lib.api.unregister)(this.raw(), addr as usize as *mut c_void) }
+        })
+        .await?;
+        if rc != 0 {
+            return Err(call_error("unregisterLocalMemory", i64::from(rc)));
+        }
+        Ok(())
+    }
+
+    /// `batch_register`: every region or none, in both tables.
+    pub(super) async fn register_all(&self, regions: Vec<MemoryRegion>) -> Result<()> {
+        let fail = |index: usize, source: Error| Error::BatchRegisterFailed {
+            index,
+            addr: regions[index].addr(),
+            source: Box::new(source),
+        };
+        for (i, r) in regions.iter().enumerate() {
+            if let Err(e) = check_host(r) {
+                return Err(fail(i, e));
+            }
+        }
+        let inner = Arc::clone(&self.inner);
+        to_completion(&self.inner, register_batch(inner, regions)).await
+    }
+
+    /// `batch_unregister`: removes every region it can (waiting for the
+    /// transfers using each), from both tables; the first error.
+    pub(super) async fn unregister_all(&self, addrs: &[u64]) -> Result<()> {
+        let inner = Arc::clone(&self.inner);
+        let addrs = addrs.to_vec();
+        to_completion(&self.inner, async move {
+            // Registrations under way end first.
+            drop(inner.registry.write().await);
+            let mut first = None;
+            let mut removed = Vec::new();
+            for &a in &addrs {
+                match inner.regions.remove(a).await {
+                    Ok(_) => removed.push(a),
+                    Err(e) => {
+                        first.get_or_insert(e);
+                    }
+                }
+            }
+            if !removed.is_empty() {
+                let this = Arc::clone(&inner);
+                let rc = blocking(move || {
+                    let mut ptrs: Vec<*mut c_void> =
+                        removed.iter().map(|&a| a as usize as *mut c_void).collect();
+                    // SAFETY: live engine; regions no transfer uses any more.
+                    unsafe {
+                        (this.lib.api.unregister_batch)(this.raw(), ptrs.as_mut_ptr(), ptrs.len())
+                    }
+                })
+                .await?;
+                if rc != 0 {
+                    first.get_or_insert(call_error("unregisterLocalMemoryBatch", i64::from(rc)));
+                }
+            }
+            first.map_or(Ok(()), Err)
+        })
+        .await
+    }
+}
+
+/// The body of `batch_register` (run to completion, see `to_completion`).
+async fn register_batch(inner: Arc<Inner>, owned: Vec<MemoryRegion>) -> Result<()> {
+    // The table takes the regions; the library calls below need only
+    // their bounds and locations.
+    let regions: Vec<RegionInfo> = owned.iter().map(MemoryRegion::info).collect();
+    let fail = |index: usize, source: Error| Error::BatchRegisterFailed {
+        index,
+        addr: regions[index].addr(),
+        source: Box::new(source),
+    };
+    let _registering = inner.registry.read().await;
+    for (i, r) in owned.into_iter().enumerate() {
+        if let Err(e) = inner.regions.insert(r) {
+            for done in &regions[..i] {
+                let _ = inner.regions.remove(done.addr()).await;
+            }
+            return Err(fail(i, e));
+        }
+    }
+    // One C call per location, in first-appearance order.
+    let mut groups: Vec<(String, Vec<usize>)> = Vec::new();
+    for (i, r) in regions.iter().enumerate() {
+        let loc = r.location().as_str();
+        match groups.iter_mut().find(|(l, _)| l == loc) {
+            Some((_, v)) => v.push(i),
+            None => groups.push((loc.to_owned(), vec![i])),
+        }
+    }
+    let mut registered: Vec<usize> = Vec::new();
+    for (loc, idx) in &groups {
+        let this = Arc::clone(&inner);
+        let mut entries: Vec<CBufferEntry> = idx
+            .iter()
+            .map(|&i| CBufferEntry {
+                addr: regions[i].addr() as usize as *mut c_void,
+                length: regions[i].len() as usize,
+            })
+            .collect();
+        let loc_c = cstring("location", loc)?;
+        let rc = blocking(move || {
+            // SAFETY: live engine; every range is a region the caller
+            // promised valid; `entries` and `loc_c` outlive the call.
+            unsafe {
+                (this.lib.api.register_batch)(
+                    this.raw(),
+                    entries.as_mut_ptr(),
+                    entries.len(),
+                    loc_c.as_ptr(),
+                )
+            }
+        })
+        .await;
+        let err = match rc {
+            Ok(0) => None,
+            Ok(rc) => Some(call_error("registerLocalMemoryBatch", i64::from(rc))),
+            Err(e) => Some(e),
+        };
+        if let Some(e) = err {
+            // All or nothing: undo the groups already registered (and
+            // this one, in case the library registered part of it).
+            let undo: Vec<u64> = registered
+                .iter()
+                .chain(idx)
+                .map(|&i| regions[i].addr())
+                .collect();
+            let this = Arc::clone(&inner);
+            let _ = blocking(move || {
+                let mut ptrs: Vec<*mut c_void> =
+                    undo.iter().map(|&a| a as usize as *mut c_void).collect();
+                // SAFETY: live engine; addresses of regions this call
+                // registered (unknown ones are reported, not touched).
+                unsafe {
+                    (this.lib.api.unregister_batch)(this.raw(), ptrs.as_mut_ptr(), ptrs.len())
+                }
+            })
+            .await;
+            for r in &regions {
+                let _ = inner.regions.remove(r.addr()).await;
+            }
+            return Err(fail(idx[0], e));
+        }
+        registered.extend(idx);
+    }
+    Ok(())
+}

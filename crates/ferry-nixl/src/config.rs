@@ -1,0 +1,238 @@
+//! Engine configuration and the `nixl://` URL.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use ferry_core::{Error, Result};
+
+/// Everything [`crate::NixlEngine::start`] needs.
+///
+/// `Default` gives: library resolved as described in
+/// [`crate::NixlLibrary::resolve`], the `UCX` NIXL backend, the metadata
+/// listener on `127.0.0.1` with a port the system chooses, a generated agent
+/// name, NIXL's progress thread on, and a per-batch deadline of 30 s + 1 ns
+/// per byte.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NixlConfig {
+    /// Path of `libnixl_capi.so`; `None` = environment variable, then the
+    /// loader's search path, then the active Python's `nixl` wheel.
+    pub library: Option<PathBuf>,
+    /// NIXL backend plugins to create on the agent (`UCX`, …), each with
+    /// its plugin's default parameters.
+    pub backends: Vec<String>,
+    /// Address Ferry's metadata listener binds and announces (the segment
+    /// name is `host:port`).
+    pub host: String,
+    /// Port of the metadata listener (0: the system chooses).
+    pub port: u16,
+    /// The NIXL agent name (unique among the agents that talk to each
+    /// other). `None`: `ferry-<pid>-<n>-<port>`.
+    pub name: Option<String>,
+    /// Whether NIXL runs its own progress thread (`enable_prog_thread`);
+    /// without it transfers progress only while Ferry polls them.
+    pub progress_thread: bool,
+    /// Fixed part of each batch's deadline.
+    pub timeout: Duration,
+    /// Per-byte part of each batch's deadline, in nanoseconds.
+    pub timeout_ns_per_byte: u64,
+}
+
+impl Default for NixlConfig {
+    fn default() -> Self {
+        NixlConfig {
+            library: None,
+            backends: vec!["UCX".to_owned()],
+            host: "127.0.0.1".to_owned(),
+            port: 0,
+            name: None,
+            progress_thread: true,
+            timeout: Duration::from_secs(30),
+            timeout_ns_per_byte: 1,
+        }
+    }
+}
+
+/// The URL parameters [`NixlConfig::from_url`] accepts.
+pub const URL_PARAMETERS: [&str; 8] = [
+    "lib",
+    "backends",
+    "host",
+    "port",
+    "name",
+    "progress_thread",
+    "timeout_ms",
+    "ns_per_byte",
+];
+
+impl NixlConfig {
+    /// Parses `nixl://?param=value&…`. Parameters (all optional; values
+    /// percent-decoded):
+    ///
+    /// | parameter | meaning | default |
+    /// |---|---|---|
+    /// | `lib` | path of `libnixl_capi.so` | `FERRY_NIXL_LIB`, the loader, the Python wheel |
+    /// | `backends` | comma-separated NIXL backend plugins | `UCX` |
+    /// | `host` | address of the metadata listener | `127.0.0.1` |
+    /// | `port` | port of the metadata listener (0: any) | `0` |
+    /// | `name` | NIXL agent name | `ferry-<pid>-<n>-<port>` |
+    /// | `progress_thread` | `1`/`0`: NIXL's own progress thread | `1` |
+    /// | `timeout_ms` | fixed part of each batch's deadline | `30000` |
+    /// | `ns_per_byte` | per-byte part of the deadline, ns | `1` |
+    ///
+    /// Errors ([`Error::InvalidArgument`]): another scheme, a host or path in
+    /// the URL (put them in parameters), an unknown or repeated parameter
+    /// (named in the message), an unparsable number or flag, an empty
+    /// `backends`, `host` or `name`, a NUL byte anywhere.
+    pub fn from_url(url: &str) -> Result<NixlConfig> {
+        let bad = |m: String| Error::InvalidArgument(m);
+        let parsed = url::Url::parse(url).map_err(|e| bad(format!("nixl URL {url:?}: {e}")))?;
+        if parsed.scheme() != "nixl" {
+            return Err(bad(format!(
+                "URL {url:?} is not a nixl:// URL (scheme {:?})",
+                parsed.scheme()
+            )));
+        }
+        if parsed.host_str().is_some_and(|h| !h.is_empty())
+            || !(parsed.path().is_empty() || parsed.path() == "/")
+        {
+            return Err(bad(format!(
+                "nixl URL {url:?}: give everything as parameters, \
+                 e.g. nixl://?backends=UCX&host=10.0.0.1&port=7000"
+            )));
+        }
+        let mut cfg = NixlConfig::default();
+        let mut seen: Vec<String> = Vec::new();
+        for (key, value) in parsed.query_pairs() {
+            let key = key.into_owned();
+            let value = value.into_owned();
+            if seen.contains(&key) {
+                return Err(bad(format!("nixl URL: parameter `{key}` given twice")));
+            }
+            let number = |v: &str| -> Result<u64> {
+                v.parse::<u64>().map_err(|_| {
+                    bad(format!(
+                        "nixl URL: parameter `{key}` must be a non-negative integer, got {v:?}"
+                    ))
+                })
+            };
+            match key.as_str() {
+                "lib" => cfg.library = Some(PathBuf::from(&value)),
+                "backends" => {
+                    cfg.backends = value
+                        .split(',')
+                        .map(|b| b.trim().to_owned())
+                        .filter(|b| !b.is_empty())
+                        .collect()
+                }
+                "host" => cfg.host = value,
+                "port" => {
+                    cfg.port = u16::try_from(number(&value)?)
+                        .map_err(|_| bad(format!("nixl URL: port {value} is out of range")))?
+                }
+                "name" => cfg.name = Some(value),
+                "progress_thread" => {
+                    cfg.progress_thread = match value.as_str() {
+                        "1" | "true" | "yes" => true,
+                        "0" | "false" | "no" => false,
+                        v => {
+                            return Err(bad(format!(
+                                "nixl URL: `progress_thread` must be 1 or 0, got {v:?}"
+                            )))
+                        }
+                    }
+                }
+                "timeout_ms" => cfg.timeout = Duration::from_millis(number(&value)?),
+                "ns_per_byte" => cfg.timeout_ns_per_byte = number(&value)?,
+                other => {
+                    return Err(bad(format!(
+                        "nixl URL: unknown parameter `{other}` (known: {})",
+                        URL_PARAMETERS.join(", ")
+                    )))
+                }
+            }
+            seen.push(key);
+        }
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Checks the fields that must not be empty or contain NUL bytes.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: &str| Err(Error::InvalidArgument(format!("nixl config: {m}")));
+        if self.backends.is_empty() {
+            return bad("`backends` names no NIXL backend");
+        }
+        if self.host.is_empty() {
+            return bad("`host` is empty");
+        }
+        if self.name.as_ref().is_some_and(String::is_empty) {
+            return bad("`name` is empty");
+        }
+        let texts = self
+            .backends
+            .iter()
+            .chain(std::iter::once(&self.host))
+            .chain(self.name.iter());
+        if texts.into_iter().any(|s| s.contains('\0')) {
+            return bad("values may not contain NUL bytes");
+        }
+        Ok(())
+    }
+
+    /// The deadline of a batch moving `bytes` bytes: `timeout` +
+    /// `timeout_ns_per_byte` × `bytes` (saturating).
+    pub fn deadline_for(&self, bytes: u64) -> Duration {
+        self.timeout.saturating_add(Duration::from_nanos(
+            bytes.saturating_mul(self.timeout_ns_per_byte),
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_every_parameter() {
+        let c = NixlConfig::from_url(
+            "nixl://?lib=/opt/nixl/libnixl_capi.so&backends=UCX,POSIX&host=10.0.0.2&port=7000\
+             &name=prefill-0&progress_thread=0&timeout_ms=5000&ns_per_byte=2",
+        )
+        .unwrap();
+        assert_eq!(
+            c,
+            NixlConfig {
+                library: Some(PathBuf::from("/opt/nixl/libnixl_capi.so")),
+                backends: vec!["UCX".into(), "POSIX".into()],
+                host: "10.0.0.2".into(),
+                port: 7000,
+                name: Some("prefill-0".into()),
+                progress_thread: false,
+                timeout: Duration::from_secs(5),
+                timeout_ns_per_byte: 2,
+            }
+        );
+        assert_eq!(
+            NixlConfig::from_url("nixl://").unwrap(),
+            NixlConfig::default()
+        );
+        assert_eq!(c.deadline_for(1000), Duration::from_nanos(5_000_002_000));
+    }
+
+    #[test]
+    fn rejects_bad_urls_naming_the_problem() {
+        let err = |u: &str| match NixlConfig::from_url(u) {
+            Err(Error::InvalidArgument(m)) => m,
+            other => panic!("{u}: expected InvalidArgument, got {other:?}"),
+        };
+        assert!(err("nixl://?colour=blue").contains("`colour`"));
+        assert!(err("nixl://?port=1&port=2").contains("`port` given twice"));
+        assert!(err("nixl://?port=70000").contains("out of range"));
+        assert!(err("nixl://?timeout_ms=soon").contains("`timeout_ms`"));
+        assert!(err("nixl://?progress_thread=maybe").contains("`progress_thread`"));
+        assert!(err("tcp://?lib=x").contains("not a nixl://"));
+        assert!(err("nixl://somehost:1/").contains("parameters"));
+        assert!(err("nixl://?backends=,").contains("no NIXL backend"));
+        assert!(err("nixl://?name=a%00b").contains("NUL"));
+    }
+}

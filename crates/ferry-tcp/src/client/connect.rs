@@ -1,0 +1,369 @@
+//! Making a connection to a peer: dialing, the handshake, and the
+//! same-host path negotiation (whether payloads move by cross-memory
+//! attach on it); then its reader task.
+
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use ferry_core::raw::lock;
+use ferry_core::{Error, Result};
+
+use super::conn::{ClientStage, Conn, ConnShared, PendingMap};
+use super::peer::Peer;
+use super::reader::reader_task;
+use crate::handshake;
+use crate::io::Pace;
+use crate::negotiate::{self, Agreement, Feature, FeatureOff, FeatureState, PeerReport};
+use crate::same_host::cma::SameHost;
+use crate::stream::Stream;
+
+/// The error for a peer that cannot be reached.
+fn connect_error(name: &str, e: &std::io::Error) -> Error {
+    Error::SegmentUnavailable {
+        name: name.to_owned(),
+        reason: format!("cannot connect: {e}"),
+    }
+}
+
+/// Whether the peer of `stream` can be on this host, judged from
+/// addresses alone (for a peer that does not negotiate, which sends no
+/// host token): a loopback address, or the address this connection leaves
+/// from (Linux routes a connection to one of its own addresses with that
+/// address as the source).
+fn peer_may_be_local(stream: &Stream) -> bool {
+    if let Stream::Unix(_) = stream {
+        return true;
+    }
+    match stream.tcp_addrs().map(|(l, p)| (p, l)) {
+        Some((p, l)) => {
+            let canon = |ip: std::net::IpAddr| ip.to_canonical();
+            canon(p.ip()).is_loopback() || canon(p.ip()) == canon(l.ip())
+        }
+        None => false,
+    }
+}
+
+impl Peer {
+    /// Dials the peer once (TCP, nodelay, buffers).
+    async fn dial(&self) -> Result<Stream> {
+        let cfg = &self.core.config;
+        let addr = tokio::net::lookup_host(&self.name)
+            .await
+            .map_err(|e| connect_error(&self.name, &e))?
+            .next()
+            .ok_or_else(|| Error::SegmentUnavailable {
+                name: self.name.clone(),
+                reason: "the name resolves to no address".to_owned(),
+            })?;
+        let sock = if addr.is_ipv4() {
+            tokio::net::TcpSocket::new_v4()
+        } else {
+            tokio::net::TcpSocket::new_v6()
+        }
+        .map_err(|e| Error::io("creating a socket", &e))?;
+        if let Some(n) = cfg.socket_buffer {
+            let _ = sock.set_send_buffer_size(n as u32);
+            let _ = sock.set_recv_buffer_size(n as u32);
+        }
+        let stream = sock
+            .connect(addr)
+            .await
+            .map_err(|e| connect_error(&self.name, &e))?;
+        let _ = stream.set_nodelay(true);
+        Ok(Stream::Tcp(stream))
+    }
+
+    /// Dials and runs the handshake (within `connect_timeout`), dialing
+    /// once more with an older hello if the target speaks only an older
+    /// version this build speaks (remembered for the next connections).
+    async fn dial_and_greet(&self) -> Result<(Stream, handshake::Welcome)> {
+        let cfg = &self.core.config;
+        let features = negotiate::our_features(cfg, true);
+        loop {
+            let hello_version = self.hello_version.load(Ordering::Relaxed);
+            let mut stream = self.dial().await?;
+            match handshake::client(
+                &mut stream,
+                &self.name,
+                &self.core.name,
+                cfg.secret.as_deref(),
+                cfg.connect_timeout,
+                hello_version,
+                features,
+                self.core.tls.as_deref(),
+            )
+            .await?
+            {
+                handshake::ClientOutcome::Welcome(w) => return Ok((stream, w)),
+                handshake::ClientOutcome::Redial(v) if v != hello_version => {
+                    tracing::debug!(peer = %self.name, version = v, "the target speaks an older version: dialing again with its hello");
+                    self.hello_version.store(v, Ordering::Relaxed);
+                }
+                handshake::ClientOutcome::Redial(v) => {
+                    return Err(Error::Protocol {
+                        peer: self.name.clone(),
+                        reason: format!("the target refused a version-{v} hello it named itself"),
+                    })
+                }
+            }
+        }
+    }
+
+    pub(crate) async fn connect(&self) -> Result<Conn> {
+        let cfg = &self.core.config;
+        let (stream, welcome) = self.dial_and_greet().await?;
+        *ferry_core::raw::write(&self.table) = Arc::new(welcome.table);
+        let agreed = welcome.agreement;
+        // Whether to offer the same-host path at all: both sides have it
+        // on, and the peer is on this host (both sent the same host token,
+        // or, for a peer that does not negotiate, its address is local).
+        // A remote peer thus never sees this process's PID, boot id,
+        // namespace or addresses, and no area or socket pair is made.
+        let local = agreed
+            .same_host_token
+            .unwrap_or_else(|| peer_may_be_local(&stream));
+        let plan = match agreed.why_off(negotiate::SAME_HOST) {
+            Some(why) => Err(why),
+            None if !local => Err(FeatureOff::NotSameHost),
+            None => Ok(()),
+        };
+        let mut report = FeatureReport::new(&agreed);
+        let mut staged = None;
+        let (stream, cma) = match plan {
+            Err(why) => {
+                let text = match &why {
+                    FeatureOff::DisabledHere(s) => s.to_string(),
+                    FeatureOff::DisabledByPeer => "the peer disables it (same_host=off)".to_owned(),
+                    other => other.to_string(),
+                };
+                *lock(&self.path) = Some(format!("tcp ({text})"));
+                if cfg.same_host == SameHost::Cma {
+                    return Err(Error::SegmentUnavailable {
+                        name: self.name.clone(),
+                        reason: format!("same_host=cma, but the path cannot apply: {text}"),
+                    });
+                }
+                report.off_all(why);
+                (stream, false)
+            }
+            Ok(()) => {
+                let mode = cfg.same_host;
+                let channel_agreed = agreed.why_off(negotiate::CONTROL_CHANNEL);
+                let stage_agreed = agreed
+                    .why_off(negotiate::STAGING)
+                    .or_else(|| agreed.why_off(negotiate::ACK_LANE));
+                // The control channel offered to the target: a Unix socket
+                // pair whose other end it takes over (see `cma`). Without
+                // one the connection stays on TCP.
+                let pair = match &channel_agreed {
+                    None => std::os::unix::net::UnixStream::pair()
+                        .map_err(|e| format!("socketpair: {e}")),
+                    Some(FeatureOff::DisabledHere(s)) => Err(s.to_string()),
+                    Some(why) => Err(why.to_string()),
+                };
+                let offered = pair.as_ref().ok().map(|(_, theirs)| theirs.as_raw_fd());
+                // The staging area offered with it (see `stage`).
+                let area = match (&stage_agreed, cfg.same_host_stage) {
+                    (None, Some(min)) => crate::same_host::stage::Area::create().map(|a| (a, min)),
+                    (Some(FeatureOff::DisabledHere(s)), _) => Err(s.to_string()),
+                    (Some(why), _) => Err(why.to_string()),
+                    (None, None) => Err("same_host_stage=off".to_owned()),
+                };
+                let verdict = handshake::offer_same_host(
+                    &stream,
+                    &self.name,
+                    offered,
+                    area.as_ref().ok().map(|(a, _)| a.raw_fd()),
+                    cfg.connect_timeout,
+                )
+                .await?;
+                // The target holds its own copy of its end now (or never
+                // will): ours of it goes.
+                let ours = pair.map(|(ours, _theirs)| ours);
+                match verdict {
+                    handshake::SameHostVerdict::Cma { channel, stage } => {
+                        report.set(negotiate::SAME_HOST, None);
+                        report.set(
+                            negotiate::CONTROL_CHANNEL,
+                            match (&channel_agreed, &ours, &channel) {
+                                (Some(why), _, _) => Some(why.clone()),
+                                (None, Err(e), _) => Some(FeatureOff::Refused(e.clone())),
+                                (None, Ok(_), Err(e)) => Some(FeatureOff::Refused(e.clone())),
+                                (None, Ok(_), Ok(())) => None,
+                            },
+                        );
+                        // Not offered: why not; not taken: the target's reason.
+                        let unix = ours.and_then(|u| channel.map(|()| u));
+                        let mut notes = Vec::new();
+                        let stream = match unix.and_then(|u| {
+                            u.set_nonblocking(true)
+                                .and_then(|()| tokio::net::UnixStream::from_std(u))
+                                .map_err(|e| format!("the channel: {e}"))
+                        }) {
+                            // The target closes the TCP connection.
+                            Ok(u) => Stream::Unix(u),
+                            Err(why) => {
+                                tracing::debug!(peer = %self.name, %why, "same-host control on TCP");
+                                notes.push(format!("control on the tcp socket: {why}"));
+                                stream
+                            }
+                        };
+                        let stage_off = match (&stage_agreed, &area, &stage) {
+                            (Some(why), _, _) => Some(why.clone()),
+                            (None, Err(e), _) => Some(FeatureOff::Refused(e.clone())),
+                            (None, Ok(_), Err(e)) => Some(FeatureOff::Refused(e.clone())),
+                            (None, Ok(_), Ok(())) => None,
+                        };
+                        report.set(negotiate::STAGING, stage_off.clone());
+                        report.set(
+                            negotiate::ACK_LANE,
+                            match stage_off {
+                                None => None,
+                                Some(FeatureOff::Refused(_)) => {
+                                    Some(FeatureOff::Needs(negotiate::STAGING.name))
+                                }
+                                Some(_) => agreed
+                                    .why_off(negotiate::ACK_LANE)
+                                    .or(Some(FeatureOff::Needs(negotiate::STAGING.name))),
+                            },
+                        );
+                        staged = match (area, stage) {
+                            (Ok((area, min)), Ok(())) => Some(ClientStage::new(
+                                area,
+                                min,
+                                cfg.stall_timeout.min(cfg.request_timeout),
+                            )),
+                            (Err(why), _) | (Ok(_), Err(why)) => {
+                                if cfg.same_host_stage.is_some() {
+                                    tracing::debug!(peer = %self.name, %why, "no staging area");
+                                    notes.push(format!("no staging: {why}"));
+                                }
+                                None
+                            }
+                        };
+                        *lock(&self.path) = Some(if notes.is_empty() {
+                            "cma".to_owned()
+                        } else {
+                            format!("cma ({})", notes.join("; "))
+                        });
+                        (stream, true)
+                    }
+                    handshake::SameHostVerdict::Refused(reason) => {
+                        tracing::debug!(peer = %self.name, %reason, "same-host path not used");
+                        *lock(&self.path) = Some(format!("tcp ({reason})"));
+                        if mode == SameHost::Cma {
+                            return Err(Error::SegmentUnavailable {
+                                name: self.name.clone(),
+                                reason: format!("same_host=cma, but the path is refused: {reason}"),
+                            });
+                        }
+                        report.off_all(FeatureOff::Refused(reason));
+                        (stream, false)
+                    }
+                }
+            }
+        };
+        let path = match (cma, staged.is_some()) {
+            (false, _) => "socket",
+            (true, false) => "same-host cma",
+            (true, true) => "same-host staged",
+        };
+        *lock(&self.report) = Some(PeerReport {
+            peer: self.name.clone(),
+            ours: negotiate::VersionRange::OURS,
+            theirs: agreed.peer_versions,
+            peer_negotiates: agreed.peer_negotiates,
+            version: agreed.version,
+            features: report.states,
+            path: path.to_owned(),
+            path_detail: self.path().unwrap_or_default(),
+            tls: match &agreed.tls {
+                Some(t) => Ok(t.clone()),
+                None => Err(agreed
+                    .why_off(negotiate::TLS)
+                    .unwrap_or(FeatureOff::ThisEngineLacks)),
+            },
+        });
+        self.same_host
+            .store(cma, std::sync::atomic::Ordering::Relaxed);
+        // The reader: a task that a caller blocked on this connection's
+        // answer (a Python thread) drives itself, see ferry_core::assist.
+        let reader = ferry_core::assist::Task::new();
+        let shared = Arc::new(ConnShared {
+            assist: reader.handle(),
+            stream,
+            peer: self.name.clone(),
+            pending: Mutex::new(PendingMap::default()),
+            write_lock: tokio::sync::Mutex::new(()),
+            next_id: AtomicU64::new(1),
+            dead: AtomicBool::new(false),
+            retired: AtomicBool::new(false),
+            pace: Pace {
+                stall: cfg.stall_timeout,
+                min_rate: cfg.min_rate,
+            },
+            born: Instant::now(),
+            last_rx: AtomicU64::new(0),
+            cma,
+            stage: staged,
+            activity_us: AtomicU64::new(0),
+        });
+        // Retire idle connections well before the target's idle deadline.
+        let idle = welcome.idle.map(|d| d / 2);
+        let reader = reader
+            .spawn(reader_task(
+                Arc::clone(&shared),
+                cfg.spin,
+                cfg.spin_pending,
+                idle,
+            ))
+            .abort_handle();
+        Ok(Conn { shared, reader })
+    }
+}
+
+/// The per-feature states of a connection's report, filled in as the
+/// same-host negotiation goes.
+struct FeatureReport {
+    states: Vec<FeatureState>,
+}
+
+impl FeatureReport {
+    /// Every feature off for the reason the handshake gives (on if both
+    /// have it on, until the same-host answer says otherwise).
+    fn new(agreed: &Agreement) -> FeatureReport {
+        FeatureReport {
+            states: negotiate::FEATURES
+                .iter()
+                .map(|f| FeatureState {
+                    name: f.name,
+                    off: agreed.why_off(*f),
+                })
+                .collect(),
+        }
+    }
+
+    fn set(&mut self, f: Feature, off: Option<FeatureOff>) {
+        if let Some(s) = self.states.iter_mut().find(|s| s.name == f.name) {
+            s.off = off;
+        }
+    }
+
+    /// The same-host path is not used, for `why`: every feature that the
+    /// handshake left on depends on it.
+    fn off_all(&mut self, why: FeatureOff) {
+        for s in &mut self.states {
+            if s.off.is_none() {
+                s.off = Some(if s.name == negotiate::SAME_HOST.name {
+                    why.clone()
+                } else {
+                    FeatureOff::Needs(negotiate::SAME_HOST.name)
+                });
+            } else if s.name == negotiate::SAME_HOST.name {
+                s.off = Some(why.clone());
+            }
+        }
+    }
+}

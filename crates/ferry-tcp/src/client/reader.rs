@@ -1,0 +1,334 @@
+//! The reader task of a connection: reads responses, moves READ payloads
+//! from the socket straight into their destination regions, and completes
+//! the operations they answer.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ferry_core::raw::lock;
+use ferry_core::{Error, Result};
+
+use super::conn::{ConnShared, PendingKind};
+use crate::frame::{decode_ids, decode_table, Response, Status, MAX_ACKS, TABLE_ENTRY_LEN};
+use crate::io::{Bytes, FrameReader, Next};
+
+/// The reader task of `conn`: reads responses until the connection ends,
+/// then fails what is still pending on it.
+pub(crate) async fn reader_task(
+    conn: Arc<ConnShared>,
+    spin: Duration,
+    spin_pending: Duration,
+    idle: Option<Duration>,
+) {
+    let err = match reader_loop(&conn, spin, spin_pending, idle).await {
+        Ok(()) => Error::PeerLost {
+            peer: conn.peer.clone(),
+            reason: "the peer closed the connection".to_owned(),
+        },
+        Err(e) => e,
+    };
+    tracing::debug!(peer = %conn.peer, error = %err, "connection closed");
+    conn.fail_all(err);
+}
+
+/// Reads responses until EOF or an error. `idle`: how long the connection
+/// may stay without requests before this side retires it (half the
+/// target's idle deadline, so the target never closes it under a request).
+///
+/// Polling: `spin` after each response; while requests are outstanding,
+/// for as long as the connection's last activity (a request sent, a
+/// response received) is less than `spin_pending` ago — decided while
+/// polling, so a request sent after the reader began waiting keeps it
+/// awake for its answer (waking a sleeping reader costs tens of µs:
+/// BENCHMARKS.md). With nothing outstanding it sleeps after `spin`.
+pub(crate) async fn reader_loop(
+    conn: &Arc<ConnShared>,
+    spin: Duration,
+    spin_pending: Duration,
+    idle: Option<Duration>,
+) -> Result<()> {
+    let mut rd = FrameReader::new(spin, conn.pace);
+    if !spin_pending.is_zero() {
+        let c = Arc::clone(conn);
+        rd.set_spin_while(Arc::new(move || c.poll_on(spin_pending)));
+    }
+    if let Some(st) = &conn.stage {
+        let c = Arc::clone(conn);
+        rd.set_spin_hook(Arc::new(move |polling| c.take_lane(polling)));
+        let c = Arc::clone(conn);
+        rd.set_pause(crate::io::Pause {
+            active: Arc::new(move || c.stage.as_ref().is_some_and(|st| st.moving_long())),
+            nudge: Arc::clone(&st.nudge),
+        });
+    }
+    let mut ids = vec![0u8; MAX_ACKS as usize * 8];
+    let stream = &conn.stream;
+    loop {
+        let busy = !lock(&conn.pending).ops.is_empty();
+        let hdr = match rd
+            .next_header(stream, if busy { None } else { idle })
+            .await
+            .map_err(|e| conn.lost(&e))?
+        {
+            Next::Header(h) => h,
+            Next::Eof => return Ok(()),
+            Next::Idle => {
+                let mut map = lock(&conn.pending);
+                if map.ops.is_empty() {
+                    // Retire it: sends that race with this go elsewhere.
+                    conn.retired.store(true, Ordering::Release);
+                    conn.dead.store(true, Ordering::Release);
+                    map.closed.get_or_insert_with(|| {
+                        Error::Canceled(format!("idle connection to {} retired", conn.peer))
+                    });
+                    return Ok(());
+                }
+                continue;
+            }
+        };
+        conn.mark_rx();
+        let resp = Response::decode(&hdr).map_err(|e| conn.protocol(e.0))?;
+        // The whole frame must arrive at the minimum rate.
+        rd.begin_frame(match resp {
+            Response::Ok { .. } | Response::Err { .. } => 0,
+            Response::OkMany { count } => count as u64 * 8,
+            Response::Data { len, .. } => len,
+            Response::DataV { failed, len, .. } => failed as u64 * 4 + len,
+            Response::ErrV { count, .. } => count as u64 * 4,
+            Response::Table { count, .. } => count as u64 * TABLE_ENTRY_LEN as u64,
+            Response::SameHostOk { .. } | Response::Wake => 0,
+        });
+        match resp {
+            Response::Ok { id } => conn.ack(id, Ok(()))?,
+            // Acknowledgements wait in the staging area's lane.
+            Response::Wake if conn.stage.is_some() => {
+                conn.take_lane(true);
+            }
+            Response::Wake => return Err(conn.protocol("WAKE without a staging area")),
+            Response::OkMany { count } => {
+                let buf = &mut ids[..count as usize * 8];
+                rd.read_payload(stream, Bytes::from_mut(buf))
+                    .await
+                    .map_err(|e| conn.lost(&e))?;
+                for id in decode_ids(buf) {
+                    conn.ack(id, Ok(()))?;
+                }
+            }
+            Response::Err {
+                id,
+                status,
+                addr,
+                len,
+            } => conn.ack(id, Err((status, addr, len)))?,
+            Response::Data { id, len } => {
+                let Some(op) = conn.take(id) else {
+                    if conn.forget(id) {
+                        rd.discard(stream, len, true)
+                            .await
+                            .map_err(|e| conn.lost(&e))?;
+                        continue;
+                    }
+                    return Err(conn.protocol(format!("DATA for unknown request id {id}")));
+                };
+                let (dst, want) = match &op.kind {
+                    PendingKind::Read { dst, len, .. } => (*dst, *len),
+                    _ => (0, u64::MAX),
+                };
+                if want != len {
+                    let err = conn.protocol(format!(
+                        "DATA of {len} bytes for request {id}, which expects {want}"
+                    ));
+                    op.complete(Err(err.clone()));
+                    return Err(err);
+                }
+                // SAFETY: `dst..dst+len` was bounds-checked against a local
+                // registered region when the request was issued, and the
+                // RegionGuard held in `op` keeps that region registered (so
+                // the memory valid) until `op` is dropped below. Only
+                // recvmsg(2) writes it.
+                let slice = unsafe { Bytes::from_raw(dst as *mut u8, len as usize) };
+                match rd.read_payload(stream, slice).await {
+                    Ok(()) => op.complete(Ok(())),
+                    Err(e) => {
+                        let err = conn.lost(&e);
+                        op.complete(Err(err.clone()));
+                        return Err(err);
+                    }
+                }
+            }
+            Response::DataV {
+                id,
+                status,
+                failed,
+                len,
+            } => {
+                let buf = &mut ids[..failed as usize * 4];
+                // The indices end the frame only if no data follows.
+                let Some(op) = conn.take(id) else {
+                    if conn.forget(id) {
+                        let r = if len == 0 {
+                            rd.read_payload(stream, Bytes::from_mut(buf)).await
+                        } else {
+                            rd.read_part(stream, Bytes::from_mut(buf)).await
+                        };
+                        r.map_err(|e| conn.lost(&e))?;
+                        if len > 0 {
+                            rd.discard(stream, len, true)
+                                .await
+                                .map_err(|e| conn.lost(&e))?;
+                        }
+                        continue;
+                    }
+                    return Err(conn.protocol(format!("DATAV for unknown request id {id}")));
+                };
+                let PendingKind::ReadV { parts, .. } = &op.kind else {
+                    let err = conn.protocol(format!("DATAV for request {id}, not a READV"));
+                    op.complete(Err(err.clone()));
+                    return Err(err);
+                };
+                let r = if len == 0 {
+                    rd.read_payload(stream, Bytes::from_mut(buf)).await
+                } else {
+                    rd.read_part(stream, Bytes::from_mut(buf)).await
+                };
+                if let Err(e) = r {
+                    let err = conn.lost(&e);
+                    op.complete(Err(err.clone()));
+                    return Err(err);
+                }
+                let mut bad = vec![false; parts.len()];
+                let mut wrong = None;
+                for c in buf.chunks_exact(4) {
+                    let i = u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as usize;
+                    match bad.get_mut(i) {
+                        Some(b) => *b = true,
+                        None => wrong = Some(format!("DATAV names segment {i} of {}", parts.len())),
+                    }
+                }
+                let valid: u64 = parts
+                    .iter()
+                    .zip(&bad)
+                    .filter(|(_, b)| !**b)
+                    .map(|(p, _)| p.3)
+                    .sum();
+                if wrong.is_none() && valid != len {
+                    wrong = Some(format!(
+                        "DATAV carries {len} bytes, the segments need {valid}"
+                    ));
+                }
+                if let Some(w) = wrong {
+                    let err = conn.protocol(w);
+                    op.complete(Err(err.clone()));
+                    return Err(err);
+                }
+                let dsts: Vec<Bytes<'static>> = parts
+                    .iter()
+                    .zip(&bad)
+                    .filter(|(_, b)| !**b)
+                    // SAFETY: each destination was bounds-checked against a
+                    // local registered region when the request was issued;
+                    // the guards held in `op` keep those regions registered
+                    // until `op` is dropped. Only recvmsg(2) writes them.
+                    .map(|(p, _)| unsafe { Bytes::from_raw(p.1 as *mut u8, p.3 as usize) })
+                    .collect();
+                if len > 0 {
+                    if let Err(e) = rd.read_v(stream, &dsts, true).await {
+                        let err = conn.lost(&e);
+                        op.complete(Err(err.clone()));
+                        return Err(err);
+                    }
+                }
+                let status = status.unwrap_or(Status::AddressNotRegistered);
+                for ((index, _, remote, n), b) in parts.iter().zip(bad) {
+                    let r = if b {
+                        if status == Status::StaleRegion {
+                            op.batch.mark_stale(*index);
+                        }
+                        Err(conn.status_error(status, *remote, *n))
+                    } else {
+                        Ok(())
+                    };
+                    op.batch.complete(*index, r);
+                }
+            }
+            Response::ErrV { id, status, count } => {
+                let buf = &mut ids[..count as usize * 4];
+                rd.read_payload(stream, Bytes::from_mut(buf))
+                    .await
+                    .map_err(|e| conn.lost(&e))?;
+                let Some(op) = conn.take(id) else {
+                    if conn.forget(id) {
+                        continue;
+                    }
+                    return Err(conn.protocol(format!("ERRV for unknown request id {id}")));
+                };
+                let (PendingKind::WriteV { parts, .. } | PendingKind::Cma { parts, .. }) = &op.kind
+                else {
+                    let err = conn.protocol(format!("ERRV for request {id}, not a WRITEV"));
+                    op.complete(Err(err.clone()));
+                    return Err(err);
+                };
+                let mut failed = vec![false; parts.len()];
+                for c in buf.chunks_exact(4) {
+                    let i = u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as usize;
+                    match failed.get_mut(i) {
+                        Some(f) => *f = true,
+                        None => {
+                            let err =
+                                conn.protocol(format!("ERRV names segment {i} of {}", parts.len()));
+                            op.complete(Err(err.clone()));
+                            return Err(err);
+                        }
+                    }
+                }
+                for ((index, addr, len), bad) in parts.iter().zip(failed) {
+                    let r = if bad {
+                        if status == Status::StaleRegion {
+                            op.batch.mark_stale(*index);
+                        }
+                        Err(conn.status_error(status, *addr, *len))
+                    } else {
+                        Ok(())
+                    };
+                    op.batch.complete(*index, r);
+                }
+            }
+            Response::SameHostOk { id, .. } => {
+                return Err(conn.protocol(format!("SAME_HOST_OK for request {id}, not offered")));
+            }
+            Response::Table { id, count } => {
+                // Bounded by the decoder (≤ 65,536 entries, 1.5 MiB).
+                let mut raw = vec![0u8; count as usize * TABLE_ENTRY_LEN];
+                rd.read_payload(stream, Bytes::from_mut(&mut raw))
+                    .await
+                    .map_err(|e| conn.lost(&e))?;
+                let Some(op) = conn.take(id) else {
+                    if conn.forget(id) {
+                        continue;
+                    }
+                    return Err(conn.protocol(format!("TABLE for unknown request id {id}")));
+                };
+                let table = match decode_table(&raw) {
+                    Ok(t) => t,
+                    Err(e) => {
+                        let err = conn.protocol(e.0);
+                        op.complete(Err(err.clone()));
+                        return Err(err);
+                    }
+                };
+                match &op.kind {
+                    PendingKind::Table(cache) => {
+                        *ferry_core::raw::write(cache) = Arc::new(table);
+                        op.complete(Ok(()));
+                    }
+                    _ => {
+                        let err = conn.protocol(format!("TABLE reply to request {id}"));
+                        op.complete(Err(err.clone()));
+                        return Err(err);
+                    }
+                }
+            }
+        }
+    }
+}

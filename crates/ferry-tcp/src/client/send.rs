@@ -1,0 +1,483 @@
+//! Frames out: the operations a batch is planned into, their encoding
+//! (WRITE / READ / WRITEV / READV, or CWRITE / CREAD on the same-host
+//! path), and sending them on a connection in as few system calls as
+//! possible.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use ferry_core::raw::lock;
+use ferry_core::{Error, RegionGuard};
+
+use super::conn::{ClientStage, ConnShared, PendingKind, PendingOp, TableCache};
+use super::wire_ops::WireOps;
+use crate::frame::{encode_cma_segments, encode_segments, CmaSegment, Request, Segment};
+use crate::io::{write_all, Bytes};
+use crate::same_host::stage;
+
+/// If a send is abandoned before it started writing (its caller was
+/// dropped while waiting for the write lock), withdraws its operations so
+/// that they release their region guards at once.
+pub(crate) struct Unsent<'a> {
+    conn: &'a ConnShared,
+    ids: Option<Vec<u64>>,
+}
+
+impl Drop for Unsent<'_> {
+    fn drop(&mut self) {
+        let Some(ids) = self.ids.take() else { return };
+        let ops: Vec<PendingOp> = {
+            let mut map = lock(&self.conn.pending);
+            ids.iter().filter_map(|id| map.ops.remove(id)).collect()
+        };
+        for op in ops {
+            op.complete(Err(Error::Canceled(
+                "the transfer was abandoned".to_owned(),
+            )));
+        }
+    }
+}
+
+/// Marks a connection dead if a send is interrupted half-way (the stream
+/// would hold a partial frame).
+pub(crate) struct PoisonOnDrop<'a>(Option<&'a ConnShared>);
+
+impl Drop for PoisonOnDrop<'_> {
+    fn drop(&mut self) {
+        if let Some(c) = self.0.take() {
+            c.fail_all(Error::Canceled(
+                "a send to the peer was interrupted".to_owned(),
+            ));
+        }
+    }
+}
+
+/// A frame to send.
+pub(crate) enum OutKind {
+    Write {
+        guard: Arc<RegionGuard>,
+        off: u64,
+        len: u64,
+        remote: u64,
+        gen: u32,
+    },
+    Read {
+        guard: Arc<RegionGuard>,
+        off: u64,
+        len: u64,
+        remote: u64,
+        gen: u32,
+    },
+    Notify {
+        bytes: Vec<u8>,
+        name_len: u64,
+    },
+    Table(Arc<TableCache>),
+    /// Small writes sent as one WRITEV frame (see [`Part`]).
+    WriteV(Vec<Part>),
+    /// Small reads sent as one READV frame, same layout.
+    ReadV(Vec<Part>),
+}
+
+/// One segment of a WRITEV/READV: `(request index, local guard, offset in
+/// it, len, remote addr, remote region generation)`.
+pub(crate) type Part = (usize, Arc<RegionGuard>, u64, u64, u64, u32);
+
+/// The segment table of a WRITEV/READV frame and the segments' total
+/// length.
+pub(crate) fn segment_table(parts: &[Part]) -> (Vec<u8>, u64) {
+    let segs: Vec<Segment> = parts
+        .iter()
+        .map(|p| Segment {
+            addr: p.4,
+            len: p.3,
+            gen: p.5,
+        })
+        .collect();
+    (encode_segments(&segs), parts.iter().map(|p| p.3).sum())
+}
+
+/// One planned wire operation.
+pub(crate) struct OutOp {
+    /// Its request (the first one for a gathered frame).
+    pub(crate) index: usize,
+    /// The frame.
+    pub(crate) kind: OutKind,
+}
+
+impl OutOp {
+    /// Whether it moves payload (WRITE, READ, WRITEV, READV).
+    pub(crate) fn is_transfer(&self) -> bool {
+        matches!(
+            self.kind,
+            OutKind::Write { .. } | OutKind::Read { .. } | OutKind::WriteV(_) | OutKind::ReadV(_)
+        )
+    }
+
+    /// The segments of a transfer operation as a CWRITE / CREAD sends
+    /// them (`true`: a read); `None` for control operations.
+    pub(crate) fn cma_parts(&self) -> Option<(bool, Vec<Part>)> {
+        match &self.kind {
+            OutKind::Write {
+                guard,
+                off,
+                len,
+                remote,
+                gen,
+            } => Some((
+                false,
+                vec![(self.index, Arc::clone(guard), *off, *len, *remote, *gen)],
+            )),
+            OutKind::Read {
+                guard,
+                off,
+                len,
+                remote,
+                gen,
+            } => Some((
+                true,
+                vec![(self.index, Arc::clone(guard), *off, *len, *remote, *gen)],
+            )),
+            OutKind::WriteV(parts) => Some((false, parts.clone())),
+            OutKind::ReadV(parts) => Some((true, parts.clone())),
+            _ => None,
+        }
+    }
+
+    /// Fails the operation (every segment of a WRITEV) before it was sent.
+    pub(crate) fn fail(&self, batch: &WireOps, e: &Error) {
+        match &self.kind {
+            OutKind::WriteV(parts) | OutKind::ReadV(parts) => {
+                for p in parts {
+                    batch.complete(p.0, Err(e.clone()));
+                }
+            }
+            _ => batch.complete(self.index, Err(e.clone())),
+        }
+    }
+}
+
+/// `len` bytes at `off` in the range `guard` holds, for sendmsg(2).
+pub(crate) fn source(guard: &RegionGuard, off: u64, len: u64) -> Bytes<'static> {
+    // SAFETY: the guard (held by the operation until it completes, and in
+    // `ops` until `send_ops` returns) keeps the local region registered and
+    // valid; `off + len` lies inside the guarded range (the request was
+    // checked against it when planned). Only sendmsg(2) reads it.
+    unsafe { Bytes::from_raw(guard.as_ptr().wrapping_add(off as usize), len as usize) }
+}
+
+/// Registers `ops` as pending on `conn` and writes them in as few system
+/// calls as possible. Failures complete the operations with an error; a
+/// connection this side retired for idleness hands them back untouched.
+pub(crate) async fn send_ops(
+    conn: &ConnShared,
+    batch: &Arc<WireOps>,
+    ops: Vec<OutOp>,
+) -> std::result::Result<(), Vec<OutOp>> {
+    let mut hdrs = Vec::with_capacity(ops.len());
+    let mut ids = Vec::with_capacity(ops.len());
+    // Segment tables of WRITEV frames, in frame order.
+    let mut tables: Vec<Vec<u8>> = Vec::new();
+    // Streams of the staged frames, in frame order: (read, pieces).
+    let mut staging: Vec<(bool, Vec<stage::Piece>)> = Vec::new();
+    {
+        let mut map = lock(&conn.pending);
+        if let Some(e) = map.closed.clone() {
+            drop(map);
+            if conn.retired.load(Ordering::Acquire) {
+                return Err(ops);
+            }
+            for op in &ops {
+                op.fail(batch, &e);
+            }
+            return Ok(());
+        }
+        for op in &ops {
+            let id = conn.next_id.fetch_add(1, Ordering::Relaxed);
+            ids.push(id);
+            if conn.cma {
+                if let Some((read, parts)) = op.cma_parts() {
+                    let total: u64 = parts.iter().map(|p| p.3).sum();
+                    let staged = conn.stage.as_ref().is_some_and(|st| {
+                        total >= st.min as u64
+                            && (total < crate::same_host::cma::PARALLEL_MIN as u64
+                                || crate::same_host::cma::helpers() == 0)
+                    });
+                    if staged {
+                        staging.push((
+                            read,
+                            parts
+                                .iter()
+                                .map(|p| stage::Piece {
+                                    ptr: p.1.as_ptr().wrapping_add(p.2 as usize),
+                                    len: p.3 as usize,
+                                })
+                                .collect(),
+                        ));
+                    }
+                    let segs: Vec<CmaSegment> = parts
+                        .iter()
+                        .map(|p| CmaSegment {
+                            seg: Segment {
+                                addr: p.4,
+                                len: p.3,
+                                gen: p.5,
+                            },
+                            // The target copies through the area: no
+                            // address of ours.
+                            local: if staged { 0 } else { p.1.as_ptr() as u64 + p.2 },
+                        })
+                        .collect();
+                    tables.push(encode_cma_segments(&segs));
+                    let req = Request::Cma {
+                        id,
+                        read,
+                        staged,
+                        count: parts.len() as u32,
+                        total,
+                    };
+                    hdrs.push(req.encode());
+                    map.ops.insert(
+                        id,
+                        PendingOp {
+                            batch: Arc::clone(batch),
+                            index: op.index,
+                            kind: PendingKind::Cma {
+                                parts: parts.iter().map(|p| (p.0, p.4, p.3)).collect(),
+                                guards: parts.iter().map(|p| Arc::clone(&p.1)).collect(),
+                                // Staged reads are copied by this side.
+                                target_writes: read && !staged,
+                            },
+                        },
+                    );
+                    continue;
+                }
+            }
+            let (req, kind) = match &op.kind {
+                OutKind::Write {
+                    guard,
+                    len,
+                    remote: addr,
+                    gen,
+                    ..
+                } => (
+                    Request::Write {
+                        id,
+                        addr: *addr,
+                        len: *len,
+                        gen: *gen,
+                    },
+                    PendingKind::Write(Arc::clone(guard)),
+                ),
+                OutKind::Read {
+                    guard,
+                    off,
+                    len,
+                    remote,
+                    gen,
+                } => (
+                    Request::Read {
+                        id,
+                        addr: *remote,
+                        len: *len,
+                        gen: *gen,
+                    },
+                    PendingKind::Read {
+                        dst: guard.as_ptr() as usize + *off as usize,
+                        len: *len,
+                        _guard: Arc::clone(guard),
+                    },
+                ),
+                OutKind::Notify { bytes, name_len } => (
+                    Request::Notify {
+                        id,
+                        name_len: *name_len,
+                        msg_len: bytes.len() as u64 - name_len,
+                    },
+                    PendingKind::Notify,
+                ),
+                OutKind::Table(cache) => {
+                    (Request::Table { id }, PendingKind::Table(Arc::clone(cache)))
+                }
+                OutKind::ReadV(parts) => {
+                    let (table, total) = segment_table(parts);
+                    tables.push(table);
+                    (
+                        Request::ReadV {
+                            id,
+                            count: parts.len() as u32,
+                            total,
+                        },
+                        PendingKind::ReadV {
+                            parts: parts
+                                .iter()
+                                .map(|p| (p.0, p.1.as_ptr() as usize + p.2 as usize, p.4, p.3))
+                                .collect(),
+                            _guards: parts.iter().map(|p| Arc::clone(&p.1)).collect(),
+                        },
+                    )
+                }
+                OutKind::WriteV(parts) => {
+                    let (table, total) = segment_table(parts);
+                    tables.push(table);
+                    (
+                        Request::WriteV {
+                            id,
+                            count: parts.len() as u32,
+                            total,
+                        },
+                        PendingKind::WriteV {
+                            parts: parts.iter().map(|p| (p.0, p.4, p.3)).collect(),
+                            _guards: parts.iter().map(|p| Arc::clone(&p.1)).collect(),
+                        },
+                    )
+                }
+            };
+            hdrs.push(req.encode());
+            map.ops.insert(
+                id,
+                PendingOp {
+                    batch: Arc::clone(batch),
+                    index: op.index,
+                    kind,
+                },
+            );
+        }
+    }
+    let mut bufs: Vec<Bytes<'_>> = Vec::with_capacity(ops.len() * 2);
+    let mut tables = tables.iter();
+    for (hdr, op) in hdrs.iter().zip(&ops) {
+        bufs.push(Bytes::from_ref(hdr));
+        if conn.cma && op.is_transfer() {
+            // Segment table only: the target copies the payload.
+            if let Some(t) = tables.next() {
+                bufs.push(Bytes::from_ref(t));
+            }
+            continue;
+        }
+        match &op.kind {
+            OutKind::WriteV(parts) => {
+                if let Some(t) = tables.next() {
+                    bufs.push(Bytes::from_ref(t));
+                }
+                for (_, guard, off, len, _, _) in parts {
+                    bufs.push(source(guard, *off, *len));
+                }
+            }
+            OutKind::ReadV(_) => {
+                if let Some(t) = tables.next() {
+                    bufs.push(Bytes::from_ref(t));
+                }
+            }
+            OutKind::Write {
+                guard, off, len, ..
+            } => bufs.push(source(guard, *off, *len)),
+            OutKind::Notify { bytes, .. } => bufs.push(Bytes::from_ref(bytes)),
+            _ => {}
+        }
+    }
+    let mut unsent = Unsent {
+        conn,
+        ids: Some(ids),
+    };
+    let w = conn.write_lock.lock().await;
+    unsent.ids = None;
+    let mut poison = PoisonOnDrop(Some(conn));
+    let res = write_all(&conn.stream, &bufs, conn.pace).await;
+    conn.touch();
+    // A blocked caller (a Python thread) reads its answer itself.
+    conn.assist.offer();
+    if let Err(e) = res {
+        poison.0 = None;
+        conn.fail_all(conn.lost(&e));
+        return Ok(());
+    }
+    if let (false, Some(st)) = (staging.is_empty(), &conn.stage) {
+        // In frame order: the next sender waits for this cursor after us.
+        let mut cursor = st.cursor.lock().await;
+        drop(w);
+        let bytes: usize = staging
+            .iter()
+            .flat_map(|(_, pieces)| pieces.iter().map(|p| p.len))
+            .sum();
+        let moving = super::conn::Moving::new(st, bytes > stage::RING_BYTES);
+        let moved = move_staged(conn, batch, st, &mut cursor, &staging).await;
+        drop(moving);
+        if let Err(stop) = moved {
+            conn.fail_all(stop.error(
+                &conn.peer,
+                st.patience,
+                "the connection closed while a payload moved through the staging area",
+            ));
+        }
+        conn.touch();
+    }
+    poison.0 = None;
+    Ok(())
+}
+
+/// Moves the streams of staged frames (sent, in this order) through the
+/// connection's staging area: an SWRITE's bytes into the ring to the
+/// target; an SREAD's verdict, then the bytes of its accepted segments,
+/// out of the ring from it into local memory (under the gate: none lands
+/// once the connection has failed its operations).
+async fn move_staged(
+    conn: &ConnShared,
+    batch: &WireOps,
+    st: &ClientStage,
+    cursor: &mut (u64, u64),
+    staging: &[(bool, Vec<stage::Piece>)],
+) -> std::result::Result<(), stage::Stop> {
+    let alive = || !conn.dead.load(Ordering::Acquire);
+    let watch = stage::Watch {
+        alive: &alive,
+        stall: st.patience,
+        // The batch's own deadline covers moving its staged bytes too.
+        deadline: batch.deadline(),
+        // The caller's task: sleeps go to the blocking pool.
+        blocking: false,
+    };
+    let gate = stage::Gate {
+        lock: &st.gate,
+        closed: &conn.dead,
+    };
+    let (to_target, from_target) = (
+        st.area.ring(stage::Dir::ToTarget),
+        st.area.ring(stage::Dir::ToInitiator),
+    );
+    for (read, pieces) in staging {
+        if !read {
+            // SAFETY: each piece lies in a range a guard of the pending
+            // operation holds registered (and valid) until its
+            // acknowledgement, which comes after the target has emptied
+            // the ring; `ops` (in the caller) also holds them.
+            unsafe { stage::put(&to_target, &mut cursor.0, pieces, &watch) }.await?;
+            continue;
+        }
+        let mut verdict = [0u8; stage::VERDICT_LEN];
+        let v = [stage::Piece {
+            ptr: verdict.as_mut_ptr(),
+            len: verdict.len(),
+        }];
+        // SAFETY: `verdict` is ours, valid for writes until this returns.
+        unsafe { stage::get(&from_target, &mut cursor.1, &v, &watch, None) }.await?;
+        let accepted: Vec<stage::Piece> = pieces
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| !stage::refused(&verdict, *i))
+            .map(|(_, p)| *p)
+            .collect();
+        // SAFETY: each piece lies in a range the pending operation's guard
+        // holds registered; the gate stops the copies once the operation
+        // has failed and its memory went back to the caller.
+        unsafe { stage::get(&from_target, &mut cursor.1, &accepted, &watch, Some(&gate)) }.await?;
+    }
+    Ok(())
+}
+
+/// Fails `ops`, which were never sent, with `e`.
+pub(crate) fn fail_ops(state: &WireOps, ops: &[OutOp], e: &Error) {
+    for op in ops {
+        op.fail(state, e);
+    }
+}

@@ -1,0 +1,881 @@
+//! The same-host path: cross-memory attach (`process_vm_readv` /
+//! `process_vm_writev`) between two engines on one machine.
+//!
+//! The **target stays in control of its memory**. An initiator that has
+//! negotiated the path sends CWRITE / CREAD frames naming, per segment,
+//! the target range (with its generation) and its own registered source or
+//! destination; the target checks the target range under its
+//! [`ferry_core::RegionGuard`] exactly as for socket frames, then
+//! itself copies with `process_vm_readv` (CWRITE: from the initiator into
+//! its region) or `process_vm_writev` (CREAD: from its region into the
+//! initiator), and acknowledges. No process ever writes another's memory:
+//! the target writes only its own regions, and the initiator's memory is
+//! written only at the addresses the initiator named (which it checked
+//! against its own regions and keeps registered until the answer).
+//!
+//! Negotiation (one SAME_HOST request per connection, after the
+//! authenticated handshake): the initiator announces its boot id, PID
+//! namespace, PID and the address of a probe word holding a fresh random
+//! nonce. The target accepts only if the boot id and PID namespace are its
+//! own, a `process_vm_readv` of the probe returns the nonce (the kernel
+//! grants it ptrace-level access to the initiator), and the initiator's PID
+//! holds the very socket of this connection (`/proc/net/tcp*` inode found
+//! in `/proc/PID/fd`). Otherwise it answers with a reason code and an
+//! errno, and the connection carries payloads on the socket as before.
+
+use std::fmt;
+use std::os::fd::AsRawFd;
+
+use tokio::net::TcpStream;
+
+use crate::stream::Stream;
+
+/// The `same_host` setting.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum SameHost {
+    /// Use cross-memory attach when the peer is on this host and the
+    /// kernel allows it; otherwise the socket (with the reason reported).
+    #[default]
+    Auto,
+    /// Require it: connecting to a peer that cannot use it fails with the
+    /// reason. As a target, same as `Auto`.
+    Cma,
+    /// Never: payloads always travel on the socket; as a target, refuse
+    /// initiators that ask.
+    Off,
+}
+
+impl SameHost {
+    /// Parses `auto`, `cma` or `off`.
+    pub fn parse(s: &str) -> Option<SameHost> {
+        match s {
+            "auto" => Some(SameHost::Auto),
+            "cma" => Some(SameHost::Cma),
+            "off" => Some(SameHost::Off),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for SameHost {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            SameHost::Auto => "auto",
+            SameHost::Cma => "cma",
+            SameHost::Off => "off",
+        })
+    }
+}
+
+/// Length of the boot id field of a SAME_HOST request.
+pub const BOOT_ID_LEN: usize = 48;
+/// Length of a SAME_HOST request's payload: boot id, PID namespace inode
+/// u64, PID u64, probe address u64, probe nonce (16 bytes).
+pub const OFFER_LEN: usize = BOOT_ID_LEN + 8 + 8 + 8 + 16;
+
+/// What an initiator announces in its SAME_HOST request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Offer {
+    /// `/proc/sys/kernel/random/boot_id`, ASCII, zero-padded.
+    pub boot_id: [u8; BOOT_ID_LEN],
+    /// Inode of `/proc/self/ns/pid`.
+    pub pidns: u64,
+    /// The initiator's PID.
+    pub pid: u64,
+    /// Address of the probe word in the initiator.
+    pub probe_addr: u64,
+    /// The probe word's contents.
+    pub nonce: [u8; 16],
+}
+
+impl Offer {
+    /// Encodes the payload.
+    pub fn encode(&self) -> [u8; OFFER_LEN] {
+        let mut out = [0u8; OFFER_LEN];
+        out[..BOOT_ID_LEN].copy_from_slice(&self.boot_id);
+        let mut o = BOOT_ID_LEN;
+        for v in [self.pidns, self.pid, self.probe_addr] {
+            out[o..o + 8].copy_from_slice(&v.to_le_bytes());
+            o += 8;
+        }
+        out[o..].copy_from_slice(&self.nonce);
+        out
+    }
+
+    /// Decodes the payload (any bytes are a valid offer; the target checks
+    /// every field against the system).
+    pub fn decode(buf: &[u8; OFFER_LEN]) -> Offer {
+        let mut boot_id = [0u8; BOOT_ID_LEN];
+        boot_id.copy_from_slice(&buf[..BOOT_ID_LEN]);
+        let u = |o: usize| {
+            let mut a = [0u8; 8];
+            a.copy_from_slice(&buf[o..o + 8]);
+            u64::from_le_bytes(a)
+        };
+        let mut nonce = [0u8; 16];
+        nonce.copy_from_slice(&buf[BOOT_ID_LEN + 24..]);
+        Offer {
+            boot_id,
+            pidns: u(BOOT_ID_LEN),
+            pid: u(BOOT_ID_LEN + 8),
+            probe_addr: u(BOOT_ID_LEN + 16),
+            nonce,
+        }
+    }
+}
+
+/// Why a target refused the path (ERR `SameHostRefused`, `a` = code, `b` =
+/// errno or 0).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u64)]
+pub enum Refusal {
+    /// The target runs with `same_host=off`.
+    Disabled = 1,
+    /// Boot ids differ: another machine (or kernel).
+    OtherHost = 2,
+    /// PID namespaces differ.
+    OtherPidNamespace = 3,
+    /// `process_vm_readv` of the probe failed (errno in `b`).
+    ProbeFailed = 4,
+    /// The probe read back other bytes than the nonce.
+    ProbeMismatch = 5,
+    /// The announced PID does not hold this connection's socket (errno in
+    /// `b` if the lookup itself failed).
+    NotTheOwner = 6,
+    /// The target's platform has no cross-memory attach.
+    Unsupported = 7,
+}
+
+impl Refusal {
+    /// Parses a code.
+    pub fn from_u64(v: u64) -> Option<Refusal> {
+        Some(match v {
+            1 => Refusal::Disabled,
+            2 => Refusal::OtherHost,
+            3 => Refusal::OtherPidNamespace,
+            4 => Refusal::ProbeFailed,
+            5 => Refusal::ProbeMismatch,
+            6 => Refusal::NotTheOwner,
+            7 => Refusal::Unsupported,
+            _ => return None,
+        })
+    }
+
+    /// The reason, as the capability report shows it.
+    pub fn describe(code: u64, errno: u64) -> String {
+        let e = errno_name(errno as i32);
+        match Refusal::from_u64(code) {
+            Some(Refusal::Disabled) => "the peer disables it (same_host=off)".to_owned(),
+            Some(Refusal::OtherHost) => "peer on another host (boot ids differ)".to_owned(),
+            Some(Refusal::OtherPidNamespace) => "peer in another PID namespace".to_owned(),
+            Some(Refusal::ProbeFailed) => format!("process_vm_readv: {e}"),
+            Some(Refusal::ProbeMismatch) => {
+                "process_vm_readv read back other bytes than the probe".to_owned()
+            }
+            Some(Refusal::NotTheOwner) if errno != 0 => {
+                format!("the peer cannot verify that this process holds the connection: {e}")
+            }
+            Some(Refusal::NotTheOwner) => {
+                "the peer found the connection held by another process".to_owned()
+            }
+            Some(Refusal::Unsupported) => "the peer's platform has no process_vm_*".to_owned(),
+            None => format!("refused by the peer (code {code}, {e})"),
+        }
+    }
+}
+
+/// `EPERM`, `ESRCH`, … for the common errnos, else `errno N`.
+pub fn errno_name(errno: i32) -> String {
+    let name = match errno {
+        libc::EPERM => "EPERM",
+        libc::ESRCH => "ESRCH",
+        libc::EFAULT => "EFAULT",
+        libc::EACCES => "EACCES",
+        libc::ENOSYS => "ENOSYS",
+        libc::EINVAL => "EINVAL",
+        libc::ENOMEM => "ENOMEM",
+        libc::ENOENT => "ENOENT",
+        libc::EBADF => "EBADF",
+        libc::EPROTOTYPE => "EPROTOTYPE",
+        libc::EOPNOTSUPP => "EOPNOTSUPP",
+        _ => return format!("errno {errno}"),
+    };
+    name.to_owned()
+}
+
+/// This process's boot id (zero-padded), or the reason it is unknown.
+pub fn boot_id() -> Result<[u8; BOOT_ID_LEN], String> {
+    let s = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map_err(|e| format!("cannot read the boot id: {e}"))?;
+    let s = s.trim().as_bytes();
+    let mut out = [0u8; BOOT_ID_LEN];
+    let n = s.len().min(BOOT_ID_LEN);
+    out[..n].copy_from_slice(&s[..n]);
+    Ok(out)
+}
+
+/// The inode of this process's PID namespace.
+pub fn pid_namespace() -> Result<u64, String> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata("/proc/self/ns/pid")
+        .map(|m| m.ino())
+        .map_err(|e| format!("cannot read the PID namespace: {e}"))
+}
+
+/// A probe word the target reads to test its access, and the offer that
+/// announces it. The word must stay alive until the target answered.
+pub fn make_offer() -> Result<(Box<[u8; 16]>, Offer), String> {
+    let probe: Box<[u8; 16]> = Box::new(rand::random());
+    let offer = Offer {
+        boot_id: boot_id()?,
+        pidns: pid_namespace()?,
+        pid: std::process::id() as u64,
+        probe_addr: probe.as_ptr() as u64,
+        nonce: *probe,
+    };
+    Ok((probe, offer))
+}
+
+/// Target side: whether the initiator behind `stream` may be reached by
+/// cross-memory attach; `Err((refusal, errno))` otherwise. The process is
+/// pinned (pidfd) *before* it is checked, and found alive after: the checks
+/// therefore concern the process the returned [`Initiator`] holds, and a PID
+/// reused between check and pin cannot slip in (where the kernel has no
+/// pidfds, Linux < 5.3, this ordering cannot be enforced).
+pub fn check_offer(stream: &TcpStream, offer: &Offer) -> Result<Initiator, (Refusal, i32)> {
+    let errno = |e: std::io::Error| e.raw_os_error().unwrap_or(libc::EIO);
+    let addrs = (
+        stream
+            .local_addr()
+            .map_err(|e| (Refusal::NotTheOwner, errno(e)))?,
+        stream
+            .peer_addr()
+            .map_err(|e| (Refusal::NotTheOwner, errno(e)))?,
+    );
+    check_offer_on(addrs, offer)
+}
+
+/// [`check_offer`] for the TCP connection with these (local, peer)
+/// addresses.
+pub fn check_offer_on(
+    addrs: (std::net::SocketAddr, std::net::SocketAddr),
+    offer: &Offer,
+) -> Result<Initiator, (Refusal, i32)> {
+    if boot_id().ok().as_ref() != Some(&offer.boot_id) {
+        return Err((Refusal::OtherHost, 0));
+    }
+    if pid_namespace().ok() != Some(offer.pidns) {
+        return Err((Refusal::OtherPidNamespace, 0));
+    }
+    let pid = i32::try_from(offer.pid)
+        .ok()
+        .filter(|p| *p > 0)
+        .ok_or((Refusal::NotTheOwner, 0))?;
+    let initiator = Initiator::new(pid);
+    // The kernel's verdict first: this is the errno users need to see.
+    let mut got = [0u8; 16];
+    let dst = [iov(got.as_mut_ptr(), got.len())];
+    let src = [iov(offer.probe_addr as *mut u8, 16)];
+    // SAFETY: `dst` covers `got`, a local array alive for the call; the
+    // remote range is only read, in another address space.
+    match unsafe { copy(pid, false, &dst, &src) } {
+        Ok(16) => {}
+        Ok(_) => return Err((Refusal::ProbeMismatch, 0)),
+        Err(e) => return Err((Refusal::ProbeFailed, e)),
+    }
+    if got != offer.nonce {
+        return Err((Refusal::ProbeMismatch, 0));
+    }
+    match socket_owned_by(addrs, pid) {
+        Ok(true) => {}
+        Ok(false) => return Err((Refusal::NotTheOwner, 0)),
+        Err(e) => return Err((Refusal::NotTheOwner, e)),
+    }
+    // Alive now, so the PID named the pinned process throughout.
+    if !initiator.alive() {
+        return Err((Refusal::NotTheOwner, libc::ESRCH));
+    }
+    Ok(initiator)
+}
+
+/// The `/proc/net/tcp*` form of a socket address.
+fn proc_addr(a: &std::net::SocketAddr) -> String {
+    match a.ip() {
+        std::net::IpAddr::V4(v4) => {
+            format!("{:08X}:{:04X}", u32::from_ne_bytes(v4.octets()), a.port())
+        }
+        std::net::IpAddr::V6(v6) => {
+            let o = v6.octets();
+            let words: String = o
+                .chunks_exact(4)
+                .map(|c| format!("{:08X}", u32::from_ne_bytes([c[0], c[1], c[2], c[3]])))
+                .collect();
+            format!("{words}:{:04X}", a.port())
+        }
+    }
+}
+
+/// Whether process `pid` holds the other end of `stream` (a socket whose
+/// local address is our peer address and remote address ours). `Err`:
+/// errno of a lookup that failed.
+fn socket_owned_by(
+    (ours, theirs): (std::net::SocketAddr, std::net::SocketAddr),
+    pid: i32,
+) -> Result<bool, i32> {
+    let errno = |e: std::io::Error| e.raw_os_error().unwrap_or(libc::EIO);
+    let (want_local, want_remote) = (proc_addr(&theirs), proc_addr(&ours));
+    let mut inode = None;
+    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        let Ok(text) = std::fs::read_to_string(table) else {
+            continue;
+        };
+        for line in text.lines().skip(1) {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            if f.len() > 9 && f[1] == want_local && f[2] == want_remote {
+                inode = Some(f[9].to_owned());
+            }
+        }
+    }
+    let Some(inode) = inode else { return Ok(false) };
+    let want = format!("socket:[{inode}]");
+    for entry in std::fs::read_dir(format!("/proc/{pid}/fd")).map_err(errno)? {
+        let Ok(entry) = entry else { continue };
+        if std::fs::read_link(entry.path()).is_ok_and(|l| l.as_os_str() == want.as_str()) {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
+/// An iovec.
+pub fn iov(ptr: *mut u8, len: usize) -> libc::iovec {
+    libc::iovec {
+        iov_base: ptr.cast(),
+        iov_len: len,
+    }
+}
+
+/// One `process_vm_readv` (`write_remote` false: from `remote` in `pid`
+/// into `local`) or `process_vm_writev` (true: from `local` into `remote`)
+/// call; returns the bytes moved or the errno.
+///
+/// # Safety
+///
+/// Every `local` range must be valid for writes (readv) or reads (writev)
+/// for the duration of the call. The remote ranges are checked by the
+/// kernel (a bad one is `EFAULT`, never a fault in this process).
+pub unsafe fn copy(
+    pid: i32,
+    write_remote: bool,
+    local: &[libc::iovec],
+    remote: &[libc::iovec],
+) -> Result<usize, i32> {
+    // SAFETY: the caller guarantees the local ranges; the iovec arrays are
+    // live slices of the lengths passed.
+    let n = unsafe {
+        if write_remote {
+            libc::process_vm_writev(
+                pid,
+                local.as_ptr(),
+                local.len() as libc::c_ulong,
+                remote.as_ptr(),
+                remote.len() as libc::c_ulong,
+                0,
+            )
+        } else {
+            libc::process_vm_readv(
+                pid,
+                local.as_ptr(),
+                local.len() as libc::c_ulong,
+                remote.as_ptr(),
+                remote.len() as libc::c_ulong,
+                0,
+            )
+        }
+    };
+    if n < 0 {
+        Err(std::io::Error::last_os_error()
+            .raw_os_error()
+            .unwrap_or(libc::EIO))
+    } else {
+        Ok(n as usize)
+    }
+}
+
+/// Moves `len` bytes between `local` and `remote` (one range each),
+/// continuing after short counts. `Err(errno)` if the kernel refuses or
+/// makes no progress.
+///
+/// # Safety
+///
+/// As for [`copy`], for `[local, local+len)`.
+pub unsafe fn copy_all(
+    pid: i32,
+    write_remote: bool,
+    local: *mut u8,
+    remote: u64,
+    len: usize,
+) -> Result<(), i32> {
+    let mut done = 0;
+    while done < len {
+        let l = [iov(local.wrapping_add(done), len - done)];
+        let r = [iov(
+            (remote as usize).wrapping_add(done) as *mut u8,
+            len - done,
+        )];
+        // SAFETY: the caller guarantees the local range.
+        match unsafe { copy(pid, write_remote, &l, &r) }? {
+            0 => return Err(libc::EFAULT),
+            n => done += n,
+        }
+    }
+    Ok(())
+}
+
+/// The kernel's cross-memory copy with no engine around it: one
+/// `process_vm_readv` of `block` bytes from `remote` in process `pid` into
+/// a local buffer, repeated slot after slot through `span` bytes (at least
+/// one block) on both sides for `duration` or `total` bytes; GB/s. The ceiling of the same-host path, for benchmarks
+/// (`ferry bench --same-host`). `Err(errno)` if the kernel refuses.
+pub fn kernel_copy_gbps(
+    pid: i32,
+    remote: u64,
+    block: usize,
+    span: usize,
+    duration: std::time::Duration,
+    total: u64,
+) -> Result<f64, i32> {
+    let block = block.max(1);
+    let slots = (span / block).max(1);
+    let mut local = vec![1u8; slots * block];
+    let start = std::time::Instant::now();
+    let mut copied = 0u64;
+    let mut slot = 0;
+    while copied < total && (copied == 0 || start.elapsed() < duration) {
+        let off = slot * block;
+        // SAFETY: `local[off..off + block]` is a live buffer owned here.
+        unsafe {
+            copy_all(
+                pid,
+                false,
+                local[off..].as_mut_ptr(),
+                remote + off as u64,
+                block,
+            )
+        }?;
+        copied += block as u64;
+        slot = (slot + 1) % slots;
+    }
+    std::hint::black_box(&local);
+    Ok(copied as f64 / start.elapsed().as_secs_f64() / 1e9)
+}
+
+/// Copies of at least this many bytes are split over the helper threads.
+/// Smaller ones are not worth waking a helper (BENCHMARKS.md).
+pub const PARALLEL_MIN: usize = 8 << 20;
+
+/// One part of a split copy: `(local, remote, len)` ranges, done in order.
+struct Job {
+    pid: i32,
+    write_remote: bool,
+    parts: Vec<(usize, u64, usize)>,
+    done: std::sync::mpsc::SyncSender<Result<(), i32>>,
+}
+
+/// Helper threads for large copies: `FERRY_CMA_HELPERS=N` (at most 16),
+/// by default one when the process may run on two or more CPUs, none
+/// otherwise. A target splits a copy of at least [`PARALLEL_MIN`] bytes
+/// between its connection thread and the helpers: one thread's
+/// `process_vm_readv` pins and copies page by page, and two move about
+/// twice as much. Started on first use; they wait on a channel (a short
+/// spin after each job, then sleep: no core spins while idle).
+struct Pool {
+    jobs: std::sync::Mutex<std::sync::mpsc::Sender<Job>>,
+    helpers: usize,
+}
+
+/// Helper threads started for split copies (0 unless `FERRY_CMA_HELPERS`).
+pub fn helpers() -> usize {
+    pool().helpers
+}
+
+fn pool() -> &'static Pool {
+    static POOL: std::sync::OnceLock<Pool> = std::sync::OnceLock::new();
+    POOL.get_or_init(|| {
+        let cpus = std::thread::available_parallelism().map_or(1, usize::from);
+        let helpers = std::env::var("FERRY_CMA_HELPERS")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .unwrap_or(usize::from(cpus >= 2))
+            .min(16);
+        let (tx, rx) = std::sync::mpsc::channel::<Job>();
+        let rx = std::sync::Arc::new(std::sync::Mutex::new(rx));
+        let mut started = 0;
+        for i in 0..helpers {
+            let rx = std::sync::Arc::clone(&rx);
+            let spawned = std::thread::Builder::new()
+                .name(format!("ferry-cma-{i}"))
+                .spawn(move || helper(&rx));
+            if spawned.is_ok() {
+                started += 1;
+            }
+        }
+        Pool {
+            jobs: std::sync::Mutex::new(tx),
+            helpers: started,
+        }
+    })
+}
+
+fn helper(rx: &std::sync::Mutex<std::sync::mpsc::Receiver<Job>>) {
+    loop {
+        let job = {
+            let rx = ferry_core::raw::lock(rx);
+            // Spin briefly for the next part of a stream of copies.
+            let spin_until = std::time::Instant::now() + std::time::Duration::from_micros(50);
+            let mut got = None;
+            while std::time::Instant::now() < spin_until {
+                match rx.try_recv() {
+                    Ok(j) => {
+                        got = Some(j);
+                        break;
+                    }
+                    Err(std::sync::mpsc::TryRecvError::Empty) => std::hint::spin_loop(),
+                    Err(std::sync::mpsc::TryRecvError::Disconnected) => return,
+                }
+            }
+            match got {
+                Some(j) => j,
+                None => match rx.recv() {
+                    Ok(j) => j,
+                    Err(_) => return,
+                },
+            }
+        };
+        let r = job.parts.iter().try_for_each(|&(l, r, n)| {
+            // SAFETY: the submitter of the job holds the local ranges
+            // valid until it has received this result (see copy_split).
+            unsafe { copy_all(job.pid, job.write_remote, l as *mut u8, r, n) }
+        });
+        let _ = job.done.send(r);
+    }
+}
+
+/// Moves every `(local, remote)` pair (equal lengths), splitting the bytes
+/// over the helper threads and this one when there are at least
+/// [`PARALLEL_MIN`] of them. Returns only after every part has finished.
+///
+/// # Safety
+///
+/// As for [`copy`], for every local range, until this returns.
+pub unsafe fn copy_split(
+    pid: i32,
+    write_remote: bool,
+    pairs: &[(usize, u64, usize)],
+) -> Result<(), i32> {
+    let total: usize = pairs.iter().map(|p| p.2).sum();
+    let pool = pool();
+    let ways = if total >= PARALLEL_MIN {
+        (pool.helpers + 1).min(total / (PARALLEL_MIN / 2)).max(1)
+    } else {
+        1
+    };
+    // Cut the ranges into `ways` parts of about total / ways bytes
+    // (page-aligned cuts).
+    let per = (total / ways + 4095) & !4095;
+    let mut parts: Vec<Vec<(usize, u64, usize)>> = vec![Vec::new()];
+    let mut room = per;
+    for &(mut l, mut r, mut n) in pairs {
+        while n > 0 {
+            if room == 0 && parts.len() < ways {
+                parts.push(Vec::new());
+                room = per;
+            }
+            let take = if parts.len() < ways { n.min(room) } else { n };
+            if let Some(last) = parts.last_mut() {
+                last.push((l, r, take));
+            }
+            l += take;
+            r += take as u64;
+            n -= take;
+            room = room.saturating_sub(take);
+        }
+    }
+    let mut waits = Vec::new();
+    let mut first = None;
+    for (i, part) in parts.into_iter().enumerate() {
+        if i == 0 {
+            first = Some(part);
+            continue;
+        }
+        let (done, wait) = std::sync::mpsc::sync_channel(1);
+        let job = Job {
+            pid,
+            write_remote,
+            parts: part,
+            done,
+        };
+        let sent = ferry_core::raw::lock(&pool.jobs).send(job);
+        match sent {
+            Ok(()) => waits.push(wait),
+            // No helper left: do it here.
+            Err(std::sync::mpsc::SendError(job)) => {
+                let r = job.parts.iter().try_for_each(|&(l, r, n)| {
+                    // SAFETY: the caller's guarantee.
+                    unsafe { copy_all(pid, write_remote, l as *mut u8, r, n) }
+                });
+                waits.push({
+                    let (tx, rx) = std::sync::mpsc::sync_channel(1);
+                    let _ = tx.send(r);
+                    rx
+                });
+            }
+        }
+    }
+    let mut result = first.unwrap_or_default().iter().try_for_each(|&(l, r, n)| {
+        // SAFETY: the caller's guarantee.
+        unsafe { copy_all(pid, write_remote, l as *mut u8, r, n) }
+    });
+    // Wait for every helper before the caller may release the memory.
+    for w in waits {
+        let r = w.recv().unwrap_or(Err(libc::EIO));
+        if result.is_ok() {
+            result = r;
+        }
+    }
+    result
+}
+
+/// The initiator process a connection copies with, pinned by a pidfd
+/// where the kernel has them (Linux ≥ 5.3): a copy is never made once
+/// that process has exited, so a PID reused by another process is never
+/// reached.
+#[derive(Debug)]
+pub struct Initiator {
+    /// Its PID.
+    pub pid: i32,
+    pidfd: Option<std::os::fd::OwnedFd>,
+}
+
+impl Initiator {
+    /// Pins `pid` ([`check_offer`] pins before it checks).
+    pub fn new(pid: i32) -> Initiator {
+        // SAFETY: pidfd_open takes a PID and flags and returns a new fd
+        // (or -1), which we own.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+        let pidfd = (fd >= 0).then(|| {
+            use std::os::fd::FromRawFd;
+            // SAFETY: a fresh descriptor returned to us above.
+            unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) }
+        });
+        Initiator { pid, pidfd }
+    }
+
+    /// Whether the process is pinned by a pidfd (false where the kernel
+    /// has none).
+    pub fn pinned(&self) -> bool {
+        self.pidfd.is_some()
+    }
+
+    /// False once the process has exited (a pidfd polls readable then).
+    pub fn alive(&self) -> bool {
+        let Some(fd) = &self.pidfd else { return true };
+        let mut p = libc::pollfd {
+            fd: fd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd, zero timeout.
+        let n = unsafe { libc::poll(&mut p, 1, 0) };
+        n == 0
+    }
+
+    /// A copy of the initiator's descriptor number `fd` (`pidfd_getfd`,
+    /// Linux ≥ 5.6), or the errno (`ENOSYS` without a pidfd).
+    fn take_fd(&self, fd: u32) -> Result<std::os::fd::OwnedFd, i32> {
+        use std::os::fd::FromRawFd;
+        let Some(pidfd) = &self.pidfd else {
+            return Err(libc::ENOSYS);
+        };
+        let fd = i32::try_from(fd).map_err(|_| libc::EBADF)?;
+        // SAFETY: pidfd_getfd takes a pidfd we own, a descriptor number in
+        // that process and flags; it returns a new descriptor (close-on-
+        // exec) that we own, or -1.
+        let got = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), fd, 0) };
+        if got < 0 {
+            return Err(last_errno());
+        }
+        // SAFETY: a fresh descriptor returned to us above.
+        Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(got as i32) })
+    }
+
+    /// Takes over and maps the staging area the initiator offered as its
+    /// descriptor number `fd` (see [`crate::same_host::stage`]): only a memfd sealed
+    /// against shrinking, of at least [`crate::same_host::stage::AREA_LEN`] bytes.
+    pub fn take_stage(&self, fd: u32) -> Result<crate::same_host::stage::Area, i32> {
+        crate::same_host::stage::Area::adopt(self.take_fd(fd)?)
+    }
+
+    /// Takes over the control channel the initiator offered: its end
+    /// `fd` of a Unix socket pair, duplicated into this process with
+    /// `pidfd_getfd(2)` (Linux ≥ 5.6). The kernel allows that under the
+    /// same ptrace-attach check as `process_vm_readv`, so it grants
+    /// nothing the copies do not already need. Accepted only if it is a
+    /// Unix stream socket made by that very process (its peer credentials
+    /// name the initiator's PID). `Err(errno)` otherwise (`ENOSYS` without
+    /// pidfds, `EPROTOTYPE` for another kind of descriptor, `EACCES` for
+    /// a socket made by another process).
+    pub fn take_channel(&self, fd: u32) -> Result<std::os::unix::net::UnixStream, i32> {
+        let owned = self.take_fd(fd)?;
+        let int_opt = |level, name| -> Result<libc::c_int, i32> {
+            let mut v: libc::c_int = 0;
+            let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+            // SAFETY: `v` and `len` are valid for the int-sized option.
+            let r = unsafe {
+                libc::getsockopt(
+                    owned.as_raw_fd(),
+                    level,
+                    name,
+                    (&mut v as *mut libc::c_int).cast(),
+                    &mut len,
+                )
+            };
+            if r < 0 {
+                Err(last_errno())
+            } else {
+                Ok(v)
+            }
+        };
+        let domain = int_opt(libc::SOL_SOCKET, libc::SO_DOMAIN).map_err(|_| libc::EPROTOTYPE)?;
+        let kind = int_opt(libc::SOL_SOCKET, libc::SO_TYPE).map_err(|_| libc::EPROTOTYPE)?;
+        if domain != libc::AF_UNIX || kind != libc::SOCK_STREAM {
+            return Err(libc::EPROTOTYPE);
+        }
+        let mut cred = libc::ucred {
+            pid: 0,
+            uid: 0,
+            gid: 0,
+        };
+        let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+        // SAFETY: `cred` and `len` are valid for SO_PEERCRED's ucred.
+        let r = unsafe {
+            libc::getsockopt(
+                owned.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_PEERCRED,
+                (&mut cred as *mut libc::ucred).cast(),
+                &mut len,
+            )
+        };
+        if r < 0 {
+            return Err(last_errno());
+        }
+        if cred.pid != self.pid {
+            return Err(libc::EACCES);
+        }
+        let stream = std::os::unix::net::UnixStream::from(owned);
+        stream
+            .set_nonblocking(true)
+            .map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))?;
+        Ok(stream)
+    }
+}
+
+/// The calling thread's errno.
+fn last_errno() -> i32 {
+    std::io::Error::last_os_error()
+        .raw_os_error()
+        .unwrap_or(libc::EIO)
+}
+
+impl Initiator {
+    /// Whether a copy for this initiator may go ahead: its process is
+    /// alive (pidfd) and it has not closed (or reset) `stream`. One
+    /// `poll(2)` for both checks.
+    pub fn alive_for(&self, stream: &Stream) -> bool {
+        let mut p = [
+            libc::pollfd {
+                fd: stream.as_raw_fd(),
+                events: libc::POLLRDHUP,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: self.pidfd.as_ref().map_or(-1, |f| f.as_raw_fd()),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        // SAFETY: two valid pollfds (a negative fd is ignored), zero
+        // timeout.
+        let n = unsafe { libc::poll(p.as_mut_ptr(), 2, 0) };
+        if n < 0 {
+            return !peer_closed(stream) && self.alive();
+        }
+        let closed = p[0].revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0;
+        let exited = p[1].revents != 0;
+        !closed && !exited
+    }
+}
+
+/// Whether the initiator has closed (or reset) `stream`: checked right
+/// before each copy, so a target never copies for a connection its
+/// initiator has given up (see the README for the remaining window).
+pub fn peer_closed(stream: &Stream) -> bool {
+    let mut p = libc::pollfd {
+        fd: stream.as_raw_fd(),
+        events: libc::POLLRDHUP,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd, zero timeout.
+    let n = unsafe { libc::poll(&mut p, 1, 0) };
+    n > 0 && p.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn offers_round_trip_and_reasons_are_named() {
+        let (_probe, offer) = make_offer().expect("linux");
+        assert_eq!(Offer::decode(&offer.encode()), offer);
+        assert_eq!(
+            Refusal::describe(Refusal::ProbeFailed as u64, libc::EPERM as u64),
+            "process_vm_readv: EPERM"
+        );
+        assert_eq!(SameHost::parse("cma"), Some(SameHost::Cma));
+        assert_eq!(SameHost::parse("on"), None);
+        assert_eq!(errno_name(12345), "errno 12345");
+    }
+
+    #[test]
+    fn copies_within_this_process() {
+        let src = vec![7u8; 100_000];
+        let mut dst = vec![0u8; 100_000];
+        let pid = std::process::id() as i32;
+        // SAFETY: `dst` is a live local buffer of that length.
+        unsafe { copy_all(pid, false, dst.as_mut_ptr(), src.as_ptr() as u64, dst.len()) }
+            .expect("copy");
+        assert_eq!(src, dst);
+        // SAFETY: as above; the remote address is unmapped, which the
+        // kernel reports as EFAULT.
+        let e = unsafe { copy_all(pid, false, dst.as_mut_ptr(), 8, 16) };
+        assert_eq!(e, Err(libc::EFAULT));
+        // Split over two helpers (only this test uses the pool in this
+        // binary): several ranges, uneven lengths.
+        std::env::set_var("FERRY_CMA_HELPERS", "2");
+        let src: Vec<u8> = (0..5_000_000u32).map(|i| (i % 251) as u8).collect();
+        let mut dst = vec![0u8; src.len()];
+        let pairs = [
+            (dst.as_mut_ptr() as usize, src.as_ptr() as u64, 1_234_567),
+            (
+                dst.as_mut_ptr() as usize + 1_234_567,
+                src.as_ptr() as u64 + 1_234_567,
+                src.len() - 1_234_567,
+            ),
+        ];
+        // SAFETY: `dst` is live and of that length until the call returns.
+        unsafe { copy_split(pid, false, &pairs) }.expect("split copy");
+        assert!(src == dst);
+    }
+}
