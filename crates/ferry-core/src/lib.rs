@@ -108,6 +108,7 @@ mod redact;
 pub mod region_table;
 mod span;
 pub mod types;
+mod within;
 
 #[cfg(feature = "conformance")]
 pub mod conformance;
@@ -128,6 +129,7 @@ pub use types::{
     TransferOp, TransferRequest, TransferState, MAX_LIVE_BATCHES, MAX_NOTIFICATION_MESSAGE,
     MAX_NOTIFICATION_NAME,
 };
+pub use within::TransferEngineExt;
 
 /// What backend authors need and users do not (OpenDAL's `raw`): the
 /// region table that guards memory while transfers use it, the adapter as a

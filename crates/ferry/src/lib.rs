@@ -59,10 +59,11 @@ pub use dispatch::Engine;
 
 pub use ferry_core::{
     AdapterConfig, BackendInfo, BatchId, BatchReport, BatchStatus, Capabilities, CapabilityAdapter,
-    CapabilityReport, Error, HostBuffer, LocalSpan, Location, MemoryKinds, MemoryRegion,
-    MissingCapability, Notification, Operation, RegisteredBuffer, RegisteredBuffers, RemoteSpan,
-    Result, SegmentId, Side, Support, TransferEngine, TransferOp, TransferRequest, TransferState,
-    MAX_LIVE_BATCHES, MAX_NOTIFICATION_MESSAGE, MAX_NOTIFICATION_NAME,
+    CapabilityReport, Error, ErrorKind, HostBuffer, IoSource, LocalSpan, Location, MemoryKinds,
+    MemoryRegion, MissingCapability, Notification, Operation, RegionInfo, RegisteredBuffer,
+    RegisteredBuffers, RemoteSpan, Result, Retry, SegmentId, Side, Support, TransferEngine,
+    TransferEngineExt, TransferOp, TransferRequest, TransferState, MAX_LIVE_BATCHES,
+    MAX_NOTIFICATION_MESSAGE, MAX_NOTIFICATION_NAME,
 };
 
 /// What backend authors need and users do not: the region table, the
