@@ -748,7 +748,7 @@ fn batch_register_rolls_back(backend: Backend, flavor: Flavor, cases: u32) {
                 }
                 let regions: Vec<MemoryRegion> =
                     spec.regions.iter().map(|&r| region(buf, r)).collect();
-                let addrs: Vec<u64> = regions.iter().map(MemoryRegion::addr).collect();
+                let addrs: Vec<u64> = regions.iter().map(|r| r.addr()).collect();
                 let res = e.batch_register(regions).await;
                 let verdict = match (first_failure(&spec), res) {
                     (Some(i), Err(Error::BatchRegisterFailed { index, addr, .. })) => {

@@ -144,17 +144,26 @@ impl Inbox {
         loop {
             let arrived = self.arrived.notified();
             let mut arrived = std::pin::pin!(arrived);
-            // Registered before looking, so an arrival between the look and
-            // the wait still wakes us.
-            arrived.as_mut().enable();
-            if let Some(n) = self.take_next(name) {
-                return Ok(n);
-            }
-            if lock(&self.state).closed {
-                return Err(Closed);
+            if let Some(done) = self.look(arrived.as_mut(), name) {
+                return done;
             }
             arrived.await;
         }
+    }
+
+    /// Registers `arrived` (before looking, so that an arrival between the
+    /// look and the wait still wakes the caller), then takes a wanted
+    /// notification if one is queued: `None` means wait on `arrived`.
+    fn look(
+        &self,
+        arrived: std::pin::Pin<&mut tokio::sync::futures::Notified<'_>>,
+        name: Option<&str>,
+    ) -> Option<Result<Notification, Closed>> {
+        arrived.enable();
+        if let Some(n) = self.take_next(name) {
+            return Some(Ok(n));
+        }
+        lock(&self.state).closed.then_some(Err(Closed))
     }
 
     /// [`Inbox::next`] for a backend whose library keeps its own queue:
@@ -178,12 +187,8 @@ impl Inbox {
         loop {
             let arrived = self.arrived.notified();
             let mut arrived = std::pin::pin!(arrived);
-            arrived.as_mut().enable();
-            if let Some(n) = self.take_next(name) {
-                return Ok(n);
-            }
-            if lock(&self.state).closed {
-                return Err(Closed.into());
+            if let Some(done) = self.look(arrived.as_mut(), name) {
+                return done.map_err(E::from);
             }
             pull().await?;
             if let Some(n) = self.take_next(name) {

@@ -89,9 +89,8 @@ impl FromStr for Location {
 /// ```
 #[derive(Debug, PartialEq, Eq)]
 pub struct MemoryRegion {
-    addr: u64,
-    len: u64,
-    location: Location,
+    /// Its bounds and location; every accessor comes from there (`Deref`).
+    info: RegionInfo,
 }
 
 impl MemoryRegion {
@@ -107,12 +106,38 @@ impl MemoryRegion {
     /// (`cuda:N`) must be memory the backend can address.
     pub unsafe fn from_raw_parts(ptr: *mut u8, len: usize, location: Location) -> Self {
         MemoryRegion {
-            addr: ptr as u64,
-            len: len as u64,
-            location,
+            info: RegionInfo {
+                addr: ptr as u64,
+                len: len as u64,
+                location,
+            },
         }
     }
 
+    /// What a listing shows of it (a copy that cannot be registered).
+    pub fn info(&self) -> RegionInfo {
+        self.info.clone()
+    }
+}
+
+/// The bounds and location of a region: what a [`MemoryRegion`] derefs to,
+/// and what listings return (`RegionTable::regions`) — a copy with no way
+/// to register the memory again.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct RegionInfo {
+    addr: u64,
+    len: u64,
+    location: Location,
+}
+
+impl std::ops::Deref for MemoryRegion {
+    type Target = RegionInfo;
+    fn deref(&self) -> &RegionInfo {
+        &self.info
+    }
+}
+
+impl RegionInfo {
     /// Start address.
     pub fn addr(&self) -> u64 {
         self.addr
@@ -155,49 +180,8 @@ impl MemoryRegion {
     }
 
     /// Whether the two regions share at least one byte.
-    pub fn overlaps(&self, other: &MemoryRegion) -> bool {
+    pub fn overlaps(&self, other: &RegionInfo) -> bool {
         self.addr < other.end() && other.addr < self.end()
-    }
-
-    /// What a listing shows of it (a copy that cannot be registered).
-    pub fn info(&self) -> RegionInfo {
-        RegionInfo {
-            addr: self.addr,
-            len: self.len,
-            location: self.location.clone(),
-        }
-    }
-}
-
-/// A registered region as listings show it (`RegionTable::regions`):
-/// bounds and location, and no way to register the memory again.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub struct RegionInfo {
-    addr: u64,
-    len: u64,
-    location: Location,
-}
-
-impl RegionInfo {
-    /// Start address.
-    pub fn addr(&self) -> u64 {
-        self.addr
-    }
-    /// Length in bytes.
-    pub fn len(&self) -> u64 {
-        self.len
-    }
-    /// Whether it has no bytes (a registered region never has).
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-    /// One past the last byte (saturating).
-    pub fn end(&self) -> u64 {
-        self.addr.saturating_add(self.len)
-    }
-    /// Where the memory lives.
-    pub fn location(&self) -> &Location {
-        &self.location
     }
 }
 

@@ -144,7 +144,7 @@ async fn dropped_batch_unregister_futures_leave_tables_agreeing() {
         let e = start(gen, &metadata_for(gen)).await;
         let bufs = buffers();
         let regions = regions_of(&bufs);
-        let addrs: Vec<u64> = regions.iter().map(MemoryRegion::addr).collect();
+        let addrs: Vec<u64> = regions.iter().map(|r| r.addr()).collect();
         for polls in poll_counts() {
             let what = format!("{gen}: batch_unregister dropped after {polls} polls");
             e.batch_register(regions_of(&bufs)).await.unwrap();

@@ -587,8 +587,8 @@ impl Inner {
                 source: Box::new(e),
             })?;
         }
-        let addrs: Vec<u64> = regions.iter().map(MemoryRegion::addr).collect();
-        let lens: Vec<u64> = regions.iter().map(MemoryRegion::len).collect();
+        let addrs: Vec<u64> = regions.iter().map(|r| r.addr()).collect();
+        let lens: Vec<u64> = regions.iter().map(|r| r.len()).collect();
         let first = regions
             .first()
             .map(|r| r.location().as_str().to_owned())

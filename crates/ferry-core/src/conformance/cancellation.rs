@@ -143,7 +143,7 @@ pub async fn check_cancellation(factory: Arc<dyn EngineFactory>, adapted: bool) 
                 Op::BatchRegister => {
                     let regions: Vec<MemoryRegion> =
                         (0..3).map(|i| spare.region(i * CHUNK, CHUNK)).collect();
-                    let addrs: Vec<u64> = regions.iter().map(MemoryRegion::addr).collect();
+                    let addrs: Vec<u64> = regions.iter().map(|r| r.addr()).collect();
                     poll_then_drop(p.a.batch_register(regions), polls).await;
                     // All or nothing, once any rollback of the dropped call
                     // has run: either every region is registered or none.

@@ -38,7 +38,7 @@ pub async fn check_batch_register_rollback(
     ];
     for (ranges, bad) in attempts {
         let regions: Vec<MemoryRegion> = ranges.iter().map(|&(o, l)| m.region(o, l)).collect();
-        let addrs: Vec<u64> = regions.iter().map(MemoryRegion::addr).collect();
+        let addrs: Vec<u64> = regions.iter().map(|r| r.addr()).collect();
         match p.b.batch_register(regions).await {
             Err(Error::BatchRegisterFailed { index, addr, .. }) => {
                 assert_eq!(index, bad, "BatchRegisterFailed names the wrong index");
@@ -76,7 +76,7 @@ pub async fn check_batch_register_rollback(
         .iter()
         .map(|&o| m.region(o, PAGE))
         .collect();
-    let good_addrs: Vec<u64> = good.iter().map(MemoryRegion::addr).collect();
+    let good_addrs: Vec<u64> = good.iter().map(|r| r.addr()).collect();
     p.b.batch_register(good)
         .await
         .unwrap_or_else(|e| panic!("batch_register of three free regions failed: {e}"));

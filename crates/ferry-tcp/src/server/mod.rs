@@ -175,7 +175,7 @@ impl Core {
     /// Registers every region or none, each under a new generation.
     pub fn register_all(&self, regions: Vec<MemoryRegion>) -> ferry_core::Result<()> {
         let mut g = lock(&self.gens);
-        let addrs: Vec<u64> = regions.iter().map(MemoryRegion::addr).collect();
+        let addrs: Vec<u64> = regions.iter().map(|r| r.addr()).collect();
         self.regions.insert_all(regions)?;
         for addr in addrs {
             let gen = g.bump();
