@@ -141,7 +141,7 @@ pub mod raw {
     pub use crate::error::live_batches_full;
     pub use crate::inbox::{notification_cost, Closed, Inbox, PushRefused};
     pub use crate::redact::{is_secret_key, redact_url};
-    pub use crate::region_table::{RegionGuard, RegionTable};
+    pub use crate::region_table::{RegionGuard, RegionTable, Removal};
 
     /// HMAC-SHA256 challenge–response primitives for the backends'
     /// shared-secret handshakes.

@@ -29,6 +29,35 @@ struct Shared {
     released: Notify,
 }
 
+/// A region on its way out of a [`RegionTable`] (see
+/// [`RegionTable::remove_in_steps`]).
+#[derive(Debug)]
+pub struct Removal {
+    table: RegionTable,
+    addr: u64,
+    finished: bool,
+}
+
+impl Removal {
+    /// Takes the region out of the table: its range is free from now on.
+    pub fn finish(mut self) {
+        self.finished = true;
+        self.table.lock().remove(&self.addr);
+    }
+}
+
+impl Drop for Removal {
+    fn drop(&mut self) {
+        if !self.finished {
+            // Unfinished: the region stays registered and usable again.
+            if let Some(e) = self.table.lock().get_mut(&self.addr) {
+                e.closing = false;
+            }
+            self.table.shared.released.notify_waiters();
+        }
+    }
+}
+
 /// A set of non-overlapping registered regions, keyed by start address.
 ///
 /// Cloning gives another handle to the same table.
@@ -144,6 +173,14 @@ impl RegionTable {
     /// the region stays registered and usable, as if `remove` had not been
     /// called.
     pub async fn remove(&self, addr: u64) -> Result<MemoryRegion> {
+        self.close_when_idle(addr, true)
+            .await?
+            .ok_or(Error::RegionNotRegistered { addr })
+    }
+
+    /// Marks the region closing, waits until no guard holds it, then takes
+    /// it out (`take`: the region is returned) or leaves it there closed.
+    async fn close_when_idle(&self, addr: u64, take: bool) -> Result<Option<MemoryRegion>> {
         {
             let mut map = self.lock();
             match map.get_mut(&addr) {
@@ -185,10 +222,13 @@ impl RegionTable {
                 let mut map = self.lock();
                 if map.get(&addr).is_some_and(|e| e.in_flight == 0) {
                     reopen.armed = false;
-                    let entry = map.remove(&addr);
-                    return entry
-                        .map(|e| e.region)
-                        .ok_or(Error::RegionNotRegistered { addr });
+                    if !take {
+                        return Ok(None);
+                    }
+                    return match map.remove(&addr) {
+                        Some(e) => Ok(Some(e.region)),
+                        None => Err(Error::RegionNotRegistered { addr }),
+                    };
                 }
                 if let Some(e) = map.get_mut(&addr) {
                     if let Some(reason) = &e.unproven {
@@ -203,6 +243,23 @@ impl RegionTable {
             }
             notified.await;
         }
+    }
+
+    /// [`RegionTable::remove`] in two steps, for a backend that must let
+    /// its library go of the region before the range is free again: waits
+    /// like `remove` (cancel-safe the same way), then returns a
+    /// [`Removal`] while the region, idle and closed to new guards, still
+    /// occupies its range (a new [`RegionTable::insert`] over it is
+    /// [`Error::RegionOverlap`]). [`Removal::finish`] frees the range;
+    /// dropping the `Removal` unfinished reopens the region (it stays
+    /// registered, as if nothing had happened).
+    pub async fn remove_in_steps(&self, addr: u64) -> Result<Removal> {
+        self.close_when_idle(addr, false).await?;
+        Ok(Removal {
+            table: self.clone(),
+            addr,
+            finished: false,
+        })
     }
 
     /// The live regions, in address order.
@@ -477,6 +534,31 @@ mod tests {
         ));
         drop(g);
         assert!(t.insert(region(0x1000, 0x100)).is_ok());
+    }
+
+    #[tokio::test]
+    async fn removal_in_steps_keeps_the_range_until_finished() {
+        let t = RegionTable::new();
+        t.insert(region(0x1000, 0x100)).unwrap();
+        let removal = t.remove_in_steps(0x1000).await.unwrap();
+        // Closed to transfers, listed no more, but its range is taken.
+        assert!(t.acquire(0x1000, 8, Side::Local, None).is_err());
+        assert!(t.regions().is_empty());
+        assert!(matches!(
+            t.insert(region(0x1080, 0x10)),
+            Err(Error::RegionOverlap { .. })
+        ));
+        assert!(matches!(
+            t.remove(0x1000).await,
+            Err(Error::RegionNotRegistered { .. })
+        ));
+        // Dropped unfinished: registered and usable again.
+        drop(removal);
+        assert!(t.acquire(0x1000, 8, Side::Local, None).is_ok());
+        // Finished: the range is free.
+        t.remove_in_steps(0x1000).await.unwrap().finish();
+        assert_eq!(t.len(), 0);
+        t.insert(region(0x1080, 0x10)).unwrap();
     }
 
     #[tokio::test]

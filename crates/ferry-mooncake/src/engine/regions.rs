@@ -99,24 +99,36 @@ impl MooncakeEngine {
         .await
     }
 
-    /// `unregister`: waits for the transfers using the region, then removes
-    /// it from the `RegionTable` and the library. (Dropped while waiting,
-    /// the region stays registered; once it is out of the table, the
-    /// library call is already on the blocking pool and completes.)
+    /// `unregister`: waits for the transfers using the region, then takes
+    /// it out of the library and only then out of the `RegionTable`.
+    /// Dropped while waiting, the region stays registered. From the moment
+    /// no transfer uses it, the rest runs to its end on a task of its own;
+    /// meanwhile the region still occupies its range in the table, so a
+    /// register of the same memory is `RegionOverlap` until the library has
+    /// let go of it (before, the table forgot it first, and such a register
+    /// reached the library while it still held the range:
+    /// `ERR_ADDRESS_OVERLAPPED`). If the library refuses, the region stays
+    /// registered in both.
     pub(super) async fn unregister_one(&self, addr: u64) -> Result<()> {
         // Registrations under way end first.
         drop(self.inner.registry.write().await);
-        self.inner.regions.remove(addr).await?;
-        let this = Arc::clone(&self.inner);
-        let rc = blocking(move || {
-            // SAFETY: live engine; no transfer uses the region any more.
-            unsafe { (this.lib.api.unregister)(this.raw(), addr as usize as *mut c_void) }
+        let removal = self.inner.regions.remove_in_steps(addr).await?;
+        let inner = Arc::clone(&self.inner);
+        to_completion(&self.inner, async move {
+            let this = Arc::clone(&inner);
+            let rc = blocking(move || {
+                // SAFETY: live engine; no transfer uses the region any more.
+                unsafe { (this.lib.api.unregister)(this.raw(), addr as usize as *mut c_void) }
+            })
+            .await?;
+            if rc != 0 {
+                // `removal` dropped unfinished: still registered in both.
+                return Err(call_error("unregisterLocalMemory", i64::from(rc)));
+            }
+            removal.finish();
+            Ok(())
         })
-        .await?;
-        if rc != 0 {
-            return Err(call_error("unregisterLocalMemory", i64::from(rc)));
-        }
-        Ok(())
+        .await
     }
 
     /// `batch_register`: every region or none, in both tables.
