@@ -7,9 +7,9 @@
 //!   comparable (drops the peer name, which differs between pairs).
 #![forbid(unsafe_code)]
 
+use ferry_core::DynTransferEngine;
 use std::sync::Arc;
 
-use async_trait::async_trait;
 use ferry_core::{
     BackendInfo, BatchId, BatchReport, BatchStatus, Capabilities, Error, MemoryRegion,
     MissingCapability, Notification, Operation, Result, SegmentId, TransferEngine, TransferRequest,
@@ -19,13 +19,13 @@ use ferry_core::{
 /// engine's) and answers [`Error::Unsupported`] for every optional operation
 /// it hides, exactly like a backend that lacks them.
 pub struct Masked {
-    inner: Arc<dyn TransferEngine>,
+    inner: Arc<dyn DynTransferEngine>,
     caps: Capabilities,
 }
 
 impl Masked {
     /// Wraps `inner`, keeping only the optional operations set in `keep`.
-    pub fn new(inner: Arc<dyn TransferEngine>, keep: Capabilities) -> Self {
+    pub fn new(inner: Arc<dyn DynTransferEngine>, keep: Capabilities) -> Self {
         let native = inner.capabilities();
         let mut caps = native;
         for op in Operation::OPTIONAL {
@@ -48,7 +48,6 @@ impl Masked {
 }
 
 #[deny(clippy::missing_trait_methods)]
-#[async_trait]
 impl TransferEngine for Masked {
     fn backend_name(&self) -> &str {
         self.inner.backend_name()
@@ -141,6 +140,10 @@ impl TransferEngine for Masked {
     }
     fn live_batches(&self) -> Option<usize> {
         self.inner.live_batches()
+    }
+
+    async fn shutdown(&self) -> Result<()> {
+        self.inner.shutdown().await
     }
 }
 

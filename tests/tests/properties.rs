@@ -15,6 +15,7 @@
 //! pages, so they straddle the region boundary or run into the unregistered
 //! page (and fail) at random.
 
+use ferry_core::DynTransferEngine;
 use std::sync::Arc;
 
 use ferry_core::inproc::InprocEngine;
@@ -44,7 +45,7 @@ enum Backend {
 }
 
 /// A raw engine of `backend` with all its native capabilities.
-async fn raw(backend: Backend) -> Arc<dyn TransferEngine> {
+async fn raw(backend: Backend) -> Arc<dyn DynTransferEngine> {
     match backend {
         Backend::Inproc => Arc::new(InprocEngine::auto(Capabilities::all())),
         Backend::Tcp => Arc::new(
@@ -82,12 +83,13 @@ fn adapter(coalesce: bool) -> AdapterConfig {
     }
 }
 
-async fn make(backend: Backend, flavor: Flavor) -> Arc<dyn TransferEngine> {
+async fn make(backend: Backend, flavor: Flavor) -> Arc<dyn DynTransferEngine> {
     let e = raw(backend).await;
     match flavor {
         Flavor::Native => e,
         Flavor::Emulated { coalesce } => {
-            let masked: Arc<dyn TransferEngine> = Arc::new(Masked::new(e, Capabilities::default()));
+            let masked: Arc<dyn DynTransferEngine> =
+                Arc::new(Masked::new(e, Capabilities::default()));
             Arc::new(CapabilityAdapter::from_arc(masked, adapter(coalesce)))
         }
         Flavor::AdaptedNative { coalesce } => {
@@ -112,9 +114,9 @@ fn page(buf: &HostBuffer, i: usize) -> MemoryRegion {
 /// One issuing engine and its peers, each peer's segment opened, every
 /// engine's pages 0 and 1 registered as two adjacent regions.
 struct Setup {
-    a: Arc<dyn TransferEngine>,
+    a: Arc<dyn DynTransferEngine>,
     local: &'static HostBuffer,
-    peers: Vec<(Arc<dyn TransferEngine>, SegmentId, &'static HostBuffer)>,
+    peers: Vec<(Arc<dyn DynTransferEngine>, SegmentId, &'static HostBuffer)>,
 }
 
 impl Setup {
@@ -372,7 +374,7 @@ enum Path {
 }
 
 async fn run(
-    e: &Arc<dyn TransferEngine>,
+    e: &Arc<dyn DynTransferEngine>,
     seg: SegmentId,
     reqs: &[TransferRequest],
     path: Path,
@@ -708,7 +710,7 @@ fn region(buf: &HostBuffer, (off, len): (usize, usize)) -> MemoryRegion {
 /// Registers the free ranges around the obstacle and unregisters them
 /// again; succeeds only if nothing else is registered in the buffer.
 async fn nothing_but_obstacle(
-    e: &Arc<dyn TransferEngine>,
+    e: &Arc<dyn DynTransferEngine>,
     buf: &HostBuffer,
     obstacle: Option<(usize, usize)>,
 ) -> std::result::Result<(), String> {

@@ -16,6 +16,7 @@
 //! it set nothing skips: a library that cannot be loaded fails the test.
 //! CI cannot build Mooncake, so it does not set the variable.
 
+use ferry_core::DynTransferEngine;
 use std::io::{BufRead, BufReader};
 use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
@@ -154,7 +155,7 @@ struct RealFactory {
 
 #[async_trait::async_trait]
 impl EngineFactory for RealFactory {
-    async fn create(&self) -> Result<Arc<dyn TransferEngine>> {
+    async fn create(&self) -> Result<Arc<dyn DynTransferEngine>> {
         let cfg = MooncakeConfig::from_url(&self.url)?;
         // SAFETY: the libraries FERRY_MOONCAKE_REAL_LIBS names are Mooncake
         // C-API builds, chosen by whoever runs the test.

@@ -121,6 +121,18 @@ impl BatchTable {
         }
     }
 
+    /// Every alias in the table: (the table's id, the wrapped engine's).
+    pub fn forwarded_all(&self) -> Vec<(BatchId, BatchId)> {
+        lock(&self.entries)
+            .map
+            .iter()
+            .filter_map(|(id, e)| match e {
+                Entry::Forwarded(inner) => Some((BatchId(*id), *inner)),
+                Entry::Tracked(_) => None,
+            })
+            .collect()
+    }
+
     /// Forgets `id` whatever its state (an alias whose wrapped batch was
     /// waited for or released). Whether it was there.
     pub fn remove(&self, id: BatchId) -> bool {

@@ -4,6 +4,7 @@
 //! register memory only through `RegisteredBuffer`, so it cannot free memory
 //! a peer may still write.
 
+use crate::DynTransferEngine;
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::ptr::NonNull;
 use std::sync::Arc;
@@ -150,7 +151,7 @@ impl Drop for HostBuffer {
 /// runtime, or if the runtime drops that task, the memory is leaked rather
 /// than freed while possibly registered. Call [`RegisteredBuffer::release`]
 /// to unregister deterministically.
-pub struct RegisteredBuffer<E: TransferEngine + ?Sized = dyn TransferEngine> {
+pub struct RegisteredBuffer<E: TransferEngine + ?Sized = dyn DynTransferEngine> {
     /// Every engine the memory is registered with; never empty.
     engines: Vec<Arc<E>>,
     location: Location,
@@ -385,7 +386,7 @@ impl<E: TransferEngine + ?Sized> Drop for RegisteredBuffer<E> {
 /// Dropping it, [`RegisteredBuffers::release`] and a failed or dropped
 /// registration follow the rules of [`RegisteredBuffer`]: memory that may
 /// be registered is never freed, only leaked.
-pub struct RegisteredBuffers<E: TransferEngine + ?Sized = dyn TransferEngine> {
+pub struct RegisteredBuffers<E: TransferEngine + ?Sized = dyn DynTransferEngine> {
     engine: Arc<E>,
     buffers: Vec<HostBuffer>,
 }

@@ -1,6 +1,7 @@
 //! The `TransferEngine` trait: Mooncake's model as one async contract.
 
-use async_trait::async_trait;
+use std::future::Future;
+use std::pin::Pin;
 
 use crate::caps::{BackendInfo, Capabilities, Operation};
 use crate::error::{Error, Result};
@@ -34,7 +35,6 @@ use crate::types::{
 ///   completes (a `tokio::time::timeout`, a `select!`) leaves behind; the
 ///   conformance suite's `cancellation` and `awaited_notification` checks
 ///   drop each one after every number of polls and check exactly that.
-#[async_trait]
 pub trait TransferEngine: Send + Sync + 'static {
     /// Backend name: `tcp`, `mooncake`, `verbs`, `inproc`.
     fn backend_name(&self) -> &str;
@@ -63,7 +63,7 @@ pub trait TransferEngine: Send + Sync + 'static {
     /// never half (a registration in a library runs to its end); a
     /// [`crate::RegisteredBuffer`] whose registration was dropped leaks its
     /// memory rather than free it possibly registered.
-    async fn register(&self, region: MemoryRegion) -> Result<()>;
+    fn register(&self, region: MemoryRegion) -> impl Future<Output = Result<()>> + Send;
 
     /// Unregisters the region that starts at `addr`.
     ///
@@ -74,7 +74,7 @@ pub trait TransferEngine: Send + Sync + 'static {
     /// Cancel-safety: a dropped future leaves the region registered (and
     /// usable) or unregistered; only a call that returned `Ok` promises
     /// that no byte of it changes any more.
-    async fn unregister(&self, addr: u64) -> Result<()>;
+    fn unregister(&self, addr: u64) -> impl Future<Output = Result<()>> + Send;
 
     /// Registers every region, all or nothing: if one fails, those already
     /// registered by this call are unregistered and the error is
@@ -82,9 +82,15 @@ pub trait TransferEngine: Send + Sync + 'static {
     ///
     /// Cancel-safety: all or nothing also when dropped (a rollback runs on
     /// a task of its own).
-    async fn batch_register(&self, regions: Vec<MemoryRegion>) -> Result<()> {
+    fn batch_register(
+        &self,
+        regions: Vec<MemoryRegion>,
+    ) -> impl Future<Output = Result<()>> + Send {
         let _ = regions;
-        Err(unsupported(self.backend_name(), Operation::BatchRegister))
+        std::future::ready(Err(unsupported(
+            self.backend_name(),
+            Operation::BatchRegister,
+        )))
     }
 
     /// Unregisters the regions starting at each address (same waiting rule as
@@ -92,21 +98,24 @@ pub trait TransferEngine: Send + Sync + 'static {
     /// error is returned.
     ///
     /// Cancel-safety: as [`TransferEngine::unregister`], region by region.
-    async fn batch_unregister(&self, addrs: &[u64]) -> Result<()> {
+    fn batch_unregister(&self, addrs: &[u64]) -> impl Future<Output = Result<()>> + Send {
         let _ = addrs;
-        Err(unsupported(self.backend_name(), Operation::BatchUnregister))
+        std::future::ready(Err(unsupported(
+            self.backend_name(),
+            Operation::BatchUnregister,
+        )))
     }
 
     /// Opens the peer segment called `name` and returns a handle for
     /// transfers. Opening the same name twice may return the same handle.
-    async fn open_segment(&self, name: &str) -> Result<SegmentId>;
+    fn open_segment(&self, name: &str) -> impl Future<Output = Result<SegmentId>> + Send;
 
     /// Closes a handle. Transfers in flight on it finish or fail first.
     ///
     /// Cancel-safety: a dropped future leaves the handle closed
     /// ([`Error::UnknownSegment`] from then on) or open, working and
     /// closable; never a handle that neither works nor releases its peer.
-    async fn close_segment(&self, segment: SegmentId) -> Result<()>;
+    fn close_segment(&self, segment: SegmentId) -> impl Future<Output = Result<()>> + Send;
 
     /// Performs one request and waits for it.
     ///
@@ -114,7 +123,11 @@ pub trait TransferEngine: Send + Sync + 'static {
     /// the bytes (retry class [`crate::Retry::MaybeApplied`]); it leaves no
     /// batch behind, and once `unregister` of either memory returns no byte
     /// of it changes.
-    async fn transfer(&self, segment: SegmentId, request: TransferRequest) -> Result<()>;
+    fn transfer(
+        &self,
+        segment: SegmentId,
+        request: TransferRequest,
+    ) -> impl Future<Output = Result<()>> + Send;
 
     /// Performs every request and waits for all of them. `Err` means the
     /// batch as a whole was refused (unknown segment, too many requests,
@@ -126,14 +139,17 @@ pub trait TransferEngine: Send + Sync + 'static {
     ///
     /// Cancel-safety: as [`TransferEngine::transfer`], for every request;
     /// the notification may or may not have been sent.
-    async fn batch_transfer(
+    fn batch_transfer(
         &self,
         segment: SegmentId,
         requests: &[TransferRequest],
         notify: Option<&Notification>,
-    ) -> Result<BatchReport> {
+    ) -> impl Future<Output = Result<BatchReport>> + Send {
         let _ = (segment, requests, notify);
-        Err(unsupported(self.backend_name(), Operation::BatchTransfer))
+        std::future::ready(Err(unsupported(
+            self.backend_name(),
+            Operation::BatchTransfer,
+        )))
     }
 
     /// Starts every request and returns at once with a batch id for
@@ -143,14 +159,14 @@ pub trait TransferEngine: Send + Sync + 'static {
     /// Cancel-safety: a dropped future either submitted nothing or
     /// submitted a batch the engine finishes and reclaims by itself
     /// ([`TransferEngine::live_batches`] returns to where it was).
-    async fn submit(
+    fn submit(
         &self,
         segment: SegmentId,
         requests: &[TransferRequest],
         notify: Option<&Notification>,
-    ) -> Result<BatchId> {
+    ) -> impl Future<Output = Result<BatchId>> + Send {
         let _ = (segment, requests, notify);
-        Err(unsupported(self.backend_name(), Operation::AsyncBatch))
+        std::future::ready(Err(unsupported(self.backend_name(), Operation::AsyncBatch)))
     }
 
     /// The state of each request of `batch`. Never blocks, never waits.
@@ -164,16 +180,16 @@ pub trait TransferEngine: Send + Sync + 'static {
     ///
     /// Cancel-safety: a dropped future leaves the batch as it was; a later
     /// `wait` (or `status` and `release_batch`) takes it.
-    async fn wait(&self, batch: BatchId) -> Result<BatchReport> {
+    fn wait(&self, batch: BatchId) -> impl Future<Output = Result<BatchReport>> + Send {
         let _ = batch;
-        Err(unsupported(self.backend_name(), Operation::BatchWait))
+        std::future::ready(Err(unsupported(self.backend_name(), Operation::BatchWait)))
     }
 
     /// Releases a finished batch without waiting; [`Error::BatchBusy`] if a
     /// request is still pending. The id is invalid afterwards.
-    async fn release_batch(&self, batch: BatchId) -> Result<()> {
+    fn release_batch(&self, batch: BatchId) -> impl Future<Output = Result<()>> + Send {
         let _ = batch;
-        Err(unsupported(self.backend_name(), Operation::AsyncBatch))
+        std::future::ready(Err(unsupported(self.backend_name(), Operation::AsyncBatch)))
     }
 
     /// Takes the notifications received so far, oldest first. Never waits.
@@ -181,8 +197,8 @@ pub trait TransferEngine: Send + Sync + 'static {
     /// Cancel-safe: the notifications live in a queue the engine owns until
     /// this call returns them, so a dropped future loses none (they are
     /// returned by the next call).
-    async fn take_notifications(&self) -> Result<Vec<Notification>> {
-        Err(unsupported(self.backend_name(), Operation::Notify))
+    fn take_notifications(&self) -> impl Future<Output = Result<Vec<Notification>>> + Send {
+        std::future::ready(Err(unsupported(self.backend_name(), Operation::Notify)))
     }
 
     /// Waits for the next notification — the oldest one queued, or the
@@ -195,9 +211,12 @@ pub trait TransferEngine: Send + Sync + 'static {
     /// Ends with [`Error::Canceled`] once the engine shuts down;
     /// [`Error::Unsupported`] (operation [`Operation::Notify`]) where the
     /// engine has no notifications.
-    async fn next_notification(&self, name: Option<&str>) -> Result<Notification> {
+    fn next_notification(
+        &self,
+        name: Option<&str>,
+    ) -> impl Future<Output = Result<Notification>> + Send {
         let _ = name;
-        Err(unsupported(self.backend_name(), Operation::Notify))
+        std::future::ready(Err(unsupported(self.backend_name(), Operation::Notify)))
     }
 
     /// How many asynchronous batches the engine holds: submitted (by the
@@ -208,8 +227,260 @@ pub trait TransferEngine: Send + Sync + 'static {
     fn live_batches(&self) -> Option<usize> {
         None
     }
+
+    /// Stops the engine and waits until it has stopped.
+    ///
+    /// Through a [`crate::CapabilityAdapter`] (and so `ferry::Engine`) this
+    /// is a drain: calls that start after it began fail with
+    /// [`Error::Canceled`], calls already in flight are awaited to their
+    /// end (their bytes land or they fail as usual), and only then the
+    /// backend stops. A backend's own `shutdown` stops at once: its
+    /// listener and connections close, pending requests and the batches
+    /// it holds fail with [`Error::Canceled`], `next_notification` waiters
+    /// end with `Canceled`, and it returns once none of its tasks touches
+    /// registered memory any more. Regions stay registered: `unregister`
+    /// them (or drop the engine) to release them. Idempotent; dropping an
+    /// engine does the backend's part without waiting.
+    ///
+    /// Cancel-safety: a dropped future leaves the engine shut down or
+    /// shutting down (new calls are refused either way); awaiting
+    /// `shutdown` again waits for the rest.
+    ///
+    /// The default, for engines with no background work, returns at once.
+    fn shutdown(&self) -> impl Future<Output = Result<()>> + Send {
+        std::future::ready(Ok(()))
+    }
 }
 
 fn unsupported(backend: &str, op: Operation) -> Error {
     Error::unsupported(backend, op, "the backend does not implement it")
+}
+
+/// A boxed, sendable future: what [`DynTransferEngine`]'s methods return.
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// The object-safe form of [`TransferEngine`], for code that picks the
+/// backend at run time and holds `Arc<dyn DynTransferEngine>`.
+///
+/// [`TransferEngine`] uses native `async fn` (no allocation per call for
+/// statically known engines, such as `ferry::Engine` over its adapter and
+/// backend); it cannot be a trait object. Every `TransferEngine`
+/// implements this trait, and `dyn DynTransferEngine` implements
+/// `TransferEngine` again, so a trait object costs exactly one boxed
+/// future and one dynamic call per operation (the pattern of OpenDAL's
+/// `Access` / `AccessDyn`). Call the `TransferEngine` methods on it; the
+/// `*_dyn` methods are its plumbing.
+///
+/// ```
+/// use std::sync::Arc;
+/// use ferry_core::{inproc::InprocEngine, Capabilities, DynTransferEngine, TransferEngine};
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// let engine: Arc<dyn DynTransferEngine> = Arc::new(InprocEngine::auto(Capabilities::default()));
+/// assert_eq!(engine.backend_name(), "inproc");
+/// let seg = engine.open_segment(engine.segment_name()).await.unwrap();
+/// engine.close_segment(seg).await.unwrap();
+/// # }
+/// ```
+#[allow(missing_docs)]
+pub trait DynTransferEngine: Send + Sync + 'static {
+    fn backend_name_dyn(&self) -> &str;
+    fn segment_name_dyn(&self) -> &str;
+    fn capabilities_dyn(&self) -> Capabilities;
+    fn backend_info_dyn(&self) -> BackendInfo;
+    fn register_dyn(&self, region: MemoryRegion) -> BoxFuture<'_, Result<()>>;
+    fn unregister_dyn(&self, addr: u64) -> BoxFuture<'_, Result<()>>;
+    fn batch_register_dyn(&self, regions: Vec<MemoryRegion>) -> BoxFuture<'_, Result<()>>;
+    fn batch_unregister_dyn<'a>(&'a self, addrs: &'a [u64]) -> BoxFuture<'a, Result<()>>;
+    fn open_segment_dyn<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<SegmentId>>;
+    fn close_segment_dyn(&self, segment: SegmentId) -> BoxFuture<'_, Result<()>>;
+    fn transfer_dyn(
+        &self,
+        segment: SegmentId,
+        request: TransferRequest,
+    ) -> BoxFuture<'_, Result<()>>;
+    fn batch_transfer_dyn<'a>(
+        &'a self,
+        segment: SegmentId,
+        requests: &'a [TransferRequest],
+        notify: Option<&'a Notification>,
+    ) -> BoxFuture<'a, Result<BatchReport>>;
+    fn submit_dyn<'a>(
+        &'a self,
+        segment: SegmentId,
+        requests: &'a [TransferRequest],
+        notify: Option<&'a Notification>,
+    ) -> BoxFuture<'a, Result<BatchId>>;
+    fn status_dyn(&self, batch: BatchId) -> Result<BatchStatus>;
+    fn wait_dyn(&self, batch: BatchId) -> BoxFuture<'_, Result<BatchReport>>;
+    fn release_batch_dyn(&self, batch: BatchId) -> BoxFuture<'_, Result<()>>;
+    fn take_notifications_dyn(&self) -> BoxFuture<'_, Result<Vec<Notification>>>;
+    fn next_notification_dyn<'a>(
+        &'a self,
+        name: Option<&'a str>,
+    ) -> BoxFuture<'a, Result<Notification>>;
+    fn live_batches_dyn(&self) -> Option<usize>;
+    fn shutdown_dyn(&self) -> BoxFuture<'_, Result<()>>;
+}
+
+impl<T: TransferEngine> DynTransferEngine for T {
+    fn backend_name_dyn(&self) -> &str {
+        self.backend_name()
+    }
+    fn segment_name_dyn(&self) -> &str {
+        self.segment_name()
+    }
+    fn capabilities_dyn(&self) -> Capabilities {
+        self.capabilities()
+    }
+    fn backend_info_dyn(&self) -> BackendInfo {
+        self.backend_info()
+    }
+    fn register_dyn(&self, region: MemoryRegion) -> BoxFuture<'_, Result<()>> {
+        Box::pin(self.register(region))
+    }
+    fn unregister_dyn(&self, addr: u64) -> BoxFuture<'_, Result<()>> {
+        Box::pin(self.unregister(addr))
+    }
+    fn batch_register_dyn(&self, regions: Vec<MemoryRegion>) -> BoxFuture<'_, Result<()>> {
+        Box::pin(self.batch_register(regions))
+    }
+    fn batch_unregister_dyn<'a>(&'a self, addrs: &'a [u64]) -> BoxFuture<'a, Result<()>> {
+        Box::pin(self.batch_unregister(addrs))
+    }
+    fn open_segment_dyn<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<SegmentId>> {
+        Box::pin(self.open_segment(name))
+    }
+    fn close_segment_dyn(&self, segment: SegmentId) -> BoxFuture<'_, Result<()>> {
+        Box::pin(self.close_segment(segment))
+    }
+    fn transfer_dyn(
+        &self,
+        segment: SegmentId,
+        request: TransferRequest,
+    ) -> BoxFuture<'_, Result<()>> {
+        Box::pin(self.transfer(segment, request))
+    }
+    fn batch_transfer_dyn<'a>(
+        &'a self,
+        segment: SegmentId,
+        requests: &'a [TransferRequest],
+        notify: Option<&'a Notification>,
+    ) -> BoxFuture<'a, Result<BatchReport>> {
+        Box::pin(self.batch_transfer(segment, requests, notify))
+    }
+    fn submit_dyn<'a>(
+        &'a self,
+        segment: SegmentId,
+        requests: &'a [TransferRequest],
+        notify: Option<&'a Notification>,
+    ) -> BoxFuture<'a, Result<BatchId>> {
+        Box::pin(self.submit(segment, requests, notify))
+    }
+    fn status_dyn(&self, batch: BatchId) -> Result<BatchStatus> {
+        self.status(batch)
+    }
+    fn wait_dyn(&self, batch: BatchId) -> BoxFuture<'_, Result<BatchReport>> {
+        Box::pin(self.wait(batch))
+    }
+    fn release_batch_dyn(&self, batch: BatchId) -> BoxFuture<'_, Result<()>> {
+        Box::pin(self.release_batch(batch))
+    }
+    fn take_notifications_dyn(&self) -> BoxFuture<'_, Result<Vec<Notification>>> {
+        Box::pin(self.take_notifications())
+    }
+    fn next_notification_dyn<'a>(
+        &'a self,
+        name: Option<&'a str>,
+    ) -> BoxFuture<'a, Result<Notification>> {
+        Box::pin(self.next_notification(name))
+    }
+    fn live_batches_dyn(&self) -> Option<usize> {
+        self.live_batches()
+    }
+    fn shutdown_dyn(&self) -> BoxFuture<'_, Result<()>> {
+        Box::pin(self.shutdown())
+    }
+}
+
+/// A trait object is an engine again: one boxed future per call.
+#[deny(clippy::missing_trait_methods)]
+impl TransferEngine for dyn DynTransferEngine {
+    fn backend_name(&self) -> &str {
+        self.backend_name_dyn()
+    }
+    fn segment_name(&self) -> &str {
+        self.segment_name_dyn()
+    }
+    fn capabilities(&self) -> Capabilities {
+        self.capabilities_dyn()
+    }
+    fn backend_info(&self) -> BackendInfo {
+        self.backend_info_dyn()
+    }
+    fn register(&self, region: MemoryRegion) -> impl Future<Output = Result<()>> + Send {
+        self.register_dyn(region)
+    }
+    fn unregister(&self, addr: u64) -> impl Future<Output = Result<()>> + Send {
+        self.unregister_dyn(addr)
+    }
+    fn batch_register(
+        &self,
+        regions: Vec<MemoryRegion>,
+    ) -> impl Future<Output = Result<()>> + Send {
+        self.batch_register_dyn(regions)
+    }
+    async fn batch_unregister(&self, addrs: &[u64]) -> Result<()> {
+        self.batch_unregister_dyn(addrs).await
+    }
+    async fn open_segment(&self, name: &str) -> Result<SegmentId> {
+        self.open_segment_dyn(name).await
+    }
+    fn close_segment(&self, segment: SegmentId) -> impl Future<Output = Result<()>> + Send {
+        self.close_segment_dyn(segment)
+    }
+    fn transfer(
+        &self,
+        segment: SegmentId,
+        request: TransferRequest,
+    ) -> impl Future<Output = Result<()>> + Send {
+        self.transfer_dyn(segment, request)
+    }
+    async fn batch_transfer(
+        &self,
+        segment: SegmentId,
+        requests: &[TransferRequest],
+        notify: Option<&Notification>,
+    ) -> Result<BatchReport> {
+        self.batch_transfer_dyn(segment, requests, notify).await
+    }
+    async fn submit(
+        &self,
+        segment: SegmentId,
+        requests: &[TransferRequest],
+        notify: Option<&Notification>,
+    ) -> Result<BatchId> {
+        self.submit_dyn(segment, requests, notify).await
+    }
+    fn status(&self, batch: BatchId) -> Result<BatchStatus> {
+        self.status_dyn(batch)
+    }
+    fn wait(&self, batch: BatchId) -> impl Future<Output = Result<BatchReport>> + Send {
+        self.wait_dyn(batch)
+    }
+    fn release_batch(&self, batch: BatchId) -> impl Future<Output = Result<()>> + Send {
+        self.release_batch_dyn(batch)
+    }
+    fn take_notifications(&self) -> impl Future<Output = Result<Vec<Notification>>> + Send {
+        self.take_notifications_dyn()
+    }
+    async fn next_notification(&self, name: Option<&str>) -> Result<Notification> {
+        self.next_notification_dyn(name).await
+    }
+    fn live_batches(&self) -> Option<usize> {
+        self.live_batches_dyn()
+    }
+    fn shutdown(&self) -> impl Future<Output = Result<()>> + Send {
+        self.shutdown_dyn()
+    }
 }

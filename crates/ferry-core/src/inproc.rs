@@ -22,8 +22,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
-use async_trait::async_trait;
-
 use crate::batch::{BatchDriver, BatchTable};
 use crate::caps::{BackendInfo, Capabilities, MemoryKinds, MissingCapability, Operation};
 use crate::engine::TransferEngine;
@@ -340,7 +338,6 @@ fn deliver(segment: &Segment, note: Notification) -> Result<()> {
     }
 }
 
-#[async_trait]
 impl TransferEngine for InprocEngine {
     fn backend_name(&self) -> &str {
         BACKEND
@@ -536,5 +533,12 @@ impl TransferEngine for InprocEngine {
 
     fn live_batches(&self) -> Option<usize> {
         Some(self.core.batches.len())
+    }
+
+    /// Ends the notification waiters with `Canceled`; the engine has no
+    /// task of its own to stop.
+    async fn shutdown(&self) -> Result<()> {
+        self.core.notifications.close();
+        Ok(())
     }
 }

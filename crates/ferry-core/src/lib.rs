@@ -34,14 +34,14 @@
 //!
 //! use ferry_core::inproc::InprocEngine;
 //! use ferry_core::{
-//!     CapabilityAdapter, Capabilities, Notification, RegisteredBuffer, TransferEngine,
+//!     CapabilityAdapter, Capabilities, DynTransferEngine, Notification, RegisteredBuffer, TransferEngine,
 //!     TransferRequest,
 //! };
 //!
 //! const BLOCK: usize = 4096; // bytes of one KV block
 //! # tokio::runtime::Runtime::new().unwrap().block_on(async {
 //! // Decode node: a KV cache of 16 blocks, registered with its engine.
-//! let decode: Arc<dyn TransferEngine> = Arc::new(CapabilityAdapter::new(InprocEngine::new(
+//! let decode: Arc<dyn DynTransferEngine> = Arc::new(CapabilityAdapter::new(InprocEngine::new(
 //!     "decode-0",
 //!     Capabilities { batch_transfer: true, notify: true, ..Capabilities::default() },
 //! )?));
@@ -50,7 +50,7 @@
 //! let (segment, kv_base, dst_blocks) = ("decode-0", kv_cache.addr(), [9u64, 2, 5]);
 //!
 //! // Prefill node: computes the blocks into its own registered memory ...
-//! let prefill: Arc<dyn TransferEngine> = Arc::new(CapabilityAdapter::new(InprocEngine::new(
+//! let prefill: Arc<dyn DynTransferEngine> = Arc::new(CapabilityAdapter::new(InprocEngine::new(
 //!     "prefill-0",
 //!     Capabilities { batch_transfer: true, notify: true, ..Capabilities::default() },
 //! )?));
@@ -101,6 +101,7 @@ mod auth;
 pub mod batch;
 pub mod buffer;
 pub mod caps;
+mod drain;
 pub mod engine;
 pub mod error;
 mod inbox;
@@ -120,7 +121,7 @@ pub use buffer::{HostBuffer, RegisteredBuffer, RegisteredBuffers};
 pub use caps::{
     BackendInfo, Capabilities, CapabilityReport, MemoryKinds, MissingCapability, Operation, Support,
 };
-pub use engine::TransferEngine;
+pub use engine::{BoxFuture, DynTransferEngine, TransferEngine};
 pub use error::{live_batches_full, Error, ErrorKind, IoSource, Result, Retry, Side};
 pub use region_table::{RegionGuard, RegionTable};
 pub use span::{LocalSpan, RemoteSpan};
@@ -138,6 +139,7 @@ pub use within::TransferEngineExt;
 pub mod raw {
     pub use crate::adapter::{coalesce, AdapterLayer, CoalescedBatch, Layer};
     pub use crate::batch::{BatchDriver, BatchTable};
+    pub use crate::drain::{Active, Drain};
     pub use crate::error::live_batches_full;
     pub use crate::inbox::{notification_cost, Closed, Inbox, PushRefused};
     pub use crate::redact::{is_secret_key, redact_url};

@@ -5,7 +5,7 @@
 //! `awaited_notification` checks), so a deadline is the method's future
 //! dropped when the time is up: what that leaves behind is exactly what a
 //! dropped future leaves. [`TransferEngineExt`] gives every engine (and
-//! `dyn TransferEngine`, and the `ferry::Engine` facade) the `*_within`
+//! `dyn DynTransferEngine`, and the `ferry::Engine` facade) the `*_within`
 //! forms.
 
 use std::future::Future;

@@ -6,7 +6,6 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use async_trait::async_trait;
 use ferry_core::inproc::InprocEngine;
 use ferry_core::{
     AdapterConfig, BackendInfo, BatchId, BatchReport, BatchStatus, Capabilities, CapabilityAdapter,
@@ -40,7 +39,6 @@ impl Probe {
 }
 
 #[deny(clippy::missing_trait_methods)]
-#[async_trait]
 impl TransferEngine for Probe {
     fn backend_name(&self) -> &str {
         self.inner.backend_name()
@@ -124,6 +122,10 @@ impl TransferEngine for Probe {
     }
     fn live_batches(&self) -> Option<usize> {
         self.inner.live_batches()
+    }
+
+    async fn shutdown(&self) -> Result<()> {
+        self.inner.shutdown().await
     }
 }
 

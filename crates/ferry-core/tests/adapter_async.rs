@@ -2,6 +2,7 @@
 //! per-request progress shows through `status`), an emulated one works
 //! without a Tokio runtime.
 
+use ferry_core::DynTransferEngine;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -14,7 +15,7 @@ use ferry_core::{
 const BLOCK: usize = InprocEngine::CHUNK * 4;
 
 /// Registers `buf` with `e` (the buffer outlives every use in these tests).
-async fn register(e: &dyn TransferEngine, buf: &HostBuffer) {
+async fn register(e: &dyn DynTransferEngine, buf: &HostBuffer) {
     // SAFETY: `buf` outlives the engines' use of it (unregistered at the end
     // of each test, before it is dropped).
     let r = unsafe { MemoryRegion::from_raw_parts(buf.as_ptr(), buf.len(), Location::cpu(0)) };

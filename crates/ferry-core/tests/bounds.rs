@@ -1,6 +1,7 @@
 //! Bounded queues: a full one is a typed, retryable error, and nothing
 //! grows past its bound.
 
+use ferry_core::DynTransferEngine;
 use std::sync::Arc;
 
 use ferry_core::inproc::InprocEngine;
@@ -9,9 +10,9 @@ use ferry_core::{
     TransferEngine, TransferRequest, MAX_LIVE_BATCHES,
 };
 
-async fn pair(caps: Capabilities) -> (Arc<dyn TransferEngine>, Arc<dyn TransferEngine>) {
-    let a: Arc<dyn TransferEngine> = Arc::new(InprocEngine::auto(caps));
-    let b: Arc<dyn TransferEngine> = Arc::new(InprocEngine::auto(caps));
+async fn pair(caps: Capabilities) -> (Arc<dyn DynTransferEngine>, Arc<dyn DynTransferEngine>) {
+    let a: Arc<dyn DynTransferEngine> = Arc::new(InprocEngine::auto(caps));
+    let b: Arc<dyn DynTransferEngine> = Arc::new(InprocEngine::auto(caps));
     (a, b)
 }
 
@@ -53,7 +54,7 @@ async fn a_full_notification_queue_fails_the_last_request_retryably() {
 }
 
 /// Submits until the bound; returns the first batch.
-async fn fill_live_batches(e: &Arc<dyn TransferEngine>, seg: SegmentId) -> BatchId {
+async fn fill_live_batches(e: &Arc<dyn DynTransferEngine>, seg: SegmentId) -> BatchId {
     let first = e.submit(seg, &[], None).await.unwrap();
     for _ in 1..MAX_LIVE_BATCHES {
         e.submit(seg, &[], None).await.unwrap();
@@ -76,7 +77,7 @@ async fn live_batches_are_bounded_natively_and_through_the_adapter() {
 
     let inner = Arc::new(InprocEngine::auto(Capabilities::default()));
     let (_, b) = pair(Capabilities::default()).await;
-    let adapted: Arc<dyn TransferEngine> =
+    let adapted: Arc<dyn DynTransferEngine> =
         Arc::new(CapabilityAdapter::from_arc(inner, Default::default()));
     let seg = adapted.open_segment(b.segment_name()).await.unwrap();
     let first = fill_live_batches(&adapted, seg).await;

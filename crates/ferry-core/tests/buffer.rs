@@ -1,6 +1,7 @@
 //! `RegisteredBuffer`: owned memory registered with one or more engines and
 //! unregistered from all of them before it is freed.
 
+use ferry_core::DynTransferEngine;
 use std::sync::Arc;
 
 use ferry_core::inproc::InprocEngine;
@@ -70,7 +71,8 @@ async fn dropping_unregisters_from_every_engine() {
 async fn buffers_register_together_and_release_together() {
     // Native batch register, and the adapter's emulation of it.
     for caps in [Capabilities::all(), Capabilities::default()] {
-        let e: Arc<dyn TransferEngine> = Arc::new(CapabilityAdapter::new(InprocEngine::auto(caps)));
+        let e: Arc<dyn DynTransferEngine> =
+            Arc::new(CapabilityAdapter::new(InprocEngine::auto(caps)));
         let bufs = RegisteredBuffers::new(Arc::clone(&e), &[4096, 8192, 4096])
             .await
             .unwrap();

@@ -5,6 +5,7 @@
 //! One test only: it sets the process environment, which the other tests of
 //! a binary would race with.
 
+use ferry_core::DynTransferEngine;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 
@@ -12,7 +13,7 @@ use ferry_core::conformance::{
     check_capability_honesty, check_identity, check_unregister_in_flight, EngineFactory, Outcome,
     REQUIRE_BACKENDS_ENV,
 };
-use ferry_core::{Error, Result, TransferEngine};
+use ferry_core::{Error, Result};
 use futures::FutureExt as _;
 
 /// A factory whose every engine fails to start with the given error.
@@ -20,7 +21,7 @@ struct Failing(Error);
 
 #[async_trait::async_trait]
 impl EngineFactory for Failing {
-    async fn create(&self) -> Result<Arc<dyn TransferEngine>> {
+    async fn create(&self) -> Result<Arc<dyn DynTransferEngine>> {
         Err(self.0.clone())
     }
 }

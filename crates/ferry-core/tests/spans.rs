@@ -3,6 +3,7 @@
 //! writes them; a span outside the peer's registration is refused by the
 //! peer, never written elsewhere.
 
+use ferry_core::DynTransferEngine;
 use std::sync::Arc;
 
 use ferry_core::inproc::InprocEngine;
@@ -10,7 +11,7 @@ use ferry_core::{
     Capabilities, Error, RegisteredBuffer, RemoteSpan, TransferEngine, TransferRequest,
 };
 
-fn engine(name: &str) -> Arc<dyn TransferEngine> {
+fn engine(name: &str) -> Arc<dyn DynTransferEngine> {
     Arc::new(
         InprocEngine::new(
             name,

@@ -3,6 +3,7 @@
 
 mod common;
 
+use ferry_core::DynTransferEngine;
 use std::sync::Arc;
 
 use common::{metadata_for, start, SUPPORTED};
@@ -144,7 +145,7 @@ async fn capability_report_of_every_generation() {
     for gen in SUPPORTED {
         let engine = start(gen, &metadata_for(gen)).await;
         let want = expected(gen, &engine);
-        let shared: Arc<dyn TransferEngine> = Arc::new(engine);
+        let shared: Arc<dyn DynTransferEngine> = Arc::new(engine);
         let report =
             CapabilityAdapter::from_arc(Arc::clone(&shared), AdapterConfig::default()).report();
         let text = report.to_string();

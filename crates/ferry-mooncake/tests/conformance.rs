@@ -5,6 +5,7 @@
 
 mod common;
 
+use ferry_core::DynTransferEngine;
 use std::sync::Arc;
 
 use common::{config, metadata_for, start_engine};
@@ -34,7 +35,7 @@ impl Factory {
 
 #[async_trait::async_trait]
 impl EngineFactory for Factory {
-    async fn create(&self) -> Result<Arc<dyn TransferEngine>> {
+    async fn create(&self) -> Result<Arc<dyn DynTransferEngine>> {
         Ok(Arc::new(
             start_engine(config(self.gen, &self.metadata, "")).await?,
         ))
@@ -44,7 +45,7 @@ impl EngineFactory for Factory {
     /// the segment `ferry-testlib:refuse-notifications` opens nothing and
     /// makes the engine reject every notification sent to it, as TCP
     /// engines of Mooncake v0.3.5–v0.3.7 do.
-    async fn refuse_notifications(&self, engine: &Arc<dyn TransferEngine>) -> Result<bool> {
+    async fn refuse_notifications(&self, engine: &Arc<dyn DynTransferEngine>) -> Result<bool> {
         match engine.open_segment(REFUSE_NOTIFICATIONS).await {
             Err(ferry_core::Error::SegmentUnavailable { .. }) => Ok(true),
             Err(e) => Err(e),

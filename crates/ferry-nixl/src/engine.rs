@@ -17,7 +17,6 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use async_trait::async_trait;
 use ferry_core::raw::{lock, BatchDriver, BatchTable};
 use ferry_core::{
     BackendInfo, BatchId, BatchReport, BatchStatus, Capabilities, Error, Location, MemoryKinds,
@@ -767,8 +766,11 @@ async fn read_segment(
     }
 }
 
-impl Drop for NixlEngine {
-    fn drop(&mut self) {
+impl NixlEngine {
+    /// Aborts the engine's tasks and the segments' readers, and ends the
+    /// notification waiters.
+    fn stop_tasks(&self) {
+        self.inner.inbox.close();
         for t in lock(&self.inner.tasks).drain(..) {
             t.abort();
         }
@@ -777,6 +779,12 @@ impl Drop for NixlEngine {
                 r.abort();
             }
         }
+    }
+}
+
+impl Drop for NixlEngine {
+    fn drop(&mut self) {
+        self.stop_tasks();
         // Waits for the poller thread (bounded), so that no thread of
         // ours tears an agent down after the engine is gone, possibly while
         // the process exits (see `Poller::stop_and_wait`).
@@ -935,7 +943,6 @@ impl Inner {
     }
 }
 
-#[async_trait]
 #[deny(clippy::missing_trait_methods)]
 impl TransferEngine for NixlEngine {
     fn backend_name(&self) -> &str {
@@ -1218,6 +1225,14 @@ impl TransferEngine for NixlEngine {
 
     fn live_batches(&self) -> Option<usize> {
         Some(self.inner.batches.len())
+    }
+
+    /// Closes every segment (its reader stops), aborts the engine's tasks
+    /// and ends the notification waiters with `Canceled`; NIXL's progress
+    /// thread stops when the engine is dropped.
+    async fn shutdown(&self) -> Result<()> {
+        self.stop_tasks();
+        Ok(())
     }
 }
 

@@ -4,6 +4,7 @@
 
 mod common;
 
+use ferry_core::DynTransferEngine;
 use std::sync::Arc;
 
 use ferry_core::conformance::{pattern, skip_unavailable};
@@ -22,7 +23,10 @@ fn many_tasks_share_one_engine() {
         .expect("runtime");
     rt.block_on(async {
         let (a, b) = match (common::engine().await, common::engine().await) {
-            (Ok(a), Ok(b)) => (a as Arc<dyn TransferEngine>, b as Arc<dyn TransferEngine>),
+            (Ok(a), Ok(b)) => (
+                a as Arc<dyn DynTransferEngine>,
+                b as Arc<dyn DynTransferEngine>,
+            ),
             (Err(e), _) | (_, Err(e)) => {
                 skip_unavailable("many_tasks_share_one_engine", &e);
                 return;

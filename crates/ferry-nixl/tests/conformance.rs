@@ -4,6 +4,7 @@
 
 mod common;
 
+use ferry_core::DynTransferEngine;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};
 
@@ -12,14 +13,14 @@ use ferry_core::{Result, TransferEngine};
 use ferry_nixl::NixlEngine;
 
 /// Engines made, by segment name, so that `refuse_notifications` reaches
-/// the [`NixlEngine`] behind an `Arc<dyn TransferEngine>` (weak: the
+/// the [`NixlEngine`] behind an `Arc<dyn DynTransferEngine>` (weak: the
 /// factory keeps no engine alive).
 #[derive(Default)]
 struct NixlFactory(Mutex<HashMap<String, Weak<NixlEngine>>>);
 
 #[async_trait::async_trait]
 impl EngineFactory for NixlFactory {
-    async fn create(&self) -> Result<Arc<dyn TransferEngine>> {
+    async fn create(&self) -> Result<Arc<dyn DynTransferEngine>> {
         let e = common::engine().await?;
         let mut m = self.0.lock().unwrap_or_else(|p| p.into_inner());
         m.retain(|_, w| w.strong_count() > 0);
@@ -31,7 +32,7 @@ impl EngineFactory for NixlFactory {
         common::unused_port()
     }
 
-    async fn refuse_notifications(&self, engine: &Arc<dyn TransferEngine>) -> Result<bool> {
+    async fn refuse_notifications(&self, engine: &Arc<dyn DynTransferEngine>) -> Result<bool> {
         let m = self.0.lock().unwrap_or_else(|p| p.into_inner());
         Ok(match m.get(engine.segment_name()).and_then(Weak::upgrade) {
             Some(e) => {

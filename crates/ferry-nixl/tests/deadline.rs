@@ -10,6 +10,7 @@
 
 mod common;
 
+use ferry_core::DynTransferEngine;
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
@@ -32,7 +33,7 @@ fn child_target() {
     }
     let rt = tokio::runtime::Runtime::new().expect("runtime");
     rt.block_on(async {
-        let e: Arc<dyn TransferEngine> = common::engine().await.expect("child engine");
+        let e: Arc<dyn DynTransferEngine> = common::engine().await.expect("child engine");
         let buf = RegisteredBuffer::new(Arc::clone(&e), LEN)
             .await
             .expect("child register");
@@ -108,7 +109,7 @@ fn stuck_request_fails_at_deadline_and_keeps_its_memory() {
         cfg.timeout = Duration::from_millis(300);
         cfg.timeout_ns_per_byte = 0;
         let nixl = Arc::new(common::start(cfg).await.expect("engine"));
-        let a: Arc<dyn TransferEngine> = nixl.clone();
+        let a: Arc<dyn DynTransferEngine> = nixl.clone();
         let src = HostBuffer::new(LEN).expect("buffer");
         src.fill(0x5a);
         // SAFETY: `src` outlives its registration (unregistered below,

@@ -9,6 +9,7 @@
 
 mod common;
 
+use ferry_core::DynTransferEngine;
 use std::process::Command;
 use std::sync::Arc;
 
@@ -28,8 +29,8 @@ fn child_moves_bytes_then_exits() {
     }
     let rt = tokio::runtime::Runtime::new().expect("runtime");
     rt.block_on(async {
-        let a: Arc<dyn TransferEngine> = common::engine().await.expect("engine a");
-        let b: Arc<dyn TransferEngine> = common::engine().await.expect("engine b");
+        let a: Arc<dyn DynTransferEngine> = common::engine().await.expect("engine a");
+        let b: Arc<dyn DynTransferEngine> = common::engine().await.expect("engine b");
         let dst = RegisteredBuffer::new(Arc::clone(&b), LEN)
             .await
             .expect("register b");

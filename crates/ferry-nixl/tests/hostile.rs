@@ -3,6 +3,7 @@
 
 mod common;
 
+use ferry_core::DynTransferEngine;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::Arc;
@@ -50,7 +51,10 @@ fn hostile_peers_get_errors_and_the_engine_keeps_serving() {
     let rt = tokio::runtime::Runtime::new().expect("runtime");
     rt.block_on(async {
         let (a, b) = match (common::engine().await, common::engine().await) {
-            (Ok(a), Ok(b)) => (a as Arc<dyn TransferEngine>, b as Arc<dyn TransferEngine>),
+            (Ok(a), Ok(b)) => (
+                a as Arc<dyn DynTransferEngine>,
+                b as Arc<dyn DynTransferEngine>,
+            ),
             (Err(e), _) | (_, Err(e)) => {
                 skip_unavailable("hostile_peers_get_errors_and_the_engine_keeps_serving", &e);
                 return;

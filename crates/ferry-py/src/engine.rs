@@ -1,5 +1,6 @@
 //! `ferry._native.Engine`: [`ferry::Engine`] for Python.
 
+use ferry::DynTransferEngine;
 use std::collections::HashMap;
 use std::future::Future;
 use std::str::FromStr;
@@ -77,7 +78,7 @@ impl Drop for PyEngine {
 /// A started engine: the trait object every call goes through, and its
 /// capability report (an inherent method of the adapter, not of the trait).
 struct Handle {
-    engine: Arc<dyn TransferEngine>,
+    engine: Arc<dyn DynTransferEngine>,
     report: Box<dyn Fn() -> CapabilityReport + Send + Sync>,
     /// On `mooncake-py://`: the wheel's own engine object.
     wheel: Option<Py<PyAny>>,
@@ -288,7 +289,7 @@ impl PyEngine {
             .ok_or_else(|| PyRuntimeError::new_err("the engine is closed"))
     }
 
-    fn engine(&self) -> PyResult<&Arc<dyn TransferEngine>> {
+    fn engine(&self) -> PyResult<&Arc<dyn DynTransferEngine>> {
         Ok(&self.handle()?.engine)
     }
 

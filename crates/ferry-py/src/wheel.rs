@@ -23,7 +23,6 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use async_trait::async_trait;
 use ferry::{
     AdapterConfig, BackendInfo, BatchReport, Capabilities, Error, MemoryKinds, MemoryRegion,
     MissingCapability, Notification, Operation, Result, SegmentId, TransferEngine, TransferOp,
@@ -764,7 +763,6 @@ impl Inner {
 }
 
 #[deny(clippy::missing_trait_methods)]
-#[async_trait]
 impl TransferEngine for WheelEngine {
     fn backend_name(&self) -> &str {
         BACKEND
@@ -1025,6 +1023,12 @@ impl TransferEngine for WheelEngine {
 
     fn live_batches(&self) -> Option<usize> {
         None
+    }
+
+    /// The wheel's engine has no task of Ferry's to stop; it is destroyed
+    /// with the last handle.
+    async fn shutdown(&self) -> Result<()> {
+        Ok(())
     }
 }
 

@@ -4,7 +4,6 @@ use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
-use async_trait::async_trait;
 use ferry_core::raw::{lock, BatchDriver, BatchTable};
 use ferry_core::{
     BackendInfo, BatchId, BatchReport, BatchStatus, Capabilities, Error, MemoryKinds, MemoryRegion,
@@ -162,15 +161,23 @@ impl TcpEngine {
 
     /// Stops the listener and every inbound connection, closes every peer
     /// connection (their pending requests fail with [`Error::Canceled`]) and
-    /// cancels the asynchronous batches. From the moment it returns no
-    /// inbound request is acted on (one already being served finishes) and
-    /// no connection is welcomed: a peer sees its connection end, never an
-    /// answer from an engine that has stopped. Registered regions stay
-    /// registered. Idempotent; also done on drop.
-    pub fn shutdown(&self) {
+    /// cancels the asynchronous batches, without waiting for the engine's
+    /// tasks to end (`TransferEngine::shutdown` waits). From the moment it
+    /// returns no inbound request is acted on (one already being served
+    /// finishes) and no connection is welcomed: a peer sees its connection
+    /// end, never an answer from an engine that has stopped. Registered
+    /// regions stay registered. Idempotent; also done on drop.
+    pub fn shutdown_now(&self) {
+        drop(self.stop());
+    }
+
+    /// [`TcpEngine::shutdown_now`], returning the aborted tasks.
+    fn stop(&self) -> Vec<AbortHandle> {
         self.inner.core.close();
+        let mut stopped = Vec::new();
         if let Some(a) = lock(&self.inner.accept).take() {
             a.abort();
+            stopped.push(a);
         }
         let peers: Vec<Arc<Peer>> = {
             let mut segs = lock(&self.inner.segments);
@@ -184,7 +191,9 @@ impl TcpEngine {
         // batch had not reported with `Canceled`: no waiter hangs.
         for t in lock(&self.inner.tasks).drain(..) {
             t.abort();
+            stopped.push(t);
         }
+        stopped
     }
 
     /// Makes this engine refuse (`true`) or accept again (`false`) the
@@ -227,7 +236,7 @@ impl TcpEngine {
 
 impl Drop for TcpEngine {
     fn drop(&mut self) {
-        self.shutdown();
+        self.shutdown_now();
     }
 }
 
@@ -247,7 +256,6 @@ async fn run_on(
     handle.peer.run_batch(requests, notify, driver).await
 }
 
-#[async_trait]
 impl TransferEngine for TcpEngine {
     fn backend_name(&self) -> &str {
         BACKEND
@@ -511,6 +519,16 @@ impl TransferEngine for TcpEngine {
 
     fn live_batches(&self) -> Option<usize> {
         Some(self.inner.batches.len())
+    }
+
+    async fn shutdown(&self) -> Result<()> {
+        // An aborted task ends at its next poll; the listener's and the
+        // batches' tasks hold no lock across an await that could keep it.
+        let stopped = self.stop();
+        while stopped.iter().any(|t| !t.is_finished()) {
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+        }
+        Ok(())
     }
 
     async fn take_notifications(&self) -> Result<Vec<Notification>> {

@@ -162,7 +162,7 @@ fn a_blocked_caller_sees_the_connection_end() {
     let b2 = Arc::clone(&b);
     let killer = rt.spawn(async move {
         tokio::time::sleep(Duration::from_millis(30)).await;
-        b2.shutdown();
+        b2.shutdown_now();
     });
     let mut failed = None;
     // Repeat until the shutdown lands inside a call.

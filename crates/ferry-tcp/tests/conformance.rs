@@ -2,6 +2,7 @@
 //! real loopback sockets: on the same-host path (cross-memory attach;
 //! engines in one process reach each other by it too) and forced off.
 
+use ferry_core::DynTransferEngine;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};
 
@@ -13,12 +14,12 @@ use ferry_tcp::{SameHost, TcpConfig, TcpEngine, TlsMode};
 
 /// The engines a factory made, by segment name, so that
 /// `refuse_notifications` can reach the [`TcpEngine`] behind an
-/// `Arc<dyn TransferEngine>` (weak: the factory keeps no engine alive).
+/// `Arc<dyn DynTransferEngine>` (weak: the factory keeps no engine alive).
 #[derive(Default)]
 struct Made(Mutex<HashMap<String, Weak<TcpEngine>>>);
 
 impl Made {
-    async fn start(&self, cfg: TcpConfig) -> Result<Arc<dyn TransferEngine>> {
+    async fn start(&self, cfg: TcpConfig) -> Result<Arc<dyn DynTransferEngine>> {
         let e = Arc::new(TcpEngine::start(cfg).await?);
         let mut m = self.0.lock().unwrap_or_else(|p| p.into_inner());
         m.retain(|_, w| w.strong_count() > 0);
@@ -27,7 +28,7 @@ impl Made {
     }
 
     /// Makes the engine named like `engine` refuse notifications.
-    fn refuse(&self, engine: &Arc<dyn TransferEngine>) -> bool {
+    fn refuse(&self, engine: &Arc<dyn DynTransferEngine>) -> bool {
         let m = self.0.lock().unwrap_or_else(|p| p.into_inner());
         match m.get(engine.segment_name()).and_then(Weak::upgrade) {
             Some(e) => {
@@ -65,7 +66,7 @@ impl TcpFactory {
 
 #[async_trait::async_trait]
 impl EngineFactory for TcpFactory {
-    async fn create(&self) -> Result<Arc<dyn TransferEngine>> {
+    async fn create(&self) -> Result<Arc<dyn DynTransferEngine>> {
         self.made.start((self.config)()).await
     }
 
@@ -80,7 +81,7 @@ impl EngineFactory for TcpFactory {
         addr.to_string()
     }
 
-    async fn refuse_notifications(&self, engine: &Arc<dyn TransferEngine>) -> Result<bool> {
+    async fn refuse_notifications(&self, engine: &Arc<dyn DynTransferEngine>) -> Result<bool> {
         Ok(self.made.refuse(engine))
     }
 }

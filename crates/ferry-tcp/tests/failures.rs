@@ -5,6 +5,7 @@
 
 mod common;
 
+use ferry_core::DynTransferEngine;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
@@ -511,7 +512,7 @@ async fn dropped_target_engine_mid_batch() {
     );
 }
 
-async fn wait_until_some_completed(a: &dyn TransferEngine, batch: ferry_core::BatchId) {
+async fn wait_until_some_completed(a: &dyn DynTransferEngine, batch: ferry_core::BatchId) {
     loop {
         let st = a.status(batch).unwrap();
         if st
@@ -906,7 +907,7 @@ async fn shutdown_and_dropped_submits_leave_no_batch_hanging() {
     let id = a.submit(seg, &reqs, None).await.unwrap();
     assert_eq!(a.live_batches(), Some(1));
     assert!(!a.status(id).unwrap().is_finished());
-    a.shutdown();
+    a.shutdown_now();
     let report = tokio::time::timeout(Duration::from_secs(30), a.wait(id))
         .await
         .expect("wait hung after shutdown")
@@ -948,7 +949,7 @@ async fn a_shut_down_engine_answers_no_more_requests() {
             a.transfer(seg, TransferRequest::write(before.addr(), m.addr(), 4096))
                 .await
                 .expect("write before shutdown");
-            b.shutdown();
+            b.shutdown_now();
             let r = a
                 .transfer(seg, TransferRequest::write(after.addr(), m.addr(), 4096))
                 .await;

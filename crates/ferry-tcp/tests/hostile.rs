@@ -356,7 +356,7 @@ async fn trickling_payload_cannot_hold_unregister_forever() {
         });
         tokio::time::sleep(Duration::from_millis(300)).await;
         if shutdown_first {
-            b.shutdown();
+            b.shutdown_now();
         }
         let start = Instant::now();
         // Bound: stall (1 s) + 1 MiB / 512 KiB/s (2 s), with a wide margin.

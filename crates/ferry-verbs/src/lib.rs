@@ -69,9 +69,9 @@ mod rdma;
 pub use config::VerbsConfig;
 pub use negotiate::{Feature, FeatureState, PeerProtocol, VersionRange};
 
+use ferry_core::DynTransferEngine;
 use std::sync::Arc;
 
-use async_trait::async_trait;
 use ferry_core::{
     BackendInfo, BatchId, BatchReport, BatchStatus, Capabilities, Error, MemoryRegion,
     Notification, Result, SegmentId, TransferEngine, TransferRequest,
@@ -224,7 +224,7 @@ impl VerbsEngine {
 impl Drop for VerbsEngine {
     fn drop(&mut self) {
         #[cfg(feature = "rdma")]
-        self.inner.shutdown();
+        drop(self.inner.shutdown());
         #[cfg(not(feature = "rdma"))]
         match self.never {}
     }
@@ -245,7 +245,6 @@ macro_rules! forward {
     }};
 }
 
-#[async_trait]
 #[deny(clippy::missing_trait_methods)]
 #[cfg_attr(not(feature = "rdma"), allow(unused_variables))]
 impl TransferEngine for VerbsEngine {
@@ -344,11 +343,24 @@ impl TransferEngine for VerbsEngine {
     fn live_batches(&self) -> Option<usize> {
         forward!(self, i => Some(i.live_batches()))
     }
+
+    /// Closes the control connections and passive queue pairs and stops
+    /// the completion thread (pending requests fail with `Canceled`),
+    /// returning once both have stopped (at most about 5 s).
+    async fn shutdown(&self) -> Result<()> {
+        #[cfg(feature = "rdma")]
+        if let Some(stopper) = self.inner.shutdown() {
+            let _ = tokio::task::spawn_blocking(move || stopper.join()).await;
+        }
+        #[cfg(not(feature = "rdma"))]
+        match self.never {}
+        Ok(())
+    }
 }
 
 /// Starts an engine from a `verbs://` URL (see [`VerbsConfig::from_url`]),
 /// shared as a trait object.
-pub async fn open(url: &str) -> Result<Arc<dyn TransferEngine>> {
+pub async fn open(url: &str) -> Result<Arc<dyn DynTransferEngine>> {
     let config = VerbsConfig::from_url(url)?;
     Ok(Arc::new(VerbsEngine::start(config).await?))
 }

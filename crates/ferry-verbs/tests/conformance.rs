@@ -7,6 +7,7 @@
 //! `FERRY_VERBS_URL` selects the device (default `verbs://`, the first
 //! active one); `scripts/verbs-tests.sh` runs these on soft-RoCE in a VM.
 
+use ferry_core::DynTransferEngine;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
@@ -57,7 +58,7 @@ fn init_logs() {
     });
 }
 
-async fn start(url: &str) -> Result<Arc<dyn TransferEngine>> {
+async fn start(url: &str) -> Result<Arc<dyn DynTransferEngine>> {
     init_logs();
     let cfg = VerbsConfig::from_url(url)?;
     let e = Arc::new(VerbsEngine::start(cfg).await?);
@@ -68,7 +69,7 @@ async fn start(url: &str) -> Result<Arc<dyn TransferEngine>> {
 }
 
 /// Makes the engine behind `engine` refuse the notifications its peers send.
-fn refuse(engine: &Arc<dyn TransferEngine>) -> bool {
+fn refuse(engine: &Arc<dyn DynTransferEngine>) -> bool {
     let m = made().lock().unwrap_or_else(|p| p.into_inner());
     match m.get(engine.segment_name()).and_then(Weak::upgrade) {
         Some(e) => {
@@ -84,7 +85,7 @@ struct VerbsFactory;
 
 #[async_trait::async_trait]
 impl EngineFactory for VerbsFactory {
-    async fn create(&self) -> Result<Arc<dyn TransferEngine>> {
+    async fn create(&self) -> Result<Arc<dyn DynTransferEngine>> {
         start(&base_url()).await
     }
 
@@ -92,7 +93,7 @@ impl EngineFactory for VerbsFactory {
         unused_port()
     }
 
-    async fn refuse_notifications(&self, engine: &Arc<dyn TransferEngine>) -> Result<bool> {
+    async fn refuse_notifications(&self, engine: &Arc<dyn DynTransferEngine>) -> Result<bool> {
         Ok(refuse(engine))
     }
 }
@@ -110,7 +111,7 @@ mod small_queues {
 
     #[async_trait::async_trait]
     impl EngineFactory for SmallFactory {
-        async fn create(&self) -> Result<Arc<dyn TransferEngine>> {
+        async fn create(&self) -> Result<Arc<dyn DynTransferEngine>> {
             let url = with_params(
                 &base_url(),
                 "sq_depth=8&signal_every=3&max_message=4k&max_sge=2&secret=conf%20secret",
@@ -122,7 +123,7 @@ mod small_queues {
             unused_port()
         }
 
-        async fn refuse_notifications(&self, engine: &Arc<dyn TransferEngine>) -> Result<bool> {
+        async fn refuse_notifications(&self, engine: &Arc<dyn DynTransferEngine>) -> Result<bool> {
             Ok(refuse(engine))
         }
     }

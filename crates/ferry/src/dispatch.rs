@@ -1,9 +1,9 @@
 //! [`Engine`]: one type over every backend compiled in, each wrapped in the
 //! capability adapter.
 
+use ferry_core::DynTransferEngine;
 use std::sync::Arc;
 
-use async_trait::async_trait;
 use ferry_core::{
     AdapterConfig, BackendInfo, BatchId, BatchReport, BatchStatus, Capabilities, CapabilityAdapter,
     CapabilityReport, MemoryRegion, Notification, Operation, Result, SegmentId, TransferEngine,
@@ -18,7 +18,7 @@ use crate::config::{BackendConfig, BackendKind, EngineConfig};
 ///
 /// Dispatch is static: one variant per backend compiled in (cargo features
 /// `tcp`, `mooncake`, `verbs`, `nixl`). Users who pick a backend at run time and
-/// prefer a trait object can use `Arc<dyn TransferEngine>` (see
+/// prefer a trait object can use `Arc<dyn DynTransferEngine>` (see
 /// [`Engine::into_dyn`]). The enum is `#[non_exhaustive]` because the set of
 /// variants depends on the features enabled anywhere in the build.
 #[non_exhaustive]
@@ -204,13 +204,12 @@ impl Engine {
 
     /// The engine as a shared trait object, for code that chooses the
     /// backend at run time.
-    pub fn into_dyn(self) -> Arc<dyn TransferEngine> {
+    pub fn into_dyn(self) -> Arc<dyn DynTransferEngine> {
         Arc::new(self)
     }
 }
 
 #[deny(clippy::missing_trait_methods)]
-#[async_trait]
 impl TransferEngine for Engine {
     fn backend_name(&self) -> &str {
         dispatch!(self, e => e.backend_name())
@@ -296,5 +295,9 @@ impl TransferEngine for Engine {
 
     fn live_batches(&self) -> Option<usize> {
         dispatch!(self, e => TransferEngine::live_batches(e))
+    }
+
+    async fn shutdown(&self) -> Result<()> {
+        dispatch!(self, e => TransferEngine::shutdown(e).await)
     }
 }

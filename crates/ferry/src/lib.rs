@@ -58,12 +58,12 @@ pub use config::{BackendConfig, BackendKind, EngineConfig};
 pub use dispatch::Engine;
 
 pub use ferry_core::{
-    AdapterConfig, BackendInfo, BatchId, BatchReport, BatchStatus, Capabilities, CapabilityAdapter,
-    CapabilityReport, Error, ErrorKind, HostBuffer, IoSource, LocalSpan, Location, MemoryKinds,
-    MemoryRegion, MissingCapability, Notification, Operation, RegionInfo, RegisteredBuffer,
-    RegisteredBuffers, RemoteSpan, Result, Retry, SegmentId, Side, Support, TransferEngine,
-    TransferEngineExt, TransferOp, TransferRequest, TransferState, MAX_LIVE_BATCHES,
-    MAX_NOTIFICATION_MESSAGE, MAX_NOTIFICATION_NAME,
+    AdapterConfig, BackendInfo, BatchId, BatchReport, BatchStatus, BoxFuture, Capabilities,
+    CapabilityAdapter, CapabilityReport, DynTransferEngine, Error, ErrorKind, HostBuffer, IoSource,
+    LocalSpan, Location, MemoryKinds, MemoryRegion, MissingCapability, Notification, Operation,
+    RegionInfo, RegisteredBuffer, RegisteredBuffers, RemoteSpan, Result, Retry, SegmentId, Side,
+    Support, TransferEngine, TransferEngineExt, TransferOp, TransferRequest, TransferState,
+    MAX_LIVE_BATCHES, MAX_NOTIFICATION_MESSAGE, MAX_NOTIFICATION_NAME,
 };
 
 /// What backend authors need and users do not: the region table, the

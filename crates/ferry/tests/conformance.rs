@@ -2,9 +2,10 @@
 //! dispatch + capability adapter) must behave exactly like the backend.
 #![cfg(feature = "tcp")]
 
+use ferry_core::DynTransferEngine;
 use std::sync::Arc;
 
-use ferry::{Engine, Result, TransferEngine};
+use ferry::{Engine, Result};
 use ferry_core::conformance::EngineFactory;
 
 /// Engines opened from a URL through the facade.
@@ -12,7 +13,7 @@ struct UrlFactory(&'static str);
 
 #[async_trait::async_trait]
 impl EngineFactory for UrlFactory {
-    async fn create(&self) -> Result<Arc<dyn TransferEngine>> {
+    async fn create(&self) -> Result<Arc<dyn DynTransferEngine>> {
         Ok(Engine::open(self.0).await?.into_dyn())
     }
 

@@ -2,6 +2,7 @@
 //! and requirements, trait objects.
 #![cfg(feature = "tcp")]
 
+use ferry::DynTransferEngine;
 use std::sync::Arc;
 
 use ferry::{
@@ -50,8 +51,8 @@ async fn backend_errors_pass_through() {
 async fn typed_config_and_dyn_engines_move_bytes() {
     let cfg: EngineConfig = "tcp://127.0.0.1:0".parse().unwrap();
     let cfg = cfg.strict(true).require(&[Operation::BatchTransfer]);
-    let a: Arc<dyn TransferEngine> = Engine::start(cfg).await.unwrap().into_dyn();
-    let b: Arc<dyn TransferEngine> = Engine::open("tcp://127.0.0.1:0").await.unwrap().into_dyn();
+    let a: Arc<dyn DynTransferEngine> = Engine::start(cfg).await.unwrap().into_dyn();
+    let b: Arc<dyn DynTransferEngine> = Engine::open("tcp://127.0.0.1:0").await.unwrap().into_dyn();
     let src = RegisteredBuffer::new(Arc::clone(&a), 8192).await.unwrap();
     let dst = RegisteredBuffer::new(Arc::clone(&b), 8192).await.unwrap();
     let data: Vec<u8> = (0..8192u32).map(|i| (i % 253) as u8).collect();

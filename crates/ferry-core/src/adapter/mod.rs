@@ -27,7 +27,6 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use async_trait::async_trait;
 use futures::stream::{self, StreamExt};
 use tokio::sync::Semaphore;
 
@@ -171,6 +170,8 @@ struct Shared {
     batches: BatchTable,
     announced: Mutex<HashSet<Operation>>,
     permits: Arc<Semaphore>,
+    /// Calls in flight, for `shutdown`'s drain.
+    drain: Arc<Drain>,
 }
 
 impl<E: TransferEngine + ?Sized> std::fmt::Debug for CapabilityAdapter<E> {
@@ -184,7 +185,7 @@ impl<E: TransferEngine + ?Sized> std::fmt::Debug for CapabilityAdapter<E> {
     }
 }
 
-use crate::raw::lock;
+use crate::raw::{lock, Drain};
 
 impl<E: TransferEngine> CapabilityAdapter<E> {
     /// Wraps `inner` with the default (emulating) configuration.
@@ -198,7 +199,7 @@ impl<E: TransferEngine> CapabilityAdapter<E> {
 }
 
 impl<E: TransferEngine + ?Sized> CapabilityAdapter<E> {
-    /// Wraps an engine that is already shared (e.g. `Arc<dyn TransferEngine>`).
+    /// Wraps an engine that is already shared (e.g. `Arc<dyn DynTransferEngine>`).
     pub fn from_arc(inner: Arc<E>, mut config: AdapterConfig) -> Self {
         config.max_concurrency = config.max_concurrency.max(1);
         let native = inner.capabilities();
@@ -215,6 +216,7 @@ impl<E: TransferEngine + ?Sized> CapabilityAdapter<E> {
                 batches: BatchTable::new("adapter"),
                 announced: Mutex::new(HashSet::new()),
                 permits,
+                drain: Drain::new(),
             }),
         }
     }
@@ -568,7 +570,6 @@ async fn run_batch<E: TransferEngine + ?Sized>(
 }
 
 #[deny(clippy::missing_trait_methods)]
-#[async_trait]
 impl<E: TransferEngine + ?Sized> TransferEngine for CapabilityAdapter<E> {
     fn backend_name(&self) -> &str {
         self.inner.backend_name()
@@ -587,6 +588,7 @@ impl<E: TransferEngine + ?Sized> TransferEngine for CapabilityAdapter<E> {
     }
 
     async fn register(&self, region: MemoryRegion) -> Result<()> {
+        let _active = self.shared.drain.enter("register")?;
         self.inner.register(region).await
     }
 
@@ -595,6 +597,7 @@ impl<E: TransferEngine + ?Sized> TransferEngine for CapabilityAdapter<E> {
     }
 
     async fn batch_register(&self, regions: Vec<MemoryRegion>) -> Result<()> {
+        let _active = self.shared.drain.enter("batch_register")?;
         let s = &self.shared;
         if s.native.batch_register {
             return self.inner.batch_register(regions).await;
@@ -644,6 +647,7 @@ impl<E: TransferEngine + ?Sized> TransferEngine for CapabilityAdapter<E> {
     }
 
     async fn open_segment(&self, name: &str) -> Result<SegmentId> {
+        let _active = self.shared.drain.enter("open_segment")?;
         self.inner.open_segment(name).await
     }
 
@@ -652,6 +656,7 @@ impl<E: TransferEngine + ?Sized> TransferEngine for CapabilityAdapter<E> {
     }
 
     async fn transfer(&self, segment: SegmentId, request: TransferRequest) -> Result<()> {
+        let _active = self.shared.drain.enter("transfer")?;
         self.inner.transfer(segment, request).await
     }
 
@@ -661,6 +666,7 @@ impl<E: TransferEngine + ?Sized> TransferEngine for CapabilityAdapter<E> {
         requests: &[TransferRequest],
         notify: Option<&Notification>,
     ) -> Result<BatchReport> {
+        let _active = self.shared.drain.enter("batch_transfer")?;
         let s = &self.shared;
         if !s.effective.batch_transfer {
             return Err(s.refuse(Operation::BatchTransfer));
@@ -681,6 +687,7 @@ impl<E: TransferEngine + ?Sized> TransferEngine for CapabilityAdapter<E> {
         requests: &[TransferRequest],
         notify: Option<&Notification>,
     ) -> Result<BatchId> {
+        let _active = self.shared.drain.enter("submit")?;
         let s = &self.shared;
         if !s.effective.async_batch {
             return Err(s.refuse(Operation::AsyncBatch));
@@ -731,7 +738,10 @@ impl<E: TransferEngine + ?Sized> TransferEngine for CapabilityAdapter<E> {
         let requests = requests.to_vec();
         let notify = notify.cloned();
         let driver = admission.driver().clone();
+        // The batch counts as a call in flight until it ends.
+        let active = s.drain.enter("submit")?;
         let drive = async move {
+            let _active = active;
             let n = requests.len();
             let results = run_batch(&inner, &shared, segment, &requests, notify.as_ref()).await;
             report_into(&driver, n, results)
@@ -807,6 +817,14 @@ impl<E: TransferEngine + ?Sized> TransferEngine for CapabilityAdapter<E> {
     }
 
     async fn next_notification(&self, name: Option<&str>) -> Result<Notification> {
+        // Not counted (it waits without a bound, a drain must not wait for
+        // it): refused once shut down; a waiter already in the backend ends
+        // with `Canceled` when the backend stops.
+        if self.shared.drain.is_closed() {
+            return Err(Error::Canceled(
+                "next_notification: the engine is shutting down".to_owned(),
+            ));
+        }
         if !self.shared.effective.notify {
             return Err(self.shared.refuse(Operation::Notify));
         }
@@ -819,6 +837,21 @@ impl<E: TransferEngine + ?Sized> TransferEngine for CapabilityAdapter<E> {
         self.inner
             .live_batches()
             .map(|n| n + self.shared.batches.tracked_len())
+    }
+
+    async fn shutdown(&self) -> Result<()> {
+        let s = &self.shared;
+        s.drain.close();
+        // The calls in flight, and the batches the adapter runs itself
+        // (each task holds a guard), end as usual.
+        s.drain.idle().await;
+        // The batches forwarded to the backend run to their end too; their
+        // ids are gone afterwards, as every call is refused from now on.
+        for (id, inner) in s.batches.forwarded_all() {
+            let _ = wait_inner(&self.inner, s, inner).await;
+            s.batches.remove(id);
+        }
+        self.inner.shutdown().await
     }
 }
 

@@ -2,6 +2,7 @@
 
 use super::harness::*;
 use super::*;
+use crate::DynTransferEngine;
 
 /// Engines have a backend name and distinct, non-empty segment names;
 /// capabilities are stable across calls.
@@ -235,7 +236,7 @@ pub async fn check_capability_honesty(factory: Arc<dyn EngineFactory>, adapted: 
         (Err(e), _) | (_, Err(e)) => return factory_failed(&e),
     };
     let native = a_raw.capabilities();
-    let (a, b): (Arc<dyn TransferEngine>, Arc<dyn TransferEngine>) = if adapted {
+    let (a, b): (Arc<dyn DynTransferEngine>, Arc<dyn DynTransferEngine>) = if adapted {
         (
             Arc::new(CapabilityAdapter::from_arc(a_raw, AdapterConfig::default())),
             Arc::new(CapabilityAdapter::from_arc(b_raw, AdapterConfig::default())),

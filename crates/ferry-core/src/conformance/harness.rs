@@ -1,6 +1,7 @@
 //! What every check uses: engines and pairs of them, registered memory with a byte model, batch helpers, assertions.
 
 use super::*;
+use crate::DynTransferEngine;
 
 /// Upper bound on waiting for something that must eventually happen (a batch
 /// finishing, a notification arriving). A liveness guard, not a timing
@@ -12,7 +13,7 @@ pub(super) type Setup<T> = std::result::Result<T, Outcome>;
 pub(super) async fn engine(
     factory: &Arc<dyn EngineFactory>,
     adapted: bool,
-) -> Setup<Arc<dyn TransferEngine>> {
+) -> Setup<Arc<dyn DynTransferEngine>> {
     let raw = factory.create().await.map_err(|e| factory_failed(&e))?;
     Ok(if adapted {
         Arc::new(CapabilityAdapter::from_arc(raw, AdapterConfig::default()))
@@ -23,8 +24,8 @@ pub(super) async fn engine(
 
 /// Two engines; `a` has opened `b`'s segment as `seg`.
 pub(super) struct Pair {
-    pub(super) a: Arc<dyn TransferEngine>,
-    pub(super) b: Arc<dyn TransferEngine>,
+    pub(super) a: Arc<dyn DynTransferEngine>,
+    pub(super) b: Arc<dyn DynTransferEngine>,
     pub(super) seg: SegmentId,
 }
 
@@ -47,8 +48,8 @@ pub(super) async fn pair(factory: &Arc<dyn EngineFactory>, adapted: bool) -> Set
 }
 
 pub(super) fn pair_from(
-    a: Arc<dyn TransferEngine>,
-    b: Arc<dyn TransferEngine>,
+    a: Arc<dyn DynTransferEngine>,
+    b: Arc<dyn DynTransferEngine>,
     seg: SegmentId,
 ) -> Pair {
     Pair { a, b, seg }
@@ -73,7 +74,7 @@ pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
 /// registered, the memory is leaked instead of freed, so a misbehaving
 /// engine cannot write into freed memory.
 pub(super) struct Mem {
-    pub(super) engine: Arc<dyn TransferEngine>,
+    pub(super) engine: Arc<dyn DynTransferEngine>,
     pub(super) buf: Option<HostBuffer>,
     pub(super) registered: Vec<u64>,
 }
@@ -81,14 +82,14 @@ pub(super) struct Mem {
 impl Mem {
     /// `len` bytes filled with `pattern(seed)` (seed 0: zeros), registered
     /// whole.
-    pub(super) async fn new(engine: &Arc<dyn TransferEngine>, len: usize, seed: u64) -> Mem {
+    pub(super) async fn new(engine: &Arc<dyn DynTransferEngine>, len: usize, seed: u64) -> Mem {
         let mut m = Mem::unregistered(engine, len, seed);
         m.register(0, len).await;
         m
     }
 
     /// `len` bytes filled with `pattern(seed)` (seed 0: zeros), not registered.
-    pub(super) fn unregistered(engine: &Arc<dyn TransferEngine>, len: usize, seed: u64) -> Mem {
+    pub(super) fn unregistered(engine: &Arc<dyn DynTransferEngine>, len: usize, seed: u64) -> Mem {
         let buf = HostBuffer::new(len).expect("allocating test memory");
         if seed != 0 {
             buf.write(0, &pattern(seed, len))
@@ -216,7 +217,7 @@ pub(super) const NEEDS_BATCH: &str = "needs batch_transfer or async_batch";
 
 /// Waits for a submitted batch: `wait` when declared, else `status` polling
 /// and `release_batch`.
-pub(super) async fn finish(e: &Arc<dyn TransferEngine>, id: BatchId) -> BatchReport {
+pub(super) async fn finish(e: &Arc<dyn DynTransferEngine>, id: BatchId) -> BatchReport {
     if e.capabilities().batch_wait {
         return e
             .wait(id)
@@ -273,7 +274,7 @@ where
 /// Runs `requests` as one batch (splitting by the declared `max_batch_len`),
 /// through `batch_transfer` or `submit`; `Err` = refused as a whole.
 pub(super) async fn batch(
-    e: &Arc<dyn TransferEngine>,
+    e: &Arc<dyn DynTransferEngine>,
     seg: SegmentId,
     requests: &[TransferRequest],
     notify: Option<&Notification>,
@@ -284,7 +285,7 @@ pub(super) async fn batch(
 
 /// [`batch`] through the given path (which the engine must offer).
 pub(super) async fn batch_via(
-    e: &Arc<dyn TransferEngine>,
+    e: &Arc<dyn DynTransferEngine>,
     path: BatchPath,
     seg: SegmentId,
     requests: &[TransferRequest],
@@ -345,10 +346,8 @@ pub(super) fn assert_bytes(actual: &[u8], expected: &[u8], what: &str) {
 
 /// Polls `fut` up to `polls` times, letting the runtime run between polls;
 /// `Some` if it completed, else it is dropped still pending.
-pub(super) async fn poll_then_drop<T>(
-    mut fut: std::pin::Pin<Box<dyn Future<Output = T> + Send + '_>>,
-    polls: u32,
-) -> Option<T> {
+pub(super) async fn poll_then_drop<T>(fut: impl Future<Output = T>, polls: u32) -> Option<T> {
+    let mut fut = std::pin::pin!(fut);
     for i in 0..polls {
         let ready = std::future::poll_fn(|cx: &mut std::task::Context<'_>| {
             std::task::Poll::Ready(match fut.as_mut().poll(cx) {

@@ -16,7 +16,7 @@
 //! struct MyFactory;
 //! #[async_trait::async_trait]
 //! impl ferry_core::conformance::EngineFactory for MyFactory {
-//!     async fn create(&self) -> ferry_core::Result<std::sync::Arc<dyn ferry_core::TransferEngine>> {
+//!     async fn create(&self) -> ferry_core::Result<std::sync::Arc<dyn ferry_core::DynTransferEngine>> {
 //!         Ok(std::sync::Arc::new(my_backend::Engine::start().await?))
 //!     }
 //! }
@@ -27,6 +27,7 @@
 //! same in `mod adapted`, one test per name in [`CHECKS`]. A skipped test
 //! prints `skipped: <check>: <reason>`.
 
+use crate::DynTransferEngine;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -54,7 +55,7 @@ pub trait EngineFactory: Send + Sync + 'static {
     /// machine (no library, no device): the checks skip, printing the reason,
     /// unless [`REQUIRE_BACKENDS_ENV`] lists that backend. Any other error is
     /// a broken factory or backend and fails the check.
-    async fn create(&self) -> Result<Arc<dyn TransferEngine>>;
+    async fn create(&self) -> Result<Arc<dyn DynTransferEngine>>;
 
     /// A segment name that no engine answers to, for
     /// [`check_open_unknown_segment`]. Override it when the backend's names
@@ -68,7 +69,7 @@ pub trait EngineFactory: Send + Sync + 'static {
     /// for [`check_notify_failure_after_data`]: the sender's data lands,
     /// the notification fails. `Ok(false)` when the backend has no way to do
     /// that (the check then skips, saying so).
-    async fn refuse_notifications(&self, engine: &Arc<dyn TransferEngine>) -> Result<bool> {
+    async fn refuse_notifications(&self, engine: &Arc<dyn DynTransferEngine>) -> Result<bool> {
         let _ = engine;
         Ok(false)
     }
@@ -110,13 +111,13 @@ impl InprocFactory {
 
 #[async_trait]
 impl EngineFactory for InprocFactory {
-    async fn create(&self) -> Result<Arc<dyn TransferEngine>> {
+    async fn create(&self) -> Result<Arc<dyn DynTransferEngine>> {
         let e = InprocEngine::auto(self.caps);
         e.set_pace(self.pace);
         Ok(Arc::new(e))
     }
 
-    async fn refuse_notifications(&self, engine: &Arc<dyn TransferEngine>) -> Result<bool> {
+    async fn refuse_notifications(&self, engine: &Arc<dyn DynTransferEngine>) -> Result<bool> {
         Ok(InprocEngine::refuse_notifications_of(
             engine.segment_name(),
             true,

@@ -2,6 +2,7 @@
 
 use super::harness::*;
 use super::*;
+use crate::DynTransferEngine;
 
 /// An engine without notifications refuses a batch that carries one up
 /// front, with the operation named and nothing moved, and refuses
@@ -82,7 +83,7 @@ pub async fn check_notification(factory: Arc<dyn EngineFactory>, adapted: bool) 
     // Wait for `want` while checking, the moment it shows up, that the bytes
     // are already there.
     async fn await_note(
-        b: &Arc<dyn TransferEngine>,
+        b: &Arc<dyn DynTransferEngine>,
         want: &Notification,
         seen: &mut Vec<Notification>,
         remote: &Mem,

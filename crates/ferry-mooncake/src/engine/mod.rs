@@ -18,7 +18,6 @@ use std::ffi::{c_void, CString};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use async_trait::async_trait;
 use ferry_core::raw::{BatchDriver, BatchTable};
 use ferry_core::{
     BackendInfo, BatchId, BatchReport, BatchStatus, Capabilities, Error, MemoryRegion,
@@ -194,7 +193,6 @@ impl MooncakeEngine {
 }
 
 #[deny(clippy::missing_trait_methods)]
-#[async_trait]
 impl TransferEngine for MooncakeEngine {
     fn backend_name(&self) -> &str {
         BACKEND
@@ -288,6 +286,14 @@ impl TransferEngine for MooncakeEngine {
 
     fn live_batches(&self) -> Option<usize> {
         Some(self.inner.batches.len())
+    }
+
+    /// Ends every `next_notification` waiter with `Canceled`. The library
+    /// cannot cancel what it runs: transfers in flight end in it as usual;
+    /// the C engine is destroyed when the last handle is dropped.
+    async fn shutdown(&self) -> Result<()> {
+        self.inner.inbox.close();
+        Ok(())
     }
 
     async fn take_notifications(&self) -> Result<Vec<Notification>> {

@@ -127,7 +127,7 @@ impl Inner {
     /// passive queue pair) and then the completion thread, on a detached
     /// helper thread: the caller (often a Tokio worker dropping the engine)
     /// never blocks on either.
-    pub(crate) fn shutdown(&self) {
+    pub(crate) fn shutdown(&self) -> Option<std::thread::JoinHandle<()>> {
         self.notifications.close();
         let rt = lock(&self.runtime).take();
         let poller = Arc::clone(&self.poller);
@@ -141,8 +141,12 @@ impl Inner {
                 }
                 poller.stop();
             });
-        if let Err(e) = stopper {
-            tracing::warn!(error = %e, "verbs: no thread to stop the engine on; stopping in place");
+        match stopper {
+            Ok(t) => Some(t),
+            Err(e) => {
+                tracing::warn!(error = %e, "verbs: no thread to stop the engine on; stopping in place");
+                None
+            }
         }
     }
 

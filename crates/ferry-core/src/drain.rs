@@ -1,0 +1,136 @@
+//! [`Drain`]: counts the calls in flight so that `shutdown` can refuse new
+//! ones and wait for the rest.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use tokio::sync::Notify;
+
+use crate::error::Error;
+
+/// Calls in flight and whether new ones are still admitted.
+///
+/// [`Drain::enter`] admits a call (its [`Active`] guard counts it until
+/// dropped) or refuses it with [`Error::Canceled`] once [`Drain::close`]
+/// was called; [`Drain::idle`] waits until no guard is left. A guard
+/// taken before `close` is always waited for: `enter` counts first and
+/// checks the flag after, `close` sets the flag first and reads the count
+/// after (both `SeqCst`), so one of the two sees the other.
+#[derive(Debug, Default)]
+pub struct Drain {
+    closed: AtomicBool,
+    active: AtomicUsize,
+    idle: Notify,
+}
+
+/// One admitted call; dropping it ends the call for [`Drain::idle`].
+#[derive(Debug)]
+#[must_use = "the call counts only while the guard lives"]
+pub struct Active {
+    drain: Arc<Drain>,
+}
+
+impl Drain {
+    /// A drain admitting calls.
+    pub fn new() -> Arc<Drain> {
+        Arc::new(Drain::default())
+    }
+
+    /// Admits one call, or refuses it with [`Error::Canceled`] naming
+    /// `what` once the drain is closed.
+    pub fn enter(self: &Arc<Self>, what: &str) -> Result<Active, Error> {
+        self.active.fetch_add(1, Ordering::SeqCst);
+        let guard = Active {
+            drain: Arc::clone(self),
+        };
+        if self.closed.load(Ordering::SeqCst) {
+            drop(guard);
+            return Err(Error::Canceled(format!(
+                "{what}: the engine is shutting down"
+            )));
+        }
+        Ok(guard)
+    }
+
+    /// Refuses every call from now on. Idempotent.
+    pub fn close(&self) {
+        self.closed.store(true, Ordering::SeqCst);
+    }
+
+    /// Whether [`Drain::close`] was called.
+    pub fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::SeqCst)
+    }
+
+    /// Calls admitted and not yet ended.
+    pub fn active(&self) -> usize {
+        self.active.load(Ordering::SeqCst)
+    }
+
+    /// Waits until no admitted call is left (at once if none is). After
+    /// [`Drain::close`] the count only falls, so this ends once the calls
+    /// in flight have; before it, it may end and the count rise again.
+    pub async fn idle(&self) {
+        loop {
+            let notified = self.idle.notified();
+            tokio::pin!(notified);
+            // Registered before the look, so a last guard dropped between
+            // the look and the await still wakes us.
+            notified.as_mut().enable();
+            if self.active.load(Ordering::SeqCst) == 0 {
+                return;
+            }
+            notified.await;
+        }
+    }
+}
+
+impl Drop for Active {
+    fn drop(&mut self) {
+        if self.drain.active.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.drain.idle.notify_waiters();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[tokio::test]
+    async fn close_refuses_new_calls_and_idle_waits_for_the_admitted() {
+        let d = Drain::new();
+        let a = d.enter("transfer").unwrap();
+        let b = d.enter("transfer").unwrap();
+        d.close();
+        let e = d.enter("register").unwrap_err();
+        assert!(
+            matches!(e, Error::Canceled(ref m) if m.contains("register")),
+            "{e}"
+        );
+        assert_eq!(d.active(), 2, "a refused call does not stay counted");
+        let waiter = tokio::spawn({
+            let d = Arc::clone(&d);
+            async move { d.idle().await }
+        });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!waiter.is_finished(), "two calls are still in flight");
+        drop(a);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!waiter.is_finished(), "one call is still in flight");
+        drop(b);
+        tokio::time::timeout(Duration::from_secs(5), waiter)
+            .await
+            .expect("idle ends once the last call has")
+            .unwrap();
+    }
+
+    #[tokio::test]
+    async fn idle_with_nothing_in_flight_returns_at_once() {
+        let d = Drain::new();
+        d.idle().await;
+        d.close();
+        d.idle().await;
+    }
+}

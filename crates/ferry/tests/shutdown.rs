@@ -1,0 +1,127 @@
+//! `shutdown` drains (issue 25 item 6): on real TCP engines behind the
+//! facade's adapter, a write in flight when `shutdown` starts lands whole
+//! and `shutdown` returns only after it; calls that start afterwards are
+//! refused with `Canceled`; a submitted batch nobody waited for runs to
+//! its end first; a notification waiter ends with `Canceled`; the memory
+//! can still be unregistered, and a second `shutdown` returns at once.
+#![cfg(feature = "tcp")]
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use ferry::{Engine, Error, RegisteredBuffer, TransferEngine, TransferRequest};
+
+const LEN: usize = 64 << 20;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_waits_for_calls_in_flight_and_refuses_new_ones() {
+    let a = Arc::new(
+        Engine::open("tcp://127.0.0.1:0?same_host=off")
+            .await
+            .unwrap(),
+    );
+    let b = Arc::new(
+        Engine::open("tcp://127.0.0.1:0?same_host=off")
+            .await
+            .unwrap(),
+    );
+    let src = RegisteredBuffer::new(a.clone(), LEN).await.unwrap();
+    let dst = RegisteredBuffer::new(b.clone(), LEN).await.unwrap();
+    src.memory().fill(0x5a);
+    let seg = a.open_segment(b.segment_name()).await.unwrap();
+    let whole = TransferRequest::write_span(src.span(), &dst.descriptor()).unwrap();
+
+    // A waiter on b's notifications ends with Canceled when b shuts down.
+    let waiter = tokio::spawn({
+        let b = b.clone();
+        async move { b.next_notification(None).await }
+    });
+
+    // A write in flight.
+    let write_done = Arc::new(AtomicBool::new(false));
+    let write = tokio::spawn({
+        let a = a.clone();
+        let done = write_done.clone();
+        async move {
+            let r = a.transfer(seg, whole).await;
+            done.store(true, Ordering::SeqCst);
+            r
+        }
+    });
+    // Let the write start (64 MiB over loopback takes tens of ms).
+    tokio::time::sleep(Duration::from_millis(2)).await;
+    tokio::time::timeout(Duration::from_secs(60), a.shutdown())
+        .await
+        .expect("shutdown drains within 60 s")
+        .unwrap();
+    assert!(
+        write_done.load(Ordering::SeqCst),
+        "shutdown returned before the write in flight did"
+    );
+    write.await.unwrap().unwrap();
+    assert!(dst.memory().to_vec().iter().all(|&x| x == 0x5a));
+
+    // New work is refused, typed.
+    for e in [
+        a.transfer(seg, whole).await.unwrap_err(),
+        a.open_segment(b.segment_name())
+            .await
+            .map(|_| ())
+            .unwrap_err(),
+        a.batch_transfer(seg, &[whole], None)
+            .await
+            .map(|_| ())
+            .unwrap_err(),
+    ] {
+        assert!(
+            matches!(e, Error::Canceled(ref m) if m.contains("shutting down")),
+            "{e}"
+        );
+    }
+    // Cleanup still works, and a second shutdown returns at once.
+    a.shutdown().await.unwrap();
+    src.release().await.unwrap();
+
+    b.shutdown().await.unwrap();
+    let note = tokio::time::timeout(Duration::from_secs(10), waiter)
+        .await
+        .expect("the notification waiter ends")
+        .unwrap();
+    assert!(matches!(note, Err(Error::Canceled(_))), "{note:?}");
+    dst.release().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_runs_a_submitted_batch_to_its_end() {
+    let a = Arc::new(
+        Engine::open("tcp://127.0.0.1:0?same_host=off")
+            .await
+            .unwrap(),
+    );
+    let b = Arc::new(
+        Engine::open("tcp://127.0.0.1:0?same_host=off")
+            .await
+            .unwrap(),
+    );
+    let src = RegisteredBuffer::new(a.clone(), LEN).await.unwrap();
+    let dst = RegisteredBuffer::new(b.clone(), LEN).await.unwrap();
+    src.memory().fill(0xa5);
+    let seg = a.open_segment(b.segment_name()).await.unwrap();
+    let whole = TransferRequest::write_span(src.span(), &dst.descriptor()).unwrap();
+    // Submitted and never waited for.
+    let batch = a.submit(seg, &[whole], None).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(60), a.shutdown())
+        .await
+        .expect("shutdown drains within 60 s")
+        .unwrap();
+    assert!(
+        dst.memory().to_vec().iter().all(|&x| x == 0xa5),
+        "the submitted batch ran to its end before shutdown returned"
+    );
+    assert_eq!(a.live_batches(), Some(0), "no batch is left behind");
+    // Its id went with the engine's batches.
+    assert!(matches!(a.wait(batch).await, Err(Error::UnknownBatch(_))));
+    src.release().await.unwrap();
+    dst.release().await.unwrap();
+}
