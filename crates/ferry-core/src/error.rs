@@ -277,15 +277,62 @@ pub enum Error {
     /// A bounded queue or table is full (batches not yet released,
     /// notifications not yet taken): nothing was done; try again once the
     /// consumer has caught up.
-    #[error("{backend}: {what} is full ({limit}); release or consume some and try again")]
+    #[error(
+        "{backend}: {what} is full ({}); release or consume some and try again",
+        limit_text(*queue, *limit)
+    )]
     QueueFull {
         /// Backend name (or `adapter`).
         backend: String,
-        /// What is full (e.g. "live batches", "the peer's notification queue").
+        /// Which queue is full.
+        queue: Queue,
+        /// Whose queue, in words (e.g. "127.0.0.1:4000's notification queue").
         what: String,
-        /// The bound that was reached (e.g. "65536 batches").
-        limit: String,
+        /// The bound that was reached, in [`Queue::unit`]s; `None` when the
+        /// peer that refused did not say.
+        limit: Option<u64>,
     },
+}
+
+/// The bounded queues and tables that refuse with [`Error::QueueFull`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Queue {
+    /// The table of submitted batches not yet waited for or released
+    /// (release some, or wait for them).
+    Batches,
+    /// A peer's queue of notifications not yet taken (the peer must take
+    /// some; the data of the batch has landed).
+    Notifications,
+    /// A control channel to a peer that does not read it.
+    Control,
+}
+
+impl Queue {
+    /// What the queue's limit counts: `batches`, `notifications`, `messages`.
+    pub fn unit(self) -> &'static str {
+        match self {
+            Queue::Batches => "batches",
+            Queue::Notifications => "notifications",
+            Queue::Control => "messages",
+        }
+    }
+
+    /// The name used in Python's error attributes and in logs.
+    pub fn name(self) -> &'static str {
+        match self {
+            Queue::Batches => "batches",
+            Queue::Notifications => "notifications",
+            Queue::Control => "control",
+        }
+    }
+}
+
+fn limit_text(queue: Queue, limit: Option<u64>) -> String {
+    match limit {
+        Some(n) => format!("{n} {}", queue.unit()),
+        None => "the peer's bound".to_owned(),
+    }
 }
 
 impl Error {
@@ -543,8 +590,9 @@ pub fn live_batches_full(backend: &str) -> Error {
 pub(crate) fn batches_full(backend: &str, limit: usize) -> Error {
     Error::QueueFull {
         backend: backend.to_owned(),
+        queue: Queue::Batches,
         what: "the table of submitted, not yet released batches".to_owned(),
-        limit: format!("{limit} batches"),
+        limit: Some(limit as u64),
     }
 }
 

@@ -327,8 +327,9 @@ fn deliver(segment: &Segment, note: Notification) -> Result<()> {
         Ok(()) => Ok(()),
         Err(crate::inbox::PushRefused::Full) => Err(Error::QueueFull {
             backend: BACKEND.into(),
+            queue: crate::error::Queue::Notifications,
             what: format!("{}'s notification queue", segment.name),
-            limit: format!("{MAX_QUEUED_NOTIFICATIONS} notifications"),
+            limit: Some(MAX_QUEUED_NOTIFICATIONS as u64),
         }),
         Err(crate::inbox::PushRefused::Closed) => Err(Error::SegmentUnavailable {
             name: segment.name.clone(),

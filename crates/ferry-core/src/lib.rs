@@ -122,7 +122,7 @@ pub use caps::{
     BackendInfo, Capabilities, CapabilityReport, MemoryKinds, MissingCapability, Operation, Support,
 };
 pub use engine::{BoxFuture, DynTransferEngine, TransferEngine};
-pub use error::{live_batches_full, Error, ErrorKind, IoSource, Result, Retry, Side};
+pub use error::{live_batches_full, Error, ErrorKind, IoSource, Queue, Result, Retry, Side};
 pub use region_table::{RegionGuard, RegionTable};
 pub use span::{LocalSpan, RemoteSpan};
 pub use types::{

@@ -6,8 +6,8 @@ use std::sync::Arc;
 
 use ferry_core::inproc::InprocEngine;
 use ferry_core::{
-    BatchId, Capabilities, CapabilityAdapter, Error, Notification, RegisteredBuffer, SegmentId,
-    TransferEngine, TransferRequest, MAX_LIVE_BATCHES,
+    BatchId, Capabilities, CapabilityAdapter, Error, Notification, Queue, RegisteredBuffer,
+    SegmentId, TransferEngine, TransferRequest, MAX_LIVE_BATCHES,
 };
 
 async fn pair(caps: Capabilities) -> (Arc<dyn DynTransferEngine>, Arc<dyn DynTransferEngine>) {
@@ -36,7 +36,20 @@ async fn a_full_notification_queue_fails_the_last_request_retryably() {
     let n = Notification::new("n", "one too many");
     let report = a.batch_transfer(seg, &req, Some(&n)).await.unwrap();
     match &report.results[0] {
-        Err(e @ Error::QueueFull { .. }) => assert!(e.is_retryable(), "{e}"),
+        Err(
+            e @ Error::QueueFull {
+                queue: Queue::Notifications,
+                limit: Some(limit),
+                ..
+            },
+        ) => {
+            assert!(e.is_retryable(), "{e}");
+            assert_eq!(*limit, cap as u64);
+            assert!(
+                e.to_string().contains(&format!("{cap} notifications")),
+                "{e}"
+            );
+        }
         other => panic!("expected QueueFull, got {other:?}"),
     }
     // The data moved all the same; the notification did not.
@@ -60,7 +73,16 @@ async fn fill_live_batches(e: &Arc<dyn DynTransferEngine>, seg: SegmentId) -> Ba
         e.submit(seg, &[], None).await.unwrap();
     }
     match e.submit(seg, &[], None).await {
-        Err(err @ Error::QueueFull { .. }) => assert!(err.is_retryable(), "{err}"),
+        Err(
+            err @ Error::QueueFull {
+                queue: Queue::Batches,
+                limit: Some(limit),
+                ..
+            },
+        ) => {
+            assert!(err.is_retryable(), "{err}");
+            assert_eq!(limit, MAX_LIVE_BATCHES as u64);
+        }
         other => panic!("expected QueueFull past {MAX_LIVE_BATCHES} batches, got {other:?}"),
     }
     first

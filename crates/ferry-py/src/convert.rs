@@ -226,10 +226,12 @@ fn describe(py: Python<'_>, e: &Error, f: &Bound<'_, PyDict>) -> PyResult<&'stat
         }
         Error::QueueFull {
             backend,
+            queue,
             what,
             limit,
         } => {
             f.set_item("backend", backend)?;
+            f.set_item("queue", queue.name())?;
             f.set_item("what", what)?;
             f.set_item("limit", limit)?;
             "QueueFull"

@@ -509,10 +509,13 @@ impl MooncakeEngine {
                 // No time left to see a complement land (or no probe memory
                 // left to write it from): send none.
                 for &i in &same {
-                    results[i] = Some(Err(Error::Timeout {
-                        operation: "preparing to confirm a write".into(),
-                        peer: Some(peer.to_owned()),
-                        after: Duration::ZERO,
+                    results[i] = Some(Err(Error::TransferFailed {
+                        backend: BACKEND.into(),
+                        peer: peer.to_owned(),
+                        status: "sent, not landed".into(),
+                        detail: "the batch's deadline passed (or the probe memory ran out) \
+                                 before the write's landing could be confirmed"
+                            .into(),
                     }));
                 }
             } else if !same.is_empty() {

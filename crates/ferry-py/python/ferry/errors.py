@@ -165,5 +165,7 @@ class Canceled(FerryError):
 
 
 class QueueFull(FerryError):
-    """A bounded queue or table is full (``what``, ``limit``); nothing was
-    done. Retryable once the consumer has caught up."""
+    """A bounded queue or table is full; nothing was done. Retryable once
+    the consumer has caught up. ``queue`` is ``"batches"``,
+    ``"notifications"`` or ``"control"``, ``what`` says whose, ``limit`` is
+    the bound reached (an int) or ``None`` when the peer did not say."""

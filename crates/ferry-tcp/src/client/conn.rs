@@ -413,8 +413,12 @@ impl ConnShared {
             // Retryable (WouldBlock): the target drains its queue.
             Status::NotifyQueueFull => Error::QueueFull {
                 backend: "tcp".to_owned(),
-                what: format!("{}'s notification queue", self.peer),
-                limit: "the peer's bound (or it refuses notifications)".to_owned(),
+                queue: ferry_core::Queue::Notifications,
+                what: format!(
+                    "{}'s notification queue (or it refuses notifications)",
+                    self.peer
+                ),
+                limit: None,
             },
             Status::StaleRegion => Error::AddressNotRegistered {
                 side: Side::Remote,

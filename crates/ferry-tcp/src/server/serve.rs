@@ -57,7 +57,8 @@ pub(super) async fn serve_on_thread(
     live: Arc<Live>,
     st: ConnState,
 ) -> Result<(), Error> {
-    let owned = stream.into_owned().map_err(|e| io_error(&peer, e))?;
+    let stall = core.config.stall_timeout;
+    let owned = stream.into_owned().map_err(|e| io_error(&peer, e, stall))?;
     let (done_tx, done_rx) = oneshot::channel();
     let (stop_tx, stop_rx) = oneshot::channel::<()>();
     let p = peer.clone();
@@ -66,9 +67,9 @@ pub(super) async fn serve_on_thread(
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
-                .map_err(|e| io_error(&p, e))?;
+                .map_err(|e| io_error(&p, e, stall))?;
             rt.block_on(async {
-                let stream = Stream::from_owned(owned).map_err(|e| io_error(&p, e))?;
+                let stream = Stream::from_owned(owned).map_err(|e| io_error(&p, e, stall))?;
                 tokio::select! {
                     r = serve(stream, &p, &core, &live, st) => r.map(|_| ()),
                     _ = stop_rx => Ok(()),
@@ -80,7 +81,7 @@ pub(super) async fn serve_on_thread(
     std::thread::Builder::new()
         .name("ferry-cma-conn".to_owned())
         .spawn(body)
-        .map_err(|e| io_error(&peer, e))?;
+        .map_err(|e| io_error(&peer, e, stall))?;
     // Dropped with this future (the connection task aborted at shutdown):
     // the thread then stops.
     let _stop = stop_tx;
@@ -156,12 +157,14 @@ impl Out {
     }
 }
 
-fn io_error(peer: &str, e: std::io::Error) -> Error {
+/// `stall`: the connection's stall timeout, the bound a timed-out read or
+/// write of a frame ran into (a payload's own bound grows with its size).
+fn io_error(peer: &str, e: std::io::Error, stall: Duration) -> Error {
     if e.kind() == std::io::ErrorKind::TimedOut {
         Error::Timeout {
             operation: format!("receiving or sending a frame ({e})"),
             peer: Some(peer.to_owned()),
-            after: Duration::ZERO,
+            after: stall,
         }
     } else {
         Error::PeerLost {
@@ -178,7 +181,7 @@ async fn flush(stream: &Stream, out: &mut Out, core: &Core, peer: &str) -> Resul
     let buf = out.take();
     write_all_slices(stream, &[&buf], core.pace())
         .await
-        .map_err(|e| io_error(peer, e))
+        .map_err(|e| io_error(peer, e, core.config.stall_timeout))
 }
 
 /// Framing is lost: answer what was processed, then `Malformed` for `id`,
@@ -212,6 +215,7 @@ pub(super) async fn serve(
 ) -> Result<Served, Error> {
     let cfg = &core.config;
     let pace = core.pace();
+    let stall = cfg.stall_timeout;
     let ConnState {
         mut rd,
         mut out,
@@ -223,7 +227,11 @@ pub(super) async fn serve(
     let mut cma_table: Vec<u8> = Vec::new();
     loop {
         // Answer everything processed so far before waiting for more input.
-        if !out.is_empty() && !rd.poll_header_now(&stream).map_err(|e| io_error(peer, e))? {
+        if !out.is_empty()
+            && !rd
+                .poll_header_now(&stream)
+                .map_err(|e| io_error(peer, e, stall))?
+        {
             flush(&stream, &mut out, core, peer).await?;
         }
         // Idle: evictable (after `evict_idle`) while waiting here.
@@ -237,7 +245,7 @@ pub(super) async fn serve(
             tracing::debug!(%peer, "evicted an idle connection for a new one");
             return Ok(Served::Closed);
         };
-        let hdr = match next.map_err(|e| io_error(peer, e))? {
+        let hdr = match next.map_err(|e| io_error(peer, e, stall))? {
             Next::Header(h) => h,
             Next::Eof => {
                 flush(&stream, &mut out, core, peer).await?;
@@ -269,7 +277,7 @@ pub(super) async fn serve(
                         let dst = unsafe { Bytes::from_raw(guard.as_ptr(), guard.len() as usize) };
                         rd.read_payload(&stream, dst)
                             .await
-                            .map_err(|e| io_error(peer, e))?;
+                            .map_err(|e| io_error(peer, e, stall))?;
                         drop(guard);
                         out.acks.push(id);
                         out.bytes += len;
@@ -277,7 +285,7 @@ pub(super) async fn serve(
                     Err(status) => {
                         rd.discard(&stream, len, true)
                             .await
-                            .map_err(|e| io_error(peer, e))?;
+                            .map_err(|e| io_error(peer, e, stall))?;
                         out.err(id, status, addr, len);
                     }
                 }
@@ -294,7 +302,7 @@ pub(super) async fn serve(
                         pace,
                     )
                     .await
-                    .map_err(|e| io_error(peer, e))?;
+                    .map_err(|e| io_error(peer, e, stall))?;
                     drop(guard);
                 }
                 Err(status) => out.err(id, status, addr, len),
@@ -309,7 +317,7 @@ pub(super) async fn serve(
                 let mut buf = vec![0u8; (name_len + msg_len) as usize];
                 rd.read_payload(&stream, Bytes::from_mut(&mut buf))
                     .await
-                    .map_err(|e| io_error(peer, e))?;
+                    .map_err(|e| io_error(peer, e, stall))?;
                 // Exact-size copies: the queue holds what it counts.
                 let (name, msg) = buf.split_at(name_len as usize);
                 let n = match (std::str::from_utf8(name), std::str::from_utf8(msg)) {
@@ -341,7 +349,7 @@ pub(super) async fn serve(
                 let raw = &mut raw[..count as usize * SEGMENT_LEN];
                 rd.read_part(&stream, Bytes::from_mut(raw))
                     .await
-                    .map_err(|e| io_error(peer, e))?;
+                    .map_err(|e| io_error(peer, e, stall))?;
                 let segs = match decode_segments(raw, total) {
                     Ok(s) => s,
                     Err(e) => return Err(malformed(&stream, &mut out, core, peer, id, e.0).await),
@@ -358,7 +366,7 @@ pub(super) async fn serve(
                         .collect();
                     rd.read_v(&stream, &dsts, true)
                         .await
-                        .map_err(|e| io_error(peer, e))?;
+                        .map_err(|e| io_error(peer, e, stall))?;
                     out.acks.push(id);
                 } else {
                     // Segment by segment, in order; refused ones discarded.
@@ -381,7 +389,7 @@ pub(super) async fn serve(
                                 rd.discard(&stream, s.len, i == last).await
                             }
                         };
-                        r.map_err(|e| io_error(peer, e))?;
+                        r.map_err(|e| io_error(peer, e, stall))?;
                     }
                     if failed.is_empty() {
                         out.acks.push(id);
@@ -399,7 +407,7 @@ pub(super) async fn serve(
                 // The segment table ends the frame.
                 rd.read_payload(&stream, Bytes::from_mut(raw))
                     .await
-                    .map_err(|e| io_error(peer, e))?;
+                    .map_err(|e| io_error(peer, e, stall))?;
                 let segs = match decode_segments(raw, total) {
                     Ok(s) => s,
                     Err(e) => return Err(malformed(&stream, &mut out, core, peer, id, e.0).await),
@@ -434,7 +442,7 @@ pub(super) async fn serve(
                 }
                 write_all(&stream, &bufs, pace)
                     .await
-                    .map_err(|e| io_error(peer, e))?;
+                    .map_err(|e| io_error(peer, e, stall))?;
                 drop(bufs);
                 drop(guards);
             }
@@ -447,7 +455,7 @@ pub(super) async fn serve(
                 let mut raw = [0u8; cma::OFFER_LEN];
                 rd.read_payload(&stream, Bytes::from_mut(&mut raw))
                     .await
-                    .map_err(|e| io_error(peer, e))?;
+                    .map_err(|e| io_error(peer, e, stall))?;
                 let offer = cma::Offer::decode(&raw);
                 let verdict = match &stream {
                     _ if cfg.same_host == SameHost::Off => Err((cma::Refusal::Disabled, 0)),
@@ -514,7 +522,7 @@ pub(super) async fn serve(
                                 rd.set_lookahead();
                                 Stream::Unix(
                                     tokio::net::UnixStream::from_std(unix)
-                                        .map_err(|e| io_error(peer, e))?,
+                                        .map_err(|e| io_error(peer, e, stall))?,
                                 )
                             }
                             Err(_) => stream,
@@ -550,7 +558,7 @@ pub(super) async fn serve(
                 let raw = &mut cma_table[..n];
                 rd.read_payload(&stream, Bytes::from_mut(raw))
                     .await
-                    .map_err(|e| io_error(peer, e))?;
+                    .map_err(|e| io_error(peer, e, stall))?;
                 let Some(initiator) = &cma_pid else {
                     let reason = "CWRITE/CREAD without an agreed same-host path".to_owned();
                     return Err(malformed(&stream, &mut out, core, peer, id, reason).await);
@@ -629,7 +637,7 @@ pub(super) async fn serve(
                 let hdr = Response::Table { id, count }.encode();
                 write_all_slices(&stream, &[&meta, &hdr, &table], pace)
                     .await
-                    .map_err(|e| io_error(peer, e))?;
+                    .map_err(|e| io_error(peer, e, stall))?;
             }
         }
         if out.acks.len() >= MAX_ACKS as usize

@@ -935,8 +935,9 @@ async fn ctl_reader(
                 let err = if full {
                     Error::QueueFull {
                         backend: crate::BACKEND.to_owned(),
-                        what: format!("{peer}'s notification queue"),
-                        limit: reason,
+                        queue: ferry_core::Queue::Notifications,
+                        what: format!("{peer}'s notification queue ({reason})"),
+                        limit: None,
                     }
                 } else {
                     Error::SegmentUnavailable {

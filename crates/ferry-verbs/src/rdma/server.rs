@@ -156,8 +156,9 @@ async fn serve(mut stream: TcpStream, peer: &str, inner: Arc<Inner>) -> Result<(
             m = wire::read_msg(&mut rd, peer) => m,
             () = kill.notified() => break Err(Error::QueueFull {
                 backend: crate::BACKEND.to_owned(),
+                queue: ferry_core::Queue::Control,
                 what: format!("the control queue to {peer} (it does not read it)"),
-                limit: format!("{PUSH_QUEUE} messages"),
+                limit: Some(PUSH_QUEUE as u64),
             }),
         };
         match msg {
