@@ -6,7 +6,6 @@
 //! can still be unregistered, and a second `shutdown` returns at once.
 #![cfg(feature = "tcp")]
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -38,27 +37,29 @@ async fn shutdown_waits_for_calls_in_flight_and_refuses_new_ones() {
         async move { b.next_notification(None).await }
     });
 
-    // A write in flight.
-    let write_done = Arc::new(AtomicBool::new(false));
+    // A write in flight: shutdown starts once its first bytes landed.
     let write = tokio::spawn({
         let a = a.clone();
-        let done = write_done.clone();
-        async move {
-            let r = a.transfer(seg, whole).await;
-            done.store(true, Ordering::SeqCst);
-            r
-        }
+        async move { a.transfer(seg, whole).await }
     });
-    // Let the write start (64 MiB over loopback takes tens of ms).
-    tokio::time::sleep(Duration::from_millis(2)).await;
+    let started = std::time::Instant::now();
+    loop {
+        let mut first = [0u8; 1];
+        dst.memory().read(0, &mut first).unwrap();
+        if first[0] == 0x5a || write.is_finished() {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "the write never started"
+        );
+        tokio::time::sleep(Duration::from_micros(100)).await;
+    }
     tokio::time::timeout(Duration::from_secs(60), a.shutdown())
         .await
         .expect("shutdown drains within 60 s")
         .unwrap();
-    assert!(
-        write_done.load(Ordering::SeqCst),
-        "shutdown returned before the write in flight did"
-    );
+    // Not cut off half-way: the write in flight ran to its end.
     write.await.unwrap().unwrap();
     assert!(dst.memory().to_vec().iter().all(|&x| x == 0x5a));
 

@@ -150,6 +150,7 @@ pub const CHECKS: &[&str] = &[
     "notify_failure_after_data",
     "cancellation",
     "awaited_notification",
+    "shutdown",
 ];
 
 /// Runs the check called `name` (one of [`CHECKS`]).
@@ -183,6 +184,7 @@ pub async fn run_check(name: &str, factory: Arc<dyn EngineFactory>, adapted: boo
         "notify_failure_after_data" => check_notify_failure_after_data(f, a).await,
         "cancellation" => check_cancellation(f, a).await,
         "awaited_notification" => check_awaited_notification(f, a).await,
+        "shutdown" => check_shutdown(f, a).await,
         other => panic!("unknown conformance check {other:?}; known: {CHECKS:?}"),
     }
 }
@@ -393,7 +395,8 @@ macro_rules! __conformance_mode {
                 finished_after_notification,
                 notify_failure_after_data,
                 cancellation,
-                awaited_notification
+                awaited_notification,
+                shutdown
             );
         }
     };
@@ -426,6 +429,7 @@ mod harness;
 mod notifications;
 mod rules;
 mod segments;
+mod shutdown;
 mod transfers;
 
 pub use basics::{
@@ -440,6 +444,7 @@ pub use rules::{check_finished_after_notification, check_notify_failure_after_da
 pub use segments::{
     check_batch_register_rollback, check_open_unknown_segment, check_unknown_segment,
 };
+pub use shutdown::check_shutdown;
 pub use transfers::{
     check_local_unregistered, check_remote_out_of_bounds, check_unaligned,
     check_unregister_in_flight, check_zero_length,
