@@ -291,7 +291,7 @@ impl TransferEngine for VerbsEngine {
     }
 
     async fn open_segment(&self, name: &str) -> Result<SegmentId> {
-        forward!(self, i => i.open_segment(name).await)
+        forward!(self, i => i.until_stopped(i.open_segment(name)).await)
     }
 
     async fn close_segment(&self, segment: SegmentId) -> Result<()> {
@@ -299,7 +299,7 @@ impl TransferEngine for VerbsEngine {
     }
 
     async fn transfer(&self, segment: SegmentId, request: TransferRequest) -> Result<()> {
-        forward!(self, i => i.transfer(segment, request).await)
+        forward!(self, i => i.until_stopped(i.transfer(segment, request)).await)
     }
 
     async fn batch_transfer(
@@ -308,7 +308,7 @@ impl TransferEngine for VerbsEngine {
         requests: &[TransferRequest],
         notify: Option<&Notification>,
     ) -> Result<BatchReport> {
-        forward!(self, i => i.batch_transfer(segment, requests, notify).await)
+        forward!(self, i => i.until_stopped(i.batch_transfer(segment, requests, notify)).await)
     }
 
     async fn submit(
@@ -317,7 +317,7 @@ impl TransferEngine for VerbsEngine {
         requests: &[TransferRequest],
         notify: Option<&Notification>,
     ) -> Result<BatchId> {
-        forward!(self, i => i.submit(segment, requests, notify).await)
+        forward!(self, i => i.until_stopped(i.submit(segment, requests, notify)).await)
     }
 
     fn status(&self, batch: BatchId) -> Result<BatchStatus> {
@@ -325,7 +325,7 @@ impl TransferEngine for VerbsEngine {
     }
 
     async fn wait(&self, batch: BatchId) -> Result<BatchReport> {
-        forward!(self, i => i.wait(batch).await)
+        forward!(self, i => i.until_stopped(i.wait(batch)).await)
     }
 
     async fn release_batch(&self, batch: BatchId) -> Result<()> {

@@ -801,6 +801,10 @@ impl Watched for Conn {
     fn peer(&self) -> &str {
         &self.peer
     }
+
+    fn cancel(&self, err: &Error) {
+        self.break_with(err.clone());
+    }
 }
 
 impl Drop for Conn {

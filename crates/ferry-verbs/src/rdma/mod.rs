@@ -62,6 +62,9 @@ pub(crate) struct Inner {
     batches: BatchTable,
     notifications: ferry_core::raw::Inbox,
     refuse_notifications: AtomicBool,
+    /// Closed by `shutdown`: a semaphore with no permits, whose `acquire`
+    /// ends (with an error) exactly when it is closed.
+    stopped: tokio::sync::Semaphore,
     subs: Mutex<HashMap<u64, Subscriber>>,
     /// What was negotiated with each connected opener (same ids as `subs`).
     inbound: Mutex<HashMap<u64, PeerProtocol>>,
@@ -110,6 +113,7 @@ impl Inner {
                 MAX_QUEUED_NOTIFICATION_BYTES,
             ),
             refuse_notifications: AtomicBool::new(false),
+            stopped: tokio::sync::Semaphore::new(0),
             subs: Mutex::new(HashMap::new()),
             inbound: Mutex::new(HashMap::new()),
             next_sub: AtomicU64::new(1),
@@ -129,6 +133,7 @@ impl Inner {
     /// never blocks on either.
     pub(crate) fn shutdown(&self) -> Option<std::thread::JoinHandle<()>> {
         self.notifications.close();
+        self.stopped.close();
         let rt = lock(&self.runtime).take();
         let poller = Arc::clone(&self.poller);
         let stopper = std::thread::Builder::new()
@@ -147,6 +152,23 @@ impl Inner {
                 tracing::warn!(error = %e, "verbs: no thread to stop the engine on; stopping in place");
                 None
             }
+        }
+    }
+
+    /// Runs `fut` until it ends or the engine shuts down; then `Canceled`.
+    /// The memory of work requests still posted stays guarded (by their
+    /// batch's progress) until the device flushed them: the shutdown breaks
+    /// every queue pair.
+    pub(crate) async fn until_stopped<T>(
+        &self,
+        fut: impl std::future::Future<Output = Result<T>>,
+    ) -> Result<T> {
+        tokio::select! {
+            biased;
+            r = fut => r,
+            _ = self.stopped.acquire() => Err(Error::Canceled(
+                "the verbs engine shut down".to_owned(),
+            )),
         }
     }
 
@@ -662,6 +684,12 @@ impl Inner {
         }
         let notify = notify.cloned();
         Ok(self.handle.spawn(async move {
+            // Dropped unfinished (the control runtime shut down): the batch
+            // finishes, its unreported requests `Canceled`, so no caller
+            // waits forever. Their memory stays guarded by `batch` until
+            // the device is done with their work requests (the shutdown
+            // breaks every queue pair, which flushes them).
+            let mut unfinished = FinishOnDrop(Some(batch.driver().clone()));
             for chain in wrs.chunks(MAX_CHAIN.min(conn_chain_limit(&conn))) {
                 conn.post_chain(&batch, chain).await;
             }
@@ -672,8 +700,20 @@ impl Inner {
                 Some(n) if ok => Some(conn.notify(&n).await),
                 _ => None,
             };
+            unfinished.0 = None;
             batch.driver().finish(notified)
         }))
+    }
+}
+
+/// Finishes a batch whose task was dropped before it did.
+struct FinishOnDrop(Option<BatchDriver>);
+
+impl Drop for FinishOnDrop {
+    fn drop(&mut self) {
+        if let Some(d) = self.0.take() {
+            let _ = d.finish(None);
+        }
     }
 }
 

@@ -26,6 +26,11 @@ pub(crate) trait Watched: Send + Sync {
     fn fail(&self, event: &str);
     /// The peer, for logs.
     fn peer(&self) -> &str;
+    /// The engine stops: fail what is outstanding with `err` (the device
+    /// touches none of its memory afterwards). Nothing by default.
+    fn cancel(&self, err: &Error) {
+        let _ = err;
+    }
 }
 
 type Registry = Arc<Mutex<HashMap<usize, Weak<dyn Watched>>>>;
@@ -175,6 +180,7 @@ fn run(
             return;
         }
         if stop.load(Ordering::SeqCst) {
+            cancel_all(&registry);
             return;
         }
         if fds[1].revents != 0 {
@@ -208,6 +214,24 @@ fn run(
                 conn.drain_cq();
             }
         }
+    }
+}
+
+/// The completion thread stops: no completion will be applied any more,
+/// so every watched connection fails what it has outstanding (a transfer
+/// in flight ends with `Canceled` instead of waiting forever).
+fn cancel_all(registry: &Registry) {
+    let watched: Vec<Arc<dyn Watched>> = {
+        let reg = lock(registry);
+        let mut seen = std::collections::HashSet::new();
+        reg.values()
+            .filter_map(Weak::upgrade)
+            .filter(|w| seen.insert(Arc::as_ptr(w).cast::<()>() as usize))
+            .collect()
+    };
+    let err = Error::Canceled("the verbs engine shut down".to_owned());
+    for w in watched {
+        w.cancel(&err);
     }
 }
 
