@@ -76,10 +76,10 @@ enum Flavor {
 }
 
 fn adapter(coalesce: bool) -> AdapterConfig {
-    AdapterConfig {
-        coalesce,
-        ..AdapterConfig::default()
-    }
+    AdapterConfig::builder()
+        .coalesce(coalesce)
+        .build()
+        .expect("a valid adapter configuration")
 }
 
 async fn make(backend: Backend, flavor: Flavor) -> Arc<dyn TransferEngine> {
