@@ -53,11 +53,13 @@ async fn raw(backend: Backend) -> Arc<dyn TransferEngine> {
                 .expect("starting a loopback TCP engine"),
         ),
         Backend::TcpChunked => Arc::new(
-            TcpEngine::start(TcpConfig {
-                chunk_size: 100,
-                connections: 3,
-                ..TcpConfig::default()
-            })
+            TcpEngine::start(
+                TcpConfig::builder()
+                    .chunk_size(100)
+                    .connections(3)
+                    .build()
+                    .unwrap(),
+            )
             .await
             .expect("starting a loopback TCP engine"),
         ),

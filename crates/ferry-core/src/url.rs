@@ -142,14 +142,19 @@ fn decode(s: &str, plus_is_space: bool) -> std::result::Result<String, Bad> {
     let mut i = 0;
     while i < b.len() {
         match b[i] {
-            b'%' => match (b.get(i + 1).and_then(|&c| hex(c)), b.get(i + 2).and_then(|&c| hex(c))) {
+            b'%' => match (
+                b.get(i + 1).and_then(|&c| hex(c)),
+                b.get(i + 2).and_then(|&c| hex(c)),
+            ) {
                 (Some(h), Some(l)) => {
                     out.push(h << 4 | l);
                     i += 3;
                 }
                 _ => {
                     let end = (i + 3).min(b.len());
-                    return Err(Bad::Escape(String::from_utf8_lossy(&b[i..end]).into_owned()));
+                    return Err(Bad::Escape(
+                        String::from_utf8_lossy(&b[i..end]).into_owned(),
+                    ));
                 }
             },
             b'+' if plus_is_space => {
@@ -457,11 +462,7 @@ impl ParsedUrl {
             Some(Some(v)) => match v.to_ascii_lowercase().as_str() {
                 "1" | "true" | "yes" | "on" => Ok(Some(true)),
                 "0" | "false" | "no" | "off" => Ok(Some(false)),
-                _ => Err(self.bad_value(
-                    key,
-                    &v,
-                    "a boolean (1/0, true/false, yes/no, on/off)",
-                )),
+                _ => Err(self.bad_value(key, &v, "a boolean (1/0, true/false, yes/no, on/off)")),
             },
         }
     }
@@ -610,8 +611,8 @@ mod tests {
 
     #[test]
     fn percent_decoding_of_keys_and_values() {
-        let mut u = ParsedUrl::parse("x://?s%65cret=a%26b%3D&na+me=%2B+%20&%E2%82%AC=%e2%82%ac")
-            .unwrap();
+        let mut u =
+            ParsedUrl::parse("x://?s%65cret=a%26b%3D&na+me=%2B+%20&%E2%82%AC=%e2%82%ac").unwrap();
         assert_eq!(u.take_secret("secret").unwrap().unwrap().expose(), "a&b=");
         assert_eq!(u.take_str("na me").unwrap().as_deref(), Some("+  "));
         assert_eq!(u.take_str("€").unwrap().as_deref(), Some("€"));
@@ -639,9 +640,16 @@ mod tests {
         assert!(err(ParsedUrl::parse("x://h%2?a=1")).contains("address part"));
         assert!(err(ParsedUrl::parse("x://?name=%FF")).contains("not UTF-8"));
         // A secret's malformed value is not quoted, not even its escape.
-        for url in ["x://?secret=hunter2%+5", "x://?s%65cret=%G1hunter2", "x://?password=ab%4"] {
+        for url in [
+            "x://?secret=hunter2%+5",
+            "x://?s%65cret=%G1hunter2",
+            "x://?password=ab%4",
+        ] {
             let m = err(ParsedUrl::parse(url));
-            assert!(!m.contains("hunter2") && !m.contains("%+5") && !m.contains("%G1"), "{m}");
+            assert!(
+                !m.contains("hunter2") && !m.contains("%+5") && !m.contains("%G1"),
+                "{m}"
+            );
             assert!(!m.contains("ab%4") && !m.contains("\"%4\""), "{m}");
             assert!(m.contains("malformed percent-escape"), "{m}");
         }
@@ -684,7 +692,10 @@ mod tests {
         .unwrap();
         assert_eq!(u.take::<u64>("n").unwrap(), Some(7));
         let m = err(u.take::<u8>("big"));
-        assert_eq!(m, "x URL parameter `big`: \"300\" is not an integer 0..=255");
+        assert_eq!(
+            m,
+            "x URL parameter `big`: \"300\" is not an integer 0..=255"
+        );
         assert!(err(u.take::<u64>("neg")).contains("not a non-negative integer"));
         assert_eq!(u.take_bool("b1").unwrap(), Some(true));
         assert_eq!(u.take_bool("b0").unwrap(), Some(false));

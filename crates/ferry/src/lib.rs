@@ -61,7 +61,7 @@ pub use ferry_core::{
     AdapterConfig, BackendInfo, BatchId, BatchReport, BatchStatus, Capabilities, CapabilityAdapter,
     CapabilityReport, Error, ErrorKind, HostBuffer, IoSource, LocalSpan, Location, MemoryKinds,
     MemoryRegion, MissingCapability, Notification, Operation, RegionInfo, RegisteredBuffer,
-    RegisteredBuffers, RemoteSpan, Result, Retry, SegmentId, Side, Support, TransferEngine,
+    RegisteredBuffers, RemoteSpan, Result, Retry, Secret, SegmentId, Side, Support, TransferEngine,
     TransferEngineExt, TransferOp, TransferRequest, TransferState, MAX_LIVE_BATCHES,
     MAX_NOTIFICATION_MESSAGE, MAX_NOTIFICATION_NAME,
 };
