@@ -96,6 +96,35 @@ struct Param {
     /// `None`: a bare key (no `=`).
     value: Option<String>,
     taken: bool,
+    /// The pair as written (percent-encoded), for
+    /// [`ParsedUrl::shown_params`].
+    raw_key: String,
+    raw_value: Option<String>,
+}
+
+impl Param {
+    /// `key=value` as written, the value hidden (`…`) if the key is
+    /// secret-like.
+    fn shown(&self) -> String {
+        match &self.raw_value {
+            None => self.raw_key.clone(),
+            Some(_) if is_secret_key(&self.key) => format!("{}=…", self.raw_key),
+            Some(v) => format!("{}={v}", self.raw_key),
+        }
+    }
+}
+
+/// Percent-encodes everything but ASCII letters, digits and `-._~`.
+fn encode(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
+            out.push(char::from(b));
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
 }
 
 fn invalid(msg: String) -> Error {
@@ -276,6 +305,8 @@ impl ParsedUrl {
                 key,
                 value,
                 taken: false,
+                raw_key: raw_key.to_owned(),
+                raw_value: raw_value.map(str::to_owned),
             });
         }
         Ok(ParsedUrl {
@@ -386,6 +417,46 @@ impl ParsedUrl {
             ),
         };
         Ok((host, port))
+    }
+
+    /// Adds the parameter `key=value` as if the URL had it (for tools that
+    /// combine a URL with settings of their own, such as `ferry serve
+    /// --secret-file`), without a URL string being written: refused
+    /// ([`Error::InvalidArgument`]) if the URL already has `key`. The
+    /// redacted form ([`ParsedUrl::shown`]) gains it, hidden if `key` is
+    /// secret-like.
+    pub fn insert(&mut self, key: &str, value: &str) -> Result<()> {
+        if key.is_empty() {
+            return Err(invalid(format!("{}: a parameter needs a name", self.label)));
+        }
+        if self.params.iter().any(|p| p.key == key) {
+            return Err(invalid(format!(
+                "{} {:?} already has the parameter `{key}`",
+                self.label, self.shown
+            )));
+        }
+        let param = Param {
+            key: key.to_owned(),
+            value: Some(value.to_owned()),
+            taken: false,
+            raw_key: encode(key),
+            raw_value: Some(encode(value)),
+        };
+        if !self.shown.contains('?') {
+            self.shown.push('?');
+        } else if !(self.shown.ends_with('?') || self.shown.ends_with('&')) {
+            self.shown.push('&');
+        }
+        self.shown.push_str(&param.shown());
+        self.params.push(param);
+        Ok(())
+    }
+
+    /// Every parameter (taken or not) in URL order: its decoded key and
+    /// the pair as written, `key=…` for a secret-like key (the pieces of
+    /// [`ParsedUrl::shown`], to print a URL with some parameters left out).
+    pub fn shown_params(&self) -> impl Iterator<Item = (&str, String)> + '_ {
+        self.params.iter().map(|p| (p.key.as_str(), p.shown()))
     }
 
     /// Whether `key` is present and not yet taken.
@@ -751,6 +822,37 @@ mod tests {
         assert!(m.contains("fragment") && !m.contains("hunter2"), "{m}");
         assert!(err(ParsedUrl::parse("tcp://h:1#x")).contains("fragment"));
         assert!(err(ParsedUrl::parse("tcp://h:1?=x")).contains("no name"));
+    }
+
+    #[test]
+    fn inserted_parameters_are_parsed_and_shown_redacted() {
+        let mut u = ParsedUrl::parse("tcp://h:1").unwrap();
+        u.insert("secret", "a&b c+").unwrap();
+        u.insert("tls", "require").unwrap();
+        assert_eq!(u.shown(), "tcp://h:1?secret=…&tls=require");
+        assert!(err(u.insert("tls", "on")).contains("already has the parameter `tls`"));
+        let shown: Vec<_> = u.shown_params().collect();
+        assert_eq!(
+            shown,
+            [
+                ("secret", "secret=…".to_owned()),
+                ("tls", "tls=require".to_owned())
+            ]
+        );
+        assert_eq!(u.take_secret("secret").unwrap().unwrap().expose(), "a&b c+");
+        assert_eq!(u.take_str("tls").unwrap().as_deref(), Some("require"));
+        u.finish().unwrap();
+        let mut u = ParsedUrl::parse("mooncake://?lib=/a%20b.so&s%65cret=x&bare").unwrap();
+        u.insert("strict", "1").unwrap();
+        assert_eq!(
+            u.shown(),
+            "mooncake://?lib=/a%20b.so&s%65cret=…&bare&strict=1"
+        );
+        let pairs: Vec<String> = u.shown_params().map(|(_, p)| p).collect();
+        assert_eq!(pairs, ["lib=/a%20b.so", "s%65cret=…", "bare", "strict=1"]);
+        let mut u = ParsedUrl::parse("tcp://h:1?").unwrap();
+        u.insert("a", "1").unwrap();
+        assert_eq!(u.shown(), "tcp://h:1?a=1");
     }
 
     #[test]
