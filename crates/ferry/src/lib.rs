@@ -61,7 +61,7 @@ pub use ferry_core::{
     AdapterConfig, BackendInfo, BatchId, BatchReport, BatchStatus, Capabilities, CapabilityAdapter,
     CapabilityReport, Error, ErrorKind, HostBuffer, IoSource, LocalSpan, Location, MemoryKinds,
     MemoryRegion, MissingCapability, Notification, Operation, RegionInfo, RegisteredBuffer,
-    RegisteredBuffers, RemoteSpan, Result, Retry, Secret, SegmentId, Side, Support, TransferEngine,
+    RegisteredBuffers, RemoteSpan, Result, Retry, SegmentId, Side, Support, TransferEngine,
     TransferEngineExt, TransferOp, TransferRequest, TransferState, MAX_LIVE_BATCHES,
     MAX_NOTIFICATION_MESSAGE, MAX_NOTIFICATION_NAME,
 };
@@ -71,6 +71,10 @@ pub use ferry_core::{
 /// conformance suite and the in-process engine are in `ferry_core`
 /// behind its `conformance` and `inproc` features.
 pub use ferry_core::raw;
+
+/// A shared secret that never prints (`TcpConfig::secret`,
+/// `VerbsConfig::secret`).
+pub use ferry_core::Secret;
 
 /// Blocking calls from threads outside the runtime (Python, C callers):
 /// [`assist::block_on`] runs a call on the calling thread, which drives the
