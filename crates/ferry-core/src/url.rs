@@ -605,7 +605,7 @@ impl ParsedUrl {
                  does not take"
             )));
         }
-        if !self.path_taken && !(self.path.is_empty() || self.path == "/") {
+        if !(self.path_taken || self.path.is_empty() || self.path == "/") {
             return Err(invalid(format!(
                 "{label} {shown:?} has a path, which it does not take"
             )));
