@@ -301,8 +301,7 @@ impl TcpConfig {
     /// with the list of known ones), a repeated one, a malformed
     /// percent-escape, a value out of range, a path or another scheme than
     /// `tcp` is [`Error::InvalidArgument`] naming it; no message quotes the
-    /// secret. Booleans (`insecure`) take `1`/`0`, `true`/`false`,
-    /// `yes`/`no`, `on`/`off`.
+    /// secret. `insecure` takes `1`/`0` or `true`/`false` only.
     pub fn from_url(url: &str) -> Result<TcpConfig> {
         TcpConfig::from_parts(ParsedUrl::parse(url)?)
     }
@@ -406,11 +405,23 @@ impl TcpConfig {
                 },
             )?,
         );
-        set(&mut cfg.insecure, url.take_bool("insecure")?);
+        // Deliberately strict (not `take_bool`: no `yes`/`on`, no bare
+        // key): it opens the engine to every host that can reach it.
         set(
-            &mut cfg.tls,
-            url.take_with("tls", "off, on or require", crate::tls::TlsMode::parse)?,
+            &mut cfg.insecure,
+            url.take_with("insecure", "1 or 0 (true or false)", |v| match v {
+                "1" | "true" => Some(true),
+                "0" | "false" => Some(false),
+                _ => None,
+            })?,
         );
+        if let Some(v) = url.take_str("tls")? {
+            cfg.tls = crate::tls::TlsMode::parse(&v).ok_or_else(|| {
+                invalid(format!(
+                    "tcp URL parameter `tls`: {v:?} must be off, on or require"
+                ))
+            })?;
+        }
         for key in ["tls_cert", "tls_key", "tls_ca"] {
             let Some(value) = url.take_str(key)? else {
                 continue;
@@ -599,10 +610,18 @@ mod tests {
         );
         assert!(msg("tcp://h:1?secret").contains("`secret` is empty"));
         assert!(msg("tcp://h:1?tls_ca=").contains("`tls_ca` is empty"));
+        // `insecure` stays strict: no `yes`/`on`, no bare key.
+        for u in [
+            "tcp://h:1?insecure=on",
+            "tcp://h:1?insecure=yes",
+            "tcp://h:1?insecure",
+        ] {
+            assert!(msg(u).contains("`insecure`"), "{u}");
+        }
         assert!(msg("tcp://h:99999").contains("port"));
         assert!(msg("tcp://:1").contains("no host"));
         // An encoded key is the key it decodes to.
-        let c = TcpConfig::from_url("tcp://h:1?s%65cret=x%2By+z&insecure=on").unwrap();
+        let c = TcpConfig::from_url("tcp://h:1?s%65cret=x%2By+z&insecure=true").unwrap();
         assert_eq!(c.secret.as_ref().map(Secret::expose), Some("x+y z"));
         assert!(c.insecure);
     }
