@@ -988,3 +988,52 @@ async fn detached<T: Send + 'static>(
         .await
         .map_err(|e| Error::Canceled(format!("a {BACKEND} call: {e}")))?
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn err(url: &str) -> String {
+        match WheelConfig::from_url(url, false) {
+            Err(Error::InvalidArgument(m)) => m,
+            other => panic!("{url}: expected InvalidArgument, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn parses_with_the_shared_parser() {
+        let c = WheelConfig::from_url(
+            "mooncake-py://10.0.0.1:7000?metadata=etcd%3A%2F%2Fm%3A2379&strict&require=notify",
+            false,
+        )
+        .unwrap();
+        assert_eq!(c.host, "10.0.0.1:7000");
+        assert_eq!(c.metadata, "etcd://m:2379");
+        assert_eq!(c.protocol, "tcp");
+        assert!(c.adapter.strict);
+        assert_eq!(c.require, vec![Operation::Notify]);
+        let c = WheelConfig::from_url("mooncake-py://?host=h&protocol=nvlink", true).unwrap();
+        assert_eq!((c.host.as_str(), c.protocol.as_str()), ("h", "tcp"));
+        assert_eq!(c.forced_from.as_deref(), Some("nvlink"));
+        assert_eq!(
+            WheelConfig::from_url("mooncake-py://", false).unwrap().host,
+            "127.0.0.1"
+        );
+    }
+
+    #[test]
+    fn refuses_what_the_shared_parser_refuses() {
+        assert!(err("tcp://h:1").contains("not a mooncake-py:// URL"));
+        let m = err("mooncake-py://?colour=blue");
+        assert!(
+            m.contains("`colour`") && m.contains("known: host, metadata"),
+            "{m}"
+        );
+        assert!(err("mooncake-py://?host=a&h%6Fst=b").contains("`host` given twice"));
+        assert!(err("mooncake-py://?host=%+5").contains("percent-escape"));
+        assert!(err("mooncake-py://?strict=maybe").contains("`strict`"));
+        assert!(err("mooncake-py://?protocol=rmda").contains("unknown Mooncake protocol"));
+        let m = err("mooncake-py://u:hunter2@h?secret=hunter2");
+        assert!(!m.contains("hunter2"), "{m}");
+    }
+}
