@@ -54,11 +54,13 @@ async fn raw(backend: Backend) -> Arc<dyn DynTransferEngine> {
                 .expect("starting a loopback TCP engine"),
         ),
         Backend::TcpChunked => Arc::new(
-            TcpEngine::start(TcpConfig {
-                chunk_size: 100,
-                connections: 3,
-                ..TcpConfig::default()
-            })
+            TcpEngine::start(
+                TcpConfig::builder()
+                    .chunk_size(100)
+                    .connections(3)
+                    .build()
+                    .unwrap(),
+            )
             .await
             .expect("starting a loopback TCP engine"),
         ),
@@ -77,10 +79,10 @@ enum Flavor {
 }
 
 fn adapter(coalesce: bool) -> AdapterConfig {
-    AdapterConfig {
-        coalesce,
-        ..AdapterConfig::default()
-    }
+    AdapterConfig::builder()
+        .coalesce(coalesce)
+        .build()
+        .expect("a valid adapter configuration")
 }
 
 async fn make(backend: Backend, flavor: Flavor) -> Arc<dyn DynTransferEngine> {

@@ -1,7 +1,8 @@
 //! `ferry caps`: the capability report a person reads before deploying.
 
 use anyhow::Context;
-use ferry::{Engine, Operation, Support, TransferEngine};
+use ferry::raw::ParsedUrl;
+use ferry::{Engine, EngineConfig, Operation, Support, TransferEngine};
 use serde::Serialize;
 
 use crate::bench::redact;
@@ -126,19 +127,19 @@ struct JsonReport {
 
 /// Runs `ferry caps`.
 pub async fn run(args: CapsArgs) -> anyhow::Result<()> {
-    let has_strict = args.backend.split_once('?').is_some_and(|(_, q)| {
-        q.split('&')
-            .any(|p| p == "strict" || p.starts_with("strict="))
-    });
-    let url = if args.strict && !has_strict {
-        add_param(&args.backend, "strict=1")
-    } else {
-        args.backend.clone()
-    };
-    let url = args.tls.apply(&url)?;
-    let engine = Engine::open(&url)
+    // The URL is parsed once; what the flags add goes into the parsed URL
+    // (`--strict` only where the URL does not say).
+    let mut url = ParsedUrl::parse(&args.backend)
+        .with_context(|| format!("opening {}", redact(&args.backend)))?;
+    if args.strict && !url.contains("strict") {
+        url.insert("strict", "1")?;
+    }
+    args.tls.apply(&mut url)?;
+    let shown = url.shown().to_owned();
+    let config = EngineConfig::from_parts(url).with_context(|| format!("opening {shown}"))?;
+    let engine = Engine::start(config)
         .await
-        .with_context(|| format!("opening {}", redact(&url)))?;
+        .with_context(|| format!("opening {shown}"))?;
     for p in &args.peer {
         engine
             .open_segment(p)
@@ -244,26 +245,4 @@ fn json_peer(p: &ferry::PeerReport) -> JsonPeer {
 #[cfg(not(feature = "tcp"))]
 fn json_peer(p: &std::convert::Infallible) -> JsonPeer {
     match *p {}
-}
-
-fn add_param(url: &str, param: &str) -> String {
-    let sep = if url.contains('?') { '&' } else { '?' };
-    match url.split_once('#') {
-        Some((u, frag)) => format!("{u}{sep}{param}#{frag}"),
-        None => format!("{url}{sep}{param}"),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::add_param;
-
-    #[test]
-    fn params_are_appended() {
-        assert_eq!(add_param("tcp://h:1", "strict=1"), "tcp://h:1?strict=1");
-        assert_eq!(
-            add_param("tcp://h:1?a=b", "strict=1"),
-            "tcp://h:1?a=b&strict=1"
-        );
-    }
 }

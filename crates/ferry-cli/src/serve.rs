@@ -6,7 +6,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use ferry::{Engine, Location, RegisteredBuffer, TransferEngine};
+use ferry::raw::ParsedUrl;
+use ferry::{Engine, EngineConfig, Location, RegisteredBuffer, Secret, TransferEngine};
 
 use crate::bench::TARGET_SEED;
 use crate::rawtcp::{self, SinkStats};
@@ -88,7 +89,7 @@ pub struct ServeArgs {
 }
 
 /// TLS 1.3 settings of the TCP backend (`ferry serve`, `ferry caps`),
-/// added to its URL as `tls=`, `tls_cert=`, `tls_key=`, `tls_ca=`.
+/// added to its parsed URL as `tls=`, `tls_cert=`, `tls_key=`, `tls_ca=`.
 #[derive(clap::Args, Debug, Default)]
 pub struct TlsArgs {
     /// TLS 1.3 on the TCP socket path: `off`, `on` (with every peer that
@@ -114,25 +115,19 @@ pub struct TlsArgs {
 }
 
 impl TlsArgs {
-    /// `url` with these settings added (an error if the URL sets them too,
+    /// Adds these settings to `url` (an error if the URL sets them too,
     /// or is not a tcp URL).
-    pub fn apply(&self, url: &str) -> anyhow::Result<String> {
+    pub fn apply(&self, url: &mut ParsedUrl) -> anyhow::Result<()> {
         let Some(mode) = &self.tls else {
-            return Ok(url.to_owned());
+            return Ok(());
         };
-        if !url.starts_with("tcp://") {
+        if url.scheme() != "tcp" {
             bail!("--tls applies to the tcp backend only");
         }
-        if query_keys(url).any(|k| k.starts_with("tls")) {
+        if url.keys().any(|k| k.starts_with("tls")) {
             bail!("the backend URL already has TLS settings; give them one way only");
         }
-        let mut out = url.to_owned();
-        let mut add = |k: &str, v: &str| {
-            let sep = if out.contains('?') { '&' } else { '?' };
-            let v = percent_encoding::utf8_percent_encode(v, percent_encoding::NON_ALPHANUMERIC);
-            out = format!("{out}{sep}{k}={v}");
-        };
-        add("tls", mode);
+        url.insert("tls", mode)?;
         for (k, p) in [
             ("tls_cert", &self.tls_cert),
             ("tls_key", &self.tls_key),
@@ -142,60 +137,61 @@ impl TlsArgs {
                 let p = p
                     .to_str()
                     .with_context(|| format!("--{} is not UTF-8", k.replace('_', "-")))?;
-                add(k, p);
+                url.insert(k, p)?;
             }
         }
-        Ok(out)
+        Ok(())
     }
 }
 
-/// The backend URL with the secret from `--secret-file` or `FERRY_SECRET`
-/// added (percent-encoded). Giving a secret two ways is an error.
-fn with_secret(url: &str, file: Option<&PathBuf>, env: Option<String>) -> anyhow::Result<String> {
+/// The shared secret of `--secret-file` (its first line) or
+/// `FERRY_SECRET`, if either gives one. Giving a secret two ways is an
+/// error.
+fn secret_from(file: Option<&PathBuf>, env: Option<String>) -> anyhow::Result<Option<Secret>> {
     let from_file = match file {
         Some(p) => {
-            let text = std::fs::read_to_string(p)
-                .with_context(|| format!("reading the secret file {}", p.display()))?;
-            let line = text.lines().next().unwrap_or("").trim_end_matches('\r');
+            let text = Secret::new(
+                std::fs::read_to_string(p)
+                    .with_context(|| format!("reading the secret file {}", p.display()))?,
+            );
+            let line = text
+                .expose()
+                .lines()
+                .next()
+                .unwrap_or("")
+                .trim_end_matches('\r');
             if line.is_empty() {
                 bail!("the secret file {} is empty", p.display());
             }
-            Some(line.to_owned())
+            Some(Secret::new(line))
         }
         None => None,
     };
-    let env = env.filter(|s| !s.is_empty());
-    let secret = match (from_file, env) {
+    let env = env.filter(|s| !s.is_empty()).map(Secret::new);
+    match (from_file, env) {
         (Some(_), Some(_)) => bail!("both --secret-file and {SECRET_ENV} give a secret; use one"),
-        (Some(s), None) | (None, Some(s)) => s,
-        (None, None) => return Ok(url.to_owned()),
+        (s @ Some(_), None) | (None, s @ Some(_)) => Ok(s),
+        (None, None) => Ok(None),
+    }
+}
+
+/// Adds `secret` (from [`secret_from`]) to the parsed backend URL as its
+/// `secret=` parameter — no URL string holds it. An error if the URL has a
+/// secret already.
+fn add_secret(url: &mut ParsedUrl, secret: Option<Secret>) -> anyhow::Result<()> {
+    let Some(secret) = secret else {
+        return Ok(());
     };
-    if query_keys(url).any(|k| k.eq_ignore_ascii_case("secret")) {
+    if has_secret(url) {
         bail!("the backend URL already has a secret; give it one way only");
     }
-    let encoded: String =
-        percent_encoding::utf8_percent_encode(&secret, percent_encoding::NON_ALPHANUMERIC)
-            .to_string();
-    let sep = if url.contains('?') { '&' } else { '?' };
-    Ok(format!("{url}{sep}secret={encoded}"))
+    url.insert("secret", secret.expose())?;
+    Ok(())
 }
 
-/// The decoded keys of a URL's query.
-fn query_keys(url: &str) -> impl Iterator<Item = String> + '_ {
-    url.split_once('?')
-        .map_or("", |(_, q)| q)
-        .split('&')
-        .filter(|p| !p.is_empty())
-        .map(|p| decode(p.split_once('=').map_or(p, |(k, _)| k)))
-}
-
-/// Percent-decodes a query component (`+` is a space, as URL parsers read
-/// it).
-fn decode(s: &str) -> String {
-    let s = s.replace('+', " ");
-    percent_encoding::percent_decode_str(&s)
-        .decode_utf8_lossy()
-        .into_owned()
+/// Whether the URL has a `secret` parameter (its key decoded, any case).
+fn has_secret(url: &ParsedUrl) -> bool {
+    url.keys().any(|k| k.eq_ignore_ascii_case("secret"))
 }
 
 /// A backend URL with every secret hidden, for messages (the one
@@ -208,26 +204,27 @@ pub fn redact_url(url: &str) -> String {
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     // Signals first, so that none is lost while starting.
     let mut stop = stop_signals()?;
-    if query_keys(&args.backend).any(|k| k.eq_ignore_ascii_case("secret")) {
+    // The URL is parsed once; what the flags add goes into the parsed URL.
+    let mut url = ParsedUrl::parse(&args.backend)
+        .with_context(|| format!("opening {}", redact_url(&args.backend)))?;
+    if has_secret(&url) {
         eprintln!(
             "warning: the secret given in --backend is visible to every user of this machine \
              (/proc/PID/cmdline); use --secret-file or {SECRET_ENV} instead"
         );
     }
-    let url = with_secret(
-        &args.backend,
-        args.secret_file.as_ref(),
-        std::env::var(SECRET_ENV).ok(),
-    )?;
-    let mut url = args.tls.apply(&url)?;
-    if args.insecure && url.starts_with("tcp://") {
-        let sep = if url.contains('?') { '&' } else { '?' };
-        url = format!("{url}{sep}insecure=1");
+    let secret = secret_from(args.secret_file.as_ref(), std::env::var(SECRET_ENV).ok())?;
+    add_secret(&mut url, secret)?;
+    args.tls.apply(&mut url)?;
+    if args.insecure && url.scheme() == "tcp" {
+        url.insert("insecure", "1")?;
     }
+    let shown = url.shown().to_owned();
+    let client = client_url(&url);
     let engine = Arc::new(
-        Engine::open(&url)
+        Engine::start(EngineConfig::from_parts(url).with_context(|| format!("opening {shown}"))?)
             .await
-            .with_context(|| format!("opening {}", redact_url(&url)))?,
+            .with_context(|| format!("opening {shown}"))?,
     );
     let size = usize::try_from(args.size).context("--size is too large for this machine")?;
     let buf = RegisteredBuffer::with_location(Arc::clone(&engine), size, args.location.clone())
@@ -280,8 +277,8 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         buf.addr(),
         buf.len()
     );
-    if url != "tcp://127.0.0.1:0" {
-        cmd.push_str(&format!(" --backend '{}'", client_url(&url)));
+    if shown != "tcp://127.0.0.1:0" {
+        cmd.push_str(&format!(" --backend '{client}'"));
     }
     if let Some(a) = &raw_addr {
         cmd.push_str(&format!(" --raw-peer {a}"));
@@ -450,33 +447,24 @@ impl Received {
 /// builds a clash on its port aborts the process); for NIXL likewise (the
 /// port is the server's metadata listener, the name its agent's); secrets
 /// are shown as `…` for the user to fill.
-fn client_url(url: &str) -> String {
-    let redacted = redact_url(url);
-    if let Some(rest) = redacted.strip_prefix("tcp://") {
-        return match rest.split_once('?') {
-            // The bench's engine only dials out: loopback (no secret
-            // needed for its own listener).
-            Some((_, q)) => format!("tcp://127.0.0.1:0?{q}"),
-            None => "tcp://127.0.0.1:0".to_owned(),
-        };
+fn client_url(url: &ParsedUrl) -> String {
+    let (base, left_out): (String, &[&str]) = match url.scheme() {
+        // The bench's engine only dials out: loopback (no secret needed
+        // for its own listener).
+        "tcp" => ("tcp://127.0.0.1:0".to_owned(), &[]),
+        s @ ("mooncake" | "nixl") => (format!("{s}://"), &["name", "port"]),
+        s => (format!("{s}://{}", url.authority()), &[]),
+    };
+    let kept: Vec<String> = url
+        .shown_params()
+        .filter(|(key, _)| !left_out.contains(key))
+        .map(|(_, pair)| pair)
+        .collect();
+    if kept.is_empty() {
+        base
+    } else {
+        format!("{base}?{}", kept.join("&"))
     }
-    if let Some((base, query)) = redacted.split_once('?') {
-        if base.starts_with("mooncake:") || base.starts_with("nixl:") {
-            let kept: Vec<&str> = query
-                .split('&')
-                .filter(|kv| {
-                    let key = kv.split_once('=').map_or(*kv, |(k, _)| k);
-                    key != "name" && key != "port"
-                })
-                .collect();
-            return if kept.is_empty() {
-                base.to_owned()
-            } else {
-                format!("{base}?{}", kept.join("&"))
-            };
-        }
-    }
-    redacted
 }
 
 /// `key=N` in a space-separated message.
@@ -533,23 +521,29 @@ fn stop_signals() -> anyhow::Result<tokio::sync::oneshot::Receiver<()>> {
 mod tests {
     use super::*;
 
+    fn client(url: &str) -> String {
+        client_url(&ParsedUrl::parse(url).unwrap())
+    }
+
     #[test]
     fn helpers() {
         assert_eq!(
-            client_url("tcp://10.0.0.2:7000?secret=x"),
+            client("tcp://10.0.0.2:7000?secret=x"),
             "tcp://127.0.0.1:0?secret=…"
         );
-        assert_eq!(client_url("tcp://10.0.0.2:7000"), "tcp://127.0.0.1:0");
+        assert_eq!(client("tcp://10.0.0.2:7000"), "tcp://127.0.0.1:0");
         // The server's own name and port never go into the client's URL.
         assert_eq!(
-            client_url("mooncake://?lib=/l.so&metadata=http://m:8080/metadata&name=srv&port=15000"),
+            client("mooncake://?lib=/l.so&metadata=http://m:8080/metadata&name=srv&port=15000"),
             "mooncake://?lib=/l.so&metadata=http://m:8080/metadata"
         );
-        assert_eq!(client_url("mooncake://?name=srv"), "mooncake://");
+        assert_eq!(client("mooncake://?name=srv"), "mooncake://");
+        assert_eq!(client("mooncake://?n%61me=srv"), "mooncake://");
         assert_eq!(
-            client_url("nixl://?backends=UCX&port=7000&name=srv"),
+            client("nixl://?backends=UCX&port=7000&name=srv"),
             "nixl://?backends=UCX"
         );
+        assert_eq!(client("verbs://mlx5_0?port=1"), "verbs://mlx5_0?port=1");
         assert_eq!(field("write block=4096 bytes=123", "bytes"), Some(123));
         assert_eq!(field("write block=4096", "bytes"), None);
     }
@@ -565,7 +559,8 @@ mod tests {
         ] {
             let r = redact_url(url);
             assert!(!r.contains("hunter2"), "{url} -> {r}");
-            assert!(!client_url(url).contains("hunter2"), "{url}");
+            assert!(!client(url).contains("hunter2"), "{url}");
+            assert!(!ParsedUrl::parse(url).unwrap().shown().contains("hunter2"));
         }
         assert_eq!(
             redact_url("tcp://h:1?connections=2&secret=x"),
@@ -576,16 +571,31 @@ mod tests {
     #[test]
     fn secret_from_file_or_environment() {
         let dir = std::env::temp_dir().join(format!("ferry-serve-secret-{}", std::process::id()));
-        std::fs::write(&dir, "s&3 cret\n").unwrap();
-        let url = with_secret("tcp://h:1", Some(&dir), None).unwrap();
-        assert_eq!(url, "tcp://h:1?secret=s%263%20cret");
-        let url = with_secret("tcp://h:1?connections=2", None, Some("e".into())).unwrap();
-        assert_eq!(url, "tcp://h:1?connections=2&secret=e");
-        assert!(with_secret("tcp://h:1", Some(&dir), Some("e".into())).is_err());
-        assert!(with_secret("tcp://h:1?%73ecret=x", None, Some("e".into())).is_err());
-        assert_eq!(with_secret("tcp://h:1", None, None).unwrap(), "tcp://h:1");
+        let with = |url: &str, file: Option<&PathBuf>, env: Option<&str>| {
+            let mut u = ParsedUrl::parse(url).unwrap();
+            add_secret(&mut u, secret_from(file, env.map(str::to_owned))?)?;
+            anyhow::Ok(u)
+        };
+        std::fs::write(&dir, "s&3 cret\nsecond line\n").unwrap();
+        let mut u = with("tcp://h:1", Some(&dir), None).unwrap();
+        // Shown redacted; parsed as given.
+        assert_eq!(u.shown(), "tcp://h:1?secret=…");
+        assert_eq!(
+            u.take_secret("secret").unwrap().unwrap().expose(),
+            "s&3 cret"
+        );
+        let mut u = with("tcp://h:1?connections=2", None, Some("e")).unwrap();
+        assert_eq!(u.shown(), "tcp://h:1?connections=2&secret=…");
+        assert_eq!(u.take_secret("secret").unwrap().unwrap().expose(), "e");
+        assert!(with("tcp://h:1", Some(&dir), Some("e")).is_err());
+        assert!(with("tcp://h:1?%73ecret=x", None, Some("e")).is_err());
+        assert_eq!(with("tcp://h:1", None, None).unwrap().shown(), "tcp://h:1");
+        assert_eq!(
+            with("tcp://h:1", None, Some("")).unwrap().shown(),
+            "tcp://h:1"
+        );
         std::fs::write(&dir, "\n").unwrap();
-        assert!(with_secret("tcp://h:1", Some(&dir), None).is_err());
+        assert!(with("tcp://h:1", Some(&dir), None).is_err());
         let _ = std::fs::remove_file(&dir);
     }
 

@@ -147,9 +147,10 @@ fn notify_all(
     notes: &[Notification],
 ) -> Vec<ferry::Result<()>> {
     rt().block_on(async {
-        let a = TcpEngine::start(TcpConfig {
-            secret: secret.map(str::to_owned),
-            ..TcpConfig::default()
+        let a = TcpEngine::start({
+            let mut config = TcpConfig::default();
+            config.secret = secret.map(str::to_owned).map(Into::into);
+            config
         })
         .await
         .expect("engine");

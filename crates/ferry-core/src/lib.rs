@@ -100,6 +100,7 @@ pub mod assist;
 mod auth;
 pub mod batch;
 pub mod buffer;
+mod builder;
 pub mod caps;
 mod drain;
 pub mod engine;
@@ -107,8 +108,10 @@ pub mod error;
 mod inbox;
 mod redact;
 pub mod region_table;
+mod secret;
 mod span;
 pub mod types;
+mod url;
 mod within;
 
 #[cfg(feature = "conformance")]
@@ -124,6 +127,7 @@ pub use caps::{
 pub use engine::{BoxFuture, DynTransferEngine, TransferEngine};
 pub use error::{live_batches_full, Error, ErrorKind, IoSource, Queue, Result, Retry, Side};
 pub use region_table::{RegionGuard, RegionTable};
+pub use secret::Secret;
 pub use span::{LocalSpan, RemoteSpan};
 pub use types::{
     BatchId, BatchReport, BatchStatus, Location, MemoryRegion, Notification, RegionInfo, SegmentId,
@@ -134,8 +138,9 @@ pub use within::TransferEngineExt;
 
 /// What backend authors need and users do not (OpenDAL's `raw`): the
 /// region table that guards memory while transfers use it, the adapter as a
-/// tower-style layer, request coalescing, and the error for a full batch
-/// table.
+/// tower-style layer, request coalescing, the error for a full batch
+/// table, and the one parser of configuration URLs ([`raw::ParsedUrl`])
+/// with its redaction helper.
 pub mod raw {
     pub use crate::adapter::{coalesce, AdapterLayer, CoalescedBatch, Layer};
     pub use crate::batch::{BatchDriver, BatchTable};
@@ -144,6 +149,7 @@ pub mod raw {
     pub use crate::inbox::{notification_cost, Closed, Inbox, PushRefused};
     pub use crate::redact::{is_secret_key, redact_url};
     pub use crate::region_table::{RegionGuard, RegionTable, Removal};
+    pub use crate::url::ParsedUrl;
 
     /// HMAC-SHA256 challenge–response primitives for the backends'
     /// shared-secret handshakes.

@@ -197,11 +197,11 @@ fn contiguous(r: &Rig, n: usize, size: usize) -> Vec<TransferRequest> {
 async fn emulated_concurrency_is_bounded_across_batches() {
     let probe = Probe::new(Capabilities::default());
     probe.inner.set_pace(Some(Duration::from_micros(100)));
-    let config = AdapterConfig {
-        max_concurrency: 3,
-        coalesce: false,
-        ..AdapterConfig::default()
-    };
+    let config = AdapterConfig::builder()
+        .max_concurrency(3)
+        .coalesce(false)
+        .build()
+        .unwrap();
     let r = rig(probe, Capabilities::default(), config, 64 * 128 * 1024).await;
     let reqs = scattered(&r, 64, 128 * 1024);
     let (x, y) = tokio::join!(
@@ -220,10 +220,7 @@ async fn emulated_concurrency_is_bounded_across_batches() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn coalescing_happens_before_the_backend() {
     for coalesce in [true, false] {
-        let config = AdapterConfig {
-            coalesce,
-            ..AdapterConfig::default()
-        };
+        let config = AdapterConfig::builder().coalesce(coalesce).build().unwrap();
         // Emulated path: single transfers reach the backend.
         let r = rig(
             Probe::new(Capabilities::default()),
@@ -268,10 +265,10 @@ async fn coalescing_happens_before_the_backend() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn coalescing_respects_max_coalesced_len() {
-    let config = AdapterConfig {
-        max_coalesced_len: 3000,
-        ..AdapterConfig::default()
-    };
+    let config = AdapterConfig::builder()
+        .max_coalesced_len(3000)
+        .build()
+        .unwrap();
     let r = rig(
         Probe::new(Capabilities::default()),
         Capabilities::default(),

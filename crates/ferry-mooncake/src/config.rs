@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use ferry_core::raw::ParsedUrl;
 use ferry_core::{Error, Result};
 
 /// Metadata connection string that makes current Mooncake builds (≥ v0.3.0)
@@ -15,7 +16,30 @@ pub const P2P_HANDSHAKE: &str = "P2PHANDSHAKE";
 /// [`crate::MooncakeLibrary::resolve`], metadata `P2PHANDSHAKE`, protocol
 /// `tcp`, host `127.0.0.1`, port 0, a generated server name, no device
 /// filter, and a per-batch deadline of 30 s + 1 ns per byte (Mooncake's own).
+///
+/// `#[non_exhaustive]`: build it with [`MooncakeConfig::builder`] (which
+/// validates like [`MooncakeConfig::from_url`]), parse it, or start from
+/// `default()` and assign fields.
+///
+/// ```
+/// use ferry_mooncake::MooncakeConfig;
+///
+/// let config = MooncakeConfig::builder()
+///     .library("/opt/mooncake/libtransfer_engine.so")
+///     .protocol("rdma")
+///     .device("mlx5_0")
+///     .build()?;
+/// assert_eq!(
+///     config,
+///     MooncakeConfig::from_url(
+///         "mooncake://?lib=/opt/mooncake/libtransfer_engine.so&protocol=rdma&device=mlx5_0"
+///     )?
+/// );
+/// assert!(MooncakeConfig::builder().host("").build().is_err());
+/// # Ok::<(), ferry_core::Error>(())
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct MooncakeConfig {
     /// Path of `libtransfer_engine.so`; `None` = environment variable, then
     /// the loader's search path.
@@ -68,6 +92,23 @@ impl Default for MooncakeConfig {
     }
 }
 
+ferry_core::__config_builder! {
+    /// Builds a [`MooncakeConfig`] ([`MooncakeConfig::builder`]): one
+    /// setter per field; `build()` validates.
+    pub struct MooncakeConfigBuilder for MooncakeConfig {
+        some library: PathBuf,
+        into metadata: String,
+        into protocol: String,
+        into host: String,
+        set port: u16,
+        some name: String,
+        some device: String,
+        set timeout: Duration,
+        set timeout_ns_per_byte: u64,
+        some confirm_writes: bool,
+    }
+}
+
 /// The URL parameters [`MooncakeConfig::from_url`] accepts.
 pub const URL_PARAMETERS: [&str; 10] = [
     "lib",
@@ -99,78 +140,68 @@ impl MooncakeConfig {
     /// | `ns_per_byte` | per-byte part of the deadline, ns | `1` |
     /// | `confirm_writes` | `1`/`0`: on builds before v0.3.12, confirm each write landed before reporting it completed | `1` (`0` in strict mode) |
     ///
+    /// The URL is parsed by [`ParsedUrl`]: strict percent-decoding (`+` is
+    /// a space), no fragment, no userinfo; `confirm_writes` takes `1`/`0`,
+    /// `true`/`false`, `yes`/`no`, `on`/`off`.
+    ///
     /// Errors ([`Error::InvalidArgument`]): another scheme, a host or path in
-    /// the URL (put them in parameters), an unknown or repeated parameter
-    /// (named in the message), an unparsable number, an empty `metadata`,
-    /// `protocol` or `host`.
+    /// the URL (put them in parameters), an unknown parameter (named, with
+    /// the known ones) or a repeated one (named), a malformed
+    /// percent-escape, an unparsable number, an empty `metadata`, `protocol`
+    /// or `host`.
     pub fn from_url(url: &str) -> Result<MooncakeConfig> {
+        MooncakeConfig::from_parts(ParsedUrl::parse(url)?)
+    }
+
+    /// [`MooncakeConfig::from_url`] on a URL already parsed (the facade
+    /// takes its own parameters out of it first): takes the parameters of
+    /// [`URL_PARAMETERS`], then refuses what is left.
+    pub fn from_parts(mut url: ParsedUrl) -> Result<MooncakeConfig> {
         let bad = |m: String| Error::InvalidArgument(m);
         // Messages quote the URL with its secrets hidden.
-        let shown = ferry_core::raw::redact_url(url);
-        let parsed =
-            url::Url::parse(url).map_err(|e| bad(format!("mooncake URL {shown:?}: {e}")))?;
-        if parsed.scheme() != "mooncake" {
+        let shown = url.shown().to_owned();
+        if url.scheme() != "mooncake" {
             return Err(bad(format!(
                 "URL {shown:?} is not a mooncake:// URL (scheme {:?})",
-                parsed.scheme()
+                url.scheme()
             )));
         }
-        if parsed.host_str().is_some_and(|h| !h.is_empty())
-            || !(parsed.path().is_empty() || parsed.path() == "/")
-        {
+        if !url.authority().is_empty() || !(url.path().is_empty() || url.path() == "/") {
             return Err(bad(format!(
                 "mooncake URL {shown:?}: give everything as parameters, \
                  e.g. mooncake://?host=10.0.0.1&port=12345"
             )));
         }
         let mut cfg = MooncakeConfig::default();
-        let mut seen: Vec<String> = Vec::new();
-        for (key, value) in parsed.query_pairs() {
-            let key = key.into_owned();
-            let value = value.into_owned();
-            if seen.contains(&key) {
-                return Err(bad(format!("mooncake URL: parameter `{key}` given twice")));
-            }
-            let number = |v: &str| -> Result<u64> {
-                v.parse::<u64>().map_err(|_| {
-                    bad(format!(
-                        "mooncake URL: parameter `{key}` must be a non-negative integer, got {v:?}"
-                    ))
-                })
-            };
-            match key.as_str() {
-                "lib" => cfg.library = Some(PathBuf::from(&value)),
-                "metadata" => cfg.metadata = value,
-                "protocol" => cfg.protocol = value,
-                "host" => cfg.host = value,
-                "port" => {
-                    cfg.port = u16::try_from(number(&value)?)
-                        .map_err(|_| bad(format!("mooncake URL: port {value} is out of range")))?
-                }
-                "name" => cfg.name = Some(value),
-                "device" => cfg.device = Some(value),
-                "timeout_ms" => cfg.timeout = Duration::from_millis(number(&value)?),
-                "ns_per_byte" => cfg.timeout_ns_per_byte = number(&value)?,
-                "confirm_writes" => {
-                    cfg.confirm_writes = Some(match value.as_str() {
-                        "1" | "true" | "yes" => true,
-                        "0" | "false" | "no" => false,
-                        v => {
-                            return Err(bad(format!(
-                                "mooncake URL: `confirm_writes` must be 1 or 0, got {v:?}"
-                            )))
-                        }
-                    })
-                }
-                other => {
-                    return Err(bad(format!(
-                        "mooncake URL: unknown parameter `{other}` (known: {})",
-                        URL_PARAMETERS.join(", ")
-                    )))
-                }
-            }
-            seen.push(key);
+        if let Some(v) = url.take_str("lib")? {
+            cfg.library = Some(PathBuf::from(v));
         }
+        if let Some(v) = url.take_str("metadata")? {
+            cfg.metadata = v;
+        }
+        if let Some(v) = url.take_str("protocol")? {
+            cfg.protocol = v;
+        }
+        if let Some(v) = url.take_str("host")? {
+            cfg.host = v;
+        }
+        if let Some(p) = url.take::<u64>("port")? {
+            cfg.port = u16::try_from(p).map_err(|_| {
+                bad(format!(
+                    "mooncake URL parameter `port`: {p} is out of range (0..=65535)"
+                ))
+            })?;
+        }
+        cfg.name = url.take_str("name")?;
+        cfg.device = url.take_str("device")?;
+        if let Some(d) = url.take_duration_ms("timeout_ms")? {
+            cfg.timeout = d;
+        }
+        if let Some(n) = url.take("ns_per_byte")? {
+            cfg.timeout_ns_per_byte = n;
+        }
+        cfg.confirm_writes = url.take_bool("confirm_writes")?;
+        url.finish()?;
         cfg.validate()?;
         Ok(cfg)
     }
@@ -244,6 +275,20 @@ mod tests {
                 confirm_writes: Some(false),
             }
         );
+        let built = MooncakeConfig::builder()
+            .library("/opt/mc/libtransfer_engine.so")
+            .metadata("http://m:8080/metadata")
+            .protocol("rdma")
+            .host("10.0.0.2")
+            .port(12345)
+            .name("prefill-0")
+            .device("mlx5_0,mlx5_1")
+            .timeout(Duration::from_secs(5))
+            .timeout_ns_per_byte(2)
+            .confirm_writes(false)
+            .build()
+            .unwrap();
+        assert_eq!(built, c);
         assert_eq!(
             MooncakeConfig::from_url("mooncake://").unwrap(),
             MooncakeConfig::default()
@@ -265,5 +310,18 @@ mod tests {
         assert!(err("mooncake://somehost:1/").contains("parameters"));
         assert!(err("mooncake://?protocol=").contains("`protocol` is empty"));
         assert!(err("mooncake://?name=a%00b").contains("NUL"));
+        // Strict percent-decoding (the `url` crate let `%+5` through as it
+        // was), encoded keys, no fragment, the known parameters listed.
+        assert!(err("mooncake://?port=%+5").contains("`port`"));
+        assert!(err("mooncake://?lib=/x%G1.so").contains("percent-escape"));
+        assert!(err("mooncake://?port=1&p%6Frt=2").contains("`port` given twice"));
+        assert!(err("mooncake://?colour=blue").contains(&URL_PARAMETERS.join(", ")));
+        assert!(err("mooncake://?lib=x#frag").contains("fragment"));
+        assert!(err("mooncake://?confirm_writes=maybe").contains("`confirm_writes`"));
+        assert!(err("mooncake://?name").contains("`name` has no value"));
+        let c = MooncakeConfig::from_url("mooncake://?%6Eame=a+b&confirm_writes").unwrap();
+        assert_eq!(c.name.as_deref(), Some("a b"));
+        assert_eq!(c.confirm_writes, Some(true));
+        assert!(MooncakeConfig::builder().name("").build().is_err());
     }
 }

@@ -17,7 +17,7 @@ mod engine;
 mod library;
 
 pub use codes::{code_name, MooncakeErrorCode};
-pub use config::{MooncakeConfig, P2P_HANDSHAKE, URL_PARAMETERS};
+pub use config::{MooncakeConfig, MooncakeConfigBuilder, P2P_HANDSHAKE, URL_PARAMETERS};
 pub use engine::{LibraryTrust, MooncakeEngine};
 pub use library::{
     Generation, LibrarySource, MooncakeLibrary, DEFAULT_LIBRARY, LIBRARY_ENV, OPTIONAL_SYMBOLS,

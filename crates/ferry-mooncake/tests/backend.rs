@@ -93,10 +93,12 @@ async fn every_supported_generation_is_detected_and_moves_bytes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pre_v0_2_0_is_refused_with_a_clear_error() {
-    let err = start_engine(MooncakeConfig {
-        library: Some(library_path(Lib::PreV0_2_0)),
-        ..MooncakeConfig::default()
-    })
+    let err = start_engine(
+        MooncakeConfig::builder()
+            .library(library_path(Lib::PreV0_2_0))
+            .build()
+            .unwrap(),
+    )
     .await
     .unwrap_err();
     match err {
@@ -116,10 +118,12 @@ async fn pre_v0_2_0_is_refused_with_a_clear_error() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn missing_required_symbol_is_a_typed_error() {
     let path = broken_library_path(Broken::MissingSubmitTransfer);
-    let err = start_engine(MooncakeConfig {
-        library: Some(path.clone()),
-        ..MooncakeConfig::default()
-    })
+    let err = start_engine(
+        MooncakeConfig::builder()
+            .library(path.clone())
+            .build()
+            .unwrap(),
+    )
     .await
     .unwrap_err();
     assert_eq!(
@@ -135,10 +139,12 @@ async fn missing_required_symbol_is_a_typed_error() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_library_that_is_not_mooncake_is_refused() {
     let path = broken_library_path(Broken::NotMooncake);
-    let err = start_engine(MooncakeConfig {
-        library: Some(path.clone()),
-        ..MooncakeConfig::default()
-    })
+    let err = start_engine(
+        MooncakeConfig::builder()
+            .library(path.clone())
+            .build()
+            .unwrap(),
+    )
     .await
     .unwrap_err();
     match err {
@@ -152,10 +158,12 @@ async fn a_library_that_is_not_mooncake_is_refused() {
         other => panic!("expected Unavailable, got {other:?}"),
     }
     let missing = std::env::temp_dir().join("ferry-no-such-dir/libtransfer_engine.so");
-    match start_engine(MooncakeConfig {
-        library: Some(missing.clone()),
-        ..MooncakeConfig::default()
-    })
+    match start_engine(
+        MooncakeConfig::builder()
+            .library(missing.clone())
+            .build()
+            .unwrap(),
+    )
     .await
     .unwrap_err()
     {
@@ -698,20 +706,16 @@ async fn p2p_segments_are_named_host_port_and_name_or_port_are_refused() {
         assert_eq!(host, "127.0.0.1", "{gen}");
         assert!(port.parse::<u16>().is_ok_and(|p| p != 0), "{gen}: {port}");
         for (what, cfg) in [
-            (
-                "name=",
-                MooncakeConfig {
-                    name: Some("prefill-0".into()),
-                    ..config(gen, "P2PHANDSHAKE", "")
-                },
-            ),
-            (
-                "port=",
-                MooncakeConfig {
-                    port: 15000,
-                    ..config(gen, "P2PHANDSHAKE", "")
-                },
-            ),
+            ("name=", {
+                let mut cfg_ = config(gen, "P2PHANDSHAKE", "");
+                cfg_.name = Some("prefill-0".into());
+                cfg_
+            }),
+            ("port=", {
+                let mut cfg_ = config(gen, "P2PHANDSHAKE", "");
+                cfg_.port = 15000;
+                cfg_
+            }),
         ] {
             match start_engine(cfg).await {
                 Err(Error::InvalidArgument(m)) => assert!(m.contains(what), "{gen}: {m}"),
@@ -733,9 +737,10 @@ async fn a_busy_port_or_a_live_name_is_refused_before_the_library_sees_it() {
     let meta = metadata_for(gen);
     let busy = std::net::TcpListener::bind("0.0.0.0:0").expect("bind");
     let port = busy.local_addr().expect("addr").port();
-    let cfg = MooncakeConfig {
-        port,
-        ..config(gen, &meta, "")
+    let cfg = {
+        let mut cfg_ = config(gen, &meta, "");
+        cfg_.port = port;
+        cfg_
     };
     match start_engine(cfg).await {
         Err(Error::InvalidArgument(m)) => {

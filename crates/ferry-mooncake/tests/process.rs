@@ -69,11 +69,13 @@ async fn child_peer() {
         return;
     };
     let meta = std::env::var(CHILD_META).unwrap_or_else(|_| "P2PHANDSHAKE".into());
-    let engine = start_engine(MooncakeConfig {
-        library: Some(lib.into()),
-        metadata: meta.clone(),
-        name: (meta != "P2PHANDSHAKE").then(|| format!("child-peer-{}", std::process::id())),
-        ..MooncakeConfig::default()
+    let engine = start_engine({
+        let mut config = MooncakeConfig::default();
+        config.library = Some(lib.into());
+        config.metadata = meta.clone();
+        config.name =
+            (meta != "P2PHANDSHAKE").then(|| format!("child-peer-{}", std::process::id()));
+        config
     })
     .await
     .expect("child engine");

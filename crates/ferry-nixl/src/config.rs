@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use ferry_core::raw::ParsedUrl;
 use ferry_core::{Error, Result};
 
 /// Everything [`crate::NixlEngine::start`] needs.
@@ -12,7 +13,28 @@ use ferry_core::{Error, Result};
 /// listener on `127.0.0.1` with a port the system chooses, a generated agent
 /// name, NIXL's progress thread on, and a per-batch deadline of 30 s + 1 ns
 /// per byte.
+///
+/// `#[non_exhaustive]`: build it with [`NixlConfig::builder`] (which
+/// validates like [`NixlConfig::from_url`]), parse it, or start from
+/// `default()` and assign fields.
+///
+/// ```
+/// use ferry_nixl::NixlConfig;
+///
+/// let config = NixlConfig::builder()
+///     .backends(vec!["UCX".to_owned(), "POSIX".to_owned()])
+///     .host("10.0.0.2")
+///     .port(7000)
+///     .build()?;
+/// assert_eq!(
+///     config,
+///     NixlConfig::from_url("nixl://?backends=UCX,POSIX&host=10.0.0.2&port=7000")?
+/// );
+/// assert!(NixlConfig::builder().backends(Vec::new()).build().is_err());
+/// # Ok::<(), ferry_core::Error>(())
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct NixlConfig {
     /// Path of `libnixl_capi.so`; `None` = environment variable, then the
     /// loader's search path, then the active Python's `nixl` wheel.
@@ -52,6 +74,21 @@ impl Default for NixlConfig {
     }
 }
 
+ferry_core::__config_builder! {
+    /// Builds a [`NixlConfig`] ([`NixlConfig::builder`]): one setter per
+    /// field; `build()` validates.
+    pub struct NixlConfigBuilder for NixlConfig {
+        some library: PathBuf,
+        set backends: Vec<String>,
+        into host: String,
+        set port: u16,
+        some name: String,
+        set progress_thread: bool,
+        set timeout: Duration,
+        set timeout_ns_per_byte: u64,
+    }
+}
+
 /// The URL parameters [`NixlConfig::from_url`] accepts.
 pub const URL_PARAMETERS: [&str; 8] = [
     "lib",
@@ -79,79 +116,67 @@ impl NixlConfig {
     /// | `timeout_ms` | fixed part of each batch's deadline | `30000` |
     /// | `ns_per_byte` | per-byte part of the deadline, ns | `1` |
     ///
-    /// Errors ([`Error::InvalidArgument`]): another scheme, a host or path in
-    /// the URL (put them in parameters), an unknown or repeated parameter
-    /// (named in the message), an unparsable number or flag, an empty
-    /// `backends`, `host` or `name`, a NUL byte anywhere.
+    /// The URL is parsed by [`ParsedUrl`]: strict percent-decoding (`+` is
+    /// a space), no fragment, no userinfo; `progress_thread` takes `1`/`0`,
+    /// `true`/`false`, `yes`/`no`, `on`/`off`.
+    ///
+    /// Errors ([`Error::InvalidArgument`], the URL quoted with its secrets
+    /// hidden): another scheme, a host or path in the URL (put them in
+    /// parameters), an unknown parameter (named, with the known ones) or a
+    /// repeated one (named), a malformed percent-escape, an unparsable
+    /// number or flag, an empty `backends`, `host` or `name`, a NUL byte
+    /// anywhere.
     pub fn from_url(url: &str) -> Result<NixlConfig> {
+        NixlConfig::from_parts(ParsedUrl::parse(url)?)
+    }
+
+    /// [`NixlConfig::from_url`] on a URL already parsed (the facade takes
+    /// its own parameters out of it first): takes the parameters of
+    /// [`URL_PARAMETERS`], then refuses what is left.
+    pub fn from_parts(mut url: ParsedUrl) -> Result<NixlConfig> {
         let bad = |m: String| Error::InvalidArgument(m);
-        let parsed = url::Url::parse(url).map_err(|e| bad(format!("nixl URL {url:?}: {e}")))?;
-        if parsed.scheme() != "nixl" {
+        // Messages quote the URL with its secrets hidden.
+        let shown = url.shown().to_owned();
+        if url.scheme() != "nixl" {
             return Err(bad(format!(
-                "URL {url:?} is not a nixl:// URL (scheme {:?})",
-                parsed.scheme()
+                "URL {shown:?} is not a nixl:// URL (scheme {:?})",
+                url.scheme()
             )));
         }
-        if parsed.host_str().is_some_and(|h| !h.is_empty())
-            || !(parsed.path().is_empty() || parsed.path() == "/")
-        {
+        if !url.authority().is_empty() || !(url.path().is_empty() || url.path() == "/") {
             return Err(bad(format!(
-                "nixl URL {url:?}: give everything as parameters, \
+                "nixl URL {shown:?}: give everything as parameters, \
                  e.g. nixl://?backends=UCX&host=10.0.0.1&port=7000"
             )));
         }
         let mut cfg = NixlConfig::default();
-        let mut seen: Vec<String> = Vec::new();
-        for (key, value) in parsed.query_pairs() {
-            let key = key.into_owned();
-            let value = value.into_owned();
-            if seen.contains(&key) {
-                return Err(bad(format!("nixl URL: parameter `{key}` given twice")));
-            }
-            let number = |v: &str| -> Result<u64> {
-                v.parse::<u64>().map_err(|_| {
-                    bad(format!(
-                        "nixl URL: parameter `{key}` must be a non-negative integer, got {v:?}"
-                    ))
-                })
-            };
-            match key.as_str() {
-                "lib" => cfg.library = Some(PathBuf::from(&value)),
-                "backends" => {
-                    cfg.backends = value
-                        .split(',')
-                        .map(|b| b.trim().to_owned())
-                        .filter(|b| !b.is_empty())
-                        .collect()
-                }
-                "host" => cfg.host = value,
-                "port" => {
-                    cfg.port = u16::try_from(number(&value)?)
-                        .map_err(|_| bad(format!("nixl URL: port {value} is out of range")))?
-                }
-                "name" => cfg.name = Some(value),
-                "progress_thread" => {
-                    cfg.progress_thread = match value.as_str() {
-                        "1" | "true" | "yes" => true,
-                        "0" | "false" | "no" => false,
-                        v => {
-                            return Err(bad(format!(
-                                "nixl URL: `progress_thread` must be 1 or 0, got {v:?}"
-                            )))
-                        }
-                    }
-                }
-                "timeout_ms" => cfg.timeout = Duration::from_millis(number(&value)?),
-                "ns_per_byte" => cfg.timeout_ns_per_byte = number(&value)?,
-                other => {
-                    return Err(bad(format!(
-                        "nixl URL: unknown parameter `{other}` (known: {})",
-                        URL_PARAMETERS.join(", ")
-                    )))
-                }
-            }
-            seen.push(key);
+        if let Some(v) = url.take_str("lib")? {
+            cfg.library = Some(PathBuf::from(v));
         }
+        if let Some(v) = url.take_list("backends")? {
+            cfg.backends = v;
+        }
+        if let Some(v) = url.take_str("host")? {
+            cfg.host = v;
+        }
+        if let Some(p) = url.take::<u64>("port")? {
+            cfg.port = u16::try_from(p).map_err(|_| {
+                bad(format!(
+                    "nixl URL parameter `port`: {p} is out of range (0..=65535)"
+                ))
+            })?;
+        }
+        cfg.name = url.take_str("name")?;
+        if let Some(v) = url.take_bool("progress_thread")? {
+            cfg.progress_thread = v;
+        }
+        if let Some(d) = url.take_duration_ms("timeout_ms")? {
+            cfg.timeout = d;
+        }
+        if let Some(n) = url.take("ns_per_byte")? {
+            cfg.timeout_ns_per_byte = n;
+        }
+        url.finish()?;
         cfg.validate()?;
         Ok(cfg)
     }
@@ -234,5 +259,20 @@ mod tests {
         assert!(err("nixl://somehost:1/").contains("parameters"));
         assert!(err("nixl://?backends=,").contains("no NIXL backend"));
         assert!(err("nixl://?name=a%00b").contains("NUL"));
+        // Strict percent-decoding (the `url` crate let `%+5` through as it
+        // was), encoded keys, no fragment, the known parameters listed, and
+        // the URL quoted redacted (it used to be quoted as given).
+        assert!(err("nixl://?port=%+5").contains("`port`"));
+        assert!(err("nixl://?port=1&p%6Frt=2").contains("`port` given twice"));
+        assert!(err("nixl://?colour=blue").contains(&URL_PARAMETERS.join(", ")));
+        assert!(err("nixl://?lib=x#frag").contains("fragment"));
+        let m = err("nixl://u:hunter2@h/hunter2?secret=hunter2");
+        assert!(!m.contains("hunter2"), "{m}");
+        let m = err("tcp://?secret=hunter2");
+        assert!(!m.contains("hunter2"), "{m}");
+        let c = NixlConfig::from_url("nixl://?b%61ckends=UCX,+POSIX&progress_thread=off").unwrap();
+        assert_eq!(c.backends, ["UCX", "POSIX"]);
+        assert!(!c.progress_thread);
+        assert!(NixlConfig::builder().name("").build().is_err());
     }
 }

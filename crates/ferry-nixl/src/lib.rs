@@ -14,7 +14,7 @@ mod poller;
 pub mod test_support;
 mod ucx_env;
 
-pub use config::{NixlConfig, URL_PARAMETERS};
+pub use config::{NixlConfig, NixlConfigBuilder, URL_PARAMETERS};
 pub use engine::{LibraryTrust, NixlEngine};
 pub use library::{
     active_python_wheel_library, wheel_library_in, Generation, LibrarySource, NixlLibrary,

@@ -11,10 +11,10 @@ use ferry_nixl::{Generation, LibrarySource, NixlConfig, NixlLibrary};
 
 #[test]
 fn an_absent_library_is_unavailable_naming_the_path() {
-    let cfg = NixlConfig {
-        library: Some("/nonexistent/libnixl_capi.so".into()),
-        ..NixlConfig::default()
-    };
+    let cfg = NixlConfig::builder()
+        .library("/nonexistent/libnixl_capi.so")
+        .build()
+        .unwrap();
     // SAFETY: the path does not exist; nothing is loaded.
     match unsafe { NixlLibrary::resolve(&cfg) } {
         Err(Error::Unavailable { backend, reason }) => {

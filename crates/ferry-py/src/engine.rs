@@ -133,52 +133,33 @@ fn open_wheel(py: Python<'_>, url: &str) -> ferry::Result<Handle> {
 /// process only, moving real bytes, with the native capabilities listed in
 /// `caps` (default `all`): everything else the capability adapter emulates
 /// (or, with `strict=1`, refuses). For tests and for trying an
-/// application against an engine that lacks batch calls.
+/// application against an engine that lacks batch calls. Parsed by the one
+/// parser of Ferry's URLs; Ferry's own parameters (`strict`, `coalesce`,
+/// `max_concurrency`, `require`) are those of every backend.
 fn open_inproc(url: &str) -> ferry::Result<Handle> {
     let bad = |m: String| ferry::Error::InvalidArgument(m);
-    let rest = url
-        .strip_prefix("inproc://")
-        .ok_or_else(|| bad(format!("{url:?} is not an inproc:// URL")))?;
-    let (name, query) = rest.split_once('?').unwrap_or((rest, ""));
+    let mut u = ferry::raw::ParsedUrl::parse(url)?;
+    if u.scheme() != "inproc" {
+        return Err(bad(format!("{:?} is not an inproc:// URL", u.shown())));
+    }
+    let name = u.authority().to_owned();
     let mut caps = Capabilities::all();
-    let mut config = AdapterConfig::default();
-    let mut pace = None;
-    let mut require = Vec::new();
-    for pair in query.split('&').filter(|p| !p.is_empty()) {
-        let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
-        match key {
-            "caps" => {
-                caps = Capabilities::default();
-                match value {
-                    "none" | "" => {}
-                    "all" => caps = Capabilities::all(),
-                    list => {
-                        for op in list.split(',') {
-                            caps.set(op.parse::<Operation>()?, true);
-                        }
-                    }
+    if let Some(value) = u.take_value("caps") {
+        caps = Capabilities::default();
+        match value.as_deref().unwrap_or("") {
+            "none" | "" => {}
+            "all" => caps = Capabilities::all(),
+            list => {
+                for op in list.split(',').filter(|op| !op.trim().is_empty()) {
+                    caps.set(op.parse::<Operation>()?, true);
                 }
-            }
-            "pace_us" => {
-                let us: u64 = value
-                    .parse()
-                    .map_err(|_| bad(format!("pace_us={value:?} is not an integer")))?;
-                pace = Some(std::time::Duration::from_micros(us));
-            }
-            "strict" => config.strict = matches!(value, "" | "1" | "true" | "yes" | "on"),
-            "require" => {
-                for op in value.split(',').filter(|s| !s.is_empty()) {
-                    require.push(op.parse::<Operation>()?);
-                }
-            }
-            other => {
-                return Err(bad(format!(
-                    "unknown inproc:// parameter {other:?} (known: caps, pace_us, strict, require)"
-                )))
             }
         }
     }
-    let engine = InprocEngine::new(name, caps)?;
+    let pace = u.take_duration_us("pace_us")?;
+    let (config, require) = AdapterConfig::take_url_params(&mut u)?;
+    u.finish()?;
+    let engine = InprocEngine::new(&name, caps)?;
     engine.set_pace(pace);
     let adapter = CapabilityAdapter::with_config(engine, config);
     adapter.require(&require)?;

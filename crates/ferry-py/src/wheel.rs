@@ -28,7 +28,7 @@ use ferry::{
     MissingCapability, Notification, Operation, Result, SegmentId, TransferEngine, TransferOp,
     TransferRequest,
 };
-use ferry_core::raw::RegionTable;
+use ferry_core::raw::{ParsedUrl, RegionTable};
 use ferry_core::Side;
 use pyo3::prelude::*;
 
@@ -94,90 +94,41 @@ fn bad(m: String) -> Error {
     Error::InvalidArgument(m)
 }
 
-fn parse_bool(key: &str, value: &str) -> Result<bool> {
-    match value {
-        "" | "1" | "true" | "yes" | "on" => Ok(true),
-        "0" | "false" | "no" | "off" => Ok(false),
-        _ => Err(bad(format!("{key}={value:?} is not a boolean"))),
-    }
-}
-
-/// Decodes `%XX` and `+` of a URL query component.
-fn unescape(s: &str) -> Result<String> {
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        match bytes[i] {
-            b'+' => out.push(b' '),
-            b'%' => {
-                let hex = bytes
-                    .get(i + 1..i + 3)
-                    .and_then(|h| std::str::from_utf8(h).ok())
-                    .and_then(|h| u8::from_str_radix(h, 16).ok())
-                    .ok_or_else(|| bad(format!("bad %-escape in {s:?}")))?;
-                out.push(hex);
-                i += 2;
-            }
-            b => out.push(b),
-        }
-        i += 1;
-    }
-    String::from_utf8(out).map_err(|_| bad(format!("{s:?} is not UTF-8 once unescaped")))
-}
-
 impl WheelConfig {
     /// Parses a `mooncake-py://` URL. `force_tcp` is whether `MC_FORCE_TCP`
     /// is set (Mooncake: set to any value, the TCP transport only).
     ///
     /// Errors ([`Error::InvalidArgument`]): another scheme, an unknown
-    /// parameter, an unknown protocol, a device that does not exist.
+    /// parameter (named, with the known ones), a repeated one, a malformed
+    /// percent-escape, a path, an unknown protocol, a device that does not
+    /// exist.
     pub(crate) fn from_url(url: &str, force_tcp: bool) -> Result<WheelConfig> {
-        let rest = url
-            .strip_prefix(SCHEME)
-            .ok_or_else(|| bad(format!("{url:?} is not a {SCHEME} URL")))?;
-        let (path, query) = rest.split_once('?').unwrap_or((rest, ""));
+        // The one parser of Ferry's URLs (strict percent-decoding, `+` a
+        // space, a key given twice refused; messages quote the URL
+        // redacted).
+        let mut u = ParsedUrl::parse(url)?;
+        if u.scheme() != "mooncake-py" {
+            return Err(bad(format!("{:?} is not a {SCHEME} URL", u.shown())));
+        }
         let mut c = WheelConfig {
-            host: unescape(path)?,
+            host: u.authority().to_owned(),
             metadata: "P2PHANDSHAKE".to_owned(),
             protocol: "tcp".to_owned(),
             ..WheelConfig::default()
         };
-        for pair in query.split('&').filter(|p| !p.is_empty()) {
-            let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
-            let value = unescape(value)?;
-            match key {
-                "host" => c.host = value,
-                "metadata" => c.metadata = value,
-                "protocol" => c.protocol = value,
-                "device" => c.device = value,
-                "metadata_type" => c.metadata_type = value,
-                "strict" => c.adapter.strict = parse_bool(key, &value)?,
-                "coalesce" => c.adapter.coalesce = parse_bool(key, &value)?,
-                "max_concurrency" => {
-                    c.adapter.max_concurrency = value
-                        .parse::<usize>()
-                        .ok()
-                        .filter(|n| *n > 0)
-                        .ok_or_else(|| {
-                            bad(format!(
-                                "max_concurrency={value:?} is not a positive integer"
-                            ))
-                        })?
-                }
-                "require" => {
-                    for op in value.split(',').filter(|s| !s.trim().is_empty()) {
-                        c.require.push(op.parse::<Operation>()?);
-                    }
-                }
-                other => {
-                    return Err(bad(format!(
-                        "unknown {SCHEME} parameter {other:?} (known: host, metadata, protocol, \
-                         device, metadata_type, strict, coalesce, max_concurrency, require)"
-                    )))
-                }
+        for (key, field) in [
+            ("host", &mut c.host),
+            ("metadata", &mut c.metadata),
+            ("protocol", &mut c.protocol),
+            ("device", &mut c.device),
+            ("metadata_type", &mut c.metadata_type),
+        ] {
+            if let Some(v) = u.take_str(key)? {
+                *field = v;
             }
         }
+        (c.adapter, c.require) = AdapterConfig::take_url_params(&mut u)?;
+        u.finish()?;
         if c.host.is_empty() {
             c.host = "127.0.0.1".to_owned();
         }
@@ -1040,4 +991,53 @@ async fn detached<T: Send + 'static>(
     tokio::spawn(fut)
         .await
         .map_err(|e| Error::Canceled(format!("a {BACKEND} call: {e}")))?
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn err(url: &str) -> String {
+        match WheelConfig::from_url(url, false) {
+            Err(Error::InvalidArgument(m)) => m,
+            other => panic!("{url}: expected InvalidArgument, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn parses_with_the_shared_parser() {
+        let c = WheelConfig::from_url(
+            "mooncake-py://10.0.0.1:7000?metadata=etcd%3A%2F%2Fm%3A2379&strict&require=notify",
+            false,
+        )
+        .unwrap();
+        assert_eq!(c.host, "10.0.0.1:7000");
+        assert_eq!(c.metadata, "etcd://m:2379");
+        assert_eq!(c.protocol, "tcp");
+        assert!(c.adapter.strict);
+        assert_eq!(c.require, vec![Operation::Notify]);
+        let c = WheelConfig::from_url("mooncake-py://?host=h&protocol=nvlink", true).unwrap();
+        assert_eq!((c.host.as_str(), c.protocol.as_str()), ("h", "tcp"));
+        assert_eq!(c.forced_from.as_deref(), Some("nvlink"));
+        assert_eq!(
+            WheelConfig::from_url("mooncake-py://", false).unwrap().host,
+            "127.0.0.1"
+        );
+    }
+
+    #[test]
+    fn refuses_what_the_shared_parser_refuses() {
+        assert!(err("tcp://h:1").contains("not a mooncake-py:// URL"));
+        let m = err("mooncake-py://?colour=blue");
+        assert!(
+            m.contains("`colour`") && m.contains("known: host, metadata"),
+            "{m}"
+        );
+        assert!(err("mooncake-py://?host=a&h%6Fst=b").contains("`host` given twice"));
+        assert!(err("mooncake-py://?host=%+5").contains("percent-escape"));
+        assert!(err("mooncake-py://?strict=maybe").contains("`strict`"));
+        assert!(err("mooncake-py://?protocol=rmda").contains("unknown Mooncake protocol"));
+        let m = err("mooncake-py://u:hunter2@h?secret=hunter2");
+        assert!(!m.contains("hunter2"), "{m}");
+    }
 }

@@ -1,9 +1,10 @@
 //! Engine configuration and its URL form.
 
-use std::fmt;
+use std::path::PathBuf;
 use std::time::Duration;
 
-use ferry_core::{Error, Result};
+use ferry_core::raw::ParsedUrl;
+use ferry_core::{Error, Result, Secret};
 
 use crate::frame::MAX_OP_LEN;
 use crate::same_host::cma::SameHost;
@@ -12,8 +13,33 @@ use crate::same_host::cma::SameHost;
 ///
 /// `Default` gives an engine listening on `127.0.0.1:0` (an ephemeral
 /// loopback port), without authentication, with one connection per peer.
-/// `Debug` never prints the secret.
-#[derive(Clone)]
+/// `Debug` never prints the secret (a [`Secret`]).
+///
+/// `#[non_exhaustive]`: build it with [`TcpConfig::builder`] (which
+/// validates like [`TcpConfig::from_url`]), parse it with
+/// [`TcpConfig::from_url`], or start from `default()` and assign fields.
+///
+/// ```
+/// use ferry_core::Secret;
+/// use ferry_tcp::TcpConfig;
+///
+/// let config = TcpConfig::builder()
+///     .listen("10.0.0.1:7000")
+///     .secret(Secret::new("s3cret"))
+///     .connections(4)
+///     .build()?;
+/// assert_eq!(config.connections, 4);
+/// assert!(!format!("{config:?}").contains("s3cret"));
+/// // The same from a URL.
+/// let parsed = TcpConfig::from_url("tcp://10.0.0.1:7000?secret=s3cret&connections=4")?;
+/// assert_eq!(format!("{parsed:?}"), format!("{config:?}"));
+/// // Out of range: refused naming the field.
+/// let e = TcpConfig::builder().connections(0).build().unwrap_err();
+/// assert!(e.to_string().contains("connections"));
+/// # Ok::<(), ferry_core::Error>(())
+/// ```
+#[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct TcpConfig {
     /// Address to listen on, `host:port` (`0` picks a free port). The
     /// engine's segment name is the address actually bound.
@@ -21,7 +47,7 @@ pub struct TcpConfig {
     /// Shared secret. When set, the engine refuses inbound peers that do not
     /// prove they know it (HMAC-SHA256 challenge–response) and refuses to
     /// talk to targets that do not prove it back. `None`: no authentication.
-    pub secret: Option<String>,
+    pub secret: Option<Secret>,
     /// TCP connections opened to each peer (1..=16). Requests (and chunks of
     /// large requests) are spread over them round-robin.
     pub connections: usize,
@@ -131,12 +157,12 @@ pub struct TcpConfig {
     /// PEM certificate chain this engine presents (URL `tls_cert=`);
     /// with `tls_key` and `tls_ca`. Without the three, the TLS identity is
     /// derived from `secret`.
-    pub tls_cert: Option<std::path::PathBuf>,
+    pub tls_cert: Option<PathBuf>,
     /// PEM private key of `tls_cert` (URL `tls_key=`).
-    pub tls_key: Option<std::path::PathBuf>,
+    pub tls_key: Option<PathBuf>,
     /// PEM CA certificates that peers' chains must chain to (URL
     /// `tls_ca=`): both directions are checked (mutual authentication).
-    pub tls_ca: Option<std::path::PathBuf>,
+    pub tls_ca: Option<PathBuf>,
 }
 
 impl Default for TcpConfig {
@@ -173,37 +199,37 @@ impl Default for TcpConfig {
     }
 }
 
-impl fmt::Debug for TcpConfig {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("TcpConfig")
-            .field("listen", &self.listen)
-            .field("secret", &self.secret.as_ref().map(|_| "<redacted>"))
-            .field("connections", &self.connections)
-            .field("connect_timeout", &self.connect_timeout)
-            .field("request_timeout", &self.request_timeout)
-            .field("stall_timeout", &self.stall_timeout)
-            .field("min_rate", &self.min_rate)
-            .field("handshake_timeout", &self.handshake_timeout)
-            .field("max_handshakes", &self.max_handshakes)
-            .field("idle_timeout", &self.idle_timeout)
-            .field("evict_idle", &self.evict_idle)
-            .field("chunk_size", &self.chunk_size)
-            .field("max_batch", &self.max_batch)
-            .field("max_inbound", &self.max_inbound)
-            .field("max_per_source", &self.max_per_source)
-            .field("spin", &self.spin)
-            .field("spin_pending", &self.spin_pending)
-            .field("socket_buffer", &self.socket_buffer)
-            .field("same_host", &self.same_host)
-            .field("same_host_unix", &self.same_host_unix)
-            .field("same_host_chunk", &self.same_host_chunk)
-            .field("same_host_stage", &self.same_host_stage)
-            .field("insecure", &self.insecure)
-            .field("tls", &self.tls)
-            .field("tls_cert", &self.tls_cert)
-            .field("tls_key", &self.tls_key)
-            .field("tls_ca", &self.tls_ca)
-            .finish()
+ferry_core::__config_builder! {
+    /// Builds a [`TcpConfig`] ([`TcpConfig::builder`]): one setter per
+    /// field; `build()` validates.
+    pub struct TcpConfigBuilder for TcpConfig {
+        into listen: String,
+        some secret: Secret,
+        set connections: usize,
+        set connect_timeout: Duration,
+        set request_timeout: Duration,
+        set stall_timeout: Duration,
+        set min_rate: u64,
+        set handshake_timeout: Duration,
+        set max_handshakes: usize,
+        set idle_timeout: Duration,
+        set evict_idle: Duration,
+        set chunk_size: usize,
+        set max_batch: usize,
+        set max_inbound: usize,
+        set max_per_source: usize,
+        set spin: Duration,
+        set spin_pending: Duration,
+        set socket_buffer: Option<usize>,
+        set same_host: SameHost,
+        set same_host_unix: bool,
+        set same_host_chunk: usize,
+        set same_host_stage: Option<usize>,
+        set insecure: bool,
+        set tls: crate::tls::TlsMode,
+        some tls_cert: PathBuf,
+        some tls_key: PathBuf,
+        some tls_ca: PathBuf,
     }
 }
 
@@ -211,10 +237,11 @@ fn invalid(msg: String) -> Error {
     Error::InvalidArgument(msg)
 }
 
-fn parse_num(key: &str, value: &str) -> Result<u64> {
-    value
-        .parse::<u64>()
-        .map_err(|_| invalid(format!("tcp URL parameter {key}={value:?} is not a number")))
+/// `*dst = v` if there is a value.
+fn set<T>(dst: &mut T, v: Option<T>) {
+    if let Some(v) = v {
+        *dst = v;
+    }
 }
 
 impl TcpConfig {
@@ -269,164 +296,147 @@ impl TcpConfig {
     /// | `tls_key`            | `tls_key`         | PEM private key file                     |
     /// | `tls_ca`             | `tls_ca`          | PEM CA file peers' chains are checked against |
     ///
-    /// An unknown parameter, a repeated one, a value out of range or another
-    /// scheme than `tcp` is [`Error::InvalidArgument`] naming it.
+    /// The URL is parsed by [`ParsedUrl`] (strict percent-decoding, `+` is
+    /// a space, no fragment, no userinfo). An unknown parameter (named,
+    /// with the list of known ones), a repeated one, a malformed
+    /// percent-escape, a value out of range, a path or another scheme than
+    /// `tcp` is [`Error::InvalidArgument`] naming it; no message quotes the
+    /// secret. `insecure` takes `1`/`0` or `true`/`false` only.
     pub fn from_url(url: &str) -> Result<TcpConfig> {
+        TcpConfig::from_parts(ParsedUrl::parse(url)?)
+    }
+
+    /// [`TcpConfig::from_url`] on a URL already parsed (the facade takes
+    /// its own parameters out of it first, then hands it over): takes every
+    /// parameter above, then refuses what is left.
+    pub fn from_parts(mut url: ParsedUrl) -> Result<TcpConfig> {
         // Messages quote the URL with its secrets hidden.
-        let shown = ferry_core::raw::redact_url(url);
-        let parsed =
-            url::Url::parse(url).map_err(|e| invalid(format!("bad tcp URL {shown:?}: {e}")))?;
-        if parsed.scheme() != "tcp" {
+        let shown = url.shown().to_owned();
+        if url.scheme() != "tcp" {
             return Err(invalid(format!(
                 "URL {shown:?} has scheme {:?}; the tcp backend needs tcp://HOST:PORT",
-                parsed.scheme()
+                url.scheme()
             )));
         }
-        let host = parsed
-            .host_str()
-            .filter(|h| !h.is_empty())
-            .ok_or_else(|| invalid(format!("tcp URL {shown:?} has no host")))?;
-        if !(parsed.path().is_empty() || parsed.path() == "/") {
+        if !(url.path().is_empty() || url.path() == "/") {
             return Err(invalid(format!(
                 "tcp URL {shown:?} has a path; only tcp://HOST:PORT?params is accepted"
             )));
         }
-        let port = parsed.port().unwrap_or(0);
+        let (host, port) = url.host_port()?;
+        if host.is_empty() {
+            return Err(invalid(format!("tcp URL {shown:?} has no host")));
+        }
         let mut cfg = TcpConfig {
-            listen: format!("{host}:{port}"),
+            listen: format!("{host}:{}", port.unwrap_or(0)),
             ..TcpConfig::default()
         };
-        let mut seen = std::collections::HashSet::new();
-        for (key, value) in parsed.query_pairs() {
-            if !seen.insert(key.to_string()) {
-                return Err(invalid(format!("tcp URL parameter {key} is given twice")));
+        cfg.secret = url.take_secret("secret")?;
+        set(&mut cfg.connections, url.take("connections")?);
+        set(
+            &mut cfg.request_timeout,
+            url.take_duration_ms("timeout_ms")?,
+        );
+        set(
+            &mut cfg.connect_timeout,
+            url.take_duration_ms("connect_timeout_ms")?,
+        );
+        set(&mut cfg.chunk_size, url.take("chunk_size")?);
+        set(&mut cfg.max_batch, url.take("max_batch")?);
+        set(&mut cfg.max_inbound, url.take("max_inbound")?);
+        set(&mut cfg.max_per_source, url.take("max_per_source")?);
+        set(
+            &mut cfg.stall_timeout,
+            url.take_duration_ms("stall_timeout_ms")?,
+        );
+        set(&mut cfg.min_rate, url.take("min_rate")?);
+        set(
+            &mut cfg.handshake_timeout,
+            url.take_duration_ms("handshake_timeout_ms")?,
+        );
+        set(&mut cfg.max_handshakes, url.take("max_handshakes")?);
+        set(
+            &mut cfg.idle_timeout,
+            url.take_duration_ms("idle_timeout_ms")?,
+        );
+        set(&mut cfg.evict_idle, url.take_duration_ms("evict_idle_ms")?);
+        set(&mut cfg.spin, url.take_duration_us("spin_us")?);
+        set(
+            &mut cfg.spin_pending,
+            url.take_duration_us("spin_pending_us")?,
+        );
+        if let Some(n) = url.take::<usize>("socket_buffer")? {
+            cfg.socket_buffer = (n > 0).then_some(n);
+        }
+        set(
+            &mut cfg.same_host,
+            url.take_with("same_host", "auto, cma or off", SameHost::parse)?,
+        );
+        set(
+            &mut cfg.same_host_unix,
+            url.take_with("same_host_control", "unix or tcp", |v| match v {
+                "unix" => Some(true),
+                "tcp" => Some(false),
+                _ => None,
+            })?,
+        );
+        set(
+            &mut cfg.same_host_chunk,
+            url.take_with(
+                "same_host_chunk",
+                &format!("a byte count 4096..={MAX_OP_LEN}"),
+                |v| {
+                    let n = v.parse::<u64>().ok()?;
+                    (4096..=MAX_OP_LEN).contains(&n).then_some(n as usize)
+                },
+            )?,
+        );
+        set(
+            &mut cfg.same_host_stage,
+            url.take_with(
+                "same_host_stage",
+                &format!("a byte count 1..={MAX_OP_LEN} or off"),
+                |v| {
+                    if v == "off" {
+                        return Some(None);
+                    }
+                    let n = v.parse::<u64>().ok()?;
+                    (1..=MAX_OP_LEN).contains(&n).then_some(Some(n as usize))
+                },
+            )?,
+        );
+        // Deliberately strict (not `take_bool`: no `yes`/`on`, no bare
+        // key): it opens the engine to every host that can reach it.
+        set(
+            &mut cfg.insecure,
+            url.take_with("insecure", "1 or 0 (true or false)", |v| match v {
+                "1" | "true" => Some(true),
+                "0" | "false" => Some(false),
+                _ => None,
+            })?,
+        );
+        if let Some(v) = url.take_str("tls")? {
+            cfg.tls = crate::tls::TlsMode::parse(&v).ok_or_else(|| {
+                invalid(format!(
+                    "tcp URL parameter `tls`: {v:?} must be off, on or require"
+                ))
+            })?;
+        }
+        for key in ["tls_cert", "tls_key", "tls_ca"] {
+            let Some(value) = url.take_str(key)? else {
+                continue;
+            };
+            if value.is_empty() {
+                return Err(invalid(format!("tcp URL parameter `{key}` is empty")));
             }
-            match key.as_ref() {
-                "secret" => {
-                    if value.is_empty() {
-                        return Err(invalid("tcp URL parameter secret is empty".to_owned()));
-                    }
-                    cfg.secret = Some(value.to_string());
-                }
-                "insecure" => {
-                    cfg.insecure = match value.as_ref() {
-                        "1" | "true" => true,
-                        "0" | "false" => false,
-                        v => {
-                            return Err(invalid(format!(
-                                "tcp URL parameter insecure={v:?} must be 1 or 0"
-                            )))
-                        }
-                    }
-                }
-                "tls" => {
-                    cfg.tls = crate::tls::TlsMode::parse(&value).ok_or_else(|| {
-                        invalid(format!(
-                            "tcp URL parameter tls={value:?} must be off, on or require"
-                        ))
-                    })?
-                }
-                "tls_cert" | "tls_key" | "tls_ca" => {
-                    if value.is_empty() {
-                        return Err(invalid(format!("tcp URL parameter {key} is empty")));
-                    }
-                    let path = Some(std::path::PathBuf::from(value.as_ref()));
-                    match key.as_ref() {
-                        "tls_cert" => cfg.tls_cert = path,
-                        "tls_key" => cfg.tls_key = path,
-                        _ => cfg.tls_ca = path,
-                    }
-                }
-                "connections" => cfg.connections = parse_num(&key, &value)? as usize,
-                "timeout_ms" => {
-                    cfg.request_timeout = Duration::from_millis(parse_num(&key, &value)?)
-                }
-                "connect_timeout_ms" => {
-                    cfg.connect_timeout = Duration::from_millis(parse_num(&key, &value)?)
-                }
-                "chunk_size" => cfg.chunk_size = parse_num(&key, &value)? as usize,
-                "max_batch" => cfg.max_batch = parse_num(&key, &value)? as usize,
-                "max_inbound" => cfg.max_inbound = parse_num(&key, &value)? as usize,
-                "max_per_source" => {
-                    let n: u64 = value.parse().map_err(|_| {
-                        invalid(format!("tcp URL parameter max_per_source={value:?} is not a number"))
-                    })?;
-                    cfg.max_per_source = n as usize;
-                }
-                "stall_timeout_ms" => {
-                    cfg.stall_timeout = Duration::from_millis(parse_num(&key, &value)?)
-                }
-                "min_rate" => cfg.min_rate = parse_num(&key, &value)?,
-                "handshake_timeout_ms" => {
-                    cfg.handshake_timeout = Duration::from_millis(parse_num(&key, &value)?)
-                }
-                "max_handshakes" => cfg.max_handshakes = parse_num(&key, &value)? as usize,
-                "idle_timeout_ms" => {
-                    cfg.idle_timeout = Duration::from_millis(parse_num(&key, &value)?)
-                }
-                "evict_idle_ms" => cfg.evict_idle = Duration::from_millis(parse_num(&key, &value)?),
-                "spin_us" => cfg.spin = Duration::from_micros(parse_num(&key, &value)?),
-                "spin_pending_us" => {
-                    cfg.spin_pending = Duration::from_micros(parse_num(&key, &value)?)
-                }
-                "socket_buffer" => {
-                    let n = parse_num(&key, &value)? as usize;
-                    cfg.socket_buffer = (n > 0).then_some(n);
-                }
-                "same_host" => {
-                    cfg.same_host = SameHost::parse(&value).ok_or_else(|| {
-                        invalid(format!(
-                            "tcp URL parameter same_host={value:?} must be auto, cma or off"
-                        ))
-                    })?
-                }
-                "same_host_chunk" => {
-                    let n = parse_num(&key, &value)?;
-                    if !(4096..=crate::frame::MAX_OP_LEN).contains(&n) {
-                        return Err(invalid(format!(
-                            "tcp URL parameter same_host_chunk={n} must be 4096..={}",
-                            crate::frame::MAX_OP_LEN
-                        )));
-                    }
-                    cfg.same_host_chunk = n as usize;
-                }
-                "same_host_stage" => {
-                    cfg.same_host_stage = if value == "off" {
-                        None
-                    } else {
-                        let n = parse_num(&key, &value)?;
-                        if !(1..=crate::frame::MAX_OP_LEN).contains(&n) {
-                            return Err(invalid(format!(
-                                "tcp URL parameter same_host_stage={n} must be 1..={} or off",
-                                crate::frame::MAX_OP_LEN
-                            )));
-                        }
-                        Some(n as usize)
-                    }
-                }
-                "same_host_control" => {
-                    cfg.same_host_unix = match &*value {
-                        "unix" => true,
-                        "tcp" => false,
-                        _ => {
-                            return Err(invalid(format!(
-                                "tcp URL parameter same_host_control={value:?} must be unix or tcp"
-                            )))
-                        }
-                    }
-                }
-                other => {
-                    return Err(invalid(format!(
-                        "unknown tcp URL parameter {other:?}; known: secret, connections, \
-                         timeout_ms, connect_timeout_ms, chunk_size, max_batch, max_inbound, \
-                         stall_timeout_ms, min_rate, handshake_timeout_ms, max_handshakes, \
-                         idle_timeout_ms, evict_idle_ms, spin_us, spin_pending_us, socket_buffer, same_host, \
-                         same_host_control, same_host_chunk, same_host_stage, insecure, \
-                         tls, tls_cert, tls_key, tls_ca"
-                    )))
-                }
+            let path = Some(PathBuf::from(value));
+            match key {
+                "tls_cert" => cfg.tls_cert = path,
+                "tls_key" => cfg.tls_key = path,
+                _ => cfg.tls_ca = path,
             }
         }
+        url.finish()?;
         cfg.validate()?;
         Ok(cfg)
     }
@@ -477,7 +487,7 @@ impl TcpConfig {
                 return Err(invalid(format!("{name} must be > 0")));
             }
         }
-        if self.secret.as_deref() == Some("") {
+        if self.secret.as_ref().is_some_and(Secret::is_empty) {
             return Err(invalid("secret must not be empty".into()));
         }
         let files = [&self.tls_cert, &self.tls_key, &self.tls_ca]
@@ -545,7 +555,7 @@ mod tests {
         assert!(TcpConfig::from_url("tcp://h:1?min_rate=0").is_err());
         assert!(TcpConfig::from_url("tcp://h:1?idle_timeout_ms=0").is_err());
         assert_eq!(c.listen, "0.0.0.0:7000");
-        assert_eq!(c.secret.as_deref(), Some("s&x"));
+        assert_eq!(c.secret.as_ref().map(Secret::expose), Some("s&x"));
         assert_eq!(c.connections, 4);
         assert_eq!(c.request_timeout, Duration::from_millis(1500));
         assert_eq!(c.connect_timeout, Duration::from_millis(20));
@@ -583,5 +593,70 @@ mod tests {
         assert!(TcpConfig::from_url("rdma://h:1").is_err());
         assert!(TcpConfig::from_url("tcp://h:1/path").is_err());
         assert!(TcpConfig::from_url("tcp://h:1?chunk_size=0").is_err());
+        // Strict percent-decoding (the `url` crate let `%+5` through as it
+        // was), no fragment, no userinfo, names the known parameters.
+        let msg = |u: &str| TcpConfig::from_url(u).unwrap_err().to_string();
+        assert!(msg("tcp://h:1?connections=%+5").contains("`connections`"));
+        assert!(msg("tcp://h:1?timeout_ms=1%G1").contains("percent-escape"));
+        assert!(msg("tcp://h:1#x").contains("fragment"));
+        assert!(msg("tcp://u:p@h:1").contains("user information"));
+        assert!(
+            msg("tcp://h:1?c%6Fnnections=1&connections=2").contains("`connections` given twice")
+        );
+        let m = msg("tcp://h:1?colour=blue");
+        assert!(
+            m.contains("known: secret, connections, timeout_ms") && m.contains("tls_ca"),
+            "{m}"
+        );
+        assert!(msg("tcp://h:1?secret").contains("`secret` is empty"));
+        assert!(msg("tcp://h:1?tls_ca=").contains("`tls_ca` is empty"));
+        // `insecure` stays strict: no `yes`/`on`, no bare key.
+        for u in [
+            "tcp://h:1?insecure=on",
+            "tcp://h:1?insecure=yes",
+            "tcp://h:1?insecure",
+        ] {
+            assert!(msg(u).contains("`insecure`"), "{u}");
+        }
+        assert!(msg("tcp://h:99999").contains("port"));
+        assert!(msg("tcp://:1").contains("no host"));
+        // An encoded key is the key it decodes to.
+        let c = TcpConfig::from_url("tcp://h:1?s%65cret=x%2By+z&insecure=true").unwrap();
+        assert_eq!(c.secret.as_ref().map(Secret::expose), Some("x+y z"));
+        assert!(c.insecure);
+    }
+
+    #[test]
+    fn builder_sets_and_validates() {
+        let c = TcpConfig::builder()
+            .listen("0.0.0.0:7000")
+            .secret(Secret::new("s3cret"))
+            .connections(4)
+            .socket_buffer(Some(1 << 20))
+            .tls_ca("/etc/ca.pem")
+            .tls_cert("/etc/c.pem")
+            .tls_key("/etc/k.pem")
+            .build()
+            .unwrap();
+        assert_eq!(c.listen, "0.0.0.0:7000");
+        assert_eq!(c.secret.as_ref().map(Secret::expose), Some("s3cret"));
+        assert_eq!((c.connections, c.socket_buffer), (4, Some(1 << 20)));
+        assert_eq!(
+            c.tls_ca.as_deref(),
+            Some(std::path::Path::new("/etc/ca.pem"))
+        );
+        let shown = format!("{c:?}");
+        assert!(
+            !shown.contains("s3cret") && shown.contains("<redacted>"),
+            "{shown}"
+        );
+        for bad in [
+            TcpConfig::builder().connections(17),
+            TcpConfig::builder().secret(""),
+            TcpConfig::builder().tls_ca("/etc/ca.pem"),
+            TcpConfig::builder().request_timeout(Duration::ZERO),
+        ] {
+            assert!(matches!(bad.build(), Err(Error::InvalidArgument(_))));
+        }
     }
 }

@@ -79,7 +79,7 @@ mod stream;
 mod test_hooks;
 mod tls;
 
-pub use config::TcpConfig;
+pub use config::{TcpConfig, TcpConfigBuilder};
 pub use engine::TcpEngine;
 pub use negotiate::{FeatureOff, FeatureState, PeerReport, VersionRange};
 pub use same_host::cma::SameHost;

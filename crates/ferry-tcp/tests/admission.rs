@@ -18,10 +18,12 @@ use ferry_tcp::{TcpConfig, TcpEngine};
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_source_holding_idle_connections_leaves_room_for_others() {
     let max_inbound = 16;
-    let b = TcpEngine::start(TcpConfig {
-        max_inbound,
-        ..TcpConfig::default()
-    })
+    let b = TcpEngine::start(
+        TcpConfig::builder()
+            .max_inbound(max_inbound)
+            .build()
+            .unwrap(),
+    )
     .await
     .unwrap();
     let target = mem(&b, 4096, 0).await;

@@ -44,10 +44,7 @@ fn call<T>(
 fn blocked_threads_and_tasks_share_a_connection(same_host: SameHost) {
     let rt = runtime();
     let (a, b) = rt.block_on(async {
-        let cfg = TcpConfig {
-            same_host,
-            ..TcpConfig::default()
-        };
+        let cfg = TcpConfig::builder().same_host(same_host).build().unwrap();
         (engine(cfg.clone()).await, engine(cfg).await)
     });
     let span = THREADS * CALLS * BLOCK;
@@ -151,10 +148,10 @@ fn blocked_threads_and_tasks_share_a_socket_connection() {
 #[test]
 fn a_blocked_caller_sees_the_connection_end() {
     let rt = runtime();
-    let cfg = TcpConfig {
-        same_host: SameHost::Off,
-        ..TcpConfig::default()
-    };
+    let cfg = TcpConfig::builder()
+        .same_host(SameHost::Off)
+        .build()
+        .unwrap();
     let (a, b) = rt.block_on(async { (engine(cfg.clone()).await, engine(cfg.clone()).await) });
     let len = 256 << 20;
     let (src, dst) = rt.block_on(async { (mem(&a, len, 1).await, mem(&b, len, 0).await) });

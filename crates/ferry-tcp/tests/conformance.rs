@@ -88,24 +88,24 @@ impl EngineFactory for TcpFactory {
 
 // Two connections per peer, authenticated with a shared secret
 // (`same_host=auto`: the same-host path with its Unix control channel).
-ferry_core::conformance_tests!(TcpFactory::new(|| TcpConfig {
-    secret: Some("conformance".to_owned()),
-    connections: 2,
-    ..TcpConfig::default()
-}));
+ferry_core::conformance_tests!(TcpFactory::new(|| TcpConfig::builder()
+    .secret("conformance")
+    .connections(2)
+    .build()
+    .unwrap()));
 
 /// Three connections per peer, tiny chunks (requests are split into many
 /// wire operations over all of them) and no polling, on the socket.
 mod chunked {
     use super::*;
 
-    ferry_core::conformance_tests!(TcpFactory::new(|| TcpConfig {
-        connections: 3,
-        chunk_size: 1000,
-        spin: std::time::Duration::ZERO,
-        same_host: SameHost::Off,
-        ..TcpConfig::default()
-    })
+    ferry_core::conformance_tests!(TcpFactory::new(|| TcpConfig::builder()
+        .connections(3)
+        .chunk_size(1000)
+        .spin(std::time::Duration::ZERO)
+        .same_host(SameHost::Off)
+        .build()
+        .unwrap())
     .unknown_at("127.0.0.1:1"));
 }
 
@@ -115,15 +115,15 @@ mod chunked {
 mod cma_forced {
     use super::*;
 
-    ferry_core::conformance_tests!(TcpFactory::new(|| TcpConfig {
-        secret: Some("conformance".to_owned()),
-        connections: 2,
-        chunk_size: 4096,
-        same_host_chunk: 4096,
-        same_host: SameHost::Cma,
-        same_host_stage: None,
-        ..TcpConfig::default()
-    })
+    ferry_core::conformance_tests!(TcpFactory::new(|| TcpConfig::builder()
+        .secret("conformance")
+        .connections(2)
+        .chunk_size(4096)
+        .same_host_chunk(4096)
+        .same_host(SameHost::Cma)
+        .same_host_stage(None)
+        .build()
+        .unwrap())
     .unknown_at("127.0.0.1:1"));
 }
 
@@ -134,14 +134,14 @@ mod cma_forced {
 mod cma_staged {
     use super::*;
 
-    ferry_core::conformance_tests!(TcpFactory::new(|| TcpConfig {
-        connections: 2,
-        chunk_size: 200_000,
-        same_host_chunk: 200_000,
-        same_host: SameHost::Cma,
-        same_host_stage: Some(1),
-        ..TcpConfig::default()
-    })
+    ferry_core::conformance_tests!(TcpFactory::new(|| TcpConfig::builder()
+        .connections(2)
+        .chunk_size(200_000)
+        .same_host_chunk(200_000)
+        .same_host(SameHost::Cma)
+        .same_host_stage(Some(1))
+        .build()
+        .unwrap())
     .unknown_at("127.0.0.1:1"));
 }
 
@@ -151,14 +151,14 @@ mod cma_staged {
 mod cma_tcp_control {
     use super::*;
 
-    ferry_core::conformance_tests!(TcpFactory::new(|| TcpConfig {
-        connections: 2,
-        chunk_size: 64 * 1024,
-        same_host_chunk: 64 * 1024,
-        same_host: SameHost::Cma,
-        same_host_unix: false,
-        ..TcpConfig::default()
-    })
+    ferry_core::conformance_tests!(TcpFactory::new(|| TcpConfig::builder()
+        .connections(2)
+        .chunk_size(64 * 1024)
+        .same_host_chunk(64 * 1024)
+        .same_host(SameHost::Cma)
+        .same_host_unix(false)
+        .build()
+        .unwrap())
     .unknown_at("127.0.0.1:1"));
 }
 
@@ -166,12 +166,12 @@ mod cma_tcp_control {
 mod socket_forced {
     use super::*;
 
-    ferry_core::conformance_tests!(TcpFactory::new(|| TcpConfig {
-        secret: Some("conformance".to_owned()),
-        connections: 2,
-        same_host: SameHost::Off,
-        ..TcpConfig::default()
-    })
+    ferry_core::conformance_tests!(TcpFactory::new(|| TcpConfig::builder()
+        .secret("conformance")
+        .connections(2)
+        .same_host(SameHost::Off)
+        .build()
+        .unwrap())
     .unknown_at("127.0.0.1:1"));
 }
 
@@ -179,13 +179,13 @@ mod socket_forced {
 mod tls_secret {
     use super::*;
 
-    ferry_core::conformance_tests!(TcpFactory::new(|| TcpConfig {
-        secret: Some("conformance".to_owned()),
-        tls: TlsMode::Require,
-        connections: 2,
-        same_host: SameHost::Off,
-        ..TcpConfig::default()
-    })
+    ferry_core::conformance_tests!(TcpFactory::new(|| TcpConfig::builder()
+        .secret("conformance")
+        .tls(TlsMode::Require)
+        .connections(2)
+        .same_host(SameHost::Off)
+        .build()
+        .unwrap())
     .unknown_at("127.0.0.1:1"));
 }
 
@@ -196,16 +196,16 @@ mod tls_cert {
 
     ferry_core::conformance_tests!(TcpFactory::new(|| {
         let f = common::tls_files();
-        TcpConfig {
-            tls: TlsMode::Require,
-            tls_cert: Some(f.cert.clone()),
-            tls_key: Some(f.key.clone()),
-            tls_ca: Some(f.ca.clone()),
-            connections: 3,
-            chunk_size: 100_000,
-            same_host: SameHost::Off,
-            ..TcpConfig::default()
-        }
+        TcpConfig::builder()
+            .tls(TlsMode::Require)
+            .tls_cert(f.cert.clone())
+            .tls_key(f.key.clone())
+            .tls_ca(f.ca.clone())
+            .connections(3)
+            .chunk_size(100_000)
+            .same_host(SameHost::Off)
+            .build()
+            .unwrap()
     })
     .unknown_at("127.0.0.1:1"));
 }
@@ -214,12 +214,12 @@ mod tls_cert {
 mod tls_same_host {
     use super::*;
 
-    ferry_core::conformance_tests!(TcpFactory::new(|| TcpConfig {
-        secret: Some("conformance".to_owned()),
-        tls: TlsMode::Require,
-        connections: 2,
-        ..TcpConfig::default()
-    })
+    ferry_core::conformance_tests!(TcpFactory::new(|| TcpConfig::builder()
+        .secret("conformance")
+        .tls(TlsMode::Require)
+        .connections(2)
+        .build()
+        .unwrap())
     .unknown_at("127.0.0.1:1"));
 }
 
@@ -234,11 +234,11 @@ mod current_thread {
         use super::*;
         ferry_core::conformance_tests!(
             current_thread,
-            TcpFactory::new(|| TcpConfig {
-                secret: Some("conformance".to_owned()),
-                connections: 2,
-                ..TcpConfig::default()
-            })
+            TcpFactory::new(|| TcpConfig::builder()
+                .secret("conformance")
+                .connections(2)
+                .build()
+                .unwrap())
             .unknown_at("127.0.0.1:1")
         );
     }
@@ -247,14 +247,14 @@ mod current_thread {
         use super::*;
         ferry_core::conformance_tests!(
             current_thread,
-            TcpFactory::new(|| TcpConfig {
-                connections: 2,
-                chunk_size: 4096,
-                same_host_chunk: 4096,
-                same_host: SameHost::Cma,
-                same_host_stage: None,
-                ..TcpConfig::default()
-            })
+            TcpFactory::new(|| TcpConfig::builder()
+                .connections(2)
+                .chunk_size(4096)
+                .same_host_chunk(4096)
+                .same_host(SameHost::Cma)
+                .same_host_stage(None)
+                .build()
+                .unwrap())
             .unknown_at("127.0.0.1:1")
         );
     }
@@ -263,14 +263,14 @@ mod current_thread {
         use super::*;
         ferry_core::conformance_tests!(
             current_thread,
-            TcpFactory::new(|| TcpConfig {
-                connections: 2,
-                chunk_size: 200_000,
-                same_host_chunk: 200_000,
-                same_host: SameHost::Cma,
-                same_host_stage: Some(1),
-                ..TcpConfig::default()
-            })
+            TcpFactory::new(|| TcpConfig::builder()
+                .connections(2)
+                .chunk_size(200_000)
+                .same_host_chunk(200_000)
+                .same_host(SameHost::Cma)
+                .same_host_stage(Some(1))
+                .build()
+                .unwrap())
             .unknown_at("127.0.0.1:1")
         );
     }
@@ -279,14 +279,14 @@ mod current_thread {
         use super::*;
         ferry_core::conformance_tests!(
             current_thread,
-            TcpFactory::new(|| TcpConfig {
-                connections: 2,
-                chunk_size: 64 * 1024,
-                same_host_chunk: 64 * 1024,
-                same_host: SameHost::Cma,
-                same_host_unix: false,
-                ..TcpConfig::default()
-            })
+            TcpFactory::new(|| TcpConfig::builder()
+                .connections(2)
+                .chunk_size(64 * 1024)
+                .same_host_chunk(64 * 1024)
+                .same_host(SameHost::Cma)
+                .same_host_unix(false)
+                .build()
+                .unwrap())
             .unknown_at("127.0.0.1:1")
         );
     }

@@ -29,10 +29,7 @@ fn segments(segs: &[(u64, u64)], gen: u32) -> Vec<u8> {
 }
 
 fn secret(s: &str) -> TcpConfig {
-    TcpConfig {
-        secret: Some(s.to_owned()),
-        ..TcpConfig::default()
-    }
+    TcpConfig::builder().secret(s).build().unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -251,11 +248,7 @@ where
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn garbage_from_a_target_fails_only_its_requests() {
-    let a = engine(TcpConfig {
-        connections: 1,
-        ..TcpConfig::default()
-    })
-    .await;
+    let a = engine(TcpConfig::builder().connections(1).build().unwrap()).await;
     let local = mem(&a, 64 * 1024, 0x77).await;
     let good = engine(TcpConfig::default()).await;
     let good_mem = mem(&good, 4096, 0).await;
@@ -327,10 +320,12 @@ async fn garbage_from_a_target_fails_only_its_requests() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stalled_target_times_out_and_others_keep_working() {
-    let a = engine(TcpConfig {
-        request_timeout: Duration::from_millis(300),
-        ..TcpConfig::default()
-    })
+    let a = engine(
+        TcpConfig::builder()
+            .request_timeout(Duration::from_millis(300))
+            .build()
+            .unwrap(),
+    )
     .await;
     let local = mem(&a, 4096, 0x12).await;
     let addr = fake_target(|s| async move {
@@ -650,10 +645,12 @@ async fn reconnects_after_connection_loss() {
     let seg = a.open_segment(&port_name).await.unwrap();
     drop(b);
     tokio::time::sleep(Duration::from_millis(50)).await;
-    let b2 = engine(TcpConfig {
-        listen: port_name.clone(),
-        ..TcpConfig::default()
-    })
+    let b2 = engine(
+        TcpConfig::builder()
+            .listen(port_name.clone())
+            .build()
+            .unwrap(),
+    )
     .await;
     let m = mem(&b2, 4096, 0).await;
     // The first use may still see the dead connection; it must not panic
@@ -672,14 +669,16 @@ async fn reconnects_after_connection_loss() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn too_many_inbound_connections_are_refused() {
-    let b = engine(TcpConfig {
-        max_inbound: 2,
-        // All from one source here: the per-source share is not the bound
-        // under test (see tests/admission.rs).
-        max_per_source: 2,
-        evict_idle: Duration::from_secs(3600),
-        ..TcpConfig::default()
-    })
+    let b = engine(
+        TcpConfig::builder()
+            .max_inbound(2)
+            // All from one source here: the per-source share is not the bound
+            // under test (see tests/admission.rs).
+            .max_per_source(2)
+            .evict_idle(Duration::from_secs(3600))
+            .build()
+            .unwrap(),
+    )
     .await;
     let _c1 = raw_handshake(b.segment_name()).await;
     let _c2 = raw_handshake(b.segment_name()).await;
@@ -931,16 +930,14 @@ async fn shutdown_and_dropped_submits_leave_no_batch_hanging() {
 async fn a_shut_down_engine_answers_no_more_requests() {
     for same_host in [ferry_tcp::SameHost::Auto, ferry_tcp::SameHost::Off] {
         for round in 0..10 {
-            let b = engine(TcpConfig {
-                same_host,
-                ..TcpConfig::default()
-            })
-            .await;
-            let a = engine(TcpConfig {
-                same_host,
-                connect_timeout: Duration::from_secs(1),
-                ..TcpConfig::default()
-            })
+            let b = engine(TcpConfig::builder().same_host(same_host).build().unwrap()).await;
+            let a = engine(
+                TcpConfig::builder()
+                    .same_host(same_host)
+                    .connect_timeout(Duration::from_secs(1))
+                    .build()
+                    .unwrap(),
+            )
             .await;
             let before = mem(&a, 4096, 0x11).await;
             let after = mem(&a, 4096, 0x22).await;
@@ -970,23 +967,27 @@ async fn a_shut_down_engine_answers_no_more_requests() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_that_cannot_be_opened_does_not_fail_requests() {
     for same_host in [ferry_tcp::SameHost::Auto, ferry_tcp::SameHost::Off] {
-        let b = engine(TcpConfig {
-            same_host,
-            max_inbound: 1,
-            max_per_source: 1,
-            evict_idle: Duration::from_secs(3600),
-            ..TcpConfig::default()
-        })
+        let b = engine(
+            TcpConfig::builder()
+                .same_host(same_host)
+                .max_inbound(1)
+                .max_per_source(1)
+                .evict_idle(Duration::from_secs(3600))
+                .build()
+                .unwrap(),
+        )
         .await;
-        let a = engine(TcpConfig {
-            same_host,
-            connections: 2,
-            connect_timeout: Duration::from_secs(2),
-            // Requests larger than a chunk are split over the connections.
-            chunk_size: 1 << 20,
-            same_host_chunk: 1 << 20,
-            ..TcpConfig::default()
-        })
+        let a = engine(
+            TcpConfig::builder()
+                .same_host(same_host)
+                .connections(2)
+                .connect_timeout(Duration::from_secs(2))
+                // Requests larger than a chunk are split over the connections.
+                .chunk_size(1 << 20)
+                .same_host_chunk(1 << 20)
+                .build()
+                .unwrap(),
+        )
         .await;
         const BLOCK: usize = 2 << 20;
         let data = pattern(7, 8 * BLOCK);

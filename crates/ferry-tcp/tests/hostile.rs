@@ -25,10 +25,7 @@ use tokio::net::{TcpListener, TcpSocket, TcpStream};
 const MIB: usize = 1 << 20;
 
 fn secret(s: &str) -> TcpConfig {
-    TcpConfig {
-        secret: Some(s.to_owned()),
-        ..TcpConfig::default()
-    }
+    TcpConfig::builder().secret(s).build().unwrap()
 }
 
 /// Opens a connection to `target` from `source` (an address of the
@@ -180,12 +177,14 @@ async fn closed_within(s: &mut TcpStream, limit: Duration) -> bool {
 /// refused with a retryable `Busy` meanwhile and get in afterwards.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_connections_are_closed_and_do_not_lock_peers_out() {
-    let b = engine(TcpConfig {
-        max_inbound: 32,
-        idle_timeout: Duration::from_millis(1500),
-        evict_idle: Duration::from_secs(3600),
-        ..TcpConfig::default()
-    })
+    let b = engine(
+        TcpConfig::builder()
+            .max_inbound(32)
+            .idle_timeout(Duration::from_millis(1500))
+            .evict_idle(Duration::from_secs(3600))
+            .build()
+            .unwrap(),
+    )
     .await;
     let _m = mem(&b, 4096, 0).await;
     let mut idle = Vec::new();
@@ -228,11 +227,7 @@ async fn idle_connections_are_closed_and_do_not_lock_peers_out() {
 /// peers, so they cannot lock anyone out for the idle deadline either.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_connections_are_evicted_for_new_peers() {
-    let b = engine(TcpConfig {
-        max_inbound: 32,
-        ..TcpConfig::default()
-    })
-    .await;
+    let b = engine(TcpConfig::builder().max_inbound(32).build().unwrap()).await;
     let _m = mem(&b, 4096, 0).await;
     let target: SocketAddr = b.segment_name().parse().unwrap();
     let mut idle = Vec::new();
@@ -261,10 +256,12 @@ async fn idle_connections_are_evicted_for_new_peers() {
 /// next transfer works at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn initiators_retire_idle_connections_before_the_target_closes_them() {
-    let b = engine(TcpConfig {
-        idle_timeout: Duration::from_millis(600),
-        ..TcpConfig::default()
-    })
+    let b = engine(
+        TcpConfig::builder()
+            .idle_timeout(Duration::from_millis(600))
+            .build()
+            .unwrap(),
+    )
     .await;
     let a = engine(TcpConfig::default()).await;
     let dst = mem(&b, 4096, 0).await;
@@ -330,11 +327,13 @@ async fn notification_flood_is_bounded_in_allocated_bytes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn trickling_payload_cannot_hold_unregister_forever() {
     for shutdown_first in [false, true] {
-        let b = engine(TcpConfig {
-            stall_timeout: Duration::from_secs(1),
-            min_rate: 512 * 1024,
-            ..TcpConfig::default()
-        })
+        let b = engine(
+            TcpConfig::builder()
+                .stall_timeout(Duration::from_secs(1))
+                .min_rate(512 * 1024)
+                .build()
+                .unwrap(),
+        )
         .await;
         let target = mem(&b, MIB, 0).await;
         let (mut s, table) = raw_handshake_gens(b.segment_name()).await;
@@ -571,12 +570,14 @@ async fn slow_target() -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deadlines_scale_with_bytes_and_expire_per_batch() {
     let target = slow_target().await;
-    let a = engine(TcpConfig {
-        request_timeout: Duration::from_millis(500),
-        min_rate: 512 * 1024,
-        chunk_size: 4 * MIB,
-        ..TcpConfig::default()
-    })
+    let a = engine(
+        TcpConfig::builder()
+            .request_timeout(Duration::from_millis(500))
+            .min_rate(512 * 1024)
+            .chunk_size(4 * MIB)
+            .build()
+            .unwrap(),
+    )
     .await;
     let local = mem(&a, 4 * MIB, 0).await;
     let seg = a.open_segment(&target).await.unwrap();
@@ -597,10 +598,12 @@ async fn deadlines_scale_with_bytes_and_expire_per_batch() {
     // and a longer base timeout, so that a descheduled test machine does
     // not make the connection look silent.)
     let target = slow_target().await;
-    let a = engine(TcpConfig {
-        request_timeout: Duration::from_millis(1500),
-        ..TcpConfig::default()
-    })
+    let a = engine(
+        TcpConfig::builder()
+            .request_timeout(Duration::from_millis(1500))
+            .build()
+            .unwrap(),
+    )
     .await;
     let local = mem(&a, 4096, 0).await;
     let seg = a.open_segment(&target).await.unwrap();
@@ -707,10 +710,12 @@ async fn handshake_timeouts_name_their_deadline() {
             held.push(s);
         }
     });
-    let a = engine(TcpConfig {
-        connect_timeout: Duration::from_millis(300),
-        ..TcpConfig::default()
-    })
+    let a = engine(
+        TcpConfig::builder()
+            .connect_timeout(Duration::from_millis(300))
+            .build()
+            .unwrap(),
+    )
     .await;
     let e = a.open_segment(&addr).await.unwrap_err();
     match &e {
@@ -720,10 +725,12 @@ async fn handshake_timeouts_name_their_deadline() {
     assert!(!e.to_string().contains("after 0ns"), "{e}");
     // The target side: a silent initiator is dropped at the handshake
     // deadline.
-    let b = engine(TcpConfig {
-        handshake_timeout: Duration::from_millis(300),
-        ..TcpConfig::default()
-    })
+    let b = engine(
+        TcpConfig::builder()
+            .handshake_timeout(Duration::from_millis(300))
+            .build()
+            .unwrap(),
+    )
     .await;
     let mut s = TcpStream::connect(b.segment_name()).await.unwrap();
     assert!(closed_within(&mut s, Duration::from_secs(10)).await);
@@ -732,11 +739,13 @@ async fn handshake_timeouts_name_their_deadline() {
 /// Busy is a typed rejection the initiator reports as retryable.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refused_initiators_get_a_retryable_busy() {
-    let b = engine(TcpConfig {
-        max_inbound: 1,
-        evict_idle: Duration::from_secs(3600),
-        ..TcpConfig::default()
-    })
+    let b = engine(
+        TcpConfig::builder()
+            .max_inbound(1)
+            .evict_idle(Duration::from_secs(3600))
+            .build()
+            .unwrap(),
+    )
     .await;
     let _first = raw_handshake(b.segment_name()).await;
     let a = engine(TcpConfig::default()).await;

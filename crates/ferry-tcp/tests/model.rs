@@ -272,13 +272,13 @@ fn three_engines_match_the_model() {
 fn three_engines_chunked_many_connections_match_the_model() {
     prop(
         3,
-        TcpConfig {
-            connections: 4,
-            chunk_size: 100,
-            same_host_chunk: 4096,
-            spin: std::time::Duration::ZERO,
-            ..TcpConfig::default()
-        },
+        TcpConfig::builder()
+            .connections(4)
+            .chunk_size(100)
+            .same_host_chunk(4096)
+            .spin(std::time::Duration::ZERO)
+            .build()
+            .unwrap(),
         32,
     );
 }

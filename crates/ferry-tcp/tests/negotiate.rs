@@ -52,11 +52,13 @@ async fn two_builds_of_this_version_negotiate_everything_on() {
         .unwrap();
     assert!(dst.to_vec() == pattern(3, 1 << 20));
     // The report names the settings that turn features off.
-    let c = TcpEngine::start(TcpConfig {
-        same_host_unix: false,
-        same_host_stage: None,
-        ..TcpConfig::default()
-    })
+    let c = TcpEngine::start(
+        TcpConfig::builder()
+            .same_host_unix(false)
+            .same_host_stage(None)
+            .build()
+            .unwrap(),
+    )
     .await
     .unwrap();
     c.open_segment(b.segment_name()).await.unwrap();
@@ -74,10 +76,12 @@ async fn two_builds_of_this_version_negotiate_everything_on() {
     );
     assert_eq!(r.path, "same-host cma", "{r}");
     // A target with the path off says so in its announcement: no offer.
-    let off = TcpEngine::start(TcpConfig {
-        same_host: SameHost::Off,
-        ..TcpConfig::default()
-    })
+    let off = TcpEngine::start(
+        TcpConfig::builder()
+            .same_host(SameHost::Off)
+            .build()
+            .unwrap(),
+    )
     .await
     .unwrap();
     c.open_segment(off.segment_name()).await.unwrap();
@@ -165,11 +169,7 @@ async fn v4_target() -> (String, tokio::sync::mpsc::UnboundedReceiver<(u16, u16)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_version_4_target_is_reached_with_a_version_4_hello() {
     let (addr, mut hellos) = v4_target().await;
-    let a = engine(TcpConfig {
-        connections: 2,
-        ..TcpConfig::default()
-    })
-    .await;
+    let a = engine(TcpConfig::builder().connections(2).build().unwrap()).await;
     a.open_segment(&addr).await.expect("version 4 is spoken");
     // First a legacy hello with the negotiation flag, refused; then a
     // version-4 hello, accepted.
@@ -477,9 +477,10 @@ async fn with_a_secret_an_altered_announcement_fails_the_proofs() {
     // initiator would not use them): with a secret, the proofs cover both
     // extension blocks, so the target refuses the initiator's proof.
     let secret = Some("s3cret".to_owned());
-    let b = engine(TcpConfig {
-        secret: secret.clone(),
-        ..TcpConfig::default()
+    let b = engine({
+        let mut config = TcpConfig::default();
+        config.secret = secret.clone().map(Into::into);
+        config
     })
     .await;
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -515,9 +516,10 @@ async fn with_a_secret_an_altered_announcement_fails_the_proofs() {
             .unwrap();
         let _ = tokio::io::copy(&mut tr, &mut cw).await;
     });
-    let a = engine(TcpConfig {
-        secret,
-        ..TcpConfig::default()
+    let a = engine({
+        let mut config = TcpConfig::default();
+        config.secret = secret.map(Into::into);
+        config
     })
     .await;
     let e = a.open_segment(&addr).await.unwrap_err();

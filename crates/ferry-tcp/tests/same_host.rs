@@ -37,10 +37,7 @@ async fn start(cfg: TcpConfig) -> std::sync::Arc<TcpEngine> {
 }
 
 fn cfg(mode: SameHost) -> TcpConfig {
-    TcpConfig {
-        same_host: mode,
-        ..TcpConfig::default()
-    }
+    TcpConfig::builder().same_host(mode).build().unwrap()
 }
 
 /// Copies of 8 MiB and more are split between the target's connection
@@ -111,9 +108,10 @@ async fn the_path_is_used_and_reported_per_peer() {
     let sb = a.open_segment(b.segment_name()).await.unwrap();
     let so = a.open_segment(off.segment_name()).await.unwrap();
     assert_eq!(path_to(&a, b.segment_name()), "path: cma");
-    let tcp_control = start(TcpConfig {
-        same_host_unix: false,
-        ..cfg(SameHost::Auto)
+    let tcp_control = start({
+        let mut config = cfg(SameHost::Auto);
+        config.same_host_unix = false;
+        config
     })
     .await;
     tcp_control.open_segment(b.segment_name()).await.unwrap();
@@ -320,11 +318,13 @@ async fn kernel_refusal_falls_back_to_the_socket_with_the_errno() {
 async fn frozen_target_process_times_out_and_copies_nothing_later() {
     let (child, name, addr) = spawn_child("tcp://127.0.0.1:0", None).await;
     let pid = child.0.id() as i32;
-    let a = start(TcpConfig {
-        request_timeout: Duration::from_millis(500),
-        same_host: SameHost::Cma,
-        ..TcpConfig::default()
-    })
+    let a = start(
+        TcpConfig::builder()
+            .request_timeout(Duration::from_millis(500))
+            .same_host(SameHost::Cma)
+            .build()
+            .unwrap(),
+    )
     .await;
     let src = mem(&a, MIB, 0xaa).await;
     let back = mem(&a, MIB, 0x11).await;
@@ -409,14 +409,16 @@ async fn target_stopped_between_check_and_copy_changes_no_released_byte() {
     .await;
     let pid = child.0.id() as i32;
     let patience = Duration::from_secs(1);
-    let a = start(TcpConfig {
-        request_timeout: Duration::from_millis(400),
-        stall_timeout: patience,
-        same_host: SameHost::Cma,
-        // Kernel copies by the target (no staging area): a CREAD.
-        same_host_stage: None,
-        ..TcpConfig::default()
-    })
+    let a = start(
+        TcpConfig::builder()
+            .request_timeout(Duration::from_millis(400))
+            .stall_timeout(patience)
+            .same_host(SameHost::Cma)
+            // Kernel copies by the target (no staging area): a CREAD.
+            .same_host_stage(None)
+            .build()
+            .unwrap(),
+    )
     .await;
     let dst = mem(&a, MIB, 0x11).await;
     let seg = a.open_segment(&name).await.unwrap();
@@ -1258,9 +1260,10 @@ async fn raw_staging_area_is_checked_then_carries_swrite_and_sread() {
 /// returns — and nothing landed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stalled_staged_stream_releases_the_region() {
-    let b = start(TcpConfig {
-        stall_timeout: Duration::from_millis(300),
-        ..cfg(SameHost::Auto)
+    let b = start({
+        let mut config = cfg(SameHost::Auto);
+        config.stall_timeout = Duration::from_millis(300);
+        config
     })
     .await;
     let target = mem(&b, MIB, 0).await;
@@ -1295,10 +1298,11 @@ async fn stalled_staged_stream_releases_the_region() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn trickled_staged_stream_ends_at_the_frame_deadline() {
     use ferry_tcp::test_support::stage::{self, Dir, Piece, Watch, SLOT};
-    let b = start(TcpConfig {
-        stall_timeout: Duration::from_secs(1),
-        min_rate: MIB as u64,
-        ..cfg(SameHost::Auto)
+    let b = start({
+        let mut config = cfg(SameHost::Auto);
+        config.stall_timeout = Duration::from_secs(1);
+        config.min_rate = MIB as u64;
+        config
     })
     .await;
     let target = mem(&b, MIB, 0).await;

@@ -22,24 +22,24 @@ const SECRET: &str = "tls-test-secret";
 
 /// A socket-path engine with TLS in `mode`, its identity from `SECRET`.
 fn secret_cfg(mode: TlsMode) -> TcpConfig {
-    TcpConfig {
-        secret: Some(SECRET.to_owned()),
-        tls: mode,
-        same_host: SameHost::Off,
-        ..TcpConfig::default()
-    }
+    TcpConfig::builder()
+        .secret(SECRET)
+        .tls(mode)
+        .same_host(SameHost::Off)
+        .build()
+        .unwrap()
 }
 
 /// A socket-path engine with TLS in `mode` and the certificates `f`.
 fn cert_cfg(mode: TlsMode, f: &TlsFiles) -> TcpConfig {
-    TcpConfig {
-        tls: mode,
-        tls_cert: Some(f.cert.clone()),
-        tls_key: Some(f.key.clone()),
-        tls_ca: Some(f.ca.clone()),
-        same_host: SameHost::Off,
-        ..TcpConfig::default()
-    }
+    TcpConfig::builder()
+        .tls(mode)
+        .tls_cert(f.cert.clone())
+        .tls_key(f.key.clone())
+        .tls_ca(f.ca.clone())
+        .same_host(SameHost::Off)
+        .build()
+        .unwrap()
 }
 
 async fn start(cfg: TcpConfig) -> Arc<TcpEngine> {
@@ -164,9 +164,10 @@ async fn peers_without_tls_stay_in_clear_unless_it_is_required() {
         other => panic!("{other}"),
     }
     // Different identities are refused, never silently in clear.
-    let cert = start(TcpConfig {
-        secret: Some(SECRET.to_owned()),
-        ..cert_cfg(TlsMode::On, tls_files())
+    let cert = start({
+        let mut config = cert_cfg(TlsMode::On, tls_files());
+        config.secret = Some(SECRET.to_owned().into());
+        config
     })
     .await;
     let e = on.open_segment(cert.segment_name()).await.unwrap_err();
@@ -386,9 +387,10 @@ async fn a_proxy_with_the_wrong_certificate_cannot_complete_the_handshake() {
         .unwrap();
     let der = rustls::pki_types::PrivateKeyDer::Pkcs8(key.serialize_der().into());
     let addr = fake_tls_target(1, server_config(cert.der().clone(), der)).await;
-    let a = start(TcpConfig {
-        connect_timeout: Duration::from_secs(3),
-        ..secret_cfg(TlsMode::Require)
+    let a = start({
+        let mut config = secret_cfg(TlsMode::Require);
+        config.connect_timeout = Duration::from_secs(3);
+        config
     })
     .await;
     let t0 = Instant::now();
@@ -405,9 +407,10 @@ async fn a_proxy_with_the_wrong_certificate_cannot_complete_the_handshake() {
     let cert = rustls::pki_types::CertificateDer::from_pem_file(&other.cert).unwrap();
     let key = rustls::pki_types::PrivateKeyDer::from_pem_file(&other.key).unwrap();
     let addr = fake_tls_target(2, server_config(cert, key)).await;
-    let a = start(TcpConfig {
-        connect_timeout: Duration::from_secs(3),
-        ..cert_cfg(TlsMode::Require, tls_files())
+    let a = start({
+        let mut config = cert_cfg(TlsMode::Require, tls_files());
+        config.connect_timeout = Duration::from_secs(3);
+        config
     })
     .await;
     let e = a.open_segment(&addr).await.unwrap_err();
@@ -422,9 +425,10 @@ async fn a_proxy_with_the_wrong_certificate_cannot_complete_the_handshake() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_same_host_path_runs_after_a_tls_handshake() {
     // TLS covers the socket; the same-host path stays a kernel copy.
-    let cfg = || TcpConfig {
-        same_host: SameHost::Auto,
-        ..secret_cfg(TlsMode::Require)
+    let cfg = || {
+        let mut config = secret_cfg(TlsMode::Require);
+        config.same_host = SameHost::Auto;
+        config
     };
     let (a, b) = (start(cfg()).await, start(cfg()).await);
     round_trip(&a, &b, b.segment_name(), 1 << 20).await;
@@ -439,10 +443,11 @@ async fn a_tls_connection_moved_to_its_own_thread_keeps_its_session() {
     // the target serves the agreed same-host connection on a thread of its
     // own: the TLS session moves there with the socket, and frames, acks
     // and notifications keep flowing encrypted.
-    let cfg = || TcpConfig {
-        same_host: SameHost::Auto,
-        same_host_unix: false,
-        ..secret_cfg(TlsMode::Require)
+    let cfg = || {
+        let mut config = secret_cfg(TlsMode::Require);
+        config.same_host = SameHost::Auto;
+        config.same_host_unix = false;
+        config
     };
     let (a, b) = (start(cfg()).await, start(cfg()).await);
     for len in [4096, 300_000, 1 << 20] {

@@ -3,12 +3,15 @@
 
 use std::net::SocketAddr;
 
-use ferry_core::{Error, Result};
+use ferry_core::raw::ParsedUrl;
+use ferry_core::{Error, Result, Secret};
 
 /// Configuration of a [`crate::VerbsEngine`].
 ///
-/// Build it with [`VerbsConfig::from_url`] or start from
-/// [`VerbsConfig::default`] and set fields. Values that depend on the device
+/// Build it with [`VerbsConfig::from_url`], with [`VerbsConfig::builder`]
+/// (which validates the same ranges), or start from
+/// [`VerbsConfig::default`] and set fields (`#[non_exhaustive]`: no struct
+/// literal outside this crate). Values that depend on the device
 /// (`None` fields, and limits such as `sq_depth`) are resolved, and clamped
 /// to what the device supports, when the engine starts; the resolved values
 /// appear in [`ferry_core::TransferEngine::backend_info`].
@@ -41,9 +44,33 @@ use ferry_core::{Error, Result};
 /// | `test_protocol_max` | **test only**: announce protocol versions up to this one (3 makes the engine speak exactly as a protocol-3 build, 7c3e5e6) | the newest this build speaks |
 /// | `test_features_off` | **test only**: comma-separated optional features this engine does not announce (`notify`, `region_push`, `table_fetch`) | none |
 ///
-/// An unknown parameter, a repeated one or a malformed value is
-/// [`Error::InvalidArgument`] naming it. `Debug` never prints the secret.
-#[derive(Clone, PartialEq, Eq)]
+/// The URL is parsed by [`ParsedUrl`]: strict percent-decoding (`+` is a
+/// space; `%+5` is refused, it used to be read as `%05`), no fragment, no
+/// userinfo. An unknown parameter (named, with the known ones), a repeated
+/// one or a malformed value is [`Error::InvalidArgument`] naming it; no
+/// message quotes the secret. `Debug` never prints the secret (a
+/// [`Secret`]).
+///
+/// ```
+/// use ferry_core::Secret;
+/// use ferry_verbs::VerbsConfig;
+///
+/// let config = VerbsConfig::builder()
+///     .device("mlx5_0")
+///     .gid_index(Some(3))
+///     .listen("10.0.0.1:7000".parse().unwrap())
+///     .secret(Secret::new("s3cret"))
+///     .build()?;
+/// assert_eq!(
+///     config,
+///     VerbsConfig::from_url("verbs://mlx5_0?gid_index=3&listen=10.0.0.1:7000&secret=s3cret")?
+/// );
+/// assert!(!format!("{config:?}").contains("s3cret"));
+/// assert!(VerbsConfig::builder().retry_cnt(8).build().is_err());
+/// # Ok::<(), ferry_core::Error>(())
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct VerbsConfig {
     /// Device name (`mlx5_0`, `rxe0`); `None` = the first with an active port.
     pub device: Option<String>,
@@ -98,7 +125,7 @@ pub struct VerbsConfig {
     /// refused and disconnected. An engine without a secret cannot open a
     /// segment of an engine that has one ([`Error::Authentication`] too).
     /// Must not be empty.
-    pub secret: Option<String>,
+    pub secret: Option<Secret>,
     /// **Test only** (for cross-version tests): the newest control-channel
     /// protocol version this engine announces; `Some(3)` makes it speak
     /// exactly as a build of protocol 3 (7c3e5e6: no negotiated hello).
@@ -109,35 +136,6 @@ pub struct VerbsConfig {
     /// that no connection uses them.
     #[doc(hidden)]
     pub test_features_off: Vec<crate::Feature>,
-}
-
-impl std::fmt::Debug for VerbsConfig {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("VerbsConfig")
-            .field("device", &self.device)
-            .field("port", &self.port)
-            .field("gid_index", &self.gid_index)
-            .field("listen", &self.listen)
-            .field("mtu", &self.mtu)
-            .field("sq_depth", &self.sq_depth)
-            .field("max_sge", &self.max_sge)
-            .field("signal_every", &self.signal_every)
-            .field("max_message", &self.max_message)
-            .field("timeout", &self.timeout)
-            .field("retry_cnt", &self.retry_cnt)
-            .field("rnr_retry", &self.rnr_retry)
-            .field("min_rnr_timer", &self.min_rnr_timer)
-            .field("max_rd_atomic", &self.max_rd_atomic)
-            .field("hop_limit", &self.hop_limit)
-            .field("traffic_class", &self.traffic_class)
-            .field("service_level", &self.service_level)
-            .field("connect_timeout_ms", &self.connect_timeout_ms)
-            .field("stall_timeout_ms", &self.stall_timeout_ms)
-            .field("secret", &self.secret.as_ref().map(|_| "<redacted>"))
-            .field("test_protocol_max", &self.test_protocol_max)
-            .field("test_features_off", &self.test_features_off)
-            .finish()
-    }
 }
 
 impl Default for VerbsConfig {
@@ -169,53 +167,72 @@ impl Default for VerbsConfig {
     }
 }
 
-const PARAMS: &[&str] = &[
-    "port",
-    "gid_index",
-    "listen",
-    "mtu",
-    "sq_depth",
-    "max_sge",
-    "signal_every",
-    "max_message",
-    "timeout",
-    "retry_cnt",
-    "rnr_retry",
-    "min_rnr_timer",
-    "max_rd_atomic",
-    "hop_limit",
-    "traffic_class",
-    "sl",
-    "connect_timeout_ms",
-    "stall_timeout_ms",
-    "secret",
-    "test_protocol_max",
-    "test_features_off",
-];
-
-fn bad(param: &str, value: &str, why: &str) -> Error {
-    Error::InvalidArgument(format!(
-        "verbs URL parameter `{param}`: {value:?} is not {why}"
-    ))
-}
-
-fn num<T: std::str::FromStr + PartialOrd + Copy + std::fmt::Display>(
-    param: &str,
-    value: &str,
-    min: T,
-    max: T,
-) -> Result<T> {
-    match value.parse::<T>() {
-        Ok(v) if v >= min && v <= max => Ok(v),
-        _ => Err(bad(
-            param,
-            value,
-            &format!("an integer between {min} and {max}"),
-        )),
+ferry_core::__config_builder! {
+    /// Builds a [`VerbsConfig`] ([`VerbsConfig::builder`]): one setter per
+    /// field (but the test-only ones); `build()` validates.
+    pub struct VerbsConfigBuilder for VerbsConfig {
+        some device: String,
+        set port: u8,
+        set gid_index: Option<u32>,
+        set listen: SocketAddr,
+        set mtu: Option<u32>,
+        set sq_depth: u32,
+        set max_sge: u32,
+        set signal_every: u32,
+        set max_message: Option<u64>,
+        set timeout: u8,
+        set retry_cnt: u8,
+        set rnr_retry: u8,
+        set min_rnr_timer: u8,
+        set max_rd_atomic: u8,
+        set hop_limit: u8,
+        set traffic_class: u8,
+        set service_level: u8,
+        set connect_timeout_ms: u64,
+        set stall_timeout_ms: u64,
+        some secret: Secret,
     }
 }
 
-fn size(param: &str, value: &str) -> Result<u64> {
+/// The integer parameters: URL key, smallest and largest value.
+const RANGES: [(&str, u64, u64); 16] = [
+    ("port", 1, 255),
+    ("gid_index", 0, 255),
+    ("sq_depth", 2, 1 << 16),
+    ("max_sge", 1, 1024),
+    ("signal_every", 1, 1 << 15),
+    ("timeout", 0, 31),
+    ("retry_cnt", 0, 7),
+    ("rnr_retry", 0, 7),
+    ("min_rnr_timer", 0, 31),
+    ("max_rd_atomic", 1, 255),
+    ("hop_limit", 1, 255),
+    ("traffic_class", 0, 255),
+    ("sl", 0, 15),
+    ("connect_timeout_ms", 1, 3_600_000),
+    ("stall_timeout_ms", 1, 86_400_000),
+    ("mtu", 256, 4096),
+];
+
+fn range_of(key: &str) -> (u64, u64) {
+    RANGES
+        .iter()
+        .find(|(k, _, _)| *k == key)
+        .map(|&(_, lo, hi)| (lo, hi))
+        .expect("a key of RANGES")
+}
+
+fn between(key: &str) -> String {
+    let (lo, hi) = range_of(key);
+    format!("an integer between {lo} and {hi}")
+}
+
+const MTUS: &str = "one of 256, 512, 1024, 2048, 4096";
+const SIZE: &str = "a positive byte count (suffixes k, m, g)";
+
+/// `1m` → 1 MiB; `None` for zero or anything else than digits with an
+/// optional `k`/`m`/`g`.
+fn size(value: &str) -> Option<u64> {
     let lower = value.to_ascii_lowercase();
     let (digits, shift) = match lower.as_bytes().last() {
         Some(b'k') => (&lower[..lower.len() - 1], 10),
@@ -228,38 +245,21 @@ fn size(param: &str, value: &str) -> Result<u64> {
         .ok()
         .and_then(|n| n.checked_mul(1u64 << shift))
         .filter(|n| *n > 0)
-        .ok_or_else(|| bad(param, value, "a positive byte count (suffixes k, m, g)"))
 }
 
-fn decode(s: &str) -> Result<String> {
-    // Minimal percent-decoding for values such as `listen=%5B::1%5D:0`.
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        match bytes[i] {
-            b'%' => {
-                let hex = s
-                    .get(i + 1..i + 3)
-                    .and_then(|h| u8::from_str_radix(h, 16).ok())
-                    .ok_or_else(|| {
-                        Error::InvalidArgument(format!("verbs URL: bad percent escape in {s:?}"))
-                    })?;
-                out.push(hex);
-                i += 3;
-            }
-            b'+' => {
-                out.push(b' ');
-                i += 1;
-            }
-            b => {
-                out.push(b);
-                i += 1;
-            }
-        }
+/// Takes the integer parameter `key` within its range of [`RANGES`].
+fn take_num(url: &mut ParsedUrl, key: &str) -> Result<Option<u64>> {
+    let (lo, hi) = range_of(key);
+    url.take_with(key, &between(key), |v| {
+        v.parse::<u64>().ok().filter(|n| (lo..=hi).contains(n))
+    })
+}
+
+/// `*dst = v` (narrowed: the range was checked) if there is a value.
+fn set<T: TryFrom<u64>>(dst: &mut T, v: Option<u64>) {
+    if let Some(v) = v.and_then(|v| T::try_from(v).ok()) {
+        *dst = v;
     }
-    String::from_utf8(out)
-        .map_err(|_| Error::InvalidArgument(format!("verbs URL: {s:?} is not UTF-8")))
 }
 
 impl VerbsConfig {
@@ -267,117 +267,141 @@ impl VerbsConfig {
     /// parameter).
     ///
     /// Fails with [`Error::InvalidArgument`] naming the offending part: a
-    /// scheme other than `verbs`, an unknown or repeated parameter, or a
-    /// value out of range.
+    /// scheme other than `verbs`, an unknown or repeated parameter, a
+    /// malformed percent-escape, or a value out of range.
     pub fn from_url(url: &str) -> Result<VerbsConfig> {
-        let rest = url.strip_prefix("verbs://").ok_or_else(|| {
-            Error::InvalidArgument(format!(
-                "{:?} is not a verbs URL (expected `verbs://DEVICE?param=value&...`)",
-                ferry_core::raw::redact_url(url)
-            ))
-        })?;
-        let (device, query) = match rest.split_once('?') {
-            Some((d, q)) => (d, Some(q)),
-            None => (rest, None),
-        };
-        let device = device.trim_end_matches('/');
-        if device.contains('/') || device.contains(':') {
+        VerbsConfig::from_parts(ParsedUrl::parse(url)?)
+    }
+
+    /// [`VerbsConfig::from_url`] on a URL already parsed (the facade takes
+    /// its own parameters out of it first): takes every parameter, then
+    /// refuses what is left.
+    pub fn from_parts(mut url: ParsedUrl) -> Result<VerbsConfig> {
+        if url.scheme() != "verbs" {
             return Err(Error::InvalidArgument(format!(
-                "verbs URL: the device part {device:?} must be a bare device name such as `rxe0` or `mlx5_0`"
+                "{:?} is not a verbs URL (expected `verbs://DEVICE?param=value&...`)",
+                url.shown()
+            )));
+        }
+        let device = url.authority().to_owned();
+        if device.contains(':') || !(url.path().is_empty() || url.path() == "/") {
+            return Err(Error::InvalidArgument(format!(
+                "verbs URL {:?}: the device part must be a bare device name such as `rxe0` or \
+                 `mlx5_0`",
+                url.shown()
             )));
         }
         let mut cfg = VerbsConfig {
-            device: (!device.is_empty()).then(|| device.to_owned()),
+            device: (!device.is_empty()).then_some(device),
             ..Default::default()
         };
-        let mut seen: Vec<String> = Vec::new();
-        for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
-            let (key, raw) = pair.split_once('=').ok_or_else(|| {
-                Error::InvalidArgument(format!(
-                    "verbs URL parameter `{pair}` has no value (expected `{pair}=...`)"
-                ))
+        set(&mut cfg.port, take_num(&mut url, "port")?);
+        cfg.gid_index = take_num(&mut url, "gid_index")?.map(|n| n as u32);
+        if let Some(a) = url.take::<SocketAddr>("listen")? {
+            cfg.listen = a;
+        }
+        let (lo, hi) = range_of("mtu");
+        cfg.mtu = url.take_with("mtu", MTUS, |v| {
+            v.parse::<u32>()
+                .ok()
+                .filter(|m| (lo..=hi).contains(&u64::from(*m)) && m.is_power_of_two())
+        })?;
+        set(&mut cfg.sq_depth, take_num(&mut url, "sq_depth")?);
+        set(&mut cfg.max_sge, take_num(&mut url, "max_sge")?);
+        set(&mut cfg.signal_every, take_num(&mut url, "signal_every")?);
+        cfg.max_message = url.take_with("max_message", SIZE, size)?;
+        set(&mut cfg.timeout, take_num(&mut url, "timeout")?);
+        set(&mut cfg.retry_cnt, take_num(&mut url, "retry_cnt")?);
+        set(&mut cfg.rnr_retry, take_num(&mut url, "rnr_retry")?);
+        set(&mut cfg.min_rnr_timer, take_num(&mut url, "min_rnr_timer")?);
+        set(&mut cfg.max_rd_atomic, take_num(&mut url, "max_rd_atomic")?);
+        set(&mut cfg.hop_limit, take_num(&mut url, "hop_limit")?);
+        set(&mut cfg.traffic_class, take_num(&mut url, "traffic_class")?);
+        set(&mut cfg.service_level, take_num(&mut url, "sl")?);
+        set(
+            &mut cfg.connect_timeout_ms,
+            take_num(&mut url, "connect_timeout_ms")?,
+        );
+        set(
+            &mut cfg.stall_timeout_ms,
+            take_num(&mut url, "stall_timeout_ms")?,
+        );
+        cfg.secret = url.take_secret("secret")?;
+        let (oldest, newest) = (crate::negotiate::OLDEST, crate::negotiate::NEWEST);
+        cfg.test_protocol_max = url.take_with(
+            "test_protocol_max",
+            &format!("an integer between {oldest} and {newest}"),
+            |v| {
+                v.parse::<u16>()
+                    .ok()
+                    .filter(|n| (oldest..=newest).contains(n))
+            },
+        )?;
+        for name in url.take_list("test_features_off")?.unwrap_or_default() {
+            let f = crate::Feature::from_name(&name).ok_or_else(|| {
+                url.bad_value(
+                    "test_features_off",
+                    &name,
+                    "a feature: notify, region_push or table_fetch",
+                )
             })?;
-            let key = decode(key)?;
-            // A malformed secret is reported without its text.
-            let value = decode(raw).map_err(|e| {
-                if key == "secret" {
-                    Error::InvalidArgument(
-                        "verbs URL parameter `secret`: bad percent escape or not UTF-8".to_owned(),
-                    )
-                } else {
-                    e
-                }
-            })?;
-            if !PARAMS.contains(&key.as_str()) {
-                return Err(Error::InvalidArgument(format!(
-                    "unknown verbs URL parameter `{key}`; known: {}",
-                    PARAMS.join(", ")
-                )));
-            }
-            if seen.contains(&key) {
-                return Err(Error::InvalidArgument(format!(
-                    "verbs URL parameter `{key}` is given twice"
-                )));
-            }
-            seen.push(key.clone());
-            let v = value.as_str();
-            match key.as_str() {
-                "port" => cfg.port = num(&key, v, 1u8, 255)?,
-                "gid_index" => cfg.gid_index = Some(num(&key, v, 0u32, 255)?),
-                "listen" => {
-                    cfg.listen = v
-                        .parse()
-                        .map_err(|_| bad(&key, v, "a socket address such as 127.0.0.1:0"))?
-                }
-                "mtu" => {
-                    let m = num(&key, v, 256u32, 4096)?;
-                    if !m.is_power_of_two() {
-                        return Err(bad(&key, v, "one of 256, 512, 1024, 2048, 4096"));
-                    }
-                    cfg.mtu = Some(m);
-                }
-                "sq_depth" => cfg.sq_depth = num(&key, v, 2u32, 1 << 16)?,
-                "max_sge" => cfg.max_sge = num(&key, v, 1u32, 1024)?,
-                "signal_every" => cfg.signal_every = num(&key, v, 1u32, 1 << 15)?,
-                "max_message" => cfg.max_message = Some(size(&key, v)?),
-                "timeout" => cfg.timeout = num(&key, v, 0u8, 31)?,
-                "retry_cnt" => cfg.retry_cnt = num(&key, v, 0u8, 7)?,
-                "rnr_retry" => cfg.rnr_retry = num(&key, v, 0u8, 7)?,
-                "min_rnr_timer" => cfg.min_rnr_timer = num(&key, v, 0u8, 31)?,
-                "max_rd_atomic" => cfg.max_rd_atomic = num(&key, v, 1u8, 255)?,
-                "hop_limit" => cfg.hop_limit = num(&key, v, 1u8, 255)?,
-                "traffic_class" => cfg.traffic_class = num(&key, v, 0u8, 255)?,
-                "sl" => cfg.service_level = num(&key, v, 0u8, 15)?,
-                "connect_timeout_ms" => cfg.connect_timeout_ms = num(&key, v, 1u64, 3_600_000)?,
-                "stall_timeout_ms" => cfg.stall_timeout_ms = num(&key, v, 1u64, 86_400_000)?,
-                "secret" => {
-                    if v.is_empty() {
-                        return Err(Error::InvalidArgument(
-                            "verbs URL parameter `secret` is empty".to_owned(),
-                        ));
-                    }
-                    cfg.secret = Some(value.clone());
-                }
-                "test_protocol_max" => {
-                    cfg.test_protocol_max = Some(num(
-                        &key,
-                        v,
-                        crate::negotiate::OLDEST,
-                        crate::negotiate::NEWEST,
-                    )?)
-                }
-                "test_features_off" => {
-                    for name in v.split(',').filter(|n| !n.is_empty()) {
-                        let f = crate::Feature::from_name(name).ok_or_else(|| {
-                            bad(&key, name, "a feature: notify, region_push or table_fetch")
-                        })?;
-                        cfg.test_features_off.push(f);
-                    }
-                }
-                _ => unreachable!("checked against PARAMS above"),
+            cfg.test_features_off.push(f);
+        }
+        url.finish()?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Checks every field's range (the ranges of the URL parameters, see
+    /// the type's docs): [`Error::InvalidArgument`] naming the parameter.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |key: &str, value: u64, expected: &str| {
+            Error::InvalidArgument(format!("verbs config `{key}`: {value} is not {expected}"))
+        };
+        let mut numbers = vec![
+            ("port", u64::from(self.port)),
+            ("sq_depth", u64::from(self.sq_depth)),
+            ("max_sge", u64::from(self.max_sge)),
+            ("signal_every", u64::from(self.signal_every)),
+            ("timeout", u64::from(self.timeout)),
+            ("retry_cnt", u64::from(self.retry_cnt)),
+            ("rnr_retry", u64::from(self.rnr_retry)),
+            ("min_rnr_timer", u64::from(self.min_rnr_timer)),
+            ("max_rd_atomic", u64::from(self.max_rd_atomic)),
+            ("hop_limit", u64::from(self.hop_limit)),
+            ("traffic_class", u64::from(self.traffic_class)),
+            ("sl", u64::from(self.service_level)),
+            ("connect_timeout_ms", self.connect_timeout_ms),
+            ("stall_timeout_ms", self.stall_timeout_ms),
+        ];
+        if let Some(g) = self.gid_index {
+            numbers.push(("gid_index", u64::from(g)));
+        }
+        for (key, value) in numbers {
+            let (lo, hi) = range_of(key);
+            if !(lo..=hi).contains(&value) {
+                return Err(bad(key, value, &between(key)));
             }
         }
-        Ok(cfg)
+        if let Some(m) = self.mtu {
+            if !((256..=4096).contains(&m) && m.is_power_of_two()) {
+                return Err(bad("mtu", u64::from(m), MTUS));
+            }
+        }
+        if self.max_message == Some(0) {
+            return Err(bad("max_message", 0, SIZE));
+        }
+        if self.secret.as_ref().is_some_and(Secret::is_empty) {
+            return Err(Error::InvalidArgument(
+                "verbs config `secret` is empty (a shared secret must not be)".to_owned(),
+            ));
+        }
+        if self.device.as_deref() == Some("") {
+            return Err(Error::InvalidArgument(
+                "verbs config `device` is empty (use None for the first active device)".to_owned(),
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -454,7 +478,7 @@ mod tests {
     #[test]
     fn secret_is_decoded_and_never_printed() {
         let c = VerbsConfig::from_url("verbs://rxe0?secret=s%26x%3Dy&port=1").unwrap();
-        assert_eq!(c.secret.as_deref(), Some("s&x=y"));
+        assert_eq!(c.secret.as_ref().map(Secret::expose), Some("s&x=y"));
         let shown = format!("{c:?}");
         assert!(!shown.contains("s&x=y"), "Debug leaks the secret: {shown}");
         assert!(shown.contains("<redacted>"), "{shown}");
@@ -481,6 +505,60 @@ mod tests {
                 VerbsConfig::from_url(u),
                 Err(Error::InvalidArgument(_))
             ));
+        }
+        // Strict percent-decoding: the hand-made decoder read `%+5` as
+        // `%05` (u8::from_str_radix accepts a sign); now refused, naming
+        // the key. A secret's bad escape is never quoted.
+        assert!(msg("verbs://?port=%+5").contains("`port`"));
+        assert!(msg("verbs://?port=%+5").contains("percent-escape"));
+        let m = msg("verbs://?secret=hunter2%+5");
+        assert!(
+            m.contains("`secret`") && !m.contains("hunter2") && !m.contains("%+5"),
+            "{m}"
+        );
+        assert!(msg("verbs://?port=1&p%6Frt=2").contains("`port` given twice"));
+        assert!(msg("verbs://rxe0/x").contains("device"));
+        assert!(msg("verbs://rxe0#frag").contains("fragment"));
+        assert!(msg("verbs://u:hunter2@rxe0").contains("user information"));
+        assert!(!msg("verbs://u:hunter2@rxe0").contains("hunter2"));
+        let m = msg("verbs://?colour=blue");
+        assert!(
+            m.contains("known: port, gid_index, listen") && m.contains("test_features_off"),
+            "{m}"
+        );
+        // An encoded key is the key it decodes to.
+        let c = VerbsConfig::from_url("verbs://?s%65cret=a+b").unwrap();
+        assert_eq!(c.secret.as_ref().map(Secret::expose), Some("a b"));
+    }
+
+    #[test]
+    fn builder_validates_like_the_url() {
+        let c = VerbsConfig::builder()
+            .device("rxe0")
+            .port(2)
+            .mtu(Some(1024))
+            .secret("s")
+            .build()
+            .unwrap();
+        assert_eq!(
+            c,
+            VerbsConfig::from_url("verbs://rxe0?port=2&mtu=1024&secret=s").unwrap()
+        );
+        for (b, key) in [
+            (VerbsConfig::builder().port(0), "`port`"),
+            (VerbsConfig::builder().mtu(Some(1000)), "`mtu`"),
+            (VerbsConfig::builder().timeout(32), "`timeout`"),
+            (VerbsConfig::builder().sq_depth(1), "`sq_depth`"),
+            (VerbsConfig::builder().service_level(16), "`sl`"),
+            (
+                VerbsConfig::builder().stall_timeout_ms(0),
+                "`stall_timeout_ms`",
+            ),
+            (VerbsConfig::builder().max_message(Some(0)), "`max_message`"),
+            (VerbsConfig::builder().secret(""), "`secret`"),
+        ] {
+            let e = b.build().unwrap_err().to_string();
+            assert!(e.contains(key), "{key}: {e}");
         }
     }
 }

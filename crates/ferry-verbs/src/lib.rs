@@ -66,7 +66,7 @@ mod wire;
 #[cfg(feature = "rdma")]
 mod rdma;
 
-pub use config::VerbsConfig;
+pub use config::{VerbsConfig, VerbsConfigBuilder};
 pub use negotiate::{Feature, FeatureState, PeerProtocol, VersionRange};
 
 use ferry_core::DynTransferEngine;

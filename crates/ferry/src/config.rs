@@ -4,11 +4,8 @@
 use std::fmt;
 use std::str::FromStr;
 
+use ferry_core::raw::ParsedUrl;
 use ferry_core::{AdapterConfig, Error, Operation, Result};
-
-/// Query parameters that belong to Ferry (the adapter), not to a backend.
-/// They are removed from the URL before the backend parses it.
-const FERRY_PARAMS: [&str; 4] = ["strict", "coalesce", "max_concurrency", "require"];
 
 /// The backends Ferry knows, whether or not this build includes them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -124,23 +121,34 @@ impl BackendConfig {
     /// backend's `from_url`. A scheme whose feature is off gives
     /// [`Error::Unavailable`] naming the feature.
     pub fn from_url(url: &str) -> Result<Self> {
-        let (scheme, _) = split_scheme(url)?;
-        let kind: BackendKind = scheme.parse()?;
+        BackendConfig::from_parts(ParsedUrl::parse(url)?)
+    }
+
+    /// Hands `url`, already parsed (and maybe with Ferry's own parameters
+    /// taken out), to the backend its scheme names: the backend's
+    /// `from_parts` takes its parameters and refuses what is left.
+    pub fn from_parts(url: ParsedUrl) -> Result<Self> {
+        let kind: BackendKind = url.scheme().parse()?;
         match kind {
             #[cfg(feature = "tcp")]
-            BackendKind::Tcp => Ok(BackendConfig::Tcp(ferry_tcp::TcpConfig::from_url(url)?)),
+            BackendKind::Tcp => Ok(BackendConfig::Tcp(ferry_tcp::TcpConfig::from_parts(url)?)),
             #[cfg(feature = "mooncake")]
             BackendKind::Mooncake => Ok(BackendConfig::Mooncake(
-                ferry_mooncake::MooncakeConfig::from_url(url)?,
+                ferry_mooncake::MooncakeConfig::from_parts(url)?,
             )),
             #[cfg(feature = "verbs")]
-            BackendKind::Verbs => Ok(BackendConfig::Verbs(ferry_verbs::VerbsConfig::from_url(
+            BackendKind::Verbs => Ok(BackendConfig::Verbs(ferry_verbs::VerbsConfig::from_parts(
                 url,
             )?)),
             #[cfg(feature = "nixl")]
-            BackendKind::Nixl => Ok(BackendConfig::Nixl(ferry_nixl::NixlConfig::from_url(url)?)),
+            BackendKind::Nixl => Ok(BackendConfig::Nixl(ferry_nixl::NixlConfig::from_parts(
+                url,
+            )?)),
             #[allow(unreachable_patterns)]
-            other => Err(other.disabled_error()),
+            other => {
+                drop(url);
+                Err(other.disabled_error())
+            }
         }
     }
 }
@@ -166,9 +174,13 @@ impl fmt::Debug for BackendConfig {
 /// nixl://?backends=UCX&host=127.0.0.1
 /// ```
 ///
-/// The scheme picks the backend; every query parameter except Ferry's own
-/// goes to the backend's `from_url` unchanged, which rejects unknown ones by
-/// name. The backends' parameters (full tables, defaults and limits in
+/// The URL is parsed once, by [`ferry_core::raw::ParsedUrl`] (strict
+/// percent-decoding, `+` is a space, a key given twice refused, no
+/// fragment, no userinfo). The scheme picks the backend; Ferry takes its own
+/// parameters out of the parsed URL ([`AdapterConfig::take_url_params`]) and
+/// hands the rest to the backend's `from_parts`, which takes its own and
+/// rejects unknown ones by name, listing the known ones. No message quotes
+/// a secret. The backends' parameters (full tables, defaults and limits in
 /// `ferry_tcp::TcpConfig::from_url`, `ferry_mooncake::MooncakeConfig::from_url`,
 /// `ferry_verbs::VerbsConfig::from_url`, `ferry_nixl::NixlConfig::from_url`):
 ///
@@ -179,15 +191,42 @@ impl fmt::Debug for BackendConfig {
 /// | `verbs://` | RDMA device name (`mlx5_0`; empty: the first with an active port) | `port`, `gid_index`, `listen` (control channel, also the segment name), `mtu`, `sq_depth`, `max_sge`, `signal_every`, `max_message`, `timeout`, `retry_cnt`, `rnr_retry`, `min_rnr_timer`, `max_rd_atomic`, `hop_limit`, `traffic_class`, `sl`, `connect_timeout_ms` |
 /// | `nixl://` | none (everything is a parameter) | `lib` (path of `libnixl_capi.so`; else `FERRY_NIXL_LIB`, the loader path, the active Python's `nixl` wheel), `backends` (`UCX`, …), `host`, `port` (metadata listener; `host:port` is the segment name), `name` (agent), `progress_thread`, `timeout_ms`, `ns_per_byte` |
 ///
-/// Ferry's own parameters, removed before the backend sees the URL:
+/// Ferry's own parameters, taken before the backend sees the URL:
 ///
 /// | parameter | default | meaning |
 /// |---|---|---|
-/// | `strict` | `0` | `1`/`true`: emulate nothing; missing optional operations are refused ([`AdapterConfig::strict`]) |
+/// | `strict` | `0` | `1`/`true`/`yes`/`on` (or a bare `strict`): emulate nothing; missing optional operations are refused ([`AdapterConfig::strict`]) |
 /// | `coalesce` | `1` | merge contiguous requests of a batch ([`AdapterConfig::coalesce`]) |
 /// | `max_concurrency` | `16` | emulated single transfers in flight ([`AdapterConfig::max_concurrency`]) |
 /// | `require` | none | comma-separated operations (`batch_transfer,notify`) or guarantees (`landed_writes`, `peer_validation`) that must be available, else opening fails with [`Error::MissingCapabilities`] |
+///
+/// In code (`#[non_exhaustive]`: no struct literal outside this crate):
+/// [`EngineConfig::new`] and the setters that consume and return it.
+///
+/// ```
+/// # #[cfg(feature = "tcp")]
+/// # fn main() -> ferry::Result<()> {
+/// use ferry::ferry_tcp::TcpConfig;
+/// use ferry::{AdapterConfig, BackendConfig, EngineConfig, Operation, Secret};
+///
+/// let tcp = TcpConfig::builder()
+///     .listen("127.0.0.1:0")
+///     .secret(Secret::new("s3cret"))
+///     .build()?;
+/// let config = EngineConfig::new(BackendConfig::Tcp(tcp))
+///     .adapter(AdapterConfig::builder().max_concurrency(4).build()?)
+///     .strict(true)
+///     .require(&[Operation::BatchTransfer]);
+/// let parsed: EngineConfig =
+///     "tcp://127.0.0.1:0?secret=s3cret&max_concurrency=4&strict&require=batch_transfer".parse()?;
+/// assert_eq!((config.adapter, config.require), (parsed.adapter, parsed.require));
+/// # Ok(())
+/// # }
+/// # #[cfg(not(feature = "tcp"))]
+/// # fn main() {}
+/// ```
 #[derive(Debug)]
+#[non_exhaustive]
 pub struct EngineConfig {
     /// The backend and its configuration.
     pub backend: BackendConfig,
@@ -209,6 +248,12 @@ impl EngineConfig {
         }
     }
 
+    /// Replaces the adapter configuration.
+    pub fn adapter(mut self, adapter: AdapterConfig) -> Self {
+        self.adapter = adapter;
+        self
+    }
+
     /// Sets strict mode (no emulation).
     pub fn strict(mut self, strict: bool) -> Self {
         self.adapter.strict = strict;
@@ -228,33 +273,18 @@ impl EngineConfig {
     /// cargo feature for a backend this build does not include; whatever the
     /// backend's `from_url` returns for its own parameters.
     pub fn from_url(url: &str) -> Result<Self> {
-        let split = split_ferry_params(url)?;
-        let mut adapter = AdapterConfig::default();
-        let mut require = Vec::new();
-        for (key, value) in &split.ferry {
-            match key.as_str() {
-                "strict" => adapter.strict = parse_bool(key, value)?,
-                "coalesce" => adapter.coalesce = parse_bool(key, value)?,
-                "max_concurrency" => {
-                    adapter.max_concurrency = value.parse::<usize>().ok().filter(|n| *n > 0).ok_or_else(
-                        || {
-                            Error::InvalidArgument(format!(
-                                "max_concurrency={value:?} in the backend URL is not a positive integer"
-                            ))
-                        },
-                    )?
-                }
-                "require" => {
-                    for op in value.split(',').filter(|s| !s.trim().is_empty()) {
-                        require.push(op.parse::<Operation>()?);
-                    }
-                }
-                // split_ferry_params returns only the keys in FERRY_PARAMS.
-                _ => {}
-            }
-        }
+        EngineConfig::from_parts(ParsedUrl::parse(url)?)
+    }
+
+    /// [`EngineConfig::from_url`] on a URL already parsed: the scheme must
+    /// name a known backend; Ferry's own parameters are taken out of `url`
+    /// ([`AdapterConfig::take_url_params`]) and the same `url` goes to
+    /// [`BackendConfig::from_parts`].
+    pub fn from_parts(mut url: ParsedUrl) -> Result<Self> {
+        url.scheme().parse::<BackendKind>()?;
+        let (adapter, require) = AdapterConfig::take_url_params(&mut url)?;
         Ok(EngineConfig {
-            backend: BackendConfig::from_url(&split.backend_url)?,
+            backend: BackendConfig::from_parts(url)?,
             adapter,
             require,
         })
@@ -268,133 +298,45 @@ impl FromStr for EngineConfig {
     }
 }
 
-/// Splits `scheme://rest`, checking the scheme's spelling.
-fn split_scheme(url: &str) -> Result<(&str, &str)> {
-    let shown = || ferry_core::raw::redact_url(url);
-    let (scheme, rest) = url.split_once("://").ok_or_else(|| {
-        Error::InvalidArgument(format!(
-            "backend URL {:?} has no scheme; expected tcp://…, mooncake://…, verbs://… or nixl://…",
-            shown()
-        ))
-    })?;
-    if scheme.is_empty()
-        || !scheme
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || c == '+' || c == '-' || c == '.')
-    {
-        return Err(Error::InvalidArgument(format!(
-            "backend URL {:?} has a malformed scheme",
-            shown()
-        )));
-    }
-    Ok((scheme, rest))
-}
-
-/// A URL with Ferry's parameters taken out.
-#[derive(Debug, PartialEq, Eq)]
-struct SplitUrl {
-    /// The URL the backend parses: Ferry's parameters removed, everything
-    /// else (including percent-encoding) byte for byte as given.
-    backend_url: String,
-    /// Ferry's parameters in order (keys from [`FERRY_PARAMS`]; a bare key
-    /// has the value `""`).
-    ferry: Vec<(String, String)>,
-}
-
-fn split_ferry_params(url: &str) -> Result<SplitUrl> {
-    split_scheme(url)?;
-    let (base, query_and_fragment) = match url.split_once('?') {
-        Some((b, q)) => (b, Some(q)),
-        None => (url, None),
-    };
-    let Some(qf) = query_and_fragment else {
-        return Ok(SplitUrl {
-            backend_url: url.to_owned(),
-            ferry: Vec::new(),
-        });
-    };
-    let (query, fragment) = match qf.split_once('#') {
-        Some((q, f)) => (q, Some(f)),
-        None => (qf, None),
-    };
-    let mut kept = Vec::new();
-    let mut ferry = Vec::new();
-    for pair in query.split('&').filter(|p| !p.is_empty()) {
-        let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
-        if FERRY_PARAMS.contains(&key) {
-            if ferry.iter().any(|(k, _): &(String, String)| k == key) {
-                return Err(Error::InvalidArgument(format!(
-                    "parameter {key:?} appears twice in the backend URL"
-                )));
-            }
-            ferry.push((key.to_owned(), value.to_owned()));
-        } else {
-            kept.push(pair);
-        }
-    }
-    let mut backend_url = base.to_owned();
-    if !kept.is_empty() {
-        backend_url.push('?');
-        backend_url.push_str(&kept.join("&"));
-    }
-    if let Some(f) = fragment {
-        backend_url.push('#');
-        backend_url.push_str(f);
-    }
-    Ok(SplitUrl { backend_url, ferry })
-}
-
-fn parse_bool(key: &str, value: &str) -> Result<bool> {
-    match value.to_ascii_lowercase().as_str() {
-        "" | "1" | "true" | "yes" | "on" => Ok(true),
-        "0" | "false" | "no" | "off" => Ok(false),
-        _ => Err(Error::InvalidArgument(format!(
-            "{key}={value:?} in the backend URL is not a boolean (use 1/0, true/false)"
-        ))),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn ferry_params_are_stripped_and_the_rest_kept_verbatim() {
-        let s = split_ferry_params(
-            "mooncake://?lib=/opt/a%20b.so&strict=1&metadata=P2PHANDSHAKE&require=notify#frag",
+    fn ferry_params_are_taken_and_the_rest_left_for_the_backend() {
+        let mut url = ParsedUrl::parse(
+            "mooncake://?lib=/opt/a%20b.so&strict=1&metadata=P2PHANDSHAKE&require=notify",
         )
         .unwrap();
-        assert_eq!(
-            s.backend_url,
-            "mooncake://?lib=/opt/a%20b.so&metadata=P2PHANDSHAKE#frag"
-        );
-        assert_eq!(
-            s.ferry,
-            vec![
-                ("strict".to_owned(), "1".to_owned()),
-                ("require".to_owned(), "notify".to_owned())
-            ]
-        );
-    }
-
-    #[test]
-    fn only_ferry_params_leave_no_question_mark() {
-        let s = split_ferry_params("tcp://127.0.0.1:0?strict").unwrap();
-        assert_eq!(s.backend_url, "tcp://127.0.0.1:0");
-        assert_eq!(s.ferry, vec![("strict".to_owned(), String::new())]);
-        let s = split_ferry_params("tcp://127.0.0.1:0").unwrap();
-        assert_eq!(s.backend_url, "tcp://127.0.0.1:0");
-        assert!(s.ferry.is_empty());
+        let (adapter, require) = AdapterConfig::take_url_params(&mut url).unwrap();
+        assert!(adapter.strict && adapter.coalesce);
+        assert_eq!(require, vec![Operation::Notify]);
+        assert_eq!(url.keys().collect::<Vec<_>>(), ["lib", "metadata"]);
+        assert_eq!(url.take_str("lib").unwrap().as_deref(), Some("/opt/a b.so"));
+        // A bare key is `true`.
+        let mut url = ParsedUrl::parse("tcp://127.0.0.1:0?strict").unwrap();
+        assert!(AdapterConfig::take_url_params(&mut url).unwrap().0.strict);
+        assert_eq!(url.keys().count(), 0);
     }
 
     #[test]
     fn malformed_urls_are_invalid_arguments() {
-        for url in ["127.0.0.1:0", "://x", "t cp://x"] {
-            let e = split_ferry_params(url).unwrap_err();
+        for url in [
+            "127.0.0.1:0",
+            "://x",
+            "t cp://x",
+            "tcp://h?strict=%+5",
+            "tcp://h?strict=1#frag",
+        ] {
+            let e = EngineConfig::from_url(url).unwrap_err();
             assert!(matches!(e, Error::InvalidArgument(_)), "{url}: {e}");
         }
-        let e = split_ferry_params("tcp://h?strict=1&strict=0").unwrap_err();
-        assert!(e.to_string().contains("twice"), "{e}");
+        // A key twice, however it is encoded (it used to be compared as
+        // written, so `str%69ct` slipped past as a second `strict`).
+        for url in ["tcp://h?strict=1&strict=0", "tcp://h?strict=1&str%69ct=0"] {
+            let e = EngineConfig::from_url(url).unwrap_err();
+            assert!(e.to_string().contains("`strict` given twice"), "{e}");
+        }
     }
 
     #[test]
@@ -445,5 +387,26 @@ mod tests {
         assert!(!c.adapter.coalesce);
         assert_eq!(c.adapter.max_concurrency, 4);
         assert_eq!(c.require, vec![Operation::BatchTransfer]);
+        // Encoded keys are the keys they decode to, for Ferry's and the
+        // backend's parameters alike, in one parse.
+        let c = EngineConfig::from_url("tcp://127.0.0.1:0?%73trict=yes&c%6Fnnections=3").unwrap();
+        assert!(c.adapter.strict);
+        match c.backend {
+            BackendConfig::Tcp(t) => assert_eq!(t.connections, 3),
+            #[allow(unreachable_patterns)]
+            _ => unreachable!(),
+        }
+    }
+
+    #[cfg(feature = "tcp")]
+    #[test]
+    fn unknown_parameters_name_ferry_and_backend_keys() {
+        let e = EngineConfig::from_url("tcp://127.0.0.1:0?colour=blue").unwrap_err();
+        let m = e.to_string();
+        assert!(m.contains("`colour`"), "{m}");
+        assert!(
+            m.contains("known: strict, coalesce, max_concurrency, require, secret"),
+            "{m}"
+        );
     }
 }

@@ -72,6 +72,10 @@ pub use ferry_core::{
 /// behind its `conformance` and `inproc` features.
 pub use ferry_core::raw;
 
+/// A shared secret that never prints (`TcpConfig::secret`,
+/// `VerbsConfig::secret`).
+pub use ferry_core::Secret;
+
 /// Blocking calls from threads outside the runtime (Python, C callers):
 /// [`assist::block_on`] runs a call on the calling thread, which drives the
 /// connections the call uses while it waits instead of waiting to be woken

@@ -51,7 +51,24 @@ pub trait Layer<E> {
 }
 
 /// How the adapter fills gaps.
+///
+/// `#[non_exhaustive]`: outside ferry-core, build it with
+/// [`AdapterConfig::builder`] (or start from `default()` and assign
+/// fields).
+///
+/// ```
+/// use ferry_core::AdapterConfig;
+///
+/// let config = AdapterConfig::builder()
+///     .coalesce(false)
+///     .max_concurrency(4)
+///     .build()?;
+/// assert!(!config.coalesce && !config.strict);
+/// assert!(AdapterConfig::builder().max_concurrency(0).build().is_err());
+/// # Ok::<(), ferry_core::Error>(())
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct AdapterConfig {
     /// Strict mode: emulate nothing; missing operations are `Unsupported`
     /// and [`CapabilityAdapter::require`] fails for them.
@@ -91,13 +108,79 @@ impl Default for AdapterConfig {
     }
 }
 
+crate::__config_builder! {
+    /// Builds an [`AdapterConfig`] ([`AdapterConfig::builder`]).
+    pub struct AdapterConfigBuilder for AdapterConfig {
+        set strict: bool,
+        set emulate_batch_register: bool,
+        set emulate_batch_unregister: bool,
+        set emulate_batch_transfer: bool,
+        set emulate_async_batch: bool,
+        set emulate_batch_wait: bool,
+        set coalesce: bool,
+        set max_coalesced_len: u64,
+        set max_concurrency: usize,
+    }
+}
+
 impl AdapterConfig {
+    /// The URL parameters that belong to the adapter (Ferry's own, taken
+    /// by [`AdapterConfig::take_url_params`] before the backend sees the
+    /// URL).
+    pub const URL_PARAMETERS: [&'static str; 4] =
+        ["strict", "coalesce", "max_concurrency", "require"];
+
     /// The strict configuration: forward what is native, refuse the rest.
     pub fn strict() -> Self {
         AdapterConfig {
             strict: true,
             ..Default::default()
         }
+    }
+
+    /// Checks the fields: `max_concurrency` and `max_coalesced_len` must
+    /// be at least 1 ([`Error::InvalidArgument`] naming the field).
+    pub fn validate(&self) -> Result<()> {
+        if self.max_concurrency == 0 {
+            return Err(Error::InvalidArgument(
+                "adapter config: max_concurrency must be at least 1".to_owned(),
+            ));
+        }
+        if self.max_coalesced_len == 0 {
+            return Err(Error::InvalidArgument(
+                "adapter config: max_coalesced_len must be at least 1".to_owned(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Takes Ferry's own parameters ([`AdapterConfig::URL_PARAMETERS`]) out
+    /// of `url`, leaving the rest for the backend: `strict`, `coalesce`
+    /// (booleans: `1`/`0`, `true`/`false`, `yes`/`no`, `on`/`off`, a bare
+    /// key is `true`), `max_concurrency` (a positive integer) and `require`
+    /// (comma-separated operations or guarantees, see [`Operation`]).
+    /// Returns the configuration (defaults for what is absent) and the
+    /// required operations.
+    pub fn take_url_params(
+        url: &mut crate::raw::ParsedUrl,
+    ) -> Result<(AdapterConfig, Vec<Operation>)> {
+        let mut c = AdapterConfig::default();
+        if let Some(v) = url.take_bool("strict")? {
+            c.strict = v;
+        }
+        if let Some(v) = url.take_bool("coalesce")? {
+            c.coalesce = v;
+        }
+        if let Some(n) = url.take_with("max_concurrency", "a positive integer", |v| {
+            v.parse::<usize>().ok().filter(|n| *n > 0)
+        })? {
+            c.max_concurrency = n;
+        }
+        let mut require = Vec::new();
+        for op in url.take_list("require")?.unwrap_or_default() {
+            require.push(op.parse::<Operation>()?);
+        }
+        Ok((c, require))
     }
 
     fn may_emulate(&self, op: Operation) -> bool {

@@ -57,13 +57,13 @@ pub fn config(gen: Lib, metadata: &str, stall: &str) -> MooncakeConfig {
             NAMES.fetch_add(1, Ordering::Relaxed)
         )
     });
-    MooncakeConfig {
-        library: Some(library_path(gen)),
-        metadata: metadata.to_owned(),
-        name,
-        device: stall.strip_prefix('@').map(str::to_owned),
-        ..MooncakeConfig::default()
-    }
+    // `MooncakeConfig` is #[non_exhaustive]: fields are set one by one.
+    let mut config = MooncakeConfig::default();
+    config.library = Some(library_path(gen));
+    config.metadata = metadata.to_owned();
+    config.name = name;
+    config.device = stall.strip_prefix('@').map(str::to_owned);
+    config
 }
 
 /// Starts an engine on `gen`.

@@ -35,10 +35,7 @@ pub fn nixl_library() -> Result<PathBuf> {
 
 /// A test configuration on the real library.
 pub fn config() -> Result<NixlConfig> {
-    Ok(NixlConfig {
-        library: Some(nixl_library()?),
-        ..NixlConfig::default()
-    })
+    NixlConfig::builder().library(nixl_library()?).build()
 }
 
 /// `NixlEngine::start` on `cfg`.

@@ -88,7 +88,7 @@ impl Peer {
                 &mut stream,
                 &self.name,
                 &self.core.name,
-                cfg.secret.as_deref(),
+                cfg.secret.as_ref().map(ferry_core::Secret::expose),
                 cfg.connect_timeout,
                 hello_version,
                 features,

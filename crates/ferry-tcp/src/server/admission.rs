@@ -237,7 +237,7 @@ async fn serve_conn(
                 &mut stream,
                 &peer,
                 &core.name,
-                cfg.secret.as_deref(),
+                cfg.secret.as_ref().map(ferry_core::Secret::expose),
                 cfg.handshake_timeout,
                 crate::negotiate::our_features(cfg, false),
                 core.tls.as_deref(),

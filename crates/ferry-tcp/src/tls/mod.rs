@@ -288,7 +288,7 @@ impl TlsContext {
                 (Identity::Certificates, client, server)
             }
             (None, None, None) => {
-                let Some(secret) = cfg.secret.as_deref() else {
+                let Some(secret) = cfg.secret.as_ref().map(ferry_core::Secret::expose) else {
                     return Err(invalid(
                         "tls=on/require needs either a shared secret (the TLS identity is \
                          derived from it) or tls_cert, tls_key and tls_ca"

@@ -169,7 +169,7 @@ impl Conn {
         let mut qp = dev.create_qp(&cq, dev.sq_depth, 1, dev.max_sge)?;
         let psn = device::random_psn();
         let local = dev.endpoint(&qp, psn);
-        let secret = dev.cfg.secret.as_deref();
+        let secret = dev.cfg.secret.as_ref().map(ferry_core::Secret::expose);
         let offer = Offer::local(dev.cfg.test_protocol_max, &dev.cfg.test_features_off);
         let exchange = handshake::open(&mut stream, name, secret, &offer, local, local_name);
         let opened = match tokio::time::timeout(deadline, exchange).await {

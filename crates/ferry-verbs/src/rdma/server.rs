@@ -53,7 +53,12 @@ async fn serve(mut stream: TcpStream, peer: &str, inner: Arc<Inner>) -> Result<(
     let deadline = Duration::from_millis(inner.dev.cfg.connect_timeout_ms);
     // Authentication first: nothing about this engine (queue pair, regions,
     // rkeys) is sent, and no notification is taken, before it succeeds.
-    let secret = inner.dev.cfg.secret.as_deref();
+    let secret = inner
+        .dev
+        .cfg
+        .secret
+        .as_ref()
+        .map(ferry_core::Secret::expose);
     let offer = inner.offer();
     let hello = tokio::time::timeout(
         deadline,
