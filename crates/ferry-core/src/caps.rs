@@ -130,13 +130,24 @@ impl Default for MemoryKinds {
     }
 }
 
-/// What a backend does natively, one public field per optional operation
-/// (OpenDAL style: backends fill it with `..Default::default()`).
+/// What a backend does natively, one public field per optional operation.
+///
+/// `#[non_exhaustive]`, so that a new capability is not a breaking change:
+/// outside this crate start from [`Capabilities::default`] (nothing
+/// optional) or [`Capabilities::all`] and set fields:
+///
+/// ```
+/// let mut caps = ferry_core::Capabilities::default();
+/// caps.batch_transfer = true;
+/// caps.max_batch_len = Some(1024);
+/// assert!(!caps.notify);
+/// ```
 ///
 /// Through a [`crate::CapabilityAdapter`], `capabilities()` returns the
 /// *effective* set instead: what works through the adapter, natively or by
 /// emulation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub struct Capabilities {
     /// `batch_register` is native (all-or-nothing).
     pub batch_register: bool,

@@ -287,9 +287,10 @@ async fn coalescing_respects_max_coalesced_len() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn native_batches_are_split_by_max_batch_len_and_notify_once_at_the_end() {
-    let caps = Capabilities {
-        max_batch_len: Some(10),
-        ..Capabilities::all()
+    let caps = {
+        let mut caps = Capabilities::all();
+        caps.max_batch_len = Some(10);
+        caps
     };
     let r = rig(Probe::new(caps), caps, AdapterConfig::default(), 25 * 512).await;
     assert_eq!(r.adapter.capabilities().max_batch_len, None);
@@ -306,9 +307,10 @@ async fn native_batches_are_split_by_max_batch_len_and_notify_once_at_the_end() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_late_chunk_refusal_fails_its_requests_not_the_batch() {
-    let caps = Capabilities {
-        max_batch_len: Some(10),
-        ..Capabilities::all()
+    let caps = {
+        let mut caps = Capabilities::all();
+        caps.max_batch_len = Some(10);
+        caps
     };
     let mut probe = Probe::new(caps);
     probe.refuse_batch_calls = vec![1];
@@ -343,9 +345,10 @@ async fn a_late_chunk_refusal_fails_its_requests_not_the_batch() {
 #[tokio::test]
 async fn strict_mode_refuses_and_names_every_missing_capability() {
     let strict = CapabilityAdapter::with_config(
-        InprocEngine::auto(Capabilities {
-            batch_transfer: true,
-            ..Capabilities::default()
+        InprocEngine::auto({
+            let mut caps = Capabilities::default();
+            caps.batch_transfer = true;
+            caps
         }),
         AdapterConfig::strict(),
     );
@@ -398,9 +401,10 @@ async fn strict_mode_refuses_and_names_every_missing_capability() {
 
 #[tokio::test]
 async fn the_report_says_native_emulated_or_unsupported_and_why() {
-    let a = CapabilityAdapter::new(InprocEngine::auto(Capabilities {
-        batch_transfer: true,
-        ..Capabilities::default()
+    let a = CapabilityAdapter::new(InprocEngine::auto({
+        let mut caps = Capabilities::default();
+        caps.batch_transfer = true;
+        caps
     }));
     let report = a.report();
     assert_eq!(report.support(Operation::BatchTransfer), Support::Native);

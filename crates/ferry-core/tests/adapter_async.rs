@@ -90,9 +90,10 @@ fn an_emulated_async_batch_works_outside_a_runtime() {
 async fn a_dropped_emulated_batch_transfer_leaves_no_backend_batch() {
     // Native async batches only: the adapter's batch_transfer submits one
     // for itself and waits; dropping that future must not leak it.
-    let caps = Capabilities {
-        async_batch: true,
-        ..Capabilities::default()
+    let caps = {
+        let mut caps = Capabilities::default();
+        caps.async_batch = true;
+        caps
     };
     let inner = Arc::new(InprocEngine::auto(caps));
     inner.set_pace(Some(Duration::from_millis(20)));

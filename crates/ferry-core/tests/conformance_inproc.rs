@@ -26,19 +26,21 @@ mod all {
 /// Everything native, but batches of at most 100 requests.
 mod all_max_batch_100 {
     use super::*;
-    ferry_core::conformance_tests!(InprocFactory::new(Capabilities {
-        max_batch_len: Some(100),
-        ..Capabilities::all()
+    ferry_core::conformance_tests!(InprocFactory::new({
+        let mut caps = Capabilities::all();
+        caps.max_batch_len = Some(100);
+        caps
     }));
 }
 
 /// Async batches and notifications, without a synchronous batch or wait.
 mod async_notify {
     use super::*;
-    ferry_core::conformance_tests!(InprocFactory::new(Capabilities {
-        async_batch: true,
-        notify: true,
-        ..Capabilities::default()
+    ferry_core::conformance_tests!(InprocFactory::new({
+        let mut caps = Capabilities::default();
+        caps.async_batch = true;
+        caps.notify = true;
+        caps
     }));
 }
 

@@ -13,13 +13,11 @@ use ferry_core::{
 
 fn engine(name: &str) -> Arc<dyn DynTransferEngine> {
     Arc::new(
-        InprocEngine::new(
-            name,
-            Capabilities {
-                batch_transfer: true,
-                ..Capabilities::default()
-            },
-        )
+        InprocEngine::new(name, {
+            let mut caps = Capabilities::default();
+            caps.batch_transfer = true;
+            caps
+        })
         .expect("engine"),
     )
 }

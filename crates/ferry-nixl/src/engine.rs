@@ -954,13 +954,12 @@ impl TransferEngine for NixlEngine {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            memory: MemoryKinds {
-                host: true,
-                cuda: false,
-            },
-            ..Capabilities::all()
-        }
+        let mut caps = Capabilities::all();
+        caps.memory = MemoryKinds {
+            host: true,
+            cuda: false,
+        };
+        caps
     }
 
     fn backend_info(&self) -> BackendInfo {

@@ -725,17 +725,18 @@ impl TransferEngine for WheelEngine {
 
     fn capabilities(&self) -> Capabilities {
         let m = self.inner.methods;
-        Capabilities {
-            batch_register: m.batch_register,
-            batch_unregister: m.batch_unregister,
-            batch_transfer: m.batch_write && m.batch_read,
-            memory: MemoryKinds {
+        {
+            let mut caps = Capabilities::default();
+            caps.batch_register = m.batch_register;
+            caps.batch_unregister = m.batch_unregister;
+            caps.batch_transfer = m.batch_write && m.batch_read;
+            caps.memory = MemoryKinds {
                 host: true,
                 cuda: self.inner.cuda,
-            },
-            peer_validation: self.inner.peer_validation,
-            landed_writes: self.inner.landed_writes,
-            ..Capabilities::default()
+            };
+            caps.peer_validation = self.inner.peer_validation;
+            caps.landed_writes = self.inner.landed_writes;
+            caps
         }
     }
 

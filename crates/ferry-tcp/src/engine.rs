@@ -266,14 +266,13 @@ impl TransferEngine for TcpEngine {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            max_batch_len: Some(self.inner.core.config.max_batch),
-            memory: MemoryKinds {
-                host: true,
-                cuda: false,
-            },
-            ..Capabilities::all()
-        }
+        let mut caps = Capabilities::all();
+        caps.max_batch_len = Some(self.inner.core.config.max_batch);
+        caps.memory = MemoryKinds {
+            host: true,
+            cuda: false,
+        };
+        caps
     }
 
     fn backend_info(&self) -> BackendInfo {

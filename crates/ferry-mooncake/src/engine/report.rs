@@ -10,18 +10,17 @@ use crate::library::{Generation, MooncakeLibrary};
 impl MooncakeEngine {
     /// The capabilities this engine has natively (`capabilities()`).
     pub(super) fn native_caps(&self) -> Capabilities {
-        Capabilities {
-            batch_register: true,
-            batch_unregister: true,
-            batch_transfer: true,
-            async_batch: true,
-            batch_wait: true,
-            notify: self.has_notify(),
-            landed_writes: !sends_unacknowledged(&self.inner.lib, &self.inner.config)
-                || self.confirms_writes(),
-            peer_validation: !sends_unacknowledged(&self.inner.lib, &self.inner.config),
-            ..Default::default()
-        }
+        let mut caps = Capabilities::default();
+        caps.batch_register = true;
+        caps.batch_unregister = true;
+        caps.batch_transfer = true;
+        caps.async_batch = true;
+        caps.batch_wait = true;
+        caps.notify = self.has_notify();
+        caps.landed_writes =
+            !sends_unacknowledged(&self.inner.lib, &self.inner.config) || self.confirms_writes();
+        caps.peer_validation = !sends_unacknowledged(&self.inner.lib, &self.inner.config);
+        caps
     }
 
     /// Whether writes are confirmed by reading them back (see `landed`).

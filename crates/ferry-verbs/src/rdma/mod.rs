@@ -177,17 +177,16 @@ impl Inner {
     }
 
     pub(crate) fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            batch_transfer: true,
-            async_batch: true,
-            batch_wait: true,
-            notify: true,
-            memory: MemoryKinds {
-                host: true,
-                cuda: false,
-            },
-            ..Default::default()
-        }
+        let mut caps = Capabilities::default();
+        caps.batch_transfer = true;
+        caps.async_batch = true;
+        caps.batch_wait = true;
+        caps.notify = true;
+        caps.memory = MemoryKinds {
+            host: true,
+            cuda: false,
+        };
+        caps
     }
 
     pub(crate) fn backend_info(&self) -> BackendInfo {
