@@ -40,10 +40,14 @@
 //!
 //! const BLOCK: usize = 4096; // bytes of one KV block
 //! # tokio::runtime::Runtime::new().unwrap().block_on(async {
+//! // What these in-process engines do natively.
+//! let mut caps = Capabilities::default();
+//! caps.batch_transfer = true;
+//! caps.notify = true;
 //! // Decode node: a KV cache of 16 blocks, registered with its engine.
 //! let decode: Arc<dyn DynTransferEngine> = Arc::new(CapabilityAdapter::new(InprocEngine::new(
 //!     "decode-0",
-//!     Capabilities { batch_transfer: true, notify: true, ..Capabilities::default() },
+//!     caps,
 //! )?));
 //! let kv_cache = RegisteredBuffer::new(Arc::clone(&decode), 16 * BLOCK).await?;
 //! // Sent to the prefill node with the request: where to put the 3 blocks.
@@ -52,7 +56,7 @@
 //! // Prefill node: computes the blocks into its own registered memory ...
 //! let prefill: Arc<dyn DynTransferEngine> = Arc::new(CapabilityAdapter::new(InprocEngine::new(
 //!     "prefill-0",
-//!     Capabilities { batch_transfer: true, notify: true, ..Capabilities::default() },
+//!     caps,
 //! )?));
 //! let staging = RegisteredBuffer::new(Arc::clone(&prefill), 3 * BLOCK).await?;
 //! let computed: Vec<u8> = (0..3 * BLOCK).map(|i| (i % 251) as u8).collect();
