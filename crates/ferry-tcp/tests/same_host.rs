@@ -960,6 +960,7 @@ async fn holes_punched_in_the_staging_area_do_not_hurt_the_target() {
         deadline: None,
         // A test thread, not a runtime's: it may block.
         blocking: true,
+        slept: None,
     };
     let mut seq = 0u64;
     for round in 0..3u8 {
@@ -1165,6 +1166,7 @@ async fn raw_staging_area_is_checked_then_carries_swrite_and_sread() {
         deadline: None,
         // A test thread, not a runtime's: it may block.
         blocking: true,
+        slept: None,
     };
     // 300 000 bytes in the region (five slots, the last part-filled), 1000
     // outside every region, 5 in the region again.
@@ -1320,6 +1322,7 @@ async fn trickled_staged_stream_ends_at_the_frame_deadline() {
             deadline: None,
             // A test thread, not a runtime's: it may block.
             blocking: true,
+            slept: None,
         };
         let ring = area.ring(Dir::ToTarget);
         let mut seq = 0u64;
@@ -1384,6 +1387,7 @@ async fn staged_acknowledgements_use_the_lane_and_wake_a_sleeping_reader() {
         deadline: None,
         // A test thread, not a runtime's: it may block.
         blocking: true,
+        slept: None,
     };
     let (mut seq, mut tail) = (0u64, 0u64);
     let mut taken = Vec::new();

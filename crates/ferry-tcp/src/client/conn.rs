@@ -186,6 +186,9 @@ pub(crate) struct ClientStage {
     /// [`ConnShared::fail_all`] takes it after marking the connection dead,
     /// so no such copy lands once the operations have failed.
     pub(crate) gate: Mutex<()>,
+    /// Whether long frames go through the area or to the kernel copy
+    /// right now (they avoid the area while the target loses its CPU).
+    pub(crate) choice: crate::same_host::choice::PathChoice,
 }
 
 impl ClientStage {
@@ -210,6 +213,7 @@ impl ClientStage {
             nudge: Arc::new(tokio::sync::Notify::new()),
             lane_tail: AtomicU64::new(0),
             gate: Mutex::new(()),
+            choice: Default::default(),
         }
     }
 }

@@ -3,7 +3,7 @@
 //! path), and sending them on a connection in as few system calls as
 //! possible.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
 use ferry_core::raw::lock;
@@ -202,6 +202,7 @@ pub(crate) async fn send_ops(
                         total >= st.min as u64
                             && (total < crate::same_host::cma::PARALLEL_MIN as u64
                                 || crate::same_host::cma::helpers() == 0)
+                            && st.choice.stage(total)
                     });
                     if staged {
                         staging.push((
@@ -429,6 +430,7 @@ async fn move_staged(
     staging: &[(bool, Vec<stage::Piece>)],
 ) -> std::result::Result<(), stage::Stop> {
     let alive = || !conn.dead.load(Ordering::Acquire);
+    let slept = AtomicU32::new(0);
     let watch = stage::Watch {
         alive: &alive,
         stall: st.patience,
@@ -436,6 +438,7 @@ async fn move_staged(
         deadline: batch.deadline(),
         // The caller's task: sleeps go to the blocking pool.
         blocking: false,
+        slept: Some(&slept),
     };
     let gate = stage::Gate {
         lock: &st.gate,
@@ -472,6 +475,13 @@ async fn move_staged(
         // has failed and its memory went back to the caller.
         unsafe { stage::get(&from_target, &mut cursor.1, &accepted, &watch, Some(&gate)) }.await?;
     }
+    // The longest stream: whether any had to wait for room.
+    let longest = staging
+        .iter()
+        .map(|(_, pieces)| pieces.iter().map(|p| p.len).sum::<usize>())
+        .max()
+        .unwrap_or(0);
+    st.choice.staged(longest, slept.load(Ordering::Relaxed));
     Ok(())
 }
 

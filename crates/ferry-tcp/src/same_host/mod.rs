@@ -46,6 +46,7 @@
 //!   touch memory outside its checked ranges: slot addresses stay inside
 //!   the mapping, counters are only compared.
 
+pub(crate) mod choice;
 pub(crate) mod cma;
 pub(crate) mod fence;
 pub(crate) mod stage;

@@ -38,7 +38,7 @@
 
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 
 // The counters of the rings and the lane: plain atomics, or loom's when
 // the model checker runs the ring and lane code (`--cfg ferry_loom`, see
@@ -582,6 +582,10 @@ pub struct Watch<'a> {
     /// Whether a slow wait may block this thread (a thread the engine
     /// owns); otherwise its sleeps run on the runtime's blocking pool.
     pub blocking: bool,
+    /// Counts the waits that had to sleep: the other side lost its CPU
+    /// for longer than the spin and yield phases (see
+    /// [`crate::same_host::choice::PathChoice`]).
+    pub slept: Option<&'a AtomicU32>,
 }
 
 impl Watch<'_> {
@@ -608,6 +612,7 @@ pub async fn wait(
     }
     let start = Instant::now();
     let mut n = 0u32;
+    let mut counted = false;
     loop {
         for _ in 0..64 {
             std::hint::spin_loop();
@@ -634,6 +639,10 @@ pub async fn wait(
         }
         if watch.expired(waited) {
             return Err(Stop::Stalled);
+        }
+        if let (false, Some(slept)) = (counted, watch.slept) {
+            slept.fetch_add(1, Ordering::Relaxed);
+            counted = true;
         }
         sleep_on(on, &ready, watch.blocking).await;
     }
@@ -870,6 +879,7 @@ mod tests {
             deadline: None,
             // The blocking-pool sleeps of a caller's runtime.
             blocking: false,
+            slept: None,
         };
         std::thread::scope(|s| {
             let producer = s.spawn(|| {
@@ -975,6 +985,7 @@ mod tests {
             stall: Duration::from_secs(10),
             deadline: None,
             blocking: true,
+            slept: None,
         };
         let t = Instant::now();
         assert_eq!(rt.block_on(wait(|| false, &on, &w)), Err(Stop::Gone));
@@ -985,6 +996,7 @@ mod tests {
             stall: Duration::from_millis(30),
             deadline: None,
             blocking: true,
+            slept: None,
         };
         let t = Instant::now();
         assert_eq!(rt.block_on(wait(|| false, &on, &w)), Err(Stop::Stalled));
@@ -1008,6 +1020,7 @@ mod tests {
             stall,
             deadline: Some(start + Duration::from_millis(500)),
             blocking: true,
+            slept: None,
         };
         let (r, took) = std::thread::scope(|s| {
             s.spawn(|| {
@@ -1017,6 +1030,7 @@ mod tests {
                     stall: Duration::from_secs(1),
                     deadline: None,
                     blocking: true,
+                    slept: None,
                 };
                 let mut seq = 0;
                 // One slot every 150 ms: always inside the stall timeout.
@@ -1063,6 +1077,7 @@ mod tests {
             stall: Duration::from_secs(10),
             deadline: None,
             blocking: true,
+            slept: None,
         };
         let src = vec![7u8; 1000];
         let mut dst = vec![0u8; 1000];

@@ -583,6 +583,8 @@ pub(super) async fn serve(
                         // Staged frames are served on the connection's own
                         // thread (`serve_on_thread`).
                         blocking: true,
+                        // Only the initiator chooses the path.
+                        slept: None,
                     };
                     let failed: Vec<u32> = (0..guards.len() as u32)
                         .filter(|&i| guards[i as usize].is_err())
