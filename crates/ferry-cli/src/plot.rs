@@ -374,3 +374,164 @@ fn draw_legend(area: &DrawingArea<SVGBackend<'_>, Shift>, lines: &[Series]) -> a
 fn draw_error<E: std::error::Error + Send + Sync>(e: DrawingAreaErrorKind<E>) -> anyhow::Error {
     anyhow::anyhow!("drawing the chart: {e}")
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(op: &str, batch: usize, block: u64, gbps: f64) -> Row {
+        Row {
+            backend: "tcp".to_owned(),
+            target: "loopback".to_owned(),
+            path: None,
+            op: op.to_owned(),
+            api: "sync".to_owned(),
+            block,
+            batch,
+            gbps,
+            raw_tcp_gbps: Some(2.0),
+            memcpy_gbps: Some(8.0),
+            raw_cma_gbps: None,
+        }
+    }
+
+    /// The points of the polyline drawn in the color of the legend entry
+    /// `label` (the sample line drawn right before the label's text).
+    fn line_of(svg: &str, label: &str) -> Vec<(f64, f64)> {
+        let doc = roxmltree::Document::parse(svg).expect("the chart is XML");
+        let mut sample = None;
+        let mut color = None;
+        for n in doc.descendants() {
+            if n.has_tag_name("polyline") {
+                sample = n.attribute("stroke");
+            } else if n.has_tag_name("text") && n.text().map(str::trim) == Some(label) {
+                color = sample;
+            }
+        }
+        let color = color.unwrap_or_else(|| panic!("no legend entry {label:?}"));
+        let lines: Vec<Vec<(f64, f64)>> = doc
+            .descendants()
+            .filter(|n| n.has_tag_name("polyline") && n.attribute("stroke") == Some(color))
+            .map(|n| {
+                n.attribute("points")
+                    .unwrap_or_default()
+                    .split_whitespace()
+                    .map(|p| {
+                        let (x, y) = p.split_once(',').expect("x,y");
+                        (x.parse().expect("x"), y.parse().expect("y"))
+                    })
+                    .collect()
+            })
+            .filter(|l: &Vec<(f64, f64)>| l.len() > 2)
+            .collect();
+        assert_eq!(lines.len(), 1, "one line in {color} for {label:?}");
+        lines.into_iter().next().unwrap_or_default()
+    }
+
+    #[test]
+    fn a_series_of_higher_throughput_is_drawn_higher() {
+        let blocks = [4096, 65536, 1 << 20];
+        let mut rows = Vec::new();
+        for (i, &block) in blocks.iter().enumerate() {
+            rows.push(row("write", 1, block, 0.1 * (i + 1) as f64));
+            rows.push(row("write", 16, block, 1.0 * (i + 1) as f64));
+        }
+        let svg = render(&rows).expect("renders");
+        let slow = line_of(&svg, "write, batch 1");
+        let fast = line_of(&svg, "write, batch 16");
+        assert_eq!(slow.len(), blocks.len());
+        assert_eq!(fast.len(), blocks.len());
+        for (s, f) in slow.iter().zip(&fast) {
+            assert_eq!(s.0, f.0, "same block, same x");
+            // SVG's y grows downwards.
+            assert!(f.1 < s.1, "batch 16 ({f:?}) is drawn above batch 1 ({s:?})");
+        }
+        // Larger blocks are further right, and the baselines are lines too.
+        assert!(slow.windows(2).all(|w| w[0].0 < w[1].0), "{slow:?}");
+        let memcpy = line_of(&svg, "memcpy");
+        let raw_tcp = line_of(&svg, "raw TCP");
+        assert!(memcpy.iter().zip(&raw_tcp).all(|(m, t)| m.1 < t.1));
+    }
+
+    #[test]
+    fn paths_are_named_only_when_rows_differ_in_path() {
+        let mut rows = vec![row("read", 4, 4096, 1.0), row("read", 4, 8192, 2.0)];
+        let labels =
+            |rows: &[Row]| -> Vec<String> { series(rows).into_iter().map(|s| s.label).collect() };
+        assert_eq!(labels(&rows), ["read, batch 4", "raw TCP", "memcpy"]);
+        for r in &mut rows {
+            r.path = Some("cma".to_owned());
+        }
+        assert_eq!(labels(&rows)[0], "read, batch 4");
+        let mut off = rows.clone();
+        for r in &mut off {
+            r.path = Some("tcp (same_host=off)".to_owned());
+            r.raw_cma_gbps = Some(5.0);
+        }
+        rows.extend(off);
+        assert_eq!(
+            labels(&rows),
+            [
+                "cma read, batch 4",
+                "tcp read, batch 4",
+                "raw TCP",
+                "memcpy",
+                "kernel CMA"
+            ]
+        );
+    }
+
+    #[test]
+    fn one_block_size_and_no_baselines_still_draw() {
+        let mut r = row("write", 1, 4096, 0.5);
+        r.raw_tcp_gbps = None;
+        r.memcpy_gbps = None;
+        let svg = render(&[r]).expect("renders");
+        let doc = roxmltree::Document::parse(&svg).expect("XML");
+        let texts: Vec<&str> = doc
+            .descendants()
+            .filter_map(|n| {
+                n.has_tag_name("text")
+                    .then(|| n.text().unwrap_or("").trim())
+            })
+            .collect();
+        assert!(texts.contains(&"write, batch 1"), "{texts:?}");
+        assert!(!texts.contains(&"baselines, same run"), "{texts:?}");
+        assert!(texts.contains(&"4 KiB"), "{texts:?}");
+    }
+
+    #[test]
+    fn nothing_to_plot_is_an_error() {
+        let mut r = row("write", 1, 4096, f64::NAN);
+        r.raw_tcp_gbps = None;
+        r.memcpy_gbps = None;
+        let err = render(&[r]).expect_err("no usable value").to_string();
+        assert!(err.contains("nothing to plot"), "{err}");
+        assert!(render(&[]).is_err());
+    }
+
+    #[test]
+    fn the_plot_path_must_be_svg_in_a_directory_that_exists() {
+        assert!(parse_plot_path("out.svg").is_ok());
+        assert!(parse_plot_path("OUT.SVG").is_ok());
+        for bad in ["out.png", "out", "out.svg.png"] {
+            let err = parse_plot_path(bad).expect_err(bad);
+            assert!(err.contains("SVG") && err.contains("*.svg"), "{bad}: {err}");
+        }
+        let err = parse_plot_path("/no/such/dir/out.svg").expect_err("missing dir");
+        assert!(
+            err.contains("/no/such/dir") && err.contains("does not exist"),
+            "{err}"
+        );
+        assert!(parse_plot_path(".svg").is_err());
+    }
+
+    #[test]
+    fn tick_labels() {
+        assert_eq!(log_ticks(0.3, 30.0), [0.5, 1.0, 2.0, 5.0, 10.0, 20.0]);
+        assert_eq!(log_ticks(1.1, 4.5), [2.0, 3.0, 4.0]);
+        assert_eq!(gbps_label(0.05), "0.05");
+        assert_eq!(gbps_label(0.2), "0.2");
+        assert_eq!(gbps_label(20.0), "20");
+    }
+}
