@@ -122,19 +122,15 @@ enum Marker {
 /// Pairs of (dark, light) colors: one pair per batch size (and path),
 /// dark for the first operation, light for the second. No greys or black:
 /// those are the baselines'.
-const PAIRS: [((u8, u8, u8), (u8, u8, u8)); 7] = [
-    ((0x1f, 0x77, 0xb4), (0x6b, 0xae, 0xd6)),
-    ((0xd9, 0x5f, 0x02), (0xfd, 0xae, 0x6b)),
-    ((0x2c, 0xa0, 0x2c), (0x74, 0xc4, 0x76)),
-    ((0xd6, 0x27, 0x28), (0xfc, 0x92, 0x72)),
-    ((0x94, 0x67, 0xbd), (0xbc, 0xa0, 0xdc)),
-    ((0x17, 0xbe, 0xcf), (0x9e, 0xda, 0xe5)),
-    ((0xe3, 0x77, 0xc2), (0xf7, 0xb6, 0xd2)),
+const PAIRS: [(RGBColor, RGBColor); 7] = [
+    (RGBColor(0x1f, 0x77, 0xb4), RGBColor(0x6b, 0xae, 0xd6)),
+    (RGBColor(0xd9, 0x5f, 0x02), RGBColor(0xfd, 0xae, 0x6b)),
+    (RGBColor(0x2c, 0xa0, 0x2c), RGBColor(0x74, 0xc4, 0x76)),
+    (RGBColor(0xd6, 0x27, 0x28), RGBColor(0xfc, 0x92, 0x72)),
+    (RGBColor(0x94, 0x67, 0xbd), RGBColor(0xbc, 0xa0, 0xdc)),
+    (RGBColor(0x17, 0xbe, 0xcf), RGBColor(0x9e, 0xda, 0xe5)),
+    (RGBColor(0xe3, 0x77, 0xc2), RGBColor(0xf7, 0xb6, 0xd2)),
 ];
-
-fn rgb((r, g, b): (u8, u8, u8)) -> RGBColor {
-    RGBColor(r, g, b)
-}
 
 /// Groups the rows into lines: the measured series first (by path, batch,
 /// operation), then the baselines (one value per block: the last row's,
@@ -187,9 +183,9 @@ fn series(rows: &[Row]) -> Vec<Series> {
                     });
                     let (dark, light) = PAIRS[i % PAIRS.len()];
                     let (color, marker) = if rank == 1 {
-                        (rgb(light), Marker::Triangle)
+                        (light, Marker::Triangle)
                     } else {
-                        (rgb(dark), Marker::Circle)
+                        (dark, Marker::Circle)
                     };
                     let label = match path {
                         Some(p) => format!("{p} {op}, batch {batch}"),
@@ -490,10 +486,8 @@ mod tests {
         let doc = roxmltree::Document::parse(&svg).expect("XML");
         let texts: Vec<&str> = doc
             .descendants()
-            .filter_map(|n| {
-                n.has_tag_name("text")
-                    .then(|| n.text().unwrap_or("").trim())
-            })
+            .filter(|n| n.has_tag_name("text"))
+            .map(|n| n.text().unwrap_or("").trim())
             .collect();
         assert!(texts.contains(&"write, batch 1"), "{texts:?}");
         assert!(!texts.contains(&"baselines, same run"), "{texts:?}");
