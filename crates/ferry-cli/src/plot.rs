@@ -371,6 +371,11 @@ fn draw_error<E: std::error::Error + Send + Sync>(e: DrawingAreaErrorKind<E>) ->
     anyhow::anyhow!("drawing the chart: {e}")
 }
 
+/// Reads the SVG back (shared with tests/plot.rs).
+#[cfg(test)]
+#[path = "../tests/svg_chart/mod.rs"]
+mod svg_chart;
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -391,35 +396,13 @@ mod tests {
         }
     }
 
-    /// The points of the polyline drawn in the color of the legend entry
-    /// `label` (the sample line drawn right before the label's text).
+    /// The points of the one line drawn in the color of the legend entry
+    /// `label`.
     fn line_of(svg: &str, label: &str) -> Vec<(f64, f64)> {
         let doc = roxmltree::Document::parse(svg).expect("the chart is XML");
-        let mut sample = None;
-        let mut color = None;
-        for n in doc.descendants() {
-            if n.has_tag_name("polyline") {
-                sample = n.attribute("stroke");
-            } else if n.has_tag_name("text") && n.text().map(str::trim) == Some(label) {
-                color = sample;
-            }
-        }
-        let color = color.unwrap_or_else(|| panic!("no legend entry {label:?}"));
-        let lines: Vec<Vec<(f64, f64)>> = doc
-            .descendants()
-            .filter(|n| n.has_tag_name("polyline") && n.attribute("stroke") == Some(color))
-            .map(|n| {
-                n.attribute("points")
-                    .unwrap_or_default()
-                    .split_whitespace()
-                    .map(|p| {
-                        let (x, y) = p.split_once(',').expect("x,y");
-                        (x.parse().expect("x"), y.parse().expect("y"))
-                    })
-                    .collect()
-            })
-            .filter(|l: &Vec<(f64, f64)>| l.len() > 2)
-            .collect();
+        let color = svg_chart::legend_color(&doc, label)
+            .unwrap_or_else(|| panic!("no legend entry {label:?}"));
+        let lines = svg_chart::lines_in(&doc, &color);
         assert_eq!(lines.len(), 1, "one line in {color} for {label:?}");
         lines.into_iter().next().unwrap_or_default()
     }

@@ -4,6 +4,8 @@
 use std::collections::BTreeMap;
 use std::process::{Command, Output};
 
+mod svg_chart;
+
 fn ferry(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_ferry"))
         .env_remove("RUST_LOG")
@@ -22,18 +24,6 @@ fn scratch(name: &str) -> std::path::PathBuf {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("scratch directory");
     dir
-}
-
-/// The points of a `<polyline>`.
-fn points(n: roxmltree::Node<'_, '_>) -> Vec<(f64, f64)> {
-    n.attribute("points")
-        .unwrap_or_default()
-        .split_whitespace()
-        .map(|p| {
-            let (x, y) = p.split_once(',').expect("x,y");
-            (x.parse().expect("x"), y.parse().expect("y"))
-        })
-        .collect()
 }
 
 #[test]
@@ -109,18 +99,10 @@ fn bench_plot_draws_one_line_per_series_and_the_baselines() {
     // Each legend entry is a sample line followed by its label; the series
     // is the one polyline of more than two points in the sample's color,
     // with a point per block size measured.
-    let mut sample = None;
-    let mut legend: BTreeMap<String, String> = BTreeMap::new();
-    for n in doc.descendants() {
-        if n.has_tag_name("polyline") && points(n).len() == 2 {
-            sample = n.attribute("stroke");
-        } else if n.has_tag_name("text") {
-            let t = n.text().unwrap_or_default().trim();
-            if let (true, Some(color)) = (blocks_per_series.contains_key(t), sample) {
-                legend.insert(t.to_owned(), color.to_owned());
-            }
-        }
-    }
+    let legend: BTreeMap<String, String> = blocks_per_series
+        .keys()
+        .filter_map(|label| Some((label.clone(), svg_chart::legend_color(&doc, label)?)))
+        .collect();
     assert_eq!(
         legend.keys().collect::<Vec<_>>(),
         blocks_per_series.keys().collect::<Vec<_>>(),
@@ -131,12 +113,7 @@ fn bench_plot_draws_one_line_per_series_and_the_baselines() {
     colors.dedup();
     assert_eq!(colors.len(), legend.len(), "distinct colors: {legend:?}");
     for (label, color) in &legend {
-        let lines: Vec<Vec<(f64, f64)>> = doc
-            .descendants()
-            .filter(|n| n.has_tag_name("polyline") && n.attribute("stroke") == Some(color))
-            .map(points)
-            .filter(|p| p.len() > 2)
-            .collect();
+        let lines = svg_chart::lines_in(&doc, color);
         assert_eq!(lines.len(), 1, "{label}: {lines:?}");
         assert_eq!(
             lines[0].len(),
