@@ -28,6 +28,8 @@ Examples:
   ferry bench
   # a quick look at a few points, machine-readable
   ferry bench --blocks 4KiB,1MiB --batches 1,16 --duration 100ms --json
+  # the sweep as a chart: GB/s against block size, baselines as reference lines
+  ferry bench --plot bench.svg
   # asynchronous batches (submit + wait) in strict mode: nothing emulated
   ferry bench --api async --backend 'tcp://127.0.0.1:0?strict=1'
   # another backend
@@ -132,6 +134,12 @@ pub struct BenchArgs {
     /// Print a JSON array (one object per point) instead of the table.
     #[arg(long)]
     json: bool,
+
+    /// Also draw the rows as a chart into this SVG file: GB/s against block
+    /// size (log axes), one line per batch size and operation, with the
+    /// baselines of the run.
+    #[arg(long, value_name = "FILE.svg", value_parser = crate::plot::parse_plot_path)]
+    plot: Option<std::path::PathBuf>,
 
     /// `--same-host`: the target child's PID, for the kernel-copy baseline
     /// (set internally, not a flag).
@@ -238,12 +246,22 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         return run_same_host(args).await;
     }
     let (results, base_by_block, setup) = sweep(&args).await?;
+    plot(&args, &results)?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&results)?);
     } else {
         print_table(&args, &setup, &results, &base_by_block);
     }
     setup.close().await
+}
+
+/// `--plot`: draws the rows into the SVG file.
+fn plot(args: &BenchArgs, results: &[Point]) -> anyhow::Result<()> {
+    if let Some(path) = &args.plot {
+        crate::plot::write_svg(path, results)?;
+        eprintln!("chart written to {}", path.display());
+    }
+    Ok(())
 }
 
 /// A `ferry serve` child process (killed on drop).
@@ -329,6 +347,7 @@ async fn run_same_host(args: BenchArgs) -> anyhow::Result<()> {
             old.1.close().await?;
         }
     }
+    plot(&args, &results)?;
     if let Some((a, setup)) = last_setup {
         if args.json {
             println!("{}", serde_json::to_string_pretty(&results)?);

@@ -5,6 +5,7 @@
 mod bench;
 mod caps;
 mod metadata_server;
+mod plot;
 mod rawtcp;
 mod serve;
 mod util;
