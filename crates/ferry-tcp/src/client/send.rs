@@ -3,7 +3,7 @@
 //! path), and sending them on a connection in as few system calls as
 //! possible.
 
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use ferry_core::raw::lock;
@@ -114,6 +114,15 @@ impl OutOp {
         )
     }
 
+    /// The payload bytes of a transfer operation (0 for control ones).
+    pub(crate) fn payload_len(&self) -> u64 {
+        match &self.kind {
+            OutKind::Write { len, .. } | OutKind::Read { len, .. } => *len,
+            OutKind::WriteV(parts) | OutKind::ReadV(parts) => parts.iter().map(|p| p.3).sum(),
+            _ => 0,
+        }
+    }
+
     /// The segments of a transfer operation as a CWRITE / CREAD sends
     /// them (`true`: a read); `None` for control operations.
     pub(crate) fn cma_parts(&self) -> Option<(bool, Vec<Part>)> {
@@ -180,6 +189,18 @@ pub(crate) async fn send_ops(
     let mut tables: Vec<Vec<u8>> = Vec::new();
     // Streams of the staged frames, in frame order: (read, pieces).
     let mut staging: Vec<(bool, Vec<stage::Piece>)> = Vec::new();
+    // Whether this call's frames below the kernel-copy size may go through
+    // the area now (`crate::same_host::choice`): all or none of them.
+    let stage_now = conn.stage.as_ref().is_some_and(|st| {
+        let parallel = crate::same_host::cma::PARALLEL_MIN as u64;
+        let bytes = ops
+            .iter()
+            .map(OutOp::payload_len)
+            .filter(|&n| n < parallel)
+            .sum();
+        let peer_slept = st.area.target_slept().load(Ordering::Relaxed);
+        st.choice.stage(bytes, peer_slept)
+    });
     {
         let mut map = lock(&conn.pending);
         if let Some(e) = map.closed.clone() {
@@ -202,7 +223,7 @@ pub(crate) async fn send_ops(
                         total >= st.min as u64
                             && (total < crate::same_host::cma::PARALLEL_MIN as u64
                                 || crate::same_host::cma::helpers() == 0)
-                            && st.choice.stage(total)
+                            && stage_now
                     });
                     if staged {
                         staging.push((
@@ -430,7 +451,7 @@ async fn move_staged(
     staging: &[(bool, Vec<stage::Piece>)],
 ) -> std::result::Result<(), stage::Stop> {
     let alive = || !conn.dead.load(Ordering::Acquire);
-    let slept = AtomicU32::new(0);
+    let slept = AtomicU64::new(0);
     let watch = stage::Watch {
         alive: &alive,
         stall: st.patience,
@@ -475,13 +496,7 @@ async fn move_staged(
         // has failed and its memory went back to the caller.
         unsafe { stage::get(&from_target, &mut cursor.1, &accepted, &watch, Some(&gate)) }.await?;
     }
-    // The longest stream: whether any had to wait for room.
-    let longest = staging
-        .iter()
-        .map(|(_, pieces)| pieces.iter().map(|p| p.len).sum::<usize>())
-        .max()
-        .unwrap_or(0);
-    st.choice.staged(longest, slept.load(Ordering::Relaxed));
+    st.choice.staged(slept.load(Ordering::Relaxed));
     Ok(())
 }
 

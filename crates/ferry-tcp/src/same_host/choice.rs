@@ -7,12 +7,14 @@
 //! other waits: the pipeline moves at the speed of their turns. The kernel
 //! copy needs one thread, the target's, and keeps its speed there (it is
 //! also what frames of 8 MiB and more use). So an initiator whose staged
-//! stream had to sleep for the target (its wait outlasted the spin and
-//! yield phases: the target lost its CPU) sends its next long frames as
-//! kernel copies for a while, then tries the area again: the while doubles
-//! (up to [`MAX_BACKOFF`]) each time the trial sleeps too, and is forgotten
-//! once one does not. Frames that fit in the rings stay staged: they never
-//! wait for the target to make room.
+//! stream had to sleep for the other side (a wait outlasted the spin and
+//! yield phases: that side lost its CPU) sends the frames of its next long
+//! calls as kernel copies for a while, then tries the area again: the while doubles
+//! (up to [`MAX_BACKOFF`]) each time a wait sleeps again, and starts over
+//! once none has for [`FORGET`]. The target tells its own sleeps
+//! (it waits when the initiator lost its CPU) through a counter in the
+//! area. Calls whose frames fit in the rings together stay staged: they
+//! never wait for room.
 //!
 //! Only the initiator chooses, and only between two ways the target
 //! already serves: a target cannot tell, and a peer that makes the
@@ -26,7 +28,9 @@ use super::stage::RING_BYTES;
 /// The first while long frames avoid the area after a staged stream slept.
 pub(crate) const MIN_BACKOFF: Duration = Duration::from_millis(5);
 /// The longest while.
-pub(crate) const MAX_BACKOFF: Duration = Duration::from_millis(200);
+pub(crate) const MAX_BACKOFF: Duration = Duration::from_secs(1);
+/// A sleep this long after the last one starts again from [`MIN_BACKOFF`].
+pub(crate) const FORGET: Duration = Duration::from_secs(3);
 
 /// One connection's choice (see the module's comment).
 #[derive(Debug)]
@@ -34,8 +38,12 @@ pub(crate) struct PathChoice {
     epoch: Instant,
     /// Nanoseconds after `epoch` until which long frames avoid the area.
     avoid_until: AtomicU64,
-    /// The current while, in nanoseconds (0: the last trial did not sleep).
+    /// The current while, in nanoseconds (0: no recent sleep).
     backoff: AtomicU64,
+    /// The target's count of sleeps last seen.
+    peer_seen: AtomicU64,
+    /// Nanoseconds after `epoch` of the last sleep (0: none yet).
+    last_sleep: AtomicU64,
 }
 
 impl Default for PathChoice {
@@ -44,6 +52,8 @@ impl Default for PathChoice {
             epoch: Instant::now(),
             avoid_until: AtomicU64::new(0),
             backoff: AtomicU64::new(0),
+            peer_seen: AtomicU64::new(0),
+            last_sleep: AtomicU64::new(0),
         }
     }
 }
@@ -53,36 +63,51 @@ impl PathChoice {
         self.epoch.elapsed().as_nanos() as u64
     }
 
-    /// Whether a frame of `total` bytes goes through the area (else: a
-    /// kernel copy by the target).
-    pub(crate) fn stage(&self, total: u64) -> bool {
+    /// Whether a call that moves `total` bytes in frames that could be
+    /// staged stages them (else: kernel copies by the target).
+    /// `peer_slept` is the target's count of its sleeps
+    /// ([`super::stage::Area::target_slept`]): one it made since the last
+    /// look counts as a sleep of ours.
+    pub(crate) fn stage(&self, total: u64, peer_slept: u64) -> bool {
+        if self.peer_seen.swap(peer_slept, Ordering::Relaxed) != peer_slept {
+            self.slept();
+        }
         total <= RING_BYTES as u64 || self.now() >= self.avoid_until.load(Ordering::Relaxed)
     }
 
-    /// After a staged stream of `bytes`: `slept` of its waits had to
-    /// sleep. A short stream that did not sleep says nothing about long
-    /// ones (it never waited for room).
-    pub(crate) fn staged(&self, bytes: usize, slept: u32) {
-        if slept == 0 {
-            if bytes > RING_BYTES {
-                self.backoff.store(0, Ordering::Relaxed);
-            }
-            return;
+    /// After a staged stream: `slept` of its waits had to sleep.
+    pub(crate) fn staged(&self, slept: u64) {
+        if slept > 0 {
+            self.slept();
         }
+    }
+
+    /// A wait of either side slept: long calls avoid the area for the next
+    /// while, twice the last one (from [`MIN_BACKOFF`] up to
+    /// [`MAX_BACKOFF`]; back to the first after [`FORGET`] without a
+    /// sleep). Staged streams that do not sleep do not shorten it: under
+    /// CPU pressure most streams run clean and the few that do not cost
+    /// tens of milliseconds each.
+    fn slept(&self) {
+        let now = self.now();
         let min = MIN_BACKOFF.as_nanos() as u64;
         let max = MAX_BACKOFF.as_nanos() as u64;
-        let last = self.backoff.load(Ordering::Relaxed);
+        let last_sleep = self.last_sleep.swap(now, Ordering::Relaxed);
+        let mut last = self.backoff.load(Ordering::Relaxed);
+        if last_sleep == 0 || now.saturating_sub(last_sleep) > FORGET.as_nanos() as u64 {
+            last = 0;
+        }
         let next = if last == 0 {
             tracing::debug!(
-                "same-host: a staged stream waited for the target's CPU; long frames take the \
-                 kernel copy for a while"
+                "same-host: a staged stream waited for a descheduled side; long frames take \
+                 the kernel copy for a while"
             );
             min
         } else {
             (last * 2).min(max)
         };
         self.backoff.store(next, Ordering::Relaxed);
-        self.avoid_until.store(self.now() + next, Ordering::Relaxed);
+        self.avoid_until.store(now + next, Ordering::Relaxed);
     }
 }
 
@@ -90,48 +115,68 @@ impl PathChoice {
 mod tests {
     use super::*;
 
-    const LONG: usize = RING_BYTES + 1;
+    const LONG: u64 = RING_BYTES as u64 + 1;
 
-    #[test]
-    fn a_sleeping_stream_sends_long_frames_to_the_kernel_copy_for_a_while() {
-        let c = PathChoice::default();
-        let long = RING_BYTES as u64 + 1;
-        assert!(c.stage(long) && c.stage(4096));
-        c.staged(LONG, 0);
-        assert!(c.stage(long), "a stream that never slept changes nothing");
-        c.staged(LONG, 3);
-        assert!(!c.stage(long), "long frames avoid the area after a sleep");
-        assert!(
-            c.stage(RING_BYTES as u64),
-            "frames that fit in the rings stay staged"
-        );
-        std::thread::sleep(MIN_BACKOFF + Duration::from_millis(2));
-        assert!(c.stage(long), "the area is tried again after the while");
+    fn backoff(c: &PathChoice) -> Duration {
+        Duration::from_nanos(c.backoff.load(Ordering::Relaxed))
     }
 
     #[test]
-    fn the_while_doubles_while_trials_sleep_and_resets_when_one_does_not() {
+    fn a_sleeping_stream_sends_long_calls_to_the_kernel_copy_for_a_while() {
         let c = PathChoice::default();
-        let ns = |d: Duration| d.as_nanos() as u64;
-        c.staged(LONG, 1);
-        assert_eq!(c.backoff.load(Ordering::Relaxed), ns(MIN_BACKOFF));
-        c.staged(LONG, 1);
-        assert_eq!(c.backoff.load(Ordering::Relaxed), 2 * ns(MIN_BACKOFF));
-        for _ in 0..20 {
-            c.staged(LONG, 1);
-        }
-        assert_eq!(c.backoff.load(Ordering::Relaxed), ns(MAX_BACKOFF));
-        c.staged(4096, 0);
-        assert_eq!(
-            c.backoff.load(Ordering::Relaxed),
-            ns(MAX_BACKOFF),
-            "a short stream that did not sleep resets nothing"
+        assert!(c.stage(LONG, 0) && c.stage(4096, 0));
+        c.staged(0);
+        assert!(
+            c.stage(LONG, 0),
+            "a stream that never slept changes nothing"
         );
-        c.staged(4096, 2);
-        assert_eq!(c.backoff.load(Ordering::Relaxed), ns(MAX_BACKOFF));
-        c.staged(LONG, 0);
-        assert_eq!(c.backoff.load(Ordering::Relaxed), 0);
-        c.staged(LONG, 1);
-        assert_eq!(c.backoff.load(Ordering::Relaxed), ns(MIN_BACKOFF));
+        c.staged(3);
+        assert!(!c.stage(LONG, 0), "long calls avoid the area after a sleep");
+        assert!(
+            c.stage(RING_BYTES as u64, 0),
+            "calls that fit in the rings stay staged"
+        );
+        std::thread::sleep(MIN_BACKOFF + Duration::from_millis(2));
+        assert!(c.stage(LONG, 0), "the area is tried again after the while");
+    }
+
+    #[test]
+    fn a_sleep_of_the_target_counts_too() {
+        let c = PathChoice::default();
+        assert!(c.stage(LONG, 0));
+        assert!(!c.stage(LONG, 1), "the target's count moved: it slept");
+        assert_eq!(backoff(&c), MIN_BACKOFF);
+        assert!(!c.stage(LONG, 1));
+        assert_eq!(backoff(&c), MIN_BACKOFF, "the same count is no new sleep");
+        assert!(!c.stage(LONG, 7));
+        assert_eq!(backoff(&c), 2 * MIN_BACKOFF);
+    }
+
+    #[test]
+    fn the_while_doubles_while_streams_sleep_and_clean_ones_do_not_shorten_it() {
+        // An epoch in the past, so that "long ago" has a time.
+        let c = PathChoice {
+            epoch: Instant::now() - 2 * FORGET,
+            ..Default::default()
+        };
+        c.staged(1);
+        assert_eq!(backoff(&c), MIN_BACKOFF);
+        c.staged(1);
+        assert_eq!(backoff(&c), 2 * MIN_BACKOFF);
+        for _ in 0..20 {
+            c.staged(1);
+        }
+        assert_eq!(backoff(&c), MAX_BACKOFF);
+        c.staged(0);
+        assert_eq!(
+            backoff(&c),
+            MAX_BACKOFF,
+            "a stream that did not sleep changes nothing"
+        );
+        // Long after the last sleep, the next one starts over.
+        c.last_sleep
+            .store(c.now() - FORGET.as_nanos() as u64 - 1, Ordering::Relaxed);
+        c.staged(2);
+        assert_eq!(backoff(&c), MIN_BACKOFF);
     }
 }

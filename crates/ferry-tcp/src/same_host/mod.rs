@@ -27,6 +27,10 @@
 //! processes copying at once ([`stage`]); the target acknowledges staged
 //! requests in the area's lane while the initiator's reader polls it, with
 //! a WAKE frame once it sleeps (a Dekker pair, model-checked with loom).
+//! The area needs both processes on a CPU at once: a call longer than the
+//! rings whose last staged stream had to sleep for the other side (either
+//! side's sleeps count; the target's through a counter in the area) sends
+//! its frames as kernel copies for a while instead ([`choice`]).
 //!
 //! **Invariants.**
 //! - The target copies only into (out of) ranges it checked under their

@@ -38,7 +38,7 @@
 
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 // The counters of the rings and the lane: plain atomics, or loom's when
 // the model checker runs the ring and lane code (`--cfg ferry_loom`, see
@@ -79,6 +79,9 @@ const ACK_HEAD: usize = 256;
 const ACK_TAIL: usize = 320;
 const ACK_POLLING: usize = 384;
 const ACK_RING: usize = 2048;
+/// Offset in the control page of the target's count of its waits that
+/// slept ([`Area::target_slept`]).
+const TARGET_SLEPT: usize = 448;
 
 /// Bytes of an SREAD's verdict (one bit per segment).
 pub const VERDICT_LEN: usize = MAX_SEGMENTS as usize / 8;
@@ -276,6 +279,25 @@ impl Area {
 }
 
 impl Area {
+    /// The target's count of its waits on the initiator that had to sleep
+    /// (the initiator lost its CPU): the target adds to it, the initiator
+    /// reads it only to choose between the area and the kernel copy for
+    /// its long frames ([`crate::same_host::choice`]). Whatever a peer
+    /// writes here changes that choice and nothing else. A target that
+    /// predates it leaves it at zero.
+    pub fn target_slept(&self) -> &std::sync::atomic::AtomicU64 {
+        // SAFETY: the control page holds this u64 at a 64-byte-aligned
+        // offset no other field uses (page-aligned mapping); every access
+        // to it is atomic.
+        unsafe {
+            &*self
+                .base
+                .as_ptr()
+                .add(TARGET_SLEPT)
+                .cast::<std::sync::atomic::AtomicU64>()
+        }
+    }
+
     /// The acknowledgement lane (see [`AckLane`]).
     pub fn acks(&self) -> AckLane<'_> {
         // SAFETY: the control page holds the three counters at 64-byte-
@@ -585,7 +607,7 @@ pub struct Watch<'a> {
     /// Counts the waits that had to sleep: the other side lost its CPU
     /// for longer than the spin and yield phases (see
     /// [`crate::same_host::choice::PathChoice`]).
-    pub slept: Option<&'a AtomicU32>,
+    pub slept: Option<&'a std::sync::atomic::AtomicU64>,
 }
 
 impl Watch<'_> {

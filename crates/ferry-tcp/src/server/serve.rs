@@ -575,6 +575,7 @@ pub(super) async fn serve(
                         return Err(malformed(&stream, &mut out, core, peer, id, reason).await);
                     };
                     let alive = || initiator.alive_for(&stream);
+                    let slept = std::sync::atomic::AtomicU64::new(0);
                     let watch = crate::same_host::stage::Watch {
                         alive: &alive,
                         stall: cfg.stall_timeout,
@@ -583,13 +584,19 @@ pub(super) async fn serve(
                         // Staged frames are served on the connection's own
                         // thread (`serve_on_thread`).
                         blocking: true,
-                        // Only the initiator chooses the path.
-                        slept: None,
+                        // Told to the initiator below: it chooses the path.
+                        slept: Some(&slept),
                     };
                     let failed: Vec<u32> = (0..guards.len() as u32)
                         .filter(|&i| guards[i as usize].is_err())
                         .collect();
                     let moved = staged_copy(st, read, &guards, &plain, &failed, &watch).await;
+                    let slept = slept.into_inner();
+                    if slept > 0 {
+                        st.area
+                            .target_slept()
+                            .fetch_add(slept, std::sync::atomic::Ordering::Relaxed);
+                    }
                     let status = failed_status(&guards);
                     drop(guards);
                     moved.map_err(|stop| {
