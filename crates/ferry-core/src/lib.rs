@@ -10,6 +10,9 @@
 //! - [`CapabilityAdapter`]: gives any engine the whole trait, emulating what
 //!   it lacks with the same observable semantics, or refusing up front in
 //!   strict mode;
+//! - [`layer`]: [`MetricsLayer`] (Prometheus metrics), [`TracingLayer`]
+//!   (a span per batch), [`TimeoutLayer`] (a deadline per call), stacked
+//!   with [`Layer`];
 //! - [`RegionTable`]: the bounds-checked, in-flight-aware table of registered
 //!   regions that backends share;
 //! - [`HostBuffer`] / [`RegisteredBuffer`] / [`RegisteredBuffers`]: safe owned
@@ -110,6 +113,7 @@ mod drain;
 pub mod engine;
 pub mod error;
 mod inbox;
+pub mod layer;
 mod redact;
 pub mod region_table;
 mod secret;
@@ -130,6 +134,7 @@ pub use caps::{
 };
 pub use engine::{BoxFuture, DynTransferEngine, TransferEngine};
 pub use error::{live_batches_full, Error, ErrorKind, IoSource, Queue, Result, Retry, Side};
+pub use layer::{Metrics, MetricsLayer, MetricsSnapshot, TimeoutLayer, TracingLayer};
 pub use region_table::{RegionGuard, RegionTable};
 pub use secret::Secret;
 pub use span::{LocalSpan, RemoteSpan};

@@ -1,0 +1,34 @@
+//! Layers with one job each (tower's `Layer` shape, OpenDAL's layers):
+//! [`MetricsLayer`] counts, [`TracingLayer`] opens a span per batch,
+//! [`TimeoutLayer`] puts a deadline on every call that waits on a peer.
+//!
+//! Each wrapper forwards every [`TransferEngine`](crate::TransferEngine)
+//! method (`#[deny(clippy::missing_trait_methods)]`) and leaves the
+//! capabilities of its inner engine as they are: stack them in any order,
+//! over the [`CapabilityAdapter`](crate::CapabilityAdapter) or under it.
+//!
+//! ```
+//! use ferry_core::inproc::InprocEngine;
+//! use ferry_core::layer::{Metrics, MetricsLayer, TimeoutLayer, TracingLayer};
+//! use ferry_core::{Capabilities, CapabilityAdapter, Layer, TransferEngine};
+//! use std::time::Duration;
+//!
+//! let metrics = Metrics::new();
+//! let engine = CapabilityAdapter::new(InprocEngine::auto(Capabilities::default()));
+//! let engine = TimeoutLayer::new(Duration::from_secs(30)).layer(engine);
+//! let engine = MetricsLayer::new(metrics.clone()).layer(engine);
+//! let engine = TracingLayer::new().layer(engine);
+//! assert_eq!(engine.backend_name(), "inproc");
+//! assert!(metrics.encode().contains("ferry_transfer_bytes_total"));
+//! ```
+
+pub mod metrics;
+mod peers;
+pub mod timeout;
+pub mod tracing;
+
+pub use metrics::{Metrics, MetricsEngine, MetricsLayer, MetricsSnapshot, PeerSnapshot};
+pub use timeout::{TimeoutEngine, TimeoutLayer};
+pub use tracing::{TracingEngine, TracingLayer};
+
+pub use crate::adapter::Layer;

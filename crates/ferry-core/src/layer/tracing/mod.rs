@@ -1,0 +1,246 @@
+//! [`TracingLayer`]: one `tracing` span per transfer and per batch.
+//!
+//! The span is `ferry_batch` at `debug` level (so a `tracing-subscriber`
+//! filter such as `ferry_core=debug`, or `ferry bench -vv`, shows it),
+//! with the fields `engine` (this engine's segment name), `peer` (the
+//! segment name the handle was opened with), `call` (`transfer`,
+//! `batch_transfer`, `submit`), `op` (`read`, `write`, `mixed`), `bytes`,
+//! `requests`, and `outcome` recorded when the call returns: `ok`,
+//! `failed` (some requests failed: `failed` holds how many) or `refused`
+//! (the call failed as a whole: `error` holds the error kind). The
+//! backend's own events inside the call are children of the span.
+//! `open_segment` gets a `ferry_connect` span (engine, peer, outcome).
+
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+
+use tracing::field::Empty;
+use tracing::{Instrument, Span};
+
+use super::peers::{batch_bytes, batch_op, Peers};
+use crate::adapter::Layer;
+use crate::caps::{BackendInfo, Capabilities};
+use crate::engine::TransferEngine;
+use crate::error::Result;
+use crate::layer::metrics::kind_label;
+use crate::types::{
+    BatchId, BatchReport, BatchStatus, MemoryRegion, Notification, SegmentId, TransferRequest,
+};
+
+/// [`Layer`] that wraps engines in a [`TracingEngine`].
+#[derive(Clone, Copy, Debug, Default)]
+pub struct TracingLayer {
+    _private: (),
+}
+
+impl TracingLayer {
+    /// The layer.
+    pub fn new() -> Self {
+        TracingLayer::default()
+    }
+}
+
+impl<E: TransferEngine> Layer<E> for TracingLayer {
+    type Engine = TracingEngine<E>;
+    fn layer(&self, inner: E) -> TracingEngine<E> {
+        TracingEngine {
+            engine: Arc::from(inner.segment_name()),
+            inner,
+            // A span is not a series: peer names are not folded.
+            peers: Peers::new(None),
+        }
+    }
+}
+
+/// Opens a span around each transfer, batch and connection of its inner
+/// engine (see the module docs). Capabilities are the inner engine's.
+pub struct TracingEngine<E> {
+    inner: E,
+    engine: Arc<str>,
+    peers: Peers,
+}
+
+impl<E: TransferEngine> fmt::Debug for TracingEngine<E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TracingEngine")
+            .field("backend", &self.inner.backend_name())
+            .field("engine", &self.engine)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<E> TracingEngine<E> {
+    /// The wrapped engine.
+    pub fn get_ref(&self) -> &E {
+        &self.inner
+    }
+    /// Unwraps.
+    pub fn into_inner(self) -> E {
+        self.inner
+    }
+
+    fn span(&self, call: &'static str, segment: SegmentId, requests: &[TransferRequest]) -> Span {
+        tracing::debug_span!(
+            "ferry_batch",
+            engine = %self.engine,
+            peer = %self.peers.of(segment),
+            call,
+            op = batch_op(requests),
+            bytes = batch_bytes(requests),
+            requests = requests.len(),
+            outcome = Empty,
+            failed = Empty,
+            error = Empty,
+        )
+    }
+}
+
+/// Runs `fut` in `span` and records its outcome there.
+async fn traced<T>(
+    span: Span,
+    fut: impl Future<Output = Result<T>>,
+    failed: impl FnOnce(&T) -> usize,
+) -> Result<T> {
+    let r = fut.instrument(span.clone()).await;
+    if !span.is_disabled() {
+        match &r {
+            Ok(v) => match failed(v) {
+                0 => {
+                    span.record("outcome", "ok");
+                }
+                n => {
+                    span.record("outcome", "failed");
+                    span.record("failed", n);
+                }
+            },
+            Err(e) => {
+                span.record("outcome", "refused");
+                span.record("error", kind_label(e.kind()));
+            }
+        }
+    }
+    r
+}
+
+fn failures(report: &BatchReport) -> usize {
+    report.results.iter().filter(|r| r.is_err()).count()
+}
+
+#[deny(clippy::missing_trait_methods)]
+impl<E: TransferEngine> TransferEngine for TracingEngine<E> {
+    fn backend_name(&self) -> &str {
+        self.inner.backend_name()
+    }
+
+    fn segment_name(&self) -> &str {
+        self.inner.segment_name()
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
+    }
+
+    fn backend_info(&self) -> BackendInfo {
+        self.inner.backend_info()
+    }
+
+    fn register(&self, region: MemoryRegion) -> impl Future<Output = Result<()>> + Send {
+        self.inner.register(region)
+    }
+
+    fn unregister(&self, addr: u64) -> impl Future<Output = Result<()>> + Send {
+        self.inner.unregister(addr)
+    }
+
+    fn batch_register(
+        &self,
+        regions: Vec<MemoryRegion>,
+    ) -> impl Future<Output = Result<()>> + Send {
+        self.inner.batch_register(regions)
+    }
+
+    fn batch_unregister(&self, addrs: &[u64]) -> impl Future<Output = Result<()>> + Send {
+        self.inner.batch_unregister(addrs)
+    }
+
+    async fn open_segment(&self, name: &str) -> Result<SegmentId> {
+        let span = tracing::debug_span!(
+            "ferry_connect",
+            engine = %self.engine,
+            peer = name,
+            outcome = Empty,
+            error = Empty,
+        );
+        let segment = traced(span, self.inner.open_segment(name), |_| 0).await?;
+        self.peers.opened(segment, name);
+        Ok(segment)
+    }
+
+    async fn close_segment(&self, segment: SegmentId) -> Result<()> {
+        self.inner.close_segment(segment).await?;
+        self.peers.closed(segment);
+        Ok(())
+    }
+
+    async fn transfer(&self, segment: SegmentId, request: TransferRequest) -> Result<()> {
+        let span = self.span("transfer", segment, std::slice::from_ref(&request));
+        traced(span, self.inner.transfer(segment, request), |_| 0).await
+    }
+
+    async fn batch_transfer(
+        &self,
+        segment: SegmentId,
+        requests: &[TransferRequest],
+        notify: Option<&Notification>,
+    ) -> Result<BatchReport> {
+        let span = self.span("batch_transfer", segment, requests);
+        traced(
+            span,
+            self.inner.batch_transfer(segment, requests, notify),
+            failures,
+        )
+        .await
+    }
+
+    async fn submit(
+        &self,
+        segment: SegmentId,
+        requests: &[TransferRequest],
+        notify: Option<&Notification>,
+    ) -> Result<BatchId> {
+        let span = self.span("submit", segment, requests);
+        traced(span, self.inner.submit(segment, requests, notify), |_| 0).await
+    }
+
+    fn status(&self, batch: BatchId) -> Result<BatchStatus> {
+        self.inner.status(batch)
+    }
+
+    fn wait(&self, batch: BatchId) -> impl Future<Output = Result<BatchReport>> + Send {
+        self.inner.wait(batch)
+    }
+
+    fn release_batch(&self, batch: BatchId) -> impl Future<Output = Result<()>> + Send {
+        self.inner.release_batch(batch)
+    }
+
+    fn take_notifications(&self) -> impl Future<Output = Result<Vec<Notification>>> + Send {
+        self.inner.take_notifications()
+    }
+
+    fn next_notification(
+        &self,
+        name: Option<&str>,
+    ) -> impl Future<Output = Result<Notification>> + Send {
+        self.inner.next_notification(name)
+    }
+
+    fn live_batches(&self) -> Option<usize> {
+        self.inner.live_batches()
+    }
+
+    fn shutdown(&self) -> impl Future<Output = Result<()>> + Send {
+        self.inner.shutdown()
+    }
+}
