@@ -371,7 +371,7 @@ const FAILURE_LABELS: [&str; 17] = [
 /// [`Layer`] that wraps engines in a [`MetricsEngine`].
 #[derive(Clone, Debug)]
 pub struct MetricsLayer {
-    metrics: Metrics,
+    metrics: Option<Metrics>,
     peer_limit: usize,
     native: Option<Capabilities>,
 }
@@ -380,7 +380,18 @@ impl MetricsLayer {
     /// Counts into `metrics`.
     pub fn new(metrics: Metrics) -> Self {
         MetricsLayer {
-            metrics,
+            metrics: Some(metrics),
+            peer_limit: DEFAULT_PEER_LIMIT,
+            native: None,
+        }
+    }
+
+    /// A layer whose engines count nothing and forward every call: metrics
+    /// switched off without changing the engine's type (what
+    /// `ferry::EngineConfig::metrics(None)` uses).
+    pub fn disabled() -> Self {
+        MetricsLayer {
+            metrics: None,
             peer_limit: DEFAULT_PEER_LIMIT,
             native: None,
         }
@@ -407,8 +418,11 @@ impl MetricsLayer {
 impl<E: TransferEngine> Layer<E> for MetricsLayer {
     type Engine = MetricsEngine<E>;
     fn layer(&self, inner: E) -> MetricsEngine<E> {
+        let Some(metrics) = &self.metrics else {
+            return MetricsEngine { inner, state: None };
+        };
         let state = Arc::new(EngineState {
-            metrics: self.metrics.clone(),
+            metrics: metrics.clone(),
             engine: inner.segment_name().to_owned(),
             peers: Peers::new(Some(self.peer_limit)),
             regions: Mutex::new(HashMap::new()),
@@ -416,11 +430,14 @@ impl<E: TransferEngine> Layer<E> for MetricsLayer {
             native: self.native,
         });
         {
-            let mut list = lock(&self.metrics.shared.engines);
+            let mut list = lock(&metrics.shared.engines);
             list.retain(|w| w.strong_count() > 0);
             list.push(Arc::downgrade(&state));
         }
-        MetricsEngine { inner, state }
+        MetricsEngine {
+            inner,
+            state: Some(state),
+        }
     }
 }
 
@@ -704,17 +721,18 @@ impl Drop for InFlight<'_> {
 }
 
 /// Counts what its inner engine does into a [`Metrics`] (see the module
-/// docs for the series). Capabilities are the inner engine's.
+/// docs for the series). Capabilities are the inner engine's. Made by
+/// [`MetricsLayer::disabled`], it forwards every call and counts nothing.
 pub struct MetricsEngine<E> {
     inner: E,
-    state: Arc<EngineState>,
+    state: Option<Arc<EngineState>>,
 }
 
 impl<E: TransferEngine> fmt::Debug for MetricsEngine<E> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("MetricsEngine")
             .field("backend", &self.inner.backend_name())
-            .field("engine", &self.state.engine)
+            .field("counting", &self.state.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -728,24 +746,31 @@ impl<E> MetricsEngine<E> {
     pub fn into_inner(self) -> E {
         self.inner
     }
-    /// The metrics this engine counts into.
-    pub fn metrics(&self) -> &Metrics {
-        &self.state.metrics
-    }
-    /// This engine's numbers now.
-    pub fn snapshot(&self) -> MetricsSnapshot {
-        self.state.snapshot()
+    /// The metrics this engine counts into (`None` when disabled).
+    pub fn metrics(&self) -> Option<&Metrics> {
+        self.state.as_ref().map(|s| &s.metrics)
     }
 }
 
 impl<E: TransferEngine> MetricsEngine<E> {
+    /// This engine's numbers now (all zero when disabled).
+    pub fn snapshot(&self) -> MetricsSnapshot {
+        match &self.state {
+            Some(s) => s.snapshot(),
+            None => MetricsSnapshot {
+                engine: self.inner.segment_name().to_owned(),
+                ..MetricsSnapshot::default()
+            },
+        }
+    }
+
     /// Forgets the async batches whose ids the engine no longer knows
     /// (dropped by the caller and reclaimed by the engine): without it
     /// the table would grow with every batch never waited for. Runs only
-    /// when the table holds more than the engine can have live.
-    fn prune_pending(&self) {
+    /// when the table holds as many as the engine can have live.
+    fn prune_pending(&self, s: &EngineState) {
         let ids: Vec<BatchId> = {
-            let pending = lock(&self.state.pending);
+            let pending = lock(&s.pending);
             if pending.len() < crate::MAX_LIVE_BATCHES {
                 return;
             }
@@ -755,14 +780,10 @@ impl<E: TransferEngine> MetricsEngine<E> {
             .into_iter()
             .filter(|id| self.inner.status(*id).is_err())
             .collect();
-        let mut pending = lock(&self.state.pending);
+        let mut pending = lock(&s.pending);
         for id in gone {
             if pending.remove(&id).is_some() {
-                self.state
-                    .f()
-                    .in_flight
-                    .get_or_create(&self.state.engine_labels())
-                    .dec();
+                s.f().in_flight.get_or_create(&s.engine_labels()).dec();
             }
         }
     }
@@ -787,37 +808,47 @@ impl<E: TransferEngine> TransferEngine for MetricsEngine<E> {
     }
 
     async fn register(&self, region: MemoryRegion) -> Result<()> {
+        let Some(s) = &self.state else {
+            return self.inner.register(region).await;
+        };
         let (addr, len) = (region.addr(), region.len());
-        self.state.refused(self.inner.register(region).await)?;
-        self.state.registered(addr, len);
+        s.refused(self.inner.register(region).await)?;
+        s.registered(addr, len);
         Ok(())
     }
 
     async fn unregister(&self, addr: u64) -> Result<()> {
         self.inner.unregister(addr).await?;
-        self.state.unregistered(addr);
+        if let Some(s) = &self.state {
+            s.unregistered(addr);
+        }
         Ok(())
     }
 
     async fn batch_register(&self, regions: Vec<MemoryRegion>) -> Result<()> {
-        self.state.emulated(Operation::BatchRegister);
+        let Some(s) = &self.state else {
+            return self.inner.batch_register(regions).await;
+        };
+        s.emulated(Operation::BatchRegister);
         let spans: Vec<(u64, u64)> = regions.iter().map(|r| (r.addr(), r.len())).collect();
-        self.state
-            .refused(self.inner.batch_register(regions).await)?;
+        s.refused(self.inner.batch_register(regions).await)?;
         for (addr, len) in spans {
-            self.state.registered(addr, len);
+            s.registered(addr, len);
         }
         Ok(())
     }
 
     async fn batch_unregister(&self, addrs: &[u64]) -> Result<()> {
-        self.state.emulated(Operation::BatchUnregister);
+        let Some(s) = &self.state else {
+            return self.inner.batch_unregister(addrs).await;
+        };
+        s.emulated(Operation::BatchUnregister);
         let r = self.inner.batch_unregister(addrs).await;
         // Every address is attempted; on an error the layer cannot tell
-        // which ones went, and counts those it still tracks as registered.
+        // which ones went, and keeps counting them as registered.
         if r.is_ok() {
             for &addr in addrs {
-                self.state.unregistered(addr);
+                s.unregistered(addr);
             }
         }
         r
@@ -825,23 +856,29 @@ impl<E: TransferEngine> TransferEngine for MetricsEngine<E> {
 
     async fn open_segment(&self, name: &str) -> Result<SegmentId> {
         let segment = self.inner.open_segment(name).await?;
-        self.state.peers.opened(segment, name);
+        if let Some(s) = &self.state {
+            s.peers.opened(segment, name);
+        }
         Ok(segment)
     }
 
     async fn close_segment(&self, segment: SegmentId) -> Result<()> {
         self.inner.close_segment(segment).await?;
-        self.state.peers.closed(segment);
+        if let Some(s) = &self.state {
+            s.peers.closed(segment);
+        }
         Ok(())
     }
 
     async fn transfer(&self, segment: SegmentId, request: TransferRequest) -> Result<()> {
-        let _flight = self.state.in_flight();
+        let Some(s) = &self.state else {
+            return self.inner.transfer(segment, request).await;
+        };
+        let _flight = s.in_flight();
         let started = Instant::now();
-        let r = self.inner.transfer(segment, request).await;
-        let results = [r];
-        self.state.record(
-            &self.state.peers.of(segment),
+        let results = [self.inner.transfer(segment, request).await];
+        s.record(
+            &s.peers.of(segment),
             "transfer",
             std::iter::once((request.op, request.len)),
             Ok(&results),
@@ -858,16 +895,19 @@ impl<E: TransferEngine> TransferEngine for MetricsEngine<E> {
         requests: &[TransferRequest],
         notify: Option<&Notification>,
     ) -> Result<BatchReport> {
-        self.state.emulated(Operation::BatchTransfer);
-        let _flight = self.state.in_flight();
+        let Some(s) = &self.state else {
+            return self.inner.batch_transfer(segment, requests, notify).await;
+        };
+        s.emulated(Operation::BatchTransfer);
+        let _flight = s.in_flight();
         let started = Instant::now();
         let r = self.inner.batch_transfer(segment, requests, notify).await;
         let results = match &r {
             Ok(report) => Ok(&report.results[..]),
             Err(e) => Err(e),
         };
-        self.state.record(
-            &self.state.peers.of(segment),
+        s.record(
+            &s.peers.of(segment),
             "batch_transfer",
             requests.iter().map(|r| (r.op, r.len)),
             results,
@@ -883,18 +923,17 @@ impl<E: TransferEngine> TransferEngine for MetricsEngine<E> {
         requests: &[TransferRequest],
         notify: Option<&Notification>,
     ) -> Result<BatchId> {
-        self.state.emulated(Operation::AsyncBatch);
+        let Some(s) = &self.state else {
+            return self.inner.submit(segment, requests, notify).await;
+        };
+        s.emulated(Operation::AsyncBatch);
         let started = Instant::now();
-        let peer = self.state.peers.of(segment);
+        let peer = s.peers.of(segment);
         match self.inner.submit(segment, requests, notify).await {
             Ok(id) => {
-                self.prune_pending();
-                self.state
-                    .f()
-                    .in_flight
-                    .get_or_create(&self.state.engine_labels())
-                    .inc();
-                lock(&self.state.pending).insert(
+                self.prune_pending(s);
+                s.f().in_flight.get_or_create(&s.engine_labels()).inc();
+                lock(&s.pending).insert(
                     id,
                     Pending {
                         peer,
@@ -906,7 +945,7 @@ impl<E: TransferEngine> TransferEngine for MetricsEngine<E> {
                 Ok(id)
             }
             Err(e) => {
-                self.state.record(
+                s.record(
                     &peer,
                     "async_batch",
                     requests.iter().map(|r| (r.op, r.len)),
@@ -924,32 +963,34 @@ impl<E: TransferEngine> TransferEngine for MetricsEngine<E> {
     }
 
     async fn wait(&self, batch: BatchId) -> Result<BatchReport> {
-        self.state.emulated(Operation::BatchWait);
+        let Some(s) = &self.state else {
+            return self.inner.wait(batch).await;
+        };
+        s.emulated(Operation::BatchWait);
         let r = self.inner.wait(batch).await;
         match &r {
-            Ok(report) => self.state.finish_batch(batch, Ok(&report.results)),
+            Ok(report) => s.finish_batch(batch, Ok(&report.results)),
             // Not a batch of this engine's (any more): nothing to count.
             Err(e) if e.kind() == ErrorKind::UnknownHandle => {}
-            Err(e) => self.state.finish_batch(batch, Err(e)),
+            Err(e) => s.finish_batch(batch, Err(e)),
         }
         r
     }
 
     async fn release_batch(&self, batch: BatchId) -> Result<()> {
+        let Some(s) = &self.state else {
+            return self.inner.release_batch(batch).await;
+        };
         // The results, if the batch is finished (release refuses it
         // otherwise).
-        let report = self.inner.status(batch).ok().and_then(|s| s.to_report());
+        let report = self.inner.status(batch).ok().and_then(|st| st.to_report());
         self.inner.release_batch(batch).await?;
         match report {
-            Some(report) => self.state.finish_batch(batch, Ok(&report.results)),
+            Some(report) => s.finish_batch(batch, Ok(&report.results)),
             None => {
                 // Released without results to count: stop tracking it.
-                if lock(&self.state.pending).remove(&batch).is_some() {
-                    self.state
-                        .f()
-                        .in_flight
-                        .get_or_create(&self.state.engine_labels())
-                        .dec();
+                if lock(&s.pending).remove(&batch).is_some() {
+                    s.f().in_flight.get_or_create(&s.engine_labels()).dec();
                 }
             }
         }
@@ -958,11 +999,10 @@ impl<E: TransferEngine> TransferEngine for MetricsEngine<E> {
 
     async fn take_notifications(&self) -> Result<Vec<Notification>> {
         let notes = self.inner.take_notifications().await?;
-        if !notes.is_empty() {
-            self.state
-                .f()
+        if let Some(s) = self.state.as_ref().filter(|_| !notes.is_empty()) {
+            s.f()
                 .notes_received
-                .get_or_create(&self.state.engine_labels())
+                .get_or_create(&s.engine_labels())
                 .inc_by(notes.len() as u64);
         }
         Ok(notes)
@@ -970,11 +1010,9 @@ impl<E: TransferEngine> TransferEngine for MetricsEngine<E> {
 
     async fn next_notification(&self, name: Option<&str>) -> Result<Notification> {
         let note = self.inner.next_notification(name).await?;
-        self.state
-            .f()
-            .notes_received
-            .get_or_create(&self.state.engine_labels())
-            .inc();
+        if let Some(s) = &self.state {
+            s.f().notes_received.get_or_create(&s.engine_labels()).inc();
+        }
         Ok(note)
     }
 

@@ -29,15 +29,27 @@ use crate::types::{
 };
 
 /// [`Layer`] that wraps engines in a [`TracingEngine`].
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug)]
 pub struct TracingLayer {
-    _private: (),
+    enabled: bool,
+}
+
+impl Default for TracingLayer {
+    fn default() -> Self {
+        TracingLayer::new()
+    }
 }
 
 impl TracingLayer {
     /// The layer.
     pub fn new() -> Self {
-        TracingLayer::default()
+        TracingLayer { enabled: true }
+    }
+
+    /// A layer whose engines open no spans and forward every call:
+    /// tracing switched off without changing the engine's type.
+    pub fn disabled() -> Self {
+        TracingLayer { enabled: false }
     }
 }
 
@@ -49,6 +61,7 @@ impl<E: TransferEngine> Layer<E> for TracingLayer {
             inner,
             // A span is not a series: peer names are not folded.
             peers: Peers::new(None),
+            enabled: self.enabled,
         }
     }
 }
@@ -59,6 +72,7 @@ pub struct TracingEngine<E> {
     inner: E,
     engine: Arc<str>,
     peers: Peers,
+    enabled: bool,
 }
 
 impl<E: TransferEngine> fmt::Debug for TracingEngine<E> {
@@ -81,6 +95,9 @@ impl<E> TracingEngine<E> {
     }
 
     fn span(&self, call: &'static str, segment: SegmentId, requests: &[TransferRequest]) -> Span {
+        if !self.enabled {
+            return Span::none();
+        }
         tracing::debug_span!(
             "ferry_batch",
             engine = %self.engine,
@@ -165,6 +182,9 @@ impl<E: TransferEngine> TransferEngine for TracingEngine<E> {
     }
 
     async fn open_segment(&self, name: &str) -> Result<SegmentId> {
+        if !self.enabled {
+            return self.inner.open_segment(name).await;
+        }
         let span = tracing::debug_span!(
             "ferry_connect",
             engine = %self.engine,
@@ -179,7 +199,9 @@ impl<E: TransferEngine> TransferEngine for TracingEngine<E> {
 
     async fn close_segment(&self, segment: SegmentId) -> Result<()> {
         self.inner.close_segment(segment).await?;
-        self.peers.closed(segment);
+        if self.enabled {
+            self.peers.closed(segment);
+        }
         Ok(())
     }
 
@@ -242,5 +264,77 @@ impl<E: TransferEngine> TransferEngine for TracingEngine<E> {
 
     fn shutdown(&self) -> impl Future<Output = Result<()>> + Send {
         self.inner.shutdown()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+    use std::sync::{Arc, Mutex};
+
+    use super::*;
+    use crate::inproc::InprocEngine;
+    use crate::{DynTransferEngine, RegisteredBuffer};
+
+    /// What the subscriber wrote.
+    #[derive(Clone, Default)]
+    struct Sink(Arc<Mutex<Vec<u8>>>);
+
+    impl Write for Sink {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            crate::raw::lock(&self.0).extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    async fn one_batch(layer: TracingLayer) -> String {
+        let sink = Sink::default();
+        let out = sink.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::DEBUG)
+            .with_span_events(tracing_subscriber::fmt::format::FmtSpan::CLOSE)
+            .with_ansi(false)
+            .with_writer(move || sink.clone())
+            .finish();
+        let _guard = tracing::subscriber::set_default(subscriber);
+        let a = Arc::new(layer.layer(InprocEngine::auto(Capabilities::all())));
+        let b: Arc<dyn DynTransferEngine> = Arc::new(InprocEngine::auto(Capabilities::all()));
+        let src = RegisteredBuffer::new(Arc::clone(&a), 256).await.unwrap();
+        let dst = RegisteredBuffer::new(Arc::clone(&b), 256).await.unwrap();
+        let peer = a.open_segment(b.segment_name()).await.unwrap();
+        let requests = [
+            TransferRequest::write(src.addr(), dst.addr(), 100),
+            TransferRequest::write(src.addr(), dst.addr() + 4096, 10),
+        ];
+        let report = a.batch_transfer(peer, &requests, None).await.unwrap();
+        assert_eq!(report.failures().count(), 1);
+        let text = String::from_utf8_lossy(&crate::raw::lock(&out.0)).into_owned();
+        text
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_batch_closes_one_span_with_its_fields_and_outcome() {
+        let text = one_batch(TracingLayer::new()).await;
+        let batch: Vec<&str> = text
+            .lines()
+            .filter(|l| l.contains("ferry_batch") && l.contains("close"))
+            .collect();
+        assert_eq!(batch.len(), 1, "{text}");
+        for field in [
+            "call=\"batch_transfer\"",
+            "op=\"write\"",
+            "bytes=110",
+            "requests=2",
+            "outcome=\"failed\"",
+            "failed=1",
+        ] {
+            assert!(batch[0].contains(field), "{field} missing in {}", batch[0]);
+        }
+        assert!(text.contains("ferry_connect"), "{text}");
+        let off = one_batch(TracingLayer::disabled()).await;
+        assert!(!off.contains("ferry_batch"), "{off}");
     }
 }
