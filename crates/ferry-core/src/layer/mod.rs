@@ -9,15 +9,15 @@
 //!
 //! ```
 //! use ferry_core::inproc::InprocEngine;
-//! use ferry_core::layer::{Metrics, MetricsLayer, TimeoutLayer, TracingLayer};
-//! use ferry_core::{Capabilities, CapabilityAdapter, Layer, TransferEngine};
+//! use ferry_core::layer::{LayerExt, Metrics, MetricsLayer, TimeoutLayer, TracingLayer};
+//! use ferry_core::{Capabilities, CapabilityAdapter, TransferEngine};
 //! use std::time::Duration;
 //!
 //! let metrics = Metrics::new();
-//! let engine = CapabilityAdapter::new(InprocEngine::auto(Capabilities::default()));
-//! let engine = TimeoutLayer::new(Duration::from_secs(30)).layer(engine);
-//! let engine = MetricsLayer::new(metrics.clone()).layer(engine);
-//! let engine = TracingLayer::new().layer(engine);
+//! let engine = CapabilityAdapter::new(InprocEngine::auto(Capabilities::default()))
+//!     .layer(TimeoutLayer::new(Duration::from_secs(30)))
+//!     .layer(MetricsLayer::new(metrics.clone()))
+//!     .layer(TracingLayer::new());
 //! assert_eq!(engine.backend_name(), "inproc");
 //! assert!(metrics.encode().contains("ferry_transfer_bytes_total"));
 //! ```
@@ -32,3 +32,14 @@ pub use timeout::{TimeoutEngine, TimeoutLayer};
 pub use tracing::{TracingEngine, TracingLayer};
 
 pub use crate::adapter::Layer;
+
+/// `engine.layer(L)` on every engine: wraps it in `L` (so that layers
+/// chain: `engine.layer(a).layer(b)`; `b` ends up outermost).
+pub trait LayerExt: crate::TransferEngine + Sized {
+    /// Wraps `self` in `layer`.
+    fn layer<L: Layer<Self>>(self, layer: L) -> L::Engine {
+        layer.layer(self)
+    }
+}
+
+impl<E: crate::TransferEngine> LayerExt for E {}

@@ -1,0 +1,146 @@
+//! The conformance suite through a stack of every layer (timeout, metrics,
+//! tracing, capability adapter) on the in-process engine and on TCP, and
+//! the facade's metrics counting what moved.
+#![cfg(feature = "tcp")]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use ferry::{
+    Engine, EngineConfig, Layer, LayerExt, Metrics, MetricsLayer, RegisteredBuffer, Result,
+    TimeoutLayer, TracingLayer, TransferEngine, TransferRequest,
+};
+use ferry_core::conformance::{EngineFactory, InprocFactory};
+use ferry_core::inproc::InprocEngine;
+use ferry_core::{Capabilities, CapabilityAdapter, DynTransferEngine};
+
+/// Far longer than any check takes: the deadline is there, never reached.
+const DEADLINE: Duration = Duration::from_secs(120);
+
+/// In-process engines with `caps` natively, under every layer.
+struct InprocStack(Capabilities);
+
+#[async_trait::async_trait]
+impl EngineFactory for InprocStack {
+    async fn create(&self) -> Result<Arc<dyn DynTransferEngine>> {
+        let adapted = CapabilityAdapter::new(InprocEngine::auto(self.0));
+        let native = adapted.report().native;
+        let timed = TimeoutLayer::new(DEADLINE).layer(adapted);
+        let counted = MetricsLayer::new(Metrics::new())
+            .native(native)
+            .layer(timed);
+        Ok(Arc::new(TracingLayer::new().layer(counted)))
+    }
+
+    async fn refuse_notifications(&self, engine: &Arc<dyn DynTransferEngine>) -> Result<bool> {
+        InprocFactory::new(self.0)
+            .refuse_notifications(engine)
+            .await
+    }
+}
+
+/// Nothing optional native: every emulation runs under the layers.
+mod inproc_none {
+    use super::*;
+    ferry_core::conformance_tests!(InprocStack(Capabilities::default()));
+}
+
+/// Everything native: the layers forward native batches.
+mod inproc_all {
+    use super::*;
+    ferry_core::conformance_tests!(InprocStack(Capabilities::all()));
+}
+
+/// TCP engines opened through the facade (its default stack), with every
+/// layer stacked once more on top through `Engine::layer`.
+struct TcpStack;
+
+#[async_trait::async_trait]
+impl EngineFactory for TcpStack {
+    async fn create(&self) -> Result<Arc<dyn DynTransferEngine>> {
+        let engine = Engine::open("tcp://127.0.0.1:0?secret=layers")
+            .await?
+            .layer(TimeoutLayer::new(DEADLINE))
+            .layer(MetricsLayer::new(Metrics::new()))
+            .layer(TracingLayer::new());
+        Ok(Arc::new(engine))
+    }
+
+    fn unknown_segment_name(&self) -> String {
+        // A port nothing listens on (bound, then released).
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = l.local_addr().expect("addr");
+        drop(l);
+        addr.to_string()
+    }
+}
+
+mod tcp {
+    use super::*;
+    ferry_core::conformance_tests!(TcpStack);
+}
+
+async fn open(metrics: Option<Metrics>) -> Engine {
+    let config = EngineConfig::from_url("tcp://127.0.0.1:0")
+        .expect("url")
+        .metrics(metrics);
+    Engine::start(config).await.expect("engine starts")
+}
+
+#[tokio::test]
+async fn engine_metrics_count_the_bytes_moved_per_peer() {
+    let metrics = Metrics::new();
+    let prefill = Arc::new(open(Some(metrics.clone())).await);
+    let decode = Arc::new(open(Some(metrics.clone())).await);
+    let src = RegisteredBuffer::new(Arc::clone(&prefill), 64 << 10)
+        .await
+        .unwrap();
+    let dst = RegisteredBuffer::new(Arc::clone(&decode), 64 << 10)
+        .await
+        .unwrap();
+    let peer = prefill.open_segment(decode.segment_name()).await.unwrap();
+    let blocks: Vec<TransferRequest> = (0..16u64)
+        .map(|i| TransferRequest::write(src.addr() + i * 4096, dst.addr() + i * 4096, 4096))
+        .collect();
+    prefill
+        .batch_transfer(peer, &blocks, None)
+        .await
+        .unwrap()
+        .into_result()
+        .unwrap();
+    prefill
+        .transfer(peer, TransferRequest::read(src.addr(), dst.addr(), 100))
+        .await
+        .unwrap();
+
+    let snap = prefill.metrics();
+    assert_eq!(snap.engine, prefill.segment_name());
+    let p = &snap.peers[decode.segment_name()];
+    assert_eq!(p.bytes_written, 16 * 4096);
+    assert_eq!(p.bytes_read, 100);
+    assert_eq!(p.requests_ok, 17);
+    assert_eq!(snap.requests_failed(), 0);
+    assert_eq!(snap.registered_bytes, 64 << 10);
+    assert_eq!(snap.batches_in_flight, 0);
+    // TCP has every batch operation natively: nothing emulated.
+    assert!(snap.emulated.is_empty(), "{snap:?}");
+    // Both engines count into the same registry, each under its own label.
+    assert_eq!(metrics.snapshots().len(), 2);
+    assert_eq!(decode.metrics().bytes_total(), 0);
+    assert!(prefill.metrics_registry().is_some());
+
+    // Metrics off: nothing counted, the engine works the same.
+    let quiet = Arc::new(open(None).await);
+    let buf = RegisteredBuffer::new(Arc::clone(&quiet), 4096)
+        .await
+        .unwrap();
+    let seg = quiet.open_segment(decode.segment_name()).await.unwrap();
+    quiet
+        .transfer(seg, TransferRequest::write(buf.addr(), dst.addr(), 4096))
+        .await
+        .unwrap();
+    assert_eq!(quiet.metrics().bytes_total(), 0);
+    assert!(quiet.metrics_registry().is_none());
+    // The default stack's capability report is the adapter's.
+    assert_eq!(prefill.report().effective, prefill.capabilities());
+}
