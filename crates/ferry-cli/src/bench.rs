@@ -81,6 +81,12 @@ pub struct BenchArgs {
     #[arg(long, conflicts_with = "peer")]
     same_host: bool,
 
+    /// Serve this process's engine metrics at `http://ADDR/metrics`
+    /// while the bench runs (Prometheus text exposition; port 0 picks one,
+    /// printed to stderr).
+    #[arg(long, value_name = "ADDR")]
+    metrics_listen: Option<String>,
+
     /// Block sizes (bytes per request), comma-separated.
     #[arg(long, value_delimiter = ',', value_parser = parse_positive_size,
           default_value = "4KiB,16KiB,64KiB,256KiB,1MiB,4MiB,16MiB")]
@@ -233,6 +239,10 @@ struct Setup {
 pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     if args.ops.is_empty() || args.blocks.is_empty() || args.batches.is_empty() {
         bail!("--ops, --blocks and --batches each need at least one value");
+    }
+    if let Some(addr) = &args.metrics_listen {
+        let bound = crate::metrics_http::start(addr, ferry::Metrics::global().clone()).await?;
+        eprintln!("metrics: http://{bound}/metrics");
     }
     if args.same_host {
         return run_same_host(args).await;
