@@ -156,6 +156,7 @@ pub mod raw {
     pub use crate::drain::{Active, Drain};
     pub use crate::error::live_batches_full;
     pub use crate::inbox::{notification_cost, Closed, Inbox, PushRefused};
+    pub use crate::layer::{CoalesceEngine, CoalesceLayer};
     pub use crate::redact::{is_secret_key, redact_url};
     pub use crate::region_table::{RegionGuard, RegionTable, Removal};
     pub use crate::url::ParsedUrl;

@@ -9,8 +9,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use ferry::{
     AdapterConfig, BatchId, BatchReport, Capabilities, CapabilityAdapter, CapabilityReport, Engine,
     LayerExt, Location, MemoryRegion, Metrics, MetricsLayer, MetricsSnapshot, Notification,
-    Operation, SegmentId, TracingLayer, TransferEngine, TransferOp, TransferRequest,
-    TransferState,
+    Operation, SegmentId, TracingLayer, TransferEngine, TransferOp, TransferRequest, TransferState,
 };
 use ferry_core::inproc::InprocEngine;
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};

@@ -1,9 +1,18 @@
 //! Merging of contiguous requests (SGLang's `group_concurrent_contiguous`,
-//! done once here for every backend).
+//! done once here for every backend): [`coalesce`], the batch path built
+//! on it, and [`CoalesceLayer`], that path as a layer of its own.
 
+use std::fmt;
+use std::future::Future;
 use std::ops::Range;
 
-use crate::types::TransferRequest;
+use crate::adapter::Layer;
+use crate::caps::{BackendInfo, Capabilities};
+use crate::engine::TransferEngine;
+use crate::error::{Error, Result};
+use crate::types::{
+    BatchId, BatchReport, BatchStatus, MemoryRegion, Notification, SegmentId, TransferRequest,
+};
 
 /// A batch after coalescing: the requests to issue and, for each, the range
 /// of caller indices it stands for.
@@ -61,6 +70,248 @@ pub fn coalesce(requests: &[TransferRequest], enabled: bool, max_len: u64) -> Co
     out
 }
 
+/// Issues a batch of already-coalesced requests: one result per request,
+/// `Err` when refused as a whole.
+pub(crate) trait Issue {
+    fn issue(
+        &self,
+        requests: &[TransferRequest],
+        notify: Option<&Notification>,
+    ) -> impl Future<Output = Result<Vec<Result<()>>>> + Send;
+}
+
+/// The coalescing batch path: coalesce, issue, retry the constituents of
+/// merged requests that failed on an address check (a merged range may
+/// straddle two adjacent regions that each request alone stays inside),
+/// send the notification if the retry made the batch whole, map back.
+pub(crate) async fn run_coalesced(
+    exec: &impl Issue,
+    requests: &[TransferRequest],
+    notify: Option<&Notification>,
+    enabled: bool,
+    max_len: u64,
+) -> Result<Vec<Result<()>>> {
+    let plan = coalesce(requests, enabled, max_len);
+    let merged = exec.issue(&plan.requests, notify).await?;
+    let mut results = plan.expand(&merged);
+    let retry: Vec<usize> = plan
+        .groups
+        .iter()
+        .zip(&merged)
+        .filter(|(g, r)| g.len() > 1 && matches!(r, Err(Error::AddressNotRegistered { .. })))
+        .flat_map(|(g, _)| g.clone())
+        .collect();
+    if !retry.is_empty() {
+        let singles: Vec<TransferRequest> = retry.iter().map(|&i| requests[i]).collect();
+        // Bytes of the batch have moved by now: a refusal of the retry is
+        // reported per request, not for the batch as a whole.
+        let again = exec
+            .issue(&singles, None)
+            .await
+            .unwrap_or_else(|e| vec![Err(e); singles.len()]);
+        for (i, r) in retry.into_iter().zip(again) {
+            results[i] = r;
+        }
+        let first_try_ok = merged.iter().all(Result::is_ok);
+        if notify.is_some() && !first_try_ok && results.iter().all(Result::is_ok) {
+            exec.issue(&[], notify).await?;
+        }
+    }
+    Ok(results)
+}
+
+/// [`Layer`] that wraps engines in a [`CoalesceEngine`].
+#[derive(Clone, Copy, Debug)]
+pub struct CoalesceLayer {
+    max_len: u64,
+}
+
+impl CoalesceLayer {
+    /// Merges up to `max_len` bytes per request (see [`coalesce`]).
+    pub fn new(max_len: u64) -> Self {
+        CoalesceLayer {
+            max_len: max_len.max(1),
+        }
+    }
+}
+
+impl Default for CoalesceLayer {
+    /// The adapter's default limit, 64 MiB.
+    fn default() -> Self {
+        CoalesceLayer::new(crate::AdapterConfig::default().max_coalesced_len)
+    }
+}
+
+impl<E: TransferEngine> Layer<E> for CoalesceLayer {
+    type Engine = CoalesceEngine<E>;
+    fn layer(&self, inner: E) -> CoalesceEngine<E> {
+        CoalesceEngine {
+            inner,
+            max_len: self.max_len,
+        }
+    }
+}
+
+/// Merges contiguous requests of each `batch_transfer` before its inner
+/// engine sees them, and maps the results back to the caller's requests
+/// (the [`CapabilityAdapter`](crate::CapabilityAdapter)'s batch path
+/// without its emulation). Capabilities are the inner engine's; every
+/// other call, `submit` included, is forwarded as it is (an async batch
+/// whose requests were merged needs a batch of the layer's own to map
+/// results back, which the adapter keeps).
+pub struct CoalesceEngine<E> {
+    inner: E,
+    max_len: u64,
+}
+
+impl<E: TransferEngine> fmt::Debug for CoalesceEngine<E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CoalesceEngine")
+            .field("backend", &self.inner.backend_name())
+            .field("max_len", &self.max_len)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<E> CoalesceEngine<E> {
+    /// The wrapped engine.
+    pub fn get_ref(&self) -> &E {
+        &self.inner
+    }
+    /// Unwraps.
+    pub fn into_inner(self) -> E {
+        self.inner
+    }
+}
+
+/// The inner engine's own `batch_transfer` on one segment.
+struct Forward<'a, E> {
+    inner: &'a E,
+    segment: SegmentId,
+}
+
+impl<E: TransferEngine> Issue for Forward<'_, E> {
+    async fn issue(
+        &self,
+        requests: &[TransferRequest],
+        notify: Option<&Notification>,
+    ) -> Result<Vec<Result<()>>> {
+        let report = self
+            .inner
+            .batch_transfer(self.segment, requests, notify)
+            .await?;
+        Ok(report.results)
+    }
+}
+
+#[deny(clippy::missing_trait_methods)]
+impl<E: TransferEngine> TransferEngine for CoalesceEngine<E> {
+    fn backend_name(&self) -> &str {
+        self.inner.backend_name()
+    }
+
+    fn segment_name(&self) -> &str {
+        self.inner.segment_name()
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
+    }
+
+    fn backend_info(&self) -> BackendInfo {
+        self.inner.backend_info()
+    }
+
+    fn register(&self, region: MemoryRegion) -> impl Future<Output = Result<()>> + Send {
+        self.inner.register(region)
+    }
+
+    fn unregister(&self, addr: u64) -> impl Future<Output = Result<()>> + Send {
+        self.inner.unregister(addr)
+    }
+
+    fn batch_register(
+        &self,
+        regions: Vec<MemoryRegion>,
+    ) -> impl Future<Output = Result<()>> + Send {
+        self.inner.batch_register(regions)
+    }
+
+    fn batch_unregister(&self, addrs: &[u64]) -> impl Future<Output = Result<()>> + Send {
+        self.inner.batch_unregister(addrs)
+    }
+
+    fn open_segment(&self, name: &str) -> impl Future<Output = Result<SegmentId>> + Send {
+        self.inner.open_segment(name)
+    }
+
+    fn close_segment(&self, segment: SegmentId) -> impl Future<Output = Result<()>> + Send {
+        self.inner.close_segment(segment)
+    }
+
+    fn transfer(
+        &self,
+        segment: SegmentId,
+        request: TransferRequest,
+    ) -> impl Future<Output = Result<()>> + Send {
+        self.inner.transfer(segment, request)
+    }
+
+    async fn batch_transfer(
+        &self,
+        segment: SegmentId,
+        requests: &[TransferRequest],
+        notify: Option<&Notification>,
+    ) -> Result<BatchReport> {
+        let forward = Forward {
+            inner: &self.inner,
+            segment,
+        };
+        let results = run_coalesced(&forward, requests, notify, true, self.max_len).await?;
+        Ok(BatchReport { results })
+    }
+
+    fn submit(
+        &self,
+        segment: SegmentId,
+        requests: &[TransferRequest],
+        notify: Option<&Notification>,
+    ) -> impl Future<Output = Result<BatchId>> + Send {
+        self.inner.submit(segment, requests, notify)
+    }
+
+    fn status(&self, batch: BatchId) -> Result<BatchStatus> {
+        self.inner.status(batch)
+    }
+
+    fn wait(&self, batch: BatchId) -> impl Future<Output = Result<BatchReport>> + Send {
+        self.inner.wait(batch)
+    }
+
+    fn release_batch(&self, batch: BatchId) -> impl Future<Output = Result<()>> + Send {
+        self.inner.release_batch(batch)
+    }
+
+    fn take_notifications(&self) -> impl Future<Output = Result<Vec<Notification>>> + Send {
+        self.inner.take_notifications()
+    }
+
+    fn next_notification(
+        &self,
+        name: Option<&str>,
+    ) -> impl Future<Output = Result<Notification>> + Send {
+        self.inner.next_notification(name)
+    }
+
+    fn live_batches(&self) -> Option<usize> {
+        self.inner.live_batches()
+    }
+
+    fn shutdown(&self) -> impl Future<Output = Result<()>> + Send {
+        self.inner.shutdown()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -84,5 +335,60 @@ mod tests {
         assert_eq!(off.requests, reqs.to_vec());
         let capped = coalesce(&reqs[..2], true, 15);
         assert_eq!(capped.requests.len(), 2);
+    }
+}
+
+#[cfg(all(test, feature = "inproc"))]
+mod layer_tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::inproc::InprocEngine;
+    use crate::layer::{LayerExt, Metrics, MetricsLayer};
+    use crate::{DynTransferEngine, RegisteredBuffer};
+
+    #[tokio::test]
+    async fn contiguous_requests_reach_the_engine_merged_and_results_map_back() {
+        let metrics = Metrics::new();
+        // The metrics layer below counts what the engine is asked to do.
+        let a = Arc::new(
+            InprocEngine::auto(Capabilities::all())
+                .layer(MetricsLayer::new(metrics.clone()))
+                .layer(CoalesceLayer::default()),
+        );
+        let b: Arc<dyn DynTransferEngine> = Arc::new(InprocEngine::auto(Capabilities::all()));
+        let src = RegisteredBuffer::new(Arc::clone(&a), 64 * 1024)
+            .await
+            .unwrap();
+        let dst = RegisteredBuffer::new(Arc::clone(&b), 64 * 1024)
+            .await
+            .unwrap();
+        src.memory().write(0, &[7u8; 64 * 1024]).unwrap();
+        let peer = a.open_segment(b.segment_name()).await.unwrap();
+        let mut requests: Vec<TransferRequest> = (0..16u64)
+            .map(|i| TransferRequest::write(src.addr() + i * 4096, dst.addr() + i * 4096, 4096))
+            .collect();
+        // Past the end of the peer's region: merged with nothing (not
+        // contiguous), fails on its own.
+        requests.push(TransferRequest::write(
+            src.addr(),
+            dst.addr() + (64 << 10),
+            1,
+        ));
+        let report = a.batch_transfer(peer, &requests, None).await.unwrap();
+        assert_eq!(report.len(), 17);
+        assert!(report.results[..16].iter().all(Result::is_ok));
+        assert!(matches!(
+            report.results[16],
+            Err(Error::AddressNotRegistered { .. })
+        ));
+        let mut back = vec![0u8; 64 * 1024];
+        dst.memory().read(0, &mut back).unwrap();
+        assert!(back.iter().all(|&b| b == 7));
+        let snap = a.get_ref().snapshot();
+        let p = &snap.peers[b.segment_name()];
+        assert_eq!(p.bytes_written, 64 * 1024);
+        assert_eq!(p.requests_ok, 1, "16 contiguous requests merged into one");
+        assert_eq!(snap.requests_failed(), 1);
     }
 }

@@ -30,7 +30,7 @@ use std::time::Duration;
 use futures::stream::{self, StreamExt};
 use tokio::sync::Semaphore;
 
-pub use coalesce::{coalesce, CoalescedBatch};
+pub use coalesce::{coalesce, CoalesceEngine, CoalesceLayer, CoalescedBatch};
 
 use crate::batch::{BatchDriver, BatchTable};
 use crate::caps::{
@@ -609,10 +609,7 @@ impl<E: TransferEngine + ?Sized> Drop for Orphan<E> {
     }
 }
 
-/// The whole batch path: coalesce, execute, retry the constituents of merged
-/// requests that failed on an address check (a merged range may straddle two
-/// adjacent regions that each request alone stays inside), send the
-/// notification if the retry made the batch whole, map back.
+/// The whole batch path: coalesce, execute (see [`coalesce::run_coalesced`]).
 async fn run_batch<E: TransferEngine + ?Sized>(
     inner: &Arc<E>,
     shared: &Shared,
@@ -620,36 +617,31 @@ async fn run_batch<E: TransferEngine + ?Sized>(
     requests: &[TransferRequest],
     notify: Option<&Notification>,
 ) -> Result<Vec<Result<()>>> {
-    let plan = coalesce(
-        requests,
-        shared.config.coalesce,
-        shared.config.max_coalesced_len,
-    );
-    let merged = execute(inner, shared, segment, &plan.requests, notify).await?;
-    let mut results = plan.expand(&merged);
-    let retry: Vec<usize> = plan
-        .groups
-        .iter()
-        .zip(&merged)
-        .filter(|(g, r)| g.len() > 1 && matches!(r, Err(Error::AddressNotRegistered { .. })))
-        .flat_map(|(g, _)| g.clone())
-        .collect();
-    if !retry.is_empty() {
-        let singles: Vec<TransferRequest> = retry.iter().map(|&i| requests[i]).collect();
-        // Bytes of the batch have moved by now: a refusal of the retry is
-        // reported per request, not for the batch as a whole.
-        let again = execute(inner, shared, segment, &singles, None)
-            .await
-            .unwrap_or_else(|e| vec![Err(e); singles.len()]);
-        for (i, r) in retry.into_iter().zip(again) {
-            results[i] = r;
-        }
-        let first_try_ok = merged.iter().all(Result::is_ok);
-        if notify.is_some() && !first_try_ok && results.iter().all(Result::is_ok) {
-            execute(inner, shared, segment, &[], notify).await?;
-        }
+    let exec = Execute {
+        inner,
+        shared,
+        segment,
+    };
+    let (enabled, max_len) = (shared.config.coalesce, shared.config.max_coalesced_len);
+    coalesce::run_coalesced(&exec, requests, notify, enabled, max_len).await
+}
+
+/// The adapter's execution of coalesced requests (native batch paths or
+/// emulated single transfers).
+struct Execute<'a, E: TransferEngine + ?Sized> {
+    inner: &'a Arc<E>,
+    shared: &'a Shared,
+    segment: SegmentId,
+}
+
+impl<E: TransferEngine + ?Sized> coalesce::Issue for Execute<'_, E> {
+    fn issue(
+        &self,
+        requests: &[TransferRequest],
+        notify: Option<&Notification>,
+    ) -> impl std::future::Future<Output = Result<Vec<Result<()>>>> + Send {
+        execute(self.inner, self.shared, self.segment, requests, notify)
     }
-    Ok(results)
 }
 
 #[deny(clippy::missing_trait_methods)]

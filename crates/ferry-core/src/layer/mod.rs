@@ -1,6 +1,10 @@
 //! Layers with one job each (tower's `Layer` shape, OpenDAL's layers):
 //! [`MetricsLayer`] counts, [`TracingLayer`] opens a span per batch,
-//! [`TimeoutLayer`] puts a deadline on every call that waits on a peer.
+//! [`TimeoutLayer`] puts a deadline on every call that waits on a peer,
+//! [`CoalesceLayer`] merges contiguous requests of a batch. The
+//! [`CapabilityAdapter`](crate::CapabilityAdapter) is the layer that
+//! emulates (with its bounded concurrency and its report; it coalesces
+//! too, sync and async batches alike, through the same code).
 //!
 //! Each wrapper forwards every [`TransferEngine`](crate::TransferEngine)
 //! method (`#[deny(clippy::missing_trait_methods)]`) and leaves the
@@ -31,7 +35,7 @@ pub use metrics::{Metrics, MetricsEngine, MetricsLayer, MetricsSnapshot, PeerSna
 pub use timeout::{TimeoutEngine, TimeoutLayer};
 pub use tracing::{TracingEngine, TracingLayer};
 
-pub use crate::adapter::Layer;
+pub use crate::adapter::{CoalesceEngine, CoalesceLayer, Layer};
 
 /// `engine.layer(L)` on every engine: wraps it in `L` (so that layers
 /// chain: `engine.layer(a).layer(b)`; `b` ends up outermost).
