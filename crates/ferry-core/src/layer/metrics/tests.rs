@@ -29,17 +29,11 @@ fn sample(scrape: &Scrape, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
         })
 }
 
-fn native(batch_transfer: bool) -> Capabilities {
-    let mut caps = Capabilities::default();
-    caps.batch_transfer = batch_transfer;
-    caps
-}
-
 #[tokio::test]
 async fn counts_bytes_requests_failures_and_registrations() {
     let metrics = Metrics::new();
     // Nothing optional native: the adapter emulates `batch_transfer`.
-    let caps = native(false);
+    let caps = Capabilities::default();
     let a = Arc::new(
         MetricsLayer::new(metrics.clone())
             .native(caps)
