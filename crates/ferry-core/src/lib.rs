@@ -102,6 +102,9 @@
 //! ```
 #![deny(unsafe_op_in_unsafe_fn)]
 
+#[macro_use]
+mod forward;
+
 pub mod adapter;
 pub mod assist;
 mod auth;

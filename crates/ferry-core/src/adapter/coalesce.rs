@@ -7,12 +7,9 @@ use std::future::Future;
 use std::ops::Range;
 
 use crate::adapter::Layer;
-use crate::caps::{BackendInfo, Capabilities};
 use crate::engine::TransferEngine;
 use crate::error::{Error, Result};
-use crate::types::{
-    BatchId, BatchReport, BatchStatus, MemoryRegion, Notification, SegmentId, TransferRequest,
-};
+use crate::types::{BatchReport, Notification, SegmentId, TransferRequest};
 
 /// A batch after coalescing: the requests to issue and, for each, the range
 /// of caller indices it stands for.
@@ -206,56 +203,27 @@ impl<E: TransferEngine> Issue for Forward<'_, E> {
 
 #[deny(clippy::missing_trait_methods)]
 impl<E: TransferEngine> TransferEngine for CoalesceEngine<E> {
-    fn backend_name(&self) -> &str {
-        self.inner.backend_name()
-    }
-
-    fn segment_name(&self) -> &str {
-        self.inner.segment_name()
-    }
-
-    fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
-    }
-
-    fn backend_info(&self) -> BackendInfo {
-        self.inner.backend_info()
-    }
-
-    fn register(&self, region: MemoryRegion) -> impl Future<Output = Result<()>> + Send {
-        self.inner.register(region)
-    }
-
-    fn unregister(&self, addr: u64) -> impl Future<Output = Result<()>> + Send {
-        self.inner.unregister(addr)
-    }
-
-    fn batch_register(
-        &self,
-        regions: Vec<MemoryRegion>,
-    ) -> impl Future<Output = Result<()>> + Send {
-        self.inner.batch_register(regions)
-    }
-
-    fn batch_unregister(&self, addrs: &[u64]) -> impl Future<Output = Result<()>> + Send {
-        self.inner.batch_unregister(addrs)
-    }
-
-    fn open_segment(&self, name: &str) -> impl Future<Output = Result<SegmentId>> + Send {
-        self.inner.open_segment(name)
-    }
-
-    fn close_segment(&self, segment: SegmentId) -> impl Future<Output = Result<()>> + Send {
-        self.inner.close_segment(segment)
-    }
-
-    fn transfer(
-        &self,
-        segment: SegmentId,
-        request: TransferRequest,
-    ) -> impl Future<Output = Result<()>> + Send {
-        self.inner.transfer(segment, request)
-    }
+    forward!(
+        backend_name,
+        segment_name,
+        capabilities,
+        backend_info,
+        register,
+        unregister,
+        batch_register,
+        batch_unregister,
+        open_segment,
+        close_segment,
+        transfer,
+        submit,
+        status,
+        wait,
+        release_batch,
+        take_notifications,
+        next_notification,
+        live_batches,
+        shutdown
+    );
 
     async fn batch_transfer(
         &self,
@@ -269,46 +237,6 @@ impl<E: TransferEngine> TransferEngine for CoalesceEngine<E> {
         };
         let results = run_coalesced(&forward, requests, notify, true, self.max_len).await?;
         Ok(BatchReport { results })
-    }
-
-    fn submit(
-        &self,
-        segment: SegmentId,
-        requests: &[TransferRequest],
-        notify: Option<&Notification>,
-    ) -> impl Future<Output = Result<BatchId>> + Send {
-        self.inner.submit(segment, requests, notify)
-    }
-
-    fn status(&self, batch: BatchId) -> Result<BatchStatus> {
-        self.inner.status(batch)
-    }
-
-    fn wait(&self, batch: BatchId) -> impl Future<Output = Result<BatchReport>> + Send {
-        self.inner.wait(batch)
-    }
-
-    fn release_batch(&self, batch: BatchId) -> impl Future<Output = Result<()>> + Send {
-        self.inner.release_batch(batch)
-    }
-
-    fn take_notifications(&self) -> impl Future<Output = Result<Vec<Notification>>> + Send {
-        self.inner.take_notifications()
-    }
-
-    fn next_notification(
-        &self,
-        name: Option<&str>,
-    ) -> impl Future<Output = Result<Notification>> + Send {
-        self.inner.next_notification(name)
-    }
-
-    fn live_batches(&self) -> Option<usize> {
-        self.inner.live_batches()
-    }
-
-    fn shutdown(&self) -> impl Future<Output = Result<()>> + Send {
-        self.inner.shutdown()
     }
 }
 
@@ -345,7 +273,7 @@ mod layer_tests {
     use super::*;
     use crate::inproc::InprocEngine;
     use crate::layer::{LayerExt, Metrics, MetricsLayer};
-    use crate::{DynTransferEngine, RegisteredBuffer};
+    use crate::{Capabilities, DynTransferEngine, RegisteredBuffer};
 
     #[tokio::test]
     async fn contiguous_requests_reach_the_engine_merged_and_results_map_back() {

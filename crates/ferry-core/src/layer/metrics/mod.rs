@@ -45,13 +45,12 @@ use prometheus_client::registry::Registry;
 
 use super::peers::{op_label, Peers, OTHER, UNKNOWN};
 use crate::adapter::Layer;
-use crate::caps::{BackendInfo, Capabilities, Operation};
+use crate::caps::{Capabilities, Operation};
 use crate::engine::TransferEngine;
 use crate::error::{Error, ErrorKind, Result};
 use crate::raw::lock;
 use crate::types::{
-    BatchId, BatchReport, BatchStatus, MemoryRegion, Notification, SegmentId, TransferOp,
-    TransferRequest,
+    BatchId, BatchReport, MemoryRegion, Notification, SegmentId, TransferOp, TransferRequest,
 };
 
 /// Distinct peers per engine that get a label of their own by default.
@@ -791,21 +790,15 @@ impl<E: TransferEngine> MetricsEngine<E> {
 
 #[deny(clippy::missing_trait_methods)]
 impl<E: TransferEngine> TransferEngine for MetricsEngine<E> {
-    fn backend_name(&self) -> &str {
-        self.inner.backend_name()
-    }
-
-    fn segment_name(&self) -> &str {
-        self.inner.segment_name()
-    }
-
-    fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
-    }
-
-    fn backend_info(&self) -> BackendInfo {
-        self.inner.backend_info()
-    }
+    forward!(
+        backend_name,
+        segment_name,
+        capabilities,
+        backend_info,
+        status,
+        live_batches,
+        shutdown
+    );
 
     async fn register(&self, region: MemoryRegion) -> Result<()> {
         let Some(s) = &self.state else {
@@ -958,10 +951,6 @@ impl<E: TransferEngine> TransferEngine for MetricsEngine<E> {
         }
     }
 
-    fn status(&self, batch: BatchId) -> Result<BatchStatus> {
-        self.inner.status(batch)
-    }
-
     async fn wait(&self, batch: BatchId) -> Result<BatchReport> {
         let Some(s) = &self.state else {
             return self.inner.wait(batch).await;
@@ -1014,14 +1003,6 @@ impl<E: TransferEngine> TransferEngine for MetricsEngine<E> {
             s.f().notes_received.get_or_create(&s.engine_labels()).inc();
         }
         Ok(note)
-    }
-
-    fn live_batches(&self) -> Option<usize> {
-        self.inner.live_batches()
-    }
-
-    async fn shutdown(&self) -> Result<()> {
-        self.inner.shutdown().await
     }
 }
 

@@ -11,16 +11,12 @@
 //! and `shutdown` do not wait on peers and are not limited either.
 
 use std::fmt;
-use std::future::Future;
 use std::time::Duration;
 
 use crate::adapter::Layer;
-use crate::caps::{BackendInfo, Capabilities};
 use crate::engine::TransferEngine;
 use crate::error::Result;
-use crate::types::{
-    BatchId, BatchReport, BatchStatus, MemoryRegion, Notification, SegmentId, TransferRequest,
-};
+use crate::types::{BatchId, BatchReport, Notification, SegmentId, TransferRequest};
 use crate::within::deadline;
 
 /// [`Layer`] that wraps engines in a [`TimeoutEngine`].
@@ -79,40 +75,23 @@ impl<E> TimeoutEngine<E> {
 
 #[deny(clippy::missing_trait_methods)]
 impl<E: TransferEngine> TransferEngine for TimeoutEngine<E> {
-    fn backend_name(&self) -> &str {
-        self.inner.backend_name()
-    }
-
-    fn segment_name(&self) -> &str {
-        self.inner.segment_name()
-    }
-
-    fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
-    }
-
-    fn backend_info(&self) -> BackendInfo {
-        self.inner.backend_info()
-    }
-
-    fn register(&self, region: MemoryRegion) -> impl Future<Output = Result<()>> + Send {
-        self.inner.register(region)
-    }
-
-    fn unregister(&self, addr: u64) -> impl Future<Output = Result<()>> + Send {
-        self.inner.unregister(addr)
-    }
-
-    fn batch_register(
-        &self,
-        regions: Vec<MemoryRegion>,
-    ) -> impl Future<Output = Result<()>> + Send {
-        self.inner.batch_register(regions)
-    }
-
-    fn batch_unregister(&self, addrs: &[u64]) -> impl Future<Output = Result<()>> + Send {
-        self.inner.batch_unregister(addrs)
-    }
+    forward!(
+        backend_name,
+        segment_name,
+        capabilities,
+        backend_info,
+        register,
+        unregister,
+        batch_register,
+        batch_unregister,
+        close_segment,
+        status,
+        release_batch,
+        take_notifications,
+        next_notification,
+        live_batches,
+        shutdown
+    );
 
     async fn open_segment(&self, name: &str) -> Result<SegmentId> {
         deadline(
@@ -121,10 +100,6 @@ impl<E: TransferEngine> TransferEngine for TimeoutEngine<E> {
             self.inner.open_segment(name),
         )
         .await
-    }
-
-    fn close_segment(&self, segment: SegmentId) -> impl Future<Output = Result<()>> + Send {
-        self.inner.close_segment(segment)
     }
 
     async fn transfer(&self, segment: SegmentId, request: TransferRequest) -> Result<()> {
@@ -169,10 +144,6 @@ impl<E: TransferEngine> TransferEngine for TimeoutEngine<E> {
         .await
     }
 
-    fn status(&self, batch: BatchId) -> Result<BatchStatus> {
-        self.inner.status(batch)
-    }
-
     async fn wait(&self, batch: BatchId) -> Result<BatchReport> {
         deadline(
             self.within,
@@ -180,29 +151,6 @@ impl<E: TransferEngine> TransferEngine for TimeoutEngine<E> {
             self.inner.wait(batch),
         )
         .await
-    }
-
-    fn release_batch(&self, batch: BatchId) -> impl Future<Output = Result<()>> + Send {
-        self.inner.release_batch(batch)
-    }
-
-    fn take_notifications(&self) -> impl Future<Output = Result<Vec<Notification>>> + Send {
-        self.inner.take_notifications()
-    }
-
-    fn next_notification(
-        &self,
-        name: Option<&str>,
-    ) -> impl Future<Output = Result<Notification>> + Send {
-        self.inner.next_notification(name)
-    }
-
-    fn live_batches(&self) -> Option<usize> {
-        self.inner.live_batches()
-    }
-
-    fn shutdown(&self) -> impl Future<Output = Result<()>> + Send {
-        self.inner.shutdown()
     }
 }
 
@@ -212,7 +160,7 @@ mod tests {
 
     use super::*;
     use crate::inproc::InprocEngine;
-    use crate::{DynTransferEngine, ErrorKind, RegisteredBuffer};
+    use crate::{Capabilities, DynTransferEngine, ErrorKind, RegisteredBuffer};
 
     #[tokio::test]
     async fn a_slow_transfer_ends_with_timeout_and_a_fast_one_passes() {

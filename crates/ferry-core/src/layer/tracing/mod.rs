@@ -20,13 +20,10 @@ use tracing::{Instrument, Span};
 
 use super::peers::{batch_bytes, batch_op, Peers};
 use crate::adapter::Layer;
-use crate::caps::{BackendInfo, Capabilities};
 use crate::engine::TransferEngine;
 use crate::error::Result;
 use crate::layer::metrics::kind_label;
-use crate::types::{
-    BatchId, BatchReport, BatchStatus, MemoryRegion, Notification, SegmentId, TransferRequest,
-};
+use crate::types::{BatchId, BatchReport, Notification, SegmentId, TransferRequest};
 
 /// [`Layer`] that wraps engines in a [`TracingEngine`].
 #[derive(Clone, Copy, Debug)]
@@ -146,40 +143,23 @@ fn failures(report: &BatchReport) -> usize {
 
 #[deny(clippy::missing_trait_methods)]
 impl<E: TransferEngine> TransferEngine for TracingEngine<E> {
-    fn backend_name(&self) -> &str {
-        self.inner.backend_name()
-    }
-
-    fn segment_name(&self) -> &str {
-        self.inner.segment_name()
-    }
-
-    fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
-    }
-
-    fn backend_info(&self) -> BackendInfo {
-        self.inner.backend_info()
-    }
-
-    fn register(&self, region: MemoryRegion) -> impl Future<Output = Result<()>> + Send {
-        self.inner.register(region)
-    }
-
-    fn unregister(&self, addr: u64) -> impl Future<Output = Result<()>> + Send {
-        self.inner.unregister(addr)
-    }
-
-    fn batch_register(
-        &self,
-        regions: Vec<MemoryRegion>,
-    ) -> impl Future<Output = Result<()>> + Send {
-        self.inner.batch_register(regions)
-    }
-
-    fn batch_unregister(&self, addrs: &[u64]) -> impl Future<Output = Result<()>> + Send {
-        self.inner.batch_unregister(addrs)
-    }
+    forward!(
+        backend_name,
+        segment_name,
+        capabilities,
+        backend_info,
+        register,
+        unregister,
+        batch_register,
+        batch_unregister,
+        status,
+        wait,
+        release_batch,
+        take_notifications,
+        next_notification,
+        live_batches,
+        shutdown
+    );
 
     async fn open_segment(&self, name: &str) -> Result<SegmentId> {
         if !self.enabled {
@@ -234,37 +214,6 @@ impl<E: TransferEngine> TransferEngine for TracingEngine<E> {
         let span = self.span("submit", segment, requests);
         traced(span, self.inner.submit(segment, requests, notify), |_| 0).await
     }
-
-    fn status(&self, batch: BatchId) -> Result<BatchStatus> {
-        self.inner.status(batch)
-    }
-
-    fn wait(&self, batch: BatchId) -> impl Future<Output = Result<BatchReport>> + Send {
-        self.inner.wait(batch)
-    }
-
-    fn release_batch(&self, batch: BatchId) -> impl Future<Output = Result<()>> + Send {
-        self.inner.release_batch(batch)
-    }
-
-    fn take_notifications(&self) -> impl Future<Output = Result<Vec<Notification>>> + Send {
-        self.inner.take_notifications()
-    }
-
-    fn next_notification(
-        &self,
-        name: Option<&str>,
-    ) -> impl Future<Output = Result<Notification>> + Send {
-        self.inner.next_notification(name)
-    }
-
-    fn live_batches(&self) -> Option<usize> {
-        self.inner.live_batches()
-    }
-
-    fn shutdown(&self) -> impl Future<Output = Result<()>> + Send {
-        self.inner.shutdown()
-    }
 }
 
 #[cfg(test)]
@@ -274,7 +223,7 @@ mod tests {
 
     use super::*;
     use crate::inproc::InprocEngine;
-    use crate::{DynTransferEngine, RegisteredBuffer};
+    use crate::{Capabilities, DynTransferEngine, RegisteredBuffer};
 
     /// What the subscriber wrote.
     #[derive(Clone, Default)]
