@@ -7,7 +7,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use ferry::{
-    Engine, Notification, RegisteredBuffer, SegmentId, TransferEngine, TransferOp, TransferRequest,
+    Engine, EngineConfig, Notification, RegisteredBuffer, SegmentId, TransferEngine, TransferOp,
+    TransferRequest,
 };
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
@@ -86,6 +87,11 @@ pub struct BenchArgs {
     /// printed to stderr).
     #[arg(long, value_name = "ADDR")]
     metrics_listen: Option<String>,
+
+    /// Open this process's engines without the metrics and tracing layers
+    /// (to measure what they cost: run with and without, interleaved).
+    #[arg(long)]
+    no_layers: bool,
 
     /// Block sizes (bytes per request), comma-separated.
     #[arg(long, value_delimiter = ',', value_parser = parse_positive_size,
@@ -485,8 +491,15 @@ impl Setup {
 async fn setup(args: &BenchArgs, max_block: u64) -> anyhow::Result<Setup> {
     let open = |what: &'static str| {
         let url = args.backend.clone();
+        let layers = !args.no_layers;
         async move {
-            Engine::open(&url)
+            let config = EngineConfig::from_url(&url)?;
+            let config = if layers {
+                config
+            } else {
+                config.metrics(None).tracing(false)
+            };
+            Engine::start(config)
                 .await
                 .with_context(|| format!("opening the {what} engine ({})", redact(&url)))
         }
