@@ -435,6 +435,7 @@ def test_metrics_count_the_bytes_moved(pair):
     assert peer["bytes_written"] - old["bytes_written"] == 5096
     assert peer["bytes_read"] - old["bytes_read"] == 100
     assert peer["requests_failed"].get("not_registered", 0) >= 1
+    assert peer["path"] is None or isinstance(peer["path"], str)
     assert m["registered_bytes"] >= len(src)
     assert m["batches_in_flight"] == 0
     assert m["bytes_total"] >= 5196

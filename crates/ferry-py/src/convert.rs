@@ -309,6 +309,7 @@ pub(crate) fn metrics_dict<'py>(
         }
         pd.set_item("requests_failed", failed)?;
         pd.set_item("notifications_sent", p.notifications_sent)?;
+        pd.set_item("path", &p.path)?;
         peers.set_item(name, pd)?;
     }
     d.set_item("peers", peers)?;

@@ -258,6 +258,20 @@ impl Engine {
         layer.layer(self)
     }
 
+    /// The payload path to the open peer `name`, for the metrics:
+    /// what TCP negotiated (`socket`, `same-host cma`…), else the backend.
+    fn peer_path(&self, name: &str) -> Option<String> {
+        match *self {
+            #[cfg(feature = "tcp")]
+            Engine::Tcp(_) => self.peer_report(name).map(|r| r.path),
+            #[allow(unreachable_patterns)]
+            _ => {
+                let _ = name;
+                Some(self.kind().scheme().to_owned())
+            }
+        }
+    }
+
     /// The engine as a shared trait object, for code that chooses the
     /// backend at run time.
     pub fn into_dyn(self) -> Arc<dyn DynTransferEngine> {
@@ -321,7 +335,11 @@ impl TransferEngine for Engine {
     }
 
     async fn open_segment(&self, name: &str) -> Result<SegmentId> {
-        dispatch!(self, e => e.open_segment(name).await)
+        let segment = dispatch!(self, e => e.open_segment(name).await)?;
+        if let Some(path) = self.peer_path(name) {
+            dispatch!(self, e => e.get_ref().set_peer_path(name, &path));
+        }
+        Ok(segment)
     }
 
     async fn close_segment(&self, segment: SegmentId) -> Result<()> {

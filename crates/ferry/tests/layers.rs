@@ -119,6 +119,10 @@ async fn engine_metrics_count_the_bytes_moved_per_peer() {
     assert_eq!(p.bytes_written, 16 * 4096);
     assert_eq!(p.bytes_read, 100);
     assert_eq!(p.requests_ok, 17);
+    // Two engines of one process: the same-host path, or the socket where
+    // the machine refuses cross-memory attach; never unset.
+    let path = p.path.as_deref().expect("the path to the peer");
+    assert!(path == "socket" || path.starts_with("same-host"), "{path}");
     assert_eq!(snap.requests_failed(), 0);
     assert_eq!(snap.registered_bytes, 64 << 10);
     assert_eq!(snap.batches_in_flight, 0);

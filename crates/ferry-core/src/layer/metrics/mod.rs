@@ -20,6 +20,7 @@
 //! | `ferry_notifications_received_total` | counter | engine | notifications taken |
 //! | `ferry_queue_full_total` | counter | engine | calls or requests refused with [`ErrorKind::QueueFull`] |
 //! | `ferry_emulated_operations_total` | counter | engine, operation | calls of operations the backend lacks natively (see [`MetricsLayer::native`]) |
+//! | `ferry_peer_path` | gauge | engine, peer, path | 1 for the payload path to the peer (`socket`, `same-host cma`, `mooncake`…), set by [`MetricsEngine::set_peer_path`] |
 //!
 //! `op` is `read` or `write`; `call` is `transfer`, `batch_transfer` or
 //! `async_batch`; `result` is `ok` or the error kind in snake case
@@ -94,6 +95,13 @@ struct ResultLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PathLabels {
+    engine: String,
+    peer: String,
+    path: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct OperationLabels {
     engine: String,
     operation: &'static str,
@@ -118,6 +126,7 @@ struct Families {
     notes_received: Family<EngineLabels, Counter>,
     queue_full: Family<EngineLabels, Counter>,
     emulated: Family<OperationLabels, Counter>,
+    paths: Family<PathLabels, Gauge>,
 }
 
 struct Shared {
@@ -160,6 +169,7 @@ impl Metrics {
             notes_received: Family::default(),
             queue_full: Family::default(),
             emulated: Family::default(),
+            paths: Family::default(),
         };
         let mut registry = Registry::default();
         let f = &families;
@@ -213,6 +223,11 @@ impl Metrics {
             "ferry_emulated_operations",
             "Calls of operations the backend lacks natively (emulated by the adapter)",
             f.emulated.clone(),
+        );
+        registry.register(
+            "ferry_peer_path",
+            "1 for the payload path to each peer (socket, same-host cma, mooncake, verbs, nixl)",
+            f.paths.clone(),
         );
         Metrics {
             shared: Arc::new(Shared {
@@ -321,6 +336,9 @@ pub struct PeerSnapshot {
     pub requests_failed: BTreeMap<String, u64>,
     /// Notifications sent with batches that succeeded.
     pub notifications_sent: u64,
+    /// The payload path to the peer, where the engine said
+    /// ([`MetricsEngine::set_peer_path`]).
+    pub path: Option<String>,
 }
 
 /// The `result` label of an error kind.
@@ -425,6 +443,7 @@ impl<E: TransferEngine> Layer<E> for MetricsLayer {
             engine: inner.segment_name().to_owned(),
             peers: Peers::new(Some(self.peer_limit)),
             regions: Mutex::new(HashMap::new()),
+            paths: Mutex::new(HashMap::new()),
             pending: Mutex::new(HashMap::new()),
             native: self.native,
         });
@@ -455,6 +474,8 @@ struct EngineState {
     peers: Peers,
     /// Registered region start → length.
     regions: Mutex<HashMap<u64, u64>>,
+    /// Peer label → its payload path.
+    paths: Mutex<HashMap<Arc<str>, String>>,
     pending: Mutex<HashMap<BatchId, Pending>>,
     native: Option<Capabilities>,
 }
@@ -680,6 +701,7 @@ impl EngineState {
                     peer: peer.clone(),
                 })
                 .map_or(0, |c| c.get());
+            p.path = lock(&self.paths).get(peer.as_str()).cloned();
             if p != PeerSnapshot::default() {
                 peers.insert(peer, p);
             }
@@ -761,6 +783,32 @@ impl<E: TransferEngine> MetricsEngine<E> {
                 ..MetricsSnapshot::default()
             },
         }
+    }
+
+    /// Records that the payload to the peer called `name` takes `path`
+    /// (the `ferry_peer_path` series; a path set before for that peer is
+    /// replaced). Peers folded into `other` are not recorded.
+    pub fn set_peer_path(&self, name: &str, path: &str) {
+        let Some(s) = &self.state else {
+            return;
+        };
+        let peer = s.peers.label(name);
+        if &*peer == OTHER {
+            return;
+        }
+        let labels = |path: String| PathLabels {
+            engine: s.engine.clone(),
+            peer: peer.to_string(),
+            path,
+        };
+        let mut paths = lock(&s.paths);
+        if let Some(old) = paths.insert(Arc::clone(&peer), path.to_owned()) {
+            if old == path {
+                return;
+            }
+            s.f().paths.remove(&labels(old));
+        }
+        s.f().paths.get_or_create(&labels(path.to_owned())).set(1);
     }
 
     /// Forgets the async batches whose ids the engine no longer knows

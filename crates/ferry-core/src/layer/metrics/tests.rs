@@ -194,12 +194,24 @@ async fn peers_beyond_the_limit_fold_into_other() {
     assert_eq!(snap.peers.len(), 2, "{snap:?}");
     assert_eq!(snap.peers[peers[0].0.segment_name()].bytes_written, 8);
     assert_eq!(snap.peers[OTHER].bytes_written, 16);
+    a.set_peer_path(peers[0].0.segment_name(), "socket");
+    a.set_peer_path(peers[0].0.segment_name(), "same-host cma");
+    a.set_peer_path(peers[1].0.segment_name(), "socket"); // folded: not recorded
+    let snap = a.snapshot();
+    assert_eq!(
+        snap.peers[peers[0].0.segment_name()].path.as_deref(),
+        Some("same-host cma")
+    );
+    assert_eq!(snap.peers[OTHER].path, None);
     assert_eq!(snap.bytes_total(), 24);
     let s = scrape(&metrics);
     assert_eq!(
         sample(&s, "ferry_transfer_bytes_total", &[("peer", OTHER)]),
         Some(16.0)
     );
+    let path = |p| sample(&s, "ferry_peer_path", &[("path", p)]);
+    assert_eq!(path("same-host cma"), Some(1.0));
+    assert_eq!(path("socket"), None, "the replaced path's series is gone");
 }
 
 #[test]
