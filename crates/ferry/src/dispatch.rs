@@ -337,6 +337,9 @@ impl TransferEngine for Engine {
     async fn open_segment(&self, name: &str) -> Result<SegmentId> {
         let segment = dispatch!(self, e => e.open_segment(name).await)?;
         if let Some(path) = self.peer_path(name) {
+            // Next to the tracing layer's `ferry_connect` span (closed by
+            // now): the path the connection negotiated.
+            tracing::debug!(peer = name, path = %path, "ferry: segment open");
             dispatch!(self, e => e.get_ref().set_peer_path(name, &path));
         }
         Ok(segment)
