@@ -728,6 +728,68 @@ impl EngineState {
     }
 }
 
+impl Drop for EngineState {
+    /// The engine is gone: its series leave the exposition (a scrape no
+    /// longer shows them; Prometheus ends them), so that a process that
+    /// opens engines over time does not keep every one it ever had.
+    fn drop(&mut self) {
+        let f = self.f();
+        let engine = self.engine.clone();
+        let mut names: Vec<String> = self.peers.known().iter().map(|s| s.to_string()).collect();
+        names.push(OTHER.to_owned());
+        names.push(UNKNOWN.to_owned());
+        for peer in names {
+            for op in ["write", "read"] {
+                f.bytes.remove(&OpLabels {
+                    engine: engine.clone(),
+                    peer: peer.clone(),
+                    op,
+                });
+                for result in FAILURE_LABELS.into_iter().chain(["ok"]) {
+                    let labels = ResultLabels {
+                        engine: engine.clone(),
+                        peer: peer.clone(),
+                        op,
+                        result,
+                    };
+                    f.requests.remove(&labels);
+                    f.failed_bytes.remove(&labels);
+                }
+            }
+            for call in ["transfer", "batch_transfer", "async_batch"] {
+                f.latency.remove(&CallLabels {
+                    engine: engine.clone(),
+                    peer: peer.clone(),
+                    call,
+                });
+            }
+            f.notes_sent.remove(&PeerLabels {
+                engine: engine.clone(),
+                peer: peer.clone(),
+            });
+        }
+        for (peer, path) in crate::raw::get_mut(&mut self.paths).drain() {
+            self.metrics.families().paths.remove(&PathLabels {
+                engine: engine.clone(),
+                peer: peer.to_string(),
+                path,
+            });
+        }
+        let f = self.f();
+        for op in Operation::OPTIONAL {
+            f.emulated.remove(&OperationLabels {
+                engine: engine.clone(),
+                operation: op.name(),
+            });
+        }
+        let labels = EngineLabels { engine };
+        f.in_flight.remove(&labels);
+        f.registered.remove(&labels);
+        f.notes_received.remove(&labels);
+        f.queue_full.remove(&labels);
+    }
+}
+
 /// Counts one transfer or batch in flight until dropped.
 struct InFlight<'a>(&'a EngineState);
 

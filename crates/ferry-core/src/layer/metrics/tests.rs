@@ -120,6 +120,17 @@ async fn counts_bytes_requests_failures_and_registrations() {
     src.release().await.unwrap();
     assert_eq!(a.snapshot().registered_bytes, 0);
     dst.release().await.unwrap();
+
+    // The engine gone, its series leave the exposition.
+    a.close_segment(peer).await.unwrap();
+    drop(a);
+    let s = scrape(&metrics);
+    assert!(
+        s.samples.iter().all(|x| x.labels.get("engine") != Some(e)),
+        "{:?}",
+        s.samples
+    );
+    assert!(metrics.snapshots().is_empty());
 }
 
 #[tokio::test]
