@@ -1,5 +1,6 @@
 //! The conformance suite through a stack of every layer (timeout, metrics,
-//! tracing, capability adapter) on the in-process engine and on TCP, and
+//! tracing, coalescing, capability adapter) on the in-process engine and
+//! on TCP, and
 //! the facade's metrics counting what moved.
 #![cfg(feature = "tcp")]
 
@@ -12,6 +13,7 @@ use ferry::{
 };
 use ferry_core::conformance::{EngineFactory, InprocFactory};
 use ferry_core::inproc::InprocEngine;
+use ferry_core::layer::CoalesceLayer;
 use ferry_core::{Capabilities, CapabilityAdapter, DynTransferEngine};
 
 /// Far longer than any check takes: the deadline is there, never reached.
@@ -25,7 +27,8 @@ impl EngineFactory for InprocStack {
     async fn create(&self) -> Result<Arc<dyn DynTransferEngine>> {
         let adapted = CapabilityAdapter::new(InprocEngine::auto(self.0));
         let native = adapted.report().native;
-        let timed = TimeoutLayer::new(DEADLINE).layer(adapted);
+        let coalesced = CoalesceLayer::default().layer(adapted);
+        let timed = TimeoutLayer::new(DEADLINE).layer(coalesced);
         let counted = MetricsLayer::new(Metrics::new())
             .native(native)
             .layer(timed);
@@ -60,6 +63,7 @@ impl EngineFactory for TcpStack {
     async fn create(&self) -> Result<Arc<dyn DynTransferEngine>> {
         let engine = Engine::open("tcp://127.0.0.1:0?secret=layers")
             .await?
+            .layer(CoalesceLayer::default())
             .layer(TimeoutLayer::new(DEADLINE))
             .layer(MetricsLayer::new(Metrics::new()))
             .layer(TracingLayer::new());
