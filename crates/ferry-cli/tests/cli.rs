@@ -359,10 +359,11 @@ mod tcp {
         }
     }
 
-    #[test]
-    fn serve_and_bench_peer_on_loopback() {
+    /// `ferry serve ARGS…` with its stdout lines on a channel.
+    fn spawn_serve(args: &[&str]) -> (Server, mpsc::Receiver<String>) {
         let child = ferry()
-            .args(["serve", "--size", "2MiB", "--raw-listen", "127.0.0.1:0"])
+            .arg("serve")
+            .args(args)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -378,6 +379,12 @@ mod tcp {
                 }
             }
         });
+        (server, rx)
+    }
+
+    #[test]
+    fn serve_and_bench_peer_on_loopback() {
+        let (mut server, rx) = spawn_serve(&["--size", "2MiB", "--raw-listen", "127.0.0.1:0"]);
         // Guard against a server that never starts (not a timing assertion).
         let mut banner = Vec::new();
         let command = loop {
@@ -467,23 +474,7 @@ mod tcp {
 
     #[test]
     fn serve_metrics_listen_counts_what_the_target_sees() {
-        let child = ferry()
-            .args(["serve", "--size", "2MiB", "--metrics-listen", "127.0.0.1:0"])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn ferry serve");
-        let mut server = Server(child);
-        let stdout = server.0.stdout.take().expect("stdout");
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
+        let (_server, rx) = spawn_serve(&["--size", "2MiB", "--metrics-listen", "127.0.0.1:0"]);
         let (mut segment, mut metrics) = (None, None);
         let command = loop {
             // Guard against a server that never starts (not a timing assertion).

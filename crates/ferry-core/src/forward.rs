@@ -4,6 +4,23 @@
 //! others it writes itself), so `#[deny(clippy::missing_trait_methods)]`
 //! still sees every method.
 
+/// `get_ref` and `into_inner` (tower's accessors) of a wrapper whose
+/// engine is its field `inner`.
+macro_rules! accessors {
+    ($ty:ident) => {
+        impl<E> $ty<E> {
+            /// The wrapped engine.
+            pub fn get_ref(&self) -> &E {
+                &self.inner
+            }
+            /// Unwraps.
+            pub fn into_inner(self) -> E {
+                self.inner
+            }
+        }
+    };
+}
+
 /// Expands to forwarding bodies (`self.inner.method(args)`) for the named
 /// methods of `TransferEngine`.
 macro_rules! forward {

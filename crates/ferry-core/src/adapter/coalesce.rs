@@ -170,16 +170,7 @@ impl<E: TransferEngine> fmt::Debug for CoalesceEngine<E> {
     }
 }
 
-impl<E> CoalesceEngine<E> {
-    /// The wrapped engine.
-    pub fn get_ref(&self) -> &E {
-        &self.inner
-    }
-    /// Unwraps.
-    pub fn into_inner(self) -> E {
-        self.inner
-    }
-}
+accessors!(CoalesceEngine);
 
 /// The inner engine's own `batch_transfer` on one segment.
 struct Forward<'a, E> {

@@ -820,15 +820,9 @@ impl<E: TransferEngine> fmt::Debug for MetricsEngine<E> {
     }
 }
 
+accessors!(MetricsEngine);
+
 impl<E> MetricsEngine<E> {
-    /// The wrapped engine.
-    pub fn get_ref(&self) -> &E {
-        &self.inner
-    }
-    /// Unwraps.
-    pub fn into_inner(self) -> E {
-        self.inner
-    }
     /// The metrics this engine counts into (`None` when disabled).
     pub fn metrics(&self) -> Option<&Metrics> {
         self.state.as_ref().map(|s| &s.metrics)

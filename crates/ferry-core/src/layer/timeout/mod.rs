@@ -58,15 +58,9 @@ impl<E: TransferEngine> fmt::Debug for TimeoutEngine<E> {
     }
 }
 
+accessors!(TimeoutEngine);
+
 impl<E> TimeoutEngine<E> {
-    /// The wrapped engine.
-    pub fn get_ref(&self) -> &E {
-        &self.inner
-    }
-    /// Unwraps.
-    pub fn into_inner(self) -> E {
-        self.inner
-    }
     /// The deadline of each limited call.
     pub fn within(&self) -> Duration {
         self.within

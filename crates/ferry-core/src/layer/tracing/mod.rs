@@ -81,16 +81,9 @@ impl<E: TransferEngine> fmt::Debug for TracingEngine<E> {
     }
 }
 
-impl<E> TracingEngine<E> {
-    /// The wrapped engine.
-    pub fn get_ref(&self) -> &E {
-        &self.inner
-    }
-    /// Unwraps.
-    pub fn into_inner(self) -> E {
-        self.inner
-    }
+accessors!(TracingEngine);
 
+impl<E> TracingEngine<E> {
     fn span(&self, call: &'static str, segment: SegmentId, requests: &[TransferRequest]) -> Span {
         if !self.enabled {
             return Span::none();
