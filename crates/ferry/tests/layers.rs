@@ -14,6 +14,7 @@ use ferry::{
 use ferry_core::conformance::{EngineFactory, InprocFactory};
 use ferry_core::inproc::InprocEngine;
 use ferry_core::layer::CoalesceLayer;
+use ferry_core::AdapterLayer;
 use ferry_core::{Capabilities, CapabilityAdapter, DynTransferEngine};
 
 /// Far longer than any check takes: the deadline is there, never reached.
@@ -52,6 +53,53 @@ mod inproc_none {
 mod inproc_all {
     use super::*;
     ferry_core::conformance_tests!(InprocStack(Capabilities::all()));
+}
+
+/// The adapter split in two layers: coalescing over emulation (each with
+/// one job), on engines with nothing optional native.
+struct SplitStack;
+
+#[async_trait::async_trait]
+impl EngineFactory for SplitStack {
+    async fn create(&self) -> Result<Arc<dyn DynTransferEngine>> {
+        let engine = InprocEngine::auto(Capabilities::default())
+            .layer(AdapterLayer::emulation())
+            .layer(CoalesceLayer::default());
+        Ok(Arc::new(engine))
+    }
+
+    async fn refuse_notifications(&self, engine: &Arc<dyn DynTransferEngine>) -> Result<bool> {
+        InprocFactory::new(Capabilities::default())
+            .refuse_notifications(engine)
+            .await
+    }
+}
+
+mod split {
+    use super::*;
+    ferry_core::conformance_tests!(SplitStack);
+}
+
+#[test]
+fn the_split_layers_report_what_the_default_adapter_reports() {
+    for caps in [Capabilities::default(), Capabilities::all(), {
+        let mut c = Capabilities::default();
+        c.async_batch = true;
+        c.notify = true;
+        c
+    }] {
+        let whole = CapabilityAdapter::new(InprocEngine::auto(caps));
+        let split = InprocEngine::auto(caps)
+            .layer(AdapterLayer::emulation())
+            .layer(CoalesceLayer::default());
+        assert_eq!(split.capabilities(), whole.capabilities(), "{caps:?}");
+        let (a, b) = (split.get_ref().report(), whole.report());
+        assert_eq!(
+            (a.native, a.effective, a.operations, a.guarantees, a.strict),
+            (b.native, b.effective, b.operations, b.guarantees, b.strict),
+            "{caps:?}"
+        );
+    }
 }
 
 /// TCP engines opened through the facade (its default stack), with every

@@ -5,11 +5,14 @@
 use std::fmt;
 use std::future::Future;
 use std::ops::Range;
+use std::sync::Arc;
 
 use crate::adapter::Layer;
+use crate::batch::BatchTable;
+use crate::drain::Drain;
 use crate::engine::TransferEngine;
 use crate::error::{Error, Result};
-use crate::types::{BatchReport, Notification, SegmentId, TransferRequest};
+use crate::types::{BatchId, BatchReport, BatchStatus, Notification, SegmentId, TransferRequest};
 
 /// A batch after coalescing: the requests to issue and, for each, the range
 /// of caller indices it stands for.
@@ -143,22 +146,34 @@ impl<E: TransferEngine> Layer<E> for CoalesceLayer {
     type Engine = CoalesceEngine<E>;
     fn layer(&self, inner: E) -> CoalesceEngine<E> {
         CoalesceEngine {
-            inner,
+            inner: Arc::new(inner),
             max_len: self.max_len,
+            batches: BatchTable::new("coalesce"),
+            drain: Drain::new(),
         }
     }
 }
 
-/// Merges contiguous requests of each `batch_transfer` before its inner
-/// engine sees them, and maps the results back to the caller's requests
-/// (the [`CapabilityAdapter`](crate::CapabilityAdapter)'s batch path
-/// without its emulation). Capabilities are the inner engine's; every
-/// other call, `submit` included, is forwarded as it is (an async batch
-/// whose requests were merged needs a batch of the layer's own to map
-/// results back, which the adapter keeps).
+/// Merges contiguous requests of each batch before its inner engine sees
+/// them, and maps the results back to the caller's requests (the
+/// [`CapabilityAdapter`](crate::CapabilityAdapter)'s batch path without
+/// its emulation). Capabilities are the inner engine's.
+///
+/// `batch_transfer` merges, calls the inner `batch_transfer` and maps
+/// back. `submit` forwards batches with nothing to merge (and every batch
+/// when the inner engine has no `batch_transfer`, or the notification is
+/// one it does not offer, so that it refuses as it would); one with
+/// requests to merge becomes a batch of the layer's own, run on a task
+/// through the same path as `batch_transfer` (its id is this layer's:
+/// `status`, `wait`, `release_batch` answer it here, and
+/// `live_batches` counts it; `shutdown` waits for those tasks first).
 pub struct CoalesceEngine<E> {
-    inner: E,
+    inner: Arc<E>,
     max_len: u64,
+    /// The batches of merged requests this layer runs itself.
+    batches: BatchTable,
+    /// Those batches' tasks, for `shutdown`.
+    drain: Arc<Drain>,
 }
 
 impl<E: TransferEngine> fmt::Debug for CoalesceEngine<E> {
@@ -170,7 +185,16 @@ impl<E: TransferEngine> fmt::Debug for CoalesceEngine<E> {
     }
 }
 
-accessors!(CoalesceEngine);
+impl<E> CoalesceEngine<E> {
+    /// The wrapped engine.
+    pub fn get_ref(&self) -> &E {
+        &self.inner
+    }
+    /// Unwraps, returning the shared inner engine.
+    pub fn into_inner(self) -> Arc<E> {
+        self.inner
+    }
+}
 
 /// The inner engine's own `batch_transfer` on one segment.
 struct Forward<'a, E> {
@@ -206,15 +230,81 @@ impl<E: TransferEngine> TransferEngine for CoalesceEngine<E> {
         open_segment,
         close_segment,
         transfer,
-        submit,
-        status,
-        wait,
-        release_batch,
         take_notifications,
-        next_notification,
-        live_batches,
-        shutdown
+        next_notification
     );
+
+    async fn submit(
+        &self,
+        segment: SegmentId,
+        requests: &[TransferRequest],
+        notify: Option<&Notification>,
+    ) -> Result<BatchId> {
+        let caps = self.inner.capabilities();
+        let merges = coalesce(requests, true, self.max_len).requests.len() < requests.len();
+        if !merges || !caps.batch_transfer || (notify.is_some() && !caps.notify) {
+            return self.inner.submit(segment, requests, notify).await;
+        }
+        if let Some(n) = notify {
+            n.validate()?;
+        }
+        let admission = self.batches.admit(requests.len())?;
+        // The batch counts as a call in flight until it ends.
+        let active = self.drain.enter("submit")?;
+        let inner = Arc::clone(&self.inner);
+        let (requests, notify) = (requests.to_vec(), notify.cloned());
+        let (driver, max_len) = (admission.driver().clone(), self.max_len);
+        let drive = async move {
+            let _active = active;
+            let forward = Forward {
+                inner: &*inner,
+                segment,
+            };
+            let results = run_coalesced(&forward, &requests, notify.as_ref(), true, max_len).await;
+            crate::adapter::report_into(&driver, requests.len(), results)
+        };
+        if tokio::runtime::Handle::try_current().is_ok() {
+            tokio::spawn(drive);
+        } else {
+            // No runtime to run a task on: the batch runs to its end here.
+            drive.await?;
+        }
+        Ok(admission.claim())
+    }
+
+    fn status(&self, batch: BatchId) -> Result<BatchStatus> {
+        match self.batches.forwarded(batch) {
+            Ok(_) => self.batches.status(batch),
+            Err(_) => self.inner.status(batch),
+        }
+    }
+
+    async fn wait(&self, batch: BatchId) -> Result<BatchReport> {
+        match self.batches.forwarded(batch) {
+            Ok(_) => self.batches.wait(batch).await,
+            Err(_) => self.inner.wait(batch).await,
+        }
+    }
+
+    async fn release_batch(&self, batch: BatchId) -> Result<()> {
+        match self.batches.forwarded(batch) {
+            Ok(_) => self.batches.release(batch),
+            Err(_) => self.inner.release_batch(batch).await,
+        }
+    }
+
+    fn live_batches(&self) -> Option<usize> {
+        self.inner
+            .live_batches()
+            .map(|n| n + self.batches.tracked_len())
+    }
+
+    async fn shutdown(&self) -> Result<()> {
+        // New merged batches are refused; those running end as usual.
+        self.drain.close();
+        self.drain.idle().await;
+        self.inner.shutdown().await
+    }
 
     async fn batch_transfer(
         &self,
@@ -223,7 +313,7 @@ impl<E: TransferEngine> TransferEngine for CoalesceEngine<E> {
         notify: Option<&Notification>,
     ) -> Result<BatchReport> {
         let forward = Forward {
-            inner: &self.inner,
+            inner: &*self.inner,
             segment,
         };
         let results = run_coalesced(&forward, requests, notify, true, self.max_len).await?;
@@ -309,5 +399,42 @@ mod layer_tests {
         assert_eq!(p.bytes_written, 64 * 1024);
         assert_eq!(p.requests_ok, 1, "16 contiguous requests merged into one");
         assert_eq!(snap.requests_failed(), 1);
+    }
+
+    #[tokio::test]
+    async fn an_async_batch_with_requests_to_merge_is_the_layers_own() {
+        let metrics = Metrics::new();
+        let a = Arc::new(
+            InprocEngine::auto(Capabilities::all())
+                .layer(MetricsLayer::new(metrics.clone()))
+                .layer(CoalesceLayer::default()),
+        );
+        let b: Arc<dyn DynTransferEngine> = Arc::new(InprocEngine::auto(Capabilities::all()));
+        let src = RegisteredBuffer::new(Arc::clone(&a), 8 * 4096)
+            .await
+            .unwrap();
+        let dst = RegisteredBuffer::new(Arc::clone(&b), 8 * 4096)
+            .await
+            .unwrap();
+        let peer = a.open_segment(b.segment_name()).await.unwrap();
+        let requests: Vec<TransferRequest> = (0..8u64)
+            .map(|i| TransferRequest::write(src.addr() + i * 4096, dst.addr() + i * 4096, 4096))
+            .collect();
+        let merged = a.submit(peer, &requests, None).await.unwrap();
+        let report = a.wait(merged).await.unwrap();
+        assert_eq!(report.results.len(), 8);
+        assert!(report.is_success());
+        assert_eq!(a.get_ref().snapshot().requests_ok(), 1, "merged into one");
+        // Nothing to merge: the inner engine's own batch, answered by it.
+        let single = a.submit(peer, &requests[..1], None).await.unwrap();
+        loop {
+            if a.status(single).unwrap().is_finished() {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+        a.release_batch(single).await.unwrap();
+        assert_eq!(a.live_batches(), Some(0));
+        a.shutdown().await.unwrap();
     }
 }

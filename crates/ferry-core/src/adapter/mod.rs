@@ -228,6 +228,19 @@ impl AdapterLayer {
     pub fn new(config: AdapterConfig) -> Self {
         AdapterLayer { config }
     }
+
+    /// The adapter's emulation alone (with its concurrency limit, drain
+    /// and report), coalescing off: stacked under a
+    /// [`CoalesceLayer`], the two layers do what the default adapter does,
+    /// one job each, with the same effective capabilities and report.
+    pub fn emulation() -> Self {
+        AdapterLayer {
+            config: AdapterConfig {
+                coalesce: false,
+                ..AdapterConfig::default()
+            },
+        }
+    }
 }
 
 impl<E: TransferEngine> Layer<E> for AdapterLayer {
@@ -933,7 +946,7 @@ impl<E: TransferEngine + ?Sized> TransferEngine for CapabilityAdapter<E> {
 /// Reports the results of a batch run by the adapter to `driver` and
 /// finishes it (its notification, if any, was sent by `run_batch`). `Err`
 /// when the batch was refused as a whole.
-fn report_into(
+pub(crate) fn report_into(
     driver: &BatchDriver,
     n: usize,
     results: Result<Vec<Result<()>>>,
