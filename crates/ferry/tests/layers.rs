@@ -56,38 +56,48 @@ mod inproc_all {
 }
 
 /// The adapter split in two layers: coalescing over emulation (each with
-/// one job), on engines with nothing optional native.
-struct SplitStack;
+/// one job), on engines with `caps` natively.
+struct SplitStack(Capabilities);
 
 #[async_trait::async_trait]
 impl EngineFactory for SplitStack {
     async fn create(&self) -> Result<Arc<dyn DynTransferEngine>> {
-        let engine = InprocEngine::auto(Capabilities::default())
+        let engine = InprocEngine::auto(self.0)
             .layer(AdapterLayer::emulation())
             .layer(CoalesceLayer::default());
         Ok(Arc::new(engine))
     }
 
     async fn refuse_notifications(&self, engine: &Arc<dyn DynTransferEngine>) -> Result<bool> {
-        InprocFactory::new(Capabilities::default())
+        InprocFactory::new(self.0)
             .refuse_notifications(engine)
             .await
     }
 }
 
-mod split {
+fn async_notify() -> Capabilities {
+    let mut caps = Capabilities::default();
+    caps.async_batch = true;
+    caps.notify = true;
+    caps
+}
+
+/// Nothing optional native.
+mod split_none {
     use super::*;
-    ferry_core::conformance_tests!(SplitStack);
+    ferry_core::conformance_tests!(SplitStack(Capabilities::default()));
+}
+
+/// Native async batches and notifications only: merged batches run on
+/// the emulated `batch_transfer` over the native async path.
+mod split_async_notify {
+    use super::*;
+    ferry_core::conformance_tests!(SplitStack(async_notify()));
 }
 
 #[test]
 fn the_split_layers_report_what_the_default_adapter_reports() {
-    for caps in [Capabilities::default(), Capabilities::all(), {
-        let mut c = Capabilities::default();
-        c.async_batch = true;
-        c.notify = true;
-        c
-    }] {
+    for caps in [Capabilities::default(), Capabilities::all(), async_notify()] {
         let whole = CapabilityAdapter::new(InprocEngine::auto(caps));
         let split = InprocEngine::auto(caps)
             .layer(AdapterLayer::emulation())
