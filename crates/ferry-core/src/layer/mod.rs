@@ -2,9 +2,13 @@
 //! [`MetricsLayer`] counts, [`TracingLayer`] opens a span per batch,
 //! [`TimeoutLayer`] puts a deadline on every call that waits on a peer,
 //! [`CoalesceLayer`] merges contiguous requests of a batch. The
-//! [`CapabilityAdapter`](crate::CapabilityAdapter) is the layer that
-//! emulates (with its bounded concurrency and its report; it coalesces
-//! too, sync and async batches alike, through the same code).
+//! [`CapabilityAdapter`](crate::CapabilityAdapter) emulates (with its
+//! bounded concurrency, drain and report) and, by default, coalesces too
+//! through the same code as [`CoalesceLayer`];
+//! [`AdapterLayer::emulation`](crate::AdapterLayer::emulation) is the
+//! adapter without coalescing, and `CoalesceLayer` over it has the default
+//! adapter's capabilities and report (`ferry/tests/layers.rs` runs the
+//! conformance suite through that pair).
 //!
 //! Each wrapper forwards every [`TransferEngine`](crate::TransferEngine)
 //! method (`#[deny(clippy::missing_trait_methods)]`) and leaves the
