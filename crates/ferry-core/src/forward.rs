@@ -103,6 +103,17 @@ macro_rules! forward {
             self.inner.transfer(segment, request)
         }
     };
+    (@ batch_transfer) => {
+        fn batch_transfer(
+            &self,
+            segment: $crate::types::SegmentId,
+            requests: &[$crate::types::TransferRequest],
+            notify: Option<&$crate::types::Notification>,
+        ) -> impl ::std::future::Future<Output = $crate::error::Result<$crate::types::BatchReport>>
+               + Send {
+            self.inner.batch_transfer(segment, requests, notify)
+        }
+    };
     (@ submit) => {
         fn submit(
             &self,

@@ -145,12 +145,7 @@ impl Default for CoalesceLayer {
 impl<E: TransferEngine> Layer<E> for CoalesceLayer {
     type Engine = CoalesceEngine<E>;
     fn layer(&self, inner: E) -> CoalesceEngine<E> {
-        CoalesceEngine {
-            inner: Arc::new(inner),
-            max_len: self.max_len,
-            batches: BatchTable::new("coalesce"),
-            drain: Drain::new(),
-        }
+        CoalesceEngine::with(inner, true, self.max_len)
     }
 }
 
@@ -169,6 +164,9 @@ impl<E: TransferEngine> Layer<E> for CoalesceLayer {
 /// `live_batches` counts it; `shutdown` waits for those tasks first).
 pub struct CoalesceEngine<E> {
     inner: Arc<E>,
+    /// Off: every call forwarded as it is (the adapter with
+    /// `coalesce=0`).
+    enabled: bool,
     max_len: u64,
     /// The batches of merged requests this layer runs itself.
     batches: BatchTable,
@@ -186,6 +184,16 @@ impl<E: TransferEngine> fmt::Debug for CoalesceEngine<E> {
 }
 
 impl<E> CoalesceEngine<E> {
+    pub(crate) fn with(inner: E, enabled: bool, max_len: u64) -> Self {
+        CoalesceEngine {
+            inner: Arc::new(inner),
+            enabled,
+            max_len: max_len.max(1),
+            batches: BatchTable::new("coalesce"),
+            drain: Drain::new(),
+        }
+    }
+
     /// The wrapped engine.
     pub fn get_ref(&self) -> &E {
         &self.inner
@@ -241,7 +249,8 @@ impl<E: TransferEngine> TransferEngine for CoalesceEngine<E> {
         notify: Option<&Notification>,
     ) -> Result<BatchId> {
         let caps = self.inner.capabilities();
-        let merges = coalesce(requests, true, self.max_len).requests.len() < requests.len();
+        let merges =
+            self.enabled && coalesce(requests, true, self.max_len).requests.len() < requests.len();
         if !merges || !caps.batch_transfer || (notify.is_some() && !caps.notify) {
             return self.inner.submit(segment, requests, notify).await;
         }
@@ -316,7 +325,7 @@ impl<E: TransferEngine> TransferEngine for CoalesceEngine<E> {
             inner: &*self.inner,
             segment,
         };
-        let results = run_coalesced(&forward, requests, notify, true, self.max_len).await?;
+        let results = run_coalesced(&forward, requests, notify, self.enabled, self.max_len).await?;
         Ok(BatchReport { results })
     }
 }

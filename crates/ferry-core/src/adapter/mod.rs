@@ -250,8 +250,114 @@ impl<E: TransferEngine> Layer<E> for AdapterLayer {
     }
 }
 
-/// Gives any engine the whole [`TransferEngine`] trait (see the module docs).
+/// Gives any engine the whole [`TransferEngine`] trait (see the module
+/// docs): the default stack of two layers, a [`CoalesceEngine`] (merging
+/// contiguous requests, when [`AdapterConfig::coalesce`]) over an
+/// [`EmulationEngine`] (emulation, the concurrency limit, the drain at
+/// shutdown and the report). Its capabilities are the emulation's; the
+/// coalescing layer keeps them as they are.
 pub struct CapabilityAdapter<E: TransferEngine + ?Sized> {
+    inner: CoalesceEngine<EmulationEngine<E>>,
+}
+
+impl<E: TransferEngine + ?Sized> std::fmt::Debug for CapabilityAdapter<E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let e = self.inner.get_ref();
+        f.debug_struct("CapabilityAdapter")
+            .field("backend", &e.inner.backend_name())
+            .field("segment", &e.inner.segment_name())
+            .field("config", &e.shared.config)
+            .field("native", &e.shared.native)
+            .finish()
+    }
+}
+
+impl<E: TransferEngine> CapabilityAdapter<E> {
+    /// Wraps `inner` with the default (emulating) configuration.
+    pub fn new(inner: E) -> Self {
+        Self::with_config(inner, AdapterConfig::default())
+    }
+    /// Wraps `inner` with `config`.
+    pub fn with_config(inner: E, config: AdapterConfig) -> Self {
+        Self::from_arc(Arc::new(inner), config)
+    }
+}
+
+impl<E: TransferEngine + ?Sized> CapabilityAdapter<E> {
+    /// Wraps an engine that is already shared (e.g. `Arc<dyn DynTransferEngine>`).
+    pub fn from_arc(inner: Arc<E>, config: AdapterConfig) -> Self {
+        let (enabled, max_len) = (config.coalesce, config.max_coalesced_len);
+        CapabilityAdapter {
+            inner: CoalesceEngine::with(EmulationEngine::from_arc(inner, config), enabled, max_len),
+        }
+    }
+
+    /// The wrapped engine.
+    pub fn get_ref(&self) -> &E {
+        self.inner.get_ref().get_ref()
+    }
+    /// The wrapped engine, shared.
+    pub fn inner(&self) -> &Arc<E> {
+        self.inner.get_ref().inner()
+    }
+    /// Unwraps, returning the shared inner engine.
+    pub fn into_inner(self) -> Arc<E> {
+        Arc::clone(self.inner.get_ref().inner())
+    }
+    /// The emulation layer of the stack.
+    pub fn emulation(&self) -> &EmulationEngine<E> {
+        self.inner.get_ref()
+    }
+    /// The configuration in force.
+    pub fn config(&self) -> &AdapterConfig {
+        self.inner.get_ref().config()
+    }
+    /// The capability report: native, effective, and how each optional
+    /// operation is provided with the reason and the version that would make
+    /// it native.
+    pub fn report(&self) -> CapabilityReport {
+        self.inner.get_ref().report()
+    }
+    /// Start-up check: `Ok` if every operation in `ops` is available
+    /// (natively, or emulated when not strict); otherwise
+    /// [`Error::MissingCapabilities`] naming every missing one.
+    pub fn require(&self, ops: &[Operation]) -> Result<()> {
+        self.inner.get_ref().require(ops)
+    }
+}
+
+#[deny(clippy::missing_trait_methods)]
+impl<E: TransferEngine + ?Sized> TransferEngine for CapabilityAdapter<E> {
+    forward!(
+        backend_name,
+        segment_name,
+        capabilities,
+        backend_info,
+        register,
+        unregister,
+        batch_register,
+        batch_unregister,
+        open_segment,
+        close_segment,
+        transfer,
+        batch_transfer,
+        submit,
+        status,
+        wait,
+        release_batch,
+        take_notifications,
+        next_notification,
+        live_batches,
+        shutdown
+    );
+}
+
+/// The adapter's emulation layer (see the module docs): every optional
+/// operation the engine lacks, emulated (or refused in strict mode) with
+/// bounded concurrency; calls drained at shutdown; the capability report.
+/// It merges no requests: [`CapabilityAdapter`] stacks a
+/// [`CoalesceEngine`] over it for that.
+pub struct EmulationEngine<E: TransferEngine + ?Sized> {
     inner: Arc<E>,
     shared: Arc<Shared>,
 }
@@ -270,9 +376,9 @@ struct Shared {
     drain: Arc<Drain>,
 }
 
-impl<E: TransferEngine + ?Sized> std::fmt::Debug for CapabilityAdapter<E> {
+impl<E: TransferEngine + ?Sized> std::fmt::Debug for EmulationEngine<E> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CapabilityAdapter")
+        f.debug_struct("EmulationEngine")
             .field("backend", &self.inner.backend_name())
             .field("segment", &self.inner.segment_name())
             .field("config", &self.shared.config)
@@ -283,26 +389,16 @@ impl<E: TransferEngine + ?Sized> std::fmt::Debug for CapabilityAdapter<E> {
 
 use crate::raw::{lock, Drain};
 
-impl<E: TransferEngine> CapabilityAdapter<E> {
-    /// Wraps `inner` with the default (emulating) configuration.
-    pub fn new(inner: E) -> Self {
-        Self::with_config(inner, AdapterConfig::default())
-    }
-    /// Wraps `inner` with `config`.
-    pub fn with_config(inner: E, config: AdapterConfig) -> Self {
-        Self::from_arc(Arc::new(inner), config)
-    }
-}
-
-impl<E: TransferEngine + ?Sized> CapabilityAdapter<E> {
-    /// Wraps an engine that is already shared (e.g. `Arc<dyn DynTransferEngine>`).
+impl<E: TransferEngine + ?Sized> EmulationEngine<E> {
+    /// Wraps a shared engine with `config` (its coalescing fields are for
+    /// the [`CoalesceEngine`] above; this layer merges nothing).
     pub fn from_arc(inner: Arc<E>, mut config: AdapterConfig) -> Self {
         config.max_concurrency = config.max_concurrency.max(1);
         let native = inner.capabilities();
         let effective = config.effective(&native);
         let info = inner.backend_info();
         let permits = Arc::new(Semaphore::new(config.max_concurrency));
-        CapabilityAdapter {
+        EmulationEngine {
             inner,
             shared: Arc::new(Shared {
                 config,
@@ -622,7 +718,8 @@ impl<E: TransferEngine + ?Sized> Drop for Orphan<E> {
     }
 }
 
-/// The whole batch path: coalesce, execute (see [`coalesce::run_coalesced`]).
+/// The emulation's batch path: [`execute`] (the coalescing layer above
+/// has merged what it merges).
 async fn run_batch<E: TransferEngine + ?Sized>(
     inner: &Arc<E>,
     shared: &Shared,
@@ -630,35 +727,11 @@ async fn run_batch<E: TransferEngine + ?Sized>(
     requests: &[TransferRequest],
     notify: Option<&Notification>,
 ) -> Result<Vec<Result<()>>> {
-    let exec = Execute {
-        inner,
-        shared,
-        segment,
-    };
-    let (enabled, max_len) = (shared.config.coalesce, shared.config.max_coalesced_len);
-    coalesce::run_coalesced(&exec, requests, notify, enabled, max_len).await
-}
-
-/// The adapter's execution of coalesced requests (native batch paths or
-/// emulated single transfers).
-struct Execute<'a, E: TransferEngine + ?Sized> {
-    inner: &'a Arc<E>,
-    shared: &'a Shared,
-    segment: SegmentId,
-}
-
-impl<E: TransferEngine + ?Sized> coalesce::Issue for Execute<'_, E> {
-    fn issue(
-        &self,
-        requests: &[TransferRequest],
-        notify: Option<&Notification>,
-    ) -> impl std::future::Future<Output = Result<Vec<Result<()>>>> + Send {
-        execute(self.inner, self.shared, self.segment, requests, notify)
-    }
+    execute(inner, shared, segment, requests, notify).await
 }
 
 #[deny(clippy::missing_trait_methods)]
-impl<E: TransferEngine + ?Sized> TransferEngine for CapabilityAdapter<E> {
+impl<E: TransferEngine + ?Sized> TransferEngine for EmulationEngine<E> {
     fn backend_name(&self) -> &str {
         self.inner.backend_name()
     }
@@ -790,20 +863,12 @@ impl<E: TransferEngine + ?Sized> TransferEngine for CapabilityAdapter<E> {
             s.announce(Operation::AsyncBatch);
         }
         // The backend's own async batch, when it can take this one as is:
-        // nothing to coalesce (a merged request failing on a straddled
-        // region boundary needs the adapter's retry), within its length
-        // limit, and the notification native too.
+        // within its length limit, and the notification native too.
         let forward = s.native.async_batch
             && (notify.is_none() || s.native.notify)
             && s.native
                 .max_batch_len
-                .is_none_or(|max| requests.len() <= max)
-            // Coalesced only when the rest allows forwarding (the task path
-            // coalesces again itself).
-            && coalesce(requests, s.config.coalesce, s.config.max_coalesced_len)
-                .requests
-                .len()
-                == requests.len();
+                .is_none_or(|max| requests.len() <= max);
         if forward {
             // Refused before the backend takes a batch nobody could name.
             if s.batches.is_full() {
