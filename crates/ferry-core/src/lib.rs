@@ -130,7 +130,9 @@ pub mod conformance;
 #[cfg(feature = "inproc")]
 pub mod inproc;
 
-pub use adapter::{AdapterConfig, AdapterLayer, CapabilityAdapter, EmulationEngine, Layer};
+pub use adapter::{
+    AdapterConfig, AdapterLayer, CapabilityAdapter, EmulationEngine, EmulationLayer, Layer,
+};
 pub use buffer::{HostBuffer, RegisteredBuffer, RegisteredBuffers};
 pub use caps::{
     BackendInfo, Capabilities, CapabilityReport, MemoryKinds, MissingCapability, Operation, Support,

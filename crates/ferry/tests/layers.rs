@@ -14,7 +14,7 @@ use ferry::{
 use ferry_core::conformance::{EngineFactory, InprocFactory};
 use ferry_core::inproc::InprocEngine;
 use ferry_core::layer::CoalesceLayer;
-use ferry_core::AdapterLayer;
+use ferry_core::EmulationLayer;
 use ferry_core::{Capabilities, CapabilityAdapter, DynTransferEngine};
 
 /// Far longer than any check takes: the deadline is there, never reached.
@@ -63,7 +63,7 @@ struct SplitStack(Capabilities);
 impl EngineFactory for SplitStack {
     async fn create(&self) -> Result<Arc<dyn DynTransferEngine>> {
         let engine = InprocEngine::auto(self.0)
-            .layer(AdapterLayer::emulation())
+            .layer(EmulationLayer::default())
             .layer(CoalesceLayer::default());
         Ok(Arc::new(engine))
     }
@@ -100,7 +100,7 @@ fn the_split_layers_report_what_the_default_adapter_reports() {
     for caps in [Capabilities::default(), Capabilities::all(), async_notify()] {
         let whole = CapabilityAdapter::new(InprocEngine::auto(caps));
         let split = InprocEngine::auto(caps)
-            .layer(AdapterLayer::emulation())
+            .layer(EmulationLayer::default())
             .layer(CoalesceLayer::default());
         assert_eq!(split.capabilities(), whole.capabilities(), "{caps:?}");
         let (a, b) = (split.get_ref().report(), whole.report());

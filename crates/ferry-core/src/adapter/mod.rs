@@ -229,10 +229,10 @@ impl AdapterLayer {
         AdapterLayer { config }
     }
 
-    /// The adapter's emulation alone (with its concurrency limit, drain
-    /// and report), coalescing off: stacked under a
-    /// [`CoalesceLayer`], the two layers do what the default adapter does,
-    /// one job each, with the same effective capabilities and report.
+    /// The adapter with coalescing off: its [`EmulationEngine`] alone
+    /// (with the concurrency limit, drain and report) behind a coalescing
+    /// layer that forwards everything. [`EmulationLayer`] gives the
+    /// emulation layer itself.
     pub fn emulation() -> Self {
         AdapterLayer {
             config: AdapterConfig {
@@ -240,6 +240,29 @@ impl AdapterLayer {
                 ..AdapterConfig::default()
             },
         }
+    }
+}
+
+/// [`Layer`] that wraps engines in an [`EmulationEngine`]: the adapter's
+/// emulation layer on its own. Stacked under a [`CoalesceLayer`] it is
+/// what [`CapabilityAdapter`] is.
+#[derive(Clone, Debug, Default)]
+pub struct EmulationLayer {
+    config: AdapterConfig,
+}
+
+impl EmulationLayer {
+    /// A layer with `config` (its coalescing fields are the coalescing
+    /// layer's business and are ignored here).
+    pub fn new(config: AdapterConfig) -> Self {
+        EmulationLayer { config }
+    }
+}
+
+impl<E: TransferEngine> Layer<E> for EmulationLayer {
+    type Engine = EmulationEngine<E>;
+    fn layer(&self, inner: E) -> EmulationEngine<E> {
+        EmulationEngine::from_arc(Arc::new(inner), self.config.clone())
     }
 }
 

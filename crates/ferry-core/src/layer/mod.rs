@@ -1,14 +1,13 @@
 //! Layers with one job each (tower's `Layer` shape, OpenDAL's layers):
 //! [`MetricsLayer`] counts, [`TracingLayer`] opens a span per batch,
 //! [`TimeoutLayer`] puts a deadline on every call that waits on a peer,
-//! [`CoalesceLayer`] merges contiguous requests of a batch. The
-//! [`CapabilityAdapter`](crate::CapabilityAdapter) emulates (with its
-//! bounded concurrency, drain and report) and, by default, coalesces too
-//! through the same code as [`CoalesceLayer`];
-//! [`AdapterLayer::emulation`](crate::AdapterLayer::emulation) is the
-//! adapter without coalescing, and `CoalesceLayer` over it has the default
-//! adapter's capabilities and report (`ferry/tests/layers.rs` runs the
-//! conformance suite through that pair).
+//! [`CoalesceLayer`] merges contiguous requests of a batch,
+//! [`EmulationLayer`](crate::EmulationLayer) emulates what the engine lacks
+//! (with bounded concurrency, a drain at shutdown and the capability
+//! report). The [`CapabilityAdapter`](crate::CapabilityAdapter) is those
+//! two stacked, coalescing over emulation (`ferry/tests/layers.rs` runs the
+//! conformance suite through the pair stacked by hand, and checks that
+//! it reports what the adapter reports).
 //!
 //! Each wrapper forwards every [`TransferEngine`](crate::TransferEngine)
 //! method (`#[deny(clippy::missing_trait_methods)]`) and leaves the
