@@ -1,12 +1,21 @@
 //! The capability adapter: gives any engine the whole [`TransferEngine`]
-//! trait.
+//! trait. It is two layers with one job each, stacked:
 //!
-//! The effective capability set is a pure function of the native one and the
-//! [`AdapterConfig`]: each optional operation is forwarded when native,
-//! emulated when allowed (with the same observable semantics), or refused
-//! with [`Error::Unsupported`]. Contiguous requests are coalesced on every
-//! batch path, native or emulated, and results are mapped back to the
-//! caller's indices.
+//! - [`CoalesceEngine`] ([`CoalesceLayer`]): contiguous requests of a
+//!   batch, sync or async, are merged before the layers below see them,
+//!   and results are mapped back to the caller's indices (a merged
+//!   request that fails on an address check is retried request by
+//!   request: it may straddle two adjacent regions);
+//! - [`EmulationEngine`] ([`EmulationLayer`]): the effective capability
+//!   set is a pure function of the native one and the [`AdapterConfig`]:
+//!   each optional operation is forwarded when native, emulated when
+//!   allowed (with the same observable semantics), or refused with
+//!   [`Error::Unsupported`]; emulated single transfers are bounded in
+//!   number; `shutdown` drains the calls in flight; the capability report
+//!   and `require` live here.
+//!
+//! The coalescing layer keeps the capabilities of the layer below, so the
+//! adapter's are the emulation's.
 //!
 //! | operation | emulated with |
 //! |---|---|
@@ -15,11 +24,12 @@
 //! | `batch_transfer` | native async batch, else single transfers with bounded concurrency |
 //! | `submit`/`status`/`release_batch` | a task per batch driving the above (run inline outside a runtime); `status` reads its state |
 //! | `wait` | awaiting that task (never polling a core hot) |
+//! | notifications | not emulable: needs a channel to the peer |
 //!
 //! A native async batch is forwarded as it is (its own `status`, `wait`,
-//! `release_batch`) when nothing in it needs the adapter: no requests to
-//! merge, within the backend's batch length, notification native.
-//! | notifications | not emulable: needs a channel to the peer |
+//! `release_batch`) when nothing in it needs the emulation: within the
+//! backend's batch length, notification native (and, above, nothing to
+//! merge).
 
 mod coalesce;
 
