@@ -365,32 +365,56 @@ mod layer_tests {
     use crate::layer::{LayerExt, Metrics, MetricsLayer};
     use crate::{Capabilities, DynTransferEngine, RegisteredBuffer};
 
-    #[tokio::test]
-    async fn contiguous_requests_reach_the_engine_merged_and_results_map_back() {
-        let metrics = Metrics::new();
-        // The metrics layer below counts what the engine is asked to do.
+    type Counted = CoalesceEngine<crate::layer::MetricsEngine<InprocEngine>>;
+
+    /// A coalescing engine over a metrics layer (which counts what the
+    /// engine below is asked to do), a peer, `len` registered bytes on
+    /// each side, and the peer's segment open.
+    struct Rig {
+        a: Arc<Counted>,
+        b: Arc<dyn DynTransferEngine>,
+        src: RegisteredBuffer<Counted>,
+        dst: RegisteredBuffer,
+        peer: SegmentId,
+    }
+
+    async fn rig(len: usize) -> Rig {
         let a = Arc::new(
             InprocEngine::auto(Capabilities::all())
-                .layer(MetricsLayer::new(metrics.clone()))
+                .layer(MetricsLayer::new(Metrics::new()))
                 .layer(CoalesceLayer::default()),
         );
         let b: Arc<dyn DynTransferEngine> = Arc::new(InprocEngine::auto(Capabilities::all()));
-        let src = RegisteredBuffer::new(Arc::clone(&a), 64 * 1024)
-            .await
-            .unwrap();
-        let dst = RegisteredBuffer::new(Arc::clone(&b), 64 * 1024)
-            .await
-            .unwrap();
-        src.memory().write(0, &[7u8; 64 * 1024]).unwrap();
+        let src = RegisteredBuffer::new(Arc::clone(&a), len).await.unwrap();
+        let dst = RegisteredBuffer::new(Arc::clone(&b), len).await.unwrap();
         let peer = a.open_segment(b.segment_name()).await.unwrap();
-        let mut requests: Vec<TransferRequest> = (0..16u64)
-            .map(|i| TransferRequest::write(src.addr() + i * 4096, dst.addr() + i * 4096, 4096))
-            .collect();
+        Rig {
+            a,
+            b,
+            src,
+            dst,
+            peer,
+        }
+    }
+
+    /// `n` contiguous 4 KiB writes from the start of `src` to `dst`.
+    fn blocks(r: &Rig, n: u64) -> Vec<TransferRequest> {
+        (0..n)
+            .map(|i| TransferRequest::write(r.src.addr() + i * 4096, r.dst.addr() + i * 4096, 4096))
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn contiguous_requests_reach_the_engine_merged_and_results_map_back() {
+        let r = rig(64 * 1024).await;
+        let (a, b, peer) = (&r.a, &r.b, r.peer);
+        r.src.memory().write(0, &[7u8; 64 * 1024]).unwrap();
+        let mut requests = blocks(&r, 16);
         // Past the end of the peer's region: merged with nothing (not
         // contiguous), fails on its own.
         requests.push(TransferRequest::write(
-            src.addr(),
-            dst.addr() + (64 << 10),
+            r.src.addr(),
+            r.dst.addr() + (64 << 10),
             1,
         ));
         let report = a.batch_transfer(peer, &requests, None).await.unwrap();
@@ -401,7 +425,7 @@ mod layer_tests {
             Err(Error::AddressNotRegistered { .. })
         ));
         let mut back = vec![0u8; 64 * 1024];
-        dst.memory().read(0, &mut back).unwrap();
+        r.dst.memory().read(0, &mut back).unwrap();
         assert!(back.iter().all(|&b| b == 7));
         let snap = a.get_ref().snapshot();
         let p = &snap.peers[b.segment_name()];
@@ -412,23 +436,9 @@ mod layer_tests {
 
     #[tokio::test]
     async fn an_async_batch_with_requests_to_merge_is_the_layers_own() {
-        let metrics = Metrics::new();
-        let a = Arc::new(
-            InprocEngine::auto(Capabilities::all())
-                .layer(MetricsLayer::new(metrics.clone()))
-                .layer(CoalesceLayer::default()),
-        );
-        let b: Arc<dyn DynTransferEngine> = Arc::new(InprocEngine::auto(Capabilities::all()));
-        let src = RegisteredBuffer::new(Arc::clone(&a), 8 * 4096)
-            .await
-            .unwrap();
-        let dst = RegisteredBuffer::new(Arc::clone(&b), 8 * 4096)
-            .await
-            .unwrap();
-        let peer = a.open_segment(b.segment_name()).await.unwrap();
-        let requests: Vec<TransferRequest> = (0..8u64)
-            .map(|i| TransferRequest::write(src.addr() + i * 4096, dst.addr() + i * 4096, 4096))
-            .collect();
+        let r = rig(8 * 4096).await;
+        let (a, peer) = (&r.a, r.peer);
+        let requests = blocks(&r, 8);
         let merged = a.submit(peer, &requests, None).await.unwrap();
         let report = a.wait(merged).await.unwrap();
         assert_eq!(report.results.len(), 8);
