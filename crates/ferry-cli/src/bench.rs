@@ -7,7 +7,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use ferry::{
-    Engine, Notification, RegisteredBuffer, SegmentId, TransferEngine, TransferOp, TransferRequest,
+    Engine, EngineConfig, Notification, RegisteredBuffer, SegmentId, TransferEngine, TransferOp,
+    TransferRequest,
 };
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
@@ -82,6 +83,17 @@ pub struct BenchArgs {
     /// baselines of the same run. Rows carry the path. TCP backend only.
     #[arg(long, conflicts_with = "peer")]
     same_host: bool,
+
+    /// Serve this process's engine metrics at `http://ADDR/metrics`
+    /// while the bench runs (Prometheus text exposition; port 0 picks one,
+    /// printed to stderr).
+    #[arg(long, value_name = "ADDR")]
+    metrics_listen: Option<String>,
+
+    /// Open this process's engines without the metrics and tracing layers
+    /// (to measure what they cost: run with and without, interleaved).
+    #[arg(long)]
+    no_layers: bool,
 
     /// Block sizes (bytes per request), comma-separated.
     #[arg(long, value_delimiter = ',', value_parser = parse_positive_size,
@@ -241,6 +253,10 @@ struct Setup {
 pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     if args.ops.is_empty() || args.blocks.is_empty() || args.batches.is_empty() {
         bail!("--ops, --blocks and --batches each need at least one value");
+    }
+    if let Some(addr) = &args.metrics_listen {
+        let bound = crate::metrics_http::start(addr, ferry::Metrics::global().clone()).await?;
+        eprintln!("metrics: http://{bound}/metrics");
     }
     if args.same_host {
         return run_same_host(args).await;
@@ -494,8 +510,15 @@ impl Setup {
 async fn setup(args: &BenchArgs, max_block: u64) -> anyhow::Result<Setup> {
     let open = |what: &'static str| {
         let url = args.backend.clone();
+        let layers = !args.no_layers;
         async move {
-            Engine::open(&url)
+            let config = EngineConfig::from_url(&url)?;
+            let config = if layers {
+                config
+            } else {
+                config.metrics(None).tracing(false)
+            };
+            Engine::start(config)
                 .await
                 .with_context(|| format!("opening the {what} engine ({})", redact(&url)))
         }

@@ -6,6 +6,7 @@ mod bench;
 mod caps;
 mod metadata_server;
 mod plot;
+mod metrics_http;
 mod rawtcp;
 mod serve;
 mod util;
@@ -64,8 +65,16 @@ fn init_tracing(verbose: u8) {
         _ => "trace",
     };
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(level));
+    // From -vv on, a line per closed span too: the `ferry_batch` span of
+    // every transfer and batch (engine, peer, op, bytes, outcome, time).
+    let spans = if verbose >= 2 {
+        tracing_subscriber::fmt::format::FmtSpan::CLOSE
+    } else {
+        tracing_subscriber::fmt::format::FmtSpan::NONE
+    };
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_span_events(spans)
         .with_writer(std::io::stderr)
         .try_init();
 }

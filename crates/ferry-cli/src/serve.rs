@@ -84,6 +84,13 @@ pub struct ServeArgs {
     #[arg(long)]
     insecure: bool,
 
+    /// Serve the engine's metrics at `http://ADDR/metrics` (Prometheus
+    /// text exposition; port 0 picks one, printed at start). Off by
+    /// default; the endpoint has no authentication (it reveals peers'
+    /// names and traffic, nothing else).
+    #[arg(long, value_name = "ADDR")]
+    metrics_listen: Option<String>,
+
     #[command(flatten)]
     tls: TlsArgs,
 }
@@ -226,6 +233,12 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             .await
             .with_context(|| format!("opening {shown}"))?,
     );
+    let metrics_addr = match &args.metrics_listen {
+        Some(addr) => {
+            Some(crate::metrics_http::start(addr, ferry::Metrics::global().clone()).await?)
+        }
+        None => None,
+    };
     let size = usize::try_from(args.size).context("--size is too large for this machine")?;
     let buf = RegisteredBuffer::with_location(Arc::clone(&engine), size, args.location.clone())
         .await
@@ -271,6 +284,9 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     );
     if let Some(a) = &raw_addr {
         println!("raw-TCP sink: {a}");
+    }
+    if let Some(a) = metrics_addr {
+        println!("metrics: http://{a}/metrics");
     }
     let mut cmd = format!(
         "ferry bench --peer {segment} --remote-addr {:#x} --remote-len {}",

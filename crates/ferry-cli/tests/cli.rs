@@ -359,10 +359,11 @@ mod tcp {
         }
     }
 
-    #[test]
-    fn serve_and_bench_peer_on_loopback() {
+    /// `ferry serve ARGS…` with its stdout lines on a channel.
+    fn spawn_serve(args: &[&str]) -> (Server, mpsc::Receiver<String>) {
         let child = ferry()
-            .args(["serve", "--size", "2MiB", "--raw-listen", "127.0.0.1:0"])
+            .arg("serve")
+            .args(args)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -378,6 +379,12 @@ mod tcp {
                 }
             }
         });
+        (server, rx)
+    }
+
+    #[test]
+    fn serve_and_bench_peer_on_loopback() {
+        let (mut server, rx) = spawn_serve(&["--size", "2MiB", "--raw-listen", "127.0.0.1:0"]);
         // Guard against a server that never starts (not a timing assertion).
         let mut banner = Vec::new();
         let command = loop {
@@ -436,6 +443,83 @@ mod tcp {
         assert!(summary.contains("raw-TCP sink: 6 streams"), "{summary}");
         // The bench wrote its patterns into the region: it changed.
         assert!(!summary.contains("region: 0 of"), "{summary}");
+    }
+
+    /// `GET /metrics` of a `--metrics-listen` endpoint, parsed by an
+    /// ecosystem parser of the exposition format.
+    fn scrape(addr: &str) -> prometheus_parse::Scrape {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(addr).expect("connect to /metrics");
+        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .expect("send");
+        let mut response = String::new();
+        s.read_to_string(&mut response).expect("read");
+        let (head, body) = response.split_once("\r\n\r\n").expect("head and body");
+        assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+        prometheus_parse::Scrape::parse(body.lines().map(|l| Ok(l.to_owned()))).expect("parses")
+    }
+
+    fn value(scrape: &prometheus_parse::Scrape, name: &str, engine: &str) -> Option<f64> {
+        scrape
+            .samples
+            .iter()
+            .find(|s| s.metric == name && s.labels.get("engine") == Some(engine))
+            .map(|s| match s.value {
+                prometheus_parse::Value::Counter(v)
+                | prometheus_parse::Value::Gauge(v)
+                | prometheus_parse::Value::Untyped(v) => v,
+                ref other => panic!("{name}: {other:?}"),
+            })
+    }
+
+    #[test]
+    fn serve_metrics_listen_counts_what_the_target_sees() {
+        let (_server, rx) = spawn_serve(&["--size", "2MiB", "--metrics-listen", "127.0.0.1:0"]);
+        let (mut segment, mut metrics) = (None, None);
+        let command = loop {
+            // Guard against a server that never starts (not a timing assertion).
+            let line = rx
+                .recv_timeout(Duration::from_secs(60))
+                .expect("serve prints its banner");
+            if let Some(rest) = line.strip_prefix("ferry serve: backend tcp, segment ") {
+                segment = Some(rest.to_owned());
+            }
+            if let Some(url) = line.strip_prefix("metrics: http://") {
+                metrics = url.strip_suffix("/metrics").map(str::to_owned);
+            }
+            if let Some(cmd) = line.strip_prefix("drive it with: ") {
+                break cmd.to_owned();
+            }
+        };
+        let segment = segment.expect("segment line");
+        let metrics = metrics.expect("metrics line");
+        let before = scrape(&metrics);
+        assert_eq!(
+            value(&before, "ferry_registered_bytes", &segment),
+            Some(2097152.0)
+        );
+
+        let words: Vec<&str> = command.split_whitespace().collect();
+        let mut args: Vec<&str> = words[1..].to_vec();
+        args.push("--json");
+        args.extend(TINY);
+        expect_code(&args, 0);
+        // The bench sends one notification per point; serve prints each
+        // after taking it (and counting it).
+        let mut seen = 0;
+        while seen < 8 {
+            let line = rx
+                .recv_timeout(Duration::from_secs(60))
+                .expect("serve prints the notifications");
+            if line.starts_with("notification from ferry-bench: ") {
+                seen += 1;
+            }
+        }
+        let after = scrape(&metrics);
+        assert_eq!(
+            value(&after, "ferry_notifications_received_total", &segment),
+            Some(8.0)
+        );
     }
 }
 

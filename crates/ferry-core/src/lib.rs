@@ -10,6 +10,9 @@
 //! - [`CapabilityAdapter`]: gives any engine the whole trait, emulating what
 //!   it lacks with the same observable semantics, or refusing up front in
 //!   strict mode;
+//! - [`layer`]: [`MetricsLayer`] (Prometheus metrics), [`TracingLayer`]
+//!   (a span per batch), [`TimeoutLayer`] (a deadline per call), stacked
+//!   with [`Layer`];
 //! - [`RegionTable`]: the bounds-checked, in-flight-aware table of registered
 //!   regions that backends share;
 //! - [`HostBuffer`] / [`RegisteredBuffer`] / [`RegisteredBuffers`]: safe owned
@@ -99,6 +102,9 @@
 //! ```
 #![deny(unsafe_op_in_unsafe_fn)]
 
+#[macro_use]
+mod forward;
+
 pub mod adapter;
 pub mod assist;
 mod auth;
@@ -110,6 +116,7 @@ mod drain;
 pub mod engine;
 pub mod error;
 mod inbox;
+pub mod layer;
 mod redact;
 pub mod region_table;
 mod secret;
@@ -123,13 +130,16 @@ pub mod conformance;
 #[cfg(feature = "inproc")]
 pub mod inproc;
 
-pub use adapter::{AdapterConfig, AdapterLayer, CapabilityAdapter, Layer};
+pub use adapter::{
+    AdapterConfig, AdapterLayer, CapabilityAdapter, EmulationEngine, EmulationLayer, Layer,
+};
 pub use buffer::{HostBuffer, RegisteredBuffer, RegisteredBuffers};
 pub use caps::{
     BackendInfo, Capabilities, CapabilityReport, MemoryKinds, MissingCapability, Operation, Support,
 };
 pub use engine::{BoxFuture, DynTransferEngine, TransferEngine};
 pub use error::{live_batches_full, Error, ErrorKind, IoSource, Queue, Result, Retry, Side};
+pub use layer::{Metrics, MetricsLayer, MetricsSnapshot, TimeoutLayer, TracingLayer};
 pub use region_table::{RegionGuard, RegionTable};
 pub use secret::Secret;
 pub use span::{LocalSpan, RemoteSpan};
@@ -151,6 +161,7 @@ pub mod raw {
     pub use crate::drain::{Active, Drain};
     pub use crate::error::live_batches_full;
     pub use crate::inbox::{notification_cost, Closed, Inbox, PushRefused};
+    pub use crate::layer::{CoalesceEngine, CoalesceLayer};
     pub use crate::redact::{is_secret_key, redact_url};
     pub use crate::region_table::{RegionGuard, RegionTable, Removal};
     pub use crate::url::ParsedUrl;

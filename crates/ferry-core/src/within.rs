@@ -75,7 +75,7 @@ pub trait TransferEngineExt: TransferEngine {
 
 impl<E: TransferEngine + ?Sized> TransferEngineExt for E {}
 
-async fn deadline<T>(
+pub(crate) async fn deadline<T>(
     within: Duration,
     operation: impl FnOnce() -> String,
     fut: impl Future<Output = Result<T>>,

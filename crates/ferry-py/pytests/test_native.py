@@ -412,3 +412,41 @@ def test_dropping_an_engine_unregisters_then_releases(backend):
     a.wait(bid)
     with pytest.raises(ferry.FerryError):
         a.write(seg, sa, addr, 16)
+
+
+def test_metrics_count_the_bytes_moved(pair):
+    a, b = pair
+    src = bytearray(pattern(8 * 4096, seed=5))
+    dst = bytearray(8 * 4096)
+    sa, _ = a.register(src)
+    da, _ = b.register(dst)
+    before = a.metrics()
+    seg = a.open_segment(b.segment_name)
+    results = a.batch_transfer(seg, "write", [sa, sa + 4096], [da, da + 4096], [4096, 1000])
+    assert results == [None, None]
+    a.read(seg, sa, da, 100)
+    # One request outside the peer's region fails, counted by its kind.
+    results = a.batch_transfer(seg, "write", [sa], [da + len(dst)], [10])
+    assert isinstance(results[0], ferry.AddressNotRegistered)
+    m = a.metrics()
+    assert m["engine"] == a.segment_name
+    peer = m["peers"][b.segment_name]
+    old = before["peers"].get(b.segment_name, {"bytes_written": 0, "bytes_read": 0})
+    assert peer["bytes_written"] - old["bytes_written"] == 5096
+    assert peer["bytes_read"] - old["bytes_read"] == 100
+    assert peer["requests_failed"].get("not_registered", 0) >= 1
+    assert peer["path"] is None or isinstance(peer["path"], str)
+    assert m["registered_bytes"] >= len(src)
+    assert m["batches_in_flight"] == 0
+    assert m["bytes_total"] >= 5196
+    a.close_segment(seg)
+
+
+def test_mooncake_compatible_engine_exposes_ferry_metrics():
+    from ferry.mooncake import TransferEngine
+
+    te = TransferEngine("tcp://")
+    assert te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    m = te.ferry_metrics()
+    assert m["engine"] == te.ferry_engine().segment_name
+    assert m["bytes_total"] == 0 and m["peers"] == {}

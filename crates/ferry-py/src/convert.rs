@@ -2,7 +2,9 @@
 //! class in `ferry.errors` (same name as the variant, same fields as
 //! attributes), and the capability report → plain dicts.
 
-use ferry::{Capabilities, CapabilityReport, Error, MissingCapability, Operation, Support};
+use ferry::{
+    Capabilities, CapabilityReport, Error, MetricsSnapshot, MissingCapability, Operation, Support,
+};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
@@ -273,6 +275,44 @@ fn support_dict<'py>(py: Python<'py>, s: &Support) -> PyResult<Bound<'py, PyDict
             d.set_item("min_version", missing.min_version.as_deref())?;
         }
     }
+    Ok(d)
+}
+
+/// A metrics snapshot as a dict (see `Engine.metrics`).
+pub(crate) fn metrics_dict<'py>(
+    py: Python<'py>,
+    m: &MetricsSnapshot,
+) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("engine", &m.engine)?;
+    d.set_item("bytes_total", m.bytes_total())?;
+    d.set_item("requests_ok", m.requests_ok())?;
+    d.set_item("requests_failed", m.requests_failed())?;
+    d.set_item("batches_in_flight", m.batches_in_flight)?;
+    d.set_item("registered_bytes", m.registered_bytes)?;
+    d.set_item("notifications_received", m.notifications_received)?;
+    d.set_item("queue_full", m.queue_full)?;
+    let emulated = PyDict::new(py);
+    for (op, n) in &m.emulated {
+        emulated.set_item(op, n)?;
+    }
+    d.set_item("emulated", emulated)?;
+    let peers = PyDict::new(py);
+    for (name, p) in &m.peers {
+        let pd = PyDict::new(py);
+        pd.set_item("bytes_written", p.bytes_written)?;
+        pd.set_item("bytes_read", p.bytes_read)?;
+        pd.set_item("requests_ok", p.requests_ok)?;
+        let failed = PyDict::new(py);
+        for (kind, n) in &p.requests_failed {
+            failed.set_item(kind, n)?;
+        }
+        pd.set_item("requests_failed", failed)?;
+        pd.set_item("notifications_sent", p.notifications_sent)?;
+        pd.set_item("path", &p.path)?;
+        peers.set_item(name, pd)?;
+    }
+    d.set_item("peers", peers)?;
     Ok(d)
 }
 

@@ -8,15 +8,15 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use ferry::{
     AdapterConfig, BatchId, BatchReport, Capabilities, CapabilityAdapter, CapabilityReport, Engine,
-    Location, MemoryRegion, Notification, Operation, SegmentId, TransferEngine, TransferOp,
-    TransferRequest, TransferState,
+    LayerExt, Location, MemoryRegion, Metrics, MetricsLayer, MetricsSnapshot, Notification,
+    Operation, SegmentId, TracingLayer, TransferEngine, TransferOp, TransferRequest, TransferState,
 };
 use ferry_core::inproc::InprocEngine;
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
 
-use crate::convert::{error_object, report_dict, result_object, to_pyerr};
+use crate::convert::{error_object, metrics_dict, report_dict, result_object, to_pyerr};
 use crate::memory::{address_of, resolve, Keep, Resolved};
 use crate::runtime::{block_on, run, runtime};
 use crate::wheel::{WheelConfig, WheelEngine};
@@ -39,6 +39,7 @@ impl Drop for PyEngine {
         let Some(Handle {
             engine,
             report,
+            metrics,
             wheel,
         }) = self.inner.take()
         else {
@@ -68,6 +69,7 @@ impl Drop for PyEngine {
                 });
                 let _guard = rt.enter();
                 drop(report);
+                drop(metrics);
                 drop(engine);
             });
             drop(wheel);
@@ -80,6 +82,8 @@ impl Drop for PyEngine {
 struct Handle {
     engine: Arc<dyn DynTransferEngine>,
     report: Box<dyn Fn() -> CapabilityReport + Send + Sync>,
+    /// The engine's metrics snapshot (its metrics layer's).
+    metrics: Box<dyn Fn() -> MetricsSnapshot + Send + Sync>,
     /// On `mooncake-py://`: the wheel's own engine object.
     wheel: Option<Py<PyAny>>,
 }
@@ -88,19 +92,31 @@ impl Handle {
     fn ferry(engine: Engine) -> Handle {
         let engine = Arc::new(engine);
         let for_report = engine.clone();
+        let for_metrics = engine.clone();
         Handle {
             engine,
             report: Box::new(move || for_report.report()),
+            metrics: Box::new(move || for_metrics.metrics()),
             wheel: None,
         }
     }
 
+    /// An engine outside `ferry::Engine` (the wheel's, in-process ones)
+    /// under the same default stack: tracing and metrics (into the
+    /// process-wide registry) over the adapter.
     fn adapter<E: TransferEngine>(adapter: CapabilityAdapter<E>) -> Handle {
-        let adapter = Arc::new(adapter);
-        let for_report = adapter.clone();
+        let native = adapter.report().native;
+        let engine = Arc::new(
+            adapter
+                .layer(MetricsLayer::new(Metrics::global().clone()).native(native))
+                .layer(TracingLayer::new()),
+        );
+        let for_report = engine.clone();
+        let for_metrics = engine.clone();
         Handle {
-            engine: adapter,
-            report: Box::new(move || for_report.report()),
+            engine,
+            report: Box::new(move || for_report.get_ref().get_ref().report()),
+            metrics: Box::new(move || for_metrics.get_ref().snapshot()),
             wheel: None,
         }
     }
@@ -389,6 +405,17 @@ impl PyEngine {
     /// the version that makes it native; `text` is the printed report.
     fn report<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         report_dict(py, &(self.handle()?.report)())
+    }
+
+    /// This engine's metrics as a dict: `engine`, `bytes_total`,
+    /// `requests_ok`, `requests_failed`, `batches_in_flight`,
+    /// `registered_bytes`, `notifications_received`, `queue_full`,
+    /// `emulated` (calls per emulated operation) and `peers` (per peer
+    /// segment name, beyond 64 peers `other`: `bytes_written`,
+    /// `bytes_read`, `requests_ok`, `requests_failed` by error kind,
+    /// `notifications_sent`) — for a serving stack to export.
+    fn metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        metrics_dict(py, &(self.handle()?.metrics)())
     }
 
     /// Registers memory: `register(addr, length)` or `register(obj)` for an

@@ -5,7 +5,7 @@ use std::fmt;
 use std::str::FromStr;
 
 use ferry_core::raw::ParsedUrl;
-use ferry_core::{AdapterConfig, Error, Operation, Result};
+use ferry_core::{AdapterConfig, Error, Metrics, Operation, Result};
 
 /// The backends Ferry knows, whether or not this build includes them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -235,6 +235,13 @@ pub struct EngineConfig {
     /// Operations that must be available (natively, or emulated unless
     /// strict) for [`crate::Engine::start`] to succeed.
     pub require: Vec<Operation>,
+    /// Where the engine's metrics layer counts: the process-wide
+    /// [`Metrics::global`] by default (what `ferry serve --metrics-listen`
+    /// serves); `None` switches the layer off.
+    pub metrics: Option<Metrics>,
+    /// Whether the tracing layer opens a `debug` span per batch (default
+    /// on; a span no subscriber wants costs a check of the filter).
+    pub tracing: bool,
 }
 
 impl EngineConfig {
@@ -245,7 +252,21 @@ impl EngineConfig {
             backend,
             adapter: AdapterConfig::default(),
             require: Vec::new(),
+            metrics: Some(Metrics::global().clone()),
+            tracing: true,
         }
+    }
+
+    /// Counts into `metrics` (`None`: metrics off).
+    pub fn metrics(mut self, metrics: Option<Metrics>) -> Self {
+        self.metrics = metrics;
+        self
+    }
+
+    /// Switches the per-batch tracing spans on or off.
+    pub fn tracing(mut self, on: bool) -> Self {
+        self.tracing = on;
+        self
     }
 
     /// Replaces the adapter configuration.
@@ -283,11 +304,9 @@ impl EngineConfig {
     pub fn from_parts(mut url: ParsedUrl) -> Result<Self> {
         url.scheme().parse::<BackendKind>()?;
         let (adapter, require) = AdapterConfig::take_url_params(&mut url)?;
-        Ok(EngineConfig {
-            backend: BackendConfig::from_parts(url)?,
-            adapter,
-            require,
-        })
+        Ok(EngineConfig::new(BackendConfig::from_parts(url)?)
+            .adapter(adapter)
+            .require(&require))
     }
 }
 

@@ -1,20 +1,30 @@
 //! [`Engine`]: one type over every backend compiled in, each wrapped in the
-//! capability adapter.
+//! default stack of layers (tracing, metrics, capability adapter).
 
 use ferry_core::DynTransferEngine;
 use std::sync::Arc;
 
+use ferry_core::layer::{MetricsEngine, MetricsSnapshot, TracingEngine};
 use ferry_core::{
     AdapterConfig, BackendInfo, BatchId, BatchReport, BatchStatus, Capabilities, CapabilityAdapter,
-    CapabilityReport, MemoryRegion, Notification, Operation, Result, SegmentId, TransferEngine,
-    TransferRequest,
+    CapabilityReport, Layer, MemoryRegion, Metrics, MetricsLayer, Notification, Operation, Result,
+    SegmentId, TracingLayer, TransferEngine, TransferRequest,
 };
 
 use crate::config::{BackendConfig, BackendKind, EngineConfig};
 
+/// The default stack over a backend `B`, outermost first: a
+/// [`TracingEngine`] (a span per batch), a [`MetricsEngine`] (counters
+/// into [`EngineConfig::metrics`]) and the [`CapabilityAdapter`]. Either
+/// observing layer may be switched off in the [`EngineConfig`]; the type
+/// stays the same.
+pub type Stack<B> = TracingEngine<MetricsEngine<CapabilityAdapter<B>>>;
+
 /// A started engine of whichever backend the configuration named, wrapped
-/// in a [`CapabilityAdapter`] so that every [`TransferEngine`] operation is
-/// available (natively, emulated, or refused with a reason in strict mode).
+/// in the default [`Stack`]: a [`CapabilityAdapter`] so that every
+/// [`TransferEngine`] operation is available (natively, emulated, or
+/// refused with a reason in strict mode), metrics ([`Engine::metrics`])
+/// and a `tracing` span per batch. [`Engine::layer`] stacks more.
 ///
 /// Dispatch is static: one variant per backend compiled in (cargo features
 /// `tcp`, `mooncake`, `verbs`, `nixl`). Users who pick a backend at run time and
@@ -25,16 +35,16 @@ use crate::config::{BackendConfig, BackendKind, EngineConfig};
 pub enum Engine {
     /// The TCP backend.
     #[cfg(feature = "tcp")]
-    Tcp(CapabilityAdapter<ferry_tcp::TcpEngine>),
+    Tcp(Stack<ferry_tcp::TcpEngine>),
     /// The Mooncake backend.
     #[cfg(feature = "mooncake")]
-    Mooncake(CapabilityAdapter<ferry_mooncake::MooncakeEngine>),
+    Mooncake(Stack<ferry_mooncake::MooncakeEngine>),
     /// The verbs backend.
     #[cfg(feature = "verbs")]
-    Verbs(CapabilityAdapter<ferry_verbs::VerbsEngine>),
+    Verbs(Stack<ferry_verbs::VerbsEngine>),
     /// The NIXL backend.
     #[cfg(feature = "nixl")]
-    Nixl(CapabilityAdapter<ferry_nixl::NixlEngine>),
+    Nixl(Stack<ferry_nixl::NixlEngine>),
 }
 
 // Why a macro and not `enum_dispatch`: `enum_dispatch` generates the impl
@@ -56,6 +66,16 @@ macro_rules! dispatch {
             #[cfg(feature = "nixl")]
             Engine::Nixl(ref $e) => $body,
         }
+    };
+}
+
+/// The capability adapter at the bottom of the stack.
+macro_rules! adapter {
+    ($self:expr, $a:ident => $body:expr) => {
+        dispatch!($self, e => {
+            let $a = e.get_ref().get_ref();
+            $body
+        })
     };
 }
 
@@ -102,13 +122,16 @@ impl Engine {
             backend,
             adapter,
             require,
+            metrics,
+            tracing,
         } = config;
+        let observe = Observe { metrics, tracing };
         let engine: Engine = match backend {
             #[cfg(feature = "tcp")]
-            BackendConfig::Tcp(c) => Engine::Tcp(CapabilityAdapter::with_config(
+            BackendConfig::Tcp(c) => Engine::Tcp(observe.stack(CapabilityAdapter::with_config(
                 ferry_tcp::TcpEngine::start(c).await?,
                 adapter,
-            )),
+            ))),
             #[cfg(feature = "mooncake")]
             BackendConfig::Mooncake(mut c) => {
                 // Strict mode emulates nothing, including the backend's own
@@ -122,24 +145,25 @@ impl Engine {
                     ferry_mooncake::LibraryTrust::OperatorConfigured,
                 )
                 .await?;
-                Engine::Mooncake(CapabilityAdapter::with_config(engine, adapter))
+                Engine::Mooncake(observe.stack(CapabilityAdapter::with_config(engine, adapter)))
             }
             #[cfg(feature = "verbs")]
-            BackendConfig::Verbs(c) => Engine::Verbs(CapabilityAdapter::with_config(
-                ferry_verbs::VerbsEngine::start(c).await?,
-                adapter,
+            BackendConfig::Verbs(c) => Engine::Verbs(observe.stack(
+                CapabilityAdapter::with_config(ferry_verbs::VerbsEngine::start(c).await?, adapter),
             )),
             // As for Mooncake: the URL's `lib=` (or FERRY_NIXL_LIB, the
             // loader path, the active Python's wheel) is the operator's.
             #[cfg(feature = "nixl")]
-            BackendConfig::Nixl(c) => Engine::Nixl(CapabilityAdapter::with_config(
-                ferry_nixl::NixlEngine::start_trusted(
-                    c,
-                    ferry_nixl::LibraryTrust::OperatorConfigured,
-                )
-                .await?,
-                adapter,
-            )),
+            BackendConfig::Nixl(c) => Engine::Nixl(
+                observe.stack(CapabilityAdapter::with_config(
+                    ferry_nixl::NixlEngine::start_trusted(
+                        c,
+                        ferry_nixl::LibraryTrust::OperatorConfigured,
+                    )
+                    .await?,
+                    adapter,
+                )),
+            ),
         };
         engine.require(&require)?;
         tracing::debug!(
@@ -168,19 +192,19 @@ impl Engine {
     /// optional operation, native / emulated / unsupported with the reason
     /// and the version that would make it native.
     pub fn report(&self) -> CapabilityReport {
-        dispatch!(self, e => e.report())
+        adapter!(self, a => a.report())
     }
 
     /// Start-up check: `Ok` if every operation in `ops` is available
     /// (natively, or emulated unless strict), else
     /// [`ferry_core::Error::MissingCapabilities`] naming each missing one.
     pub fn require(&self, ops: &[Operation]) -> Result<()> {
-        dispatch!(self, e => e.require(ops))
+        adapter!(self, a => a.require(ops))
     }
 
     /// The adapter configuration in force (strict mode, coalescing…).
     pub fn adapter_config(&self) -> &AdapterConfig {
-        dispatch!(self, e => e.config())
+        adapter!(self, a => a.config())
     }
 
     /// What this engine negotiated with the peer segment `name` (opened
@@ -193,7 +217,7 @@ impl Engine {
     pub fn peer_report(&self, name: &str) -> Option<crate::PeerReport> {
         match *self {
             #[cfg(feature = "tcp")]
-            Engine::Tcp(ref e) => e.get_ref().peer_report(name),
+            Engine::Tcp(ref e) => e.get_ref().get_ref().get_ref().peer_report(name),
             #[allow(unreachable_patterns)]
             _ => {
                 let _ = name;
@@ -202,10 +226,77 @@ impl Engine {
         }
     }
 
+    /// This engine's metrics now: bytes and requests per peer and outcome,
+    /// batches in flight, registered bytes, notifications, emulated
+    /// operations (all zero when [`EngineConfig::metrics`] was `None`).
+    pub fn metrics(&self) -> MetricsSnapshot {
+        dispatch!(self, e => e.get_ref().snapshot())
+    }
+
+    /// The registry this engine counts into ([`Metrics::encode`] gives
+    /// the Prometheus text exposition); `None` when metrics are off.
+    pub fn metrics_registry(&self) -> Option<&Metrics> {
+        dispatch!(self, e => e.get_ref().metrics())
+    }
+
+    /// Wraps this engine in `layer` (tower's shape): a layer of the user's
+    /// own, or one of [`ferry_core::layer`]'s, e.g. a
+    /// [`TimeoutLayer`](ferry_core::TimeoutLayer):
+    ///
+    /// ```no_run
+    /// # async fn demo() -> ferry::Result<()> {
+    /// use std::time::Duration;
+    /// use ferry::{Engine, TimeoutLayer, TransferEngine};
+    ///
+    /// let engine = Engine::open("tcp://127.0.0.1:0")
+    ///     .await?
+    ///     .layer(TimeoutLayer::new(Duration::from_secs(5)));
+    /// let peer = engine.open_segment("10.0.0.2:7000").await?; // at most 5 s
+    /// # let _ = peer; Ok(()) }
+    /// ```
+    pub fn layer<L: Layer<Engine>>(self, layer: L) -> L::Engine {
+        layer.layer(self)
+    }
+
+    /// The payload path to the open peer `name`, for the metrics:
+    /// what TCP negotiated (`socket`, `same-host cma`…), else the backend.
+    fn peer_path(&self, name: &str) -> Option<String> {
+        match *self {
+            #[cfg(feature = "tcp")]
+            Engine::Tcp(_) => self.peer_report(name).map(|r| r.path),
+            #[allow(unreachable_patterns)]
+            _ => {
+                let _ = name;
+                Some(self.kind().scheme().to_owned())
+            }
+        }
+    }
+
     /// The engine as a shared trait object, for code that chooses the
     /// backend at run time.
     pub fn into_dyn(self) -> Arc<dyn DynTransferEngine> {
         Arc::new(self)
+    }
+}
+
+/// The observing layers [`Engine::start`] puts over the adapter.
+struct Observe {
+    metrics: Option<Metrics>,
+    tracing: bool,
+}
+
+impl Observe {
+    fn stack<B: TransferEngine>(&self, adapter: CapabilityAdapter<B>) -> Stack<B> {
+        let metrics = match &self.metrics {
+            Some(m) => MetricsLayer::new(m.clone()).native(adapter.report().native),
+            None => MetricsLayer::disabled(),
+        };
+        let tracing = if self.tracing {
+            TracingLayer::new()
+        } else {
+            TracingLayer::disabled()
+        };
+        tracing.layer(metrics.layer(adapter))
     }
 }
 
@@ -244,7 +335,14 @@ impl TransferEngine for Engine {
     }
 
     async fn open_segment(&self, name: &str) -> Result<SegmentId> {
-        dispatch!(self, e => e.open_segment(name).await)
+        let segment = dispatch!(self, e => e.open_segment(name).await)?;
+        if let Some(path) = self.peer_path(name) {
+            // Next to the tracing layer's `ferry_connect` span (closed by
+            // now): the path the connection negotiated.
+            tracing::debug!(peer = name, path = %path, "ferry: segment open");
+            dispatch!(self, e => e.get_ref().set_peer_path(name, &path));
+        }
+        Ok(segment)
     }
 
     async fn close_segment(&self, segment: SegmentId) -> Result<()> {

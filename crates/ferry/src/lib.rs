@@ -55,7 +55,7 @@ mod config;
 mod dispatch;
 
 pub use config::{BackendConfig, BackendKind, EngineConfig};
-pub use dispatch::Engine;
+pub use dispatch::{Engine, Stack};
 
 pub use ferry_core::{
     AdapterConfig, BackendInfo, BatchId, BatchReport, BatchStatus, BoxFuture, Capabilities,
@@ -65,6 +65,12 @@ pub use ferry_core::{
     Support, TransferEngine, TransferEngineExt, TransferOp, TransferRequest, TransferState,
     MAX_LIVE_BATCHES, MAX_NOTIFICATION_MESSAGE, MAX_NOTIFICATION_NAME,
 };
+
+/// Layers over an engine ([`Engine::layer`]): metrics, tracing, timeouts,
+/// and the [`Layer`] trait for a user's own.
+pub use ferry_core::layer;
+pub use ferry_core::layer::LayerExt;
+pub use ferry_core::{Layer, Metrics, MetricsLayer, MetricsSnapshot, TimeoutLayer, TracingLayer};
 
 /// What backend authors need and users do not: the region table, the
 /// adapter as a layer, request coalescing (see `ferry_core::raw`). The

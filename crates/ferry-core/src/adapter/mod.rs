@@ -1,12 +1,21 @@
 //! The capability adapter: gives any engine the whole [`TransferEngine`]
-//! trait.
+//! trait. It is two layers with one job each, stacked:
 //!
-//! The effective capability set is a pure function of the native one and the
-//! [`AdapterConfig`]: each optional operation is forwarded when native,
-//! emulated when allowed (with the same observable semantics), or refused
-//! with [`Error::Unsupported`]. Contiguous requests are coalesced on every
-//! batch path, native or emulated, and results are mapped back to the
-//! caller's indices.
+//! - [`CoalesceEngine`] ([`CoalesceLayer`]): contiguous requests of a
+//!   batch, sync or async, are merged before the layers below see them,
+//!   and results are mapped back to the caller's indices (a merged
+//!   request that fails on an address check is retried request by
+//!   request: it may straddle two adjacent regions);
+//! - [`EmulationEngine`] ([`EmulationLayer`]): the effective capability
+//!   set is a pure function of the native one and the [`AdapterConfig`]:
+//!   each optional operation is forwarded when native, emulated when
+//!   allowed (with the same observable semantics), or refused with
+//!   [`Error::Unsupported`]; emulated single transfers are bounded in
+//!   number; `shutdown` drains the calls in flight; the capability report
+//!   and `require` live here.
+//!
+//! The coalescing layer keeps the capabilities of the layer below, so the
+//! adapter's are the emulation's.
 //!
 //! | operation | emulated with |
 //! |---|---|
@@ -15,11 +24,12 @@
 //! | `batch_transfer` | native async batch, else single transfers with bounded concurrency |
 //! | `submit`/`status`/`release_batch` | a task per batch driving the above (run inline outside a runtime); `status` reads its state |
 //! | `wait` | awaiting that task (never polling a core hot) |
+//! | notifications | not emulable: needs a channel to the peer |
 //!
 //! A native async batch is forwarded as it is (its own `status`, `wait`,
-//! `release_batch`) when nothing in it needs the adapter: no requests to
-//! merge, within the backend's batch length, notification native.
-//! | notifications | not emulable: needs a channel to the peer |
+//! `release_batch`) when nothing in it needs the emulation: within the
+//! backend's batch length, notification native (and, above, nothing to
+//! merge).
 
 mod coalesce;
 
@@ -30,7 +40,7 @@ use std::time::Duration;
 use futures::stream::{self, StreamExt};
 use tokio::sync::Semaphore;
 
-pub use coalesce::{coalesce, CoalescedBatch};
+pub use coalesce::{coalesce, CoalesceEngine, CoalesceLayer, CoalescedBatch};
 
 use crate::batch::{BatchDriver, BatchTable};
 use crate::caps::{
@@ -228,6 +238,42 @@ impl AdapterLayer {
     pub fn new(config: AdapterConfig) -> Self {
         AdapterLayer { config }
     }
+
+    /// The adapter with coalescing off: its [`EmulationEngine`] alone
+    /// (with the concurrency limit, drain and report) behind a coalescing
+    /// layer that forwards everything. [`EmulationLayer`] gives the
+    /// emulation layer itself.
+    pub fn emulation() -> Self {
+        AdapterLayer {
+            config: AdapterConfig {
+                coalesce: false,
+                ..AdapterConfig::default()
+            },
+        }
+    }
+}
+
+/// [`Layer`] that wraps engines in an [`EmulationEngine`]: the adapter's
+/// emulation layer on its own. Stacked under a [`CoalesceLayer`] it is
+/// what [`CapabilityAdapter`] is.
+#[derive(Clone, Debug, Default)]
+pub struct EmulationLayer {
+    config: AdapterConfig,
+}
+
+impl EmulationLayer {
+    /// A layer with `config` (its coalescing fields are the coalescing
+    /// layer's business and are ignored here).
+    pub fn new(config: AdapterConfig) -> Self {
+        EmulationLayer { config }
+    }
+}
+
+impl<E: TransferEngine> Layer<E> for EmulationLayer {
+    type Engine = EmulationEngine<E>;
+    fn layer(&self, inner: E) -> EmulationEngine<E> {
+        EmulationEngine::from_arc(Arc::new(inner), self.config.clone())
+    }
 }
 
 impl<E: TransferEngine> Layer<E> for AdapterLayer {
@@ -237,8 +283,114 @@ impl<E: TransferEngine> Layer<E> for AdapterLayer {
     }
 }
 
-/// Gives any engine the whole [`TransferEngine`] trait (see the module docs).
+/// Gives any engine the whole [`TransferEngine`] trait (see the module
+/// docs): the default stack of two layers, a [`CoalesceEngine`] (merging
+/// contiguous requests, when [`AdapterConfig::coalesce`]) over an
+/// [`EmulationEngine`] (emulation, the concurrency limit, the drain at
+/// shutdown and the report). Its capabilities are the emulation's; the
+/// coalescing layer keeps them as they are.
 pub struct CapabilityAdapter<E: TransferEngine + ?Sized> {
+    inner: CoalesceEngine<EmulationEngine<E>>,
+}
+
+impl<E: TransferEngine + ?Sized> std::fmt::Debug for CapabilityAdapter<E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let e = self.inner.get_ref();
+        f.debug_struct("CapabilityAdapter")
+            .field("backend", &e.inner.backend_name())
+            .field("segment", &e.inner.segment_name())
+            .field("config", &e.shared.config)
+            .field("native", &e.shared.native)
+            .finish()
+    }
+}
+
+impl<E: TransferEngine> CapabilityAdapter<E> {
+    /// Wraps `inner` with the default (emulating) configuration.
+    pub fn new(inner: E) -> Self {
+        Self::with_config(inner, AdapterConfig::default())
+    }
+    /// Wraps `inner` with `config`.
+    pub fn with_config(inner: E, config: AdapterConfig) -> Self {
+        Self::from_arc(Arc::new(inner), config)
+    }
+}
+
+impl<E: TransferEngine + ?Sized> CapabilityAdapter<E> {
+    /// Wraps an engine that is already shared (e.g. `Arc<dyn DynTransferEngine>`).
+    pub fn from_arc(inner: Arc<E>, config: AdapterConfig) -> Self {
+        let (enabled, max_len) = (config.coalesce, config.max_coalesced_len);
+        CapabilityAdapter {
+            inner: CoalesceEngine::with(EmulationEngine::from_arc(inner, config), enabled, max_len),
+        }
+    }
+
+    /// The wrapped engine.
+    pub fn get_ref(&self) -> &E {
+        self.inner.get_ref().get_ref()
+    }
+    /// The wrapped engine, shared.
+    pub fn inner(&self) -> &Arc<E> {
+        self.inner.get_ref().inner()
+    }
+    /// Unwraps, returning the shared inner engine.
+    pub fn into_inner(self) -> Arc<E> {
+        Arc::clone(self.inner.get_ref().inner())
+    }
+    /// The emulation layer of the stack.
+    pub fn emulation(&self) -> &EmulationEngine<E> {
+        self.inner.get_ref()
+    }
+    /// The configuration in force.
+    pub fn config(&self) -> &AdapterConfig {
+        self.inner.get_ref().config()
+    }
+    /// The capability report: native, effective, and how each optional
+    /// operation is provided with the reason and the version that would make
+    /// it native.
+    pub fn report(&self) -> CapabilityReport {
+        self.inner.get_ref().report()
+    }
+    /// Start-up check: `Ok` if every operation in `ops` is available
+    /// (natively, or emulated when not strict); otherwise
+    /// [`Error::MissingCapabilities`] naming every missing one.
+    pub fn require(&self, ops: &[Operation]) -> Result<()> {
+        self.inner.get_ref().require(ops)
+    }
+}
+
+#[deny(clippy::missing_trait_methods)]
+impl<E: TransferEngine + ?Sized> TransferEngine for CapabilityAdapter<E> {
+    forward!(
+        backend_name,
+        segment_name,
+        capabilities,
+        backend_info,
+        register,
+        unregister,
+        batch_register,
+        batch_unregister,
+        open_segment,
+        close_segment,
+        transfer,
+        batch_transfer,
+        submit,
+        status,
+        wait,
+        release_batch,
+        take_notifications,
+        next_notification,
+        live_batches,
+        shutdown
+    );
+}
+
+/// The adapter's emulation layer (see the module docs): every optional
+/// operation the engine lacks, emulated (or refused in strict mode) with
+/// bounded concurrency; calls drained at shutdown; the capability report.
+/// It merges no requests: [`CapabilityAdapter`] stacks a
+/// [`CoalesceEngine`] over it for that.
+pub struct EmulationEngine<E: TransferEngine + ?Sized> {
     inner: Arc<E>,
     shared: Arc<Shared>,
 }
@@ -257,9 +409,9 @@ struct Shared {
     drain: Arc<Drain>,
 }
 
-impl<E: TransferEngine + ?Sized> std::fmt::Debug for CapabilityAdapter<E> {
+impl<E: TransferEngine + ?Sized> std::fmt::Debug for EmulationEngine<E> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CapabilityAdapter")
+        f.debug_struct("EmulationEngine")
             .field("backend", &self.inner.backend_name())
             .field("segment", &self.inner.segment_name())
             .field("config", &self.shared.config)
@@ -270,26 +422,16 @@ impl<E: TransferEngine + ?Sized> std::fmt::Debug for CapabilityAdapter<E> {
 
 use crate::raw::{lock, Drain};
 
-impl<E: TransferEngine> CapabilityAdapter<E> {
-    /// Wraps `inner` with the default (emulating) configuration.
-    pub fn new(inner: E) -> Self {
-        Self::with_config(inner, AdapterConfig::default())
-    }
-    /// Wraps `inner` with `config`.
-    pub fn with_config(inner: E, config: AdapterConfig) -> Self {
-        Self::from_arc(Arc::new(inner), config)
-    }
-}
-
-impl<E: TransferEngine + ?Sized> CapabilityAdapter<E> {
-    /// Wraps an engine that is already shared (e.g. `Arc<dyn DynTransferEngine>`).
+impl<E: TransferEngine + ?Sized> EmulationEngine<E> {
+    /// Wraps a shared engine with `config` (its coalescing fields are for
+    /// the [`CoalesceEngine`] above; this layer merges nothing).
     pub fn from_arc(inner: Arc<E>, mut config: AdapterConfig) -> Self {
         config.max_concurrency = config.max_concurrency.max(1);
         let native = inner.capabilities();
         let effective = config.effective(&native);
         let info = inner.backend_info();
         let permits = Arc::new(Semaphore::new(config.max_concurrency));
-        CapabilityAdapter {
+        EmulationEngine {
             inner,
             shared: Arc::new(Shared {
                 config,
@@ -609,10 +751,8 @@ impl<E: TransferEngine + ?Sized> Drop for Orphan<E> {
     }
 }
 
-/// The whole batch path: coalesce, execute, retry the constituents of merged
-/// requests that failed on an address check (a merged range may straddle two
-/// adjacent regions that each request alone stays inside), send the
-/// notification if the retry made the batch whole, map back.
+/// The emulation's batch path: [`execute`] (the coalescing layer above
+/// has merged what it merges).
 async fn run_batch<E: TransferEngine + ?Sized>(
     inner: &Arc<E>,
     shared: &Shared,
@@ -620,40 +760,11 @@ async fn run_batch<E: TransferEngine + ?Sized>(
     requests: &[TransferRequest],
     notify: Option<&Notification>,
 ) -> Result<Vec<Result<()>>> {
-    let plan = coalesce(
-        requests,
-        shared.config.coalesce,
-        shared.config.max_coalesced_len,
-    );
-    let merged = execute(inner, shared, segment, &plan.requests, notify).await?;
-    let mut results = plan.expand(&merged);
-    let retry: Vec<usize> = plan
-        .groups
-        .iter()
-        .zip(&merged)
-        .filter(|(g, r)| g.len() > 1 && matches!(r, Err(Error::AddressNotRegistered { .. })))
-        .flat_map(|(g, _)| g.clone())
-        .collect();
-    if !retry.is_empty() {
-        let singles: Vec<TransferRequest> = retry.iter().map(|&i| requests[i]).collect();
-        // Bytes of the batch have moved by now: a refusal of the retry is
-        // reported per request, not for the batch as a whole.
-        let again = execute(inner, shared, segment, &singles, None)
-            .await
-            .unwrap_or_else(|e| vec![Err(e); singles.len()]);
-        for (i, r) in retry.into_iter().zip(again) {
-            results[i] = r;
-        }
-        let first_try_ok = merged.iter().all(Result::is_ok);
-        if notify.is_some() && !first_try_ok && results.iter().all(Result::is_ok) {
-            execute(inner, shared, segment, &[], notify).await?;
-        }
-    }
-    Ok(results)
+    execute(inner, shared, segment, requests, notify).await
 }
 
 #[deny(clippy::missing_trait_methods)]
-impl<E: TransferEngine + ?Sized> TransferEngine for CapabilityAdapter<E> {
+impl<E: TransferEngine + ?Sized> TransferEngine for EmulationEngine<E> {
     fn backend_name(&self) -> &str {
         self.inner.backend_name()
     }
@@ -785,20 +896,12 @@ impl<E: TransferEngine + ?Sized> TransferEngine for CapabilityAdapter<E> {
             s.announce(Operation::AsyncBatch);
         }
         // The backend's own async batch, when it can take this one as is:
-        // nothing to coalesce (a merged request failing on a straddled
-        // region boundary needs the adapter's retry), within its length
-        // limit, and the notification native too.
+        // within its length limit, and the notification native too.
         let forward = s.native.async_batch
             && (notify.is_none() || s.native.notify)
             && s.native
                 .max_batch_len
-                .is_none_or(|max| requests.len() <= max)
-            // Coalesced only when the rest allows forwarding (the task path
-            // coalesces again itself).
-            && coalesce(requests, s.config.coalesce, s.config.max_coalesced_len)
-                .requests
-                .len()
-                == requests.len();
+                .is_none_or(|max| requests.len() <= max);
         if forward {
             // Refused before the backend takes a batch nobody could name.
             if s.batches.is_full() {
@@ -941,7 +1044,7 @@ impl<E: TransferEngine + ?Sized> TransferEngine for CapabilityAdapter<E> {
 /// Reports the results of a batch run by the adapter to `driver` and
 /// finishes it (its notification, if any, was sent by `run_batch`). `Err`
 /// when the batch was refused as a whole.
-fn report_into(
+pub(crate) fn report_into(
     driver: &BatchDriver,
     n: usize,
     results: Result<Vec<Result<()>>>,

@@ -401,6 +401,13 @@ class TransferEngine:
             )
         return out
 
+    def ferry_metrics(self):
+        """Ferry's metrics of this engine as a dict (what
+        :meth:`ferry.Engine.metrics` returns: bytes and requests per peer
+        and outcome, batches in flight, registered bytes, notifications,
+        emulated operations), for a serving stack to export."""
+        return self._require().metrics()
+
     def get_rpc_port(self):
         """The port of this engine's segment name (``host:port``)."""
         name = self._require().segment_name
