@@ -5,8 +5,8 @@
 mod bench;
 mod caps;
 mod metadata_server;
-mod plot;
 mod metrics_http;
+mod plot;
 mod rawtcp;
 mod serve;
 mod util;

@@ -354,6 +354,7 @@ impl TransferEngine for VerbsEngine {
         }
         #[cfg(not(feature = "rdma"))]
         match self.never {}
+        #[cfg(feature = "rdma")]
         Ok(())
     }
 }
