@@ -107,9 +107,9 @@ fn wait_line<T>(
     let deadline = Instant::now() + WAIT;
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
-        let line = rx
-            .recv_timeout(left)
-            .unwrap_or_else(|e| panic!("{what}: no expected line within {WAIT:?} ({e}); got {seen:#?}"));
+        let line = rx.recv_timeout(left).unwrap_or_else(|e| {
+            panic!("{what}: no expected line within {WAIT:?} ({e}); got {seen:#?}")
+        });
         seen.push(line.clone());
         if let Some(v) = pick(&line) {
             return v;
@@ -264,23 +264,25 @@ fn prometheus_scrapes_the_bytes_the_bench_moved() {
     std::fs::write(&config_path, config).expect("write prometheus.yml");
     let mut p = Command::new(prom);
     p.arg(format!("--config.file={}", config_path.display()))
-        .arg(format!("--storage.tsdb.path={}", dir.join("data").display()))
+        .arg(format!(
+            "--storage.tsdb.path={}",
+            dir.join("data").display()
+        ))
         .arg(format!("--web.listen-address=127.0.0.1:{web_port}"))
         .arg("--log.level=warn");
     let prom_rx = spawn(&mut guard, p, "prometheus");
 
-    // The bench's rows: a pretty-printed JSON array on stdout, then the
-    // linger line on stderr.
+    // The bench's rows: a pretty-printed JSON array on stdout, which ends
+    // with a line `]` (stderr lines, the progress and the linger notice,
+    // are not part of it).
     let mut json = String::new();
     wait_line(&bench_rx, "ferry bench", &mut bench_seen, |l| {
-        if l.starts_with(&format!("{STDERR}metrics: serving for")) {
-            return Some(());
+        if l.starts_with(STDERR) {
+            return None;
         }
-        if !l.starts_with(STDERR) {
-            json.push_str(l);
-            json.push('\n');
-        }
-        None
+        json.push_str(l);
+        json.push('\n');
+        (l == "]" || l == "[]").then_some(())
     });
     let rows: serde_json::Value = serde_json::from_str(&json)
         .unwrap_or_else(|e| panic!("bench --json: {e}\n{json}\n{bench_seen:#?}"));
