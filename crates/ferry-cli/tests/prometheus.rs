@@ -48,7 +48,6 @@ fn prometheus(test: &str) -> Option<PathBuf> {
 
 /// The child processes and the temporary directory of one test: killed
 /// and removed on every exit path, a panic included.
-#[derive(Default)]
 struct Guard {
     children: Vec<Child>,
     dir: Option<PathBuf>,
@@ -202,8 +201,8 @@ fn prometheus_scrapes_the_bytes_the_bench_moved() {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(dir.join("data")).expect("create the temp dir");
     let mut guard = Guard {
+        children: Vec::new(),
         dir: Some(dir.clone()),
-        ..Guard::default()
     };
 
     // The target: `ferry serve` on loopback with its metrics endpoint.
