@@ -1,4 +1,5 @@
-//! A real Prometheus (Debian's `prometheus` package, `/usr/bin/prometheus`)
+//! A real Prometheus (Debian's `prometheus` package, `/usr/bin/prometheus`,
+//! or whichever `prometheus` is first on `PATH`)
 //! scrapes `ferry serve --metrics-listen` and `ferry bench --peer
 //! --metrics-listen` on loopback, and its `ferry_transfer_bytes_total`
 //! for the bench equals, exactly, the bytes the bench's engine moved
@@ -19,24 +20,27 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use ferry_core::conformance::{backend_required, report_skip};
 
-const PROMETHEUS: &str = "/usr/bin/prometheus";
-
 /// Longest wait for anything: a child's banner, Prometheus's answer.
 const WAIT: Duration = Duration::from_secs(60);
 
-/// The Prometheus binary, or the skip (a failure when
+/// The Prometheus binary on `PATH` (Debian's is `/usr/bin/prometheus`;
+/// `.ci/run` looks for it with `command -v`), or the skip (a failure when
 /// `FERRY_REQUIRE_BACKENDS` lists prometheus).
 fn prometheus(test: &str) -> Option<PathBuf> {
-    let path = Path::new(PROMETHEUS);
-    if path.is_file() {
-        return Some(path.to_owned());
+    let found = std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .map(|d| d.join("prometheus"))
+            .find(|p| p.is_file())
+    });
+    if found.is_some() {
+        return found;
     }
     let reason = "prometheus is not installed (apt-get install prometheus)";
     if backend_required("prometheus") {
