@@ -90,6 +90,12 @@ pub struct BenchArgs {
     #[arg(long, value_name = "ADDR")]
     metrics_listen: Option<String>,
 
+    /// With --metrics-listen: after the results are printed, keep serving
+    /// `/metrics` this long (or until Ctrl-C) before exiting, so that a
+    /// scraper sees the final counts.
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration, requires = "metrics_listen")]
+    metrics_linger: Option<Duration>,
+
     /// Open this process's engines without the metrics and tracing layers
     /// (to measure what they cost: run with and without, interleaved).
     #[arg(long)]
@@ -258,17 +264,32 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         let bound = crate::metrics_http::start(addr, ferry::Metrics::global().clone()).await?;
         eprintln!("metrics: http://{bound}/metrics");
     }
+    let linger = args.metrics_linger;
     if args.same_host {
-        return run_same_host(args).await;
-    }
-    let (results, base_by_block, setup) = sweep(&args).await?;
-    plot(&args, &results)?;
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&results)?);
+        run_same_host(args).await?;
     } else {
-        print_table(&args, &setup, &results, &base_by_block);
+        let (results, base_by_block, setup) = sweep(&args).await?;
+        plot(&args, &results)?;
+        if args.json {
+            println!("{}", serde_json::to_string_pretty(&results)?);
+        } else {
+            print_table(&args, &setup, &results, &base_by_block);
+        }
+        setup.close().await?;
     }
-    setup.close().await
+    if let Some(linger) = linger {
+        use std::io::Write as _;
+        std::io::stdout().flush()?;
+        eprintln!(
+            "metrics: serving for {} more (Ctrl-C to stop)",
+            humantime::format_duration(linger)
+        );
+        tokio::select! {
+            () = tokio::time::sleep(linger) => {}
+            _ = tokio::signal::ctrl_c() => {}
+        }
+    }
+    Ok(())
 }
 
 /// `--plot`: draws the rows into the SVG file.
