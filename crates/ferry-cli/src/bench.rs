@@ -264,30 +264,36 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         let bound = crate::metrics_http::start(addr, ferry::Metrics::global().clone()).await?;
         eprintln!("metrics: http://{bound}/metrics");
     }
-    let linger = args.metrics_linger;
     if args.same_host {
-        run_same_host(args).await?;
-    } else {
-        let (results, base_by_block, setup) = sweep(&args).await?;
-        plot(&args, &results)?;
-        if args.json {
-            println!("{}", serde_json::to_string_pretty(&results)?);
-        } else {
-            print_table(&args, &setup, &results, &base_by_block);
-        }
-        setup.close().await?;
+        return run_same_host(args).await;
     }
-    if let Some(linger) = linger {
-        use std::io::Write as _;
-        std::io::stdout().flush()?;
-        eprintln!(
-            "metrics: serving for {} more (Ctrl-C to stop)",
-            humantime::format_duration(linger)
-        );
-        tokio::select! {
-            () = tokio::time::sleep(linger) => {}
-            _ = tokio::signal::ctrl_c() => {}
-        }
+    let (results, base_by_block, setup) = sweep(&args).await?;
+    plot(&args, &results)?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&results)?);
+    } else {
+        print_table(&args, &setup, &results, &base_by_block);
+    }
+    linger(&args).await?;
+    setup.close().await
+}
+
+/// `--metrics-linger`: keeps serving `/metrics` after the results, with
+/// the engines still open (an engine's series leave the exposition when
+/// it is dropped), for that long or until Ctrl-C.
+async fn linger(args: &BenchArgs) -> anyhow::Result<()> {
+    let Some(linger) = args.metrics_linger else {
+        return Ok(());
+    };
+    use std::io::Write as _;
+    std::io::stdout().flush()?;
+    eprintln!(
+        "metrics: serving for {} more (Ctrl-C to stop)",
+        humantime::format_duration(linger)
+    );
+    tokio::select! {
+        () = tokio::time::sleep(linger) => {}
+        _ = tokio::signal::ctrl_c() => {}
     }
     Ok(())
 }
@@ -364,7 +370,9 @@ async fn run_same_host(args: BenchArgs) -> anyhow::Result<()> {
     let len = after("--remote-len").context("no --remote-len")?;
     let mut results = Vec::new();
     let mut bases = BTreeMap::new();
-    let mut last_setup = None;
+    // Every mode's engines stay open until the end (`--metrics-linger`
+    // serves the series of both).
+    let mut setups = Vec::new();
     for mode in ["cma", "off"] {
         let sep = if args.backend.contains('?') { '&' } else { '?' };
         let mut a = args.clone();
@@ -380,17 +388,18 @@ async fn run_same_host(args: BenchArgs) -> anyhow::Result<()> {
             .with_context(|| format!("same_host={mode}"))?;
         results.extend(r);
         bases.extend(b);
-        if let Some(old) = last_setup.replace((a, setup)) {
-            old.1.close().await?;
-        }
+        setups.push((a, setup));
     }
     plot(&args, &results)?;
-    if let Some((a, setup)) = last_setup {
+    if let Some((a, setup)) = setups.last() {
         if args.json {
             println!("{}", serde_json::to_string_pretty(&results)?);
         } else {
-            print_table(&a, &setup, &results, &bases);
+            print_table(a, setup, &results, &bases);
         }
+    }
+    linger(&args).await?;
+    for (_, setup) in setups {
         setup.close().await?;
     }
     drop(child);
