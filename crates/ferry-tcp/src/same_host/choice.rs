@@ -7,8 +7,8 @@
 //! other waits: the pipeline moves at the speed of their turns. The kernel
 //! copy needs one thread, the target's, and keeps its speed there (it is
 //! also what frames of 8 MiB and more use). So an initiator whose staged
-//! stream had to sleep for the other side (a wait outlasted the spin and
-//! yield phases: that side lost its CPU) sends the frames of its next long
+//! stream had to wait a scheduler's time slice for the other side (2 ms:
+//! that side lost its CPU, not just a passing preemption) sends the frames of its next long
 //! calls as kernel copies for a while, then tries the area again: the while doubles
 //! (up to [`MAX_BACKOFF`]) each time a wait sleeps again, and starts over
 //! once none has for [`FORGET`]. The target tells its own sleeps

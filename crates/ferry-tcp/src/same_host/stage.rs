@@ -90,6 +90,9 @@ pub const VERDICT_LEN: usize = MAX_SEGMENTS as usize / 8;
 const SPIN: Duration = Duration::from_micros(50);
 /// Then yield the CPU between checks for this long, before sleeping.
 const YIELD: Duration = Duration::from_micros(200);
+/// A wait at least this long counts for [`Watch::slept`]: the other side
+/// lost its CPU for a scheduler's time slice.
+const DESCHEDULED: Duration = Duration::from_millis(2);
 /// Longest single sleep once the other side is slow (it was descheduled,
 /// or stalls): a sleep ends earlier when the other side moves its counter
 /// (see [`Sleeper`]); between sleeps the wait checks that the other side
@@ -604,8 +607,8 @@ pub struct Watch<'a> {
     /// Whether a slow wait may block this thread (a thread the engine
     /// owns); otherwise its sleeps run on the runtime's blocking pool.
     pub blocking: bool,
-    /// Counts the waits that had to sleep: the other side lost its CPU
-    /// for longer than the spin and yield phases (see
+    /// Counts the waits that lasted [`DESCHEDULED`] or more: the other
+    /// side lost its CPU for a time slice (see
     /// [`crate::same_host::choice::PathChoice`]).
     pub slept: Option<&'a std::sync::atomic::AtomicU64>,
 }
@@ -662,7 +665,9 @@ pub async fn wait(
         if watch.expired(waited) {
             return Err(Stop::Stalled);
         }
-        if let (false, Some(slept)) = (counted, watch.slept) {
+        // A wait that lasts a time slice: the other side was descheduled
+        // for one (CPU pressure), not a passing preemption.
+        if let (false, true, Some(slept)) = (counted, waited >= DESCHEDULED, watch.slept) {
             slept.fetch_add(1, Ordering::Relaxed);
             counted = true;
         }
