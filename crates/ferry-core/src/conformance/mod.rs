@@ -73,6 +73,16 @@ pub trait EngineFactory: Send + Sync + 'static {
         let _ = engine;
         Ok(false)
     }
+
+    /// A check (by its name in [`CHECKS`]) that is known to hang on this
+    /// backend, with the bug that makes it hang: the check is skipped,
+    /// printing both, instead of holding the suite until its watchdog
+    /// aborts the process. A stopgap for a bug being fixed, never a way to
+    /// pass a check: a hang that is not listed still aborts.
+    fn known_hang(&self, check: &str) -> Option<String> {
+        let _ = check;
+        None
+    }
 }
 
 /// Result of a check that did not fail (failures panic).
@@ -159,6 +169,9 @@ pub const CHECKS: &[&str] = &[
 ///
 /// If the check fails, or if `name` is not a check.
 pub async fn run_check(name: &str, factory: Arc<dyn EngineFactory>, adapted: bool) -> Outcome {
+    if let Some(bug) = factory.known_hang(name) {
+        return Outcome::Skipped(format!("known to hang on this backend: {bug}"));
+    }
     let f = factory;
     let a = adapted;
     match name {
