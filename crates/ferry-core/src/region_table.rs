@@ -39,6 +39,11 @@ pub struct Removal {
 }
 
 impl Removal {
+    /// The region being removed (its address, length and location).
+    pub fn region(&self) -> Option<RegionInfo> {
+        self.table.lock().get(&self.addr).map(|e| e.region.info())
+    }
+
     /// Takes the region out of the table: its range is free from now on.
     pub fn finish(mut self) {
         self.finished = true;

@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use ferry_core::raw::{lock, BatchDriver, BatchTable};
+use ferry_core::raw::{lock, BatchDriver, BatchTable, Removal};
 use ferry_core::{
     BackendInfo, BatchId, BatchReport, BatchStatus, Capabilities, Error, Location, MemoryKinds,
     MemoryRegion, Notification, RegionGuard, RegionInfo, RegionTable, Result, SegmentId, Side,
@@ -101,6 +101,12 @@ struct Inner {
     remote_agents: Mutex<HashMap<String, usize>>,
     batches: BatchTable,
     poller: Arc<Poller>,
+    /// The listener's accept loop (aborted by `shutdown`).
+    accept: Mutex<Option<AbortHandle>>,
+    /// The tasks serving peers that opened this engine's segment. They
+    /// outlive `shutdown`: a peer's answer to a `REVOKE` (or its
+    /// connection closing) is what lets a region of this engine leave
+    /// NIXL safely, and regions outlive `shutdown`. Aborted on drop.
     tasks: Mutex<Vec<AbortHandle>>,
     notes: Mutex<Notes>,
     /// Notifications taken from NIXL and not yet from Ferry.
@@ -393,6 +399,7 @@ impl NixlEngine {
             remote_agents: Mutex::new(HashMap::new()),
             batches: BatchTable::new(BACKEND),
             poller,
+            accept: Mutex::new(None),
             tasks: Mutex::new(Vec::new()),
             notes: Mutex::new(Notes::default()),
             inbox: ferry_core::raw::Inbox::new(MAX_QUEUED_NOTIFICATIONS, usize::MAX),
@@ -416,7 +423,7 @@ impl NixlEngine {
                 }
             }
         });
-        lock(&inner.tasks).push(accept.abort_handle());
+        *lock(&inner.accept) = Some(accept.abort_handle());
         tracing::info!(
             segment = %inner.segment_name,
             agent = %inner.agent.name(),
@@ -656,6 +663,28 @@ async fn serve_peer(inner: std::sync::Weak<Inner>, stream: TcpStream) {
         );
     }
     drop(engine);
+    // Runs when this task ends, returned or aborted (the engine dropped):
+    // the peer leaves the table and every revocation still waiting on it
+    // is answered (dropped senders: a peer that went away has no transfer
+    // of this connection left to wait for).
+    struct Gone {
+        inner: std::sync::Weak<Inner>,
+        id: u64,
+        pending: Waiters<()>,
+    }
+    impl Drop for Gone {
+        fn drop(&mut self) {
+            if let Some(engine) = self.inner.upgrade() {
+                lock(&engine.peers).remove(&self.id);
+            }
+            lock(&self.pending).clear();
+        }
+    }
+    let _gone = Gone {
+        inner: inner.clone(),
+        id,
+        pending: Arc::clone(&pending),
+    };
     loop {
         match read_frame(&mut rd, &who).await {
             Ok(Some(Frame::Fetch)) => {
@@ -692,12 +721,6 @@ async fn serve_peer(inner: std::sync::Weak<Inner>, stream: TcpStream) {
             }
         }
     }
-    if let Some(engine) = inner.upgrade() {
-        lock(&engine.peers).remove(&id);
-    }
-    // Dropping the senders answers every revocation still waiting: a peer
-    // that went away has no transfer of this connection left to wait for.
-    lock(&pending).clear();
 }
 
 /// Writes a `STATE` (the caller holds `order`).
@@ -767,16 +790,36 @@ async fn read_segment(
 }
 
 impl NixlEngine {
-    /// Aborts the engine's tasks and the segments' readers, and ends the
-    /// notification waiters.
-    fn stop_tasks(&self) {
+    /// Stops accepting peers, closes the segments (their readers stop,
+    /// whatever waits on them ends with `PeerLost`) and ends the
+    /// notification waiters. `peers_too` (on drop): also ends the tasks
+    /// serving peers, which `shutdown` leaves running (see
+    /// [`Inner::tasks`]).
+    fn stop_tasks(&self, peers_too: bool) {
         self.inner.inbox.close();
-        for t in lock(&self.inner.tasks).drain(..) {
+        if let Some(t) = lock(&self.inner.accept).take() {
             t.abort();
+        }
+        if peers_too {
+            for t in lock(&self.inner.tasks).drain(..) {
+                t.abort();
+            }
         }
         for (_, s) in lock(&self.inner.segments).drain() {
             if let Some(r) = lock(&s.reader).take() {
                 r.abort();
+            }
+            // The reader's own ending (`read_segment`) does not run when it
+            // is aborted: confirmations and a waiting open end here, so
+            // that no task keeps the segment (and its connection) alive.
+            // The connection closes once the last batch posted on it is
+            // finished (the poller holds the segment until then), which
+            // is what tells the peer that nothing of ours still uses its
+            // regions.
+            lock(&s.lost).get_or_insert_with(|| "this engine was shut down".to_owned());
+            lock(&s.confirms).clear();
+            if let Some(tx) = lock(&s.waiter).take() {
+                let _ = tx.send(Err(Error::Canceled("the engine was shut down".to_owned())));
             }
         }
     }
@@ -784,7 +827,7 @@ impl NixlEngine {
 
 impl Drop for NixlEngine {
     fn drop(&mut self) {
-        self.stop_tasks();
+        self.stop_tasks(true);
         // Waits for the poller thread (bounded), so that no thread of
         // ours tears an agent down after the engine is gone, possibly while
         // the process exits (see `Poller::stop_and_wait`).
@@ -898,9 +941,22 @@ impl Inner {
         Ok(())
     }
 
-    /// Takes `region` (already out of the table) back from every peer, then
-    /// from NIXL.
-    async fn revoke_and_deregister(self: Arc<Self>, region: MemoryRegion) -> Result<()> {
+    /// Takes the region of `removal` (idle, closed to new transfers) back
+    /// from every peer, then from NIXL, then out of the table.
+    ///
+    /// A peer answers a `REVOKE` once every transfer of its own into the
+    /// region is finished in NIXL, or its connection closes (which happens
+    /// only once its last batch on it is finished). A peer that does
+    /// neither within [`Inner::revoke_limit`] (its NIXL request never
+    /// finishing, or the peer process stopped) cannot be shown done: the
+    /// region stays registered with NIXL and in the table (unadvertised),
+    /// and `unregister` fails with `RegionHeld`, so that its memory is not
+    /// freed (`RegisteredBuffer` leaks it) while the peer may still write
+    /// it. A later `unregister` asks again.
+    async fn revoke_and_deregister(self: Arc<Self>, addr: u64, removal: Removal) -> Result<()> {
+        let Some(region) = removal.region() else {
+            return Err(Error::RegionNotRegistered { addr });
+        };
         let waits = {
             let mut order = self.order.lock().await;
             lock(&self.advertised).remove(&region.addr());
@@ -933,13 +989,39 @@ impl Inner {
             }
             waits
         };
-        for w in waits {
-            // Err: the connection closed, the peer has nothing in flight.
-            let _ = w.await;
+        let limit = self.revoke_limit(region.len());
+        let answered = tokio::time::timeout(limit, async {
+            for w in waits {
+                // Err: the connection closed, the peer has nothing in
+                // flight.
+                let _ = w.await;
+            }
+        })
+        .await;
+        if answered.is_err() {
+            // `removal` dropped unfinished: the region is open again (and
+            // unadvertised: peers drop it when they see the `REVOKE`).
+            return Err(Error::RegionHeld {
+                addr: region.addr(),
+                reason: format!(
+                    "a peer did not confirm within {limit:?} that none of its NIXL transfers \
+                     into this region is still in flight (its request never finished, or the \
+                     peer is stopped); the region stays registered and its memory must not be \
+                     freed"
+                ),
+            });
         }
         let (kind, dev) = mem_kind(region.location())?;
         self.agent
-            .register(kind, &[(region.addr(), region.len(), dev)], false)
+            .register(kind, &[(region.addr(), region.len(), dev)], false)?;
+        removal.finish();
+        Ok(())
+    }
+
+    /// How long `unregister` waits for peers to give a region back: as long
+    /// as a batch moving the whole region may take.
+    fn revoke_limit(&self, len: u64) -> Duration {
+        self.config.deadline_for(len)
     }
 }
 
@@ -1009,11 +1091,13 @@ impl TransferEngine for NixlEngine {
     }
 
     async fn unregister(&self, addr: u64) -> Result<()> {
-        let region = self.inner.regions.remove(addr).await?;
+        let removal = self.inner.regions.remove_in_steps(addr).await?;
         // The rest runs to the end even if the caller goes away: the region
-        // is out of the table and must leave NIXL too.
+        // is closed to new transfers and is taken back from the peers and
+        // from NIXL (or, where a peer cannot be shown done, stays
+        // registered).
         let inner = Arc::clone(&self.inner);
-        tokio::spawn(inner.revoke_and_deregister(region))
+        tokio::spawn(inner.revoke_and_deregister(addr, removal))
             .await
             .map_err(|e| Error::Canceled(format!("unregistering: {e}")))?
     }
@@ -1226,11 +1310,14 @@ impl TransferEngine for NixlEngine {
         Some(self.inner.batches.len())
     }
 
-    /// Closes every segment (its reader stops), aborts the engine's tasks
-    /// and ends the notification waiters with `Canceled`; NIXL's progress
-    /// thread stops when the engine is dropped.
+    /// Stops accepting peers, closes every segment (its reader stops) and
+    /// ends the notification waiters with `Canceled`. Batches already
+    /// posted run to their end in NIXL; peers already connected are still
+    /// served, so that this engine's regions can be unregistered safely
+    /// afterwards. NIXL's progress thread stops when the engine is
+    /// dropped.
     async fn shutdown(&self) -> Result<()> {
-        self.stop_tasks();
+        self.stop_tasks(false);
         Ok(())
     }
 }

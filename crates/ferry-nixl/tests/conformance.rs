@@ -32,18 +32,6 @@ impl EngineFactory for NixlFactory {
         common::unused_port()
     }
 
-    fn known_hang(&self, check: &str) -> Option<String> {
-        // Seen in 2 fresh-clone CI runs of 2026-12-04 (raw and adapted)
-        // and in 3 of 40 runs of the check alone: after `shutdown` with a
-        // write in flight, the final `unregister` waits for a region guard
-        // that the cut-off transfer never releases.
-        (check == "shutdown").then(|| {
-            "after shutdown with a write in flight, unregister can wait forever for the \
-             write's region guard (ferry-nixl shutdown bug, being fixed)"
-                .to_owned()
-        })
-    }
-
     async fn refuse_notifications(&self, engine: &Arc<dyn DynTransferEngine>) -> Result<bool> {
         let m = self.0.lock().unwrap_or_else(|p| p.into_inner());
         Ok(match m.get(engine.segment_name()).and_then(Weak::upgrade) {

@@ -137,3 +137,97 @@ fn hostile_peers_get_errors_and_the_engine_keeps_serving() {
         dst.release().await.expect("release");
     });
 }
+
+/// A peer that opened this engine's segment and then neither answers a
+/// `REVOKE` nor closes its connection (a peer stopped, or one whose NIXL
+/// request never finishes) cannot make `unregister` wait forever: it
+/// fails with `RegionHeld` at the revocation limit (the region stays
+/// registered: its memory must not be freed while that peer may still
+/// write it), and succeeds once the peer's connection is gone.
+#[test]
+fn a_silent_peer_holds_a_region_and_unregister_says_so() {
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    rt.block_on(async {
+        const LIMIT: Duration = Duration::from_millis(400);
+        let cfg = match common::config() {
+            Ok(c) => c,
+            Err(e) => {
+                skip_unavailable("a_silent_peer_holds_a_region_and_unregister_says_so", &e);
+                return;
+            }
+        };
+        let mut cfg = cfg;
+        cfg.timeout = LIMIT;
+        cfg.timeout_ns_per_byte = 0;
+        let b = common::start(cfg).await.expect("engine");
+        let mem = ferry_core::HostBuffer::new(1 << 16).expect("memory");
+        // SAFETY: `mem` outlives its registration (it is dropped at the
+        // end, after the region was unregistered) and no Rust reference
+        // into it is held while a peer could write it.
+        let region = unsafe {
+            ferry_core::MemoryRegion::from_raw_parts(
+                mem.as_ptr(),
+                mem.len(),
+                ferry_core::Location::cpu(0),
+            )
+        };
+        b.register(region).await.expect("register");
+
+        // The silent peer: HELLO, reads the STATE, then nothing.
+        let seg = b.segment_name().to_owned();
+        let mut peer = tokio::task::spawn_blocking(move || {
+            let mut s = TcpStream::connect(&seg).expect("connect");
+            let mut hello = b"FERRY-NIXL".to_vec();
+            hello.extend_from_slice(&1u16.to_le_bytes());
+            hello.extend_from_slice(&1u16.to_le_bytes());
+            s.write_all(&frame(0x01, &hello)).expect("hello");
+            let mut len = [0u8; 4];
+            s.read_exact(&mut len).expect("state length");
+            let mut body = vec![0u8; u32::from_le_bytes(len) as usize];
+            s.read_exact(&mut body).expect("state");
+            assert_eq!(body[0], 0x02, "expected STATE");
+            s
+        })
+        .await
+        .expect("peer");
+
+        let start = std::time::Instant::now();
+        let held = tokio::time::timeout(LIMIT * 20, b.unregister(mem.addr()))
+            .await
+            .expect("unregister must not wait for a silent peer past its limit");
+        match &held {
+            Err(Error::RegionHeld { addr, reason }) => {
+                assert_eq!(*addr, mem.addr());
+                assert!(reason.contains("must not be freed"), "{reason}");
+            }
+            other => panic!("expected RegionHeld from a silent peer, got {other:?}"),
+        }
+        assert!(start.elapsed() >= LIMIT, "gave up before the limit");
+        // The peer was sent a REVOKE it never answered.
+        peer.set_read_timeout(Some(Duration::from_secs(2)))
+            .expect("timeout");
+        let mut head = [0u8; 5];
+        peer.read_exact(&mut head).expect("a REVOKE");
+        assert_eq!(head[4], 0x04, "expected REVOKE, got {head:?}");
+        // Still registered: the range cannot be registered again.
+        // SAFETY: as above; refused, so never used.
+        let again = unsafe {
+            ferry_core::MemoryRegion::from_raw_parts(
+                mem.as_ptr(),
+                mem.len(),
+                ferry_core::Location::cpu(0),
+            )
+        };
+        assert!(
+            matches!(b.register(again).await, Err(Error::RegionOverlap { .. })),
+            "a held region must stay registered"
+        );
+        // The peer goes away: nothing of it can be in flight any more.
+        drop(peer);
+        tokio::time::timeout(LIMIT * 20, b.unregister(mem.addr()))
+            .await
+            .expect("unregister after the peer left")
+            .expect("unregister after the peer left");
+        drop(mem);
+    });
+}
