@@ -237,10 +237,7 @@ pub async fn check_capability_honesty(factory: Arc<dyn EngineFactory>, adapted: 
     };
     let native = a_raw.capabilities();
     let (a, b): (Arc<dyn DynTransferEngine>, Arc<dyn DynTransferEngine>) = if adapted {
-        (
-            Arc::new(CapabilityAdapter::from_arc(a_raw, AdapterConfig::default())),
-            Arc::new(CapabilityAdapter::from_arc(b_raw, AdapterConfig::default())),
-        )
+        (full_stack(a_raw), full_stack(b_raw))
     } else {
         (a_raw, b_raw)
     };
@@ -250,7 +247,7 @@ pub async fn check_capability_honesty(factory: Arc<dyn EngineFactory>, adapted: 
         assert_eq!(
             caps,
             expected,
-            "a default adapter over native {} reports {} instead of {}",
+            "the default stack (layers over a default adapter) over native {} reports {} instead of {}",
             caps_flags(&native),
             caps_flags(&caps),
             caps_flags(&expected)

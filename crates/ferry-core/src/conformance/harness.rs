@@ -15,11 +15,24 @@ pub(super) async fn engine(
     adapted: bool,
 ) -> Setup<Arc<dyn DynTransferEngine>> {
     let raw = factory.create().await.map_err(|e| factory_failed(&e))?;
-    Ok(if adapted {
-        Arc::new(CapabilityAdapter::from_arc(raw, AdapterConfig::default()))
-    } else {
-        raw
-    })
+    Ok(if adapted { full_stack(raw) } else { raw })
+}
+
+/// What the adapted mode checks: `raw` under every layer Ferry ships, as a
+/// user stacks them — tracing over metrics over a per-call deadline (far
+/// longer than any check: never reached) over the default capability
+/// adapter (coalescing over emulation). Every layer forwards what the
+/// checks observe, so each check holds through the stack exactly as
+/// through the adapter alone.
+pub fn full_stack(raw: Arc<dyn DynTransferEngine>) -> Arc<dyn DynTransferEngine> {
+    use crate::adapter::Layer;
+    let native = raw.capabilities();
+    let adapted = CapabilityAdapter::from_arc(raw, AdapterConfig::default());
+    let timed = crate::TimeoutLayer::new(LIVENESS).layer(adapted);
+    let counted = crate::MetricsLayer::new(crate::Metrics::new())
+        .native(native)
+        .layer(timed);
+    Arc::new(crate::TracingLayer::new().layer(counted))
 }
 
 /// Two engines; `a` has opened `b`'s segment as `seg`.

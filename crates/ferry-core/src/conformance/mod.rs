@@ -3,8 +3,9 @@
 //! One `pub async fn check_<behaviour>(factory, adapted) -> Outcome` per
 //! behaviour. Each check builds its engines from an [`EngineFactory`]
 //! (usually two: `a` opens `b`'s segment and issues the transfers), wraps
-//! them in a [`CapabilityAdapter`] with the default configuration when
-//! `adapted` is true, and panics with a message naming the broken rule when
+//! them in every layer Ferry ships ([`full_stack`]: tracing, metrics, a
+//! per-call deadline, and a [`CapabilityAdapter`] with the default
+//! configuration) when `adapted` is true, and panics with a message naming the broken rule when
 //! the engine misbehaves. A check that needs an operation the engine (or the
 //! adapter) does not offer returns [`Outcome::Skipped`] naming it — never a
 //! silent pass.
@@ -361,8 +362,8 @@ pub fn scattered_writes(src: u64, dst: u64, block: usize, n: usize) -> Vec<Trans
 }
 
 /// Instantiates every conformance check as a `#[test]`, in `mod raw` (the
-/// engines as the factory makes them) and `mod adapted` (each wrapped in a
-/// default [`CapabilityAdapter`](crate::CapabilityAdapter)).
+/// engines as the factory makes them) and `mod adapted` (each wrapped in
+/// every layer: [`full_stack`](crate::conformance::full_stack)).
 ///
 /// The argument is an expression whose type implements
 /// [`EngineFactory`](crate::conformance::EngineFactory); it is evaluated once
@@ -451,7 +452,7 @@ pub use basics::{
 };
 pub use batches::{check_async_batch, check_batch_many, check_batch_one, check_batch_thousands};
 pub use cancellation::check_cancellation;
-pub use harness::pattern;
+pub use harness::{full_stack, pattern};
 pub use notifications::{check_awaited_notification, check_notification};
 pub use rules::{check_finished_after_notification, check_notify_failure_after_data};
 pub use segments::{
