@@ -69,7 +69,11 @@ impl PathChoice {
     /// ([`super::stage::Area::target_slept`]): one it made since the last
     /// look counts as a sleep of ours.
     pub(crate) fn stage(&self, total: u64, peer_slept: u64) -> bool {
-        if self.peer_seen.swap(peer_slept, Ordering::Relaxed) != peer_slept {
+        // A load first: the line stays shared (no write) on the common
+        // path, where the target has not slept since the last look.
+        if self.peer_seen.load(Ordering::Relaxed) != peer_slept
+            && self.peer_seen.swap(peer_slept, Ordering::Relaxed) != peer_slept
+        {
             self.slept();
         }
         total <= RING_BYTES as u64 || self.now() >= self.avoid_until.load(Ordering::Relaxed)
