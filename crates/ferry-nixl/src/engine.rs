@@ -1310,6 +1310,12 @@ impl TransferEngine for NixlEngine {
         Some(self.inner.batches.len())
     }
 
+    /// NIXL moves peers' bytes (UCX, one-sided) without telling Ferry:
+    /// nothing inbound is counted.
+    fn inbound(&self) -> Option<ferry_core::Inbound> {
+        None
+    }
+
     /// Stops accepting peers, closes every segment (its reader stops) and
     /// ends the notification waiters with `Canceled`. Batches already
     /// posted run to their end in NIXL; peers already connected are still

@@ -288,6 +288,12 @@ impl TransferEngine for MooncakeEngine {
         Some(self.inner.batches.len())
     }
 
+    /// Mooncake's library serves peers (RDMA, its TCP transport) without
+    /// telling Ferry: nothing inbound is counted.
+    fn inbound(&self) -> Option<ferry_core::Inbound> {
+        None
+    }
+
     /// Ends every `next_notification` waiter with `Canceled`. The library
     /// cannot cancel what it runs: transfers in flight end in it as usual;
     /// the C engine is destroyed when the last handle is dropped.

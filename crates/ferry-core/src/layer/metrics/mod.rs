@@ -21,6 +21,20 @@
 //! | `ferry_queue_full_total` | counter | engine | calls or requests refused with [`ErrorKind::QueueFull`] |
 //! | `ferry_emulated_operations_total` | counter | engine, operation | calls of operations the backend lacks natively (see [`MetricsLayer::native`]) |
 //! | `ferry_peer_path` | gauge | engine, peer, path | 1 for the payload path to the peer (`socket`, `same-host cma`, `mooncake`…), set by [`MetricsEngine::set_peer_path`] |
+//! | `ferry_served_bytes_total` | counter | engine, peer, op | bytes peers wrote into (`write`) or read from (`read`) this engine's memory through requests it served |
+//! | `ferry_served_segments_total` | counter | engine, peer, op | the non-empty ranges of those requests |
+//! | `ferry_notifications_dropped_total` | counter | engine, reason | notifications the inbox refused: `full` (the consumer is behind) or `closed` (shut down) |
+//!
+//! The `ferry_transfer_*` families count what this engine *initiated*; the
+//! `ferry_served_*` ones what peers initiated against it (the target side,
+//! where `peer` is the name the peer's engine gave, folded into `other`
+//! beyond the peer limit as on the initiator side). They are separate
+//! families, not a `role` label, so that summing `ferry_transfer_bytes_total`
+//! over a cluster does not count every byte twice. The served and dropped
+//! families are read from the backend's counters at scrape time
+//! ([`TransferEngine::inbound`]: nothing is added on the request path by
+//! the layer); a backend that cannot see inbound traffic (verbs, Mooncake,
+//! NIXL: one-sided) has no such series.
 //!
 //! `op` is `read` or `write`; `call` is `transfer`, `batch_transfer` or
 //! `async_batch`; `result` is `ok` or the error kind in snake case
@@ -44,11 +58,16 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::counter::ConstCounter;
+
 use super::peers::{op_label, Peers, OTHER, UNKNOWN};
 use crate::adapter::Layer;
 use crate::caps::{Capabilities, Operation};
 use crate::engine::TransferEngine;
 use crate::error::{Error, ErrorKind, Result};
+use crate::inbound::{Inbound, InboundSnapshot, ServedCounts};
 use crate::raw::lock;
 use crate::types::{
     BatchId, BatchReport, MemoryRegion, Notification, SegmentId, TransferOp, TransferRequest,
@@ -102,6 +121,12 @@ struct PathLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DropLabels {
+    engine: String,
+    reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct OperationLabels {
     engine: String,
     operation: &'static str,
@@ -129,11 +154,105 @@ struct Families {
     paths: Family<PathLabels, Gauge>,
 }
 
+/// The engines wrapped with one [`Metrics`] handle.
+type EngineList = Arc<Mutex<Vec<Weak<EngineState>>>>;
+
+fn live_engines(list: &EngineList) -> Vec<Arc<EngineState>> {
+    let mut list = lock(list);
+    list.retain(|w| w.strong_count() > 0);
+    list.iter().filter_map(Weak::upgrade).collect()
+}
+
 struct Shared {
     registry: Registry,
     families: Families,
-    /// The engines wrapped with this handle, for [`Metrics::snapshots`].
-    engines: Mutex<Vec<Weak<EngineState>>>,
+    /// The engines wrapped with this handle, for [`Metrics::snapshots`]
+    /// and the inbound families.
+    engines: EngineList,
+}
+
+/// Encodes the families read from the engines' inbound counters at
+/// scrape time (`ferry_served_*`, `ferry_notifications_dropped_total`).
+struct InboundCollector {
+    engines: EngineList,
+}
+
+impl fmt::Debug for InboundCollector {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("InboundCollector").finish_non_exhaustive()
+    }
+}
+
+impl Collector for InboundCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> std::result::Result<(), fmt::Error> {
+        let mut bytes: Vec<(OpLabels, u64)> = Vec::new();
+        let mut segments: Vec<(OpLabels, u64)> = Vec::new();
+        let mut dropped: Vec<(DropLabels, u64)> = Vec::new();
+        for e in live_engines(&self.engines) {
+            let Some(snap) = e.inbound() else { continue };
+            for (peer, c) in snap.served.iter().flatten() {
+                for (op, b, n) in [
+                    ("write", c.bytes_written, c.segments_written),
+                    ("read", c.bytes_read, c.segments_read),
+                ] {
+                    let labels = OpLabels {
+                        engine: e.engine.clone(),
+                        peer: peer.clone(),
+                        op,
+                    };
+                    bytes.push((labels.clone(), b));
+                    segments.push((labels, n));
+                }
+            }
+            if let Some(d) = snap.notifications_dropped {
+                for (reason, n) in [("full", d.full), ("closed", d.closed)] {
+                    dropped.push((
+                        DropLabels {
+                            engine: e.engine.clone(),
+                            reason,
+                        },
+                        n,
+                    ));
+                }
+            }
+        }
+        encode_counters(
+            &mut encoder,
+            "ferry_served_bytes",
+            "Bytes peers wrote into (op=write) or read from (op=read) this engine's memory through requests it served",
+            &bytes,
+        )?;
+        encode_counters(
+            &mut encoder,
+            "ferry_served_segments",
+            "Non-empty memory ranges of the requests this engine served for peers",
+            &segments,
+        )?;
+        encode_counters(
+            &mut encoder,
+            "ferry_notifications_dropped",
+            "Notifications the engine's inbox refused and dropped (full: the consumer is behind; closed: shut down)",
+            &dropped,
+        )
+    }
+}
+
+/// One counter family of `rows` (nothing when there are none).
+fn encode_counters<L: EncodeLabelSet>(
+    encoder: &mut DescriptorEncoder<'_>,
+    name: &str,
+    help: &str,
+    rows: &[(L, u64)],
+) -> std::result::Result<(), fmt::Error> {
+    if rows.is_empty() {
+        return Ok(());
+    }
+    let counter = ConstCounter::new(0u64);
+    let mut family = encoder.encode_descriptor(name, help, None, counter.metric_type())?;
+    for (labels, v) in rows {
+        ConstCounter::new(*v).encode(family.encode_family(labels)?)?;
+    }
+    Ok(())
 }
 
 /// A set of Ferry metrics: a `prometheus-client` registry shared by every
@@ -229,11 +348,15 @@ impl Metrics {
             "1 for the payload path to each peer (socket, same-host cma, mooncake, verbs, nixl)",
             f.paths.clone(),
         );
+        let engines = EngineList::default();
+        registry.register_collector(Box::new(InboundCollector {
+            engines: Arc::clone(&engines),
+        }));
         Metrics {
             shared: Arc::new(Shared {
                 registry,
                 families,
-                engines: Mutex::new(Vec::new()),
+                engines,
             }),
         }
     }
@@ -263,12 +386,10 @@ impl Metrics {
 
     /// A snapshot of every live engine wrapped with these metrics.
     pub fn snapshots(&self) -> Vec<MetricsSnapshot> {
-        let engines: Vec<Arc<EngineState>> = {
-            let mut list = lock(&self.shared.engines);
-            list.retain(|w| w.strong_count() > 0);
-            list.iter().filter_map(Weak::upgrade).collect()
-        };
-        engines.iter().map(|e| e.snapshot()).collect()
+        live_engines(&self.shared.engines)
+            .iter()
+            .map(|e| e.snapshot())
+            .collect()
     }
 
     fn families(&self) -> &Families {
@@ -294,6 +415,10 @@ pub struct MetricsSnapshot {
     pub queue_full: u64,
     /// Calls of emulated operations, by operation name.
     pub emulated: BTreeMap<String, u64>,
+    /// What peers did to the engine ([`TransferEngine::inbound`]), with
+    /// the peers beyond the layer's limit folded into `other`; `None`
+    /// where the engine counts nothing inbound.
+    pub inbound: Option<InboundSnapshot>,
 }
 
 impl MetricsSnapshot {
@@ -446,6 +571,8 @@ impl<E: TransferEngine> Layer<E> for MetricsLayer {
             paths: Mutex::new(HashMap::new()),
             pending: Mutex::new(HashMap::new()),
             native: self.native,
+            inbound: inner.inbound(),
+            served_peers: Peers::new(Some(self.peer_limit)),
         });
         {
             let mut list = lock(&metrics.shared.engines);
@@ -478,11 +605,35 @@ struct EngineState {
     paths: Mutex<HashMap<Arc<str>, String>>,
     pending: Mutex<HashMap<BatchId, Pending>>,
     native: Option<Capabilities>,
+    /// The backend's inbound counters, read at scrape time.
+    inbound: Option<Inbound>,
+    /// The labels of the peers that served traffic came from (bounded
+    /// like `peers`, first come first labelled).
+    served_peers: Peers,
 }
 
 impl EngineState {
     fn f(&self) -> &Families {
         self.metrics.families()
+    }
+
+    /// The backend's inbound counters now, the peers beyond the limit
+    /// folded into `other`.
+    fn inbound(&self) -> Option<InboundSnapshot> {
+        let mut snap = self.inbound.as_ref()?.snapshot();
+        if let Some(served) = snap.served.take() {
+            let mut folded: BTreeMap<String, ServedCounts> = BTreeMap::new();
+            for (peer, c) in served {
+                let label = self.served_peers.label(&peer);
+                let into = folded.entry(label.to_string()).or_default();
+                into.bytes_written = into.bytes_written.saturating_add(c.bytes_written);
+                into.bytes_read = into.bytes_read.saturating_add(c.bytes_read);
+                into.segments_written = into.segments_written.saturating_add(c.segments_written);
+                into.segments_read = into.segments_read.saturating_add(c.segments_read);
+            }
+            snap.served = Some(folded);
+        }
+        Some(snap)
     }
 
     fn engine_labels(&self) -> EngineLabels {
@@ -724,6 +875,7 @@ impl EngineState {
             notifications_received: counter(&f.notes_received),
             queue_full: counter(&f.queue_full),
             emulated,
+            inbound: self.inbound(),
         }
     }
 }
@@ -901,6 +1053,7 @@ impl<E: TransferEngine> TransferEngine for MetricsEngine<E> {
         backend_info,
         status,
         live_batches,
+        inbound,
         shutdown
     );
 
