@@ -48,7 +48,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
 use std::time::Instant;
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -68,7 +68,7 @@ use crate::caps::{Capabilities, Operation};
 use crate::engine::TransferEngine;
 use crate::error::{Error, ErrorKind, Result};
 use crate::inbound::{Inbound, InboundSnapshot, ServedCounts};
-use crate::raw::lock;
+use crate::raw::{lock, read, write};
 use crate::types::{
     BatchId, BatchReport, MemoryRegion, Notification, SegmentId, TransferOp, TransferRequest,
 };
@@ -573,6 +573,9 @@ impl<E: TransferEngine> Layer<E> for MetricsLayer {
             native: self.native,
             inbound: inner.inbound(),
             served_peers: Peers::new(Some(self.peer_limit)),
+            segments: RwLock::new(HashMap::new()),
+            series: Mutex::new(HashMap::new()),
+            in_flight: OnceLock::new(),
         });
         {
             let mut list = lock(&metrics.shared.engines);
@@ -586,10 +589,43 @@ impl<E: TransferEngine> Layer<E> for MetricsLayer {
     }
 }
 
+/// The `call` label values, in [`PeerSeries::latency`]'s order.
+const CALLS: [&str; 3] = ["transfer", "batch_transfer", "async_batch"];
+const TRANSFER: usize = 0;
+const BATCH_TRANSFER: usize = 1;
+const ASYNC_BATCH: usize = 2;
+
+/// One peer's series of the request path, as `prometheus-client` handles
+/// (clones share the value), each created on its first use (so a series
+/// appears with its first sample, as with `get_or_create`): after that,
+/// counting a request builds no label set and allocates nothing.
+struct PeerSeries {
+    label: Arc<str>,
+    /// `ferry_transfer_bytes_total`, write then read.
+    bytes: [OnceLock<Counter>; 2],
+    /// `ferry_transfer_requests_total{result="ok"}`, write then read.
+    ok: [OnceLock<Counter>; 2],
+    /// `ferry_batch_duration_seconds`, by [`CALLS`].
+    latency: [OnceLock<Histogram>; 3],
+    notes_sent: OnceLock<Counter>,
+}
+
+impl PeerSeries {
+    fn new(label: Arc<str>) -> Self {
+        PeerSeries {
+            label,
+            bytes: Default::default(),
+            ok: Default::default(),
+            latency: Default::default(),
+            notes_sent: OnceLock::new(),
+        }
+    }
+}
+
 /// An async batch submitted through the layer, counted when its results
 /// come back.
 struct Pending {
-    peer: Arc<str>,
+    peer: Arc<PeerSeries>,
     requests: Vec<(TransferOp, u64)>,
     started: Instant,
     notify: bool,
@@ -607,6 +643,13 @@ struct EngineState {
     native: Option<Capabilities>,
     /// The backend's inbound counters, read at scrape time.
     inbound: Option<Inbound>,
+    /// Segment handle → its peer's series (the request path's lookup:
+    /// one read lock, no label built).
+    segments: RwLock<HashMap<SegmentId, Arc<PeerSeries>>>,
+    /// Peer label → its series (shared by every handle to that peer).
+    series: Mutex<HashMap<Arc<str>, Arc<PeerSeries>>>,
+    /// `ferry_batches_in_flight` of this engine, once created.
+    in_flight: OnceLock<Gauge>,
     /// The labels of the peers that served traffic came from (bounded
     /// like `peers`, first come first labelled).
     served_peers: Peers,
@@ -642,11 +685,48 @@ impl EngineState {
         }
     }
 
+    fn flight(&self) -> &Gauge {
+        self.in_flight.get_or_init(|| {
+            self.f()
+                .in_flight
+                .get_or_create(&self.engine_labels())
+                .clone()
+        })
+    }
+
+    /// The series of the peer labelled `label`.
+    fn series_of(&self, label: Arc<str>) -> Arc<PeerSeries> {
+        let mut series = lock(&self.series);
+        Arc::clone(
+            series
+                .entry(Arc::clone(&label))
+                .or_insert_with(|| Arc::new(PeerSeries::new(label))),
+        )
+    }
+
+    /// Records that `segment` reaches the peer called `name`.
+    fn opened(&self, segment: SegmentId, name: &str) {
+        self.peers.opened(segment, name);
+        let series = self.series_of(self.peers.of(segment));
+        write(&self.segments).insert(segment, series);
+    }
+
+    fn closed(&self, segment: SegmentId) {
+        self.peers.closed(segment);
+        write(&self.segments).remove(&segment);
+    }
+
+    /// The series of the peer behind `segment` (`unknown` for a handle
+    /// this layer did not see opened).
+    fn peer_series(&self, segment: SegmentId) -> Arc<PeerSeries> {
+        if let Some(s) = read(&self.segments).get(&segment) {
+            return Arc::clone(s);
+        }
+        self.series_of(Arc::from(UNKNOWN))
+    }
+
     fn in_flight(&self) -> InFlight<'_> {
-        self.f()
-            .in_flight
-            .get_or_create(&self.engine_labels())
-            .inc();
+        self.flight().inc();
         InFlight(self)
     }
 
@@ -682,8 +762,8 @@ impl EngineState {
     /// the refusal of them all) and the time since `started`.
     fn record<'a>(
         &self,
-        peer: &str,
-        call: &'static str,
+        peer: &PeerSeries,
+        call: usize,
         requests: impl Iterator<Item = (TransferOp, u64)>,
         results: std::result::Result<&'a [Result<()>], &'a Error>,
         started: Instant,
@@ -726,26 +806,34 @@ impl EngineState {
                 continue;
             }
             let op = op_label(ops[o]);
-            f.bytes
-                .get_or_create(&OpLabels {
-                    engine: self.engine.clone(),
-                    peer: peer.to_owned(),
-                    op,
+            peer.bytes[o]
+                .get_or_init(|| {
+                    f.bytes
+                        .get_or_create(&OpLabels {
+                            engine: self.engine.clone(),
+                            peer: peer.label.to_string(),
+                            op,
+                        })
+                        .clone()
                 })
                 .inc_by(bytes);
-            f.requests
-                .get_or_create(&ResultLabels {
-                    engine: self.engine.clone(),
-                    peer: peer.to_owned(),
-                    op,
-                    result: "ok",
+            peer.ok[o]
+                .get_or_init(|| {
+                    f.requests
+                        .get_or_create(&ResultLabels {
+                            engine: self.engine.clone(),
+                            peer: peer.label.to_string(),
+                            op,
+                            result: "ok",
+                        })
+                        .clone()
                 })
                 .inc_by(count);
         }
         for (o, result, bytes, count) in failed {
             let labels = ResultLabels {
                 engine: self.engine.clone(),
-                peer: peer.to_owned(),
+                peer: peer.label.to_string(),
                 op: op_label(ops[o]),
                 result,
             };
@@ -756,18 +844,26 @@ impl EngineState {
             self.queue_full(e);
         }
         if notify && all_ok && results.is_ok() {
-            f.notes_sent
-                .get_or_create(&PeerLabels {
-                    engine: self.engine.clone(),
-                    peer: peer.to_owned(),
+            peer.notes_sent
+                .get_or_init(|| {
+                    f.notes_sent
+                        .get_or_create(&PeerLabels {
+                            engine: self.engine.clone(),
+                            peer: peer.label.to_string(),
+                        })
+                        .clone()
                 })
                 .inc();
         }
-        f.latency
-            .get_or_create(&CallLabels {
-                engine: self.engine.clone(),
-                peer: peer.to_owned(),
-                call,
+        peer.latency[call]
+            .get_or_init(|| {
+                f.latency
+                    .get_or_create(&CallLabels {
+                        engine: self.engine.clone(),
+                        peer: peer.label.to_string(),
+                        call: CALLS[call],
+                    })
+                    .clone()
             })
             .observe(started.elapsed().as_secs_f64());
     }
@@ -779,16 +875,13 @@ impl EngineState {
         };
         self.record(
             &p.peer,
-            "async_batch",
+            ASYNC_BATCH,
             p.requests.into_iter(),
             results,
             p.started,
             p.notify,
         );
-        self.f()
-            .in_flight
-            .get_or_create(&self.engine_labels())
-            .dec();
+        self.flight().dec();
     }
 
     fn registered(&self, addr: u64, len: u64) {
@@ -908,7 +1001,7 @@ impl Drop for EngineState {
                     f.failed_bytes.remove(&labels);
                 }
             }
-            for call in ["transfer", "batch_transfer", "async_batch"] {
+            for call in CALLS {
                 f.latency.remove(&CallLabels {
                     engine: engine.clone(),
                     peer: peer.clone(),
@@ -947,11 +1040,7 @@ struct InFlight<'a>(&'a EngineState);
 
 impl Drop for InFlight<'_> {
     fn drop(&mut self) {
-        self.0
-            .f()
-            .in_flight
-            .get_or_create(&self.0.engine_labels())
-            .dec();
+        self.0.flight().dec();
     }
 }
 
@@ -1038,7 +1127,7 @@ impl<E: TransferEngine> MetricsEngine<E> {
         let mut pending = lock(&s.pending);
         for id in gone {
             if pending.remove(&id).is_some() {
-                s.f().in_flight.get_or_create(&s.engine_labels()).dec();
+                s.flight().dec();
             }
         }
     }
@@ -1107,7 +1196,7 @@ impl<E: TransferEngine> TransferEngine for MetricsEngine<E> {
     async fn open_segment(&self, name: &str) -> Result<SegmentId> {
         let segment = self.inner.open_segment(name).await?;
         if let Some(s) = &self.state {
-            s.peers.opened(segment, name);
+            s.opened(segment, name);
         }
         Ok(segment)
     }
@@ -1115,7 +1204,7 @@ impl<E: TransferEngine> TransferEngine for MetricsEngine<E> {
     async fn close_segment(&self, segment: SegmentId) -> Result<()> {
         self.inner.close_segment(segment).await?;
         if let Some(s) = &self.state {
-            s.peers.closed(segment);
+            s.closed(segment);
         }
         Ok(())
     }
@@ -1128,8 +1217,8 @@ impl<E: TransferEngine> TransferEngine for MetricsEngine<E> {
         let started = Instant::now();
         let results = [self.inner.transfer(segment, request).await];
         s.record(
-            &s.peers.of(segment),
-            "transfer",
+            &s.peer_series(segment),
+            TRANSFER,
             std::iter::once((request.op, request.len)),
             Ok(&results),
             started,
@@ -1157,8 +1246,8 @@ impl<E: TransferEngine> TransferEngine for MetricsEngine<E> {
             Err(e) => Err(e),
         };
         s.record(
-            &s.peers.of(segment),
-            "batch_transfer",
+            &s.peer_series(segment),
+            BATCH_TRANSFER,
             requests.iter().map(|r| (r.op, r.len)),
             results,
             started,
@@ -1178,11 +1267,11 @@ impl<E: TransferEngine> TransferEngine for MetricsEngine<E> {
         };
         s.emulated(Operation::AsyncBatch);
         let started = Instant::now();
-        let peer = s.peers.of(segment);
+        let peer = s.peer_series(segment);
         match self.inner.submit(segment, requests, notify).await {
             Ok(id) => {
                 self.prune_pending(s);
-                s.f().in_flight.get_or_create(&s.engine_labels()).inc();
+                s.flight().inc();
                 lock(&s.pending).insert(
                     id,
                     Pending {
@@ -1197,7 +1286,7 @@ impl<E: TransferEngine> TransferEngine for MetricsEngine<E> {
             Err(e) => {
                 s.record(
                     &peer,
-                    "async_batch",
+                    ASYNC_BATCH,
                     requests.iter().map(|r| (r.op, r.len)),
                     Err(&e),
                     started,
@@ -1236,7 +1325,7 @@ impl<E: TransferEngine> TransferEngine for MetricsEngine<E> {
             None => {
                 // Released without results to count: stop tracking it.
                 if lock(&s.pending).remove(&batch).is_some() {
-                    s.f().in_flight.get_or_create(&s.engine_labels()).dec();
+                    s.flight().dec();
                 }
             }
         }

@@ -355,3 +355,61 @@ async fn exports_what_peers_moved_and_the_dropped_notifications() {
     assert_eq!(inbound.served_bytes(), 360);
     assert_eq!(inbound.notifications_dropped.map(|d| d.total()), Some(1));
 }
+
+/// The request path counts through per-peer handles cached by segment:
+/// handles to one peer share its series, a closed handle leaves the
+/// others counting, a handle opened below the layer counts as `unknown`,
+/// and a series appears only with its first sample.
+#[tokio::test]
+async fn cached_peer_series_are_shared_and_created_on_first_use() {
+    let metrics = Metrics::new();
+    let caps = Capabilities::all();
+    let a = Arc::new(MetricsLayer::new(metrics.clone()).layer(InprocEngine::auto(caps)));
+    let b: Arc<dyn DynTransferEngine> = Arc::new(InprocEngine::auto(caps));
+    let src = RegisteredBuffer::new(Arc::clone(&a), 4096).await.unwrap();
+    let dst = RegisteredBuffer::new(Arc::clone(&b), 4096).await.unwrap();
+    let one = a.open_segment(b.segment_name()).await.unwrap();
+    let two = a.open_segment(b.segment_name()).await.unwrap();
+    let below = a.get_ref().open_segment(b.segment_name()).await.unwrap();
+    let w = |n| TransferRequest::write(src.addr(), dst.addr(), n);
+    a.transfer(one, w(10)).await.unwrap();
+    a.transfer(two, w(20)).await.unwrap();
+    a.close_segment(one).await.unwrap();
+    a.transfer(two, w(40)).await.unwrap();
+    a.transfer(below, w(7)).await.unwrap();
+    let engine = a.segment_name().to_owned();
+    let peer = b.segment_name().to_owned();
+    let s = scrape(&metrics);
+    let bytes = |peer: &str, op: &str| {
+        sample(
+            &s,
+            "ferry_transfer_bytes_total",
+            &[("engine", &engine), ("peer", peer), ("op", op)],
+        )
+    };
+    assert_eq!(bytes(&peer, "write"), Some(70.0));
+    assert_eq!(bytes(UNKNOWN, "write"), Some(7.0));
+    assert_eq!(bytes(&peer, "read"), None, "no read yet: no series");
+    let ok = sample(
+        &s,
+        "ferry_transfer_requests_total",
+        &[("engine", &engine), ("peer", &peer), ("result", "ok")],
+    );
+    assert_eq!(ok, Some(3.0));
+    let calls = |call: &str| {
+        sample(
+            &s,
+            "ferry_batch_duration_seconds",
+            &[("engine", &engine), ("peer", &peer), ("call", call)],
+        )
+    };
+    assert_eq!(calls("transfer"), Some(3.0));
+    assert_eq!(calls("batch_transfer"), None);
+    assert_eq!(
+        sample(&s, "ferry_batches_in_flight", &[("engine", &engine)]),
+        Some(0.0)
+    );
+    let snap = a.snapshot();
+    assert_eq!(snap.peers[&peer].bytes_written, 70);
+    assert_eq!(snap.peers[UNKNOWN].bytes_written, 7);
+}
