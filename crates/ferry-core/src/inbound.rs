@@ -118,8 +118,9 @@ pub trait InboundSource: Send + Sync + 'static {
 }
 
 /// A handle on an engine's inbound counters ([`TransferEngine::inbound`]):
-/// cheap to clone, valid as long as it is held (it keeps the counters, not
-/// the engine, alive).
+/// cheap to clone. The backends hold their state weakly in it
+/// ([`Inbound::weak`]): it keeps nothing of the engine alive, and once the
+/// engine is gone its snapshot is empty.
 ///
 /// [`TransferEngine::inbound`]: crate::TransferEngine::inbound
 #[derive(Clone)]
@@ -137,9 +138,20 @@ impl Inbound {
         Inbound(source)
     }
 
+    /// A handle reading `source` while it lives (an empty snapshot after).
+    pub fn weak<T: InboundSource>(source: &Arc<T>) -> Self {
+        Inbound(Arc::new(Arc::downgrade(source)))
+    }
+
     /// What was counted so far.
     pub fn snapshot(&self) -> InboundSnapshot {
         self.0.snapshot()
+    }
+}
+
+impl<T: InboundSource> InboundSource for std::sync::Weak<T> {
+    fn snapshot(&self) -> InboundSnapshot {
+        self.upgrade().map(|s| s.snapshot()).unwrap_or_default()
     }
 }
 
@@ -288,6 +300,25 @@ mod tests {
         assert_eq!(s[OTHER_PEER].bytes_read, 7);
         let snap = InboundSnapshot::new().with_served(s);
         assert_eq!(snap.served_bytes(), 11 + 20 + 5 + 7);
+    }
+
+    struct Fixed(u64);
+    impl InboundSource for Fixed {
+        fn snapshot(&self) -> InboundSnapshot {
+            let t = ServedTraffic::default();
+            t.peer("p").wrote(self.0, 1);
+            InboundSnapshot::new().with_served(t.snapshot())
+        }
+    }
+
+    #[test]
+    fn a_weak_handle_keeps_nothing_alive() {
+        let source = Arc::new(Fixed(5));
+        let handle = Inbound::weak(&source);
+        assert_eq!(handle.snapshot().served_bytes(), 5);
+        assert_eq!(Arc::strong_count(&source), 1);
+        drop(source);
+        assert_eq!(handle.snapshot(), InboundSnapshot::default());
     }
 
     #[test]

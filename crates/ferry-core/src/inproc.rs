@@ -557,8 +557,7 @@ impl TransferEngine for InprocEngine {
     /// The bytes peers' requests copied into and out of this engine's
     /// regions (per peer engine name), and the dropped notifications.
     fn inbound(&self) -> Option<crate::inbound::Inbound> {
-        let core: Arc<dyn crate::inbound::InboundSource> = self.core.clone();
-        Some(crate::inbound::Inbound::new(core))
+        Some(crate::inbound::Inbound::weak(&self.core))
     }
 
     /// Ends the notification waiters with `Canceled`; the engine has no

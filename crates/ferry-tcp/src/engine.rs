@@ -555,8 +555,7 @@ impl TransferEngine for TcpEngine {
     /// it gave in the handshake) and direction; refused segments are not
     /// counted. With the inbox's dropped notifications.
     fn inbound(&self) -> Option<ferry_core::Inbound> {
-        let core: Arc<dyn ferry_core::inbound::InboundSource> = self.inner.core.clone();
-        Some(ferry_core::Inbound::new(core))
+        Some(ferry_core::Inbound::weak(&self.inner.core))
     }
 
     async fn shutdown(&self) -> Result<()> {

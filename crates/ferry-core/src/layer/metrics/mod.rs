@@ -34,7 +34,8 @@
 //! families are read from the backend's counters at scrape time
 //! ([`TransferEngine::inbound`]: nothing is added on the request path by
 //! the layer); a backend that cannot see inbound traffic (verbs, Mooncake,
-//! NIXL: one-sided) has no such series.
+//! NIXL: one-sided) has no served series, and one that does not count
+//! dropped notifications (verbs) no dropped series.
 //!
 //! `op` is `read` or `write`; `call` is `transfer`, `batch_transfer` or
 //! `async_batch`; `result` is `ok` or the error kind in snake case
