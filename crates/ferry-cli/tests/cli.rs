@@ -259,6 +259,73 @@ mod tcp {
         assert!(points.iter().all(|p| p["target"] == "loopback"));
     }
 
+    /// `text` without its ANSI colour sequences (`ESC [ … m`).
+    fn strip_ansi(text: &str) -> String {
+        let mut out = String::with_capacity(text.len());
+        let mut chars = text.chars();
+        while let Some(c) = chars.next() {
+            if c == '\x1b' {
+                for c in chars.by_ref() {
+                    if c.is_ascii_alphabetic() {
+                        break;
+                    }
+                }
+            } else {
+                out.push(c);
+            }
+        }
+        out
+    }
+
+    /// `-vv` closes a `ferry_connect` span per connection that carries what
+    /// the handshake settled (the TCP backend records it on the span).
+    #[test]
+    fn bench_vv_shows_the_handshake_in_the_connect_span() {
+        let args = [
+            "-vv",
+            "bench",
+            "--json",
+            "--no-baselines",
+            "--ops",
+            "write",
+            "--blocks",
+            "4KiB",
+            "--batches",
+            "1",
+            "--duration",
+            "5ms",
+            "--warmup",
+            "0s",
+            "--region-size",
+            "1MiB",
+        ];
+        let (_, err) = expect_code(&args, 0);
+        let err = strip_ansi(&err);
+        let connect: Vec<&str> = err
+            .lines()
+            .filter(|l| l.contains("ferry_connect") && l.contains("close"))
+            .collect();
+        assert!(!connect.is_empty(), "no ferry_connect span closed:\n{err}");
+        let line = connect[0];
+        // The version in use is a number of the range this build speaks.
+        let version: u16 = line
+            .split("version=")
+            .nth(1)
+            .and_then(|v| v.split(|c: char| !c.is_ascii_digit()).next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no version= in {line}"));
+        assert!(version >= 1, "{line}");
+        for field in [
+            "peer_versions=",
+            "path=",
+            "tls=",
+            "features=",
+            "outcome=\"ok\"",
+        ] {
+            assert!(line.contains(field), "{field} missing in {line}");
+        }
+    }
+
     /// `--span`: points cycle through that many bytes (whole batches,
     /// capped at the region), or stay on one batch's bytes when it is that
     /// small; every point is verified at the last window it used.

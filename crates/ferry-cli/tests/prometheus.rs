@@ -1,19 +1,24 @@
 //! A real Prometheus (Debian's `prometheus` package, `/usr/bin/prometheus`,
 //! or whichever `prometheus` is first on `PATH`)
 //! scrapes `ferry serve --metrics-listen` and `ferry bench --peer
-//! --metrics-listen` on loopback, and its `ferry_transfer_bytes_total`
-//! for the bench equals, exactly, the bytes the bench's engine moved
-//! according to its own `--json` rows.
+//! --metrics-listen` on loopback while the bench drives traffic into the
+//! serve, and the test queries Prometheus's HTTP API until
+//! - the serve's `ferry_served_bytes_total` (what peers wrote into and read
+//!   from its region, counted by its backend where each request is
+//!   served), and
+//! - the bench's own `ferry_transfer_bytes_total` (what its engine
+//!   initiated)
+//!
+//! both equal, exactly and per direction, the bytes the bench reports in
+//! its `--json` rows plus its known extras (see below).
 //!
 //! Where the server is not installed the test prints `skipped: …` and
 //! returns; `FERRY_REQUIRE_BACKENDS` listing `prometheus` makes that a
 //! failure (`.ci/run` installs and requires it).
 //!
-//! Why the bench side: the metrics layer counts the calls an engine makes
-//! (the initiator's requests); `ferry serve` is only the target of the
-//! bench's requests, which its backend answers below the layer, so its
-//! byte counter does not see them. Prometheus scrapes the serve too, and
-//! the test checks that it is up.
+//! The serve initiates nothing: its `ferry_transfer_bytes_total` stays
+//! absent, and the bench serves nothing: it has no `ferry_served_*`
+//! series with bytes (both checked).
 //!
 //! Nothing listens beyond 127.0.0.1: the serve's engine, both metrics
 //! endpoints and Prometheus's web port are all on loopback.
@@ -292,9 +297,15 @@ fn prometheus_scrapes_the_bytes_the_bench_moved() {
     let rows = rows.as_array().expect("an array of points");
     assert_eq!(rows.len(), 8, "{json}");
     // Per point the bench's engine moves its measured `bytes`, one warm-up
-    // batch (block × batch, `--warmup 0s`) of the same op, and one block
-    // read back for verification; the end-of-point notification moves no
-    // bytes.
+    // batch (block × batch, `--warmup 0s`: the warm-up loop runs once) of
+    // the same op, and one block read back for verification; the
+    // end-of-point notification moves no bytes. Every one of those
+    // requests succeeds (the bench stops at the first failure), so the
+    // serve lands or sends each byte once: its served counters must show
+    // the same sums. The bench's requests are never merged away or split
+    // in a way that changes bytes (coalescing joins ranges, it does not
+    // drop any), and nothing else reaches the serve (`--no-baselines`: no
+    // raw-TCP stream).
     let (mut write, mut read) = (0u64, 0u64);
     for r in rows {
         assert_eq!(r["verified"], true, "{r}");
@@ -336,8 +347,45 @@ fn prometheus_scrapes_the_bytes_the_bench_moved() {
         r#"sum(ferry_transfer_bytes_total{job="ferry-bench"})"#,
         (write + read) as f64,
     );
+    // The target: what the bench wrote into the serve's region and read
+    // from it, counted by the serve's backend.
+    wait_for_value(
+        port,
+        r#"sum(ferry_served_bytes_total{job="ferry-serve",op="write"})"#,
+        write as f64,
+    );
+    wait_for_value(
+        port,
+        r#"sum(ferry_served_bytes_total{job="ferry-serve",op="read"})"#,
+        read as f64,
+    );
+    // One peer, the bench's engine, by the name it gave in the handshake.
+    wait_for_value(
+        port,
+        r#"count(count by (peer) (ferry_served_bytes_total{job="ferry-serve"}))"#,
+        1.0,
+    );
+    // Nothing was dropped, and each side counts only its own role.
+    wait_for_value(
+        port,
+        r#"sum(ferry_notifications_dropped_total{job="ferry-serve"})"#,
+        0.0,
+    );
+    assert_eq!(
+        query(
+            port,
+            r#"sum(ferry_transfer_bytes_total{job="ferry-serve"})"#
+        ),
+        Ok(None),
+        "the serve initiated nothing"
+    );
+    let bench_served = query(port, r#"sum(ferry_served_bytes_total{job="ferry-bench"})"#);
+    assert!(
+        matches!(bench_served, Ok(None) | Ok(Some(0.0))),
+        "the bench served nothing: {bench_served:?}"
+    );
     eprintln!(
-        "{test}: prometheus saw ferry_transfer_bytes_total = {} (write {write}, read {read})",
+        "{test}: prometheus saw ferry_transfer_bytes_total (bench) = ferry_served_bytes_total (serve) = {} (write {write}, read {read})",
         write + read
     );
     drop(guard);

@@ -5,6 +5,7 @@ use std::pin::Pin;
 
 use crate::caps::{BackendInfo, Capabilities, Operation};
 use crate::error::{Error, Result};
+use crate::inbound::Inbound;
 use crate::types::{
     BatchId, BatchReport, BatchStatus, MemoryRegion, Notification, SegmentId, TransferRequest,
 };
@@ -228,6 +229,21 @@ pub trait TransferEngine: Send + Sync + 'static {
         None
     }
 
+    /// A handle on what peers did to this engine (see
+    /// [`crate::inbound`]): the bytes and segments they wrote into and read
+    /// from its registered memory through requests it served, per peer,
+    /// and the notifications its inbox dropped. Read it with
+    /// [`Inbound::snapshot`] whenever needed (the metrics layer does at
+    /// every scrape); the counters only grow.
+    ///
+    /// `None` (the default) where the backend counts nothing inbound; a
+    /// snapshot's `served` is `None` where the backend cannot see inbound
+    /// traffic: one-sided RDMA (verbs), Mooncake and NIXL move the bytes
+    /// without the target's involvement. Every layer forwards it.
+    fn inbound(&self) -> Option<Inbound> {
+        None
+    }
+
     /// Stops the engine and waits until it has stopped.
     ///
     /// Through a [`crate::CapabilityAdapter`] (and so `ferry::Engine`) this
@@ -320,6 +336,7 @@ pub trait DynTransferEngine: Send + Sync + 'static {
         name: Option<&'a str>,
     ) -> BoxFuture<'a, Result<Notification>>;
     fn live_batches_dyn(&self) -> Option<usize>;
+    fn inbound_dyn(&self) -> Option<Inbound>;
     fn shutdown_dyn(&self) -> BoxFuture<'_, Result<()>>;
 }
 
@@ -397,6 +414,9 @@ impl<T: TransferEngine> DynTransferEngine for T {
     }
     fn live_batches_dyn(&self) -> Option<usize> {
         self.live_batches()
+    }
+    fn inbound_dyn(&self) -> Option<Inbound> {
+        self.inbound()
     }
     fn shutdown_dyn(&self) -> BoxFuture<'_, Result<()>> {
         Box::pin(self.shutdown())
@@ -479,6 +499,9 @@ impl TransferEngine for dyn DynTransferEngine {
     }
     fn live_batches(&self) -> Option<usize> {
         self.live_batches_dyn()
+    }
+    fn inbound(&self) -> Option<Inbound> {
+        self.inbound_dyn()
     }
     fn shutdown(&self) -> impl Future<Output = Result<()>> + Send {
         self.shutdown_dyn()

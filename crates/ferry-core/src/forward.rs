@@ -173,6 +173,11 @@ macro_rules! forward {
             self.inner.live_batches()
         }
     };
+    (@ inbound) => {
+        fn inbound(&self) -> Option<$crate::inbound::Inbound> {
+            self.inner.inbound()
+        }
+    };
     (@ shutdown) => {
         fn shutdown(&self) -> impl ::std::future::Future<Output = $crate::error::Result<()>> + Send {
             self.inner.shutdown()

@@ -15,11 +15,13 @@
 
 use std::collections::VecDeque;
 use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
 use tokio::sync::Notify;
 
+use crate::inbound::NotificationsDropped;
 use crate::raw::lock;
 use crate::types::Notification;
 
@@ -63,6 +65,10 @@ pub struct Inbox {
     /// Serialises pulls from a library's own queue, so that what one pull
     /// took is queued before the next pull takes more (order is kept).
     pulling: Mutex<()>,
+    /// Notifications refused because the inbox was full, and because it
+    /// was closed (see [`Inbox::dropped`]).
+    dropped_full: AtomicU64,
+    dropped_closed: AtomicU64,
 }
 
 /// The inbox was closed: the engine shut down.
@@ -79,19 +85,44 @@ impl Inbox {
             max_count,
             max_bytes,
             pulling: Mutex::new(()),
+            dropped_full: AtomicU64::new(0),
+            dropped_closed: AtomicU64::new(0),
         }
     }
 
+    /// Notifications refused so far (by [`Inbox::push`], or reported by
+    /// the backend with [`Inbox::count_refused`]), by reason.
+    pub fn dropped(&self) -> NotificationsDropped {
+        NotificationsDropped {
+            full: self.dropped_full.load(Ordering::Relaxed),
+            closed: self.dropped_closed.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Counts a notification the backend refused without offering it to
+    /// [`Inbox::push`] (a fault test's switch, say), for
+    /// [`Inbox::dropped`].
+    pub fn count_refused(&self, why: PushRefused) {
+        let counter = match why {
+            PushRefused::Full => &self.dropped_full,
+            PushRefused::Closed => &self.dropped_closed,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+
     /// Queues `n` (newest last) and wakes every waiter, unless the inbox is
-    /// full or closed; a refused notification is dropped.
+    /// full or closed; a refused notification is dropped (and counted in
+    /// [`Inbox::dropped`]).
     pub fn push(&self, n: Notification) -> Result<(), PushRefused> {
         let cost = notification_cost(&n);
         {
             let mut s = lock(&self.state);
             if s.closed {
+                self.count_refused(PushRefused::Closed);
                 return Err(PushRefused::Closed);
             }
             if s.queue.len() >= self.max_count || s.bytes.saturating_add(cost) > self.max_bytes {
+                self.count_refused(PushRefused::Full);
                 return Err(PushRefused::Full);
             }
             s.queue.push_back(n);
@@ -232,6 +263,12 @@ mod tests {
         assert_eq!(small.push(note("a", "2")), Err(PushRefused::Full));
         assert_eq!(small.take_next(None), Some(note("a", "1")));
         small.push(note("a", "2")).unwrap();
+        assert_eq!((inbox.dropped().full, small.dropped().full), (1, 1));
+        small.close();
+        assert_eq!(small.push(note("a", "3")), Err(PushRefused::Closed));
+        small.count_refused(PushRefused::Full);
+        let d = small.dropped();
+        assert_eq!((d.full, d.closed, d.total()), (2, 1, 3));
     }
 
     #[test]

@@ -61,6 +61,8 @@ struct Core {
     batches: BatchTable,
     /// Notifications sent to this engine are refused (for fault tests).
     refuse_notifications: std::sync::atomic::AtomicBool,
+    /// What peers copied into and out of this engine's regions.
+    served: crate::inbound::ServedTraffic,
     /// Pause after each copied chunk, in microseconds (0: just yield).
     pace_us: AtomicU64,
 }
@@ -126,6 +128,7 @@ impl InprocEngine {
             segments: Mutex::new(HashMap::new()),
             batches: BatchTable::new(BACKEND),
             refuse_notifications: std::sync::atomic::AtomicBool::new(false),
+            served: crate::inbound::ServedTraffic::default(),
             pace_us: AtomicU64::new(0),
         });
         let mut reg = lock(registry());
@@ -261,6 +264,7 @@ async fn copy(local: &Core, segment: &Segment, request: TransferRequest) -> Resu
         Side::Remote,
         Some(&segment.name),
     )?;
+    let served = peer.served.peer(&local.name);
     drop(peer);
     let (src, dst) = match request.op {
         TransferOp::Write => (&lg, &rg),
@@ -286,7 +290,19 @@ async fn copy(local: &Core, segment: &Segment, request: TransferRequest) -> Resu
         }
     }
     drop((lg, rg, open));
+    match request.op {
+        TransferOp::Write => served.wrote(request.len, 1),
+        TransferOp::Read => served.read(request.len, 1),
+    }
     Ok(())
+}
+
+impl crate::inbound::InboundSource for Core {
+    fn snapshot(&self) -> crate::inbound::InboundSnapshot {
+        crate::inbound::InboundSnapshot::new()
+            .with_served(self.served.snapshot())
+            .with_notifications_dropped(self.notifications.dropped())
+    }
 }
 
 /// Runs every request in order, reporting each to `driver`, then hands
@@ -318,6 +334,8 @@ fn deliver(segment: &Segment, note: Notification) -> Result<()> {
         });
     };
     if peer.refuse_notifications.load(Ordering::Relaxed) {
+        peer.notifications
+            .count_refused(crate::inbox::PushRefused::Full);
         return Err(Error::SegmentUnavailable {
             name: segment.name.clone(),
             reason: "the peer refuses notifications".to_owned(),
@@ -534,6 +552,12 @@ impl TransferEngine for InprocEngine {
 
     fn live_batches(&self) -> Option<usize> {
         Some(self.core.batches.len())
+    }
+
+    /// The bytes peers' requests copied into and out of this engine's
+    /// regions (per peer engine name), and the dropped notifications.
+    fn inbound(&self) -> Option<crate::inbound::Inbound> {
+        Some(crate::inbound::Inbound::weak(&self.core))
     }
 
     /// Ends the notification waiters with `Canceled`; the engine has no

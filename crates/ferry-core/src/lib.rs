@@ -115,6 +115,7 @@ pub mod caps;
 mod drain;
 pub mod engine;
 pub mod error;
+pub mod inbound;
 mod inbox;
 pub mod layer;
 mod redact;
@@ -139,6 +140,7 @@ pub use caps::{
 };
 pub use engine::{BoxFuture, DynTransferEngine, TransferEngine};
 pub use error::{live_batches_full, Error, ErrorKind, IoSource, Queue, Result, Retry, Side};
+pub use inbound::{Inbound, InboundSnapshot, NotificationsDropped, ServedCounts};
 pub use layer::{Metrics, MetricsLayer, MetricsSnapshot, TimeoutLayer, TracingLayer};
 pub use region_table::{RegionGuard, RegionTable};
 pub use secret::Secret;

@@ -123,6 +123,9 @@ impl TransferEngine for Probe {
     fn live_batches(&self) -> Option<usize> {
         self.inner.live_batches()
     }
+    fn inbound(&self) -> Option<ferry_core::Inbound> {
+        self.inner.inbound()
+    }
 
     async fn shutdown(&self) -> Result<()> {
         self.inner.shutdown().await

@@ -863,7 +863,14 @@ impl Inner {
     /// Moves what NIXL received into Ferry's queue.
     fn drain_notes(&self) -> Result<()> {
         let got = self.agent.take_notifs()?;
-        if got.is_empty() || self.refuse_notifications.load(Ordering::Acquire) {
+        if got.is_empty() {
+            return Ok(());
+        }
+        if self.refuse_notifications.load(Ordering::Acquire) {
+            // Taken from NIXL and discarded: dropped.
+            for _ in &got {
+                self.inbox.count_refused(ferry_core::raw::PushRefused::Full);
+            }
             return Ok(());
         }
         let mut notes = lock(&self.notes);
@@ -1022,6 +1029,12 @@ impl Inner {
     /// as a batch moving the whole region may take.
     fn revoke_limit(&self, len: u64) -> Duration {
         self.config.deadline_for(len)
+    }
+}
+
+impl ferry_core::inbound::InboundSource for Inner {
+    fn snapshot(&self) -> ferry_core::InboundSnapshot {
+        ferry_core::InboundSnapshot::new().with_notifications_dropped(self.inbox.dropped())
     }
 }
 
@@ -1308,6 +1321,14 @@ impl TransferEngine for NixlEngine {
 
     fn live_batches(&self) -> Option<usize> {
         Some(self.inner.batches.len())
+    }
+
+    /// NIXL moves peers' bytes (UCX, one-sided) without telling Ferry:
+    /// `served` is `None`; the dropped notifications are counted (the
+    /// oldest dropped when the queue is full, and those discarded while
+    /// refusing).
+    fn inbound(&self) -> Option<ferry_core::Inbound> {
+        Some(ferry_core::Inbound::weak(&self.inner))
     }
 
     /// Stops accepting peers, closes every segment (its reader stops) and

@@ -313,6 +313,27 @@ pub(crate) fn metrics_dict<'py>(
         peers.set_item(name, pd)?;
     }
     d.set_item("peers", peers)?;
+    // The target side: None where the engine cannot see it.
+    let inbound = m.inbound.as_ref();
+    match inbound.and_then(|i| i.served.as_ref()) {
+        None => d.set_item("served", py.None())?,
+        Some(served) => {
+            let sd = PyDict::new(py);
+            for (name, c) in served {
+                let pd = PyDict::new(py);
+                pd.set_item("bytes_written", c.bytes_written)?;
+                pd.set_item("bytes_read", c.bytes_read)?;
+                pd.set_item("segments_written", c.segments_written)?;
+                pd.set_item("segments_read", c.segments_read)?;
+                sd.set_item(name, pd)?;
+            }
+            d.set_item("served", sd)?;
+        }
+    }
+    let dropped = inbound
+        .and_then(|i| i.notifications_dropped)
+        .map(|n| n.total());
+    d.set_item("notifications_dropped", dropped)?;
     Ok(d)
 }
 

@@ -413,7 +413,11 @@ impl PyEngine {
     /// `emulated` (calls per emulated operation) and `peers` (per peer
     /// segment name, beyond 64 peers `other`: `bytes_written`,
     /// `bytes_read`, `requests_ok`, `requests_failed` by error kind,
-    /// `notifications_sent`) — for a serving stack to export.
+    /// `notifications_sent`), `served` (the target side: per peer engine
+    /// name, `bytes_written` into this engine's memory, `bytes_read` from
+    /// it, `segments_written`, `segments_read`; `None` where the backend
+    /// cannot see it) and `notifications_dropped` (`None` where not
+    /// counted) — for a serving stack to export.
     fn metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         metrics_dict(py, &(self.handle()?.metrics)())
     }

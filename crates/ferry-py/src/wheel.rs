@@ -977,6 +977,12 @@ impl TransferEngine for WheelEngine {
         None
     }
 
+    /// The wheel's engine serves its peers inside Mooncake: nothing
+    /// inbound is visible to Ferry.
+    fn inbound(&self) -> Option<ferry_core::Inbound> {
+        None
+    }
+
     /// The wheel's engine has no task of Ferry's to stop; it is destroyed
     /// with the last handle.
     async fn shutdown(&self) -> Result<()> {

@@ -234,6 +234,33 @@ impl TcpEngine {
     }
 }
 
+/// Records what the handshake with `peer` settled on the current span:
+/// the `ferry_connect` span of `ferry_core`'s tracing layer when one wraps
+/// this engine (its `CONNECT_FIELDS`); nothing, and no work, otherwise.
+fn record_handshake(peer: &Peer) {
+    let span = tracing::Span::current();
+    if span.is_disabled() {
+        return;
+    }
+    let Some(r) = peer.report() else {
+        return;
+    };
+    span.record("version", r.version);
+    span.record("peer_versions", tracing::field::display(&r.theirs));
+    span.record("path", r.path.as_str());
+    match &r.tls {
+        Ok(suite) => span.record("tls", suite.as_str()),
+        Err(why) => span.record("tls", tracing::field::display(format_args!("off: {why}"))),
+    };
+    let on: Vec<&str> = r
+        .features
+        .iter()
+        .filter(|f| f.off.is_none())
+        .map(|f| f.name)
+        .collect();
+    span.record("features", on.join(",").as_str());
+}
+
 impl Drop for TcpEngine {
     fn drop(&mut self) {
         self.shutdown_now();
@@ -375,6 +402,7 @@ impl TransferEngine for TcpEngine {
                 p
             }
         };
+        record_handshake(&peer);
         let mut segs = lock(&self.inner.segments);
         let entry = segs
             .by_name
@@ -518,6 +546,16 @@ impl TransferEngine for TcpEngine {
 
     fn live_batches(&self) -> Option<usize> {
         Some(self.inner.batches.len())
+    }
+
+    /// Counted by the server where each inbound request is served: the
+    /// bytes of WRITE / WRITEV frames once they have landed, of READ /
+    /// READV once sent, and of the same-host copies (CWRITE / CREAD and
+    /// the staged SWRITE / SREAD) once done, per peer (by the engine name
+    /// it gave in the handshake) and direction; refused segments are not
+    /// counted. With the inbox's dropped notifications.
+    fn inbound(&self) -> Option<ferry_core::Inbound> {
+        Some(ferry_core::Inbound::weak(&self.inner.core))
     }
 
     async fn shutdown(&self) -> Result<()> {

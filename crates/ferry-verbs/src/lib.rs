@@ -344,6 +344,12 @@ impl TransferEngine for VerbsEngine {
         forward!(self, i => Some(i.live_batches()))
     }
 
+    /// Peers write and read this engine's memory by one-sided RDMA, which
+    /// the target's CPU never sees: nothing inbound is counted.
+    fn inbound(&self) -> Option<ferry_core::Inbound> {
+        None
+    }
+
     /// Closes the control connections and passive queue pairs and stops
     /// the completion thread (pending requests fail with `Canceled`),
     /// returning once both have stopped (at most about 5 s).

@@ -394,6 +394,9 @@ impl TransferEngine for Engine {
     fn live_batches(&self) -> Option<usize> {
         dispatch!(self, e => TransferEngine::live_batches(e))
     }
+    fn inbound(&self) -> Option<ferry_core::Inbound> {
+        dispatch!(self, e => TransferEngine::inbound(e))
+    }
 
     async fn shutdown(&self) -> Result<()> {
         dispatch!(self, e => TransferEngine::shutdown(e).await)

@@ -308,6 +308,10 @@ impl<E: TransferEngine> TransferEngine for CoalesceEngine<E> {
             .map(|n| n + self.batches.tracked_len())
     }
 
+    fn inbound(&self) -> Option<crate::inbound::Inbound> {
+        self.inner.inbound()
+    }
+
     async fn shutdown(&self) -> Result<()> {
         // New merged batches are refused; those running end as usual.
         self.drain.close();

@@ -381,6 +381,7 @@ impl<E: TransferEngine + ?Sized> TransferEngine for CapabilityAdapter<E> {
         take_notifications,
         next_notification,
         live_batches,
+        inbound,
         shutdown
     );
 }
@@ -1023,6 +1024,10 @@ impl<E: TransferEngine + ?Sized> TransferEngine for EmulationEngine<E> {
         self.inner
             .live_batches()
             .map(|n| n + self.shared.batches.tracked_len())
+    }
+
+    fn inbound(&self) -> Option<crate::inbound::Inbound> {
+        self.inner.inbound()
     }
 
     async fn shutdown(&self) -> Result<()> {

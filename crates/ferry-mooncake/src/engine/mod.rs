@@ -192,6 +192,12 @@ impl MooncakeEngine {
     }
 }
 
+impl ferry_core::inbound::InboundSource for Inner {
+    fn snapshot(&self) -> ferry_core::InboundSnapshot {
+        ferry_core::InboundSnapshot::new().with_notifications_dropped(self.inbox.dropped())
+    }
+}
+
 #[deny(clippy::missing_trait_methods)]
 impl TransferEngine for MooncakeEngine {
     fn backend_name(&self) -> &str {
@@ -286,6 +292,13 @@ impl TransferEngine for MooncakeEngine {
 
     fn live_batches(&self) -> Option<usize> {
         Some(self.inner.batches.len())
+    }
+
+    /// Mooncake's library serves peers (RDMA, its TCP transport) without
+    /// telling Ferry: `served` is `None`; the inbox's dropped notifications
+    /// are counted (it is unbounded: only those arriving after shutdown).
+    fn inbound(&self) -> Option<ferry_core::Inbound> {
+        Some(ferry_core::Inbound::weak(&self.inner))
     }
 
     /// Ends every `next_notification` waiter with `Canceled`. The library

@@ -294,6 +294,7 @@ async fn serve_conn(
         cfg.handshake_timeout,
     )
     .await?;
+    let served = core.served.peer(&verified.name);
     let peer = format!("{} ({peer})", verified.name.escape_default());
     let agreed = verified.agreement.clone();
     tracing::debug!(
@@ -313,6 +314,7 @@ async fn serve_conn(
         cma_pid: None,
         stage: None,
         agreed,
+        served,
     };
     match serve(stream, &peer, core, &admitted.live, first).await? {
         Served::Closed => Ok(()),

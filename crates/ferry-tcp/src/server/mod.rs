@@ -98,6 +98,8 @@ pub struct Core {
     gens: Mutex<Generations>,
     /// Notifications received, oldest first.
     pub notifications: ferry_core::raw::Inbox,
+    /// What peers wrote into and read from the regions, per peer.
+    pub served: ferry_core::inbound::ServedTraffic,
     /// Refuse every notification (answer `NotifyQueueFull`); for fault
     /// tests (see `TcpEngine::set_refuse_notifications`).
     pub refuse_notifications: AtomicBool,
@@ -143,6 +145,7 @@ impl Core {
                 MAX_QUEUED_NOTIFICATIONS,
                 MAX_QUEUED_NOTIFICATION_BYTES,
             ),
+            served: ferry_core::inbound::ServedTraffic::default(),
             refuse_notifications: AtomicBool::new(false),
             closed: AtomicBool::new(false),
             established: AtomicUsize::new(0),
@@ -249,6 +252,14 @@ impl Core {
             stall: self.config.stall_timeout,
             min_rate: self.config.min_rate,
         }
+    }
+}
+
+impl ferry_core::inbound::InboundSource for Core {
+    fn snapshot(&self) -> ferry_core::InboundSnapshot {
+        ferry_core::InboundSnapshot::new()
+            .with_served(self.served.snapshot())
+            .with_notifications_dropped(self.notifications.dropped())
     }
 }
 

@@ -16,6 +16,8 @@ pub(super) struct ConnState {
     pub(super) stage: Option<TargetStage>,
     /// The version and features the handshake settled.
     pub(super) agreed: crate::negotiate::Agreement,
+    /// The peer's served-traffic counters.
+    pub(super) served: ferry_core::inbound::ServedPeer,
 }
 
 /// The target's side of a connection's staging area.
@@ -86,6 +88,15 @@ pub(super) async fn serve_on_thread(
     // the thread then stops.
     let _stop = stop_tx;
     done_rx.await.unwrap_or(Ok(()))
+}
+
+/// The bytes and the number of the non-empty segments `ok` accepts (by
+/// index): what a served request moved.
+fn landed(segs: &[Segment], ok: impl Fn(usize) -> bool) -> (u64, u64) {
+    segs.iter()
+        .enumerate()
+        .filter(|&(i, s)| s.len > 0 && ok(i))
+        .fold((0, 0), |(b, n), (_, s)| (b.saturating_add(s.len), n + 1))
 }
 
 /// Whether any two segments share a byte.
@@ -222,6 +233,7 @@ pub(super) async fn serve(
         mut cma_pid,
         mut stage,
         agreed,
+        served,
     } = st;
     // The segment table of the current CWRITE / CREAD.
     let mut cma_table: Vec<u8> = Vec::new();
@@ -279,6 +291,7 @@ pub(super) async fn serve(
                             .await
                             .map_err(|e| io_error(peer, e, stall))?;
                         drop(guard);
+                        served.wrote(len, 1);
                         out.acks.push(id);
                         out.bytes += len;
                     }
@@ -304,6 +317,7 @@ pub(super) async fn serve(
                     .await
                     .map_err(|e| io_error(peer, e, stall))?;
                     drop(guard);
+                    served.read(len, 1);
                 }
                 Err(status) => out.err(id, status, addr, len),
             },
@@ -331,9 +345,13 @@ pub(super) async fn serve(
                 match n.filter(|n| n.validate().is_ok()) {
                     None => out.err(id, Status::NotifyInvalid, name_len, msg_len),
                     Some(n) => {
-                        if core.refuse_notifications.load(Ordering::Relaxed)
-                            || core.notifications.push(n).is_err()
-                        {
+                        let refused = core.refuse_notifications.load(Ordering::Relaxed);
+                        if refused {
+                            // Counted as the inbox's own refusals are.
+                            core.notifications
+                                .count_refused(ferry_core::raw::PushRefused::Full);
+                        }
+                        if refused || core.notifications.push(n).is_err() {
                             // Full (or the engine shutting down): the
                             // sender sees a retryable refusal.
                             out.err(id, Status::NotifyQueueFull, name_len, msg_len);
@@ -397,6 +415,8 @@ pub(super) async fn serve(
                         out.errv(id, failed_status(&guards), &failed);
                     }
                 }
+                let (bytes, n) = landed(&segs, |i| guards[i].is_ok());
+                served.wrote(bytes, n);
                 drop(guards);
                 out.bytes += total;
             }
@@ -444,6 +464,8 @@ pub(super) async fn serve(
                     .await
                     .map_err(|e| io_error(peer, e, stall))?;
                 drop(bufs);
+                let (bytes, n) = landed(&segs, |i| guards[i].is_ok());
+                served.read(bytes, n);
                 drop(guards);
             }
             Request::SameHost {
@@ -533,6 +555,7 @@ pub(super) async fn serve(
                             cma_pid,
                             stage,
                             agreed,
+                            served,
                         });
                         return Ok(Served::ToThread(stream, st));
                     }
@@ -603,6 +626,12 @@ pub(super) async fn serve(
                         let gone = "closed by the initiator, or its process exited";
                         stop.error(peer, cfg.stall_timeout, gone)
                     })?;
+                    let (bytes, n) = landed(&plain, |i| !failed.contains(&(i as u32)));
+                    if read {
+                        served.read(bytes, n);
+                    } else {
+                        served.wrote(bytes, n);
+                    }
                     if !failed.is_empty() {
                         out.errv(id, status, &failed);
                     } else {
@@ -631,6 +660,15 @@ pub(super) async fn serve(
                 crate::test_hooks::between_check_and_copy(read);
                 let failed = cma_copy(initiator.pid, read, &segs, &guards, !overlapping(&plain));
                 drop(guards);
+                let (bytes, n) = match &failed {
+                    None => landed(&plain, |_| true),
+                    Some((_, idx)) => landed(&plain, |i| !idx.contains(&(i as u32))),
+                };
+                if read {
+                    served.read(bytes, n);
+                } else {
+                    served.wrote(bytes, n);
+                }
                 match failed {
                     None => out.acks.push(id),
                     Some((status, idx)) => out.errv(id, status, &idx),

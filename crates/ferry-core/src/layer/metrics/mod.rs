@@ -21,6 +21,21 @@
 //! | `ferry_queue_full_total` | counter | engine | calls or requests refused with [`ErrorKind::QueueFull`] |
 //! | `ferry_emulated_operations_total` | counter | engine, operation | calls of operations the backend lacks natively (see [`MetricsLayer::native`]) |
 //! | `ferry_peer_path` | gauge | engine, peer, path | 1 for the payload path to the peer (`socket`, `same-host cma`, `mooncake`…), set by [`MetricsEngine::set_peer_path`] |
+//! | `ferry_served_bytes_total` | counter | engine, peer, op | bytes peers wrote into (`write`) or read from (`read`) this engine's memory through requests it served |
+//! | `ferry_served_segments_total` | counter | engine, peer, op | the non-empty ranges of those requests |
+//! | `ferry_notifications_dropped_total` | counter | engine, reason | notifications the inbox refused: `full` (the consumer is behind) or `closed` (shut down) |
+//!
+//! The `ferry_transfer_*` families count what this engine *initiated*; the
+//! `ferry_served_*` ones what peers initiated against it (the target side,
+//! where `peer` is the name the peer's engine gave, folded into `other`
+//! beyond the peer limit as on the initiator side). They are separate
+//! families, not a `role` label, so that summing `ferry_transfer_bytes_total`
+//! over a cluster does not count every byte twice. The served and dropped
+//! families are read from the backend's counters at scrape time
+//! ([`TransferEngine::inbound`]: nothing is added on the request path by
+//! the layer); a backend that cannot see inbound traffic (verbs, Mooncake,
+//! NIXL: one-sided) has no served series, and one that does not count
+//! dropped notifications (verbs) no dropped series.
 //!
 //! `op` is `read` or `write`; `call` is `transfer`, `batch_transfer` or
 //! `async_batch`; `result` is `ok` or the error kind in snake case
@@ -34,7 +49,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
 use std::time::Instant;
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -44,12 +59,17 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::counter::ConstCounter;
+
 use super::peers::{op_label, Peers, OTHER, UNKNOWN};
 use crate::adapter::Layer;
 use crate::caps::{Capabilities, Operation};
 use crate::engine::TransferEngine;
 use crate::error::{Error, ErrorKind, Result};
-use crate::raw::lock;
+use crate::inbound::{Inbound, InboundSnapshot, ServedCounts};
+use crate::raw::{lock, read, write};
 use crate::types::{
     BatchId, BatchReport, MemoryRegion, Notification, SegmentId, TransferOp, TransferRequest,
 };
@@ -102,6 +122,12 @@ struct PathLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DropLabels {
+    engine: String,
+    reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct OperationLabels {
     engine: String,
     operation: &'static str,
@@ -129,11 +155,105 @@ struct Families {
     paths: Family<PathLabels, Gauge>,
 }
 
+/// The engines wrapped with one [`Metrics`] handle.
+type EngineList = Arc<Mutex<Vec<Weak<EngineState>>>>;
+
+fn live_engines(list: &EngineList) -> Vec<Arc<EngineState>> {
+    let mut list = lock(list);
+    list.retain(|w| w.strong_count() > 0);
+    list.iter().filter_map(Weak::upgrade).collect()
+}
+
 struct Shared {
     registry: Registry,
     families: Families,
-    /// The engines wrapped with this handle, for [`Metrics::snapshots`].
-    engines: Mutex<Vec<Weak<EngineState>>>,
+    /// The engines wrapped with this handle, for [`Metrics::snapshots`]
+    /// and the inbound families.
+    engines: EngineList,
+}
+
+/// Encodes the families read from the engines' inbound counters at
+/// scrape time (`ferry_served_*`, `ferry_notifications_dropped_total`).
+struct InboundCollector {
+    engines: EngineList,
+}
+
+impl fmt::Debug for InboundCollector {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("InboundCollector").finish_non_exhaustive()
+    }
+}
+
+impl Collector for InboundCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> std::result::Result<(), fmt::Error> {
+        let mut bytes: Vec<(OpLabels, u64)> = Vec::new();
+        let mut segments: Vec<(OpLabels, u64)> = Vec::new();
+        let mut dropped: Vec<(DropLabels, u64)> = Vec::new();
+        for e in live_engines(&self.engines) {
+            let Some(snap) = e.inbound() else { continue };
+            for (peer, c) in snap.served.iter().flatten() {
+                for (op, b, n) in [
+                    ("write", c.bytes_written, c.segments_written),
+                    ("read", c.bytes_read, c.segments_read),
+                ] {
+                    let labels = OpLabels {
+                        engine: e.engine.clone(),
+                        peer: peer.clone(),
+                        op,
+                    };
+                    bytes.push((labels.clone(), b));
+                    segments.push((labels, n));
+                }
+            }
+            if let Some(d) = snap.notifications_dropped {
+                for (reason, n) in [("full", d.full), ("closed", d.closed)] {
+                    dropped.push((
+                        DropLabels {
+                            engine: e.engine.clone(),
+                            reason,
+                        },
+                        n,
+                    ));
+                }
+            }
+        }
+        encode_counters(
+            &mut encoder,
+            "ferry_served_bytes",
+            "Bytes peers wrote into (op=write) or read from (op=read) this engine's memory through requests it served",
+            &bytes,
+        )?;
+        encode_counters(
+            &mut encoder,
+            "ferry_served_segments",
+            "Non-empty memory ranges of the requests this engine served for peers",
+            &segments,
+        )?;
+        encode_counters(
+            &mut encoder,
+            "ferry_notifications_dropped",
+            "Notifications the engine's inbox refused and dropped (full: the consumer is behind; closed: shut down)",
+            &dropped,
+        )
+    }
+}
+
+/// One counter family of `rows` (nothing when there are none).
+fn encode_counters<L: EncodeLabelSet>(
+    encoder: &mut DescriptorEncoder<'_>,
+    name: &str,
+    help: &str,
+    rows: &[(L, u64)],
+) -> std::result::Result<(), fmt::Error> {
+    if rows.is_empty() {
+        return Ok(());
+    }
+    let counter = ConstCounter::new(0u64);
+    let mut family = encoder.encode_descriptor(name, help, None, counter.metric_type())?;
+    for (labels, v) in rows {
+        ConstCounter::new(*v).encode(family.encode_family(labels)?)?;
+    }
+    Ok(())
 }
 
 /// A set of Ferry metrics: a `prometheus-client` registry shared by every
@@ -229,11 +349,15 @@ impl Metrics {
             "1 for the payload path to each peer (socket, same-host cma, mooncake, verbs, nixl)",
             f.paths.clone(),
         );
+        let engines = EngineList::default();
+        registry.register_collector(Box::new(InboundCollector {
+            engines: Arc::clone(&engines),
+        }));
         Metrics {
             shared: Arc::new(Shared {
                 registry,
                 families,
-                engines: Mutex::new(Vec::new()),
+                engines,
             }),
         }
     }
@@ -263,12 +387,10 @@ impl Metrics {
 
     /// A snapshot of every live engine wrapped with these metrics.
     pub fn snapshots(&self) -> Vec<MetricsSnapshot> {
-        let engines: Vec<Arc<EngineState>> = {
-            let mut list = lock(&self.shared.engines);
-            list.retain(|w| w.strong_count() > 0);
-            list.iter().filter_map(Weak::upgrade).collect()
-        };
-        engines.iter().map(|e| e.snapshot()).collect()
+        live_engines(&self.shared.engines)
+            .iter()
+            .map(|e| e.snapshot())
+            .collect()
     }
 
     fn families(&self) -> &Families {
@@ -294,6 +416,10 @@ pub struct MetricsSnapshot {
     pub queue_full: u64,
     /// Calls of emulated operations, by operation name.
     pub emulated: BTreeMap<String, u64>,
+    /// What peers did to the engine ([`TransferEngine::inbound`]), with
+    /// the peers beyond the layer's limit folded into `other`; `None`
+    /// where the engine counts nothing inbound.
+    pub inbound: Option<InboundSnapshot>,
 }
 
 impl MetricsSnapshot {
@@ -446,6 +572,11 @@ impl<E: TransferEngine> Layer<E> for MetricsLayer {
             paths: Mutex::new(HashMap::new()),
             pending: Mutex::new(HashMap::new()),
             native: self.native,
+            inbound: inner.inbound(),
+            served_peers: Peers::new(Some(self.peer_limit)),
+            segments: RwLock::new(HashMap::new()),
+            series: Mutex::new(HashMap::new()),
+            in_flight: OnceLock::new(),
         });
         {
             let mut list = lock(&metrics.shared.engines);
@@ -459,10 +590,43 @@ impl<E: TransferEngine> Layer<E> for MetricsLayer {
     }
 }
 
+/// The `call` label values, in [`PeerSeries::latency`]'s order.
+const CALLS: [&str; 3] = ["transfer", "batch_transfer", "async_batch"];
+const TRANSFER: usize = 0;
+const BATCH_TRANSFER: usize = 1;
+const ASYNC_BATCH: usize = 2;
+
+/// One peer's series of the request path, as `prometheus-client` handles
+/// (clones share the value), each created on its first use (so a series
+/// appears with its first sample, as with `get_or_create`): after that,
+/// counting a request builds no label set and allocates nothing.
+struct PeerSeries {
+    label: Arc<str>,
+    /// `ferry_transfer_bytes_total`, write then read.
+    bytes: [OnceLock<Counter>; 2],
+    /// `ferry_transfer_requests_total{result="ok"}`, write then read.
+    ok: [OnceLock<Counter>; 2],
+    /// `ferry_batch_duration_seconds`, by [`CALLS`].
+    latency: [OnceLock<Histogram>; 3],
+    notes_sent: OnceLock<Counter>,
+}
+
+impl PeerSeries {
+    fn new(label: Arc<str>) -> Self {
+        PeerSeries {
+            label,
+            bytes: Default::default(),
+            ok: Default::default(),
+            latency: Default::default(),
+            notes_sent: OnceLock::new(),
+        }
+    }
+}
+
 /// An async batch submitted through the layer, counted when its results
 /// come back.
 struct Pending {
-    peer: Arc<str>,
+    peer: Arc<PeerSeries>,
     requests: Vec<(TransferOp, u64)>,
     started: Instant,
     notify: bool,
@@ -478,11 +642,42 @@ struct EngineState {
     paths: Mutex<HashMap<Arc<str>, String>>,
     pending: Mutex<HashMap<BatchId, Pending>>,
     native: Option<Capabilities>,
+    /// The backend's inbound counters, read at scrape time.
+    inbound: Option<Inbound>,
+    /// Segment handle → its peer's series (the request path's lookup:
+    /// one read lock, no label built).
+    segments: RwLock<HashMap<SegmentId, Arc<PeerSeries>>>,
+    /// Peer label → its series (shared by every handle to that peer).
+    series: Mutex<HashMap<Arc<str>, Arc<PeerSeries>>>,
+    /// `ferry_batches_in_flight` of this engine, once created.
+    in_flight: OnceLock<Gauge>,
+    /// The labels of the peers that served traffic came from (bounded
+    /// like `peers`, first come first labelled).
+    served_peers: Peers,
 }
 
 impl EngineState {
     fn f(&self) -> &Families {
         self.metrics.families()
+    }
+
+    /// The backend's inbound counters now, the peers beyond the limit
+    /// folded into `other`.
+    fn inbound(&self) -> Option<InboundSnapshot> {
+        let mut snap = self.inbound.as_ref()?.snapshot();
+        if let Some(served) = snap.served.take() {
+            let mut folded: BTreeMap<String, ServedCounts> = BTreeMap::new();
+            for (peer, c) in served {
+                let label = self.served_peers.label(&peer);
+                let into = folded.entry(label.to_string()).or_default();
+                into.bytes_written = into.bytes_written.saturating_add(c.bytes_written);
+                into.bytes_read = into.bytes_read.saturating_add(c.bytes_read);
+                into.segments_written = into.segments_written.saturating_add(c.segments_written);
+                into.segments_read = into.segments_read.saturating_add(c.segments_read);
+            }
+            snap.served = Some(folded);
+        }
+        Some(snap)
     }
 
     fn engine_labels(&self) -> EngineLabels {
@@ -491,11 +686,48 @@ impl EngineState {
         }
     }
 
+    fn flight(&self) -> &Gauge {
+        self.in_flight.get_or_init(|| {
+            self.f()
+                .in_flight
+                .get_or_create(&self.engine_labels())
+                .clone()
+        })
+    }
+
+    /// The series of the peer labelled `label`.
+    fn series_of(&self, label: Arc<str>) -> Arc<PeerSeries> {
+        let mut series = lock(&self.series);
+        Arc::clone(
+            series
+                .entry(Arc::clone(&label))
+                .or_insert_with(|| Arc::new(PeerSeries::new(label))),
+        )
+    }
+
+    /// Records that `segment` reaches the peer called `name`.
+    fn opened(&self, segment: SegmentId, name: &str) {
+        self.peers.opened(segment, name);
+        let series = self.series_of(self.peers.of(segment));
+        write(&self.segments).insert(segment, series);
+    }
+
+    fn closed(&self, segment: SegmentId) {
+        self.peers.closed(segment);
+        write(&self.segments).remove(&segment);
+    }
+
+    /// The series of the peer behind `segment` (`unknown` for a handle
+    /// this layer did not see opened).
+    fn peer_series(&self, segment: SegmentId) -> Arc<PeerSeries> {
+        if let Some(s) = read(&self.segments).get(&segment) {
+            return Arc::clone(s);
+        }
+        self.series_of(Arc::from(UNKNOWN))
+    }
+
     fn in_flight(&self) -> InFlight<'_> {
-        self.f()
-            .in_flight
-            .get_or_create(&self.engine_labels())
-            .inc();
+        self.flight().inc();
         InFlight(self)
     }
 
@@ -531,8 +763,8 @@ impl EngineState {
     /// the refusal of them all) and the time since `started`.
     fn record<'a>(
         &self,
-        peer: &str,
-        call: &'static str,
+        peer: &PeerSeries,
+        call: usize,
         requests: impl Iterator<Item = (TransferOp, u64)>,
         results: std::result::Result<&'a [Result<()>], &'a Error>,
         started: Instant,
@@ -575,26 +807,34 @@ impl EngineState {
                 continue;
             }
             let op = op_label(ops[o]);
-            f.bytes
-                .get_or_create(&OpLabels {
-                    engine: self.engine.clone(),
-                    peer: peer.to_owned(),
-                    op,
+            peer.bytes[o]
+                .get_or_init(|| {
+                    f.bytes
+                        .get_or_create(&OpLabels {
+                            engine: self.engine.clone(),
+                            peer: peer.label.to_string(),
+                            op,
+                        })
+                        .clone()
                 })
                 .inc_by(bytes);
-            f.requests
-                .get_or_create(&ResultLabels {
-                    engine: self.engine.clone(),
-                    peer: peer.to_owned(),
-                    op,
-                    result: "ok",
+            peer.ok[o]
+                .get_or_init(|| {
+                    f.requests
+                        .get_or_create(&ResultLabels {
+                            engine: self.engine.clone(),
+                            peer: peer.label.to_string(),
+                            op,
+                            result: "ok",
+                        })
+                        .clone()
                 })
                 .inc_by(count);
         }
         for (o, result, bytes, count) in failed {
             let labels = ResultLabels {
                 engine: self.engine.clone(),
-                peer: peer.to_owned(),
+                peer: peer.label.to_string(),
                 op: op_label(ops[o]),
                 result,
             };
@@ -605,18 +845,26 @@ impl EngineState {
             self.queue_full(e);
         }
         if notify && all_ok && results.is_ok() {
-            f.notes_sent
-                .get_or_create(&PeerLabels {
-                    engine: self.engine.clone(),
-                    peer: peer.to_owned(),
+            peer.notes_sent
+                .get_or_init(|| {
+                    f.notes_sent
+                        .get_or_create(&PeerLabels {
+                            engine: self.engine.clone(),
+                            peer: peer.label.to_string(),
+                        })
+                        .clone()
                 })
                 .inc();
         }
-        f.latency
-            .get_or_create(&CallLabels {
-                engine: self.engine.clone(),
-                peer: peer.to_owned(),
-                call,
+        peer.latency[call]
+            .get_or_init(|| {
+                f.latency
+                    .get_or_create(&CallLabels {
+                        engine: self.engine.clone(),
+                        peer: peer.label.to_string(),
+                        call: CALLS[call],
+                    })
+                    .clone()
             })
             .observe(started.elapsed().as_secs_f64());
     }
@@ -628,16 +876,13 @@ impl EngineState {
         };
         self.record(
             &p.peer,
-            "async_batch",
+            ASYNC_BATCH,
             p.requests.into_iter(),
             results,
             p.started,
             p.notify,
         );
-        self.f()
-            .in_flight
-            .get_or_create(&self.engine_labels())
-            .dec();
+        self.flight().dec();
     }
 
     fn registered(&self, addr: u64, len: u64) {
@@ -724,6 +969,7 @@ impl EngineState {
             notifications_received: counter(&f.notes_received),
             queue_full: counter(&f.queue_full),
             emulated,
+            inbound: self.inbound(),
         }
     }
 }
@@ -756,7 +1002,7 @@ impl Drop for EngineState {
                     f.failed_bytes.remove(&labels);
                 }
             }
-            for call in ["transfer", "batch_transfer", "async_batch"] {
+            for call in CALLS {
                 f.latency.remove(&CallLabels {
                     engine: engine.clone(),
                     peer: peer.clone(),
@@ -795,11 +1041,7 @@ struct InFlight<'a>(&'a EngineState);
 
 impl Drop for InFlight<'_> {
     fn drop(&mut self) {
-        self.0
-            .f()
-            .in_flight
-            .get_or_create(&self.0.engine_labels())
-            .dec();
+        self.0.flight().dec();
     }
 }
 
@@ -886,7 +1128,7 @@ impl<E: TransferEngine> MetricsEngine<E> {
         let mut pending = lock(&s.pending);
         for id in gone {
             if pending.remove(&id).is_some() {
-                s.f().in_flight.get_or_create(&s.engine_labels()).dec();
+                s.flight().dec();
             }
         }
     }
@@ -901,6 +1143,7 @@ impl<E: TransferEngine> TransferEngine for MetricsEngine<E> {
         backend_info,
         status,
         live_batches,
+        inbound,
         shutdown
     );
 
@@ -954,7 +1197,7 @@ impl<E: TransferEngine> TransferEngine for MetricsEngine<E> {
     async fn open_segment(&self, name: &str) -> Result<SegmentId> {
         let segment = self.inner.open_segment(name).await?;
         if let Some(s) = &self.state {
-            s.peers.opened(segment, name);
+            s.opened(segment, name);
         }
         Ok(segment)
     }
@@ -962,7 +1205,7 @@ impl<E: TransferEngine> TransferEngine for MetricsEngine<E> {
     async fn close_segment(&self, segment: SegmentId) -> Result<()> {
         self.inner.close_segment(segment).await?;
         if let Some(s) = &self.state {
-            s.peers.closed(segment);
+            s.closed(segment);
         }
         Ok(())
     }
@@ -975,8 +1218,8 @@ impl<E: TransferEngine> TransferEngine for MetricsEngine<E> {
         let started = Instant::now();
         let results = [self.inner.transfer(segment, request).await];
         s.record(
-            &s.peers.of(segment),
-            "transfer",
+            &s.peer_series(segment),
+            TRANSFER,
             std::iter::once((request.op, request.len)),
             Ok(&results),
             started,
@@ -1004,8 +1247,8 @@ impl<E: TransferEngine> TransferEngine for MetricsEngine<E> {
             Err(e) => Err(e),
         };
         s.record(
-            &s.peers.of(segment),
-            "batch_transfer",
+            &s.peer_series(segment),
+            BATCH_TRANSFER,
             requests.iter().map(|r| (r.op, r.len)),
             results,
             started,
@@ -1025,11 +1268,11 @@ impl<E: TransferEngine> TransferEngine for MetricsEngine<E> {
         };
         s.emulated(Operation::AsyncBatch);
         let started = Instant::now();
-        let peer = s.peers.of(segment);
+        let peer = s.peer_series(segment);
         match self.inner.submit(segment, requests, notify).await {
             Ok(id) => {
                 self.prune_pending(s);
-                s.f().in_flight.get_or_create(&s.engine_labels()).inc();
+                s.flight().inc();
                 lock(&s.pending).insert(
                     id,
                     Pending {
@@ -1044,7 +1287,7 @@ impl<E: TransferEngine> TransferEngine for MetricsEngine<E> {
             Err(e) => {
                 s.record(
                     &peer,
-                    "async_batch",
+                    ASYNC_BATCH,
                     requests.iter().map(|r| (r.op, r.len)),
                     Err(&e),
                     started,
@@ -1083,7 +1326,7 @@ impl<E: TransferEngine> TransferEngine for MetricsEngine<E> {
             None => {
                 // Released without results to count: stop tracking it.
                 if lock(&s.pending).remove(&batch).is_some() {
-                    s.f().in_flight.get_or_create(&s.engine_labels()).dec();
+                    s.flight().dec();
                 }
             }
         }

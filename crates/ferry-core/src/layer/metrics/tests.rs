@@ -234,3 +234,182 @@ fn every_error_kind_has_a_failure_label() {
     let distinct: std::collections::HashSet<_> = FAILURE_LABELS.iter().collect();
     assert_eq!(distinct.len(), FAILURE_LABELS.len());
 }
+
+/// The target side: what peers wrote into and read from an engine's
+/// memory, read from the backend's counters at scrape time, per peer
+/// (folded beyond the limit), with the inbox's dropped notifications.
+#[tokio::test]
+async fn exports_what_peers_moved_and_the_dropped_notifications() {
+    let metrics = Metrics::new();
+    let caps = Capabilities::all();
+    let target = InprocEngine::auto(caps);
+    let target_name = target.segment_name().to_owned();
+    // One peer of its own, the rest `other`.
+    let b = Arc::new(
+        MetricsLayer::new(metrics.clone())
+            .peer_limit(1)
+            .layer(target),
+    );
+    let dst = RegisteredBuffer::new(Arc::clone(&b), 4096).await.unwrap();
+    // Before any traffic: no served series (the family is left out).
+    let s = scrape(&metrics);
+    assert_eq!(sample(&s, "ferry_served_bytes_total", &[]), None);
+    assert_eq!(
+        sample(
+            &s,
+            "ferry_notifications_dropped_total",
+            &[("engine", &target_name), ("reason", "full")]
+        ),
+        Some(0.0)
+    );
+
+    let mut initiators = Vec::new();
+    for _ in 0..3 {
+        let a = Arc::new(MetricsLayer::new(metrics.clone()).layer(InprocEngine::auto(caps)));
+        let src = RegisteredBuffer::new(Arc::clone(&a), 4096).await.unwrap();
+        let seg = a.open_segment(&target_name).await.unwrap();
+        initiators.push((a, src, seg));
+    }
+    let (a0, src0, seg0) = &initiators[0];
+    let requests = [
+        TransferRequest::write(src0.addr(), dst.addr(), 100),
+        TransferRequest::write(src0.addr() + 100, dst.addr() + 1000, 200),
+        // Outside the target's region: refused, not served.
+        TransferRequest::write(src0.addr(), dst.addr() + 8192, 50),
+        TransferRequest::read(src0.addr(), dst.addr(), 30),
+        // Empty: moves nothing, counts nothing.
+        TransferRequest::read(src0.addr(), dst.addr(), 0),
+    ];
+    let report = a0.batch_transfer(*seg0, &requests, None).await.unwrap();
+    assert_eq!(report.failures().count(), 1);
+    for (a, src, seg) in &initiators[1..] {
+        a.transfer(*seg, TransferRequest::write(src.addr(), dst.addr(), 10))
+            .await
+            .unwrap();
+        a.transfer(*seg, TransferRequest::read(src.addr(), dst.addr(), 5))
+            .await
+            .unwrap();
+    }
+    // A notification the target refuses is dropped and counted.
+    b.get_ref().set_refuse_notifications(true);
+    let note = Notification::new("n", "m");
+    assert!(a0.batch_transfer(*seg0, &[], Some(&note)).await.is_err());
+    b.get_ref().set_refuse_notifications(false);
+    a0.batch_transfer(*seg0, &[], Some(&note)).await.unwrap();
+
+    let first = a0.segment_name();
+    let s = scrape(&metrics);
+    let served = |peer: &str, op: &str| {
+        sample(
+            &s,
+            "ferry_served_bytes_total",
+            &[("engine", &target_name), ("peer", peer), ("op", op)],
+        )
+    };
+    assert_eq!(served(first, "write"), Some(300.0));
+    assert_eq!(served(first, "read"), Some(30.0));
+    assert_eq!(served(OTHER, "write"), Some(20.0));
+    assert_eq!(served(OTHER, "read"), Some(10.0));
+    let segments = |peer: &str, op: &str| {
+        sample(
+            &s,
+            "ferry_served_segments_total",
+            &[("engine", &target_name), ("peer", peer), ("op", op)],
+        )
+    };
+    assert_eq!(segments(first, "write"), Some(2.0));
+    assert_eq!(segments(first, "read"), Some(1.0));
+    assert_eq!(segments(OTHER, "write"), Some(2.0));
+    // The initiators serve nothing: no served series of theirs.
+    let theirs = s
+        .samples
+        .iter()
+        .filter(|x| x.metric == "ferry_served_bytes_total")
+        .filter(|x| x.labels.get("engine") != Some(target_name.as_str()))
+        .count();
+    assert_eq!(theirs, 0);
+    let dropped = |reason: &str| {
+        sample(
+            &s,
+            "ferry_notifications_dropped_total",
+            &[("engine", &target_name), ("reason", reason)],
+        )
+    };
+    assert_eq!((dropped("full"), dropped("closed")), (Some(1.0), Some(0.0)));
+    // What the initiator counted equals what the target served.
+    assert_eq!(
+        sample(
+            &s,
+            "ferry_transfer_bytes_total",
+            &[("engine", first), ("op", "write")]
+        ),
+        served(first, "write")
+    );
+
+    // The snapshot says the same.
+    let inbound = b.snapshot().inbound.expect("inproc counts inbound");
+    let by_peer = inbound.served.as_ref().expect("served");
+    assert_eq!(by_peer.len(), 2, "{by_peer:?}");
+    assert_eq!(by_peer[first].bytes_written, 300);
+    assert_eq!(by_peer[OTHER].bytes_read, 10);
+    assert_eq!(inbound.served_bytes(), 360);
+    assert_eq!(inbound.notifications_dropped.map(|d| d.total()), Some(1));
+}
+
+/// The request path counts through per-peer handles cached by segment:
+/// handles to one peer share its series, a closed handle leaves the
+/// others counting, a handle opened below the layer counts as `unknown`,
+/// and a series appears only with its first sample.
+#[tokio::test]
+async fn cached_peer_series_are_shared_and_created_on_first_use() {
+    let metrics = Metrics::new();
+    let caps = Capabilities::all();
+    let a = Arc::new(MetricsLayer::new(metrics.clone()).layer(InprocEngine::auto(caps)));
+    let b: Arc<dyn DynTransferEngine> = Arc::new(InprocEngine::auto(caps));
+    let src = RegisteredBuffer::new(Arc::clone(&a), 4096).await.unwrap();
+    let dst = RegisteredBuffer::new(Arc::clone(&b), 4096).await.unwrap();
+    let one = a.open_segment(b.segment_name()).await.unwrap();
+    let two = a.open_segment(b.segment_name()).await.unwrap();
+    let below = a.get_ref().open_segment(b.segment_name()).await.unwrap();
+    let w = |n| TransferRequest::write(src.addr(), dst.addr(), n);
+    a.transfer(one, w(10)).await.unwrap();
+    a.transfer(two, w(20)).await.unwrap();
+    a.close_segment(one).await.unwrap();
+    a.transfer(two, w(40)).await.unwrap();
+    a.transfer(below, w(7)).await.unwrap();
+    let engine = a.segment_name().to_owned();
+    let peer = b.segment_name().to_owned();
+    let s = scrape(&metrics);
+    let bytes = |peer: &str, op: &str| {
+        sample(
+            &s,
+            "ferry_transfer_bytes_total",
+            &[("engine", &engine), ("peer", peer), ("op", op)],
+        )
+    };
+    assert_eq!(bytes(&peer, "write"), Some(70.0));
+    assert_eq!(bytes(UNKNOWN, "write"), Some(7.0));
+    assert_eq!(bytes(&peer, "read"), None, "no read yet: no series");
+    let ok = sample(
+        &s,
+        "ferry_transfer_requests_total",
+        &[("engine", &engine), ("peer", &peer), ("result", "ok")],
+    );
+    assert_eq!(ok, Some(3.0));
+    let calls = |call: &str| {
+        sample(
+            &s,
+            "ferry_batch_duration_seconds",
+            &[("engine", &engine), ("peer", &peer), ("call", call)],
+        )
+    };
+    assert_eq!(calls("transfer"), Some(3.0));
+    assert_eq!(calls("batch_transfer"), None);
+    assert_eq!(
+        sample(&s, "ferry_batches_in_flight", &[("engine", &engine)]),
+        Some(0.0)
+    );
+    let snap = a.snapshot();
+    assert_eq!(snap.peers[&peer].bytes_written, 70);
+    assert_eq!(snap.peers[UNKNOWN].bytes_written, 7);
+}

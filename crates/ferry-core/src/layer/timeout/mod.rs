@@ -84,6 +84,7 @@ impl<E: TransferEngine> TransferEngine for TimeoutEngine<E> {
         take_notifications,
         next_notification,
         live_batches,
+        inbound,
         shutdown
     );
 

@@ -9,7 +9,9 @@
 //! `failed` (some requests failed: `failed` holds how many) or `refused`
 //! (the call failed as a whole: `error` holds the error kind). The
 //! backend's own events inside the call are children of the span.
-//! `open_segment` gets a `ferry_connect` span (engine, peer, outcome).
+//! `open_segment` gets a `ferry_connect` span (engine, peer, outcome, and
+//! the handshake's details where the backend records them on it, see
+//! [`CONNECT_FIELDS`]).
 
 use std::fmt;
 use std::future::Future;
@@ -24,6 +26,17 @@ use crate::engine::TransferEngine;
 use crate::error::Result;
 use crate::layer::metrics::kind_label;
 use crate::types::{BatchId, BatchReport, Notification, SegmentId, TransferRequest};
+
+/// The fields of the `ferry_connect` span a backend may record from inside
+/// its `open_segment` (on `tracing::Span::current()`, which is that span
+/// when the call runs under this layer; recording a field a span does not
+/// have does nothing, so a backend records them unconditionally):
+/// `version` (the protocol version in use), `peer_versions` (the range the
+/// peer speaks), `path` (the payload path: `socket`, `same-host cma`,
+/// `same-host staged`, …), `tls` (the cipher suite and identity, or why it
+/// is off) and `features` (the optional features agreed). ferry-tcp
+/// records all of them; the other backends none.
+pub const CONNECT_FIELDS: [&str; 5] = ["version", "peer_versions", "path", "tls", "features"];
 
 /// [`Layer`] that wraps engines in a [`TracingEngine`].
 #[derive(Clone, Copy, Debug)]
@@ -151,6 +164,7 @@ impl<E: TransferEngine> TransferEngine for TracingEngine<E> {
         take_notifications,
         next_notification,
         live_batches,
+        inbound,
         shutdown
     );
 
@@ -164,6 +178,12 @@ impl<E: TransferEngine> TransferEngine for TracingEngine<E> {
             peer = name,
             outcome = Empty,
             error = Empty,
+            // CONNECT_FIELDS, recorded by the backend.
+            version = Empty,
+            peer_versions = Empty,
+            path = Empty,
+            tls = Empty,
+            features = Empty,
         );
         let segment = traced(span, self.inner.open_segment(name), |_| 0).await?;
         self.peers.opened(segment, name);
