@@ -788,6 +788,54 @@ mod tests {
         rt.block_on(join).unwrap();
     }
 
+    /// A caller hands a task that asks to be polled again (a reader
+    /// between answers) back with one last poll on its own thread, with
+    /// `quiet()` on and `driven()` off, and wakes no runtime thread when
+    /// that poll leaves it waiting.
+    #[test]
+    fn the_hand_back_is_one_quiet_poll_on_the_callers_thread() {
+        let rt = runtime();
+        type Record = (std::thread::ThreadId, bool, bool);
+        let polls: Arc<Mutex<Vec<Record>>> = Arc::default();
+        let task = Task::new();
+        let handle = task.handle();
+        let join = {
+            let polls = Arc::clone(&polls);
+            let _g = rt.enter();
+            task.spawn(std::future::poll_fn(move |cx| {
+                lock(&polls).push((std::thread::current().id(), quiet(), driven()));
+                if driven() {
+                    // Polling for an answer: poll me again.
+                    cx.waker().wake_by_ref();
+                }
+                Poll::<()>::Pending
+            }))
+        };
+        handle.wait_parked(Duration::from_secs(5));
+        let me = std::thread::current().id();
+        let before = lock(&polls).len();
+        block_on(rt.handle(), async {
+            handle.offer();
+            tokio::task::yield_now().await;
+            tokio::task::yield_now().await;
+        });
+        let after = lock(&polls).clone();
+        let mine = &after[before..];
+        assert!(
+            mine.iter().any(|&(t, q, d)| t == me && d && !q),
+            "the caller never drove the task: {mine:?}"
+        );
+        assert_eq!(
+            mine.last().copied(),
+            Some((me, true, false)),
+            "the last poll is not the caller's quiet hand-back: {mine:?}"
+        );
+        // Nothing woke the pump: no poll follows on the runtime.
+        std::thread::sleep(Duration::from_millis(50));
+        assert_eq!(lock(&polls).len(), after.len(), "{:?}", lock(&polls));
+        join.abort();
+    }
+
     /// Aborting the task while a caller holds it drops the future when the
     /// caller hands it back; the caller itself is not hurt.
     #[test]
