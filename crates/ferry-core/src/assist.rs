@@ -50,6 +50,9 @@ struct Slot {
     /// A blocked caller found the task busy and waits to take it: the task
     /// should yield at its next chance ([`should_yield`]).
     wanted: Arc<AtomicBool>,
+    /// Blocked callers have driven the task: when the runtime polls it,
+    /// it serves callers that take it over when they wait ([`quiet`]).
+    served_callers: AtomicBool,
 }
 
 #[derive(Default)]
@@ -63,6 +66,10 @@ struct SlotState {
     pump: Option<Waker>,
     /// The blocked caller that holds the future now, if any.
     driver: Option<Waker>,
+    /// Blocked callers that found it held by another caller: woken when
+    /// it is handed back, to take it over (leader/follower) instead of
+    /// spinning meanwhile.
+    waiting: Vec<Waker>,
     /// Woken since it was last polled: it must be polled again.
     woken: bool,
 }
@@ -122,6 +129,7 @@ impl Task {
             slot: Arc::new(Slot {
                 state: Mutex::new(SlotState::default()),
                 wanted: Arc::new(AtomicBool::new(false)),
+                served_callers: AtomicBool::new(false),
             }),
         }
     }
@@ -187,7 +195,7 @@ impl Future for Pump {
                 None => return Poll::Pending,
             }
         };
-        let out = poll_as(&slot, &mut fut, &waker, false);
+        let out = poll_as(&slot, &mut fut, &waker, By::Pump);
         let mut s = lock(&slot.state);
         match out {
             Poll::Ready(()) => {
@@ -215,35 +223,65 @@ impl Drop for Pump {
     }
 }
 
+/// The assisted task being polled on a thread.
+struct Current {
+    /// Its slot's `wanted` flag.
+    wanted: Arc<AtomicBool>,
+    /// A blocked caller polls it.
+    driven: bool,
+    /// See [`quiet`].
+    quiet: bool,
+    /// A blocked caller hands it back: it should not keep the caller.
+    handing_back: bool,
+}
+
 thread_local! {
-    /// The assisted task being polled on this thread, if any: its
-    /// `wanted` flag, and whether a blocked caller polls it.
-    static CURRENT: RefCell<Option<(Arc<AtomicBool>, bool)>> = const { RefCell::new(None) };
+    /// The assisted task being polled on this thread, if any.
+    static CURRENT: RefCell<Option<Current>> = const { RefCell::new(None) };
+}
+
+/// How a task is polled.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum By {
+    /// The runtime's pump.
+    Pump,
+    /// A blocked caller waiting for its own answer.
+    Caller,
+    /// A blocked caller handing it back: one last poll so that it waits
+    /// for readiness, polled as the pump would poll it ([`quiet`]).
+    HandBack,
 }
 
 /// Polls `fut` as the task of `slot`: [`should_yield`] inside sees it.
-fn poll_as(slot: &Slot, fut: &mut BoxFut, waker: &Waker, driven: bool) -> Poll<()> {
-    struct Restore(Option<(Arc<AtomicBool>, bool)>);
+fn poll_as(slot: &Slot, fut: &mut BoxFut, waker: &Waker, by: By) -> Poll<()> {
+    struct Restore(Option<Current>);
     impl Drop for Restore {
         fn drop(&mut self) {
             let prev = self.0.take();
             CURRENT.with(|c| *c.borrow_mut() = prev);
         }
     }
-    let _restore =
-        Restore(CURRENT.with(|c| c.borrow_mut().replace((Arc::clone(&slot.wanted), driven))));
+    let current = Current {
+        wanted: Arc::clone(&slot.wanted),
+        driven: by == By::Caller,
+        quiet: by == By::HandBack
+            || (by == By::Pump && slot.served_callers.load(Ordering::Relaxed)),
+        handing_back: by == By::HandBack,
+    };
+    let _restore = Restore(CURRENT.with(|c| c.borrow_mut().replace(current)));
     fut.as_mut().poll(&mut Context::from_waker(waker))
 }
 
 /// Whether the assisted task running on this thread should yield now: a
-/// blocked caller waits to drive it (it then reads its own answer). A task
+/// blocked caller waits to drive it (it then reads its own answer), or the
+/// caller that drove it is handing it back and must not be kept. A task
 /// that polls in a loop (a reader spinning for an answer) checks this
 /// between attempts. `false` outside an assisted task.
 pub fn should_yield() -> bool {
     CURRENT.with(|c| {
         c.borrow()
             .as_ref()
-            .is_some_and(|(w, _)| w.load(Ordering::Relaxed))
+            .is_some_and(|cur| cur.handing_back || cur.wanted.load(Ordering::Relaxed))
     })
 }
 
@@ -254,7 +292,19 @@ pub fn should_yield() -> bool {
 /// only through the runtime's I/O driver thread, the wake-up this module
 /// exists to avoid.
 pub fn driven() -> bool {
-    CURRENT.with(|c| c.borrow().as_ref().is_some_and(|(_, d)| *d))
+    CURRENT.with(|c| c.borrow().as_ref().is_some_and(|cur| cur.driven))
+}
+
+/// Whether the assisted task running on this thread serves blocked
+/// callers and is not driven by one now (the runtime polls it, or a caller
+/// hands it back). Such a task should not poll for work that may come
+/// (a reader's busy-poll after an answer, for a next request): the
+/// callers take it over and poll themselves when they wait, and a runtime
+/// thread polling meanwhile only takes a CPU from them (and from the peer,
+/// on a small host). It should wait for readiness instead, and poll only
+/// while requests are outstanding.
+pub fn quiet() -> bool {
+    CURRENT.with(|c| c.borrow().as_ref().is_some_and(|cur| cur.quiet))
 }
 
 thread_local! {
@@ -336,19 +386,20 @@ impl Held {
             return false;
         };
         lock(&self.slot.state).woken = false;
-        match poll_as(&self.slot, fut, &self.waker, true) {
+        match poll_as(&self.slot, fut, &self.waker, By::Caller) {
             Poll::Ready(()) => {
                 self.fut = None;
-                let pump = {
+                let (pump, waiting) = {
                     let mut s = lock(&self.slot.state);
                     s.done = true;
                     s.driver = None;
-                    s.pump.take()
+                    (s.pump.take(), std::mem::take(&mut s.waiting))
                 };
-                // Let the pump see that it is over.
+                // Let the pump and the waiting callers see that it is over.
                 if let Some(p) = pump {
                     p.wake();
                 }
+                waiting.into_iter().for_each(Waker::wake);
                 false
             }
             Poll::Pending => lock(&self.slot.state).woken,
@@ -358,31 +409,62 @@ impl Held {
 
 impl Drop for Held {
     fn drop(&mut self) {
-        let Some(fut) = self.fut.take() else { return };
-        let (pump, drop_it) = {
+        let Some(mut fut) = self.fut.take() else {
+            return;
+        };
+        // Left polling (it yielded): poll it once more as the pump would
+        // (`quiet`), so that it waits for readiness, instead of waking a
+        // runtime thread to poll it, which on a small host takes the CPU
+        // from this thread's next call and from the peer.
+        if lock(&self.slot.state).woken && !std::thread::panicking() {
+            lock(&self.slot.state).woken = false;
+            if poll_as(&self.slot, &mut fut, &self.waker, By::HandBack).is_ready() {
+                let (pump, waiting) = {
+                    let mut s = lock(&self.slot.state);
+                    s.done = true;
+                    s.driver = None;
+                    (s.pump.take(), std::mem::take(&mut s.waiting))
+                };
+                drop(fut);
+                if let Some(p) = pump {
+                    p.wake();
+                }
+                waiting.into_iter().for_each(Waker::wake);
+                return;
+            }
+        }
+        let (pump, drop_it, waiting) = {
             let mut s = lock(&self.slot.state);
             s.driver = None;
+            let waiting = std::mem::take(&mut s.waiting);
             if s.done {
-                (None, Some(fut))
+                (None, Some(fut), waiting)
             } else {
                 s.fut = Some(fut);
                 // Work left (it yielded, or was woken while we held it):
-                // the runtime's pump takes over now.
-                (if s.woken { s.pump.clone() } else { None }, None)
+                // the runtime's pump takes over now (unless a waiting
+                // caller takes it first).
+                (if s.woken { s.pump.clone() } else { None }, None, waiting)
             }
         };
         drop(drop_it);
         if let Some(p) = pump {
             p.wake();
         }
+        // Callers waiting for the task try to take it (one does; the
+        // others find it held and wait again).
+        waiting.into_iter().for_each(Waker::wake);
     }
 }
 
 /// What [`take`] found.
 enum Taken {
     Held(Held),
-    /// Someone else polls it right now.
-    Busy,
+    /// Another blocked caller polls it right now (it wakes us when it
+    /// hands it back).
+    BusyCaller,
+    /// The runtime polls it right now (asked to yield).
+    BusyPump,
     /// Finished or canceled.
     Gone,
 }
@@ -395,14 +477,18 @@ fn take(slot: Arc<Slot>, me: &Waker) -> Taken {
             return Taken::Gone;
         }
         if s.driver.is_some() {
-            return Taken::Busy;
+            if !s.waiting.iter().any(|w| w.will_wake(me)) {
+                s.waiting.push(me.clone());
+            }
+            return Taken::BusyCaller;
         }
         let Some(f) = s.fut.take() else {
             // The runtime polls it: ask it to yield.
             slot.wanted.store(true, Ordering::Relaxed);
-            return Taken::Busy;
+            return Taken::BusyPump;
         };
         slot.wanted.store(false, Ordering::Relaxed);
+        slot.served_callers.store(true, Ordering::Relaxed);
         s.driver = Some(me.clone());
         f
     };
@@ -452,9 +538,11 @@ pub fn block_on<F: Future>(rt: &tokio::runtime::Handle, fut: F) -> F::Output {
     // Tasks offered but busy elsewhere when we looked: tried again.
     let mut wanted: Vec<Weak<Slot>> = Vec::new();
     let mut held: Vec<Held> = Vec::new();
-    // Takes what is free of `wanted` into `held`; whether it took any.
+    // Takes what is free of `wanted` into `held`: whether it took any,
+    // and whether any is busy on the runtime (which yields it soon).
     let grab = |wanted: &mut Vec<Weak<Slot>>, held: &mut Vec<Held>| {
         let before = held.len();
+        let mut on_pump = false;
         wanted.retain(|w| match w.upgrade() {
             None => false,
             Some(slot) => match take(slot, &me) {
@@ -462,11 +550,15 @@ pub fn block_on<F: Future>(rt: &tokio::runtime::Handle, fut: F) -> F::Output {
                     held.push(h);
                     false
                 }
-                Taken::Busy => true,
+                Taken::BusyCaller => true,
+                Taken::BusyPump => {
+                    on_pump = true;
+                    true
+                }
                 Taken::Gone => false,
             },
         });
-        held.len() > before
+        (held.len() > before, on_pump)
     };
     loop {
         signal.woken.store(false, Ordering::Relaxed);
@@ -483,7 +575,7 @@ pub fn block_on<F: Future>(rt: &tokio::runtime::Handle, fut: F) -> F::Output {
                 wanted.push(w);
             }
         }
-        grab(&mut wanted, &mut held);
+        let (_, mut on_pump) = grab(&mut wanted, &mut held);
         let mut again = false;
         for h in &mut held {
             again |= h.poll();
@@ -493,13 +585,22 @@ pub fn block_on<F: Future>(rt: &tokio::runtime::Handle, fut: F) -> F::Output {
             continue;
         }
         // Nothing to poll at once: wait for a wake-up (ours, or a held
-        // task's), taking a busy task as soon as it comes free.
+        // task's), taking a busy task as soon as it comes free. Spin only
+        // if that may come soon without one: we hold a task, or wait for
+        // one the runtime is asked to yield. A task another caller holds
+        // wakes us when it is handed back (and that caller completes our
+        // work meanwhile): spinning then only takes the CPU it needs.
         let start = Instant::now();
+        let spin = !held.is_empty() || on_pump || wanted.is_empty();
         while !signal.woken.load(Ordering::Acquire) {
-            if !wanted.is_empty() && grab(&mut wanted, &mut held) {
-                break;
+            if !wanted.is_empty() {
+                let (took, pump) = grab(&mut wanted, &mut held);
+                if took {
+                    break;
+                }
+                on_pump = pump;
             }
-            if start.elapsed() < SPIN {
+            if (spin || on_pump) && start.elapsed() < SPIN {
                 std::thread::yield_now();
             } else {
                 // `unpark` before `park` makes `park` return at once, so no
@@ -685,6 +786,54 @@ mod tests {
         }
         drop(tx);
         rt.block_on(join).unwrap();
+    }
+
+    /// A caller hands a task that asks to be polled again (a reader
+    /// between answers) back with one last poll on its own thread, with
+    /// `quiet()` on and `driven()` off, and wakes no runtime thread when
+    /// that poll leaves it waiting.
+    #[test]
+    fn the_hand_back_is_one_quiet_poll_on_the_callers_thread() {
+        let rt = runtime();
+        type Record = (std::thread::ThreadId, bool, bool);
+        let polls: Arc<Mutex<Vec<Record>>> = Arc::default();
+        let task = Task::new();
+        let handle = task.handle();
+        let join = {
+            let polls = Arc::clone(&polls);
+            let _g = rt.enter();
+            task.spawn(std::future::poll_fn(move |cx| {
+                lock(&polls).push((std::thread::current().id(), quiet(), driven()));
+                if driven() {
+                    // Polling for an answer: poll me again.
+                    cx.waker().wake_by_ref();
+                }
+                Poll::<()>::Pending
+            }))
+        };
+        handle.wait_parked(Duration::from_secs(5));
+        let me = std::thread::current().id();
+        let before = lock(&polls).len();
+        block_on(rt.handle(), async {
+            handle.offer();
+            tokio::task::yield_now().await;
+            tokio::task::yield_now().await;
+        });
+        let after = lock(&polls).clone();
+        let mine = &after[before..];
+        assert!(
+            mine.iter().any(|&(t, q, d)| t == me && d && !q),
+            "the caller never drove the task: {mine:?}"
+        );
+        assert_eq!(
+            mine.last().copied(),
+            Some((me, true, false)),
+            "the last poll is not the caller's quiet hand-back: {mine:?}"
+        );
+        // Nothing woke the pump: no poll follows on the runtime.
+        std::thread::sleep(Duration::from_millis(50));
+        assert_eq!(lock(&polls).len(), after.len(), "{:?}", lock(&polls));
+        join.abort();
     }
 
     /// Aborting the task while a caller holds it drops the future when the

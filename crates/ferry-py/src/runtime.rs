@@ -16,10 +16,12 @@ static RUNTIME: OnceLock<Result<Runtime, String>> = OnceLock::new();
 pub(crate) fn runtime() -> PyResult<&'static Runtime> {
     RUNTIME
         .get_or_init(|| {
-            tokio::runtime::Builder::new_multi_thread()
-                .enable_all()
-                .thread_name("ferry-worker")
-                .build()
+            let mut b = tokio::runtime::Builder::new_multi_thread();
+            b.enable_all().thread_name("ferry-worker");
+            if let Some(n) = worker_threads()? {
+                b.worker_threads(n);
+            }
+            b.build()
                 .map_err(|e| format!("cannot start ferry's async runtime: {e}"))
         })
         .as_ref()
@@ -46,4 +48,18 @@ where
 /// see `ferry_core::assist`), and otherwise spins briefly, then sleeps.
 pub(crate) fn run<F: Future>(rt: &Runtime, fut: F) -> F::Output {
     ferry::assist::block_on(rt.handle(), fut)
+}
+
+/// `FERRY_WORKER_THREADS`: the runtime's worker threads (default: tokio's,
+/// one per CPU).
+fn worker_threads() -> Result<Option<usize>, String> {
+    match std::env::var("FERRY_WORKER_THREADS") {
+        Err(_) => Ok(None),
+        Ok(v) => match v.trim().parse::<usize>() {
+            Ok(n) if n > 0 => Ok(Some(n)),
+            _ => Err(format!(
+                "FERRY_WORKER_THREADS={v:?}: expected a number of threads (1 or more)"
+            )),
+        },
+    }
 }

@@ -5,7 +5,10 @@
 //! `block_on` did before `ferry::assist`), (c) a thread outside the
 //! runtime that spawns the call on the runtime and waits for it (spin, then
 //! park), (d) a thread outside the runtime in `ferry::assist::block_on`,
-//! which drives the connection's reader itself (what ferry-py does now).
+//! which drives the connection's reader itself (what ferry-py does now),
+//! (e) a plain thread calling `ferry::blocking::Engine` (its own engine and
+//! runtime with one worker thread: the facade for programs that are not
+//! async, on the same assist path as (d)).
 //!
 //! Run against a `ferry serve` on the same host:
 //!
@@ -15,8 +18,8 @@
 //!     'tcp://127.0.0.1:0' PEER REMOTE_ADDR [ITERATIONS]    # add ?same_host=off for the socket path
 //! ```
 //!
-//! `MODE=a`, `MODE=b` or `MODE=d` runs only that caller kind (for
-//! `strace -c`).
+//! `MODE=a`, `MODE=b`, `MODE=d` or `MODE=e` runs only that caller kind
+//! (for `strace -c`).
 use std::future::Future;
 use std::pin::pin;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -128,6 +131,25 @@ fn main() {
             .join("; ")
     );
     let mode = std::env::var("MODE").unwrap_or_default();
+    // (e): the blocking facade, its own engine and runtime.
+    let blocking = ferry::blocking::Engine::open(url).unwrap();
+    let bsrc = blocking.buffer(1 << 20).unwrap();
+    bsrc.memory().fill(7);
+    let bseg = blocking.open_segment(&peer).unwrap();
+    let breq = TransferRequest::write(bsrc.addr(), remote + (1 << 20), 4096);
+    let facade = |n: usize| {
+        let mut v = Vec::with_capacity(n);
+        for _ in 0..n {
+            let t = Instant::now();
+            blocking.transfer(bseg, breq).unwrap();
+            v.push(t.elapsed());
+        }
+        v
+    };
+    if mode == "e" {
+        println!("blocking-facade {:?}", p50(facade(n)));
+        return;
+    }
     if mode == "b" {
         let mut b = Vec::with_capacity(n);
         for _ in 0..n {
@@ -200,12 +222,16 @@ fn main() {
             ferry::assist::block_on(rt.handle(), engine.transfer(seg, req)).unwrap();
             d.push(t.elapsed());
         }
+        // (e) the blocking facade
+        let e = facade(n);
         println!(
-            "round {round}: worker {:?}  foreign-poll {:?}  spawn-wait {:?}  assisted {:?}",
+            "round {round}: worker {:?}  foreign-poll {:?}  spawn-wait {:?}  assisted {:?}  \
+             blocking-facade {:?}",
             p50(a),
             p50(b),
             p50(c),
-            p50(d)
+            p50(d),
+            p50(e)
         );
     }
 }

@@ -51,6 +51,7 @@
     allow(unreachable_code, unused_variables, unused_imports, dead_code)
 )]
 
+pub mod blocking;
 mod config;
 mod dispatch;
 
