@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Cost of the metrics and tracing layers `Engine::open` stacks by default,
 interleaved: for each round and each point, `ferry bench` with the layers
-and with `--no-layers`, one after the other; prints a markdown table of the
+and with `--no-layers`, one after the other (which goes first alternates
+by round); prints a markdown table of the
 median GB/s of each (with the values) and the ratio off/on.
 
 usage: scripts/bench-layer-cost.py ROUNDS FERRY_BINARY
@@ -25,7 +26,10 @@ def run(block, batch, layers):
 res = {}
 for r in range(rounds):
     for block, batch in points:
-        for layers in (True, False):
+        # Alternate which goes first: a run right after another may find
+        # the machine in another state (caches, frequency, the previous
+        # run's peer process still exiting).
+        for layers in ((True, False) if r % 2 == 0 else (False, True)):
             gbps, path = run(block, batch, layers)
             res.setdefault((block, batch, path, layers), []).append(gbps)
             print(f'round {r + 1} {block} x {batch} ({path}) layers={"on" if layers else "off"}: {gbps:.3f} GB/s',

@@ -1,0 +1,94 @@
+//! What the default observability layers (tracing over metrics, as
+//! `ferry::Engine` stacks them over the capability adapter) cost per batch,
+//! measured deterministically: both stacks over the in-process engine (a
+//! `memcpy` between two engines of this process, faster than any network
+//! path, so the ratio here bounds the relative cost on a real backend from
+//! above), one after the other in the same run.
+//!
+//! Run: `cargo bench -p ferry --bench layers`. Criterion prints the time per
+//! batch of each stack; nothing here asserts anything.
+
+use std::sync::Arc;
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use ferry_core::inproc::InprocEngine;
+use ferry_core::layer::LayerExt;
+use ferry_core::{
+    Capabilities, CapabilityAdapter, DynTransferEngine, Metrics, MetricsLayer, RegisteredBuffer,
+    TracingLayer, TransferEngine, TransferRequest,
+};
+
+const POINTS: [(usize, usize); 3] = [(4096, 1), (4096, 256), (1 << 20, 16)];
+
+fn bench(c: &mut Criterion) {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let mut group = c.benchmark_group("layers");
+    for (block, batch) in POINTS {
+        let span = block * batch * 2;
+        let stacks: Vec<(&str, Arc<dyn DynTransferEngine>)> = rt.block_on(async {
+            let raw = || InprocEngine::new("", Capabilities::all()).expect("engine");
+            let adapter = CapabilityAdapter::new(raw());
+            let native = adapter.report().native;
+            let full = CapabilityAdapter::new(raw())
+                .layer(MetricsLayer::new(Metrics::new()).native(native))
+                .layer(TracingLayer::new());
+            vec![
+                (
+                    "adapter only",
+                    Arc::new(adapter) as Arc<dyn DynTransferEngine>,
+                ),
+                ("tracing+metrics+adapter", Arc::new(full)),
+            ]
+        });
+        let peer: Arc<dyn DynTransferEngine> =
+            Arc::new(InprocEngine::new("", Capabilities::all()).expect("peer"));
+        group.throughput(Throughput::Bytes((block * batch) as u64));
+        for (name, engine) in &stacks {
+            let (local, remote, seg) = rt.block_on(async {
+                let local = RegisteredBuffer::new(Arc::clone(engine), span)
+                    .await
+                    .expect("local");
+                let remote = RegisteredBuffer::new(Arc::clone(&peer), span)
+                    .await
+                    .expect("remote");
+                let seg = engine
+                    .open_segment(peer.segment_name())
+                    .await
+                    .expect("segment");
+                (local, remote, seg)
+            });
+            // Blocks with gaps between them: no layer can merge them.
+            let requests: Vec<TransferRequest> = (0..batch)
+                .map(|i| {
+                    let off = (i * 2 * block) as u64;
+                    TransferRequest::write(local.addr() + off, remote.addr() + off, block as u64)
+                })
+                .collect();
+            group.bench_function(BenchmarkId::new(*name, format!("{block}x{batch}")), |b| {
+                b.to_async(&rt).iter(|| async {
+                    if batch == 1 {
+                        engine.transfer(seg, requests[0]).await.expect("transfer");
+                    } else {
+                        engine
+                            .batch_transfer(seg, &requests, None)
+                            .await
+                            .expect("batch");
+                    }
+                })
+            });
+            rt.block_on(async {
+                engine.close_segment(seg).await.expect("close");
+                local.release().await.expect("release");
+                remote.release().await.expect("release");
+            });
+        }
+    }
+    group.finish();
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);
