@@ -16,8 +16,8 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Through
 use ferry_core::inproc::InprocEngine;
 use ferry_core::layer::LayerExt;
 use ferry_core::{
-    Capabilities, CapabilityAdapter, DynTransferEngine, Metrics, MetricsLayer, RegisteredBuffer,
-    TracingLayer, TransferEngine, TransferRequest,
+    Capabilities, CapabilityAdapter, DynTransferEngine, HostBuffer, Location, MemoryRegion,
+    Metrics, MetricsLayer, RegisteredBuffer, TracingLayer, TransferEngine, TransferRequest,
 };
 
 const POINTS: [(usize, usize); 3] = [(4096, 1), (4096, 256), (1 << 20, 16)];
@@ -48,46 +48,60 @@ fn bench(c: &mut Criterion) {
         });
         let peer: Arc<dyn DynTransferEngine> =
             Arc::new(InprocEngine::new("", Capabilities::all()).expect("peer"));
+        // One source and one destination for both stacks, so that neither
+        // gets better-placed memory than the other (at 1 MiB x 16 fresh
+        // buffers alone moved one stack's time by ±30 % between runs).
+        let mem = HostBuffer::new(span).expect("memory");
+        let remote = rt.block_on(async {
+            RegisteredBuffer::new(Arc::clone(&peer), span)
+                .await
+                .expect("remote")
+        });
         group.throughput(Throughput::Bytes((block * batch) as u64));
-        for (name, engine) in &stacks {
-            let (local, remote, seg) = rt.block_on(async {
-                let local = RegisteredBuffer::new(Arc::clone(engine), span)
-                    .await
-                    .expect("local");
-                let remote = RegisteredBuffer::new(Arc::clone(&peer), span)
-                    .await
-                    .expect("remote");
-                let seg = engine
-                    .open_segment(peer.segment_name())
-                    .await
-                    .expect("segment");
-                (local, remote, seg)
-            });
-            // Blocks with gaps between them: no layer can merge them.
-            let requests: Vec<TransferRequest> = (0..batch)
-                .map(|i| {
-                    let off = (i * 2 * block) as u64;
-                    TransferRequest::write(local.addr() + off, remote.addr() + off, block as u64)
-                })
-                .collect();
-            group.bench_function(BenchmarkId::new(*name, format!("{block}x{batch}")), |b| {
-                b.to_async(&rt).iter(|| async {
-                    if batch == 1 {
-                        engine.transfer(seg, requests[0]).await.expect("transfer");
-                    } else {
-                        engine
-                            .batch_transfer(seg, &requests, None)
-                            .await
-                            .expect("batch");
-                    }
-                })
-            });
-            rt.block_on(async {
-                engine.close_segment(seg).await.expect("close");
-                local.release().await.expect("release");
-                remote.release().await.expect("release");
-            });
+        // A, B, A, B: a drift of the machine during the run shows as a
+        // difference between the two runs of one stack.
+        for round in 1..=2 {
+            for (name, engine) in &stacks {
+                let seg = rt.block_on(async {
+                    // SAFETY: `mem` outlives this registration (it is
+                    // unregistered below, before the next one and before
+                    // `mem` drops) and no Rust reference into it is held.
+                    let region = unsafe {
+                        MemoryRegion::from_raw_parts(mem.as_ptr(), mem.len(), Location::cpu(0))
+                    };
+                    engine.register(region).await.expect("register");
+                    engine
+                        .open_segment(peer.segment_name())
+                        .await
+                        .expect("segment")
+                });
+                // Blocks with gaps between them: no layer can merge them.
+                let requests: Vec<TransferRequest> = (0..batch)
+                    .map(|i| {
+                        let off = (i * 2 * block) as u64;
+                        TransferRequest::write(mem.addr() + off, remote.addr() + off, block as u64)
+                    })
+                    .collect();
+                let id = BenchmarkId::new(format!("{name} ({round})"), format!("{block}x{batch}"));
+                group.bench_function(id, |b| {
+                    b.to_async(&rt).iter(|| async {
+                        if batch == 1 {
+                            engine.transfer(seg, requests[0]).await.expect("transfer");
+                        } else {
+                            engine
+                                .batch_transfer(seg, &requests, None)
+                                .await
+                                .expect("batch");
+                        }
+                    })
+                });
+                rt.block_on(async {
+                    engine.close_segment(seg).await.expect("close");
+                    engine.unregister(mem.addr()).await.expect("unregister");
+                });
+            }
         }
+        rt.block_on(async { remote.release().await.expect("release") });
     }
     group.finish();
 }
