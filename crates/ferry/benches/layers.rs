@@ -20,7 +20,7 @@ use ferry_core::{
     Metrics, MetricsLayer, RegisteredBuffer, TracingLayer, TransferEngine, TransferRequest,
 };
 
-const POINTS: [(usize, usize); 3] = [(4096, 1), (4096, 256), (1 << 20, 16)];
+const POINTS: [(usize, usize); 4] = [(4096, 1), (64, 256), (4096, 256), (1 << 20, 16)];
 
 fn bench(c: &mut Criterion) {
     let rt = tokio::runtime::Builder::new_multi_thread()
