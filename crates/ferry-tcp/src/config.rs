@@ -143,6 +143,13 @@ pub struct TcpConfig {
     /// area is offered. Default 1: every frame below 8 MiB (small ones
     /// gain too: no `process_vm_*` call and no liveness check per copy).
     pub same_host_stage: Option<usize>,
+    /// On the same-host path, let the initiator copy frames below 8 MiB
+    /// straight into (out of) the target's registered memory under the
+    /// grants the target publishes (`true`, the default; with a peer that
+    /// has them, and only with a staging area, whose page they use): one
+    /// `process_vm_writev` per call instead of a round trip through the
+    /// target (see [`crate::same_host::grant`]). URL `same_host_grant=off`.
+    pub same_host_grant: bool,
     /// Listen on an address other hosts can reach without a `secret`
     /// (URL `insecure=1`). Without it [`crate::TcpEngine::start`] refuses
     /// such an engine: anyone who can reach its port could read and write
@@ -190,6 +197,7 @@ impl Default for TcpConfig {
             same_host_unix: true,
             same_host_chunk: 16 << 20,
             same_host_stage: Some(1),
+            same_host_grant: true,
             insecure: false,
             tls: crate::tls::TlsMode::Off,
             tls_cert: None,
@@ -225,6 +233,7 @@ ferry_core::__config_builder! {
         set same_host_unix: bool,
         set same_host_chunk: usize,
         set same_host_stage: Option<usize>,
+        set same_host_grant: bool,
         set insecure: bool,
         set tls: crate::tls::TlsMode,
         some tls_cert: PathBuf,
@@ -290,6 +299,7 @@ impl TcpConfig {
     /// | `same_host_control`  | `same_host_unix`  | `unix` (true) or `tcp` (false): where a same-host connection's frames go |
     /// | `same_host_chunk`    | `same_host_chunk` | bytes per CWRITE / CREAD frame on the same-host path (4096..=64 MiB) |
     /// | `same_host_stage`    | `same_host_stage` | smallest frame moved through the staging area, bytes (1..=64 MiB), or `off` |
+    /// | `same_host_grant`    | `same_host_grant` | `on` (default) or `off`: the initiator copies into memory the target granted |
     /// | `insecure`           | `insecure`        | `1`: listen beyond loopback without a secret (refused otherwise) |
     /// | `tls`                | `tls`             | `off` (default), `on` (with peers that have it) or `require` |
     /// | `tls_cert`           | `tls_cert`        | PEM certificate chain file (with `tls_key`, `tls_ca`) |
@@ -404,6 +414,14 @@ impl TcpConfig {
                     (1..=MAX_OP_LEN).contains(&n).then_some(Some(n as usize))
                 },
             )?,
+        );
+        set(
+            &mut cfg.same_host_grant,
+            url.take_with("same_host_grant", "on or off", |v| match v {
+                "on" => Some(true),
+                "off" => Some(false),
+                _ => None,
+            })?,
         );
         // Deliberately strict (not `take_bool`: no `yes`/`on`, no bare
         // key): it opens the engine to every host that can reach it.

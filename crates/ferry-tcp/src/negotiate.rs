@@ -118,6 +118,17 @@ pub const ACK_LANE: Feature = Feature {
     setting: "same_host_stage=off",
 };
 
+/// Granted copies on the same-host path: the initiator copies into the
+/// target's memory itself, under grants the target publishes in a page
+/// of the staging area (see [`crate::same_host::grant`]). Negotiated
+/// only: no version implies it.
+pub const GRANTS: Feature = Feature {
+    bit: 32,
+    name: "granted-copy",
+    since: u16::MAX,
+    setting: "same_host_grant=off",
+};
+
 /// TLS 1.3 on the socket path (PROTOCOL.md §1.3). Not one of
 /// [`FEATURES`], which are the same-host path's: it is reported apart,
 /// with its cipher suite.
@@ -129,7 +140,7 @@ pub const TLS: Feature = Feature {
 };
 
 /// Every optional feature this build implements, in report order.
-pub const FEATURES: [Feature; 4] = [SAME_HOST, CONTROL_CHANNEL, STAGING, ACK_LANE];
+pub const FEATURES: [Feature; 5] = [SAME_HOST, CONTROL_CHANNEL, STAGING, ACK_LANE, GRANTS];
 
 /// What one side says about its features: the ones it implements (`has`)
 /// and the ones its settings leave on (`on`, a subset).
@@ -380,6 +391,9 @@ pub fn our_features(cfg: &crate::TcpConfig, initiator: bool) -> FeatureSet {
         }
         if cfg.same_host_stage.is_none() {
             on &= !(STAGING.bit | ACK_LANE.bit);
+        }
+        if !cfg.same_host_grant {
+            on &= !GRANTS.bit;
         }
     }
     FeatureSet { has, on }

@@ -20,3 +20,19 @@ pub(crate) fn between_check_and_copy(read: bool) {
         unsafe { libc::raise(libc::SIGSTOP) };
     }
 }
+
+/// `FERRY_TCP_TEST_STOP_AFTER_MARK=1`: the initiator stops its own
+/// process (SIGSTOP) once, on its first granted copy, after it has marked
+/// the copy and found the grant valid and before it copies — the window
+/// in which the target's `unregister` must wait for it (see
+/// `same_host::grant`).
+pub(crate) fn between_mark_and_copy() {
+    static FIRED: AtomicBool = AtomicBool::new(false);
+    if std::env::var_os("FERRY_TCP_TEST_STOP_AFTER_MARK").is_some()
+        && !FIRED.swap(true, Ordering::Relaxed)
+    {
+        // SAFETY: raise(3) has no preconditions; SIGSTOP stops this
+        // process until a SIGCONT.
+        unsafe { libc::raise(libc::SIGSTOP) };
+    }
+}

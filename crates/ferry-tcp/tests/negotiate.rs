@@ -45,7 +45,7 @@ async fn two_builds_of_this_version_negotiate_everything_on() {
         for f in negotiate::FEATURES {
             assert_eq!(feature(&r, f.name), &None, "{r}");
         }
-        assert_eq!(r.path, "same-host staged", "{r}");
+        assert_eq!(r.path, "same-host granted", "{r}");
     }
     a.transfer(seg, TransferRequest::write(src.addr(), dst.addr(), 1 << 20))
         .await
@@ -74,7 +74,25 @@ async fn two_builds_of_this_version_negotiate_everything_on() {
         &Some(FeatureOff::DisabledHere("same_host_stage=off")),
         "{r}"
     );
+    assert_eq!(
+        feature(&r, "granted-copy"),
+        &Some(FeatureOff::Needs("staging-area")),
+        "{r}"
+    );
     assert_eq!(r.path, "same-host cma", "{r}");
+    // Grants off: staged.
+    let d = engine(TcpConfig::builder().same_host_grant(false).build().unwrap()).await;
+    d.open_segment(b.segment_name()).await.unwrap();
+    let r = d.peer_report(b.segment_name()).unwrap();
+    assert_eq!(
+        feature(&r, "granted-copy"),
+        &Some(FeatureOff::DisabledHere("same_host_grant=off")),
+        "{r}"
+    );
+    assert_eq!(feature(&r, "staging-area"), &None, "{r}");
+    if d.config().same_host == SameHost::Auto {
+        assert_eq!(r.path, "same-host staged", "{r}");
+    }
     // A target with the path off says so in its announcement: no offer.
     let off = TcpEngine::start(
         TcpConfig::builder()

@@ -322,6 +322,9 @@ async fn frozen_target_process_times_out_and_copies_nothing_later() {
         TcpConfig::builder()
             .request_timeout(Duration::from_millis(500))
             .same_host(SameHost::Cma)
+            // Paths the target copies on (a granted write needs no
+            // target: see `granted_copies_*`).
+            .same_host_grant(false)
             .build()
             .unwrap(),
     )
@@ -1022,7 +1025,7 @@ async fn staged_raw(
     Box<[u8; 16]>,
 ) {
     let probe: Box<[u8; 16]> = Box::new(rand_nonce());
-    let area = ferry_tcp::test_support::stage::Area::create().unwrap();
+    let area = ferry_tcp::test_support::stage::Area::create(false).unwrap();
     let (mut s, table) = common::raw_handshake_gens(b.segment_name()).await;
     let r = offer_staged(
         &mut s,

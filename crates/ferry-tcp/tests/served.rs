@@ -1,8 +1,8 @@
 //! The target counts what peers moved through requests it served
 //! (`TransferEngine::inbound`): exactly the bytes of the requests that
 //! succeeded, per peer (by the engine name it gave in the handshake) and
-//! direction, on the socket path and on both same-host paths (kernel copy
-//! and staging area); refused requests count nothing; a notification the
+//! direction, on the socket path and on the same-host paths (kernel copy,
+//! staging area and granted copies); refused requests count nothing; a notification the
 //! target refuses is counted as dropped.
 
 mod common;
@@ -145,10 +145,30 @@ async fn same_host_staged_counts_exactly() {
                 .same_host_chunk(200_000)
                 .same_host(SameHost::Cma)
                 .same_host_stage(Some(1))
+                .same_host_grant(false)
                 .build()
                 .unwrap()
         },
         "same-host staged",
+    )
+    .await;
+}
+
+/// Granted copies are counted by the initiator in the area; the target
+/// adds them to the peer's counts when they are read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn same_host_granted_counts_exactly() {
+    counts_exactly(
+        || {
+            TcpConfig::builder()
+                .chunk_size(200_000)
+                .same_host_chunk(200_000)
+                .same_host(SameHost::Cma)
+                .same_host_stage(Some(1))
+                .build()
+                .unwrap()
+        },
+        "same-host granted",
     )
     .await;
 }

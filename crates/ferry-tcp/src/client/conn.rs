@@ -157,7 +157,10 @@ pub(crate) struct ConnShared {
 /// The initiator's side of a connection's staging area.
 pub(crate) struct ClientStage {
     /// The shared area.
-    pub(crate) area: crate::same_host::stage::Area,
+    pub(crate) area: Arc<crate::same_host::stage::Area>,
+    /// The target's grants, if agreed and this process may reach the
+    /// target (see [`crate::same_host::grant`]).
+    pub(crate) grants: Option<Arc<crate::same_host::grant::ClientGrants>>,
     /// Frames of at least this many bytes go through it.
     pub(crate) min: usize,
     /// How long a copy waits for the target to make room (or to fill a
@@ -199,12 +202,14 @@ impl ClientStage {
     }
 
     pub(crate) fn new(
-        area: crate::same_host::stage::Area,
+        area: Arc<crate::same_host::stage::Area>,
+        grants: Option<Arc<crate::same_host::grant::ClientGrants>>,
         min: usize,
         patience: Duration,
     ) -> ClientStage {
         ClientStage {
             area,
+            grants,
             min,
             patience,
             cursor: tokio::sync::Mutex::new((0, 0)),

@@ -154,6 +154,9 @@ impl Peer {
                 let stage_agreed = agreed
                     .why_off(negotiate::STAGING)
                     .or_else(|| agreed.why_off(negotiate::ACK_LANE));
+                // Grants ride on the area (a page after its rings).
+                let grants_agreed = agreed.why_off(negotiate::GRANTS);
+                let with_grants = stage_agreed.is_none() && grants_agreed.is_none();
                 // The control channel offered to the target: a Unix socket
                 // pair whose other end it takes over (see `cma`). Without
                 // one the connection stays on TCP.
@@ -166,7 +169,9 @@ impl Peer {
                 let offered = pair.as_ref().ok().map(|(_, theirs)| theirs.as_raw_fd());
                 // The staging area offered with it (see `stage`).
                 let area = match (&stage_agreed, cfg.same_host_stage) {
-                    (None, Some(min)) => crate::same_host::stage::Area::create().map(|a| (a, min)),
+                    (None, Some(min)) => {
+                        crate::same_host::stage::Area::create(with_grants).map(|a| (a, min))
+                    }
                     (Some(FeatureOff::DisabledHere(s)), _) => Err(s.to_string()),
                     (Some(why), _) => Err(why.to_string()),
                     (None, None) => Err("same_host_stage=off".to_owned()),
@@ -217,6 +222,14 @@ impl Peer {
                             (None, Ok(_), Ok(())) => None,
                         };
                         report.set(negotiate::STAGING, stage_off.clone());
+                        if stage_off.is_some() {
+                            report.set(
+                                negotiate::GRANTS,
+                                agreed
+                                    .why_off(negotiate::GRANTS)
+                                    .or(Some(FeatureOff::Needs(negotiate::STAGING.name))),
+                            );
+                        }
                         report.set(
                             negotiate::ACK_LANE,
                             match stage_off {
@@ -230,11 +243,28 @@ impl Peer {
                             },
                         );
                         staged = match (area, stage) {
-                            (Ok((area, min)), Ok(())) => Some(ClientStage::new(
-                                area,
-                                min,
-                                cfg.stall_timeout.min(cfg.request_timeout),
-                            )),
+                            (Ok((area, min)), Ok(())) => {
+                                let area = Arc::new(area);
+                                let grants = match &grants_agreed {
+                                    Some(why) => Err(why.clone()),
+                                    None => {
+                                        crate::same_host::grant::ClientGrants::open(Arc::clone(
+                                            &area,
+                                        ))
+                                        .map_err(FeatureOff::Refused)
+                                    }
+                                };
+                                if let Err(why) = &grants {
+                                    tracing::debug!(peer = %self.name, %why, "no granted copies");
+                                }
+                                report.set(negotiate::GRANTS, grants.as_ref().err().cloned());
+                                Some(ClientStage::new(
+                                    area,
+                                    grants.ok().map(Arc::new),
+                                    min,
+                                    cfg.stall_timeout.min(cfg.request_timeout),
+                                ))
+                            }
                             (Err(why), _) | (Ok(_), Err(why)) => {
                                 if cfg.same_host_stage.is_some() {
                                     tracing::debug!(peer = %self.name, %why, "no staging area");
@@ -265,10 +295,11 @@ impl Peer {
                 }
             }
         };
-        let path = match (cma, staged.is_some()) {
+        let path = match (cma, staged.as_ref().map(|s| s.grants.is_some())) {
             (false, _) => "socket",
-            (true, false) => "same-host cma",
-            (true, true) => "same-host staged",
+            (true, None) => "same-host cma",
+            (true, Some(false)) => "same-host staged",
+            (true, Some(true)) => "same-host granted",
         };
         *lock(&self.report) = Some(PeerReport {
             peer: self.name.clone(),

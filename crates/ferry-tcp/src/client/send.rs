@@ -183,6 +183,10 @@ pub(crate) async fn send_ops(
     batch: &Arc<WireOps>,
     ops: Vec<OutOp>,
 ) -> std::result::Result<(), Vec<OutOp>> {
+    let ops = copy_granted(conn, batch, ops).await;
+    if ops.is_empty() {
+        return Ok(());
+    }
     let mut hdrs = Vec::with_capacity(ops.len());
     let mut ids = Vec::with_capacity(ops.len());
     // Segment tables of WRITEV frames, in frame order.
@@ -505,4 +509,91 @@ pub(crate) fn fail_ops(state: &WireOps, ops: &[OutOp], e: &Error) {
     for op in ops {
         op.fail(state, e);
     }
+}
+
+/// Granted copies of at most this many bytes per call run on the caller's
+/// thread (as long as a memcpy of them); more go to the blocking pool, so
+/// that a caller's runtime is never held for milliseconds.
+const GRANTED_INLINE: u64 = 256 << 10;
+
+/// Copies the transfer operations of `ops` that the target has granted
+/// (see [`crate::same_host::grant`]) and completes them; returns the
+/// others, in their order, to go as frames (a notification after the
+/// writes before it, as always).
+async fn copy_granted(conn: &ConnShared, batch: &Arc<WireOps>, ops: Vec<OutOp>) -> Vec<OutOp> {
+    let Some(grants) = conn.stage.as_ref().and_then(|s| s.grants.as_ref()) else {
+        return ops;
+    };
+    if !conn.cma || conn.dead.load(Ordering::Acquire) {
+        return ops;
+    }
+    let parallel = crate::same_host::cma::PARALLEL_MIN as u64;
+    // Below the kernel-copy size: larger frames are faster as the
+    // target's split kernel copy.
+    let eligible = |op: &OutOp| op.is_transfer() && op.payload_len() < parallel;
+    let total: u64 = ops
+        .iter()
+        .filter(|op| eligible(op))
+        .map(OutOp::payload_len)
+        .sum();
+    if total == 0 {
+        return ops;
+    }
+    if total <= GRANTED_INLINE {
+        return ops
+            .into_iter()
+            .filter(|op| !(eligible(op) && copy_one(grants, batch, op)))
+            .collect();
+    }
+    let (grants, state) = (Arc::clone(grants), Arc::clone(batch));
+    let mut slots: Vec<Option<OutOp>> = Vec::with_capacity(ops.len());
+    let mut moved = Vec::new();
+    for (i, op) in ops.into_iter().enumerate() {
+        if eligible(&op) {
+            moved.push((i, op));
+            slots.push(None);
+        } else {
+            slots.push(Some(op));
+        }
+    }
+    let left = tokio::task::spawn_blocking(move || {
+        moved
+            .into_iter()
+            .filter(|(_, op)| !copy_one(&grants, &state, op))
+            .collect::<Vec<_>>()
+    })
+    .await
+    // A panic in the copy is a bug; its operations end at their batch's
+    // deadline.
+    .unwrap_or_default();
+    for (i, op) in left {
+        slots[i] = Some(op);
+    }
+    slots.into_iter().flatten().collect()
+}
+
+/// One granted copy of a transfer operation, completed on success.
+fn copy_one(grants: &crate::same_host::grant::ClientGrants, batch: &WireOps, op: &OutOp) -> bool {
+    let Some((read, parts)) = op.cma_parts() else {
+        return false;
+    };
+    let granted: Vec<crate::same_host::grant::Part> = parts
+        .iter()
+        .map(|p| crate::same_host::grant::Part {
+            local: p.1.as_ptr().wrapping_add(p.2 as usize),
+            len: p.3,
+            remote: p.4,
+            gen: p.5,
+        })
+        .collect();
+    // SAFETY: each local range lies in the range its guard (held by `op`
+    // for this call) keeps registered; the operation was checked against
+    // it when planned.
+    if !unsafe { grants.copy(read, &granted) } {
+        return false;
+    }
+    for p in &parts {
+        batch.complete(p.0, Ok(()));
+    }
+    true
 }

@@ -712,8 +712,8 @@ impl Initiator {
     /// Takes over and maps the staging area the initiator offered as its
     /// descriptor number `fd` (see [`crate::same_host::stage`]): only a memfd sealed
     /// against shrinking, of at least [`crate::same_host::stage::AREA_LEN`] bytes.
-    pub fn take_stage(&self, fd: u32) -> Result<crate::same_host::stage::Area, i32> {
-        crate::same_host::stage::Area::adopt(self.take_fd(fd)?)
+    pub fn take_stage(&self, fd: u32, grants: bool) -> Result<crate::same_host::stage::Area, i32> {
+        crate::same_host::stage::Area::adopt(self.take_fd(fd)?, grants)
     }
 
     /// Takes over the control channel the initiator offered: its end

@@ -53,4 +53,5 @@
 pub(crate) mod choice;
 pub(crate) mod cma;
 pub(crate) mod fence;
+pub(crate) mod grant;
 pub(crate) mod stage;

@@ -142,7 +142,13 @@ impl Stop {
 pub struct Area {
     base: NonNull<u8>,
     fd: OwnedFd,
+    /// Bytes mapped: [`AREA_LEN`], or with a grants page
+    /// ([`crate::same_host::grant`]) [`AREA_LEN`] + [`GRANTS_LEN`].
+    len: usize,
 }
+
+/// Bytes of the grants page an area may carry after its rings.
+pub use crate::same_host::grant::GRANTS_LEN;
 
 // SAFETY: the mapping is plain shared memory owned by this value until it
 // is dropped; every access goes through atomics (counters) or raw copies
@@ -155,9 +161,11 @@ unsafe impl Sync for Area {}
 const SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
 
 impl Area {
-    /// Makes a new area (initiator side): a memfd of [`AREA_LEN`] bytes,
-    /// sealed against shrinking and growing, mapped here.
-    pub fn create() -> Result<Area, String> {
+    /// Makes a new area (initiator side): a memfd of [`AREA_LEN`] bytes
+    /// (and a grants page after them, if `grants`), sealed against
+    /// shrinking and growing, mapped here.
+    pub fn create(grants: bool) -> Result<Area, String> {
+        let len = Area::len_for(grants);
         // SAFETY: a NUL-terminated name and flags; returns a new fd or -1.
         let fd = unsafe {
             libc::memfd_create(
@@ -174,7 +182,7 @@ impl Area {
         // SAFETY: a fresh descriptor we own.
         let fd = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
         // SAFETY: plain calls on our own descriptor.
-        let sized = unsafe { libc::ftruncate(fd.as_raw_fd(), AREA_LEN as libc::off_t) };
+        let sized = unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) };
         if sized < 0 {
             return Err(format!(
                 "ftruncate: {}",
@@ -188,7 +196,12 @@ impl Area {
                 crate::same_host::cma::errno_name(errno())
             ));
         }
-        Area::map(fd).map_err(|e| format!("mmap: {}", crate::same_host::cma::errno_name(e)))
+        Area::map(fd, len).map_err(|e| format!("mmap: {}", crate::same_host::cma::errno_name(e)))
+    }
+
+    /// The size of an area with or without a grants page.
+    pub fn len_for(grants: bool) -> usize {
+        AREA_LEN + if grants { GRANTS_LEN } else { 0 }
     }
 
     /// Maps an area the initiator offered (target side), after checking
@@ -201,8 +214,10 @@ impl Area {
     /// `Err(errno)` otherwise: `EPERM` not sealed against shrinking or
     /// growing; `EOPNOTSUPP` not on tmpfs (hugetlbfs, any other file
     /// system); `EINVAL` not a sealable file or not exactly `AREA_LEN`
-    /// bytes.
-    pub fn adopt(fd: OwnedFd) -> Result<Area, i32> {
+    /// bytes. With `grants` (the connection agreed them) the area must
+    /// carry the grants page too: exactly [`Area::len_for`] bytes.
+    pub fn adopt(fd: OwnedFd, grants: bool) -> Result<Area, i32> {
+        let len = Area::len_for(grants);
         const TMPFS_MAGIC: i64 = 0x0102_1994;
         // SAFETY: a plain query on a descriptor we own.
         let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
@@ -228,20 +243,20 @@ impl Area {
         // SAFETY: as above.
         if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } < 0
             || st.st_mode & libc::S_IFMT != libc::S_IFREG
-            || st.st_size as u64 != AREA_LEN as u64
+            || st.st_size as u64 != len as u64
         {
             return Err(libc::EINVAL);
         }
-        Area::map(fd)
+        Area::map(fd, len)
     }
 
-    fn map(fd: OwnedFd) -> Result<Area, i32> {
-        // SAFETY: a new shared mapping of AREA_LEN bytes of a file at least
+    fn map(fd: OwnedFd, len: usize) -> Result<Area, i32> {
+        // SAFETY: a new shared mapping of `len` bytes of a file at least
         // that long (sealed against shrinking, so it stays backed).
         let p = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
-                AREA_LEN,
+                len,
                 libc::PROT_READ | libc::PROT_WRITE,
                 libc::MAP_SHARED,
                 fd.as_raw_fd(),
@@ -252,7 +267,17 @@ impl Area {
             return Err(errno());
         }
         let base = NonNull::new(p.cast::<u8>()).ok_or(libc::ENOMEM)?;
-        Ok(Area { base, fd })
+        Ok(Area { base, fd, len })
+    }
+
+    /// The grants page, if this area has one.
+    pub fn grants(&self) -> Option<crate::same_host::grant::Page<'_>> {
+        (self.len >= AREA_LEN + GRANTS_LEN).then(|| {
+            // SAFETY: the page starts at AREA_LEN (a multiple of the page
+            // size) inside this mapping, which outlives the borrow, and is
+            // accessed only through atomics.
+            unsafe { crate::same_host::grant::Page::new(self.base.as_ptr().add(AREA_LEN)) }
+        })
     }
 
     /// The descriptor (offered to the target by its number).
@@ -390,9 +415,9 @@ impl AckLane<'_> {
 
 impl Drop for Area {
     fn drop(&mut self) {
-        // SAFETY: our own mapping of AREA_LEN bytes; no Ring outlives the
-        // Area (they borrow it).
-        if unsafe { libc::munmap(self.base.as_ptr().cast(), AREA_LEN) } < 0 {
+        // SAFETY: our own mapping of `len` bytes; no Ring or Page outlives
+        // the Area (they borrow it).
+        if unsafe { libc::munmap(self.base.as_ptr().cast(), self.len) } < 0 {
             // Cannot happen for an exact-size tmpfs mapping (checked in
             // `adopt`); say so rather than leak silently.
             tracing::warn!(
@@ -984,7 +1009,7 @@ mod tests {
         fn streams_cross_between_threads_exactly(
             shape in proptest::collection::vec((1usize..150_000, any::<bool>()), 1..5)
         ) {
-            let area = Area::create().unwrap();
+            let area = Area::create(false).unwrap();
             let lens: Vec<usize> = shape.iter().map(|s| s.0).collect();
             let keep: Vec<bool> = shape.iter().map(|s| s.1).collect();
             let (src, dst) = stream(&area, &lens, &keep);
@@ -1003,7 +1028,7 @@ mod tests {
     #[test]
     fn waits_end_when_the_other_side_is_gone_or_stalls() {
         let rt = runtime();
-        let area = Area::create().unwrap();
+        let area = Area::create(false).unwrap();
         let ring = area.ring(Dir::ToTarget);
         let on = ring.tail_waiter();
         let gone = || false;
@@ -1036,7 +1061,7 @@ mod tests {
     /// deadline, not after the stall timeout of the last slot.
     #[test]
     fn the_frame_deadline_ends_a_trickling_stream() {
-        let area = Area::create().unwrap();
+        let area = Area::create(false).unwrap();
         let alive = || true;
         let stall = Duration::from_millis(200);
         let src = vec![3u8; 8 * SLOT];
@@ -1096,7 +1121,7 @@ mod tests {
     /// Once its gate is closed, a consumer copies nothing more out.
     #[test]
     fn a_closed_gate_stops_the_copies() {
-        let area = Area::create().unwrap();
+        let area = Area::create(false).unwrap();
         let rt = runtime();
         let alive = || true;
         let w = Watch {
@@ -1138,7 +1163,7 @@ mod tests {
     /// lane holds yields at most a lane's worth.
     #[test]
     fn the_lane_hands_over_ids_in_order_and_reports_the_reader() {
-        let area = Area::create().unwrap();
+        let area = Area::create(false).unwrap();
         let lane = area.acks();
         let (mut head, mut tail) = (0u64, 0u64);
         let mut got = Vec::new();
@@ -1167,7 +1192,7 @@ mod tests {
     /// left behind.
     #[test]
     fn no_acknowledgement_waits_for_a_sleeping_reader() {
-        let area = Area::create().unwrap();
+        let area = Area::create(false).unwrap();
         let n = 20_000u64;
         let wakes = AtomicU64::new(0);
         let done = AtomicBool::new(false);

@@ -100,6 +100,9 @@ pub struct Core {
     pub notifications: ferry_core::raw::Inbox,
     /// What peers wrote into and read from the regions, per peer.
     pub served: ferry_core::inbound::ServedTraffic,
+    /// The grants published to same-host initiators (see
+    /// [`crate::same_host::grant`]).
+    pub(crate) grants: Arc<crate::same_host::grant::Grants>,
     /// Refuse every notification (answer `NotifyQueueFull`); for fault
     /// tests (see `TcpEngine::set_refuse_notifications`).
     pub refuse_notifications: AtomicBool,
@@ -146,6 +149,7 @@ impl Core {
                 MAX_QUEUED_NOTIFICATION_BYTES,
             ),
             served: ferry_core::inbound::ServedTraffic::default(),
+            grants: Arc::default(),
             refuse_notifications: AtomicBool::new(false),
             closed: AtomicBool::new(false),
             established: AtomicUsize::new(0),
@@ -168,30 +172,52 @@ impl Core {
         // acquired on the new region reads its generation, not a missing or
         // older one.
         let mut g = lock(&self.gens);
-        let addr = region.addr();
+        let (addr, len) = (region.addr(), region.len());
         self.regions.insert(region)?;
         let gen = g.bump();
         g.by_base.insert(addr, gen);
+        self.grants.grant(addr, len, gen);
         Ok(())
     }
 
     /// Registers every region or none, each under a new generation.
     pub fn register_all(&self, regions: Vec<MemoryRegion>) -> ferry_core::Result<()> {
         let mut g = lock(&self.gens);
-        let addrs: Vec<u64> = regions.iter().map(|r| r.addr()).collect();
+        let spans: Vec<(u64, u64)> = regions.iter().map(|r| (r.addr(), r.len())).collect();
         self.regions.insert_all(regions)?;
-        for addr in addrs {
+        for (addr, len) in spans {
             let gen = g.bump();
             g.by_base.insert(addr, gen);
+            self.grants.grant(addr, len, gen);
         }
         Ok(())
     }
 
-    /// Unregisters the region at `addr` (waiting for the payloads in flight
-    /// into or out of it, which the minimum rate bounds).
+    /// Unregisters the region at `addr`: waits for the payloads in flight
+    /// into or out of it (which the minimum rate bounds), then revokes its
+    /// grant and waits until no same-host initiator copies under it (at
+    /// most the stall timeout: past it the region stays registered and
+    /// the error is [`ferry_core::Error::RegionHeld`]; a later call waits
+    /// again).
     pub async fn unregister(&self, addr: u64) -> ferry_core::Result<()> {
         let old = lock(&self.gens).by_base.get(&addr).copied();
-        self.regions.remove(addr).await?;
+        let removal = self.regions.remove_in_steps(addr).await?;
+        if let Some(revoked) = self.grants.revoke(addr) {
+            let patience = self.config.stall_timeout;
+            if let Err(pid) = self.grants.settle(addr, &revoked, patience).await {
+                // `removal` drops unfinished: the region stays registered.
+                return Err(ferry_core::Error::RegionHeld {
+                    addr,
+                    reason: format!(
+                        "the same-host peer process {pid} may still copy into it under a grant \
+                         it marked before the region's unregistration, and has not finished \
+                         within {patience:?} (is its process stopped?); the grant is revoked, \
+                         unregister again later"
+                    ),
+                });
+            }
+        }
+        removal.finish();
         let mut g = lock(&self.gens);
         // A new registration at the same address may have come in between.
         if g.by_base.get(&addr).copied() == old {
@@ -257,6 +283,8 @@ impl Core {
 
 impl ferry_core::inbound::InboundSource for Core {
     fn snapshot(&self) -> ferry_core::InboundSnapshot {
+        // Granted copies are counted by the initiators, in their areas.
+        self.grants.sync();
         ferry_core::InboundSnapshot::new()
             .with_served(self.served.snapshot())
             .with_notifications_dropped(self.notifications.dropped())

@@ -11,7 +11,7 @@ pub(super) struct ConnState {
     pub(super) rd: FrameReader,
     pub(super) out: Out,
     /// The initiator's process once the same-host path is agreed.
-    pub(super) cma_pid: Option<cma::Initiator>,
+    pub(super) cma_pid: Option<Arc<cma::Initiator>>,
     /// The staging area it offered, once mapped.
     pub(super) stage: Option<TargetStage>,
     /// The version and features the handshake settled.
@@ -22,7 +22,9 @@ pub(super) struct ConnState {
 
 /// The target's side of a connection's staging area.
 pub(super) struct TargetStage {
-    pub(super) area: crate::same_host::stage::Area,
+    pub(super) area: Arc<crate::same_host::stage::Area>,
+    /// Its grants (if agreed): revoked when the connection ends.
+    pub(super) _grants: Option<crate::same_host::grant::Link>,
     /// The next slot to empty in the ring from the initiator.
     pub(super) from_initiator: u64,
     /// The next slot to fill in the ring to it.
@@ -510,19 +512,36 @@ pub(super) async fn serve(
                         };
                         let staging_agreed = agreed.both(crate::negotiate::STAGING)
                             && agreed.both(crate::negotiate::ACK_LANE);
+                        // With grants agreed the area carries their page.
+                        let grants = staging_agreed && agreed.both(crate::negotiate::GRANTS);
                         let mapped = match offered_stage {
                             None => Err(0),
                             Some(_) if !staging_agreed => Err(libc::EOPNOTSUPP),
-                            Some(fd) => initiator.take_stage(fd),
+                            Some(fd) => initiator.take_stage(fd, grants),
                         };
+                        let initiator = Arc::new(initiator);
                         let staging = mapped.as_ref().map(|_| ()).map_err(|e| *e as u32);
                         tracing::debug!(%peer, pid, ?taken, ?staging, "same-host path agreed");
-                        stage = mapped.ok().map(|area| TargetStage {
+                        stage = mapped.ok().map(|area| {
+                            let area = Arc::new(area);
+                            // Published before the answer: the initiator
+                            // reads the page once it has it.
+                            let link = grants
+                                .then(|| {
+                                    core.grants.attach(
+                                        Arc::clone(&area),
+                                        Arc::clone(&initiator),
+                                        served.clone(),
+                                    )
+                                })
+                                .flatten();
+                            TargetStage {
                             area,
+                            _grants: link,
                             from_initiator: 0,
                             to_initiator: 0,
                             ack_head: 0,
-                        });
+                        }});
                         cma_pid = Some(initiator);
                         // Its requests are headers with short segment
                         // tables: one `recvmsg` each.
