@@ -140,6 +140,24 @@ mod cma_staged {
         .same_host_chunk(200_000)
         .same_host(SameHost::Cma)
         .same_host_stage(Some(1))
+        .same_host_grant(false)
+        .build()
+        .unwrap())
+    .unknown_at("127.0.0.1:1"));
+}
+
+/// Forced on with granted copies (the default): the initiator copies
+/// every frame below 8 MiB into the target's granted memory itself, on
+/// the caller's thread up to 256 KiB per call and on the blocking pool
+/// above; frames of 1 MiB.
+mod cma_granted {
+    use super::*;
+
+    ferry_core::conformance_tests!(TcpFactory::new(|| TcpConfig::builder()
+        .connections(2)
+        .chunk_size(1 << 20)
+        .same_host_chunk(1 << 20)
+        .same_host(SameHost::Cma)
         .build()
         .unwrap())
     .unknown_at("127.0.0.1:1"));
@@ -269,6 +287,22 @@ mod current_thread {
                 .same_host_chunk(200_000)
                 .same_host(SameHost::Cma)
                 .same_host_stage(Some(1))
+                .same_host_grant(false)
+                .build()
+                .unwrap())
+            .unknown_at("127.0.0.1:1")
+        );
+    }
+
+    mod cma_granted {
+        use super::*;
+        ferry_core::conformance_tests!(
+            current_thread,
+            TcpFactory::new(|| TcpConfig::builder()
+                .connections(2)
+                .chunk_size(1 << 20)
+                .same_host_chunk(1 << 20)
+                .same_host(SameHost::Cma)
                 .build()
                 .unwrap())
             .unknown_at("127.0.0.1:1")

@@ -247,12 +247,10 @@ impl Peer {
                                 let area = Arc::new(area);
                                 let grants = match &grants_agreed {
                                     Some(why) => Err(why.clone()),
-                                    None => {
-                                        crate::same_host::grant::ClientGrants::open(Arc::clone(
-                                            &area,
-                                        ))
-                                        .map_err(FeatureOff::Refused)
-                                    }
+                                    None => crate::same_host::grant::ClientGrants::open(
+                                        Arc::clone(&area),
+                                    )
+                                    .map_err(FeatureOff::Refused),
                                 };
                                 if let Err(why) = &grants {
                                     tracing::debug!(peer = %self.name, %why, "no granted copies");

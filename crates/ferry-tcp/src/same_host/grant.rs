@@ -54,9 +54,9 @@ use std::time::{Duration, Instant};
 
 #[cfg(ferry_loom)]
 use loom::sync::atomic::{fence, AtomicU64};
-use std::sync::atomic::{AtomicU32, Ordering};
 #[cfg(not(ferry_loom))]
 use std::sync::atomic::{fence, AtomicU64};
+use std::sync::atomic::{AtomicU32, Ordering};
 
 use ferry_core::raw::lock;
 
@@ -216,7 +216,9 @@ struct Linked {
 
 impl Linked {
     fn page(&self) -> Page<'_> {
-        self.area.grants().expect("only areas with a grants page are linked")
+        self.area
+            .grants()
+            .expect("only areas with a grants page are linked")
     }
 
     /// Adds what the initiator counted since the last look to the peer's
@@ -553,7 +555,9 @@ impl ClientGrants {
     }
 
     fn page(&self) -> Page<'_> {
-        self.area.grants().expect("opened on an area with a grants page")
+        self.area
+            .grants()
+            .expect("opened on an area with a grants page")
     }
 
     /// The grant covering every part, all in one region: `(entry,
@@ -705,7 +709,10 @@ mod tests {
         leave(&mark);
         revoke(&granted);
         assert!(!enter(&mark, &granted, mark_value(3, 7), 7));
-        assert!(!names(&mark, mark_value(3, 7)), "a refused entry leaves no mark");
+        assert!(
+            !names(&mark, mark_value(3, 7)),
+            "a refused entry leaves no mark"
+        );
     }
 }
 

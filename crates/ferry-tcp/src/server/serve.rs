@@ -536,12 +536,13 @@ pub(super) async fn serve(
                                 })
                                 .flatten();
                             TargetStage {
-                            area,
-                            _grants: link,
-                            from_initiator: 0,
-                            to_initiator: 0,
-                            ack_head: 0,
-                        }});
+                                area,
+                                _grants: link,
+                                from_initiator: 0,
+                                to_initiator: 0,
+                                ack_head: 0,
+                            }
+                        });
                         cma_pid = Some(initiator);
                         // Its requests are headers with short segment
                         // tables: one `recvmsg` each.
