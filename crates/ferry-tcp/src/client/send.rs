@@ -183,7 +183,19 @@ pub(crate) async fn send_ops(
     batch: &Arc<WireOps>,
     ops: Vec<OutOp>,
 ) -> std::result::Result<(), Vec<OutOp>> {
-    let ops = copy_granted(conn, batch, ops).await;
+    let stage_now = conn.stage.as_ref().is_some_and(|st| {
+        let parallel = crate::same_host::cma::PARALLEL_MIN as u64;
+        let bytes = ops
+            .iter()
+            .map(OutOp::payload_len)
+            .filter(|&n| n < parallel)
+            .sum();
+        let peer_slept = st.area.target_slept().load(Ordering::Relaxed);
+        st.choice.stage(bytes, peer_slept)
+    });
+    // Small calls, and long ones while the area is avoided, as granted
+    // copies where the target granted them.
+    let ops = copy_granted(conn, batch, ops, stage_now).await;
     if ops.is_empty() {
         return Ok(());
     }
@@ -195,16 +207,6 @@ pub(crate) async fn send_ops(
     let mut staging: Vec<(bool, Vec<stage::Piece>)> = Vec::new();
     // Whether this call's frames below the kernel-copy size may go through
     // the area now (`crate::same_host::choice`): all or none of them.
-    let stage_now = conn.stage.as_ref().is_some_and(|st| {
-        let parallel = crate::same_host::cma::PARALLEL_MIN as u64;
-        let bytes = ops
-            .iter()
-            .map(OutOp::payload_len)
-            .filter(|&n| n < parallel)
-            .sum();
-        let peer_slept = st.area.target_slept().load(Ordering::Relaxed);
-        st.choice.stage(bytes, peer_slept)
-    });
     {
         let mut map = lock(&conn.pending);
         if let Some(e) = map.closed.clone() {
@@ -511,16 +513,30 @@ pub(crate) fn fail_ops(state: &WireOps, ops: &[OutOp], e: &Error) {
     }
 }
 
+/// Calls of at most this many bytes (in frames below 8 MiB) go as granted
+/// copies whatever the state of the staging area: below it one
+/// `process_vm_writev` by the initiator beats a round trip with the
+/// target; above it the area's two pipelined copies are faster (measured
+/// in ferry-tcp's README), so larger calls use grants only while the area
+/// is avoided (the target loses its CPU: [`crate::same_host::choice`]).
+const GRANTED_ALWAYS: u64 = 128 << 10;
+
 /// Granted copies of at most this many bytes per call run on the caller's
 /// thread (as long as a memcpy of them); more go to the blocking pool, so
 /// that a caller's runtime is never held for milliseconds.
 const GRANTED_INLINE: u64 = 256 << 10;
 
 /// Copies the transfer operations of `ops` that the target has granted
-/// (see [`crate::same_host::grant`]) and completes them; returns the
+/// (see [`crate::same_host::grant`]) and completes them, unless the call
+/// is long and the staging area is in favour (`stage_now`); returns the
 /// others, in their order, to go as frames (a notification after the
 /// writes before it, as always).
-async fn copy_granted(conn: &ConnShared, batch: &Arc<WireOps>, ops: Vec<OutOp>) -> Vec<OutOp> {
+async fn copy_granted(
+    conn: &ConnShared,
+    batch: &Arc<WireOps>,
+    ops: Vec<OutOp>,
+    stage_now: bool,
+) -> Vec<OutOp> {
     let Some(grants) = conn.stage.as_ref().and_then(|s| s.grants.as_ref()) else {
         return ops;
     };
@@ -536,7 +552,7 @@ async fn copy_granted(conn: &ConnShared, batch: &Arc<WireOps>, ops: Vec<OutOp>) 
         .filter(|op| eligible(op))
         .map(OutOp::payload_len)
         .sum();
-    if total == 0 {
+    if total == 0 || (total > GRANTED_ALWAYS && stage_now) {
         return ops;
     }
     if total <= GRANTED_INLINE {
