@@ -11,8 +11,9 @@
 //!   it lacks with the same observable semantics, or refusing up front in
 //!   strict mode;
 //! - [`layer`]: [`MetricsLayer`] (Prometheus metrics), [`TracingLayer`]
-//!   (a span per batch), [`TimeoutLayer`] (a deadline per call), stacked
-//!   with [`Layer`];
+//!   (a span per batch), [`TimeoutLayer`] (a deadline per call), and the
+//!   adapter's own three (coalescing, [`EmulationLayer`],
+//!   [`ConcurrencyLimitLayer`]), stacked with [`Layer`];
 //! - [`RegionTable`]: the bounds-checked, in-flight-aware table of registered
 //!   regions that backends share;
 //! - [`HostBuffer`] / [`RegisteredBuffer`] / [`RegisteredBuffers`]: safe owned
@@ -141,7 +142,9 @@ pub use caps::{
 pub use engine::{BoxFuture, DynTransferEngine, TransferEngine};
 pub use error::{live_batches_full, Error, ErrorKind, IoSource, Queue, Result, Retry, Side};
 pub use inbound::{Inbound, InboundSnapshot, NotificationsDropped, ServedCounts};
-pub use layer::{Metrics, MetricsLayer, MetricsSnapshot, TimeoutLayer, TracingLayer};
+pub use layer::{
+    ConcurrencyLimitLayer, Metrics, MetricsLayer, MetricsSnapshot, TimeoutLayer, TracingLayer,
+};
 pub use region_table::{RegionGuard, RegionTable};
 pub use secret::Secret;
 pub use span::{LocalSpan, RemoteSpan};

@@ -516,3 +516,93 @@ fn emulation_announces_itself_once_per_engine_and_operation() {
         });
     });
 }
+
+/// The capability report of the default stack, as text, for every
+/// combination of a few native capability sets and adapter configurations:
+/// the report (`Display` and `Debug`), the effective capabilities and what
+/// `require` says of every optional operation and guarantee.
+fn default_stack_reports() -> String {
+    let none = Capabilities::default();
+    let mut batch = none;
+    batch.batch_transfer = true;
+    let mut chunked = batch;
+    chunked.max_batch_len = Some(8);
+    chunked.batch_register = true;
+    let mut async_notify = none;
+    async_notify.async_batch = true;
+    async_notify.notify = true;
+    let mut batch_notify = batch;
+    batch_notify.notify = true;
+    batch_notify.batch_wait = true;
+    let caps_sets = [
+        ("none", none),
+        ("all", Capabilities::all()),
+        ("batch", batch),
+        ("chunked", chunked),
+        ("async_notify", async_notify),
+        ("batch_notify", batch_notify),
+    ];
+    let configs = [
+        ("default", AdapterConfig::default()),
+        ("strict", AdapterConfig::strict()),
+        (
+            "max_concurrency=3,coalesce=0",
+            AdapterConfig::builder()
+                .max_concurrency(3)
+                .coalesce(false)
+                .build()
+                .unwrap(),
+        ),
+        (
+            "no batch emulation",
+            AdapterConfig::builder()
+                .emulate_batch_transfer(false)
+                .emulate_async_batch(false)
+                .build()
+                .unwrap(),
+        ),
+    ];
+    let mut out = String::new();
+    for (caps_name, caps) in caps_sets {
+        for (config_name, config) in &configs {
+            let name = format!(
+                "golden-{caps_name}-{}",
+                config_name.replace([' ', ','], "-")
+            );
+            let engine = InprocEngine::new(&name, caps).unwrap();
+            let adapter = CapabilityAdapter::with_config(engine, config.clone());
+            let report = adapter.report();
+            let required: Vec<Operation> = Operation::OPTIONAL
+                .into_iter()
+                .chain(Operation::GUARANTEES)
+                .collect();
+            let require = match adapter.require(&required) {
+                Ok(()) => "ok".to_owned(),
+                Err(e) => e.to_string(),
+            };
+            out.push_str(&format!(
+                "== {caps_name} / {config_name}\n{report}{report:?}\ncapabilities: {:?}\nrequire: {require}\n\n",
+                adapter.capabilities()
+            ));
+        }
+    }
+    out
+}
+
+/// The report is pinned as it was before the concurrency limit left the
+/// emulation layer (recorded at d2ea76d): moving a job between layers
+/// changes no byte of it. `FERRY_BLESS=1` rewrites the file (for a change
+/// that means to change the report).
+#[test]
+fn the_default_stack_report_is_unchanged() {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/golden/default_stack_report.txt"
+    );
+    let now = default_stack_reports();
+    if std::env::var_os("FERRY_BLESS").is_some() {
+        std::fs::write(path, &now).unwrap();
+    }
+    let pinned = std::fs::read_to_string(path).unwrap();
+    assert!(now == pinned, "the report differs from {path}:\n{now}");
+}

@@ -197,7 +197,7 @@ impl fmt::Debug for BackendConfig {
 /// |---|---|---|
 /// | `strict` | `0` | `1`/`true`/`yes`/`on` (or a bare `strict`): emulate nothing; missing optional operations are refused ([`AdapterConfig::strict`]) |
 /// | `coalesce` | `1` | merge contiguous requests of a batch ([`AdapterConfig::coalesce`]) |
-/// | `max_concurrency` | `16` | emulated single transfers in flight ([`AdapterConfig::max_concurrency`]) |
+/// | `max_concurrency` | `16` | emulated single transfers in flight, across batches ([`AdapterConfig::max_concurrency`], the adapter's [`ConcurrencyLimitLayer`](crate::ConcurrencyLimitLayer)) |
 /// | `require` | none | comma-separated operations (`batch_transfer,notify`) or guarantees (`landed_writes`, `peer_validation`) that must be available, else opening fails with [`Error::MissingCapabilities`] |
 ///
 /// In code (`#[non_exhaustive]`: no struct literal outside this crate):

@@ -15,7 +15,9 @@ use crate::config::{BackendConfig, BackendKind, EngineConfig};
 
 /// The default stack over a backend `B`, outermost first: a
 /// [`TracingEngine`] (a span per batch), a [`MetricsEngine`] (counters
-/// into [`EngineConfig::metrics`]) and the [`CapabilityAdapter`]. Either
+/// into [`EngineConfig::metrics`]) and the [`CapabilityAdapter`] (itself
+/// coalescing over emulation over the concurrency limit of emulated
+/// batches, see [`ferry_core::adapter`]). Either
 /// observing layer may be switched off in the [`EngineConfig`]; the type
 /// stays the same.
 pub type Stack<B> = TracingEngine<MetricsEngine<CapabilityAdapter<B>>>;

@@ -68,10 +68,15 @@ pub use ferry_core::{
 };
 
 /// Layers over an engine ([`Engine::layer`]): metrics, tracing, timeouts,
-/// and the [`Layer`] trait for a user's own.
+/// the capability adapter's own three (coalescing, emulation, the
+/// concurrency limit of emulated batches), and the [`Layer`] trait for a
+/// user's own.
 pub use ferry_core::layer;
 pub use ferry_core::layer::LayerExt;
-pub use ferry_core::{Layer, Metrics, MetricsLayer, MetricsSnapshot, TimeoutLayer, TracingLayer};
+pub use ferry_core::{
+    ConcurrencyLimitLayer, Layer, Metrics, MetricsLayer, MetricsSnapshot, TimeoutLayer,
+    TracingLayer,
+};
 
 /// What backend authors need and users do not: the region table, the
 /// adapter as a layer, request coalescing (see `ferry_core::raw`). The

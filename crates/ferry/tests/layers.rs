@@ -1,12 +1,13 @@
 //! The conformance suite through a stack of every layer (timeout, metrics,
-//! tracing, coalescing, capability adapter) on the in-process engine and
-//! on TCP, and
+//! tracing, coalescing, capability adapter, and the adapter's three layers
+//! stacked by hand) on the in-process engine and on TCP, and
 //! the facade's metrics counting what moved.
 #![cfg(feature = "tcp")]
 
 use std::sync::Arc;
 use std::time::Duration;
 
+use ferry::ConcurrencyLimitLayer;
 use ferry::{
     Engine, EngineConfig, Layer, LayerExt, Metrics, MetricsLayer, RegisteredBuffer, Result,
     TimeoutLayer, TracingLayer, TransferEngine, TransferRequest,
@@ -55,14 +56,16 @@ mod inproc_all {
     ferry_core::conformance_tests!(InprocStack(Capabilities::all()));
 }
 
-/// The adapter split in two layers: coalescing over emulation (each with
-/// one job), on engines with `caps` natively.
+/// The adapter split in its three layers: coalescing over emulation over
+/// the concurrency limit (each with one job), on engines with `caps`
+/// natively.
 struct SplitStack(Capabilities);
 
 #[async_trait::async_trait]
 impl EngineFactory for SplitStack {
     async fn create(&self) -> Result<Arc<dyn DynTransferEngine>> {
         let engine = InprocEngine::auto(self.0)
+            .layer(ConcurrencyLimitLayer::default())
             .layer(EmulationLayer::default())
             .layer(CoalesceLayer::default());
         Ok(Arc::new(engine))
@@ -100,6 +103,7 @@ fn the_split_layers_report_what_the_default_adapter_reports() {
     for caps in [Capabilities::default(), Capabilities::all(), async_notify()] {
         let whole = CapabilityAdapter::new(InprocEngine::auto(caps));
         let split = InprocEngine::auto(caps)
+            .layer(ConcurrencyLimitLayer::default())
             .layer(EmulationLayer::default())
             .layer(CoalesceLayer::default());
         assert_eq!(split.capabilities(), whole.capabilities(), "{caps:?}");

@@ -1,5 +1,5 @@
 //! The capability adapter: gives any engine the whole [`TransferEngine`]
-//! trait. It is two layers with one job each, stacked:
+//! trait. It is three layers with one job each, stacked:
 //!
 //! - [`CoalesceEngine`] ([`CoalesceLayer`]): contiguous requests of a
 //!   batch, sync or async, are merged before the layers below see them,
@@ -10,18 +10,23 @@
 //!   set is a pure function of the native one and the [`AdapterConfig`]:
 //!   each optional operation is forwarded when native, emulated when
 //!   allowed (with the same observable semantics), or refused with
-//!   [`Error::Unsupported`]; emulated single transfers are bounded in
-//!   number; `shutdown` drains the calls in flight; the capability report
-//!   and `require` live here.
+//!   [`Error::Unsupported`]; `shutdown` drains the calls in flight; the
+//!   capability report and `require` live here;
+//! - [`ConcurrencyLimitEngine`]
+//!   ([`ConcurrencyLimitLayer`](crate::layer::ConcurrencyLimitLayer)): at
+//!   most [`AdapterConfig::max_concurrency`] of the single transfers the
+//!   emulation issues for the batches it emulates are in flight at once,
+//!   across all its batches; a caller's own transfers and native batches
+//!   pass straight through.
 //!
-//! The coalescing layer keeps the capabilities of the layer below, so the
-//! adapter's are the emulation's.
+//! The coalescing and limiting layers keep the capabilities of the layer
+//! below, so the adapter's are the emulation's.
 //!
 //! | operation | emulated with |
 //! |---|---|
 //! | `batch_register` | single registers, all-or-nothing (rollback on failure) |
 //! | `batch_unregister` | single unregisters, every address attempted |
-//! | `batch_transfer` | native async batch, else single transfers with bounded concurrency |
+//! | `batch_transfer` | native async batch, else single transfers with bounded concurrency (`max_concurrency` per batch, and in all by the limit layer) |
 //! | `submit`/`status`/`release_batch` | a task per batch driving the above (run inline outside a runtime); `status` reads its state |
 //! | `wait` | awaiting that task (never polling a core hot) |
 //! | notifications | not emulable: needs a channel to the peer |
@@ -38,7 +43,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::stream::{self, StreamExt};
-use tokio::sync::Semaphore;
 
 pub use coalesce::{coalesce, CoalesceEngine, CoalesceLayer, CoalescedBatch};
 
@@ -48,6 +52,7 @@ use crate::caps::{
 };
 use crate::engine::TransferEngine;
 use crate::error::{Error, Result};
+use crate::layer::concurrency_limit::{limited, ConcurrencyLimitEngine};
 use crate::types::{
     BatchId, BatchReport, BatchStatus, MemoryRegion, Notification, SegmentId, TransferRequest,
 };
@@ -98,7 +103,11 @@ pub struct AdapterConfig {
     /// Largest request coalescing may produce, in bytes.
     pub max_coalesced_len: u64,
     /// Most emulated single transfers in flight at once, across all batches
-    /// of this adapter (at least 1).
+    /// of this adapter (at least 1): the
+    /// [`ConcurrencyLimitLayer`](crate::layer::ConcurrencyLimitLayer) at
+    /// the bottom of the adapter holds the others back. The emulation layer
+    /// alone ([`EmulationLayer`]) issues each batch's single transfers
+    /// this many at a time and sets no bound across batches.
     pub max_concurrency: usize,
 }
 
@@ -239,10 +248,10 @@ impl AdapterLayer {
         AdapterLayer { config }
     }
 
-    /// The adapter with coalescing off: its [`EmulationEngine`] alone
-    /// (with the concurrency limit, drain and report) behind a coalescing
-    /// layer that forwards everything. [`EmulationLayer`] gives the
-    /// emulation layer itself.
+    /// The adapter with coalescing off: its [`EmulationEngine`] (with
+    /// the drain and report) over its [`ConcurrencyLimitEngine`], behind a
+    /// coalescing layer that forwards everything. [`EmulationLayer`] gives
+    /// the emulation layer itself.
     pub fn emulation() -> Self {
         AdapterLayer {
             config: AdapterConfig {
@@ -254,8 +263,9 @@ impl AdapterLayer {
 }
 
 /// [`Layer`] that wraps engines in an [`EmulationEngine`]: the adapter's
-/// emulation layer on its own. Stacked under a [`CoalesceLayer`] it is
-/// what [`CapabilityAdapter`] is.
+/// emulation layer on its own. Stacked over a
+/// [`ConcurrencyLimitLayer`](crate::layer::ConcurrencyLimitLayer) and under
+/// a [`CoalesceLayer`] it is what [`CapabilityAdapter`] is.
 #[derive(Clone, Debug, Default)]
 pub struct EmulationLayer {
     config: AdapterConfig,
@@ -263,7 +273,10 @@ pub struct EmulationLayer {
 
 impl EmulationLayer {
     /// A layer with `config` (its coalescing fields are the coalescing
-    /// layer's business and are ignored here).
+    /// layer's business and are ignored here; of `max_concurrency` it
+    /// takes only the width it issues one batch's single transfers with,
+    /// the bound across batches being the
+    /// [`ConcurrencyLimitLayer`](crate::layer::ConcurrencyLimitLayer)'s).
     pub fn new(config: AdapterConfig) -> Self {
         EmulationLayer { config }
     }
@@ -284,13 +297,15 @@ impl<E: TransferEngine> Layer<E> for AdapterLayer {
 }
 
 /// Gives any engine the whole [`TransferEngine`] trait (see the module
-/// docs): the default stack of two layers, a [`CoalesceEngine`] (merging
-/// contiguous requests, when [`AdapterConfig::coalesce`]) over an
-/// [`EmulationEngine`] (emulation, the concurrency limit, the drain at
-/// shutdown and the report). Its capabilities are the emulation's; the
-/// coalescing layer keeps them as they are.
+/// docs): the default stack of three layers, a [`CoalesceEngine`]
+/// (merging contiguous requests, when [`AdapterConfig::coalesce`]) over
+/// an [`EmulationEngine`] (emulation, the drain at shutdown and the
+/// report) over a [`ConcurrencyLimitEngine`] (at most
+/// [`AdapterConfig::max_concurrency`] emulated single transfers in
+/// flight). Its capabilities are the emulation's; the other two layers
+/// keep them as they are.
 pub struct CapabilityAdapter<E: TransferEngine + ?Sized> {
-    inner: CoalesceEngine<EmulationEngine<E>>,
+    inner: CoalesceEngine<EmulationEngine<ConcurrencyLimitEngine<E>>>,
 }
 
 impl<E: TransferEngine + ?Sized> std::fmt::Debug for CapabilityAdapter<E> {
@@ -320,26 +335,32 @@ impl<E: TransferEngine + ?Sized> CapabilityAdapter<E> {
     /// Wraps an engine that is already shared (e.g. `Arc<dyn DynTransferEngine>`).
     pub fn from_arc(inner: Arc<E>, config: AdapterConfig) -> Self {
         let (enabled, max_len) = (config.coalesce, config.max_coalesced_len);
+        let limit = ConcurrencyLimitEngine::from_arc(inner, config.max_concurrency);
+        let emulation = EmulationEngine::from_arc(Arc::new(limit), config);
         CapabilityAdapter {
-            inner: CoalesceEngine::with(EmulationEngine::from_arc(inner, config), enabled, max_len),
+            inner: CoalesceEngine::with(emulation, enabled, max_len),
         }
     }
 
     /// The wrapped engine.
     pub fn get_ref(&self) -> &E {
-        self.inner.get_ref().get_ref()
+        self.concurrency_limit().get_ref()
     }
     /// The wrapped engine, shared.
     pub fn inner(&self) -> &Arc<E> {
-        self.inner.get_ref().inner()
+        self.concurrency_limit().inner()
     }
     /// Unwraps, returning the shared inner engine.
     pub fn into_inner(self) -> Arc<E> {
-        Arc::clone(self.inner.get_ref().inner())
+        Arc::clone(self.inner())
     }
     /// The emulation layer of the stack.
-    pub fn emulation(&self) -> &EmulationEngine<E> {
+    pub fn emulation(&self) -> &EmulationEngine<ConcurrencyLimitEngine<E>> {
         self.inner.get_ref()
+    }
+    /// The concurrency limit at the bottom of the stack.
+    pub fn concurrency_limit(&self) -> &ConcurrencyLimitEngine<E> {
+        self.inner.get_ref().get_ref()
     }
     /// The configuration in force.
     pub fn config(&self) -> &AdapterConfig {
@@ -387,10 +408,13 @@ impl<E: TransferEngine + ?Sized> TransferEngine for CapabilityAdapter<E> {
 }
 
 /// The adapter's emulation layer (see the module docs): every optional
-/// operation the engine lacks, emulated (or refused in strict mode) with
-/// bounded concurrency; calls drained at shutdown; the capability report.
-/// It merges no requests: [`CapabilityAdapter`] stacks a
-/// [`CoalesceEngine`] over it for that.
+/// operation the engine lacks, emulated (or refused in strict mode);
+/// calls drained at shutdown; the capability report. It merges no
+/// requests and bounds nothing across batches: [`CapabilityAdapter`]
+/// stacks a [`CoalesceEngine`] over it and a [`ConcurrencyLimitEngine`]
+/// under it for that. The single transfers of a batch it emulates are
+/// issued inside [`limited`],
+/// [`AdapterConfig::max_concurrency`] at a time per batch.
 pub struct EmulationEngine<E: TransferEngine + ?Sized> {
     inner: Arc<E>,
     shared: Arc<Shared>,
@@ -405,7 +429,6 @@ struct Shared {
     /// the backend's own batches (forwarded as they are).
     batches: BatchTable,
     announced: Mutex<HashSet<Operation>>,
-    permits: Arc<Semaphore>,
     /// Calls in flight, for `shutdown`'s drain.
     drain: Arc<Drain>,
 }
@@ -431,7 +454,6 @@ impl<E: TransferEngine + ?Sized> EmulationEngine<E> {
         let native = inner.capabilities();
         let effective = config.effective(&native);
         let info = inner.backend_info();
-        let permits = Arc::new(Semaphore::new(config.max_concurrency));
         EmulationEngine {
             inner,
             shared: Arc::new(Shared {
@@ -441,7 +463,6 @@ impl<E: TransferEngine + ?Sized> EmulationEngine<E> {
                 info,
                 batches: BatchTable::new("adapter"),
                 announced: Mutex::new(HashSet::new()),
-                permits,
                 drain: Drain::new(),
             }),
         }
@@ -637,14 +658,11 @@ async fn execute<E: TransferEngine + ?Sized>(
         return Err(shared.refuse(Operation::Notify));
     }
     shared.announce(Operation::BatchTransfer);
+    // `limited`: a concurrency limit below counts these, not a caller's
+    // own transfers. The window keeps one batch from making more futures
+    // than that limit lets run.
     let results = stream::iter(requests.iter().copied().enumerate())
-        .map(|(i, r)| {
-            let permits = Arc::clone(&shared.permits);
-            async move {
-                let _permit = permits.acquire_owned().await;
-                (i, inner.transfer(segment, r).await)
-            }
-        })
+        .map(|(i, r)| async move { (i, limited(inner.transfer(segment, r)).await) })
         .buffer_unordered(shared.config.max_concurrency)
         .collect::<Vec<_>>()
         .await;

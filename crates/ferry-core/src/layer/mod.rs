@@ -3,11 +3,14 @@
 //! [`TimeoutLayer`] puts a deadline on every call that waits on a peer,
 //! [`CoalesceLayer`] merges contiguous requests of a batch,
 //! [`EmulationLayer`](crate::EmulationLayer) emulates what the engine lacks
-//! (with bounded concurrency, a drain at shutdown and the capability
-//! report). The [`CapabilityAdapter`](crate::CapabilityAdapter) is those
-//! two stacked, coalescing over emulation (`ferry/tests/layers.rs` runs the
-//! conformance suite through the pair stacked by hand, and checks that
-//! it reports what the adapter reports).
+//! (with a drain at shutdown and the capability report),
+//! [`ConcurrencyLimitLayer`] bounds the single transfers an emulation
+//! above it issues for its batches. The
+//! [`CapabilityAdapter`](crate::CapabilityAdapter) is the last three
+//! stacked, coalescing over emulation over the limit
+//! (`ferry/tests/layers.rs` runs the conformance suite through the three
+//! stacked by hand, and checks that they report what the adapter
+//! reports).
 //!
 //! Each wrapper forwards every [`TransferEngine`](crate::TransferEngine)
 //! method (`#[deny(clippy::missing_trait_methods)]`) and leaves the
@@ -31,11 +34,13 @@
 //! assert!(metrics.encode().ends_with("# EOF\n"));
 //! ```
 
+pub mod concurrency_limit;
 pub mod metrics;
 mod peers;
 pub mod timeout;
 pub mod tracing;
 
+pub use concurrency_limit::{ConcurrencyLimitEngine, ConcurrencyLimitLayer};
 pub use metrics::{Metrics, MetricsEngine, MetricsLayer, MetricsSnapshot, PeerSnapshot};
 pub use timeout::{TimeoutEngine, TimeoutLayer};
 pub use tracing::{TracingEngine, TracingLayer};
