@@ -429,7 +429,11 @@ pub(crate) async fn send_ops(
             .flat_map(|(_, pieces)| pieces.iter().map(|p| p.len))
             .sum();
         let moving = super::conn::Moving::new(st, bytes > stage::RING_BYTES);
+        let start = std::time::Instant::now();
         let moved = move_staged(conn, batch, st, &mut cursor, &staging).await;
+        if moved.is_ok() {
+            st.choice.moved(false, bytes as u64, start.elapsed());
+        }
         drop(moving);
         if let Err(stop) = moved {
             conn.fail_all(stop.error(
@@ -516,15 +520,16 @@ pub(crate) fn fail_ops(state: &WireOps, ops: &[OutOp], e: &Error) {
 /// Calls of at most this many bytes (in frames below 8 MiB) go as granted
 /// copies whatever the state of the staging area: below it one
 /// `process_vm_writev` by the initiator beats a round trip with the
-/// target; above it the area's two pipelined copies are faster (measured
-/// in ferry-tcp's README), so larger calls use grants only while the area
-/// is avoided (the target loses its CPU: [`crate::same_host::choice`]).
+/// target; above it, on a quiet machine, the area's two pipelined copies
+/// are faster (measured in ferry-tcp's README), so larger calls take the
+/// way [`crate::same_host::choice::PathChoice::grant`] finds faster.
 const GRANTED_ALWAYS: u64 = 128 << 10;
 
-/// Granted copies of at most this many bytes per call run on the caller's
-/// thread (as long as a memcpy of them); more go to the blocking pool, so
-/// that a caller's runtime is never held for milliseconds.
-const GRANTED_INLINE: u64 = 256 << 10;
+/// Granted copies run on the caller's thread (a kernel copy is as long as
+/// a memcpy of its bytes; a hop to the blocking pool measured 1.5-2x
+/// slower), in pieces of at most this many bytes with a yield to the
+/// runtime after each, so that no caller's runtime is held for long.
+const GRANTED_PIECE: u64 = 256 << 10;
 
 /// Copies the transfer operations of `ops` that the target has granted
 /// (see [`crate::same_host::grant`]) and completes them, unless the call
@@ -552,61 +557,79 @@ async fn copy_granted(
         .filter(|op| eligible(op))
         .map(OutOp::payload_len)
         .sum();
-    if total == 0 || (total > GRANTED_ALWAYS && stage_now) {
+    let choice = conn.stage.as_ref().map(|s| &s.choice);
+    if total == 0 || (total > GRANTED_ALWAYS && !choice.is_some_and(|c| c.grant(total, stage_now)))
+    {
         return ops;
     }
-    if total <= GRANTED_INLINE {
-        return ops
-            .into_iter()
-            .filter(|op| !(eligible(op) && copy_one(grants, batch, op)))
-            .collect();
-    }
-    let (grants, state) = (Arc::clone(grants), Arc::clone(batch));
-    let mut slots: Vec<Option<OutOp>> = Vec::with_capacity(ops.len());
-    let mut moved = Vec::new();
-    for (i, op) in ops.into_iter().enumerate() {
-        if eligible(&op) {
-            moved.push((i, op));
-            slots.push(None);
+    let start = std::time::Instant::now();
+    let mut left = Vec::new();
+    let mut since_yield = 0;
+    let mut copied = 0;
+    for op in ops {
+        if eligible(&op) && copy_one(grants, batch, &op, &mut since_yield).await {
+            copied += op.payload_len();
         } else {
-            slots.push(Some(op));
+            left.push(op);
         }
     }
-    let left = tokio::task::spawn_blocking(move || {
-        moved
-            .into_iter()
-            .filter(|(_, op)| !copy_one(&grants, &state, op))
-            .collect::<Vec<_>>()
-    })
-    .await
-    // A panic in the copy is a bug; its operations end at their batch's
-    // deadline.
-    .unwrap_or_default();
-    for (i, op) in left {
-        slots[i] = Some(op);
+    if let Some(c) = choice {
+        c.moved(true, copied, start.elapsed());
     }
-    slots.into_iter().flatten().collect()
+    left
 }
 
-/// One granted copy of a transfer operation, completed on success.
-fn copy_one(grants: &crate::same_host::grant::ClientGrants, batch: &WireOps, op: &OutOp) -> bool {
+/// One granted copy of a transfer operation, in pieces (see
+/// [`GRANTED_PIECE`]), completed on success. `false`: not (all) copied;
+/// the operation goes as a frame (which moves every byte again).
+async fn copy_one(
+    grants: &crate::same_host::grant::ClientGrants,
+    batch: &WireOps,
+    op: &OutOp,
+    since_yield: &mut u64,
+) -> bool {
+    use crate::same_host::grant::Part;
     let Some((read, parts)) = op.cma_parts() else {
         return false;
     };
-    let granted: Vec<crate::same_host::grant::Part> = parts
+    // Every piece first (no raw pointer lives across an await but in
+    // `Part`s, which are Send).
+    let all: Vec<Part> = parts
         .iter()
-        .map(|p| crate::same_host::grant::Part {
-            local: p.1.as_ptr().wrapping_add(p.2 as usize),
-            len: p.3,
-            remote: p.4,
-            gen: p.5,
+        .flat_map(|p| {
+            let (local, remote) = (p.1.as_ptr() as usize + p.2 as usize, p.4);
+            (0..p.3.div_ceil(GRANTED_PIECE).max(1)).map(move |i| {
+                let off = i * GRANTED_PIECE;
+                Part {
+                    local: (local + off as usize) as *mut u8,
+                    len: (p.3 - off).min(GRANTED_PIECE),
+                    remote: remote + off,
+                    gen: p.5,
+                }
+            })
         })
         .collect();
-    // SAFETY: each local range lies in the range its guard (held by `op`
-    // for this call) keeps registered; the operation was checked against
-    // it when planned.
-    if !unsafe { grants.copy(read, &granted) } {
-        return false;
+    let mut from = 0;
+    while from < all.len() {
+        // Pieces up to GRANTED_PIECE bytes in one copy.
+        let mut to = from;
+        let mut bytes = 0;
+        while to < all.len() && (to == from || bytes + all[to].len <= GRANTED_PIECE) {
+            bytes += all[to].len;
+            to += 1;
+        }
+        // SAFETY: each local range lies in the range its guard (held by
+        // `op` for this call) keeps registered; the operation was checked
+        // against it when planned.
+        if !unsafe { grants.copy(read, &all[from..to]) } {
+            return false;
+        }
+        from = to;
+        *since_yield += bytes;
+        if *since_yield >= GRANTED_PIECE {
+            *since_yield = 0;
+            tokio::task::yield_now().await;
+        }
     }
     for p in &parts {
         batch.complete(p.0, Ok(()));
