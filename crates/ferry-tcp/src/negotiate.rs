@@ -593,7 +593,11 @@ mod tests {
         assert!(v4.enabled(SAME_HOST) && v4.enabled(CONTROL_CHANNEL));
         assert!(!v4.enabled(STAGING) && !v4.enabled(ACK_LANE));
         let v5 = FeatureSet::implied_by(5);
-        assert!(FEATURES.iter().all(|f| v5.enabled(*f)));
+        assert!(FEATURES.iter().all(|f| v5.enabled(*f) != (*f == GRANTS)));
+        assert!(
+            !FeatureSet::implied_by(u16::MAX - 1).enabled(GRANTS),
+            "granted copies are negotiated only"
+        );
     }
 
     #[test]

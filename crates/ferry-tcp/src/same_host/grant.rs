@@ -258,6 +258,8 @@ struct Inner {
     areas: Vec<Linked>,
     /// Revocations whose wait has not ended yet, by region address.
     held: HashMap<u64, Revoked>,
+    /// The engine stopped serving: nothing is granted any more.
+    closed: bool,
 }
 
 impl Inner {
@@ -329,6 +331,9 @@ impl Grants {
     ) -> Option<Link> {
         let page = area.grants()?;
         let mut g = lock(&self.inner);
+        if g.closed {
+            return None;
+        }
         g.prune();
         page.word(PID)
             .store(u64::from(std::process::id()), Ordering::Relaxed);
@@ -359,6 +364,9 @@ impl Grants {
     /// live area (none if every entry is taken: it is served as frames).
     pub fn grant(&self, addr: u64, len: u64, gen: u32) {
         let mut g = lock(&self.inner);
+        if g.closed {
+            return;
+        }
         g.prune();
         let idx = match g.slots.iter().position(Option::is_none) {
             Some(i) => i,
@@ -428,6 +436,22 @@ impl Grants {
             } else {
                 tokio::time::sleep(Duration::from_millis(1)).await;
             }
+        }
+    }
+
+    /// The engine stops serving: every grant of every area is revoked (a
+    /// copy marked before this may still complete; none starts after), and
+    /// none is made any more.
+    pub fn close(&self) {
+        let mut g = lock(&self.inner);
+        g.closed = true;
+        let used = g.used();
+        for l in &g.areas {
+            let page = l.page();
+            for idx in 0..used {
+                revoke(page.entry(idx)[0]);
+            }
+            page.bump();
         }
     }
 

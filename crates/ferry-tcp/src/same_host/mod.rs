@@ -27,6 +27,12 @@
 //! processes copying at once ([`stage`]); the target acknowledges staged
 //! requests in the area's lane while the initiator's reader polls it, with
 //! a WAKE frame once it sleeps (a Dekker pair, model-checked with loom).
+//! With granted copies agreed (a page after the area's rings; [`grant`])
+//! the initiator copies calls of up to 128 KiB itself, straight into (out
+//! of) the target's registered memory, under grants the target publishes
+//! per region and generation and revokes in `unregister`: no frame, no
+//! round trip, no target on a CPU. Longer calls take whichever of the area
+//! and granted copies measured faster ([`choice`]).
 //! The area needs both processes on a CPU at once: a call longer than the
 //! rings whose last staged stream had to sleep for the other side (either
 //! side's sleeps count; the target's through a counter in the area) sends
@@ -46,6 +52,11 @@
 //!   closed its side of the connection, which it does only after its
 //!   copies returned ([`fence`]), else `unregister` fails with `RegionHeld`
 //!   and the memory is leaked, never freed.
+//! - No byte of the target's memory changes after its `unregister`
+//!   returns: the grant is revoked first and `unregister` waits until no
+//!   initiator's mark names it (a Dekker pair, model-checked with loom);
+//!   a mark that stays past the stall timeout makes it fail with
+//!   `RegionHeld`, the region still registered.
 //! - Nothing a peer writes into the area can make the target fault or
 //!   touch memory outside its checked ranges: slot addresses stay inside
 //!   the mapping, counters are only compared.

@@ -127,6 +127,8 @@ impl Core {
     /// then saw an engine without regions, not a lost connection.
     pub fn close(&self) {
         self.closed.store(true, Ordering::Release);
+        // Same-host initiators copy into no region any more.
+        self.grants.close();
         // Whoever awaits a notification learns that none will come.
         self.notifications.close();
     }
