@@ -148,7 +148,9 @@ pub struct TcpConfig {
     /// grants the target publishes (`true`, the default; with a peer that
     /// has them, and only with a staging area, whose page they use): one
     /// `process_vm_writev` per call instead of a round trip through the
-    /// target (see [`crate::same_host::grant`]). URL `same_host_grant=off`.
+    /// target (see [`crate::same_host::grant`]). Off (URL
+    /// `same_host_grant=off`): an initiator never copies, a target grants
+    /// nothing (its peers then stage, as with an older target).
     pub same_host_grant: bool,
     /// Listen on an address other hosts can reach without a `secret`
     /// (URL `insecure=1`). Without it [`crate::TcpEngine::start`] refuses
@@ -299,7 +301,7 @@ impl TcpConfig {
     /// | `same_host_control`  | `same_host_unix`  | `unix` (true) or `tcp` (false): where a same-host connection's frames go |
     /// | `same_host_chunk`    | `same_host_chunk` | bytes per CWRITE / CREAD frame on the same-host path (4096..=64 MiB) |
     /// | `same_host_stage`    | `same_host_stage` | smallest frame moved through the staging area, bytes (1..=64 MiB), or `off` |
-    /// | `same_host_grant`    | `same_host_grant` | `on` (default) or `off`: the initiator copies into memory the target granted |
+    /// | `same_host_grant`    | `same_host_grant` | `on` (default) or `off`: the initiator copies into memory the target granted (off on either side: never) |
     /// | `insecure`           | `insecure`        | `1`: listen beyond loopback without a secret (refused otherwise) |
     /// | `tls`                | `tls`             | `off` (default), `on` (with peers that have it) or `require` |
     /// | `tls_cert`           | `tls_cert`        | PEM certificate chain file (with `tls_key`, `tls_ca`) |

@@ -375,7 +375,7 @@ pub fn no_common_version(ours: VersionRange, theirs: VersionRange, peer_role: &s
 /// This engine's features for a connection, given its settings: an
 /// initiator's `same_host`, `same_host_control` and `same_host_stage`, or
 /// a target's `same_host` (a target takes whatever channel and area an
-/// agreed initiator offers).
+/// agreed initiator offers); either side's `same_host_grant`.
 pub fn our_features(cfg: &crate::TcpConfig, initiator: bool) -> FeatureSet {
     let has = FEATURES.iter().fold(TLS.bit, |m, f| m | f.bit);
     let mut on = has;
@@ -392,9 +392,11 @@ pub fn our_features(cfg: &crate::TcpConfig, initiator: bool) -> FeatureSet {
         if cfg.same_host_stage.is_none() {
             on &= !(STAGING.bit | ACK_LANE.bit);
         }
-        if !cfg.same_host_grant {
-            on &= !GRANTS.bit;
-        }
+    }
+    // Either side may refuse granted copies: an initiator that will not
+    // copy, a target that will not grant.
+    if !cfg.same_host_grant {
+        on &= !GRANTS.bit;
     }
     FeatureSet { has, on }
 }

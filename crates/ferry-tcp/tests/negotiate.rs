@@ -93,6 +93,18 @@ async fn two_builds_of_this_version_negotiate_everything_on() {
     if d.config().same_host == SameHost::Auto {
         assert_eq!(r.path, "same-host staged", "{r}");
     }
+    // A target that grants nothing: the initiator is told so.
+    let e = engine(TcpConfig::builder().same_host_grant(false).build().unwrap()).await;
+    a.open_segment(e.segment_name()).await.unwrap();
+    let r = a.peer_report(e.segment_name()).unwrap();
+    assert_eq!(
+        feature(&r, "granted-copy"),
+        &Some(FeatureOff::DisabledByPeer),
+        "{r}"
+    );
+    if a.config().same_host == SameHost::Auto && a.config().same_host_stage.is_some() {
+        assert_eq!(r.path, "same-host staged", "{r}");
+    }
     // A target with the path off says so in its announcement: no offer.
     let off = TcpEngine::start(
         TcpConfig::builder()
