@@ -13,7 +13,7 @@ mod common;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{mem, pattern};
+use common::{is_stopped, mem, pattern, Child};
 use ferry_core::{Error, ErrorKind, TransferEngine, TransferRequest};
 use ferry_tcp::{SameHost, TcpConfig, TcpEngine};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
@@ -144,26 +144,6 @@ fn granted_child_initiator() {
             }
         }
     });
-}
-
-fn is_stopped(pid: i32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|st| {
-            st.rsplit(')')
-                .next()
-                .map(|r| r.trim_start().starts_with('T'))
-        })
-        .unwrap_or(false)
-}
-
-struct Child(std::process::Child);
-
-impl Drop for Child {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 /// The window the marks exist for: the initiator has marked its copy and

@@ -10,7 +10,7 @@ use std::os::unix::process::CommandExt;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{gen_of, mem, pattern};
+use common::{gen_of, is_stopped, mem, pattern, Child};
 use ferry_core::{Error, TransferEngine, TransferRequest};
 use ferry_tcp::test_support::cma::{Offer, Refusal, OFFER_LEN};
 use ferry_tcp::test_support::frame::{
@@ -191,15 +191,6 @@ fn same_host_child_engine() {
     });
 }
 
-struct Child(std::process::Child);
-
-impl Drop for Child {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 async fn spawn_child(url: &str, uid: Option<u32>) -> (Child, String, u64) {
     spawn_child_with(url, uid, &[]).await
 }
@@ -335,16 +326,7 @@ async fn frozen_target_process_times_out_and_copies_nothing_later() {
     // SAFETY: signalling our own child.
     assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
     // SIGSTOP takes effect asynchronously: wait until the child is stopped.
-    let stopped = || {
-        std::fs::read_to_string(format!("/proc/{pid}/stat"))
-            .ok()
-            .and_then(|st| {
-                st.rsplit(')')
-                    .next()
-                    .map(|r| r.trim_start().starts_with('T'))
-            })
-            .unwrap_or(false)
-    };
+    let stopped = || is_stopped(pid);
     let t = Instant::now();
     while !stopped() {
         assert!(
@@ -379,18 +361,6 @@ async fn frozen_target_process_times_out_and_copies_nothing_later() {
         !back.to_vec().contains(&0xbb),
         "the target copied from memory the initiator had given up"
     );
-}
-
-/// Whether process `pid` is stopped (state `T` in /proc).
-fn is_stopped(pid: i32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|st| {
-            st.rsplit(')')
-                .next()
-                .map(|r| r.trim_start().starts_with('T'))
-        })
-        .unwrap_or(false)
 }
 
 /// The window no check closes: the target has checked that the initiator

@@ -261,3 +261,25 @@ pub fn assert_tls(e: &TcpEngine, peer: &str) {
         assert!(r.tls.is_ok(), "FERRY_TEST_TLS: TLS is off to {peer}: {r}");
     }
 }
+
+/// Whether process `pid` is stopped (state `T` in /proc).
+pub fn is_stopped(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|st| {
+            st.rsplit(')')
+                .next()
+                .map(|r| r.trim_start().starts_with('T'))
+        })
+        .unwrap_or(false)
+}
+
+/// A child process of a test, killed and reaped when dropped.
+pub struct Child(pub std::process::Child);
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
