@@ -1,35 +1,41 @@
-//! Which way a frame longer than the rings takes: the staging area or the
-//! target's kernel copy.
+//! Which way a call longer than the rings takes: the staging area, the
+//! target's kernel copy, or (with grants) the initiator's own copy.
 //!
 //! The staging area is fastest when both processes run at once: each copies
 //! its side of a 256 KiB pipeline. When they compete with other work for
-//! the CPUs, one of them is descheduled for a whole time slice (ms) and the
-//! other waits: the pipeline moves at the speed of their turns. The kernel
-//! copy needs one thread, the target's, and keeps its speed there (it is
-//! also what frames of 8 MiB and more use). So an initiator whose staged
-//! stream had to wait a scheduler's time slice for the other side (2 ms:
-//! that side lost its CPU, not just a passing preemption) sends the frames of its next long
-//! calls as kernel copies for a while, then tries the area again: the while doubles
-//! (up to [`MAX_BACKOFF`]) each time a wait sleeps again, and starts over
-//! once none has for [`FORGET`]. The target tells its own sleeps
-//! (it waits when the initiator lost its CPU) through a counter in the
-//! area. Calls whose frames fit in the rings together stay staged: they
-//! never wait for room.
+//! the CPUs, one of them waits for the other's turn and the pipeline moves
+//! at the speed of their turns. The kernel copy needs one thread, the
+//! target's, and a granted copy ([`crate::same_host::grant`]) only the
+//! initiator's: each keeps its speed there. Calls whose frames fit in the
+//! rings together always stay staged (they never wait for room).
 //!
-//! Only the initiator chooses, and only between two ways the target
-//! already serves: a target cannot tell, and a peer that makes the
-//! initiator sleep only makes it use the kernel copy.
+//! **Where the kernel reports CPU pressure** (PSI: this process's cgroup
+//! v2 `cpu.pressure`, else `/proc/pressure/cpu`; [`pressure`]) that alone
+//! decides: while some runnable task waited for a CPU at least
+//! [`pressure::CONTENDED`] per mille of the last window (until it falls
+//! below [`pressure::CALM`]), long calls copy granted (else take the
+//! kernel copy); otherwise they stage. Measured on two CPUs: quiet, the
+//! two processes' own copying reads 200-300 per mille; with one busy loop
+//! beside them 430, with two 770. Rates measured per call were not a
+//! usable signal: the area's speed is bimodal even on a quiet machine
+//! (whether the two copying threads share a CPU), so a moving average
+//! kept leaving it for granted copies at half its speed.
 //!
-//! With granted copies ([`crate::same_host::grant`]) the other way is the
-//! initiator's own copy into the target's memory, which needs no target
-//! on a CPU at all. Quiet, the area's two copies are about twice as fast
-//! as one `process_vm_writev`; when the processes compete for the CPUs
-//! the area slows down long before any wait lasts a time slice. So long
-//! calls (longer than the rings) go the way whose measured speed is
-//! higher ([`PathChoice::grant`]): each way's rate is a moving average
-//! over its long calls, and the way not taken gets one call every
-//! [`EXPLORE`] so that its rate stays current. A sleep still sends long
-//! calls away from the area at once, as above.
+//! **Without PSI** the choice falls back on what the streams see. An
+//! initiator whose staged stream had to wait a scheduler's time slice
+//! for the other side (2 ms: that side lost its CPU, not just a passing
+//! preemption) sends its next long calls the other way for a while, then
+//! tries the area again: the while doubles (up to [`MAX_BACKOFF`]) each
+//! time a wait sleeps again, and starts over once none has for
+//! [`FORGET`]. The target tells its own sleeps (it waits when the
+//! initiator lost its CPU) through a counter in the area. With grants,
+//! long calls otherwise go the way whose measured speed is higher
+//! ([`PathChoice::grant`]): each way's rate is a moving average over its
+//! long calls, and the way not taken gets one call every [`EXPLORE`].
+//!
+//! Only the initiator chooses, and only between ways the target already
+//! serves: a target cannot tell, and a peer that makes the initiator
+//! sleep only makes it use another way.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -65,6 +71,9 @@ pub(crate) struct PathChoice {
     peer_seen: AtomicU64,
     /// Nanoseconds after `epoch` of the last sleep (0: none yet).
     last_sleep: AtomicU64,
+    /// Whether the CPUs are contended (`None`: not known);
+    /// [`pressure::contended`] but in tests.
+    contended: fn() -> Option<bool>,
 }
 
 impl Default for PathChoice {
@@ -79,6 +88,7 @@ impl Default for PathChoice {
             backoff: AtomicU64::new(0),
             peer_seen: AtomicU64::new(0),
             last_sleep: AtomicU64::new(0),
+            contended: pressure::contended,
         }
     }
 }
@@ -101,7 +111,13 @@ impl PathChoice {
         {
             self.slept();
         }
-        total <= RING_BYTES as u64 || self.now() >= self.avoid_until.load(Ordering::Relaxed)
+        if total <= RING_BYTES as u64 {
+            return true;
+        }
+        match (self.contended)() {
+            Some(contended) => !contended,
+            None => self.now() >= self.avoid_until.load(Ordering::Relaxed),
+        }
     }
 
     /// Whether a call of `total` bytes, with granted copies available,
@@ -114,6 +130,10 @@ impl PathChoice {
             return true;
         }
         if total <= RING_BYTES as u64 {
+            return false;
+        }
+        if (self.contended)().is_some() {
+            // Calm CPUs (`stage` said so): the area.
             return false;
         }
         let now = self.now();
@@ -194,11 +214,137 @@ impl PathChoice {
     }
 }
 
+/// Whether the CPUs are contended, from the kernel's pressure stall
+/// information (`/proc/pressure/cpu`, Linux ≥ 4.20 with PSI on): the
+/// share of the last while in which some runnable task waited for a CPU.
+pub(crate) mod pressure {
+    use std::os::unix::fs::FileExt;
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::sync::OnceLock;
+    use std::time::Instant;
+
+    /// A share at or above this (per mille) starts calling the CPUs
+    /// contended; below [`CALM`] ends it.
+    pub(crate) const CONTENDED: u64 = 450;
+    /// See [`CONTENDED`].
+    pub(crate) const CALM: u64 = 350;
+    /// Samples are this far apart at least (nanoseconds).
+    const WINDOW: u64 = 50_000_000;
+
+    struct Sampler {
+        file: std::fs::File,
+        epoch: Instant,
+        /// Nanoseconds after `epoch` of the last sample (`u64::MAX` while
+        /// one is being taken).
+        at: AtomicU64,
+        /// The stall total (µs) at the last sample.
+        total: AtomicU64,
+        contended: AtomicBool,
+    }
+
+    fn sampler() -> Option<&'static Sampler> {
+        static SAMPLER: OnceLock<Option<Sampler>> = OnceLock::new();
+        SAMPLER
+            .get_or_init(|| {
+                let file = open()?;
+                let total = read_total(&file)?;
+                Some(Sampler {
+                    file,
+                    epoch: Instant::now(),
+                    at: AtomicU64::new(0),
+                    total: AtomicU64::new(total),
+                    contended: AtomicBool::new(false),
+                })
+            })
+            .as_ref()
+    }
+
+    /// This process's cgroup's `cpu.pressure` (cgroup v2: its own tasks'
+    /// waits, CPU quota throttling included), else the machine's.
+    fn open() -> Option<std::fs::File> {
+        let own = std::fs::read_to_string("/proc/self/cgroup")
+            .ok()
+            .and_then(|c| {
+                c.lines()
+                    .find_map(|l| l.strip_prefix("0::"))
+                    .map(|p| format!("/sys/fs/cgroup{}/cpu.pressure", p.trim_end_matches('/')))
+            });
+        own.and_then(|p| std::fs::File::open(p).ok())
+            .or_else(|| std::fs::File::open("/proc/pressure/cpu").ok())
+    }
+
+    /// The `some` line's `total=` (µs), if the file reads as expected.
+    fn read_total(file: &std::fs::File) -> Option<u64> {
+        let mut buf = [0u8; 256];
+        let n = file.read_at(&mut buf, 0).ok()?;
+        parse_some_total(std::str::from_utf8(&buf[..n]).ok()?)
+    }
+
+    /// `total=` of the `some` line of a pressure file.
+    pub(crate) fn parse_some_total(text: &str) -> Option<u64> {
+        let line = text.lines().find(|l| l.starts_with("some "))?;
+        line.split_whitespace()
+            .find_map(|f| f.strip_prefix("total="))?
+            .parse()
+            .ok()
+    }
+
+    /// Whether the CPUs are contended after a window in which tasks
+    /// waited `share` per mille of the time, if they `was` before.
+    pub(crate) fn next(was: bool, share: u64) -> bool {
+        share >= if was { CALM } else { CONTENDED }
+    }
+
+    /// The answer as of the last sample (taken now if the last is older
+    /// than the window); `None` where the kernel has no such file.
+    pub(crate) fn contended() -> Option<bool> {
+        let s = sampler()?;
+        let now = s.epoch.elapsed().as_nanos() as u64;
+        let at = s.at.load(Ordering::Relaxed);
+        if at != u64::MAX
+            && now.saturating_sub(at) >= WINDOW
+            && s.at
+                .compare_exchange(at, u64::MAX, Ordering::Acquire, Ordering::Relaxed)
+                .is_ok()
+        {
+            if let Some(total) = read_total(&s.file) {
+                let stalled = total.saturating_sub(s.total.swap(total, Ordering::Relaxed));
+                // Per mille of the elapsed time (µs against ns).
+                let share = stalled * 1_000_000 / now.saturating_sub(at).max(1);
+                let was = s.contended.load(Ordering::Relaxed);
+                let is = next(was, share);
+                if is != was {
+                    tracing::debug!(
+                        share_per_mille = share,
+                        "same-host: CPUs {}",
+                        if is {
+                            "contended: long calls copy granted"
+                        } else {
+                            "calm: long calls stage"
+                        }
+                    );
+                }
+                s.contended.store(is, Ordering::Relaxed);
+            }
+            s.at.store(now, Ordering::Release);
+        }
+        Some(s.contended.load(Ordering::Relaxed))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     const LONG: u64 = RING_BYTES as u64 + 1;
+
+    /// A choice that does not know the CPUs' pressure (the fallback).
+    fn unknown() -> PathChoice {
+        PathChoice {
+            contended: || None,
+            ..Default::default()
+        }
+    }
 
     fn backoff(c: &PathChoice) -> Duration {
         Duration::from_nanos(c.backoff.load(Ordering::Relaxed))
@@ -206,7 +352,7 @@ mod tests {
 
     #[test]
     fn a_sleeping_stream_sends_long_calls_to_the_kernel_copy_for_a_while() {
-        let c = PathChoice::default();
+        let c = unknown();
         assert!(c.stage(LONG, 0) && c.stage(4096, 0));
         c.staged(0);
         assert!(
@@ -225,7 +371,7 @@ mod tests {
 
     #[test]
     fn long_calls_take_the_faster_way_and_try_the_other_now_and_then() {
-        let c = PathChoice::default();
+        let c = unknown();
         let long = 4 * LONG;
         assert!(
             !c.grant(RING_BYTES as u64, true),
@@ -254,7 +400,7 @@ mod tests {
 
     #[test]
     fn a_sleep_of_the_target_counts_too() {
-        let c = PathChoice::default();
+        let c = unknown();
         assert!(c.stage(LONG, 0));
         assert!(!c.stage(LONG, 1), "the target's count moved: it slept");
         assert_eq!(backoff(&c), MIN_BACKOFF);
@@ -269,7 +415,7 @@ mod tests {
         // An epoch in the past, so that "long ago" has a time.
         let c = PathChoice {
             epoch: Instant::now() - 2 * FORGET,
-            ..Default::default()
+            ..unknown()
         };
         c.staged(1);
         assert_eq!(backoff(&c), MIN_BACKOFF);
@@ -290,5 +436,101 @@ mod tests {
             .store(c.now() - FORGET.as_nanos() as u64 - 1, Ordering::Relaxed);
         c.staged(2);
         assert_eq!(backoff(&c), MIN_BACKOFF);
+    }
+
+    #[test]
+    fn known_pressure_decides_long_calls_alone() {
+        let calm = PathChoice {
+            contended: || Some(false),
+            ..Default::default()
+        };
+        calm.staged(5);
+        assert!(calm.stage(LONG, 9), "sleeps do not count on calm CPUs");
+        calm.moved(true, 4 * LONG, Duration::from_micros(10));
+        calm.moved(false, 4 * LONG, Duration::from_millis(10));
+        assert!(
+            !calm.grant(4 * LONG, true),
+            "calm: the area, whatever the rates said"
+        );
+        assert!(!calm.grant(RING_BYTES as u64, true));
+        let busy = PathChoice {
+            contended: || Some(true),
+            ..Default::default()
+        };
+        assert!(!busy.stage(LONG, 0), "contended: long calls avoid the area");
+        assert!(busy.grant(LONG, busy.stage(LONG, 0)), "and copy granted");
+        assert!(
+            busy.stage(RING_BYTES as u64, 0),
+            "calls that fit stay staged"
+        );
+        assert!(!busy.grant(RING_BYTES as u64, true));
+    }
+
+    #[test]
+    fn pressure_files_parse() {
+        let text = "some avg10=1.13 avg60=3.49 avg300=8.03 total=10011335679\n\
+                    full avg10=0.00 avg60=0.00 avg300=0.00 total=0\n";
+        assert_eq!(pressure::parse_some_total(text), Some(10011335679));
+        assert_eq!(
+            pressure::parse_some_total("some avg10=0.00 avg60=0.00 avg300=0.00 total=42"),
+            Some(42)
+        );
+        assert_eq!(
+            pressure::parse_some_total("full avg10=0.00 total=5\n"),
+            None
+        );
+        assert_eq!(pressure::parse_some_total("some total=x"), None);
+        assert_eq!(pressure::parse_some_total(""), None);
+    }
+
+    #[test]
+    fn pressure_turns_with_hysteresis() {
+        use pressure::{next, CALM, CONTENDED};
+        assert!(!next(false, 0));
+        assert!(!next(false, CONTENDED - 1));
+        assert!(next(false, CONTENDED));
+        assert!(next(true, CONTENDED - 1), "stays contended above CALM");
+        assert!(next(true, CALM));
+        assert!(!next(true, CALM - 1));
+    }
+
+    /// With more spinning threads than CPUs, the kernel's pressure
+    /// figures say contended within a few windows (skipped where the
+    /// kernel has no PSI).
+    #[test]
+    fn spinning_threads_read_as_contended() {
+        if pressure::contended().is_none() {
+            eprintln!("skipped: no /proc/pressure/cpu (kernel without PSI)");
+            return;
+        }
+        let cpus = std::thread::available_parallelism().map_or(1, usize::from);
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let spinners: Vec<_> = (0..3 * cpus)
+            .map(|_| {
+                let stop = std::sync::Arc::clone(&stop);
+                std::thread::spawn(move || {
+                    while !stop.load(Ordering::Relaxed) {
+                        std::hint::spin_loop();
+                    }
+                })
+            })
+            .collect();
+        let mut seen = false;
+        for _ in 0..40 {
+            std::thread::sleep(Duration::from_millis(60));
+            if pressure::contended() == Some(true) {
+                seen = true;
+                break;
+            }
+        }
+        stop.store(true, Ordering::Relaxed);
+        for s in spinners {
+            s.join().unwrap();
+        }
+        assert!(
+            seen,
+            "{} spinning threads on {cpus} CPUs never read as contended",
+            3 * cpus
+        );
     }
 }

@@ -31,12 +31,11 @@
 //! the initiator copies calls of up to 128 KiB itself, straight into (out
 //! of) the target's registered memory, under grants the target publishes
 //! per region and generation and revokes in `unregister`: no frame, no
-//! round trip, no target on a CPU. Longer calls take whichever of the area
-//! and granted copies measured faster ([`choice`]).
-//! The area needs both processes on a CPU at once: a call longer than the
-//! rings whose last staged stream had to sleep for the other side (either
-//! side's sleeps count; the target's through a counter in the area) sends
-//! its frames as kernel copies for a while instead ([`choice`]).
+//! round trip, no target on a CPU. The area needs both processes on a CPU
+//! at once: calls longer than the rings stage while the CPUs are calm and
+//! copy granted (without grants: take the kernel copy) while the kernel
+//! reports CPU pressure; where it reports none, the streams' own waits and
+//! measured rates decide ([`choice`]).
 //!
 //! **Invariants.**
 //! - The target copies only into (out of) ranges it checked under their
