@@ -96,9 +96,19 @@ where
     o
 }
 
-fn p50(mut v: Vec<Duration>) -> Duration {
+/// p50, p90 and mean of a run.
+struct Stats(Duration, Duration, Duration);
+
+impl std::fmt::Debug for Stats {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "p50 {:?} p90 {:?} mean {:?}", self.0, self.1, self.2)
+    }
+}
+
+fn p50(mut v: Vec<Duration>) -> Stats {
     v.sort();
-    v[v.len() / 2]
+    let mean = v.iter().sum::<Duration>() / v.len().max(1) as u32;
+    Stats(v[v.len() / 2], v[v.len() * 9 / 10], mean)
 }
 
 fn main() {
