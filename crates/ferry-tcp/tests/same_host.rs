@@ -326,9 +326,8 @@ async fn frozen_target_process_times_out_and_copies_nothing_later() {
     // SAFETY: signalling our own child.
     assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
     // SIGSTOP takes effect asynchronously: wait until the child is stopped.
-    let stopped = || is_stopped(pid);
     let t = Instant::now();
-    while !stopped() {
+    while !is_stopped(pid) {
         assert!(
             t.elapsed() < Duration::from_secs(10),
             "the child did not stop"

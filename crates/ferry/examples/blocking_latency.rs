@@ -105,7 +105,7 @@ impl std::fmt::Debug for Stats {
     }
 }
 
-fn p50(mut v: Vec<Duration>) -> Stats {
+fn stats(mut v: Vec<Duration>) -> Stats {
     v.sort();
     let mean = v.iter().sum::<Duration>() / v.len().max(1) as u32;
     Stats(v[v.len() / 2], v[v.len() * 9 / 10], mean)
@@ -157,7 +157,7 @@ fn main() {
         v
     };
     if mode == "e" {
-        println!("blocking-facade {:?}", p50(facade(n)));
+        println!("blocking-facade {:?}", stats(facade(n)));
         return;
     }
     if mode == "b" {
@@ -167,7 +167,7 @@ fn main() {
             run(&rt, engine.transfer(seg, req)).unwrap();
             b.push(t.elapsed());
         }
-        println!("foreign-poll {:?}", p50(b));
+        println!("foreign-poll {:?}", stats(b));
         return;
     }
     if mode == "d" {
@@ -177,7 +177,7 @@ fn main() {
             ferry::assist::block_on(rt.handle(), engine.transfer(seg, req)).unwrap();
             d.push(t.elapsed());
         }
-        println!("assisted {:?}", p50(d));
+        println!("assisted {:?}", stats(d));
         return;
     }
     if mode == "a" {
@@ -193,7 +193,7 @@ fn main() {
                 v
             }))
             .unwrap();
-        println!("worker {:?}", p50(a));
+        println!("worker {:?}", stats(a));
         return;
     }
     for round in 0..3 {
@@ -237,11 +237,11 @@ fn main() {
         println!(
             "round {round}: worker {:?}  foreign-poll {:?}  spawn-wait {:?}  assisted {:?}  \
              blocking-facade {:?}",
-            p50(a),
-            p50(b),
-            p50(c),
-            p50(d),
-            p50(e)
+            stats(a),
+            stats(b),
+            stats(c),
+            stats(d),
+            stats(e)
         );
     }
 }
