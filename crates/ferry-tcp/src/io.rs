@@ -383,7 +383,7 @@ where
             // which measured worse (p50 of a 4 KiB call from Python ~55
             // against ~30 us, interleaved) than a runtime thread polling
             // between calls.
-            let base = if hook.is_some() && ferry_core::assist::quiet() {
+            let base = if ferry_core::assist::quiet() {
                 Duration::ZERO
             } else {
                 spin
@@ -438,21 +438,26 @@ where
             // wait for readiness (ferry_core::assist::driven).
             let readable = stream.readable();
             let mut readable = std::pin::pin!(readable);
-            let ready = std::future::poll_fn(|cx| match readable.as_mut().poll(cx) {
-                Poll::Ready(r) => Poll::Ready(Some(r)),
-                Poll::Pending if ferry_core::assist::driven() && extend.is_some_and(|f| f()) => {
-                    Poll::Ready(None)
+            let ready = std::future::poll_fn(|cx| {
+                // Checked before waiting: a quiet stream's wait arms its
+                // readiness, which then wakes a runtime thread for the
+                // answer the caller reads itself.
+                if ferry_core::assist::driven() && extend.is_some_and(|f| f()) {
+                    return Poll::Ready(None);
                 }
-                Poll::Pending if polling => {
-                    polling = false;
-                    if hook.is_some_and(|h| h(false)) {
-                        // It took work on the way: look again.
-                        Poll::Ready(None)
-                    } else {
-                        Poll::Pending
+                match readable.as_mut().poll(cx) {
+                    Poll::Ready(r) => Poll::Ready(Some(r)),
+                    Poll::Pending if polling => {
+                        polling = false;
+                        if hook.is_some_and(|h| h(false)) {
+                            // It took work on the way: look again.
+                            Poll::Ready(None)
+                        } else {
+                            Poll::Pending
+                        }
                     }
+                    Poll::Pending => Poll::Pending,
                 }
-                Poll::Pending => Poll::Pending,
             })
             .await;
             match ready {
@@ -464,6 +469,10 @@ where
                     }
                 }
                 None => {
+                    // Polled by a blocked caller from here (the readiness
+                    // armed when it last slept would only wake a runtime
+                    // thread).
+                    stream.unarm_readable();
                     if ferry_core::assist::driven() {
                         if let Some(h) = hook {
                             // Poll the hook's work too, and tell it so (the

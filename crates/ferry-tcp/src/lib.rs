@@ -72,6 +72,7 @@ mod frame;
 mod handshake;
 mod io;
 mod negotiate;
+mod quiet;
 mod same_host;
 mod server;
 mod stream;

@@ -12,6 +12,7 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use tokio::io::Interest;
 use tokio::net::{TcpStream, UnixStream};
 
+use crate::quiet::Quiet;
 use crate::tls::conn::{Detached, TlsConn};
 
 /// A connection's socket, registered with the current Tokio runtime.
@@ -25,6 +26,10 @@ pub enum Stream {
     /// driven by the connection's own reads and writes (see
     /// [`crate::tls::conn`]).
     Tls(Box<TlsConn>),
+    /// A clear TCP or Unix socket whose readiness reaches the runtime only
+    /// while a task waits for it (see [`crate::quiet`]): what a connection
+    /// runs on once its handshake is over.
+    Quiet(Quiet),
 }
 
 /// A [`Stream`] taken off its runtime (see [`Stream::into_owned`]).
@@ -47,6 +52,17 @@ impl Stream {
                 }
                 t.tcp().readable().await
             }
+            Stream::Quiet(q) => q.readable().await,
+        }
+    }
+
+    /// A reader that polls the socket itself from now on: readability
+    /// armed by an earlier wait need not wake the runtime (see
+    /// [`crate::quiet`]; no-op on other streams).
+    pub fn unarm_readable(&self) {
+        if let Stream::Quiet(q) = self {
+            // Failing to disarm costs one wake-up, nothing else.
+            let _ = q.unarm_readable();
         }
     }
 
@@ -56,6 +72,7 @@ impl Stream {
             Stream::Tcp(s) => s.writable().await,
             Stream::Unix(s) => s.writable().await,
             Stream::Tls(t) => t.tcp().writable().await,
+            Stream::Quiet(q) => q.writable().await,
         }
     }
 
@@ -70,6 +87,8 @@ impl Stream {
             Stream::Tcp(s) => s.try_io(interest, f),
             Stream::Unix(s) => s.try_io(interest, f),
             Stream::Tls(t) => t.tcp().try_io(interest, f),
+            // No readiness is cached: the next wait asks the kernel.
+            Stream::Quiet(_) => f(),
         }
     }
 
@@ -80,6 +99,7 @@ impl Stream {
             Stream::Tcp(s) => Some((s.local_addr().ok()?, s.peer_addr().ok()?)),
             Stream::Tls(t) => Some(t.addrs()),
             Stream::Unix(_) => None,
+            Stream::Quiet(q) => q.tcp_addrs(),
         }
     }
 
@@ -90,7 +110,21 @@ impl Stream {
 
     /// Whether this is the same-host Unix channel.
     pub fn is_unix(&self) -> bool {
-        matches!(self, Stream::Unix(_))
+        match self {
+            Stream::Unix(_) => true,
+            Stream::Quiet(q) => q.is_unix(),
+            _ => false,
+        }
+    }
+
+    /// The same stream with quiet readiness (see [`crate::quiet`]), for a
+    /// connection whose handshake is over; TLS stays as it is.
+    pub fn quiet(self) -> io::Result<Stream> {
+        Ok(match self {
+            Stream::Tcp(s) => Stream::Quiet(Quiet::new(s.into_std()?.into(), false)?),
+            Stream::Unix(s) => Stream::Quiet(Quiet::new(s.into_std()?.into(), true)?),
+            other => other,
+        })
     }
 
     /// Deregisters the socket from this runtime (to move it to another).
@@ -99,15 +133,19 @@ impl Stream {
             Stream::Tcp(s) => OwnedStream::Fd(false, s.into_std()?.into()),
             Stream::Unix(s) => OwnedStream::Fd(true, s.into_std()?.into()),
             Stream::Tls(t) => OwnedStream::Tls(Box::new(t.detach()?)),
+            Stream::Quiet(q) => {
+                let unix = q.is_unix();
+                OwnedStream::Fd(unix, q.into_fd())
+            }
         })
     }
 
     /// Registers a stream taken by [`Stream::into_owned`] with the
-    /// current runtime.
+    /// current runtime (a clear socket quietly, see [`Stream::quiet`]: only
+    /// running connections move).
     pub fn from_owned(owned: OwnedStream) -> io::Result<Stream> {
         Ok(match owned {
-            OwnedStream::Fd(true, fd) => Stream::Unix(UnixStream::from_std(fd.into())?),
-            OwnedStream::Fd(false, fd) => Stream::Tcp(TcpStream::from_std(fd.into())?),
+            OwnedStream::Fd(unix, fd) => Stream::Quiet(Quiet::new(fd, unix)?),
             OwnedStream::Tls(d) => Stream::Tls(Box::new(d.attach()?)),
         })
     }
@@ -127,6 +165,7 @@ impl AsRawFd for Stream {
             Stream::Tcp(s) => s.as_raw_fd(),
             Stream::Unix(s) => s.as_raw_fd(),
             Stream::Tls(t) => t.tcp().as_raw_fd(),
+            Stream::Quiet(q) => q.as_raw_fd(),
         }
     }
 }
@@ -137,6 +176,7 @@ impl AsFd for Stream {
             Stream::Tcp(s) => s.as_fd(),
             Stream::Unix(s) => s.as_fd(),
             Stream::Tls(t) => t.tcp().as_fd(),
+            Stream::Quiet(q) => q.as_fd(),
         }
     }
 }

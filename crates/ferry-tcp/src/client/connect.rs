@@ -33,7 +33,7 @@ fn connect_error(name: &str, e: &std::io::Error) -> Error {
 /// from (Linux routes a connection to one of its own addresses with that
 /// address as the source).
 fn peer_may_be_local(stream: &Stream) -> bool {
-    if let Stream::Unix(_) = stream {
+    if stream.is_unix() {
         return true;
     }
     match stream.tcp_addrs().map(|(l, p)| (p, l)) {
@@ -320,6 +320,11 @@ impl Peer {
         // The reader: a task that a caller blocked on this connection's
         // answer (a Python thread) drives itself, see ferry_core::assist.
         let reader = ferry_core::assist::Task::new();
+        // From here on the runtime hears of the socket only while a task
+        // waits on it (see crate::quiet).
+        let stream = stream
+            .quiet()
+            .map_err(|e| Error::io("setting the connection up", &e))?;
         let shared = Arc::new(ConnShared {
             assist: reader.handle(),
             stream,

@@ -316,6 +316,11 @@ async fn serve_conn(
         agreed,
         served,
     };
+    // From here on the runtime hears of the socket only while a task waits
+    // on it (see crate::quiet).
+    let stream = stream
+        .quiet()
+        .map_err(|e| Error::io("setting the connection up", &e))?;
     match serve(stream, &peer, core, &admitted.live, first).await? {
         Served::Closed => Ok(()),
         Served::ToThread(stream, st) => {

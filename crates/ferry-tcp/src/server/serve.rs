@@ -487,12 +487,10 @@ pub(super) async fn serve(
                         let reason = "SAME_HOST from a peer that did not announce it".to_owned();
                         return Err(malformed(&stream, &mut out, core, peer, id, reason).await);
                     }
-                    s if cma_pid.is_none() && !matches!(s, Stream::Unix(_)) => {
-                        match s.tcp_addrs() {
-                            Some(addrs) => cma::check_offer_on(addrs, &offer),
-                            None => Err((cma::Refusal::NotTheOwner, libc::EIO)),
-                        }
-                    }
+                    s if cma_pid.is_none() && !s.is_unix() => match s.tcp_addrs() {
+                        Some(addrs) => cma::check_offer_on(addrs, &offer),
+                        None => Err((cma::Refusal::NotTheOwner, libc::EIO)),
+                    },
                     _ => {
                         let reason = "SAME_HOST on a connection that has agreed it".to_owned();
                         return Err(malformed(&stream, &mut out, core, peer, id, reason).await);
@@ -562,8 +560,8 @@ pub(super) async fn serve(
                                 flush(&stream, &mut out, core, peer).await?;
                                 rd = FrameReader::new(cfg.spin, pace);
                                 rd.set_lookahead();
-                                Stream::Unix(
-                                    tokio::net::UnixStream::from_std(unix)
+                                Stream::Quiet(
+                                    crate::quiet::Quiet::new(unix.into(), true)
                                         .map_err(|e| io_error(peer, e, stall))?,
                                 )
                             }
