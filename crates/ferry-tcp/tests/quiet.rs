@@ -10,10 +10,10 @@ mod common;
 
 use std::time::Duration;
 
-use common::{engine, mem};
+use common::mem;
 use ferry_core::assist::block_on;
 use ferry_core::{TransferEngine, TransferRequest};
-use ferry_tcp::{SameHost, TcpConfig};
+use ferry_tcp::{SameHost, TcpConfig, TcpEngine};
 
 const BLOCK: usize = 4096;
 
@@ -44,8 +44,10 @@ fn a_blocked_callers_answers_wake_no_runtime_thread() {
         .spin_pending(Duration::from_millis(50))
         .build()
         .unwrap();
-    let a = rt_a.block_on(engine(cfg.clone()));
-    let b = rt_b.block_on(engine(cfg));
+    // Clear sockets whatever FERRY_TEST_TLS says: a TLS connection keeps
+    // the runtime's registration.
+    let a = rt_a.block_on(TcpEngine::start(cfg.clone())).unwrap();
+    let b = rt_b.block_on(TcpEngine::start(cfg)).unwrap();
     let src = rt_a.block_on(mem(&a, BLOCK, 3));
     let dst = rt_b.block_on(mem(&b, BLOCK, 0));
     let seg = block_on(rt_a.handle(), a.open_segment(b.segment_name())).unwrap();
