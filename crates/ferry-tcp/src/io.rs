@@ -374,15 +374,13 @@ where
         let mut yielded = None::<Instant>;
         loop {
             let now = Instant::now();
-            // A reader with a hook (the same-host lane, where the peer
-            // answers without a socket event while we poll) that serves
-            // blocked callers polls only while requests are outstanding
-            // (ferry_core::assist::quiet). Not on the socket path: there a
-            // reader waiting for readiness costs an epoll wake-up of a
-            // runtime thread per answer even while a caller drives it,
-            // which measured worse (p50 of a 4 KiB call from Python ~55
-            // against ~30 us, interleaved) than a runtime thread polling
-            // between calls.
+            // A reader that serves blocked callers polls only while
+            // requests are outstanding (ferry_core::assist::quiet): the
+            // callers poll when they wait. Its sleep arms a quiet socket
+            // (crate::quiet), which a caller driving it disarms, so the
+            // answers it reads wake no runtime thread. (With the socket
+            // registered with the runtime for good, every answer woke one,
+            // and a runtime thread polling between calls measured better.)
             let base = if ferry_core::assist::quiet() {
                 Duration::ZERO
             } else {
