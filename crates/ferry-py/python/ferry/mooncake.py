@@ -801,8 +801,9 @@ class TransferEngine:
         return self._engine
 
     def _segment(self, name):
-        with self._lock:
-            seg = self._segments.get(name)
+        # A dict read is atomic (also on free-threaded builds): the lock
+        # only orders the insertion, and a call per transfer pays no lock.
+        seg = self._segments.get(name)
         if seg is None:
             seg = self._require().open_segment(name)
             with self._lock:
@@ -821,7 +822,18 @@ class TransferEngine:
         return code
 
 
+# Mooncake's opcodes (IntEnum members hash as their ints) and Ferry's
+# names: one dict lookup per call.
+_OPS = {0: "read", 1: "write", "read": "read", "write": "write"}
+
+
 def _op(opcode):
+    try:
+        op = _OPS.get(opcode)
+    except TypeError:  # unhashable
+        op = None
+    if op is not None:
+        return op
     if isinstance(opcode, str):
         return opcode
     try:
