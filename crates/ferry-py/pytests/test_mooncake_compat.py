@@ -144,6 +144,15 @@ def test_failures_are_negative_returns(backend):
     assert isinstance(a.last_error(), ferry.AddressNotRegistered)
     assert a.transfer_sync_write(sid, address(src) + 8190, address(dst), 16) < 0
     assert a.batch_transfer_sync_write(sid, [address(src)] * 2, [address(dst), address(dst) + 10**6], [16, 16]) < 0
+    # a batch of one (sent as one transfer) fails as any batch does
+    assert a.batch_transfer_sync_write(sid, [address(src)], [address(dst) + 8192], [16]) < 0
+    assert isinstance(a.last_error(), ferry.AddressNotRegistered)
+    assert a.batch_transfer_sync_write(sid, [address(src) + 8190], [address(dst)], [16]) < 0
+    assert isinstance(a.last_error(), ferry.AddressNotRegistered)
+    with pytest.raises(TypeError):
+        a.batch_transfer_sync_write(sid, ["buffer"], [address(dst)], [16])
+    with pytest.raises((TypeError, OverflowError)):
+        a.batch_transfer_sync_write(sid, [-1], [address(dst)], [16])
     assert dst[16:] == bytearray(8192 - 16)
     # different list lengths
     assert a.batch_transfer_sync_write(sid, [address(src)], [address(dst)] * 2, [16]) < 0

@@ -670,6 +670,18 @@ class TransferEngine:
         try:
             engine = self._require()
             seg = self._segment(target_hostname)
+            if (
+                notify is None
+                and type(buffers) is list
+                and type(peer_buffer_addresses) is list
+                and type(lengths) is list
+                and len(buffers) == len(peer_buffer_addresses) == len(lengths) == 1
+            ):
+                # One request (vLLM's threads send one KV block per call):
+                # the same 0 / -1 and the same error as a batch of one,
+                # without building and reading back the batch's report.
+                engine.transfer(seg, op, buffers[0], peer_buffer_addresses[0], lengths[0])
+                return 0
             note = None if notify is None else (notify.name, notify.msg)
             results = engine.batch_transfer(
                 seg, op, buffers, peer_buffer_addresses, lengths, note
