@@ -15,6 +15,13 @@ use crate::frame::{encode_cma_segments, encode_segments, CmaSegment, Request, Se
 use crate::io::{write_all, Bytes};
 use crate::same_host::stage;
 
+/// Payload bytes a sender on the socket path writes before it lets go of
+/// the connection's write lock at the next frame boundary: a small call
+/// issued beside a 16 MiB batch waits for one slice (and what the socket
+/// buffers hold), not for the whole batch. The same-host path keeps its
+/// frames together (the staging area's streams follow the frame order).
+const FAIR_SLICE: u64 = 1 << 20;
+
 /// If a send is abandoned before it started writing (its caller was
 /// dropped while waiting for the write lock), withdraws its operations so
 /// that they release their region guards at once.
@@ -374,7 +381,17 @@ pub(crate) async fn send_ops(
     }
     let mut bufs: Vec<Bytes<'_>> = Vec::with_capacity(ops.len() * 2);
     let mut tables = tables.iter();
-    for (hdr, op) in hdrs.iter().zip(&ops) {
+    // Where the write lock is let go between frames (buffers and ops up
+    // to there), so that other callers' frames go in between (see
+    // FAIR_SLICE). The last cut is the end.
+    let mut cuts: Vec<(usize, usize)> = Vec::new();
+    let mut since_cut = 0u64;
+    for (i, (hdr, op)) in hdrs.iter().zip(&ops).enumerate() {
+        if since_cut >= FAIR_SLICE && !conn.cma {
+            cuts.push((bufs.len(), i));
+            since_cut = 0;
+        }
+        since_cut += op.payload_len();
         bufs.push(Bytes::from_ref(hdr));
         if conn.cma && op.is_transfer() {
             // Segment table only: the target copies the payload.
@@ -404,21 +421,47 @@ pub(crate) async fn send_ops(
             _ => {}
         }
     }
+    cuts.push((bufs.len(), ops.len()));
+    let rest = if cuts.len() > 1 {
+        ids.clone()
+    } else {
+        Vec::new()
+    };
     let mut unsent = Unsent {
         conn,
         ids: Some(ids),
     };
-    let w = conn.write_lock.lock().await;
+    let mut w = conn.write_lock.lock().await;
     unsent.ids = None;
     let mut poison = PoisonOnDrop(Some(conn));
-    let res = write_all(&conn.stream, &bufs, conn.pace).await;
-    conn.touch();
-    // A blocked caller (a Python thread) reads its answer itself.
-    conn.assist.offer();
-    if let Err(e) = res {
-        poison.0 = None;
-        conn.fail_all(conn.lost(&e));
-        return Ok(());
+    let (mut from_buf, mut from_op) = (0, 0);
+    for (k, &(to_buf, to_op)) in cuts.iter().enumerate() {
+        if k > 0 {
+            // At a frame boundary: let the senders waiting for the lock
+            // in. Abandoned while waiting, the frames not yet sent are
+            // withdrawn (the stream is whole).
+            poison.0 = None;
+            unsent.ids = Some(rest[from_op..].to_vec());
+            drop(w);
+            w = conn.write_lock.lock().await;
+            unsent.ids = None;
+            if conn.dead.load(Ordering::Acquire) {
+                // Failed meanwhile: every pending operation, these too,
+                // was completed with the connection's error.
+                return Ok(());
+            }
+            poison.0 = Some(conn);
+        }
+        let res = write_all(&conn.stream, &bufs[from_buf..to_buf], conn.pace).await;
+        conn.touch();
+        // A blocked caller (a Python thread) reads its answer itself.
+        conn.assist.offer();
+        if let Err(e) = res {
+            poison.0 = None;
+            conn.fail_all(conn.lost(&e));
+            return Ok(());
+        }
+        (from_buf, from_op) = (to_buf, to_op);
     }
     if let (false, Some(st)) = (staging.is_empty(), &conn.stage) {
         // In frame order: the next sender waits for this cursor after us.
