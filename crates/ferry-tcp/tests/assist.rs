@@ -9,7 +9,7 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{engine, mem, pattern};
+use common::{engine, mem, pattern, runtime};
 use ferry_core::assist::block_on;
 use ferry_core::{Error, SegmentId, TransferEngine, TransferRequest};
 use ferry_tcp::{SameHost, TcpConfig, TcpEngine};
@@ -17,14 +17,6 @@ use ferry_tcp::{SameHost, TcpConfig, TcpEngine};
 const BLOCK: usize = 4096;
 const THREADS: usize = 4;
 const CALLS: usize = 200;
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap()
-}
 
 /// A call from a blocked thread, bounded so that a hang fails the test.
 fn call<T>(

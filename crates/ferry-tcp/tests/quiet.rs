@@ -10,20 +10,12 @@ mod common;
 
 use std::time::Duration;
 
-use common::mem;
+use common::{mem, runtime};
 use ferry_core::assist::block_on;
 use ferry_core::{TransferEngine, TransferRequest};
 use ferry_tcp::{SameHost, TcpConfig, TcpEngine};
 
 const BLOCK: usize = 4096;
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap()
-}
 
 /// A blocked caller reads its own answers on the socket path, and the
 /// initiator's runtime threads are not woken for them: the connection's

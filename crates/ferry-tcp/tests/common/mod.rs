@@ -21,6 +21,16 @@ use tokio::net::TcpStream;
 /// `FERRY_TEST_TLS=secret` in every engine that has a secret (the identity
 /// derived from it). Hand-made raw peers do not announce TLS and stay in
 /// clear.
+/// A runtime of two worker threads, for tests whose callers block threads
+/// outside it (`ferry_core::assist::block_on`).
+pub fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
 pub async fn engine(mut cfg: TcpConfig) -> Arc<TcpEngine> {
     with_test_tls(&mut cfg);
     if cfg.same_host == ferry_tcp::SameHost::Auto {
