@@ -158,13 +158,13 @@ impl Quiet {
     /// Takes over a connected socket (made non-blocking). Call it inside
     /// a Tokio runtime (it panics outside one, like `TcpStream::from_std`).
     pub fn new(sock: OwnedFd, unix: bool) -> io::Result<Quiet> {
-        let addrs = if unix {
-            None
+        let (sock, addrs) = if unix {
+            (sock, None)
         } else {
-            let s = std::net::TcpStream::from(sock.try_clone()?);
+            // The same descriptor, typed for its addresses (no copy of it).
+            let s = std::net::TcpStream::from(sock);
             let a = (s.local_addr()?, s.peer_addr()?);
-            drop(s);
-            Some(a)
+            (OwnedFd::from(s), Some(a))
         };
         let fd = sock.as_raw_fd();
         // SAFETY: fcntl on an open descriptor, no pointers.

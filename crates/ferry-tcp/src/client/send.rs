@@ -27,7 +27,7 @@ const FAIR_SLICE: u64 = 1 << 20;
 /// that they release their region guards at once.
 pub(crate) struct Unsent<'a> {
     conn: &'a ConnShared,
-    ids: Option<Vec<u64>>,
+    ids: Option<&'a [u64]>,
 }
 
 impl Drop for Unsent<'_> {
@@ -422,14 +422,9 @@ pub(crate) async fn send_ops(
         }
     }
     cuts.push((bufs.len(), ops.len()));
-    let rest = if cuts.len() > 1 {
-        ids.clone()
-    } else {
-        Vec::new()
-    };
     let mut unsent = Unsent {
         conn,
-        ids: Some(ids),
+        ids: Some(&ids),
     };
     let mut w = conn.write_lock.lock().await;
     unsent.ids = None;
@@ -441,7 +436,7 @@ pub(crate) async fn send_ops(
             // in. Abandoned while waiting, the frames not yet sent are
             // withdrawn (the stream is whole).
             poison.0 = None;
-            unsent.ids = Some(rest[from_op..].to_vec());
+            unsent.ids = Some(&ids[from_op..]);
             drop(w);
             w = conn.write_lock.lock().await;
             unsent.ids = None;
