@@ -9,7 +9,7 @@ use ferry_core::raw::lock;
 use ferry_core::{Error, Notification, Result};
 
 use super::conn::{Conn, ConnShared, TableCache};
-use super::send::{fail_ops, send_ops, OutKind, OutOp};
+use super::send::{fail_ops, send_ops, OutKind, OutOp, GRANTED_ALWAYS};
 use super::wire_ops::WireOps;
 use crate::frame::TableEntry;
 use crate::server::Core;
@@ -114,6 +114,54 @@ impl Peer {
         let old = ferry_core::raw::write(&slot.cur).replace(Arc::new(conn));
         drop(old);
         Ok(shared)
+    }
+
+    /// One transfer of at most [`GRANTED_ALWAYS`] bytes as a granted copy
+    /// on the caller's thread, without the batch machinery (no frame, no
+    /// driver, no deadline: the copy does not wait for the target): what
+    /// [`Peer::run_batch`] would do for this one request on a same-host
+    /// connection whose target granted the range, minus the planning.
+    /// `true`: every byte landed. `false`: nothing is known to have moved
+    /// (no live same-host connection with grants yet, the local range is
+    /// not registered, the cached table does not cover the remote range,
+    /// or the grant does not (any more)); the caller takes the general
+    /// path, which reports the reason or moves the bytes its way.
+    pub(crate) fn granted_one(&self, r: &ferry_core::TransferRequest) -> bool {
+        if r.len == 0
+            || r.len > GRANTED_ALWAYS
+            || r.len > self.core.config.same_host_chunk as u64
+            || !self.same_host.load(Ordering::Relaxed)
+        {
+            return false;
+        }
+        let Some(conn) = live(&self.slots[0]) else {
+            return false;
+        };
+        let Some(grants) = conn.stage.as_ref().and_then(|s| s.grants.as_ref()) else {
+            return false;
+        };
+        if !conn.cma {
+            return false;
+        }
+        let Ok(guard) =
+            self.core
+                .regions
+                .acquire(r.local_addr, r.len, ferry_core::Side::Local, None)
+        else {
+            return false;
+        };
+        let Some(gen) = crate::frame::table_lookup(&self.table(), r.remote_addr, r.len) else {
+            return false;
+        };
+        let part = crate::same_host::grant::Part {
+            local: guard.as_ptr(),
+            len: r.len,
+            remote: r.remote_addr,
+            gen,
+        };
+        // SAFETY: the local range is the one `guard` keeps registered (it
+        // is held until this returns), checked by `acquire` above.
+        unsafe { grants.copy(r.op == ferry_core::TransferOp::Read, &[part]) }
     }
 
     /// A live connection of a slot other than `c`, if there is one.

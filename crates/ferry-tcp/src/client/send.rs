@@ -561,7 +561,7 @@ pub(crate) fn fail_ops(state: &WireOps, ops: &[OutOp], e: &Error) {
 /// target; above it, on a quiet machine, the area's two pipelined copies
 /// are faster (measured in ferry-tcp's README), so larger calls take the
 /// way [`crate::same_host::choice::PathChoice::grant`] finds faster.
-const GRANTED_ALWAYS: u64 = 128 << 10;
+pub(crate) const GRANTED_ALWAYS: u64 = 128 << 10;
 
 /// Granted copies run on the caller's thread (a kernel copy is as long as
 /// a memcpy of its bytes; a hop to the blocking pool measured 1.5-2x

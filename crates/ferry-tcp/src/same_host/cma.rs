@@ -655,6 +655,42 @@ pub struct Initiator {
     /// Its PID.
     pub pid: i32,
     pidfd: Option<std::os::fd::OwnedFd>,
+    /// For [`Initiator::alive_lately`]: nanoseconds after `epoch` (+1) of
+    /// the start of the last look that found the process alive (0: none;
+    /// `u64::MAX`: a look found it exited).
+    seen_alive: std::sync::atomic::AtomicU64,
+    epoch: std::time::Instant,
+}
+
+/// How long a look at a pidfd that found its process alive stands for
+/// [`Initiator::alive_lately`].
+///
+/// What the look guards against is a write into another process that got
+/// the PID of one that exited: the kernel frees a PID when its process is
+/// reaped and hands PIDs out in turn, so a PID comes back only after every
+/// other free one of the namespace was given out — at `pid_max` ≥ 32 768
+/// (the kernel's smallest default) that is over 32 000 forks or thread
+/// creations, which no machine makes in this time (each takes tens of µs
+/// of CPU under one global allocator lock: ≥ 10 ms at any core count).
+/// Meanwhile a copy to the exited process fails (`ESRCH`; a zombie has no
+/// memory) and goes as a frame, which fails with the connection. A look
+/// per copy (one `poll(2)`, ~0.4 µs) was a sixth of a 4 KiB granted write.
+pub const ALIVE_FOR: std::time::Duration = std::time::Duration::from_micros(250);
+
+/// The `pid_max` from which [`ALIVE_FOR`] holds (below it, as set by an
+/// administrator, every copy looks).
+pub const PID_MAX_BOUNDED: u64 = 32_768;
+
+/// Whether this PID namespace's PIDs come back slowly enough for
+/// [`ALIVE_FOR`]: `/proc/sys/kernel/pid_max` read once (unreadable: no).
+pub fn pid_reuse_bounded() -> bool {
+    static BOUNDED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *BOUNDED.get_or_init(|| {
+        std::fs::read_to_string("/proc/sys/kernel/pid_max")
+            .ok()
+            .and_then(|s| s.trim().parse::<u64>().ok())
+            .is_some_and(|n| n >= PID_MAX_BOUNDED)
+    })
 }
 
 impl Initiator {
@@ -668,13 +704,54 @@ impl Initiator {
             // SAFETY: a fresh descriptor returned to us above.
             unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) }
         });
-        Initiator { pid, pidfd }
+        Initiator {
+            pid,
+            pidfd,
+            seen_alive: std::sync::atomic::AtomicU64::new(0),
+            epoch: std::time::Instant::now(),
+        }
     }
 
     /// Whether the process is pinned by a pidfd (false where the kernel
     /// has none).
     pub fn pinned(&self) -> bool {
         self.pidfd.is_some()
+    }
+
+    /// [`Initiator::alive`], looked at no more than once per
+    /// [`ALIVE_FOR`] while it holds (see there why that is as safe for a
+    /// copy by PID), on every call where `pid_max` is below
+    /// [`PID_MAX_BOUNDED`]. A look that finds the process gone is never
+    /// cached: once false, false.
+    pub fn alive_lately(&self) -> bool {
+        if !pid_reuse_bounded() {
+            return self.alive();
+        }
+        self.alive_within(ALIVE_FOR)
+    }
+
+    /// [`Initiator::alive_lately`] with a look standing for `stands`.
+    fn alive_within(&self, stands: std::time::Duration) -> bool {
+        use std::sync::atomic::Ordering;
+        if self.pidfd.is_none() {
+            return self.alive();
+        }
+        // The time before the look: a look stands from when it began.
+        let now = self.epoch.elapsed().as_nanos() as u64 + 1;
+        let seen = self.seen_alive.load(Ordering::Relaxed);
+        if seen == u64::MAX {
+            return false;
+        }
+        if seen != 0 && now.saturating_sub(seen) < stands.as_nanos() as u64 {
+            return true;
+        }
+        if !self.alive() {
+            // For good: `fetch_max` below cannot go past it.
+            self.seen_alive.store(u64::MAX, Ordering::Relaxed);
+            return false;
+        }
+        self.seen_alive.fetch_max(now, Ordering::Relaxed);
+        true
     }
 
     /// False once the process has exited (a pidfd polls readable then).
@@ -846,6 +923,32 @@ mod tests {
         assert_eq!(SameHost::parse("cma"), Some(SameHost::Cma));
         assert_eq!(SameHost::parse("on"), None);
         assert_eq!(errno_name(12345), "errno 12345");
+    }
+
+    #[test]
+    fn a_look_at_the_pidfd_stands_for_a_while_and_never_for_an_exit() {
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .expect("sleep");
+        let p = Initiator::new(child.id() as i32);
+        assert!(p.pinned());
+        let long = std::time::Duration::from_secs(60);
+        assert!(p.alive() && p.alive_within(long));
+        child.kill().expect("kill");
+        child.wait().expect("reap");
+        assert!(!p.alive(), "the pidfd reports the exit at once");
+        assert!(p.alive_within(long), "the last look stands for its while");
+        assert!(
+            !p.alive_within(std::time::Duration::ZERO),
+            "after it, a look"
+        );
+        assert!(!p.alive_within(long), "an exit seen is seen for good");
+        assert!(!p.alive_lately());
+        // A reaped PID cannot be pinned (grants need a pin).
+        assert!(!Initiator::new(child.id() as i32).pinned());
+        let me = Initiator::new(std::process::id() as i32);
+        assert!(me.alive_lately() && me.alive_lately());
     }
 
     #[test]

@@ -670,8 +670,9 @@ impl ClientGrants {
             #[cfg(feature = "test-hooks")]
             crate::test_hooks::between_mark_and_copy();
             // A PID whose process exited may have been reused: never
-            // reached (the pidfd tells).
-            let ok = self.target.alive() && {
+            // reached (the pidfd tells; see `cma::ALIVE_FOR` for how
+            // often it is asked).
+            let ok = self.target.alive_lately() && {
                 // SAFETY: the caller guarantees the local ranges; the
                 // remote ones lie in a region the target granted and
                 // cannot free while the mark stands.
