@@ -269,6 +269,16 @@ impl Drop for TcpEngine {
 
 /// Runs a batch on the peer behind `handle`, reporting to `driver`;
 /// [`Error::UnknownSegment`] (nothing moved) if the handle is being closed.
+/// A small call the target granted, copied here and now while the handle
+/// is open (a closing handle waits for it, as for a batch): whether it was
+/// (see [`Peer::granted_one`]).
+fn granted_now(handle: &Handle, request: &TransferRequest) -> bool {
+    handle
+        .gate
+        .try_read()
+        .is_ok_and(|open| *open && handle.peer.granted_one(request))
+}
+
 async fn run_on(
     handle: &Handle,
     segment: SegmentId,
@@ -465,12 +475,8 @@ impl TransferEngine for TcpEngine {
 
     async fn transfer(&self, segment: SegmentId, request: TransferRequest) -> Result<()> {
         let handle = self.handle(segment)?;
-        // A small call the target granted: copied here and now, while the
-        // handle is open (a closing handle waits for it, as for a batch).
-        if let Ok(open) = handle.gate.try_read() {
-            if *open && handle.peer.granted_one(&request) {
-                return Ok(());
-            }
+        if granted_now(&handle, &request) {
+            return Ok(());
         }
         // The general path, boxed: its state (some kilobytes) would
         // otherwise be part of every caller's future, moved by each layer
@@ -494,6 +500,11 @@ impl TransferEngine for TcpEngine {
         .await
     }
 
+    fn transfer_now(&self, segment: SegmentId, request: TransferRequest) -> Option<Result<()>> {
+        let handle = self.handle(segment).ok()?;
+        granted_now(&handle, &request).then_some(Ok(()))
+    }
+
     async fn batch_transfer(
         &self,
         segment: SegmentId,
@@ -505,10 +516,8 @@ impl TransferEngine for TcpEngine {
         // One small request the target granted, nothing to deliver after:
         // as `transfer`.
         if let ([request], None) = (requests, notify) {
-            if let Ok(open) = handle.gate.try_read() {
-                if *open && handle.peer.granted_one(request) {
-                    return Ok(BatchReport::all_ok(1));
-                }
+            if granted_now(&handle, request) {
+                return Ok(BatchReport::all_ok(1));
             }
         }
         // Boxed as in `transfer`.

@@ -355,6 +355,10 @@ impl TransferEngine for Engine {
         dispatch!(self, e => e.transfer(segment, request).await)
     }
 
+    fn transfer_now(&self, segment: SegmentId, request: TransferRequest) -> Option<Result<()>> {
+        dispatch!(self, e => e.transfer_now(segment, request))
+    }
+
     async fn batch_transfer(
         &self,
         segment: SegmentId,

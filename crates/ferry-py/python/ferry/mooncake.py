@@ -594,6 +594,16 @@ class TransferEngine:
         self, target_hostname, buffer, peer_buffer_address, length, transport_hint=""
     ):
         """Writes ``length`` bytes to the peer and waits: ``0`` / ``-1``."""
+        # The common case inline (an open session, no notification): one
+        # Python frame per call instead of five; the same 0 / -1 and error.
+        engine = self._engine
+        seg = self._segments.get(target_hostname)
+        if engine is not None and seg is not None:
+            try:
+                engine.transfer(seg, "write", buffer, peer_buffer_address, length)
+                return 0
+            except (FerryError, ValueError) as e:
+                return self._fail("transfer_sync", e, -1)
         return self.transfer_sync(
             target_hostname, buffer, peer_buffer_address, length, Write
         )
@@ -602,6 +612,14 @@ class TransferEngine:
         self, target_hostname, buffer, peer_buffer_address, length, transport_hint=""
     ):
         """Reads ``length`` bytes from the peer and waits: ``0`` / ``-1``."""
+        engine = self._engine
+        seg = self._segments.get(target_hostname)
+        if engine is not None and seg is not None:
+            try:
+                engine.transfer(seg, "read", buffer, peer_buffer_address, length)
+                return 0
+            except (FerryError, ValueError) as e:
+                return self._fail("transfer_sync", e, -1)
         return self.transfer_sync(
             target_hostname, buffer, peer_buffer_address, length, Read
         )
@@ -642,6 +660,23 @@ class TransferEngine:
     ):
         """Writes a batch and waits: ``0`` if every request succeeded, else
         ``-1``."""
+        # One request into an open session (vLLM's threads send one KV
+        # block per call): inline, as in `transfer_sync_write`.
+        engine = self._engine
+        seg = self._segments.get(target_hostname)
+        if (
+            engine is not None
+            and seg is not None
+            and type(buffers) is list
+            and type(peer_buffer_addresses) is list
+            and type(lengths) is list
+            and len(buffers) == len(peer_buffer_addresses) == len(lengths) == 1
+        ):
+            try:
+                engine.transfer(seg, "write", buffers[0], peer_buffer_addresses[0], lengths[0])
+                return 0
+            except (FerryError, ValueError) as e:
+                return self._fail("batch_transfer_sync", e, -1)
         return self.batch_transfer_sync(
             target_hostname, buffers, peer_buffer_addresses, lengths, Write
         )

@@ -1229,6 +1229,26 @@ impl<E: TransferEngine> TransferEngine for MetricsEngine<E> {
         r
     }
 
+    fn transfer_now(&self, segment: SegmentId, request: TransferRequest) -> Option<Result<()>> {
+        let Some(s) = &self.state else {
+            return self.inner.transfer_now(segment, request);
+        };
+        let _flight = s.in_flight();
+        let started = Instant::now();
+        // Not done: not counted (the `transfer` that follows is).
+        let results = [self.inner.transfer_now(segment, request)?];
+        s.record(
+            &s.peer_series(segment),
+            TRANSFER,
+            std::iter::once((request.op, request.len)),
+            Ok(&results),
+            started,
+            false,
+        );
+        let [r] = results;
+        Some(r)
+    }
+
     async fn batch_transfer(
         &self,
         segment: SegmentId,

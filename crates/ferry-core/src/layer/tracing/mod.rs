@@ -203,6 +203,16 @@ impl<E: TransferEngine> TransferEngine for TracingEngine<E> {
         traced(span, self.inner.transfer(segment, request), |_| 0).await
     }
 
+    fn transfer_now(&self, segment: SegmentId, request: TransferRequest) -> Option<Result<()>> {
+        // While `ferry_batch` spans may be recorded, calls go the traced
+        // way: an attempt that finds it cannot finish would leave a span
+        // of its own beside the call's.
+        if self.enabled && tracing::level_enabled!(tracing::Level::DEBUG) {
+            return None;
+        }
+        self.inner.transfer_now(segment, request)
+    }
+
     async fn batch_transfer(
         &self,
         segment: SegmentId,
