@@ -333,8 +333,7 @@ pub trait DynTransferEngine: Send + Sync + 'static {
         segment: SegmentId,
         request: TransferRequest,
     ) -> BoxFuture<'_, Result<()>>;
-    fn transfer_now_dyn(&self, segment: SegmentId, request: TransferRequest)
-        -> Option<Result<()>>;
+    fn transfer_now_dyn(&self, segment: SegmentId, request: TransferRequest) -> Option<Result<()>>;
     fn batch_transfer_dyn<'a>(
         &'a self,
         segment: SegmentId,
@@ -398,11 +397,7 @@ impl<T: TransferEngine> DynTransferEngine for T {
     ) -> BoxFuture<'_, Result<()>> {
         Box::pin(self.transfer(segment, request))
     }
-    fn transfer_now_dyn(
-        &self,
-        segment: SegmentId,
-        request: TransferRequest,
-    ) -> Option<Result<()>> {
+    fn transfer_now_dyn(&self, segment: SegmentId, request: TransferRequest) -> Option<Result<()>> {
         self.transfer_now(segment, request)
     }
     fn batch_transfer_dyn<'a>(

@@ -242,59 +242,117 @@ impl Drop for InprocEngine {
 /// Copies `request` between `local` and the peer behind `segment`.
 async fn copy(local: &Core, segment: &Segment, request: TransferRequest) -> Result<()> {
     let open = segment.gate.read().await;
-    if !*open {
-        return Err(Error::Canceled(format!(
-            "segment {:?} was closed",
-            segment.name
-        )));
-    }
-    if request.len == 0 {
+    let Some(c) = Checked::new(local, segment, request, *open)? else {
         return Ok(());
-    }
-    let peer = segment.peer.upgrade().ok_or_else(|| Error::PeerLost {
-        peer: segment.name.clone(),
-        reason: "the inproc engine was dropped".to_owned(),
-    })?;
-    let lg = local
-        .regions
-        .acquire(request.local_addr, request.len, Side::Local, None)?;
-    let rg = peer.regions.acquire(
-        request.remote_addr,
-        request.len,
-        Side::Remote,
-        Some(&segment.name),
-    )?;
-    let served = peer.served.peer(&local.name);
-    drop(peer);
-    let (src, dst) = match request.op {
-        TransferOp::Write => (&lg, &rg),
-        TransferOp::Read => (&rg, &lg),
     };
-    let len = usize::try_from(request.len)
-        .map_err(|_| Error::InvalidArgument(format!("length {} exceeds usize", request.len)))?;
     let mut done = 0;
-    while done < len {
-        let n = InprocEngine::CHUNK.min(len - done);
-        // SAFETY: both guards keep their regions registered, and the
-        // registrants promised (MemoryRegion::from_raw_parts) that registered
-        // memory stays valid for reads and writes; both ranges were
-        // bounds-checked by `acquire`. `copy` (memmove) allows the two ranges
-        // to overlap, which happens when an engine targets its own memory.
-        unsafe { std::ptr::copy(src.as_ptr().add(done), dst.as_ptr().add(done), n) };
+    while done < c.len {
+        let n = InprocEngine::CHUNK.min(c.len - done);
+        c.copy(done, n);
         done += n;
-        if done < len {
+        if done < c.len {
             match local.pace_us.load(Ordering::Relaxed) {
                 0 => tokio::task::yield_now().await,
                 _ => local.pause().await,
             }
         }
     }
-    drop((lg, rg, open));
-    match request.op {
-        TransferOp::Write => served.wrote(request.len, 1),
-        TransferOp::Read => served.read(request.len, 1),
-    }
+    c.served(request);
+    drop(open);
     Ok(())
+}
+
+/// [`copy`] at once, for a request of one chunk on an engine that is not
+/// paced, while the segment's gate is free: `None` otherwise.
+fn copy_now(local: &Core, segment: &Segment, request: TransferRequest) -> Option<Result<()>> {
+    if request.len > InprocEngine::CHUNK as u64 || local.pace_us.load(Ordering::Relaxed) != 0 {
+        return None;
+    }
+    let open = segment.gate.try_read().ok()?;
+    Some(Checked::new(local, segment, request, *open).map(|c| {
+        if let Some(c) = c {
+            c.copy(0, c.len);
+            c.served(request);
+        }
+    }))
+}
+
+/// A request checked against both engines' regions, their guards held.
+struct Checked {
+    lg: crate::RegionGuard,
+    rg: crate::RegionGuard,
+    op: TransferOp,
+    len: usize,
+    served: crate::inbound::ServedPeer,
+}
+
+impl Checked {
+    /// `None`: nothing to copy (an empty request on an open segment).
+    fn new(
+        local: &Core,
+        segment: &Segment,
+        request: TransferRequest,
+        open: bool,
+    ) -> Result<Option<Checked>> {
+        if !open {
+            return Err(Error::Canceled(format!(
+                "segment {:?} was closed",
+                segment.name
+            )));
+        }
+        if request.len == 0 {
+            return Ok(None);
+        }
+        let peer = segment.peer.upgrade().ok_or_else(|| Error::PeerLost {
+            peer: segment.name.clone(),
+            reason: "the inproc engine was dropped".to_owned(),
+        })?;
+        let lg = local
+            .regions
+            .acquire(request.local_addr, request.len, Side::Local, None)?;
+        let rg = peer.regions.acquire(
+            request.remote_addr,
+            request.len,
+            Side::Remote,
+            Some(&segment.name),
+        )?;
+        let served = peer.served.peer(&local.name);
+        let len = usize::try_from(request.len)
+            .map_err(|_| Error::InvalidArgument(format!("length {} exceeds usize", request.len)))?;
+        Ok(Some(Checked {
+            lg,
+            rg,
+            op: request.op,
+            len,
+            served,
+        }))
+    }
+
+    /// Copies bytes `[at, at + n)` of the request.
+    fn copy(&self, at: usize, n: usize) {
+        let (src, dst) = match self.op {
+            TransferOp::Write => (&self.lg, &self.rg),
+            TransferOp::Read => (&self.rg, &self.lg),
+        };
+        debug_assert!(at + n <= self.len);
+        // SAFETY: both guards keep their regions registered, and the
+        // registrants promised (MemoryRegion::from_raw_parts) that registered
+        // memory stays valid for reads and writes; both ranges were
+        // bounds-checked by `acquire` for the request's length. `copy`
+        // (memmove) allows the two ranges to overlap, which happens when an
+        // engine targets its own memory.
+        unsafe { std::ptr::copy(src.as_ptr().add(at), dst.as_ptr().add(at), n) };
+    }
+
+    /// Counts the request as served by the peer, once its guards are gone.
+    fn served(self, request: TransferRequest) {
+        let served = self.served;
+        drop((self.lg, self.rg));
+        match request.op {
+            TransferOp::Write => served.wrote(request.len, 1),
+            TransferOp::Read => served.read(request.len, 1),
+        }
+    }
 }
 
 impl crate::inbound::InboundSource for Core {
@@ -459,6 +517,11 @@ impl TransferEngine for InprocEngine {
     async fn transfer(&self, segment: SegmentId, request: TransferRequest) -> Result<()> {
         let seg = self.segment(segment)?;
         copy(&self.core, &seg, request).await
+    }
+
+    fn transfer_now(&self, segment: SegmentId, request: TransferRequest) -> Option<Result<()>> {
+        let seg = self.segment(segment).ok()?;
+        copy_now(&self.core, &seg, request)
     }
 
     async fn batch_transfer(

@@ -81,6 +81,65 @@ async fn granted_copies_move_bytes_both_ways() {
     );
 }
 
+/// A small call the target granted finishes at once on the calling thread
+/// (`transfer_now`: no future, no runtime thread involved), read and
+/// write; a range the initiator's table does not cover yet (registered
+/// after the handshake), a call above the granted size and the socket path
+/// are declined with nothing moved, and `transfer` moves them.
+#[test]
+fn granted_calls_finish_at_once_and_the_rest_is_declined() {
+    let rt = common::runtime();
+    for (cfg, granted) in [
+        (granted(), true),
+        (
+            TcpConfig::builder()
+                .same_host(SameHost::Off)
+                .build()
+                .unwrap(),
+            false,
+        ),
+    ] {
+        let (a, b, src, back, dst, seg) = rt.block_on(async {
+            let a = start(cfg.clone()).await;
+            let b = start(cfg).await;
+            let src = mem(&a, 256 * KIB, 0).await;
+            src.write(0, &pattern(3, 256 * KIB)).unwrap();
+            let back = mem(&a, 4096, 0).await;
+            let seg = a.open_segment(b.segment_name()).await.unwrap();
+            let dst = mem(&b, 256 * KIB, 0).await;
+            (a, b, src, back, dst, seg)
+        });
+        let w = TransferRequest::write(src.addr(), dst.addr(), 4096);
+        // Registered after the handshake: not in the initiator's table.
+        assert!(a.transfer_now(seg, w).is_none());
+        assert!(
+            dst.to_vec().iter().all(|&x| x == 0),
+            "a declined call moved bytes"
+        );
+        rt.block_on(a.transfer(seg, w)).unwrap();
+        let w2 = TransferRequest::write(src.addr() + 4096, dst.addr() + 4096, 4096);
+        let r = TransferRequest::read(back.addr(), dst.addr() + 4096, 4096);
+        let big = TransferRequest::write(src.addr(), dst.addr(), 256 * KIB as u64);
+        if granted {
+            assert!(matches!(a.transfer_now(seg, w2), Some(Ok(()))));
+            assert!(matches!(a.transfer_now(seg, r), Some(Ok(()))));
+            assert!(back.to_vec() == pattern(3, 256 * KIB)[4096..8192]);
+        } else {
+            assert!(a.transfer_now(seg, w2).is_none() && a.transfer_now(seg, r).is_none());
+            rt.block_on(a.transfer(seg, w2)).unwrap();
+        }
+        assert!(a.transfer_now(seg, big).is_none(), "above the granted size");
+        assert!(dst.to_vec()[..8192] == pattern(3, 256 * KIB)[..8192]);
+        assert!(dst.to_vec()[8192..].iter().all(|&x| x == 0));
+        rt.block_on(async {
+            a.close_segment(seg).await.unwrap();
+            assert!(a.transfer_now(seg, w).is_none(), "a closed handle");
+            drop((a, b));
+        });
+        drop((src, back, dst));
+    }
+}
+
 /// A region the target unregisters is revoked at once: the initiator's
 /// next write, addressed with the generation it still believes in, goes
 /// as a frame and fails typed; the released range is not written.

@@ -74,11 +74,12 @@ async fn typed_config_and_dyn_engines_move_bytes() {
     dst.release().await.unwrap();
 }
 
-/// A call's future stays small: the TCP backend boxes its general path, so
-/// a call that completes at once (a granted copy on the same-host path)
-/// does not carry, and every layer above does not move, kilobytes of state
-/// it never uses (the future of `transfer` was 10.5 KiB, each layer moving
-/// it once per call: 8 % of a 4 KiB write's time).
+/// A call's future stays small: the TCP backend boxes its general path and
+/// the tracing layer keeps the inner future in place, so a call that
+/// completes at once (a granted copy on the same-host path) does not carry,
+/// and every layer above does not move, kilobytes of state it never uses.
+/// Before: `transfer` 10.5 KiB (TCP only) and 3.6 KiB over every backend's
+/// variant; now 0.6 and 1.9 KiB (`batch_transfer` 1.4 and 2.3).
 #[tokio::test]
 async fn call_futures_stay_small() {
     let target = Engine::open("tcp://127.0.0.1:0").await.unwrap();
@@ -92,5 +93,9 @@ async fn call_futures_stay_small() {
         std::mem::size_of_val(&batch),
     ];
     drop((transfer, batch));
-    assert!(sizes.iter().all(|&n| n <= 4096), "future sizes {sizes:?}");
+    println!(
+        "future sizes: transfer {}, batch_transfer {}",
+        sizes[0], sizes[1]
+    );
+    assert!(sizes.iter().all(|&n| n <= 3072), "future sizes {sizes:?}");
 }

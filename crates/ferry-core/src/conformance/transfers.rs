@@ -465,3 +465,112 @@ pub(super) async fn unregister_round(p: &Pair, remote_side: bool, n: usize) -> b
     src_remote.release().await;
     in_flight
 }
+
+/// `transfer_now` either does nothing (`None`) or does what `transfer`
+/// does: the bytes of a write or a read land, an unregistered local range
+/// and a remote range outside the peer's regions fail typed with no byte
+/// changed, an unknown segment is `UnknownSegment`, an empty request
+/// succeeds. Each request is tried after the same request went through
+/// `transfer` once (tables and connections are warm: where the engine can
+/// finish a call at once, it does here).
+pub async fn check_transfer_now(factory: Arc<dyn EngineFactory>, adapted: bool) -> Outcome {
+    let p = match pair(&factory, adapted).await {
+        Ok(p) => p,
+        Err(o) => return o,
+    };
+    const N: usize = 4096;
+    let src = Mem::new(&p.a, 2 * N, 41).await;
+    let back = Mem::new(&p.a, N, 0).await;
+    let dst = Mem::new(&p.b, 2 * N, 0).await;
+    let stray = Mem::unregistered(&p.a, N, 42);
+    // Warm: the first half through `transfer`.
+    p.a.transfer(
+        p.seg,
+        TransferRequest::write(src.addr(), dst.addr(), N as u64),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("write of {N} bytes failed: {e}"));
+    let mut done_now = 0;
+    // The second half at once, or not at all.
+    let w = TransferRequest::write(src.at(N), dst.at(N), N as u64);
+    let before = dst.bytes();
+    match p.a.transfer_now(p.seg, w) {
+        Some(Ok(())) => done_now += 1,
+        Some(Err(e)) => panic!("transfer_now of a valid write failed: {e}"),
+        None => {
+            assert_bytes(&dst.bytes(), &before, "peer memory after a declined write");
+            p.a.transfer(p.seg, w)
+                .await
+                .unwrap_or_else(|e| panic!("write after a declined transfer_now failed: {e}"));
+        }
+    }
+    assert_bytes(&dst.bytes(), &src.bytes(), "peer memory after the writes");
+    let r = TransferRequest::read(back.addr(), dst.at(N), N as u64);
+    match p.a.transfer_now(p.seg, r) {
+        Some(Ok(())) => done_now += 1,
+        Some(Err(e)) => panic!("transfer_now of a valid read failed: {e}"),
+        None => {
+            assert_bytes(
+                &back.bytes(),
+                &[0u8; N],
+                "local memory after a declined read",
+            );
+            p.a.transfer(p.seg, r)
+                .await
+                .unwrap_or_else(|e| panic!("read after a declined transfer_now failed: {e}"));
+        }
+    }
+    assert_bytes(
+        &back.bytes(),
+        &src.bytes()[N..],
+        "local memory after the read",
+    );
+    // Refusals: typed, or declined; no byte changes either way.
+    let (src_before, dst_before, stray_before) = (src.bytes(), dst.bytes(), stray.bytes());
+    let bad: [(TransferRequest, Option<Side>, &str); 3] = [
+        (
+            TransferRequest::write(stray.addr(), dst.addr(), 64),
+            Some(Side::Local),
+            "a write from unregistered memory",
+        ),
+        (
+            TransferRequest::read(stray.addr(), dst.addr(), 64),
+            Some(Side::Local),
+            "a read into unregistered memory",
+        ),
+        (
+            TransferRequest::write(src.addr(), dst.at(2 * N - 8), 16),
+            Some(Side::Remote),
+            "a write past the peer's region",
+        ),
+    ];
+    for (req, side, what) in bad {
+        if let Some(r) = p.a.transfer_now(p.seg, req) {
+            expect_addr_err(r, side, &format!("transfer_now of {what}"));
+        }
+        assert_bytes(&src.bytes(), &src_before, "local memory");
+        assert_bytes(&dst.bytes(), &dst_before, "peer memory");
+        assert_bytes(&stray.bytes(), &stray_before, "unregistered local memory");
+    }
+    let unknown = SegmentId(p.seg.0.wrapping_add(1 << 40));
+    match p
+        .a
+        .transfer_now(unknown, TransferRequest::write(src.addr(), dst.addr(), 8))
+    {
+        None | Some(Err(Error::UnknownSegment(_))) => {}
+        Some(other) => panic!("transfer_now on an unknown segment: {other:?}"),
+    }
+    match p.a.transfer_now(p.seg, TransferRequest::write(0, 0, 0)) {
+        None | Some(Ok(())) => {}
+        Some(Err(e)) => panic!("transfer_now of an empty request failed: {e}"),
+    }
+    assert_bytes(&dst.bytes(), &dst_before, "peer memory");
+    println!(
+        "transfer_now: {done_now} of 2 valid calls finished at once ({})",
+        p.a.backend_name()
+    );
+    src.release().await;
+    back.release().await;
+    dst.release().await;
+    Outcome::Passed
+}

@@ -413,3 +413,48 @@ async fn cached_peer_series_are_shared_and_created_on_first_use() {
     assert_eq!(snap.peers[&peer].bytes_written, 70);
     assert_eq!(snap.peers[UNKNOWN].bytes_written, 7);
 }
+
+/// A call finished by `transfer_now` counts as a `transfer` (bytes,
+/// requests, failures, latency); one the engine declines counts nothing.
+#[tokio::test]
+async fn calls_finished_at_once_count_as_transfers() {
+    let metrics = Metrics::new();
+    let caps = Capabilities::default();
+    let a = Arc::new(
+        MetricsLayer::new(metrics.clone())
+            .native(caps)
+            .layer(CapabilityAdapter::new(InprocEngine::auto(caps))),
+    );
+    let b: Arc<dyn DynTransferEngine> = Arc::new(InprocEngine::auto(caps));
+    let src = RegisteredBuffer::new(Arc::clone(&a), 4096).await.unwrap();
+    let dst = RegisteredBuffer::new(Arc::clone(&b), 4096).await.unwrap();
+    let peer = a.open_segment(b.segment_name()).await.unwrap();
+    let ok = a.transfer_now(peer, TransferRequest::write(src.addr(), dst.addr(), 100));
+    assert!(matches!(ok, Some(Ok(()))), "{ok:?}");
+    let bad = a.transfer_now(
+        peer,
+        TransferRequest::read(src.addr(), dst.addr() + 8192, 50),
+    );
+    assert!(
+        matches!(bad, Some(Err(Error::AddressNotRegistered { .. }))),
+        "{bad:?}"
+    );
+    // Longer than one chunk: the inproc engine declines (it would yield).
+    let big = TransferRequest::write(src.addr(), dst.addr(), InprocEngine::CHUNK as u64 + 1);
+    assert!(a.transfer_now(peer, big).is_none());
+    let p = &a.snapshot().peers[b.segment_name()];
+    assert_eq!((p.bytes_written, p.bytes_read, p.requests_ok), (100, 0, 1));
+    assert_eq!(p.requests_failed.get("not_registered"), Some(&1));
+    let s = scrape(&metrics);
+    assert_eq!(
+        sample(
+            &s,
+            "ferry_batch_duration_seconds",
+            &[("engine", a.segment_name()), ("call", "transfer")]
+        ),
+        Some(2.0),
+        "both finished calls observed as transfers"
+    );
+    src.release().await.unwrap();
+    dst.release().await.unwrap();
+}

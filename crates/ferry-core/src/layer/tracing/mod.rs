@@ -15,9 +15,12 @@
 
 use std::fmt;
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 
 use tracing::field::Empty;
+use tracing::instrument::Instrumented;
 use tracing::{Instrument, Span};
 
 use super::peers::{batch_bytes, batch_op, Peers};
@@ -116,31 +119,62 @@ impl<E> TracingEngine<E> {
     }
 }
 
+pin_project_lite::pin_project! {
+    /// `fut` in its span, the outcome recorded there when it ends. A
+    /// future of its own rather than an `async fn`: that one kept both the
+    /// inner future it was given and the instrumented one it awaited, so
+    /// every call's state (and what each layer above moves) was twice the
+    /// inner call's.
+    struct Traced<F, C> {
+        #[pin]
+        fut: Instrumented<F>,
+        failed: Option<C>,
+    }
+}
+
 /// Runs `fut` in `span` and records its outcome there.
-async fn traced<T>(
-    span: Span,
-    fut: impl Future<Output = Result<T>>,
-    failed: impl FnOnce(&T) -> usize,
-) -> Result<T> {
-    let r = fut.instrument(span.clone()).await;
-    if !span.is_disabled() {
-        match &r {
-            Ok(v) => match failed(v) {
-                0 => {
-                    span.record("outcome", "ok");
+fn traced<T, F, C>(span: Span, fut: F, failed: C) -> Traced<F, C>
+where
+    F: Future<Output = Result<T>>,
+    C: FnOnce(&T) -> usize,
+{
+    Traced {
+        fut: fut.instrument(span),
+        failed: Some(failed),
+    }
+}
+
+impl<T, F, C> Future for Traced<F, C>
+where
+    F: Future<Output = Result<T>>,
+    C: FnOnce(&T) -> usize,
+{
+    type Output = Result<T>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<T>> {
+        let this = self.project();
+        let mut fut = this.fut;
+        let r = std::task::ready!(fut.as_mut().poll(cx));
+        let span = fut.span();
+        if !span.is_disabled() {
+            match &r {
+                Ok(v) => match this.failed.take().map_or(0, |f| f(v)) {
+                    0 => {
+                        span.record("outcome", "ok");
+                    }
+                    n => {
+                        span.record("outcome", "failed");
+                        span.record("failed", n);
+                    }
+                },
+                Err(e) => {
+                    span.record("outcome", "refused");
+                    span.record("error", kind_label(e.kind()));
                 }
-                n => {
-                    span.record("outcome", "failed");
-                    span.record("failed", n);
-                }
-            },
-            Err(e) => {
-                span.record("outcome", "refused");
-                span.record("error", kind_label(e.kind()));
             }
         }
+        Poll::Ready(r)
     }
-    r
 }
 
 fn failures(report: &BatchReport) -> usize {
