@@ -590,39 +590,42 @@ class TransferEngine:
 
     # -- transfers ----------------------------------------------------------------
 
-    def transfer_sync_write(
-        self, target_hostname, buffer, peer_buffer_address, length, transport_hint=""
-    ):
-        """Writes ``length`` bytes to the peer and waits: ``0`` / ``-1``."""
+    def _sync_one(name, op, opcode, doc):
         # The common case inline (an open session, no notification): one
         # Python frame per call instead of five; the same 0 / -1 and error.
-        engine = self._engine
-        seg = self._segments.get(target_hostname)
-        if engine is not None and seg is not None:
-            try:
-                engine.transfer(seg, "write", buffer, peer_buffer_address, length)
-                return 0
-            except (FerryError, ValueError) as e:
-                return self._fail("transfer_sync", e, -1)
-        return self.transfer_sync(
-            target_hostname, buffer, peer_buffer_address, length, Write
-        )
+        def method(
+            self, target_hostname, buffer, peer_buffer_address, length, transport_hint=""
+        ):
+            engine = self._engine
+            seg = self._segments.get(target_hostname)
+            if engine is not None and seg is not None:
+                try:
+                    engine.transfer(seg, op, buffer, peer_buffer_address, length)
+                    return 0
+                except (FerryError, ValueError) as e:
+                    return self._fail("transfer_sync", e, -1)
+            return self.transfer_sync(
+                target_hostname, buffer, peer_buffer_address, length, opcode
+            )
 
-    def transfer_sync_read(
-        self, target_hostname, buffer, peer_buffer_address, length, transport_hint=""
-    ):
-        """Reads ``length`` bytes from the peer and waits: ``0`` / ``-1``."""
-        engine = self._engine
-        seg = self._segments.get(target_hostname)
-        if engine is not None and seg is not None:
-            try:
-                engine.transfer(seg, "read", buffer, peer_buffer_address, length)
-                return 0
-            except (FerryError, ValueError) as e:
-                return self._fail("transfer_sync", e, -1)
-        return self.transfer_sync(
-            target_hostname, buffer, peer_buffer_address, length, Read
-        )
+        method.__name__ = name
+        method.__qualname__ = f"TransferEngine.{name}"
+        method.__doc__ = doc
+        return method
+
+    transfer_sync_write = _sync_one(
+        "transfer_sync_write",
+        "write",
+        Write,
+        "Writes ``length`` bytes to the peer and waits: ``0`` / ``-1``.",
+    )
+    transfer_sync_read = _sync_one(
+        "transfer_sync_read",
+        "read",
+        Read,
+        "Reads ``length`` bytes from the peer and waits: ``0`` / ``-1``.",
+    )
+    del _sync_one
 
     def transfer_sync(
         self,

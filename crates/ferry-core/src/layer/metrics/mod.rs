@@ -726,6 +726,28 @@ impl EngineState {
         self.series_of(Arc::from(UNKNOWN))
     }
 
+    /// Records one `transfer` (or `transfer_now`) that ended with `r`, and
+    /// hands `r` back.
+    fn transfer_done(
+        &self,
+        segment: SegmentId,
+        request: TransferRequest,
+        r: Result<()>,
+        started: Instant,
+    ) -> Result<()> {
+        let results = [r];
+        self.record(
+            &self.peer_series(segment),
+            TRANSFER,
+            std::iter::once((request.op, request.len)),
+            Ok(&results),
+            started,
+            false,
+        );
+        let [r] = results;
+        r
+    }
+
     fn in_flight(&self) -> InFlight<'_> {
         self.flight().inc();
         InFlight(self)
@@ -1216,17 +1238,12 @@ impl<E: TransferEngine> TransferEngine for MetricsEngine<E> {
         };
         let _flight = s.in_flight();
         let started = Instant::now();
-        let results = [self.inner.transfer(segment, request).await];
-        s.record(
-            &s.peer_series(segment),
-            TRANSFER,
-            std::iter::once((request.op, request.len)),
-            Ok(&results),
+        s.transfer_done(
+            segment,
+            request,
+            self.inner.transfer(segment, request).await,
             started,
-            false,
-        );
-        let [r] = results;
-        r
+        )
     }
 
     fn transfer_now(&self, segment: SegmentId, request: TransferRequest) -> Option<Result<()>> {
@@ -1236,17 +1253,8 @@ impl<E: TransferEngine> TransferEngine for MetricsEngine<E> {
         let _flight = s.in_flight();
         let started = Instant::now();
         // Not done: not counted (the `transfer` that follows is).
-        let results = [self.inner.transfer_now(segment, request)?];
-        s.record(
-            &s.peer_series(segment),
-            TRANSFER,
-            std::iter::once((request.op, request.len)),
-            Ok(&results),
-            started,
-            false,
-        );
-        let [r] = results;
-        Some(r)
+        let r = self.inner.transfer_now(segment, request)?;
+        Some(s.transfer_done(segment, request, r, started))
     }
 
     async fn batch_transfer(
