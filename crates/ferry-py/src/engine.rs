@@ -574,13 +574,15 @@ impl PyEngine {
         // A call the engine finishes at once (a granted same-host copy)
         // needs no future and no waiting: tried first, with the GIL
         // released as for any call (kept, ten threads ran 2.4x the calls
-        // but a thread waiting for the GIL waited up to 0.4 s).
+        // but a thread waiting for the GIL waited up to 0.4 s); one
+        // release for both tries.
         let seg = SegmentId(segment);
-        let r = py.detach(|| engine.transfer_now_dyn(seg, req));
-        if let Some(r) = r {
-            return r.map_err(|e| to_pyerr(py, &e));
-        }
-        block_on(py, engine.transfer(seg, req))?.map_err(|e| to_pyerr(py, &e))
+        let rt = runtime()?;
+        py.detach(|| match engine.transfer_now_dyn(seg, req) {
+            Some(r) => r,
+            None => run(rt, engine.transfer(seg, req)),
+        })
+        .map_err(|e| to_pyerr(py, &e))
     }
 
     /// A batch, waited on. Returns one entry per request: `None` or the
