@@ -267,8 +267,6 @@ impl Drop for TcpEngine {
     }
 }
 
-/// Runs a batch on the peer behind `handle`, reporting to `driver`;
-/// [`Error::UnknownSegment`] (nothing moved) if the handle is being closed.
 /// A small call the target granted, copied here and now while the handle
 /// is open (a closing handle waits for it, as for a batch): whether it was
 /// (see [`Peer::granted_one`]).
@@ -279,6 +277,8 @@ fn granted_now(handle: &Handle, request: &TransferRequest) -> bool {
         .is_ok_and(|open| *open && handle.peer.granted_one(request))
 }
 
+/// Runs a batch on the peer behind `handle`, reporting to `driver`;
+/// [`Error::UnknownSegment`] (nothing moved) if the handle is being closed.
 async fn run_on(
     handle: &Handle,
     segment: SegmentId,

@@ -265,6 +265,7 @@ impl Engine {
     }
 
     /// One request, waited for ([`TransferEngine::transfer`]).
+    ///
     /// A call the engine can finish on this thread at once
     /// ([`TransferEngine::transfer_now`]: on the TCP backend's same-host
     /// path, a small request the peer granted) builds no future.
