@@ -14,7 +14,12 @@ use ferry_core::{TransferEngine, TransferRequest};
 use ferry_tcp::{SameHost, TcpConfig};
 
 const BLOCK: u64 = 1 << 20;
-const BLOCKS: u64 = 64;
+/// The batch: long enough that the test thread, which issues the small
+/// write once the first block has landed, is not outrun by the whole batch
+/// while it waits for a CPU (the batch's threads poll; on two CPUs the
+/// test thread can wait tens of ms: with 64 blocks it lost 1 to 3 runs in
+/// 40 before and after the small-call path changed).
+const BLOCKS: u64 = 256;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_small_write_overtakes_the_rest_of_a_long_batch() {
