@@ -257,7 +257,7 @@ async fn copy(local: &Core, segment: &Segment, request: TransferRequest) -> Resu
             }
         }
     }
-    c.served(request);
+    c.served();
     drop(open);
     Ok(())
 }
@@ -272,7 +272,7 @@ fn copy_now(local: &Core, segment: &Segment, request: TransferRequest) -> Option
     Some(Checked::new(local, segment, request, *open).map(|c| {
         if let Some(c) = c {
             c.copy(0, c.len);
-            c.served(request);
+            c.served();
         }
     }))
 }
@@ -345,12 +345,12 @@ impl Checked {
     }
 
     /// Counts the request as served by the peer, once its guards are gone.
-    fn served(self, request: TransferRequest) {
-        let served = self.served;
+    fn served(self) {
+        let (served, len) = (self.served, self.len as u64);
         drop((self.lg, self.rg));
-        match request.op {
-            TransferOp::Write => served.wrote(request.len, 1),
-            TransferOp::Read => served.read(request.len, 1),
+        match self.op {
+            TransferOp::Write => served.wrote(len, 1),
+            TransferOp::Read => served.read(len, 1),
         }
     }
 }
