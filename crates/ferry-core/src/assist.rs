@@ -32,9 +32,10 @@
 //! which `Send` allows.
 
 use std::cell::RefCell;
+use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::{pin, Pin};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::task::{Context, Poll, Wake, Waker};
 use std::thread::Thread;
@@ -53,6 +54,8 @@ struct Slot {
     /// Blocked callers have driven the task: when the runtime polls it,
     /// it serves callers that take it over when they wait ([`quiet`]).
     served_callers: AtomicBool,
+    /// How many callers are in `waiting` ([`contended`]).
+    waiters: Arc<AtomicUsize>,
 }
 
 #[derive(Default)]
@@ -66,10 +69,11 @@ struct SlotState {
     pump: Option<Waker>,
     /// The blocked caller that holds the future now, if any.
     driver: Option<Waker>,
-    /// Blocked callers that found it held by another caller: woken when
-    /// it is handed back, to take it over (leader/follower) instead of
-    /// spinning meanwhile.
-    waiting: Vec<Waker>,
+    /// Blocked callers that found it held by another caller, oldest
+    /// first: when it is handed back one of them is woken to take it over
+    /// (leader/follower) instead of spinning meanwhile ([`next_driver`]).
+    /// All of them when it finishes.
+    waiting: VecDeque<Arc<Signal>>,
     /// Woken since it was last polled: it must be polled again.
     woken: bool,
 }
@@ -130,6 +134,7 @@ impl Task {
                 state: Mutex::new(SlotState::default()),
                 wanted: Arc::new(AtomicBool::new(false)),
                 served_callers: AtomicBool::new(false),
+                waiters: Arc::default(),
             }),
         }
     }
@@ -233,6 +238,8 @@ struct Current {
     quiet: bool,
     /// A blocked caller hands it back: it should not keep the caller.
     handing_back: bool,
+    /// Its slot's count of waiting callers, while a caller drives it.
+    waiters: Option<Arc<AtomicUsize>>,
 }
 
 thread_local! {
@@ -267,6 +274,7 @@ fn poll_as(slot: &Slot, fut: &mut BoxFut, waker: &Waker, by: By) -> Poll<()> {
         quiet: by == By::HandBack
             || (by == By::Pump && slot.served_callers.load(Ordering::Relaxed)),
         handing_back: by == By::HandBack,
+        waiters: (by == By::Caller).then(|| Arc::clone(&slot.waiters)),
     };
     let _restore = Restore(CURRENT.with(|c| c.borrow_mut().replace(current)));
     fut.as_mut().poll(&mut Context::from_waker(waker))
@@ -293,6 +301,24 @@ pub fn should_yield() -> bool {
 /// exists to avoid.
 pub fn driven() -> bool {
     CURRENT.with(|c| c.borrow().as_ref().is_some_and(|cur| cur.driven))
+}
+
+/// Whether the assisted task running on this thread is driven by a blocked
+/// caller while other blocked callers wait for it: their answers are due
+/// too, so it has work coming, but spinning for it would take a CPU that
+/// the others' threads, the runtime and the peer need (ten threads on a
+/// two-CPU host: the driving thread polling a socket in a loop left one
+/// CPU for everything else). Such a task should wait for its input in the
+/// kernel, on the calling thread (the kernel wakes that thread itself when
+/// the input arrives: one thread switch, no runtime thread in between).
+pub fn contended() -> bool {
+    CURRENT.with(|c| {
+        c.borrow().as_ref().is_some_and(|cur| {
+            cur.waiters
+                .as_ref()
+                .is_some_and(|w| w.load(Ordering::Relaxed) > 0)
+        })
+    })
 }
 
 /// Whether the assisted task running on this thread serves blocked
@@ -351,7 +377,19 @@ impl Handle {
 /// Wakes the thread in [`block_on`].
 struct Signal {
     woken: AtomicBool,
+    /// The [`block_on`] call it belongs to has not returned yet.
+    active: AtomicBool,
     thread: Thread,
+}
+
+/// Marks a [`block_on`] call's signal as no longer waiting (also on a
+/// panic), so that a hand-back does not choose it ([`next_driver`]).
+struct Returned<'a>(&'a Signal);
+
+impl Drop for Returned<'_> {
+    fn drop(&mut self) {
+        self.0.active.store(false, Ordering::Release);
+    }
 }
 
 impl Wake for Signal {
@@ -393,13 +431,13 @@ impl Held {
                     let mut s = lock(&self.slot.state);
                     s.done = true;
                     s.driver = None;
-                    (s.pump.take(), std::mem::take(&mut s.waiting))
+                    (s.pump.take(), take_waiting(&self.slot, &mut s))
                 };
                 // Let the pump and the waiting callers see that it is over.
                 if let Some(p) = pump {
                     p.wake();
                 }
-                waiting.into_iter().for_each(Waker::wake);
+                waiting.iter().for_each(Signal::wake_by_ref);
                 false
             }
             Poll::Pending => lock(&self.slot.state).woken,
@@ -423,37 +461,42 @@ impl Drop for Held {
                     let mut s = lock(&self.slot.state);
                     s.done = true;
                     s.driver = None;
-                    (s.pump.take(), std::mem::take(&mut s.waiting))
+                    (s.pump.take(), take_waiting(&self.slot, &mut s))
                 };
                 drop(fut);
                 if let Some(p) = pump {
                     p.wake();
                 }
-                waiting.into_iter().for_each(Waker::wake);
+                waiting.iter().for_each(Signal::wake_by_ref);
                 return;
             }
         }
         let (pump, drop_it, waiting) = {
             let mut s = lock(&self.slot.state);
             s.driver = None;
-            let waiting = std::mem::take(&mut s.waiting);
             if s.done {
-                (None, Some(fut), waiting)
+                (None, Some(fut), take_waiting(&self.slot, &mut s))
             } else {
                 s.fut = Some(fut);
                 // Work left (it yielded, or was woken while we held it):
                 // the runtime's pump takes over now (unless a waiting
                 // caller takes it first).
-                (if s.woken { s.pump.clone() } else { None }, None, waiting)
+                let next = next_driver(&mut s.waiting);
+                self.slot.waiters.store(s.waiting.len(), Ordering::Relaxed);
+                (
+                    if s.woken { s.pump.clone() } else { None },
+                    None,
+                    next.into_iter().collect(),
+                )
             }
         };
         drop(drop_it);
         if let Some(p) = pump {
             p.wake();
         }
-        // Callers waiting for the task try to take it (one does; the
-        // others find it held and wait again).
-        waiting.into_iter().for_each(Waker::wake);
+        // Finished: every waiting caller sees it; else the one chosen
+        // takes it over.
+        waiting.iter().for_each(Signal::wake_by_ref);
     }
 }
 
@@ -469,16 +512,52 @@ enum Taken {
     Gone,
 }
 
+/// The waiting caller to wake when a task is handed back, taken off
+/// `waiting`: the oldest whose call still waits (in [`block_on`] and not
+/// woken already). Callers whose call has returned are dropped from the
+/// list; one already woken (its answer came, or a wake-up is on its way)
+/// looks at the task anyway when it runs, so nobody more is woken.
+///
+/// Waking only one keeps a hand-back, which ends every call driven by a
+/// caller, to one thread switch: waking all of them (ten Python threads on
+/// one connection, as vLLM's connector does) made each call cost a switch
+/// per waiting thread, all but one of which found the task taken again.
+/// A caller not woken is not stranded: its answer wakes it as before,
+/// read by whoever drives the task then (the next caller, or the
+/// runtime's pump).
+fn next_driver(waiting: &mut VecDeque<Arc<Signal>>) -> Option<Arc<Signal>> {
+    let mut chosen = None;
+    while let Some(w) = waiting.pop_front() {
+        if !w.active.load(Ordering::Acquire) {
+            continue;
+        }
+        if !w.woken.load(Ordering::Acquire) {
+            chosen = Some(w);
+        }
+        break;
+    }
+    // Callers whose call has returned are not waiting any more.
+    waiting.retain(|w| w.active.load(Ordering::Acquire));
+    chosen
+}
+
+/// Every waiting caller of a finished task, to wake.
+fn take_waiting(slot: &Slot, s: &mut SlotState) -> VecDeque<Arc<Signal>> {
+    slot.waiters.store(0, Ordering::Relaxed);
+    std::mem::take(&mut s.waiting)
+}
+
 /// Takes the task of `slot` if nobody polls it now.
-fn take(slot: Arc<Slot>, me: &Waker) -> Taken {
+fn take(slot: Arc<Slot>, me: &Arc<Signal>) -> Taken {
     let fut = {
         let mut s = lock(&slot.state);
         if s.done {
             return Taken::Gone;
         }
         if s.driver.is_some() {
-            if !s.waiting.iter().any(|w| w.will_wake(me)) {
-                s.waiting.push(me.clone());
+            if !s.waiting.iter().any(|w| Arc::ptr_eq(w, me)) {
+                s.waiting.push_back(Arc::clone(me));
+                slot.waiters.store(s.waiting.len(), Ordering::Relaxed);
             }
             return Taken::BusyCaller;
         }
@@ -489,7 +568,11 @@ fn take(slot: Arc<Slot>, me: &Waker) -> Taken {
         };
         slot.wanted.store(false, Ordering::Relaxed);
         slot.served_callers.store(true, Ordering::Relaxed);
-        s.driver = Some(me.clone());
+        // Driving it, not waiting for it (and the others still waiting
+        // make it contended).
+        s.waiting.retain(|w| !Arc::ptr_eq(w, me));
+        slot.waiters.store(s.waiting.len(), Ordering::Relaxed);
+        s.driver = Some(Waker::from(Arc::clone(me)));
         f
     };
     let waker = Waker::from(Arc::new(SlotWaker(Arc::downgrade(&slot))));
@@ -530,8 +613,10 @@ pub fn block_on<F: Future>(rt: &tokio::runtime::Handle, fut: F) -> F::Output {
     let _scope = OfferScope(OFFERED.with(|o| o.borrow_mut().replace(Vec::new())));
     let signal = Arc::new(Signal {
         woken: AtomicBool::new(false),
+        active: AtomicBool::new(true),
         thread: std::thread::current(),
     });
+    let _returned = Returned(&signal);
     let me = Waker::from(Arc::clone(&signal));
     let mut cx = Context::from_waker(&me);
     let mut fut = pin!(fut);
@@ -545,7 +630,7 @@ pub fn block_on<F: Future>(rt: &tokio::runtime::Handle, fut: F) -> F::Output {
         let mut on_pump = false;
         wanted.retain(|w| match w.upgrade() {
             None => false,
-            Some(slot) => match take(slot, &me) {
+            Some(slot) => match take(slot, &signal) {
                 Taken::Held(h) => {
                     held.push(h);
                     false
@@ -563,7 +648,9 @@ pub fn block_on<F: Future>(rt: &tokio::runtime::Handle, fut: F) -> F::Output {
     loop {
         signal.woken.store(false, Ordering::Relaxed);
         if let Poll::Ready(out) = fut.as_mut().poll(&mut cx) {
-            // `held` hands its tasks back as it drops.
+            // Not a caller to choose for the tasks handed back from here
+            // on (`held` hands its tasks back as it drops).
+            signal.active.store(false, Ordering::Release);
             return out;
         }
         for w in take_offers() {
@@ -795,23 +882,8 @@ mod tests {
     #[test]
     fn the_hand_back_is_one_quiet_poll_on_the_callers_thread() {
         let rt = runtime();
-        type Record = (std::thread::ThreadId, bool, bool);
-        let polls: Arc<Mutex<Vec<Record>>> = Arc::default();
-        let task = Task::new();
-        let handle = task.handle();
-        let join = {
-            let polls = Arc::clone(&polls);
-            let _g = rt.enter();
-            task.spawn(std::future::poll_fn(move |cx| {
-                lock(&polls).push((std::thread::current().id(), quiet(), driven()));
-                if driven() {
-                    // Polling for an answer: poll me again.
-                    cx.waker().wake_by_ref();
-                }
-                Poll::<()>::Pending
-            }))
-        };
-        handle.wait_parked(Duration::from_secs(5));
+        let (polls, handle, join) =
+            recording_task(&rt, || (std::thread::current().id(), quiet(), driven()));
         let me = std::thread::current().id();
         let before = lock(&polls).len();
         block_on(rt.handle(), async {
@@ -833,6 +905,129 @@ mod tests {
         // Nothing woke the pump: no poll follows on the runtime.
         std::thread::sleep(Duration::from_millis(50));
         assert_eq!(lock(&polls).len(), after.len(), "{:?}", lock(&polls));
+        join.abort();
+    }
+
+    /// An assisted task that records `record()` at every poll and, while a
+    /// caller drives it, asks to be polled again (a reader polling for an
+    /// answer); started and resting in its slot.
+    #[allow(clippy::type_complexity)]
+    fn recording_task<R: Send + 'static>(
+        rt: &tokio::runtime::Runtime,
+        record: impl Fn() -> R + Send + 'static,
+    ) -> (Arc<Mutex<Vec<R>>>, Handle, tokio::task::JoinHandle<()>) {
+        let polls: Arc<Mutex<Vec<R>>> = Arc::default();
+        let task = Task::new();
+        let handle = task.handle();
+        let join = {
+            let polls = Arc::clone(&polls);
+            let _g = rt.enter();
+            task.spawn(std::future::poll_fn(move |cx| {
+                lock(&polls).push(record());
+                if driven() {
+                    cx.waker().wake_by_ref();
+                }
+                Poll::<()>::Pending
+            }))
+        };
+        handle.wait_parked(Duration::from_secs(5));
+        (polls, handle, join)
+    }
+
+    fn signal(active: bool, woken: bool) -> Arc<Signal> {
+        Arc::new(Signal {
+            woken: AtomicBool::new(woken),
+            active: AtomicBool::new(active),
+            thread: std::thread::current(),
+        })
+    }
+
+    /// A hand-back chooses one caller to wake: the oldest still in its
+    /// call and not already woken; callers whose call returned leave the
+    /// list; a caller already woken counts as the one (it looks anyway).
+    #[test]
+    fn a_hand_back_wakes_one_caller_that_still_waits() {
+        let (gone, a, b, c) = (
+            signal(false, false),
+            signal(true, false),
+            signal(true, false),
+            signal(false, false),
+        );
+        let mut q = VecDeque::from([gone, Arc::clone(&a), Arc::clone(&b), c]);
+        let chosen = next_driver(&mut q).expect("a caller to wake");
+        assert!(Arc::ptr_eq(&chosen, &a));
+        assert_eq!(q.len(), 1, "the returned caller behind is dropped too");
+        assert!(Arc::ptr_eq(&q[0], &b));
+
+        let woken = signal(true, true);
+        let mut q = VecDeque::from([woken, Arc::clone(&b)]);
+        assert!(next_driver(&mut q).is_none(), "one is on its way already");
+        assert_eq!(q.len(), 1);
+        assert!(Arc::ptr_eq(&q[0], &b), "the others keep waiting");
+
+        let mut q = VecDeque::from([signal(false, false), signal(false, true)]);
+        assert!(next_driver(&mut q).is_none());
+        assert!(q.is_empty());
+    }
+
+    /// `contended()` is true inside a task driven by a caller while
+    /// another caller waits for it, and false once nobody waits.
+    #[test]
+    fn a_driven_task_is_contended_while_another_caller_waits() {
+        let rt = runtime();
+        // (driven, contended) of every poll.
+        let (polls, handle, join) = recording_task(&rt, || (driven(), contended()));
+        let driven_polls =
+            |polls: &Mutex<Vec<(bool, bool)>>| lock(polls).iter().filter(|(d, _)| *d).count();
+        let (a_tx, a_rx) = tokio::sync::oneshot::channel::<()>();
+        let (b_tx, b_rx) = tokio::sync::oneshot::channel::<()>();
+        std::thread::scope(|s| {
+            let (rt, h1, h2) = (&rt, handle.clone(), handle.clone());
+            s.spawn(move || {
+                block_on(rt.handle(), async {
+                    h1.offer();
+                    let _ = a_rx.await;
+                })
+            });
+            // A drives it alone first.
+            let start = Instant::now();
+            while driven_polls(&polls) < 10 {
+                assert!(start.elapsed() < Duration::from_secs(5), "A never drove it");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            assert!(lock(&polls).iter().all(|&(d, c)| !c || d));
+            assert!(!lock(&polls).iter().any(|&(_, c)| c), "nobody waits yet");
+            s.spawn(move || {
+                block_on(rt.handle(), async {
+                    h2.offer();
+                    let _ = b_rx.await;
+                })
+            });
+            // B waits for it: A's polls see that.
+            let start = Instant::now();
+            while !lock(&polls).iter().any(|&(_, c)| c) {
+                assert!(
+                    start.elapsed() < Duration::from_secs(5),
+                    "never contended with B waiting"
+                );
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            // A returns and hands it to B, which drives it alone.
+            a_tx.send(()).unwrap();
+            std::thread::sleep(Duration::from_millis(20));
+            let from = lock(&polls).len();
+            std::thread::sleep(Duration::from_millis(20));
+            let later: Vec<(bool, bool)> = lock(&polls)[from..].to_vec();
+            assert!(
+                later.iter().any(|&(d, _)| d),
+                "B took the task over when A handed it back: {later:?}"
+            );
+            assert!(
+                later.iter().all(|&(_, c)| !c),
+                "nobody waits for it any more: {later:?}"
+            );
+            b_tx.send(()).unwrap();
+        });
         join.abort();
     }
 

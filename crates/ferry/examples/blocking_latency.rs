@@ -180,6 +180,64 @@ fn main() {
         println!("assisted {:?}", stats(d));
         return;
     }
+    if mode == "t" || mode == "w" {
+        let base = src.addr();
+        // Aggregate calls/s of THREADS callers at once (plain threads in
+        // `assist::block_on` for "t", runtime tasks for "w") against one.
+        let threads: usize = std::env::var("THREADS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(10);
+        for round in 0..3 {
+            let mut line = format!("round {round}:");
+            for k in [1, threads] {
+                let t0 = Instant::now();
+                if mode == "t" {
+                    std::thread::scope(|s| {
+                        for i in 0..k {
+                            let (engine, rt) = (&engine, &rt);
+                            s.spawn(move || {
+                                let r = TransferRequest::write(
+                                    base + (i as u64) * 4096,
+                                    remote + (i as u64) * 4096,
+                                    4096,
+                                );
+                                for _ in 0..n {
+                                    ferry::assist::block_on(rt.handle(), engine.transfer(seg, r))
+                                        .unwrap();
+                                }
+                            });
+                        }
+                    });
+                } else {
+                    let joins: Vec<_> = (0..k)
+                        .map(|i| {
+                            let e = engine.clone();
+                            let r = TransferRequest::write(
+                                base + (i as u64) * 4096,
+                                remote + (i as u64) * 4096,
+                                4096,
+                            );
+                            rt.spawn(async move {
+                                for _ in 0..n {
+                                    e.transfer(seg, r).await.unwrap();
+                                }
+                            })
+                        })
+                        .collect();
+                    rt.block_on(async {
+                        for j in joins {
+                            j.await.unwrap();
+                        }
+                    });
+                }
+                let rate = (k * n) as f64 / t0.elapsed().as_secs_f64();
+                line += &format!("  {k} x: {:.1}k/s", rate / 1e3);
+            }
+            println!("{line}");
+        }
+        return;
+    }
     if mode == "a" {
         let e = engine.clone();
         let a = rt

@@ -127,6 +127,10 @@ pub(crate) struct ConnShared {
     pub(crate) pending: Mutex<PendingMap>,
     /// Held while a caller writes its frames.
     pub(crate) write_lock: tokio::sync::Mutex<()>,
+    /// Small frames of callers that found the write lock taken, in the
+    /// order they came: whoever holds the lock writes them before letting
+    /// go (see `send::send_combined`).
+    pub(crate) outbox: Mutex<Vec<Vec<u8>>>,
     /// The next request id.
     pub(crate) next_id: AtomicU64,
     /// No longer usable (failed, closed or retired).
@@ -246,6 +250,8 @@ impl ConnShared {
             map.closed.get_or_insert_with(|| err.clone());
             taken.extend(map.ops.drain().map(|(_, op)| op));
         }
+        // Their operations are failed with the rest: never sent.
+        lock(&self.outbox).clear();
         let mut unproven = Vec::new();
         for mut op in taken {
             unproven.extend(op.take_unproven());

@@ -331,6 +331,7 @@ impl Peer {
             peer: self.name.clone(),
             pending: Mutex::new(PendingMap::default()),
             write_lock: tokio::sync::Mutex::new(()),
+            outbox: Mutex::new(Vec::new()),
             next_id: AtomicU64::new(1),
             dead: AtomicBool::new(false),
             retired: AtomicBool::new(false),
