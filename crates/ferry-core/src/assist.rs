@@ -35,7 +35,7 @@ use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::{pin, Pin};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::task::{Context, Poll, Wake, Waker};
 use std::thread::Thread;
@@ -54,8 +54,6 @@ struct Slot {
     /// Blocked callers have driven the task: when the runtime polls it,
     /// it serves callers that take it over when they wait ([`quiet`]).
     served_callers: AtomicBool,
-    /// How many callers are in `waiting` ([`contended`]).
-    waiters: Arc<AtomicUsize>,
 }
 
 #[derive(Default)]
@@ -134,7 +132,6 @@ impl Task {
                 state: Mutex::new(SlotState::default()),
                 wanted: Arc::new(AtomicBool::new(false)),
                 served_callers: AtomicBool::new(false),
-                waiters: Arc::default(),
             }),
         }
     }
@@ -238,8 +235,6 @@ struct Current {
     quiet: bool,
     /// A blocked caller hands it back: it should not keep the caller.
     handing_back: bool,
-    /// Its slot's count of waiting callers, while a caller drives it.
-    waiters: Option<Arc<AtomicUsize>>,
 }
 
 thread_local! {
@@ -274,7 +269,6 @@ fn poll_as(slot: &Slot, fut: &mut BoxFut, waker: &Waker, by: By) -> Poll<()> {
         quiet: by == By::HandBack
             || (by == By::Pump && slot.served_callers.load(Ordering::Relaxed)),
         handing_back: by == By::HandBack,
-        waiters: (by == By::Caller).then(|| Arc::clone(&slot.waiters)),
     };
     let _restore = Restore(CURRENT.with(|c| c.borrow_mut().replace(current)));
     fut.as_mut().poll(&mut Context::from_waker(waker))
@@ -301,24 +295,6 @@ pub fn should_yield() -> bool {
 /// exists to avoid.
 pub fn driven() -> bool {
     CURRENT.with(|c| c.borrow().as_ref().is_some_and(|cur| cur.driven))
-}
-
-/// Whether the assisted task running on this thread is driven by a blocked
-/// caller while other blocked callers wait for it: their answers are due
-/// too, so it has work coming, but spinning for it would take a CPU that
-/// the others' threads, the runtime and the peer need (ten threads on a
-/// two-CPU host: the driving thread polling a socket in a loop left one
-/// CPU for everything else). Such a task should wait for its input in the
-/// kernel, on the calling thread (the kernel wakes that thread itself when
-/// the input arrives: one thread switch, no runtime thread in between).
-pub fn contended() -> bool {
-    CURRENT.with(|c| {
-        c.borrow().as_ref().is_some_and(|cur| {
-            cur.waiters
-                .as_ref()
-                .is_some_and(|w| w.load(Ordering::Relaxed) > 0)
-        })
-    })
 }
 
 /// Whether the assisted task running on this thread serves blocked
@@ -431,7 +407,7 @@ impl Held {
                     let mut s = lock(&self.slot.state);
                     s.done = true;
                     s.driver = None;
-                    (s.pump.take(), take_waiting(&self.slot, &mut s))
+                    (s.pump.take(), take_waiting(&mut s))
                 };
                 // Let the pump and the waiting callers see that it is over.
                 if let Some(p) = pump {
@@ -461,7 +437,7 @@ impl Drop for Held {
                     let mut s = lock(&self.slot.state);
                     s.done = true;
                     s.driver = None;
-                    (s.pump.take(), take_waiting(&self.slot, &mut s))
+                    (s.pump.take(), take_waiting(&mut s))
                 };
                 drop(fut);
                 if let Some(p) = pump {
@@ -475,14 +451,13 @@ impl Drop for Held {
             let mut s = lock(&self.slot.state);
             s.driver = None;
             if s.done {
-                (None, Some(fut), take_waiting(&self.slot, &mut s))
+                (None, Some(fut), take_waiting(&mut s))
             } else {
                 s.fut = Some(fut);
                 // Work left (it yielded, or was woken while we held it):
                 // the runtime's pump takes over now (unless a waiting
                 // caller takes it first).
                 let next = next_driver(&mut s.waiting);
-                self.slot.waiters.store(s.waiting.len(), Ordering::Relaxed);
                 (
                     if s.woken { s.pump.clone() } else { None },
                     None,
@@ -542,8 +517,7 @@ fn next_driver(waiting: &mut VecDeque<Arc<Signal>>) -> Option<Arc<Signal>> {
 }
 
 /// Every waiting caller of a finished task, to wake.
-fn take_waiting(slot: &Slot, s: &mut SlotState) -> VecDeque<Arc<Signal>> {
-    slot.waiters.store(0, Ordering::Relaxed);
+fn take_waiting(s: &mut SlotState) -> VecDeque<Arc<Signal>> {
     std::mem::take(&mut s.waiting)
 }
 
@@ -557,7 +531,6 @@ fn take(slot: Arc<Slot>, me: &Arc<Signal>) -> Taken {
         if s.driver.is_some() {
             if !s.waiting.iter().any(|w| Arc::ptr_eq(w, me)) {
                 s.waiting.push_back(Arc::clone(me));
-                slot.waiters.store(s.waiting.len(), Ordering::Relaxed);
             }
             return Taken::BusyCaller;
         }
@@ -568,10 +541,8 @@ fn take(slot: Arc<Slot>, me: &Arc<Signal>) -> Taken {
         };
         slot.wanted.store(false, Ordering::Relaxed);
         slot.served_callers.store(true, Ordering::Relaxed);
-        // Driving it, not waiting for it (and the others still waiting
-        // make it contended).
+        // Driving it, not waiting for it.
         s.waiting.retain(|w| !Arc::ptr_eq(w, me));
-        slot.waiters.store(s.waiting.len(), Ordering::Relaxed);
         s.driver = Some(Waker::from(Arc::clone(me)));
         f
     };
@@ -968,67 +939,6 @@ mod tests {
         let mut q = VecDeque::from([signal(false, false), signal(false, true)]);
         assert!(next_driver(&mut q).is_none());
         assert!(q.is_empty());
-    }
-
-    /// `contended()` is true inside a task driven by a caller while
-    /// another caller waits for it, and false once nobody waits.
-    #[test]
-    fn a_driven_task_is_contended_while_another_caller_waits() {
-        let rt = runtime();
-        // (driven, contended) of every poll.
-        let (polls, handle, join) = recording_task(&rt, || (driven(), contended()));
-        let driven_polls =
-            |polls: &Mutex<Vec<(bool, bool)>>| lock(polls).iter().filter(|(d, _)| *d).count();
-        let (a_tx, a_rx) = tokio::sync::oneshot::channel::<()>();
-        let (b_tx, b_rx) = tokio::sync::oneshot::channel::<()>();
-        std::thread::scope(|s| {
-            let (rt, h1, h2) = (&rt, handle.clone(), handle.clone());
-            s.spawn(move || {
-                block_on(rt.handle(), async {
-                    h1.offer();
-                    let _ = a_rx.await;
-                })
-            });
-            // A drives it alone first.
-            let start = Instant::now();
-            while driven_polls(&polls) < 10 {
-                assert!(start.elapsed() < Duration::from_secs(5), "A never drove it");
-                std::thread::sleep(Duration::from_millis(1));
-            }
-            assert!(lock(&polls).iter().all(|&(d, c)| !c || d));
-            assert!(!lock(&polls).iter().any(|&(_, c)| c), "nobody waits yet");
-            s.spawn(move || {
-                block_on(rt.handle(), async {
-                    h2.offer();
-                    let _ = b_rx.await;
-                })
-            });
-            // B waits for it: A's polls see that.
-            let start = Instant::now();
-            while !lock(&polls).iter().any(|&(_, c)| c) {
-                assert!(
-                    start.elapsed() < Duration::from_secs(5),
-                    "never contended with B waiting"
-                );
-                std::thread::sleep(Duration::from_millis(1));
-            }
-            // A returns and hands it to B, which drives it alone.
-            a_tx.send(()).unwrap();
-            std::thread::sleep(Duration::from_millis(20));
-            let from = lock(&polls).len();
-            std::thread::sleep(Duration::from_millis(20));
-            let later: Vec<(bool, bool)> = lock(&polls)[from..].to_vec();
-            assert!(
-                later.iter().any(|&(d, _)| d),
-                "B took the task over when A handed it back: {later:?}"
-            );
-            assert!(
-                later.iter().all(|&(_, c)| !c),
-                "nobody waits for it any more: {later:?}"
-            );
-            b_tx.send(()).unwrap();
-        });
-        join.abort();
     }
 
     /// Aborting the task while a caller holds it drops the future when the

@@ -281,12 +281,6 @@ fn raw_read(
 /// long; see [`read_with`]).
 pub const SPIN_SLICE: Duration = Duration::from_micros(20);
 
-/// Longest a reader driven by a blocked caller, with other blocked callers
-/// waiting for it, waits in the kernel for its socket before it looks
-/// around again (`ferry_core::assist::contended`; it returns at once when
-/// the socket turns readable).
-pub const CONTENDED_WAIT: Duration = Duration::from_micros(500);
-
 /// Extends a reader's busy-poll past its base window for as long as it
 /// returns true (checked between attempts; it must turn false on its own,
 /// e.g. a bounded time after the connection's last activity, so that an
@@ -338,24 +332,9 @@ where
         Err(e) if retry(&e) => {}
         other => return other,
     }
-    // Driven by a blocked caller while others wait too: wait in the kernel
-    // (ppoll) for as long as answers are due, never spinning, and let the
-    // caller look at its own call between waits. Not with a hook: what it
-    // polls (a staging area's acknowledgement lane) wakes no ppoll.
-    let started = Instant::now();
-    while hook.is_none() && ferry_core::assist::contended() && extend.is_some_and(|f| f()) {
-        if timeout.is_some_and(|t| started.elapsed() >= t) {
-            return Err(timed_out());
-        }
-        stream.block_until_readable(CONTENDED_WAIT);
-        match attempt() {
-            Err(e) if retry(&e) => tokio::task::yield_now().await,
-            other => return other,
-        }
-    }
     let until = timeout.map(|t| tokio::time::Instant::now() + t);
     loop {
-        if let Some(n) = spin_phase(stream, &mut attempt, spin, extend, hook).await {
+        if let Some(n) = spin_phase(&mut attempt, spin, extend, hook).await {
             return n;
         }
         let Some(p) = pause.filter(|p| (p.active)()) else {
@@ -393,7 +372,6 @@ where
 /// The polling part of [`read_with`]: `Some` with the read's result, or
 /// `None` once polling is over.
 async fn spin_phase<F>(
-    stream: &Stream,
     attempt: &mut F,
     spin: Duration,
     extend: Option<&SpinWhile>,
@@ -436,10 +414,6 @@ where
             {
                 tokio::task::yield_now().await;
                 yielded = Some(Instant::now());
-            } else if hook.is_none() && ferry_core::assist::contended() {
-                // Other blocked callers wait for this reader: wait in the
-                // kernel rather than take a CPU from them.
-                stream.block_until_readable(CONTENDED_WAIT);
             } else {
                 std::hint::spin_loop();
             }
@@ -523,9 +497,6 @@ where
                                 continue;
                             }
                         }
-                    }
-                    if hook.is_none() && ferry_core::assist::contended() {
-                        stream.block_until_readable(CONTENDED_WAIT);
                     }
                     match attempt() {
                         Err(e) if retry(&e) => tokio::task::yield_now().await,

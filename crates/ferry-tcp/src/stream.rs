@@ -8,7 +8,6 @@
 use std::io;
 use std::net::SocketAddr;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
-use std::time::Duration;
 
 use tokio::io::Interest;
 use tokio::net::{TcpStream, UnixStream};
@@ -65,32 +64,6 @@ impl Stream {
             // Failing to disarm costs one wake-up, nothing else.
             let _ = q.unarm_readable();
         }
-    }
-
-    /// Blocks the calling thread until the socket is readable (or has
-    /// an error or hung up) or `max` has passed, in the kernel: for a
-    /// reader polled by a blocked caller that should not spin
-    /// (`ferry_core::assist::contended`). Errors are left to the read that
-    /// follows. Returns at once for a TLS session holding plaintext.
-    pub fn block_until_readable(&self, max: Duration) {
-        if let Stream::Tls(t) = self {
-            if t.has_plaintext() {
-                return;
-            }
-        }
-        let mut pfd = libc::pollfd {
-            fd: self.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        let ts = libc::timespec {
-            tv_sec: max.as_secs() as libc::time_t,
-            tv_nsec: max.subsec_nanos() as libc::c_long,
-        };
-        // SAFETY: `pfd` and `ts` are valid for the call, which only reads
-        // `ts` and writes `pfd.revents`; the descriptor is this stream's,
-        // open while `self` is borrowed; no signal mask is passed.
-        unsafe { libc::ppoll(&mut pfd, 1, &ts, std::ptr::null()) };
     }
 
     /// Waits until the socket may be writable.
