@@ -20,6 +20,10 @@
 //!
 //! `MODE=a`, `MODE=b`, `MODE=d` or `MODE=e` runs only that caller kind
 //! (for `strace -c`).
+//!
+//! `MODE=t` and `MODE=w` measure many callers at once: `THREADS` (default
+//! 10) plain threads in `ferry::assist::block_on` (t) or runtime tasks (w),
+//! each writing its own 4 KiB block, aggregate calls/s against one caller.
 use std::future::Future;
 use std::pin::pin;
 use std::sync::atomic::{AtomicBool, Ordering};
