@@ -450,13 +450,14 @@ pub(crate) async fn send_ops(
             // At a frame boundary: let the senders waiting for the lock
             // in. Abandoned while waiting, the frames not yet sent are
             // withdrawn (the stream is whole).
+            // Small calls queued meanwhile go in between too.
+            if !write_outbox(conn).await {
+                poison.0 = None;
+                return Ok(());
+            }
             poison.0 = None;
             unsent.ids = Some(&ids[from_op..]);
             drop(w);
-            // Small calls queued meanwhile go in between too.
-            if !lock(&conn.outbox).is_empty() {
-                drain_outbox(conn).await;
-            }
             w = conn.write_lock.lock().await;
             unsent.ids = None;
             if conn.dead.load(Ordering::Acquire) {
@@ -502,12 +503,9 @@ pub(crate) async fn send_ops(
         conn.touch();
     } else {
         poison.0 = None;
-        drop(w);
         // Frames queued while we wrote go now (none are queued on a
         // same-host connection, the only kind with staged bytes).
-        if !lock(&conn.outbox).is_empty() {
-            drain_outbox(conn).await;
-        }
+        write_queued(conn, w, &[]).await;
         return Ok(());
     }
     poison.0 = None;
@@ -536,17 +534,7 @@ const COMBINE_MAX: usize = 64 << 10;
 /// good as sent (its caller may stop waiting, as after a send).
 async fn send_combined(conn: &ConnShared, bufs: &[Bytes<'_>], bytes: usize) {
     if let Ok(w) = conn.write_lock.try_lock() {
-        let mut poison = PoisonOnDrop(Some(conn));
-        let res = write_all(&conn.stream, bufs, conn.pace).await;
-        conn.touch();
-        // A blocked caller (a Python thread) reads its answer itself.
-        conn.assist.offer();
-        poison.0 = None;
-        if let Err(e) = res {
-            conn.fail_all(conn.lost(&e));
-            return;
-        }
-        write_queued(conn, w).await;
+        write_queued(conn, w, bufs).await;
         return;
     }
     let mut frames = Vec::with_capacity(bytes);
@@ -563,37 +551,36 @@ async fn send_combined(conn: &ConnShared, bufs: &[Bytes<'_>], bytes: usize) {
 /// it writes them before letting go).
 async fn drain_outbox(conn: &ConnShared) {
     if let Ok(w) = conn.write_lock.try_lock() {
-        write_queued(conn, w).await;
+        write_queued(conn, w, &[]).await;
     }
     // Else the holder looks at the queue after its write, and again after
     // letting go.
 }
 
-/// With the write lock `w` held: writes the queued frames until the queue
-/// stays empty after the lock is let go.
-async fn write_queued(conn: &ConnShared, mut w: tokio::sync::MutexGuard<'_, ()>) {
-    loop {
+/// With the write lock `w` held: writes `first` (frames of the caller's
+/// own, from its memory), then the queued frames until the queue stays
+/// empty after the lock is let go.
+async fn write_queued(
+    conn: &ConnShared,
+    mut w: tokio::sync::MutexGuard<'_, ()>,
+    first: &[Bytes<'_>],
+) {
+    if !first.is_empty() {
         let mut poison = PoisonOnDrop(Some(conn));
-        loop {
-            let frames = std::mem::take(&mut *lock(&conn.outbox));
-            if frames.is_empty() {
-                break;
-            }
-            if conn.dead.load(Ordering::Acquire) {
-                // Failed meanwhile: its operations were failed with it.
-                poison.0 = None;
-                return;
-            }
-            let bufs: Vec<Bytes<'_>> = frames.iter().map(|f| Bytes::from_ref(f)).collect();
-            let res = write_all(&conn.stream, &bufs, conn.pace).await;
-            conn.touch();
-            if let Err(e) = res {
-                poison.0 = None;
-                conn.fail_all(conn.lost(&e));
-                return;
-            }
-        }
+        let res = write_all(&conn.stream, first, conn.pace).await;
+        conn.touch();
+        // A blocked caller (a Python thread) reads its answer itself.
+        conn.assist.offer();
         poison.0 = None;
+        if let Err(e) = res {
+            conn.fail_all(conn.lost(&e));
+            return;
+        }
+    }
+    loop {
+        if !write_outbox(conn).await {
+            return;
+        }
         #[cfg(feature = "test-hooks")]
         crate::test_hooks::before_letting_go();
         drop(w);
@@ -606,6 +593,32 @@ async fn write_queued(conn: &ConnShared, mut w: tokio::sync::MutexGuard<'_, ()>)
             Ok(again) => w = again,
             // Taken by a caller that has not looked yet.
             Err(_) => return,
+        }
+    }
+}
+
+/// With the write lock held: writes the queued frames until the queue is
+/// empty. `false` if the connection has failed (the queued calls failed
+/// with it).
+async fn write_outbox(conn: &ConnShared) -> bool {
+    let mut poison = PoisonOnDrop(Some(conn));
+    loop {
+        let frames = std::mem::take(&mut *lock(&conn.outbox));
+        if frames.is_empty() {
+            poison.0 = None;
+            return true;
+        }
+        if conn.dead.load(Ordering::Acquire) {
+            poison.0 = None;
+            return false;
+        }
+        let bufs: Vec<Bytes<'_>> = frames.iter().map(|f| Bytes::from_ref(f)).collect();
+        let res = write_all(&conn.stream, &bufs, conn.pace).await;
+        conn.touch();
+        if let Err(e) = res {
+            poison.0 = None;
+            conn.fail_all(conn.lost(&e));
+            return false;
         }
     }
 }
