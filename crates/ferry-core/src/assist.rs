@@ -197,7 +197,7 @@ impl Future for Pump {
                 None => return Poll::Pending,
             }
         };
-        let out = poll_as(&slot, &mut fut, &waker, By::Pump);
+        let out = poll_as(&slot, &mut fut, &waker, By::Pump, None);
         let mut s = lock(&slot.state);
         match out {
             Poll::Ready(()) => {
@@ -235,6 +235,10 @@ struct Current {
     quiet: bool,
     /// A blocked caller hands it back: it should not keep the caller.
     handing_back: bool,
+    /// The signal of the blocked caller that drives it, if one does: once
+    /// woken (its own call completed, most often by this very task), the
+    /// task should let the caller return ([`should_yield`]).
+    caller: Option<Arc<Signal>>,
 }
 
 thread_local! {
@@ -255,7 +259,13 @@ enum By {
 }
 
 /// Polls `fut` as the task of `slot`: [`should_yield`] inside sees it.
-fn poll_as(slot: &Slot, fut: &mut BoxFut, waker: &Waker, by: By) -> Poll<()> {
+fn poll_as(
+    slot: &Slot,
+    fut: &mut BoxFut,
+    waker: &Waker,
+    by: By,
+    caller: Option<&Arc<Signal>>,
+) -> Poll<()> {
     struct Restore(Option<Current>);
     impl Drop for Restore {
         fn drop(&mut self) {
@@ -269,21 +279,31 @@ fn poll_as(slot: &Slot, fut: &mut BoxFut, waker: &Waker, by: By) -> Poll<()> {
         quiet: by == By::HandBack
             || (by == By::Pump && slot.served_callers.load(Ordering::Relaxed)),
         handing_back: by == By::HandBack,
+        caller: caller.filter(|_| by == By::Caller).cloned(),
     };
     let _restore = Restore(CURRENT.with(|c| c.borrow_mut().replace(current)));
     fut.as_mut().poll(&mut Context::from_waker(waker))
 }
 
 /// Whether the assisted task running on this thread should yield now: a
-/// blocked caller waits to drive it (it then reads its own answer), or the
-/// caller that drove it is handing it back and must not be kept. A task
-/// that polls in a loop (a reader spinning for an answer) checks this
-/// between attempts. `false` outside an assisted task.
+/// blocked caller waits to drive it (it then reads its own answer), the
+/// caller that drove it is handing it back and must not be kept, or the
+/// caller that drives it was woken (its own call may be done: a caller
+/// must not go on reading other callers' answers after its own arrived,
+/// which, while a long batch's answers kept coming, kept a 4 KiB call
+/// until the whole batch was answered). A task that polls in a loop (a
+/// reader spinning for an answer, or reading answer after answer) checks
+/// this between attempts. `false` outside an assisted task.
 pub fn should_yield() -> bool {
     CURRENT.with(|c| {
-        c.borrow()
-            .as_ref()
-            .is_some_and(|cur| cur.handing_back || cur.wanted.load(Ordering::Relaxed))
+        c.borrow().as_ref().is_some_and(|cur| {
+            cur.handing_back
+                || cur.wanted.load(Ordering::Relaxed)
+                || cur
+                    .caller
+                    .as_ref()
+                    .is_some_and(|s| s.woken.load(Ordering::Acquire))
+        })
     })
 }
 
@@ -389,6 +409,8 @@ struct Held {
     slot: Arc<Slot>,
     fut: Option<BoxFut>,
     waker: Waker,
+    /// The signal of the caller that holds it.
+    me: Arc<Signal>,
 }
 
 impl Held {
@@ -400,7 +422,7 @@ impl Held {
             return false;
         };
         lock(&self.slot.state).woken = false;
-        match poll_as(&self.slot, fut, &self.waker, By::Caller) {
+        match poll_as(&self.slot, fut, &self.waker, By::Caller, Some(&self.me)) {
             Poll::Ready(()) => {
                 self.fut = None;
                 let (pump, waiting) = {
@@ -432,7 +454,7 @@ impl Drop for Held {
         // from this thread's next call and from the peer.
         if lock(&self.slot.state).woken && !std::thread::panicking() {
             lock(&self.slot.state).woken = false;
-            if poll_as(&self.slot, &mut fut, &self.waker, By::HandBack).is_ready() {
+            if poll_as(&self.slot, &mut fut, &self.waker, By::HandBack, None).is_ready() {
                 let (pump, waiting) = {
                     let mut s = lock(&self.slot.state);
                     s.done = true;
@@ -551,6 +573,7 @@ fn take(slot: Arc<Slot>, me: &Arc<Signal>) -> Taken {
         slot,
         fut: Some(fut),
         waker,
+        me: Arc::clone(me),
     })
 }
 
@@ -911,6 +934,76 @@ mod tests {
             active: AtomicBool::new(active),
             thread: std::thread::current(),
         })
+    }
+
+    /// A caller driving a task that has more work queued (a reader with a
+    /// long batch's answers still coming) gets its own answer and returns:
+    /// the task, checking `should_yield` between items, lets it go once the
+    /// caller is woken, instead of working through the whole queue first.
+    #[test]
+    fn a_caller_whose_answer_came_is_let_go_by_a_busy_task() {
+        enum Msg {
+            Reply(tokio::sync::oneshot::Sender<()>),
+            Fill,
+        }
+        const FILL: usize = 10_000;
+        let rt = runtime();
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Msg>();
+        let done = Arc::new(AtomicUsize::new(0));
+        let task = Task::new();
+        let handle = task.handle();
+        let join = {
+            let _g = rt.enter();
+            let done = Arc::clone(&done);
+            task.spawn(async move {
+                loop {
+                    if should_yield() {
+                        tokio::task::yield_now().await;
+                    }
+                    match rx.recv().await {
+                        Some(Msg::Reply(r)) => {
+                            let _ = r.send(());
+                        }
+                        Some(Msg::Fill) => {}
+                        None => break,
+                    }
+                    done.fetch_add(1, Ordering::Relaxed);
+                }
+            })
+        };
+        for _ in 0..20 {
+            handle.wait_parked(Duration::from_secs(5));
+            let before = done.load(Ordering::Relaxed);
+            let (rtx, rrx) = tokio::sync::oneshot::channel();
+            let seen = block_on(rt.handle(), async {
+                handle.offer();
+                tokio::task::yield_now().await;
+                // The answer first, then a long queue of other work.
+                tx.send(Msg::Reply(rtx)).unwrap();
+                for _ in 0..FILL {
+                    tx.send(Msg::Fill).unwrap();
+                }
+                rrx.await.unwrap();
+                // Still held by this caller here: nobody else polls it.
+                done.load(Ordering::Relaxed) - before
+            });
+            assert!(
+                seen <= 2,
+                "the caller worked through {seen} items of other work before it could return"
+            );
+            // The rest is done by the runtime (or the next caller).
+            let target = before + FILL + 1;
+            let start = Instant::now();
+            while done.load(Ordering::Relaxed) < target {
+                assert!(
+                    start.elapsed() < Duration::from_secs(10),
+                    "the queue was not worked off"
+                );
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+        drop(tx);
+        rt.block_on(join).unwrap();
     }
 
     /// A hand-back chooses one caller to wake: the oldest still in its

@@ -242,6 +242,129 @@ fn main() {
         }
         return;
     }
+    if mode == "f" || mode == "F" {
+        // Fairness: THREADS (default 1) callers of 4 KiB writes beside one
+        // caller of 16 x 1 MiB batches, for 2 s a round: the small calls'
+        // latency spread against one batch. "f": plain threads in
+        // `assist::block_on`; "F": runtime tasks.
+        let threads: usize = std::env::var("THREADS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(1);
+        let big = HostBuffer::new(16 << 20).unwrap();
+        big.fill(3);
+        // SAFETY: `big` lives until the end of `main`, as `src` above.
+        rt.block_on(engine.register(unsafe { big.region(Location::cpu(0)) }))
+            .unwrap();
+        // GAP=1: remote blocks 4 KiB apart (nothing to merge).
+        let gap = u64::from(std::env::var("GAP").is_ok_and(|v| v == "1")) * 4096;
+        let bigs: Vec<TransferRequest> = (0..16u64)
+            .map(|k| {
+                let to = remote + (32 << 20) + k * ((1 << 20) + gap);
+                TransferRequest::write(big.addr() + (k << 20), to, 1 << 20)
+            })
+            .collect();
+        let base = src.addr();
+        let assisted = mode == "f";
+        // SEP=1: the small calls on an engine of their own (own connection).
+        let (small_engine, small_seg) = if std::env::var("SEP").is_ok_and(|v| v == "1") {
+            let e: Arc<Engine> = Arc::new(rt.block_on(Engine::open(url)).unwrap());
+            // SAFETY: as `src` above.
+            rt.block_on(e.register(unsafe { src.region(Location::cpu(0)) }))
+                .unwrap();
+            let sg = rt.block_on(e.open_segment(&peer)).unwrap();
+            (e, sg)
+        } else {
+            (engine.clone(), seg)
+        };
+        for round in 0..3 {
+            let stop = AtomicBool::new(false);
+            let (small, large) = std::thread::scope(|s| {
+                let smalls: Vec<_> = (0..threads)
+                    .map(|i| {
+                        let (engine, rt, stop, seg) = (&small_engine, &rt, &stop, small_seg);
+                        s.spawn(move || {
+                            let r = TransferRequest::write(
+                                base + (i as u64) * 4096,
+                                remote + (i as u64) * 4096,
+                                4096,
+                            );
+                            let mut v = Vec::new();
+                            let sched = || {
+                                let s = std::fs::read_to_string("/proc/thread-self/schedstat")
+                                    .unwrap_or_default();
+                                let f: Vec<u64> = s
+                                    .split_whitespace()
+                                    .filter_map(|x| x.parse().ok())
+                                    .collect();
+                                (
+                                    f.first().copied().unwrap_or(0),
+                                    f.get(1).copied().unwrap_or(0),
+                                )
+                            };
+                            let s0 = sched();
+                            while !stop.load(Ordering::Relaxed) {
+                                let t = Instant::now();
+                                if assisted {
+                                    ferry::assist::block_on(rt.handle(), engine.transfer(seg, r))
+                                        .unwrap();
+                                } else {
+                                    let e = engine.clone();
+                                    rt.block_on(rt.spawn(async move { e.transfer(seg, r).await }))
+                                        .unwrap()
+                                        .unwrap();
+                                }
+                                v.push(t.elapsed());
+                            }
+                            let s1 = sched();
+                            eprintln!(
+                                "small thread: ran {:.3} s, waited to run {:.3} s",
+                                (s1.0 - s0.0) as f64 / 1e9,
+                                (s1.1 - s0.1) as f64 / 1e9
+                            );
+                            v
+                        })
+                    })
+                    .collect();
+                let large = {
+                    let (engine, rt, stop, bigs) = (&engine, &rt, &stop, &bigs);
+                    s.spawn(move || {
+                        let mut v = Vec::new();
+                        while !stop.load(Ordering::Relaxed) {
+                            let t = Instant::now();
+                            ferry::assist::block_on(
+                                rt.handle(),
+                                engine.batch_transfer(seg, bigs, None),
+                            )
+                            .unwrap();
+                            v.push(t.elapsed());
+                        }
+                        v
+                    })
+                };
+                std::thread::sleep(Duration::from_secs(2));
+                stop.store(true, Ordering::Relaxed);
+                let small: Vec<Duration> =
+                    smalls.into_iter().flat_map(|j| j.join().unwrap()).collect();
+                (small, large.join().unwrap())
+            });
+            let mut small = small;
+            small.sort();
+            let q = |f: f64| small[((small.len() as f64 * f) as usize).min(small.len() - 1)];
+            let big_med = stats(large.clone()).0;
+            let over = small.iter().filter(|d| **d > big_med / 2).count();
+            println!(
+                "round {round}: small {} calls p50 {:?} p99 {:?} max {:?}; > half a batch: {over}; \
+                 batches {} median {big_med:?}",
+                small.len(),
+                q(0.5),
+                q(0.99),
+                small[small.len() - 1],
+                large.len(),
+            );
+        }
+        return;
+    }
     if mode == "a" {
         let e = engine.clone();
         let a = rt

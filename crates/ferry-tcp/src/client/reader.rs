@@ -65,6 +65,13 @@ pub(crate) async fn reader_loop(
     let mut ids = vec![0u8; MAX_ACKS as usize * 8];
     let stream = &conn.stream;
     loop {
+        // Between frames: a blocked caller driving this task whose own
+        // call completed returns now (else it kept reading the answers of
+        // another caller's long batch for as long as they kept coming),
+        // and a caller waiting to drive it takes it over.
+        if ferry_core::assist::should_yield() {
+            tokio::task::yield_now().await;
+        }
         let busy = !lock(&conn.pending).ops.is_empty();
         let hdr = match rd
             .next_header(stream, if busy { None } else { idle })

@@ -458,6 +458,13 @@ pub(crate) async fn send_ops(
             poison.0 = None;
             unsent.ids = Some(&ids[from_op..]);
             drop(w);
+            // And let the caller's thread do its other work: a blocked
+            // caller (ferry_core::assist) that drives the connection's
+            // reader reads the answers that came meanwhile (other callers'
+            // small calls, answered between these slices, completed at
+            // once instead of after the last slice); a runtime worker
+            // runs the tasks those answers woke.
+            tokio::task::yield_now().await;
             w = conn.write_lock.lock().await;
             unsent.ids = None;
             if conn.dead.load(Ordering::Acquire) {
