@@ -156,6 +156,9 @@ pub(crate) struct ConnShared {
     /// The reader task, for a blocked caller to drive while it waits for
     /// its answer ([`ferry_core::assist`]).
     pub(crate) assist: ferry_core::assist::Handle,
+    /// The runtime the connection was made on: where a send dropped
+    /// outside any runtime hands the queued small calls to a task.
+    pub(crate) rt: tokio::runtime::Handle,
 }
 
 /// The initiator's side of a connection's staging area.

@@ -327,6 +327,7 @@ impl Peer {
             .map_err(|e| Error::io("setting the connection up", &e))?;
         let shared = Arc::new(ConnShared {
             assist: reader.handle(),
+            rt: tokio::runtime::Handle::current(),
             stream,
             peer: self.name.clone(),
             pending: Mutex::new(PendingMap::default()),

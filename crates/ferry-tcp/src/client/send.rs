@@ -47,10 +47,11 @@ impl Drop for Unsent<'_> {
             )));
         }
         if !lock(&self.conn.outbox).is_empty() {
-            if let Ok(rt) = tokio::runtime::Handle::try_current() {
-                let conn = Arc::clone(self.conn);
-                rt.spawn(async move { drain_outbox(&conn).await });
-            }
+            // Dropped on a thread outside any runtime too (a future moved
+            // there): the connection's own runtime runs the task.
+            let rt = tokio::runtime::Handle::try_current().unwrap_or_else(|_| self.conn.rt.clone());
+            let conn = Arc::clone(self.conn);
+            rt.spawn(async move { drain_outbox(&conn).await });
         }
     }
 }
