@@ -246,6 +246,72 @@ where
     addr
 }
 
+/// A long send keeps only a window of its slices unanswered: with a target
+/// that reads every frame but answers none, the sender stops after two
+/// 1 MiB slices (instead of pushing the whole batch into the kernel's
+/// socket buffers, where a small call written between slices would queue
+/// behind all of it); once answered, the rest follows and the batch
+/// succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_send_waits_for_answers_to_its_earlier_slices() {
+    const BLOCKS: u64 = 16;
+    let (seen_tx, seen_rx) = tokio::sync::oneshot::channel::<usize>();
+    let addr = fake_target(move |mut s| async move {
+        async fn frame(s: &mut tokio::net::TcpStream) -> u64 {
+            let mut hdr = [0u8; HEADER_LEN];
+            s.read_exact(&mut hdr).await.unwrap();
+            let Ok(Request::Write { id, len, .. }) = Request::decode(&hdr) else {
+                panic!("not a WRITE");
+            };
+            let mut payload = vec![0u8; len as usize];
+            s.read_exact(&mut payload).await.unwrap();
+            id
+        }
+        // Read without answering until nothing more comes.
+        let mut ids = Vec::new();
+        while let Ok(id) = tokio::time::timeout(Duration::from_millis(500), frame(&mut s)).await {
+            ids.push(id);
+        }
+        let _ = seen_tx.send(ids.len());
+        // Then answer those, and every later frame as it comes.
+        for id in &ids {
+            s.write_all(&Response::Ok { id: *id }.encode())
+                .await
+                .unwrap();
+        }
+        for _ in ids.len()..BLOCKS as usize {
+            let id = frame(&mut s).await;
+            s.write_all(&Response::Ok { id }.encode()).await.unwrap();
+        }
+        tokio::time::sleep(Duration::from_secs(5)).await;
+    })
+    .await;
+    let a = engine(TcpConfig::builder().connections(1).build().unwrap()).await;
+    let local = mem(&a, BLOCKS as usize * MIB, 0x5a).await;
+    let seg = a.open_segment(&addr).await.unwrap();
+    let reqs: Vec<TransferRequest> = (0..BLOCKS)
+        .map(|i| {
+            let off = i * MIB as u64;
+            TransferRequest::write(local.addr() + off, 0x10_0000 + off, MIB as u64)
+        })
+        .collect();
+    let batch = {
+        let a = Arc::clone(&a);
+        tokio::spawn(async move { a.batch_transfer(seg, &reqs, None).await })
+    };
+    let seen = seen_rx.await.unwrap();
+    assert!(
+        (1..=3).contains(&seen),
+        "{seen} slices of 1 MiB were sent before any was answered (at most 3 expected)"
+    );
+    let report = tokio::time::timeout(Duration::from_secs(30), batch)
+        .await
+        .expect("the batch went on once answered")
+        .unwrap()
+        .unwrap();
+    report.into_result().unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn garbage_from_a_target_fails_only_its_requests() {
     let a = engine(TcpConfig::builder().connections(1).build().unwrap()).await;

@@ -159,6 +159,12 @@ pub(crate) struct ConnShared {
     /// The runtime the connection was made on: where a send dropped
     /// outside any runtime hands the queued small calls to a task.
     pub(crate) rt: tokio::runtime::Handle,
+    /// Told when operations are answered (taken out of `pending`) or the
+    /// connection fails, while `window_waiters` > 0: a long send waits
+    /// here for its earlier slices' answers (`send::FAIR_WINDOW`).
+    pub(crate) answered: tokio::sync::Notify,
+    /// Long sends waiting on `answered`.
+    pub(crate) window_waiters: std::sync::atomic::AtomicUsize,
 }
 
 /// The initiator's side of a connection's staging area.
@@ -255,6 +261,8 @@ impl ConnShared {
         }
         // Their operations are failed with the rest: never sent.
         lock(&self.outbox).clear();
+        // A long send waiting for answers sees the connection failed.
+        self.answered.notify_waiters();
         let mut unproven = Vec::new();
         for mut op in taken {
             unproven.extend(op.take_unproven());
@@ -301,7 +309,13 @@ impl ConnShared {
     }
 
     pub(crate) fn take(&self, id: u64) -> Option<PendingOp> {
-        lock(&self.pending).ops.remove(&id)
+        let op = lock(&self.pending).ops.remove(&id);
+        // SeqCst with the waiter's increment: it counts itself before it
+        // looks at `pending`, so either it sees this removal or this sees it.
+        if self.window_waiters.load(Ordering::SeqCst) > 0 {
+            self.answered.notify_waiters();
+        }
+        op
     }
 
     /// Whether `id` belonged to an expired batch (and forgets it).

@@ -328,6 +328,8 @@ impl Peer {
         let shared = Arc::new(ConnShared {
             assist: reader.handle(),
             rt: tokio::runtime::Handle::current(),
+            answered: tokio::sync::Notify::new(),
+            window_waiters: std::sync::atomic::AtomicUsize::new(0),
             stream,
             peer: self.name.clone(),
             pending: Mutex::new(PendingMap::default()),
