@@ -247,7 +247,7 @@ where
 }
 
 /// A long send keeps only a window of its slices unanswered: with a target
-/// that reads every frame but answers none, the sender stops after two
+/// that reads every frame but answers none, the sender stops after four
 /// 1 MiB slices (instead of pushing the whole batch into the kernel's
 /// socket buffers, where a small call written between slices would queue
 /// behind all of it); once answered, the rest follows and the batch
@@ -301,8 +301,8 @@ async fn a_long_send_waits_for_answers_to_its_earlier_slices() {
     };
     let seen = seen_rx.await.unwrap();
     assert!(
-        (1..=3).contains(&seen),
-        "{seen} slices of 1 MiB were sent before any was answered (at most 3 expected)"
+        (1..=5).contains(&seen),
+        "{seen} slices of 1 MiB were sent before any was answered (at most 5 expected)"
     );
     let report = tokio::time::timeout(Duration::from_secs(30), batch)
         .await
