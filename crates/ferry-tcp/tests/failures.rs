@@ -312,6 +312,57 @@ async fn a_long_send_waits_for_answers_to_its_earlier_slices() {
     report.into_result().unwrap();
 }
 
+/// A target that reads everything and never answers: a long send waiting
+/// for its window (FAIR_WINDOW) must not wait past the batch's deadline;
+/// the batch fails with a timeout, as it did before the window.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_send_to_a_target_that_never_answers_times_out() {
+    const BLOCKS: u64 = 16;
+    let addr = fake_target(move |mut s| async move {
+        // Read whatever comes, answer nothing, until the initiator closes.
+        let mut sink = vec![0u8; 1 << 20];
+        while let Ok(Ok(n)) = tokio::time::timeout(Duration::from_secs(60), s.read(&mut sink)).await
+        {
+            if n == 0 {
+                break;
+            }
+        }
+    })
+    .await;
+    let a = engine(
+        TcpConfig::builder()
+            .connections(1)
+            .request_timeout(Duration::from_millis(500))
+            .min_rate(1 << 30)
+            .build()
+            .unwrap(),
+    )
+    .await;
+    let local = mem(&a, BLOCKS as usize * MIB, 0x3c).await;
+    let seg = a.open_segment(&addr).await.unwrap();
+    let reqs: Vec<TransferRequest> = (0..BLOCKS)
+        .map(|i| {
+            let off = i * MIB as u64;
+            TransferRequest::write(local.addr() + off, 0x10_0000 + off, MIB as u64)
+        })
+        .collect();
+    let outcome = tokio::time::timeout(Duration::from_secs(20), a.batch_transfer(seg, &reqs, None))
+        .await
+        .expect("the batch waited past its deadline for answers that never came");
+    let e = match outcome {
+        Ok(report) => report.into_result().unwrap_err(),
+        Err(e) => e,
+    };
+    let first = match &e {
+        Error::BatchFailed { first, .. } => first.as_ref(),
+        e => e,
+    };
+    assert!(
+        matches!(first, Error::Timeout { .. }),
+        "expected a timeout, got {e:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn garbage_from_a_target_fails_only_its_requests() {
     let a = engine(TcpConfig::builder().connections(1).build().unwrap()).await;

@@ -484,7 +484,14 @@ pub(crate) async fn send_ops(
             // runs the tasks those answers woke.
             tokio::task::yield_now().await;
             if k >= FAIR_WINDOW {
-                wait_answered(conn, &ids[..cuts[k - FAIR_WINDOW].1]).await;
+                // Never past the batch's deadline: a target that reads and
+                // does not answer is then timed out by the batch's wait, as
+                // without the window (the rest is sent meanwhile).
+                let until = batch
+                    .deadline()
+                    .unwrap_or_else(|| std::time::Instant::now() + conn.pace.stall);
+                let answered = wait_answered(conn, &ids[..cuts[k - FAIR_WINDOW].1]);
+                let _ = tokio::time::timeout_at(until.into(), answered).await;
             }
             w = conn.write_lock.lock().await;
             unsent.ids = None;
