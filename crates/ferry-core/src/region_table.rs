@@ -23,10 +23,23 @@ struct Entry {
     detached: bool,
 }
 
-#[derive(Debug, Default)]
+/// Called with the table and a region's address when a detached region
+/// leaves the table (see [`RegionTable::on_detached_release`]).
+type ReleaseHook = Arc<dyn Fn(&RegionTable, u64) + Send + Sync>;
+
+#[derive(Default)]
 struct Shared {
     entries: Mutex<BTreeMap<u64, Entry>>,
     released: Notify,
+    on_detached_release: Mutex<Option<ReleaseHook>>,
+}
+
+impl std::fmt::Debug for Shared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Shared")
+            .field("entries", &self.entries)
+            .finish_non_exhaustive()
+    }
 }
 
 /// A region on its way out of a [`RegionTable`] (see
@@ -154,6 +167,23 @@ impl RegionTable {
                 peer: peer.map(str::to_owned),
             }),
         }
+    }
+
+    /// Whether a region starting at `addr` is in the table, live, closing
+    /// or detached (its range is taken).
+    pub fn holds(&self, addr: u64) -> bool {
+        self.lock().contains_key(&addr)
+    }
+
+    /// Sets what is called, with this table and the region's address,
+    /// when a region that [`RegionTable::remove`] gave up on (its guard was
+    /// [held unproven](RegionGuard::hold_unproven)) leaves the table by
+    /// itself as that guard drops: a backend that keeps state per region
+    /// beside the table (grants, generations) forgets it there. The hook
+    /// runs after the table's lock is let go (it may call the table), on
+    /// the thread that dropped the guard; it must not block.
+    pub fn on_detached_release(&self, hook: impl Fn(&RegionTable, u64) + Send + Sync + 'static) {
+        *crate::raw::lock(&self.shared.on_detached_release) = Some(Arc::new(hook));
     }
 
     /// Whether `[addr, addr+len)` lies inside one live region.
@@ -288,15 +318,24 @@ impl RegionTable {
 
     fn release(&self, base: u64) {
         let mut map = self.lock();
+        let mut gone = false;
         if let Some(e) = map.get_mut(&base) {
             e.in_flight = e.in_flight.saturating_sub(1);
             if e.in_flight == 0 {
                 e.unproven = None;
                 if e.detached {
                     map.remove(&base);
+                    gone = true;
                 } else if e.closing {
                     self.shared.released.notify_waiters();
                 }
+            }
+        }
+        drop(map);
+        if gone {
+            let hook = crate::raw::lock(&self.shared.on_detached_release).clone();
+            if let Some(hook) = hook {
+                hook(self, base);
             }
         }
     }
@@ -539,6 +578,28 @@ mod tests {
         ));
         drop(g);
         assert!(t.insert(region(0x1000, 0x100)).is_ok());
+    }
+
+    #[tokio::test]
+    async fn a_detached_region_that_leaves_tells_the_hook_once() {
+        let t = RegionTable::new();
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let s = Arc::clone(&seen);
+        // The hook may look at the table: the region is gone by then.
+        t.on_detached_release(move |t, addr| s.lock().unwrap().push((addr, t.holds(addr))));
+        t.insert(region(0x1000, 0x100)).unwrap();
+        t.insert(region(0x2000, 0x100)).unwrap();
+        let g = t.acquire(0x1000, 0x10, Side::Local, None).unwrap();
+        let g2 = t.acquire(0x2000, 0x10, Side::Local, None).unwrap();
+        g.hold_unproven("peer p");
+        assert!(t.remove(0x1000).await.is_err());
+        assert!(t.holds(0x1000));
+        drop(g);
+        assert!(!t.holds(0x1000));
+        // A region removed the ordinary way does not call it.
+        drop(g2);
+        t.remove(0x2000).await.unwrap();
+        assert_eq!(*seen.lock().unwrap(), vec![(0x1000, false)]);
     }
 
     #[tokio::test]

@@ -10,16 +10,16 @@
 
 mod common;
 
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{is_stopped, mem, pattern, Child};
+use common::{mem, pattern, Helper};
 use ferry_core::{Error, ErrorKind, TransferEngine, TransferRequest};
 use ferry_tcp::{SameHost, TcpConfig, TcpEngine};
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncBufReadExt, BufReader};
 
 const KIB: usize = 1 << 10;
 const CHILD_ENV: &str = "FERRY_TCP_GRANT_CHILD";
+const SERVE_ENV: &str = "FERRY_TCP_GRANT_SERVE";
 
 async fn start(cfg: TcpConfig) -> TcpEngine {
     TcpEngine::start(cfg).await.expect("engine starts")
@@ -205,6 +205,226 @@ fn granted_child_initiator() {
     });
 }
 
+/// The child process: an engine (the URL in the environment) with a
+/// 64 KiB region that prints its name and address, then serves until its
+/// standard input ends.
+#[test]
+#[ignore = "helper process spawned by the tests of this file"]
+fn serving_child() {
+    let Ok(url) = std::env::var(SERVE_ENV) else {
+        return;
+    };
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let e = start(TcpConfig::from_url(&url).unwrap()).await;
+        let m = mem(&e, 64 * KIB, 0x99).await;
+        println!("READY {} {}", e.segment_name(), m.addr());
+        let mut lines = BufReader::new(tokio::io::stdin()).lines();
+        while let Ok(Some(_)) = lines.next_line().await {}
+        drop(m);
+    });
+}
+
+/// A granted initiator child writing `0xcc` into `addr` of `target` on
+/// each `WRITE`; `None` (test skipped, saying why) where this kernel or
+/// sandbox keeps it from granted copies.
+async fn initiator_child(target: &TcpEngine, addr: u64, envs: &[(&str, &str)]) -> Option<Helper> {
+    let mut envs: Vec<(&str, String)> = envs.iter().map(|(k, v)| (*k, v.to_string())).collect();
+    envs.push((CHILD_ENV, format!("{} {}", target.segment_name(), addr)));
+    let mut child = Helper::spawn("granted_child_initiator", &envs);
+    let ready = child.next(&["READY "]).await;
+    if ready != "READY same-host granted" {
+        // Not an error of the grants: this kernel or sandbox keeps the
+        // child from reaching this process (ptrace scope).
+        eprintln!("skipped: the child does not use granted copies ({ready})");
+        assert!(
+            std::env::var("FERRY_REQUIRE_BACKENDS").is_err(),
+            "granted copies are required here: {ready}"
+        );
+        return None;
+    }
+    Some(child)
+}
+
+/// A serving child that stops itself (SIGSTOP) on its first CREAD, after
+/// its check and before its copy; its segment name and region address.
+async fn stopping_target_child() -> (Helper, String, u64) {
+    let mut c = Helper::spawn(
+        "serving_child",
+        &[
+            (SERVE_ENV, "tcp://127.0.0.1:0".to_owned()),
+            ("FERRY_TCP_TEST_STOP_BEFORE_CREAD", "1".to_owned()),
+        ],
+    );
+    let ready = c.next(&["READY "]).await;
+    let mut it = ready.split_whitespace().skip(1);
+    let name = it.next().unwrap().to_owned();
+    let addr = it.next().unwrap().parse().unwrap();
+    (c, name, addr)
+}
+
+/// An engine that is a granted target (for same-host initiators) and
+/// reads from peers by CREAD (the target's kernel copy), with `patience`
+/// as its stall timeout.
+async fn target_and_reader(patience: Duration) -> TcpEngine {
+    start(
+        TcpConfig::builder()
+            .same_host(SameHost::Cma)
+            .stall_timeout(patience)
+            .request_timeout(Duration::from_millis(400))
+            .same_host_stage(None)
+            .build()
+            .unwrap(),
+    )
+    .await
+}
+
+/// Makes this engine's CREAD of `r` from a peer stopped before its copy
+/// leave a guard on `r` that the CREAD fence holds unproven: the batch
+/// expires and the peer's copy may still come.
+async fn held_by_a_stopped_cread(a: &TcpEngine, r: u64, len: u64) -> Helper {
+    let (c, name, addr) = stopping_target_child().await;
+    let seg = a.open_segment(&name).await.unwrap();
+    let e = a
+        .transfer(seg, TransferRequest::read(r, addr, len))
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::Timeout { .. }), "got {e:?}");
+    c.stopped().await;
+    c
+}
+
+/// Issue 41, recipe 1: a region whose unregistration was given up on
+/// (the CREAD fence holds a guard for a stopped peer: `RegionHeld`)
+/// leaves the table when that peer is gone, and `unregister` then says
+/// it is not registered, so its memory may be reused. From then on a
+/// same-host initiator that held a grant on it must not write it: its
+/// grant was revoked before anything could fail. (On 888a448 the grant
+/// outlived the region: the initiator's 64 KiB write returned `Ok` into
+/// the reused memory.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_region_given_up_on_is_not_granted_once_it_has_left() {
+    let patience = Duration::from_secs(1);
+    let a = target_and_reader(patience).await;
+    let r = mem(&a, 64 * KIB, 0x11).await;
+    let Some(mut b) = initiator_child(&a, r.addr(), &[]).await else {
+        return;
+    };
+    let c = held_by_a_stopped_cread(&a, r.addr(), 64 * KIB as u64).await;
+    match a.unregister(r.addr()).await {
+        Err(Error::RegionHeld { addr, .. }) => assert_eq!(addr, r.addr()),
+        other => panic!("expected RegionHeld while the CREAD may still land, got {other:?}"),
+    }
+    // The stopped peer dies: its copy can no longer come, the fence lets
+    // the guard go, and the region leaves the table by itself.
+    drop(c);
+    let t = Instant::now();
+    loop {
+        match a.unregister(r.addr()).await {
+            Ok(()) | Err(Error::RegionNotRegistered { .. }) => break,
+            Err(Error::RegionHeld { .. }) if t.elapsed() < Duration::from_secs(20) => {
+                tokio::time::sleep(Duration::from_millis(20)).await
+            }
+            other => panic!("the region did not leave after its peer died: {other:?}"),
+        }
+    }
+    // Free: reused for something else.
+    r.fill(0x33);
+    b.say("WRITE").await;
+    let done = b.next(&["DONE "]).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let changed = r.to_vec().iter().filter(|&&x| x != 0x33).count();
+    assert_eq!(
+        changed, 0,
+        "a granted write ({done}) changed {changed} bytes of a region that had left"
+    );
+    assert!(done.starts_with("DONE err"), "{done}");
+}
+
+/// Issue 41, the recipe's variant: an earlier revocation still waited for
+/// (the initiator stopped after its mark: `RegionHeld`) must never answer
+/// for a later registration at the same address. Whatever the engine
+/// lets happen in between (on 888a448: the region left the table through
+/// the fence, a new registration took the address, and its `unregister`
+/// settled the stale revocation and returned `Ok` without revoking the
+/// new grant), once an `unregister` returns `Ok` the initiator's next
+/// write must not change the memory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_revocation_never_answers_for_a_new_registration() {
+    let patience = Duration::from_secs(1);
+    let a = target_and_reader(patience).await;
+    let r = mem(&a, 64 * KIB, 0x11).await;
+    let Some(mut b) =
+        initiator_child(&a, r.addr(), &[("FERRY_TCP_TEST_STOP_AFTER_MARK", "1")]).await
+    else {
+        return;
+    };
+    b.say("WRITE").await;
+    b.stopped().await;
+    assert!(matches!(
+        a.unregister(r.addr()).await,
+        Err(Error::RegionHeld { .. })
+    ));
+    let c = held_by_a_stopped_cread(&a, r.addr(), 64 * KIB as u64).await;
+    assert!(matches!(
+        a.unregister(r.addr()).await,
+        Err(Error::RegionHeld { .. })
+    ));
+    drop(c);
+    // SAFETY: `r` outlives every registration of it (the engine is
+    // dropped before it).
+    let region = || unsafe { r.region(ferry_core::Location::cpu(0)) };
+    // The region may have left with its peer (888a448) and been taken by a
+    // new registration; or it is still registered, ungranted.
+    let t = Instant::now();
+    let registered_again = loop {
+        match a.register(region()).await {
+            Ok(()) => break true,
+            Err(Error::RegionOverlap { .. }) if t.elapsed() < Duration::from_secs(2) => {
+                tokio::time::sleep(Duration::from_millis(20)).await
+            }
+            Err(Error::RegionOverlap { .. }) => break false,
+            Err(e) => panic!("register: {e:?}"),
+        }
+    };
+    eprintln!("registered again at the same address: {registered_again}");
+    // The initiator resumes: its marked copy lands in memory that is
+    // registered (by one registration or the other).
+    b.signal(libc::SIGCONT);
+    assert_eq!(b.next(&["DONE "]).await, "DONE ok");
+    // It goes on writing the memory while it is registered, and so learns
+    // the registration's generation (a stale one is answered as such).
+    let mut landed = false;
+    for _ in 0..5 {
+        b.say("WRITE").await;
+        if b.next(&["DONE "]).await == "DONE ok" {
+            landed = true;
+            break;
+        }
+    }
+    assert!(landed, "no write into the registered memory landed");
+    let t = Instant::now();
+    loop {
+        match a.unregister(r.addr()).await {
+            Ok(()) => break,
+            Err(Error::RegionHeld { .. }) if t.elapsed() < Duration::from_secs(20) => {
+                tokio::time::sleep(Duration::from_millis(20)).await
+            }
+            other => panic!("unregister: {other:?}"),
+        }
+    }
+    r.fill(0x44);
+    b.say("WRITE").await;
+    let done = b.next(&["DONE "]).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let changed = r.to_vec().iter().filter(|&&x| x != 0x44).count();
+    assert_eq!(
+        changed, 0,
+        "unregister returned Ok and a granted write ({done}) changed {changed} bytes afterwards"
+    );
+    assert!(done.starts_with("DONE err"), "{done}");
+}
+
 /// The window the marks exist for: the initiator has marked its copy and
 /// found the grant valid, and is stopped (SIGSTOP, by its own test hook)
 /// before it copies. The target's `unregister` must not return `Ok` while
@@ -228,56 +448,14 @@ async fn initiator_stopped_between_mark_and_copy_changes_no_released_byte() {
     )
     .await;
     let dst = mem(&b, 64 * KIB, 0x11).await;
-    let mut cmd = Command::new(std::env::current_exe().unwrap());
-    cmd.args([
-        "--exact",
-        "granted_child_initiator",
-        "--ignored",
-        "--nocapture",
-        "--test-threads=1",
-    ])
-    .envs(common::child_env())
-    .env(CHILD_ENV, format!("{} {}", b.segment_name(), dst.addr()))
-    .env("FERRY_TCP_TEST_STOP_AFTER_MARK", "1")
-    .stdin(Stdio::piped())
-    .stdout(Stdio::piped())
-    .stderr(Stdio::null());
-    let mut child = cmd.spawn().unwrap();
-    let pid = child.id() as i32;
-    let mut stdin = tokio::process::ChildStdin::from_std(child.stdin.take().unwrap()).unwrap();
-    let stdout = tokio::process::ChildStdout::from_std(child.stdout.take().unwrap()).unwrap();
-    let _child = Child(child);
-    let mut lines = BufReader::new(stdout).lines();
-    let mut next = async || loop {
-        let line = tokio::time::timeout(Duration::from_secs(60), lines.next_line())
-            .await
-            .expect("the child answers")
-            .unwrap()
-            .expect("the child exited early");
-        if let Some(pos) = line.find("READY ").or_else(|| line.find("DONE ")) {
-            return line[pos..].to_owned();
-        }
-    };
-    let ready = next().await;
-    if ready != "READY same-host granted" {
-        // Not an error of the grants: this kernel or sandbox keeps the
-        // child from reaching this process (ptrace scope).
-        eprintln!("skipped: the child does not use granted copies ({ready})");
-        assert!(
-            std::env::var("FERRY_REQUIRE_BACKENDS").is_err(),
-            "granted copies are required here: {ready}"
-        );
+    let Some(mut child) =
+        initiator_child(&b, dst.addr(), &[("FERRY_TCP_TEST_STOP_AFTER_MARK", "1")]).await
+    else {
         return;
-    }
-    stdin.write_all(b"WRITE\n").await.unwrap();
-    let t = Instant::now();
-    while !is_stopped(pid) {
-        assert!(
-            t.elapsed() < Duration::from_secs(10),
-            "the child did not stop"
-        );
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
+    };
+    let pid = child.pid;
+    child.say("WRITE").await;
+    child.stopped().await;
     let t = Instant::now();
     let r = b.unregister(dst.addr()).await;
     let waited = t.elapsed();
@@ -299,9 +477,8 @@ async fn initiator_stopped_between_mark_and_copy_changes_no_released_byte() {
         }
         Err(e) => panic!("unexpected {e:?}"),
     };
-    // SAFETY: signalling our own child.
-    assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
-    assert_eq!(next().await, "DONE ok");
+    child.signal(libc::SIGCONT);
+    assert_eq!(child.next(&["DONE "]).await, "DONE ok");
     if !held {
         assert!(
             dst.to_vec().iter().all(|&x| x == 0x22),
@@ -315,8 +492,8 @@ async fn initiator_stopped_between_mark_and_copy_changes_no_released_byte() {
         .await
         .expect("the mark is gone: unregister succeeds");
     dst.fill(0x33);
-    stdin.write_all(b"WRITE\n").await.unwrap();
-    let again = next().await;
+    child.say("WRITE").await;
+    let again = child.next(&["DONE "]).await;
     assert!(again.starts_with("DONE err"), "{again}");
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert!(

@@ -256,8 +256,10 @@ struct Inner {
     slots: Vec<Option<Slot>>,
     by_addr: HashMap<u64, usize>,
     areas: Vec<Linked>,
-    /// Revocations whose wait has not ended yet, by region address.
-    held: HashMap<u64, Revoked>,
+    /// Revocations whose wait has not ended yet, by region address and
+    /// generation: a stale entry of an earlier registration at the same
+    /// address never answers for a later one.
+    held: HashMap<(u64, u32), Revoked>,
     /// The engine stopped serving: nothing is granted any more.
     closed: bool,
 }
@@ -378,7 +380,18 @@ impl Grants {
         };
         let slot = Slot { addr, len, gen };
         g.slots[idx] = Some(slot);
-        g.by_addr.insert(addr, idx);
+        if let Some(old) = g.by_addr.insert(addr, idx) {
+            // A region leaves only after its grant was revoked (see
+            // `Core::unregister`): an entry still here is a bug. Revoke it
+            // rather than leave it published beside the new one.
+            tracing::error!(addr, "a grant outlived its region; revoked now");
+            if g.slots[old].take().is_some() {
+                for l in &g.areas {
+                    revoke(l.page().entry(old)[0]);
+                    l.page().bump();
+                }
+            }
+        }
         let used = g.used() as u64;
         for l in g.areas.iter().filter(|l| !l.closed) {
             let page = l.page();
@@ -388,15 +401,21 @@ impl Grants {
         }
     }
 
-    /// Revokes the grant of the region at `addr` in every area; `None` if
-    /// it has none (and no earlier revocation of it is still waited for).
-    /// The caller waits with [`Grants::settle`] before freeing the range.
-    pub fn revoke(&self, addr: u64) -> Option<Revoked> {
+    /// Revokes the grant of the registration of generation `gen` at
+    /// `addr` in every area; `None` if it has none (and no earlier
+    /// revocation of it is still waited for). The caller waits with
+    /// [`Grants::settle`] before the region may leave its table. A grant
+    /// of another generation at the same address is not touched.
+    pub fn revoke(&self, addr: u64, gen: u32) -> Option<Revoked> {
         let mut g = lock(&self.inner);
-        if let Some(r) = g.held.get(&addr) {
+        if let Some(r) = g.held.get(&(addr, gen)) {
             return Some(r.clone());
         }
-        let idx = g.by_addr.remove(&addr)?;
+        let idx = *g.by_addr.get(&addr)?;
+        if g.slots[idx].as_ref().is_none_or(|s| s.gen != gen) {
+            return None;
+        }
+        g.by_addr.remove(&addr);
         let slot = g.slots[idx].take()?;
         for l in &g.areas {
             let page = l.page();
@@ -411,20 +430,27 @@ impl Grants {
                 .map(|l| (Arc::clone(&l.area), Arc::clone(&l.peer)))
                 .collect(),
         };
-        g.held.insert(addr, r.clone());
+        g.held.insert((addr, gen), r.clone());
         Some(r)
     }
 
     /// Waits until no live initiator marks a copy under the revoked grant
-    /// of the region at `addr`, at most `patience`: `Ok` once none does
-    /// (the range may be freed), else `Err(pid)` of a process that still
-    /// marks one (the revocation stays, a later call waits for it again).
-    pub async fn settle(&self, addr: u64, r: &Revoked, patience: Duration) -> Result<(), i32> {
+    /// of the registration `(addr, gen)`, at most `patience`: `Ok` once
+    /// none does (the range may be freed), else `Err(pid)` of a process
+    /// that still marks one (the revocation stays, a later call waits for
+    /// it again).
+    pub async fn settle(
+        &self,
+        addr: u64,
+        gen: u32,
+        r: &Revoked,
+        patience: Duration,
+    ) -> Result<(), i32> {
         let start = Instant::now();
         let mut n = 0u32;
         loop {
             let Some(pid) = r.held() else {
-                lock(&self.inner).held.remove(&addr);
+                lock(&self.inner).held.remove(&(addr, gen));
                 return Ok(());
             };
             if start.elapsed() >= patience {

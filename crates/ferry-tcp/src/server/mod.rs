@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 
 use tokio::net::{TcpListener, TcpStream};
 
+use crate::same_host::grant::Grants;
 use crate::stream::Stream;
 use ferry_core::raw::lock;
 use ferry_core::{Error, MemoryRegion, Notification, RegionGuard, RegionTable, Side};
@@ -95,14 +96,14 @@ pub struct Core {
     pub tls: Option<std::sync::Arc<crate::tls::TlsContext>>,
     /// Its registered regions.
     pub regions: RegionTable,
-    gens: Mutex<Generations>,
+    gens: Arc<Mutex<Generations>>,
     /// Notifications received, oldest first.
     pub notifications: ferry_core::raw::Inbox,
     /// What peers wrote into and read from the regions, per peer.
     pub served: ferry_core::inbound::ServedTraffic,
     /// The grants published to same-host initiators (see
     /// [`crate::same_host::grant`]).
-    pub(crate) grants: Arc<crate::same_host::grant::Grants>,
+    pub(crate) grants: Arc<Grants>,
     /// Refuse every notification (answer `NotifyQueueFull`); for fault
     /// tests (see `TcpEngine::set_refuse_notifications`).
     pub refuse_notifications: AtomicBool,
@@ -140,18 +141,27 @@ impl Core {
 
     /// A core with no regions.
     pub fn new(name: String, config: TcpConfig) -> Core {
+        let regions = RegionTable::new();
+        let gens: Arc<Mutex<Generations>> = Arc::default();
+        let grants: Arc<Grants> = Arc::default();
+        {
+            let (gens, grants) = (Arc::clone(&gens), Arc::clone(&grants));
+            regions.on_detached_release(move |table, addr| {
+                Core::forget_detached(&gens, &grants, table, addr)
+            });
+        }
         Core {
             name,
             tls: None,
             config,
-            regions: RegionTable::new(),
-            gens: Mutex::new(Generations::default()),
+            regions,
+            gens,
             notifications: ferry_core::raw::Inbox::new(
                 MAX_QUEUED_NOTIFICATIONS,
                 MAX_QUEUED_NOTIFICATION_BYTES,
             ),
             served: ferry_core::inbound::ServedTraffic::default(),
-            grants: Arc::default(),
+            grants,
             refuse_notifications: AtomicBool::new(false),
             closed: AtomicBool::new(false),
             established: AtomicUsize::new(0),
@@ -195,37 +205,78 @@ impl Core {
         Ok(())
     }
 
-    /// Unregisters the region at `addr`: waits for the payloads in flight
-    /// into or out of it (which the minimum rate bounds), then revokes its
-    /// grant and waits until no same-host initiator copies under it (at
-    /// most the stall timeout: past it the region stays registered and
-    /// the error is [`ferry_core::Error::RegionHeld`]; a later call waits
-    /// again).
+    /// Unregisters the region at `addr`, in the order every path that lets
+    /// a region go follows (revoke and settle first, remove from the table
+    /// last, leak on doubt):
+    ///
+    /// 1. its grant is revoked (no same-host initiator starts a granted
+    ///    copy into it from here on, whatever happens below) and the
+    ///    engine waits until no initiator copies under an earlier mark (at
+    ///    most the stall timeout: past it the region stays registered,
+    ///    ungranted, and the error is [`ferry_core::Error::RegionHeld`]; a
+    ///    later call waits again);
+    /// 2. new frames are refused and the payloads in flight into or out of
+    ///    it are waited for (which the minimum rate bounds); a payload held
+    ///    for a peer that could not be shown to have stopped makes this
+    ///    [`ferry_core::Error::RegionHeld`], and the region leaves the
+    ///    table by itself when that peer is done (see
+    ///    [`Core::forget_detached`]);
+    /// 3. only then the region leaves the table and its generation is
+    ///    forgotten.
+    ///
+    /// Cancelling the future at any point leaves the region registered
+    /// (ungranted once step 1 has begun: served as frames).
     pub async fn unregister(&self, addr: u64) -> ferry_core::Result<()> {
-        let old = lock(&self.gens).by_base.get(&addr).copied();
-        let removal = self.regions.remove_in_steps(addr).await?;
-        if let Some(revoked) = self.grants.revoke(addr) {
-            let patience = self.config.stall_timeout;
-            if let Err(pid) = self.grants.settle(addr, &revoked, patience).await {
-                // `removal` drops unfinished: the region stays registered.
-                return Err(ferry_core::Error::RegionHeld {
-                    addr,
-                    reason: format!(
-                        "the same-host peer process {pid} may still copy into it under a grant \
-                         it marked before the region's unregistration, and has not finished \
-                         within {patience:?} (is its process stopped?); the grant is revoked, \
-                         unregister again later"
-                    ),
-                });
+        let gen = lock(&self.gens).by_base.get(&addr).copied();
+        if let Some(gen) = gen {
+            if let Some(revoked) = self.grants.revoke(addr, gen) {
+                let patience = self.config.stall_timeout;
+                if let Err(pid) = self.grants.settle(addr, gen, &revoked, patience).await {
+                    return Err(ferry_core::Error::RegionHeld {
+                        addr,
+                        reason: format!(
+                            "the same-host peer process {pid} may still copy into it under a \
+                             grant it marked before the region's unregistration, and has not \
+                             finished within {patience:?} (is its process stopped?); the grant \
+                             is revoked, unregister again later"
+                        ),
+                    });
+                }
             }
         }
-        removal.finish();
+        self.regions.remove_in_steps(addr).await?.finish();
         let mut g = lock(&self.gens);
         // A new registration at the same address may have come in between.
-        if g.by_base.get(&addr).copied() == old {
+        if g.by_base.get(&addr).copied() == gen {
             g.by_base.remove(&addr);
         }
         Ok(())
+    }
+
+    /// A region that `unregister` gave up on (`RegionHeld` from the table:
+    /// a payload was held for a peer that had not proven it stopped) has
+    /// left the table by itself: its generation is forgotten, unless a new
+    /// registration took the address since. Its grant was revoked and
+    /// settled before the table was asked to remove it; should one still
+    /// be published (a bug), it is revoked here. Called by the table's
+    /// hook (see [`RegionTable::on_detached_release`]).
+    fn forget_detached(gens: &Mutex<Generations>, grants: &Grants, table: &RegionTable, addr: u64) {
+        let mut g = lock(gens);
+        // Under the generation lock no registration can come in (it holds
+        // this lock across its insert): a region in the table at `addr`
+        // now is a new one, whose generation stays.
+        if table.holds(addr) {
+            return;
+        }
+        if let Some(gen) = g.by_base.remove(&addr) {
+            if grants.revoke(addr, gen).is_some() {
+                tracing::error!(
+                    addr,
+                    gen,
+                    "a detached region was still granted; revoked now"
+                );
+            }
+        }
     }
 
     /// Holds `[addr, addr+len)` if it lies in a live region of generation

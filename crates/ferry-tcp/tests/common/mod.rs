@@ -293,3 +293,88 @@ impl Drop for Child {
         let _ = self.0.wait();
     }
 }
+
+/// A child process running one ignored test of this test binary, spoken
+/// to by lines: its standard input, and its standard output's lines.
+/// Killed and reaped when dropped.
+pub struct Helper {
+    pub pid: i32,
+    stdin: tokio::process::ChildStdin,
+    lines: tokio::io::Lines<tokio::io::BufReader<tokio::process::ChildStdout>>,
+    _child: Child,
+}
+
+impl Helper {
+    /// Runs the ignored test `name` of this binary with `envs` (beside
+    /// [`child_env`]). Call inside a Tokio runtime.
+    pub fn spawn(name: &str, envs: &[(&str, String)]) -> Helper {
+        use std::process::{Command, Stdio};
+        let mut cmd = Command::new(std::env::current_exe().unwrap());
+        cmd.args([
+            "--exact",
+            name,
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .envs(child_env())
+        .envs(envs.iter().map(|(k, v)| (k, v)))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null());
+        let mut child = cmd.spawn().unwrap();
+        let pid = child.id() as i32;
+        let stdin = tokio::process::ChildStdin::from_std(child.stdin.take().unwrap()).unwrap();
+        let stdout = tokio::process::ChildStdout::from_std(child.stdout.take().unwrap()).unwrap();
+        use tokio::io::AsyncBufReadExt;
+        Helper {
+            pid,
+            stdin,
+            lines: tokio::io::BufReader::new(stdout).lines(),
+            _child: Child(child),
+        }
+    }
+
+    /// Sends one line.
+    pub async fn say(&mut self, line: &str) {
+        self.stdin
+            .write_all(format!("{line}\n").as_bytes())
+            .await
+            .unwrap();
+    }
+
+    /// The next line that holds one of `words`, from that word on (the
+    /// test harness may print before it on the same line).
+    pub async fn next(&mut self, words: &[&str]) -> String {
+        loop {
+            let line =
+                tokio::time::timeout(std::time::Duration::from_secs(60), self.lines.next_line())
+                    .await
+                    .expect("the child answers")
+                    .unwrap()
+                    .expect("the child exited early");
+            if let Some(pos) = words.iter().find_map(|w| line.find(w)) {
+                return line[pos..].to_owned();
+            }
+        }
+    }
+
+    /// Waits (at most 10 s) until the process is stopped.
+    pub async fn stopped(&self) {
+        let t = std::time::Instant::now();
+        while !is_stopped(self.pid) {
+            assert!(
+                t.elapsed() < std::time::Duration::from_secs(10),
+                "the child did not stop"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+        }
+    }
+
+    /// Sends `sig` to the process.
+    pub fn signal(&self, sig: i32) {
+        // SAFETY: kill(2) on our own child, which is not reaped before
+        // this helper drops.
+        assert_eq!(unsafe { libc::kill(self.pid, sig) }, 0);
+    }
+}
