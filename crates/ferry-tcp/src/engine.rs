@@ -600,6 +600,20 @@ impl TransferEngine for TcpEngine {
         while stopped.iter().any(|t| !t.is_finished()) {
             tokio::time::sleep(std::time::Duration::from_millis(1)).await;
         }
+        // Same-host initiators copy into the regions themselves, under
+        // grants `stop` has revoked: a copy marked before may still be on
+        // its way. Shut down means none is.
+        let patience = self.inner.core.config.stall_timeout;
+        if let Err((addr, pid)) = self.inner.core.grants.settle_all(patience).await {
+            return Err(Error::RegionHeld {
+                addr,
+                reason: format!(
+                    "the engine is shut down, but the same-host peer process {pid} may still \
+                     copy into its region under a grant it marked before, and has not finished \
+                     within {patience:?} (is its process stopped?); shut down again later"
+                ),
+            });
+        }
         Ok(())
     }
 

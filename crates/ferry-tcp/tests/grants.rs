@@ -425,6 +425,51 @@ async fn a_stale_revocation_never_answers_for_a_new_registration() {
     assert!(done.starts_with("DONE err"), "{done}");
 }
 
+/// `shutdown` returns once nothing touches the engine's memory: not while
+/// a same-host initiator that marked a copy before the engine stopped
+/// (and is stopped itself, between mark and copy) may still copy into it.
+/// It says `RegionHeld` naming the region; once the copy is done it
+/// returns `Ok`, and nothing changes the memory afterwards. (On 888a448
+/// `shutdown` returned `Ok` at once and the copy landed afterwards.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_waits_for_a_marked_copy() {
+    let patience = Duration::from_secs(1);
+    let b = target_and_reader(patience).await;
+    let dst = mem(&b, 64 * KIB, 0x11).await;
+    let Some(mut child) =
+        initiator_child(&b, dst.addr(), &[("FERRY_TCP_TEST_STOP_AFTER_MARK", "1")]).await
+    else {
+        return;
+    };
+    child.say("WRITE").await;
+    child.stopped().await;
+    let t = Instant::now();
+    match b.shutdown().await {
+        Err(Error::RegionHeld { addr, reason }) => {
+            assert_eq!(addr, dst.addr());
+            assert!(reason.contains(&child.pid.to_string()), "{reason}");
+            assert!(t.elapsed() >= patience, "gave up after {:?}", t.elapsed());
+        }
+        Ok(()) => {
+            dst.fill(0x22);
+            child.signal(libc::SIGCONT);
+            let done = child.next(&["DONE "]).await;
+            let changed = dst.to_vec().iter().filter(|&&x| x != 0x22).count();
+            panic!("shutdown returned Ok with a copy on its way ({done}, {changed} bytes changed after)");
+        }
+        Err(e) => panic!("unexpected {e:?}"),
+    }
+    child.signal(libc::SIGCONT);
+    assert_eq!(child.next(&["DONE "]).await, "DONE ok");
+    b.shutdown().await.expect("no copy on its way any more");
+    dst.fill(0x33);
+    child.say("WRITE").await;
+    let done = child.next(&["DONE "]).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(dst.to_vec().iter().all(|&x| x == 0x33), "{done}");
+    assert!(done.starts_with("DONE err"), "{done}");
+}
+
 /// The window the marks exist for: the initiator has marked its copy and
 /// found the grant valid, and is stopped (SIGSTOP, by its own test hook)
 /// before it copies. The target's `unregister` must not return `Ok` while

@@ -269,6 +269,24 @@ impl Inner {
         self.slots.len()
     }
 
+    /// The region a mark of value `v` names (0: none known).
+    fn region_of(&self, v: u64) -> u64 {
+        let by_slot = usize::try_from(v >> 32)
+            .ok()
+            .and_then(|i| i.checked_sub(1))
+            .and_then(|i| self.slots.get(i).copied().flatten())
+            .filter(|s| s.gen == v as u32)
+            .map(|s| s.addr);
+        by_slot
+            .or_else(|| {
+                self.held
+                    .iter()
+                    .find(|(_, r)| r.value == v)
+                    .map(|((addr, _), _)| *addr)
+            })
+            .unwrap_or(0)
+    }
+
     /// Drops the closed areas no copy can still be in progress in.
     fn prune(&mut self) {
         self.areas.retain_mut(|l| {
@@ -455,6 +473,39 @@ impl Grants {
             };
             if start.elapsed() >= patience {
                 return Err(pid);
+            }
+            n += 1;
+            if n < 64 {
+                tokio::task::yield_now().await;
+            } else {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }
+    }
+
+    /// Waits until no live initiator marks a copy under any grant, at most
+    /// `patience` (the engine was closed first: no new mark can pass its
+    /// check). `Err((addr, pid))`: the region a mark names (0 if it names
+    /// none the engine knows) and the process that still holds it.
+    pub async fn settle_all(&self, patience: Duration) -> Result<(), (u64, i32)> {
+        let start = Instant::now();
+        let mut n = 0u32;
+        loop {
+            let held = {
+                let g = lock(&self.inner);
+                g.areas.iter().find_map(|l| {
+                    let page = l.page();
+                    let v = (0..MARKS)
+                        .map(|m| page.mark(m).load(Ordering::Acquire))
+                        .find(|&v| v != 0)?;
+                    l.peer.alive().then(|| (g.region_of(v), l.peer.pid))
+                })
+            };
+            let Some(held) = held else {
+                return Ok(());
+            };
+            if start.elapsed() >= patience {
+                return Err(held);
             }
             n += 1;
             if n < 64 {

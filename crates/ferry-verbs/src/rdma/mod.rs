@@ -409,20 +409,28 @@ impl Inner {
         Ok(())
     }
 
+    /// Revoke, then remove: local transfers are waited for and new ones
+    /// refused (the range stays taken), the MR is deregistered (the device
+    /// refuses every later access by peers), and only then the range
+    /// leaves the table, so a region registered anew over it can never
+    /// meet the old MR. The deregistration blocks (unpinning) and runs off
+    /// the async workers; the range is freed by the same blocking task,
+    /// after the MR is gone, even if this future is dropped meanwhile (a
+    /// dropped call may so leave the region unregistered, as the trait
+    /// allows; it never frees the range while peers can still reach it).
     pub(crate) async fn unregister(&self, addr: u64) -> Result<()> {
         // Waits for local transfers using the region (cancel-safe).
         tracing::debug!(addr, "unregister: waiting for local transfers");
-        self.local.remove(addr).await?;
+        let removal = self.local.remove_in_steps(addr).await?;
         tracing::debug!(addr, "unregister: no local transfer left");
         let mr = lock(&self.mrs).remove(&addr);
         self.broadcast(&Msg::RegionRemoved { addr });
-        // Deregistering makes the device refuse every later access by
-        // peers; ibv_dereg_mr blocks (unpinning), so it runs off the async
-        // workers, and this returns only once it is done.
-        if let Some(mr) = mr {
-            let _ = tokio::task::spawn_blocking(move || drop(mr)).await;
-        }
-        Ok(())
+        let done = tokio::task::spawn_blocking(move || {
+            drop(mr);
+            removal.finish();
+        });
+        done.await
+            .map_err(|e| Error::Canceled(format!("ibv_dereg_mr did not finish: {e}")))
     }
 
     pub(crate) async fn open_segment(&self, name: &str) -> Result<SegmentId> {
