@@ -350,3 +350,118 @@ def test_other_python_threads_run_during_a_transfer(pair):
     assert during > 1000, f"the other thread counted only {during} in {elapsed * 1e3:.1f} ms"
     assert a.unregister_memory(address(src)) == 0
     assert b.unregister_memory(address(dst)) == 0
+
+
+EXITS = textwrap.dedent(
+    """
+    import ctypes, json, signal, sys, time
+    from ferry.mooncake import TransferEngine
+    mode = sys.argv[1]
+    if mode == "sigterm":
+        # The common serving set-up: SIGTERM ends the process through
+        # Python's normal exit.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    a, b = TransferEngine(), TransferEngine()
+    for te in (a, b):
+        assert te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0, te.last_error()
+    size = 1 << 20
+    src = ctypes.create_string_buffer(b"e" * size, size)
+    dst = ctypes.create_string_buffer(size)
+    assert a.register_memory(ctypes.addressof(src), size) == 0
+    assert b.register_memory(ctypes.addressof(dst), size) == 0
+    peer = b.ferry_engine().segment_name
+    assert a.transfer_sync_write(peer, ctypes.addressof(src), ctypes.addressof(dst), size) == 0
+    print("ready", flush=True)
+    if mode == "sigterm":
+        while True:
+            time.sleep(0.1)
+    # "exit": the interpreter exits with both regions still registered
+    # (SGLang and vLLM do not unregister on shutdown).
+    """
+)
+
+
+@pytest.mark.parametrize("mode", ["exit", "sigterm"])
+def test_a_process_exits_with_memory_registered(mode):
+    """Item 7 of issue 41: a process on ``mooncake-py://`` that registered
+    memory and moved bytes, then exits (at the end of its script, or on
+    SIGTERM through a handler calling ``sys.exit``) without unregistering,
+    exits: it used to hang at interpreter exit (an engine dropped during
+    finalization waited for a thread that can no longer take the GIL).
+    The bound only ends a process that would never exit."""
+    import signal
+
+    child = subprocess.Popen(
+        [sys.executable, "-c", EXITS, mode],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = child.stdout.readline()
+        assert line.strip() == "ready", child.communicate(timeout=60)[1][-4000:]
+        if mode == "sigterm":
+            child.send_signal(signal.SIGTERM)
+        _, err = child.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.communicate()
+        pytest.fail(f"the process did not exit within 30 s ({mode})")
+    assert child.returncode == 0, err[-4000:]
+
+
+def test_a_refused_unregister_keeps_the_region_registered(pair):
+    """Item 4 of issue 41 on the real wheel: a region unregistered behind
+    Ferry's back (through the wheel's own engine) makes the wheel refuse
+    Ferry's ``unregister_memory`` (-3): the region stays in Ferry's table,
+    a second call is refused by the wheel again (not answered
+    ``RegionNotRegistered``, which callers take as safe to free), and once
+    the wheel has it again the unregister succeeds."""
+    te, _ = pair
+    buf = ctypes.create_string_buffer(4096)
+    wheel = te.ferry_engine().wheel_engine()
+    assert te.register_memory(address(buf), 4096) == 0
+    assert wheel.unregister_memory(address(buf)) == 0
+    for _ in range(2):
+        assert te.unregister_memory(address(buf)) == -1
+        assert isinstance(te.last_error(), ferry.Backend), repr(te.last_error())
+        assert (address(buf), 4096) in te.ferry_engine().registered()
+    assert wheel.register_memory(address(buf), 4096) == 0
+    assert te.unregister_memory(address(buf)) == 0, te.last_error()
+    assert (address(buf), 4096) not in te.ferry_engine().registered()
+
+
+#: Memory a test leaves registered on purpose: never freed.
+_KEPT = []
+
+
+def test_a_refused_batch_unregister_keeps_every_region():
+    """Item 4 for ``batch_unregister_memory`` (native on 0.3.13, emulated
+    from single unregisters on 0.3.3): the wheel refuses a region of the
+    batch; it stays registered in Ferry's table (a second call for it is
+    refused by the wheel again, not answered ``RegionNotRegistered``)."""
+    te = started()
+    bufs = [ctypes.create_string_buffer(4096) for _ in range(2)]
+    _KEPT.extend(bufs)
+    addrs = [address(b) for b in bufs]
+    wheel = te.ferry_engine().wheel_engine()
+    assert te.batch_register_memory(addrs, [4096] * 2) == 0, te.last_error()
+    assert wheel.unregister_memory(addrs[1]) == 0
+    assert te.batch_unregister_memory(addrs) == -1
+    assert isinstance(te.last_error(), ferry.Backend), repr(te.last_error())
+    assert te.batch_unregister_memory([addrs[1]]) == -1
+    assert isinstance(te.last_error(), ferry.Backend), repr(te.last_error())
+    # Once the wheel has it again, Ferry's unregister succeeds.
+    assert wheel.register_memory(addrs[1], 4096) == 0
+    assert te.unregister_memory(addrs[1]) == 0, te.last_error()
+    if NATIVE_BATCH:
+        # 0.3.13's failed batch call left the other region half removed:
+        # its unregister_memory answers -3 (not registered) and its
+        # register_memory -7 (already registered). Ferry keeps it
+        # registered (leak on doubt) and says the wheel refused.
+        assert te.unregister_memory(addrs[0]) == -1
+        assert isinstance(te.last_error(), ferry.Backend), repr(te.last_error())
+    else:
+        # The emulation unregistered that one alone, from both.
+        assert te.unregister_memory(addrs[0]) == -1
+        assert isinstance(te.last_error(), ferry.RegionNotRegistered)

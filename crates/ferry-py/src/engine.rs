@@ -4,6 +4,7 @@ use ferry::DynTransferEngine;
 use std::collections::HashMap;
 use std::future::Future;
 use std::str::FromStr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use ferry::{
@@ -31,7 +32,23 @@ pub(crate) struct PyEngine {
     /// `None` only while being dropped.
     inner: Option<Handle>,
     /// What keeps each registered region's memory valid, by start address.
-    regions: Mutex<HashMap<u64, (u64, Keep)>>,
+    regions: Mutex<HashMap<u64, Held>>,
+    /// The token of the next registration (see [`Held::token`]).
+    next_token: AtomicU64,
+    /// Tests only (`_set_test_hook("after_unregister", f)`): called with the
+    /// GIL after the engine's `unregister` returned `Ok` and before the
+    /// holder is released, to interleave a re-`register` deterministically.
+    after_unregister: Mutex<Option<Py<PyAny>>>,
+}
+
+/// One registration made from Python: what keeps its memory valid.
+struct Held {
+    len: u64,
+    keep: Keep,
+    /// Which registration this is: an `unregister` releases the holder it
+    /// saw before it released the GIL, never one that a re-`register` of
+    /// the same address put there meanwhile.
+    token: u64,
 }
 
 impl Drop for PyEngine {
@@ -45,36 +62,85 @@ impl Drop for PyEngine {
         else {
             return;
         };
+        let mut regions = std::mem::take(ferry::raw::get_mut(&mut self.regions));
         let Ok(rt) = runtime() else {
+            // No runtime, so no engine was ever started; kept all the same.
+            leak(regions.drain().map(|(_, h)| h));
             return;
         };
-        // Unregister what Python registered before its objects are released
-        // (the map is dropped after this function): `unregister` waits for
-        // transfers in flight, local or from peers, and refuses new ones, so
-        // no byte is written into memory that Python frees next. Then drop the
-        // backend — inside the runtime's context and without the GIL, so that
-        // a task about to call back into Python can finish.
-        let addrs: Vec<u64> = ferry::raw::get_mut(&mut self.regions)
-            .keys()
-            .copied()
-            .collect();
+        // Unregister what Python registered before its objects are released:
+        // `unregister` waits for transfers in flight, local or from peers,
+        // and refuses new ones, so no byte is written into memory that
+        // Python frees next. A region whose `unregister` failed with
+        // anything but `RegionNotRegistered` may still be written (a peer
+        // that could not be shown to have stopped, a library that refused):
+        // its holder is leaked, never released, as `RegisteredBuffer` does.
+        // Then drop the backend — inside the runtime's context and without
+        // the GIL, so that a task about to call back into Python can finish.
+        let addrs: Vec<u64> = regions.keys().copied().collect();
         Python::attach(|py| {
-            py.detach(|| {
-                run(rt, async {
+            // At interpreter exit the wheel backend cannot be called (see
+            // `runtime::exiting`): its unregisters fail at once and the
+            // regions stay registered until the process ends.
+            let exiting = crate::runtime::note_finalizing(py);
+            let failed = py.detach(|| {
+                let failed = run(rt, async {
+                    let mut failed = Vec::new();
                     for addr in addrs {
-                        // An error means the region is not registered any
-                        // more: nothing left to wait for.
-                        let _ = engine.unregister(addr).await;
+                        match engine.unregister(addr).await {
+                            Ok(()) | Err(ferry::Error::RegionNotRegistered { .. }) => {}
+                            Err(e) => failed.push((addr, e)),
+                        }
                     }
+                    failed
                 });
                 let _guard = rt.enter();
                 drop(report);
                 drop(metrics);
                 drop(engine);
+                failed
             });
+            if !failed.is_empty() {
+                leak(failed.iter().filter_map(|(addr, _)| regions.remove(addr)));
+                let detail: Vec<String> = failed
+                    .iter()
+                    .map(|(addr, e)| format!("{addr:#x}: {e}"))
+                    .collect();
+                // Once per engine. At exit this is what is expected (the
+                // process ends next): not a warning there.
+                let level = if exiting { 10 } else { 30 };
+                log(
+                    py,
+                    level,
+                    &format!(
+                        "ferry.Engine dropped with {} region(s) that may still be registered: \
+                         their memory is kept (leaked), never released: {}",
+                        failed.len(),
+                        detail.join("; ")
+                    ),
+                );
+            }
+            drop(regions);
             drop(wheel);
         });
     }
+}
+
+/// Never releases the holders: the memory they keep valid stays valid until
+/// the process ends.
+fn leak(held: impl Iterator<Item = Held>) {
+    for h in held {
+        std::mem::forget(h.keep);
+    }
+}
+
+/// Logs `message` on the `ferry` logger at `level` (Python's numbers),
+/// ignoring any failure (during finalization logging may be gone).
+fn log(py: Python<'_>, level: i32, message: &str) {
+    let _ = py
+        .import("logging")
+        .and_then(|l| l.call_method1("getLogger", ("ferry",)))
+        .and_then(|l| l.call_method1("log", (level, message)));
 }
 
 /// A started engine: the trait object every call goes through, and its
@@ -290,11 +356,48 @@ impl PyEngine {
         Ok(&self.handle()?.engine)
     }
 
-    fn regions(&self) -> MutexGuard<'_, HashMap<u64, (u64, Keep)>> {
+    fn regions(&self) -> MutexGuard<'_, HashMap<u64, Held>> {
         // A poisoned lock only means another thread panicked while holding
         // it; the map itself is still consistent (inserts and removes are
         // single operations).
         ferry::raw::lock(&self.regions)
+    }
+
+    /// Keeps `keep` for the registration just made at `addr`. A holder
+    /// still there for that address belongs to a registration the engine
+    /// no longer has (it just accepted this one over the same range), whose
+    /// `unregister` has not yet come back for it: replaced (that
+    /// `unregister` then finds another token and leaves this one).
+    fn hold(&self, addr: u64, len: u64, keep: Keep) {
+        let token = self.next_token.fetch_add(1, Ordering::Relaxed);
+        let old = self.regions().insert(addr, Held { len, keep, token });
+        drop(old);
+    }
+
+    /// Calls the `after_unregister` test hook, if one is set.
+    fn run_test_hook(&self, py: Python<'_>) -> PyResult<()> {
+        let hook = ferry::raw::lock(&self.after_unregister)
+            .as_ref()
+            .map(|f| f.clone_ref(py));
+        match hook {
+            Some(hook) => hook.call0(py).map(drop),
+            None => Ok(()),
+        }
+    }
+
+    /// The token of the registration held at `addr` now.
+    fn token_of(&self, addr: u64) -> Option<u64> {
+        self.regions().get(&addr).map(|h| h.token)
+    }
+
+    /// Takes the holder at `addr` out if it is still the registration
+    /// `token` names (to be dropped by the caller, outside the lock).
+    fn release(&self, addr: u64, token: Option<u64>) -> Option<Held> {
+        let mut table = self.regions();
+        match (token, table.get(&addr)) {
+            (Some(t), Some(h)) if h.token == t => table.remove(&addr),
+            _ => None,
+        }
     }
 
     fn region_of(resolved: &Resolved, location: Option<&str>) -> PyResult<MemoryRegion> {
@@ -378,6 +481,8 @@ impl PyEngine {
         Ok(PyEngine {
             inner: Some(handle),
             regions: Mutex::new(HashMap::new()),
+            next_token: AtomicU64::new(1),
+            after_unregister: Mutex::new(None),
         })
     }
 
@@ -440,7 +545,7 @@ impl PyEngine {
         let region = self.checked_kind(region).map_err(|e| to_pyerr(py, &e))?;
         block_on(py, engine.register(region))?.map_err(|e| to_pyerr(py, &e))?;
         let (addr, len) = (resolved.addr, resolved.len);
-        self.regions().insert(addr, (len, resolved.keep));
+        self.hold(addr, len, resolved.keep);
         Ok((addr, len))
     }
 
@@ -450,9 +555,11 @@ impl PyEngine {
     fn unregister(&self, py: Python<'_>, target: &Bound<'_, PyAny>) -> PyResult<()> {
         let engine = self.engine()?;
         let addr = address_of(target)?;
+        let token = self.token_of(addr);
         block_on(py, engine.unregister(addr))?.map_err(|e| to_pyerr(py, &e))?;
-        let kept = self.regions().remove(&addr);
-        drop(kept);
+        self.run_test_hook(py)?;
+        let released = self.release(addr, token);
+        drop(released);
         Ok(())
     }
 
@@ -500,9 +607,8 @@ impl PyEngine {
         }
         block_on(py, engine.batch_register(regions))?.map_err(|e| to_pyerr(py, &e))?;
         let out = resolved.iter().map(|r| (r.addr, r.len)).collect();
-        let mut table = self.regions();
         for r in resolved {
-            table.insert(r.addr, (r.len, r.keep));
+            self.hold(r.addr, r.len, r.keep);
         }
         Ok(out)
     }
@@ -516,16 +622,19 @@ impl PyEngine {
             .map_err(|_| PyTypeError::new_err("targets must be a sequence"))?
             .map(|t| address_of(&t?))
             .collect::<PyResult<_>>()?;
+        let tokens: Vec<Option<u64>> = addrs.iter().map(|&a| self.token_of(a)).collect();
         let result = block_on(py, engine.batch_unregister(&addrs))?;
         // On success release every object. On failure the engine does not
         // say which addresses it did unregister: keep them all (holding an
         // object too long is a leak until `unregister`; releasing one still
         // registered would let peers write into freed memory).
         if result.is_ok() {
-            let released: Vec<_> = {
-                let mut table = self.regions();
-                addrs.iter().filter_map(|a| table.remove(a)).collect()
-            };
+            self.run_test_hook(py)?;
+            let released: Vec<_> = addrs
+                .iter()
+                .zip(tokens)
+                .filter_map(|(&a, t)| self.release(a, t))
+                .collect();
             drop(released);
         }
         result.map_err(|e| to_pyerr(py, &e))
@@ -534,7 +643,7 @@ impl PyEngine {
     /// The regions this engine registered from Python: `[(addr, length), …]`
     /// sorted by address.
     fn registered(&self) -> Vec<(u64, u64)> {
-        let mut v: Vec<(u64, u64)> = self.regions().iter().map(|(a, (l, _))| (*a, *l)).collect();
+        let mut v: Vec<(u64, u64)> = self.regions().iter().map(|(a, h)| (*a, h.len)).collect();
         v.sort_unstable();
         v
     }
@@ -855,6 +964,20 @@ impl PyEngine {
         })?
         .map_err(|e| to_pyerr(py, &e))?;
         Ok(elapsed.as_secs_f64())
+    }
+
+    /// For tests: `_set_test_hook("after_unregister", f)` makes every
+    /// successful `unregister` / `batch_unregister` call `f()` (with the GIL) after the engine
+    /// unregistered the region and before its holder is released;
+    /// `None` removes it.
+    fn _set_test_hook(&self, name: &str, hook: Option<Py<PyAny>>) -> PyResult<()> {
+        match name {
+            "after_unregister" => {
+                *ferry::raw::lock(&self.after_unregister) = hook;
+                Ok(())
+            }
+            _ => Err(PyValueError::new_err(format!("unknown test hook {name:?}"))),
+        }
     }
 
     fn __repr__(&self) -> String {

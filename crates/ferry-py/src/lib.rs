@@ -35,6 +35,12 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<engine::PyEngine>()?;
     m.add("__version__", ferry::pep440_version())?;
     m.add_function(wrap_pyfunction!(cuda_driver_present, m)?)?;
+    // See `runtime::exiting`: from interpreter exit on, no call waits for
+    // a thread that needs the GIL.
+    let at_exit = wrap_pyfunction!(runtime::_at_exit, m)?;
+    m.py()
+        .import("atexit")?
+        .call_method1("register", (at_exit,))?;
     m.add(
         "BACKENDS",
         ferry::BackendKind::ALL

@@ -2,6 +2,7 @@
 //! helper that runs a future from Python with the GIL released.
 
 use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 
 use pyo3::exceptions::PyRuntimeError;
@@ -9,6 +10,43 @@ use pyo3::prelude::*;
 use tokio::runtime::Runtime;
 
 static RUNTIME: OnceLock<Result<Runtime, String>> = OnceLock::new();
+
+/// Set when the interpreter starts to exit (see [`exiting`]).
+static EXITING: AtomicBool = AtomicBool::new(false);
+
+/// Whether the interpreter is exiting: set by an `atexit` callback that
+/// `ferry._native` registers when it is imported (`atexit` callbacks run
+/// before finalization starts; the one registered first runs last, so the
+/// application's own handlers, registered after the import, still see
+/// `false`), or by [`note_finalizing`]. From then on a thread that is not
+/// Python's main thread and asks for the GIL never gets it (CPython ends
+/// or parks it), so nothing may wait for such a thread: the
+/// `mooncake-py://` backend refuses its calls into the wheel instead.
+pub(crate) fn exiting() -> bool {
+    EXITING.load(Ordering::Acquire)
+}
+
+/// Marks the interpreter as exiting (the `atexit` callback).
+#[pyfunction]
+pub(crate) fn _at_exit() {
+    EXITING.store(true, Ordering::Release);
+}
+
+/// Sets [`exiting`] if `sys.is_finalizing()` says so (for a drop that runs
+/// during finalization without the `atexit` callback having run, e.g. when
+/// registering it failed); returns [`exiting`].
+pub(crate) fn note_finalizing(py: Python<'_>) -> bool {
+    let finalizing = py
+        .import("sys")
+        .and_then(|sys| sys.call_method0("is_finalizing"))
+        .and_then(|r| r.is_truthy())
+        // Python that cannot even answer this is being torn down.
+        .unwrap_or(true);
+    if finalizing {
+        _at_exit();
+    }
+    exiting()
+}
 
 /// The shared multi-threaded runtime (started on first use). Its worker
 /// threads serve peers and drive the sockets while Python threads wait with

@@ -268,6 +268,25 @@ fn py_failure(operation: &str, e: &PyErr) -> Error {
     }
 }
 
+/// From interpreter exit on ([`crate::runtime::exiting`]) the wheel is not
+/// called: a thread that asks for the GIL then never gets it back, and the
+/// caller (the main thread dropping an engine) would wait for it for ever.
+/// Nothing of Ferry's is released instead: a region stays registered in the
+/// wheel and in Ferry's table, its memory kept, until the process ends (as
+/// the plain wheel leaves it).
+fn refuse_at_exit(operation: &str) -> Result<()> {
+    if crate::runtime::exiting() {
+        return Err(Error::Unavailable {
+            backend: BACKEND.to_owned(),
+            reason: format!(
+                "the Python interpreter is exiting: {operation} is not called on the Mooncake \
+                 wheel any more (what is registered stays so until the process ends)"
+            ),
+        });
+    }
+    Ok(())
+}
+
 fn returned(operation: &str, code: i64) -> Error {
     Error::Backend {
         backend: BACKEND.to_owned(),
@@ -447,6 +466,7 @@ impl Inner {
             + Send
             + 'static,
     {
+        refuse_at_exit(operation)?;
         let this = Arc::clone(self);
         tokio::task::spawn_blocking(move || {
             Python::attach(|py| {
@@ -521,12 +541,22 @@ impl Inner {
         out
     }
 
+    /// Waits for the local transfers using the region, then takes it out
+    /// of the wheel and only then out of Ferry's table: if the wheel
+    /// refuses, the region stays registered in both (the caller keeps its
+    /// memory; a later `unregister` tries again) and the error is the
+    /// wheel's ([`Error::Backend`]), never `RegionNotRegistered`. At
+    /// interpreter exit nothing is waited for (see [`refuse_at_exit`]).
     async fn unregister(self: Arc<Self>, addr: u64) -> Result<()> {
-        self.regions.remove(addr).await?;
+        refuse_at_exit("unregister_memory")?;
+        let removal = self.regions.remove_in_steps(addr).await?;
         self.call_ok("unregister_memory", move |_, w| {
             w.call_method1("unregister_memory", (addr,))
         })
-        .await
+        .await?;
+        // Dropped unfinished above (`?`): reopened, still registered.
+        removal.finish();
+        Ok(())
     }
 
     async fn batch_register(self: Arc<Self>, regions: Vec<MemoryRegion>) -> Result<()> {
@@ -558,13 +588,18 @@ impl Inner {
         if let Err(e) = out {
             // All or nothing: the wheel does not say which region failed,
             // nor whether it kept the others; take every one back.
+            // Out of the wheel first, then out of the table (the wheel
+            // answers an address it did not keep with an error: ignored).
             for &addr in &addrs {
-                let _ = self.regions.remove(addr).await;
+                let removal = self.regions.remove_in_steps(addr).await;
                 let _ = self
                     .call("unregister_memory", move |_, w| {
                         w.call_method1("unregister_memory", (addr,))
                     })
                     .await;
+                if let Ok(r) = removal {
+                    r.finish();
+                }
             }
             return Err(Error::BatchRegisterFailed {
                 index: 0,
@@ -586,25 +621,36 @@ impl Inner {
         Ok(())
     }
 
+    /// Every region it can (waiting for the local transfers using each),
+    /// out of the wheel in one call and only then out of Ferry's table;
+    /// the first error. If the wheel's call fails, every region of it stays
+    /// registered in Ferry's table (the wheel does not say which it let go
+    /// of: kept on doubt).
     async fn batch_unregister(self: Arc<Self>, addrs: Vec<u64>) -> Result<()> {
+        refuse_at_exit("batch_unregister_memory")?;
         let mut first_err = None;
-        let mut removed = Vec::with_capacity(addrs.len());
+        let mut removals = Vec::with_capacity(addrs.len());
         for &addr in &addrs {
-            match self.regions.remove(addr).await {
-                Ok(_) => removed.push(addr),
+            match self.regions.remove_in_steps(addr).await {
+                Ok(r) => removals.push((addr, r)),
                 Err(e) => {
                     first_err.get_or_insert(e);
                 }
             }
         }
-        if !removed.is_empty() {
-            if let Err(e) = self
+        if !removals.is_empty() {
+            let removed: Vec<u64> = removals.iter().map(|(a, _)| *a).collect();
+            match self
                 .call_ok("batch_unregister_memory", move |_, w| {
                     w.call_method1("batch_unregister_memory", (removed,))
                 })
                 .await
             {
-                first_err.get_or_insert(e);
+                Ok(()) => removals.into_iter().for_each(|(_, r)| r.finish()),
+                // `removals` dropped unfinished: reopened.
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
             }
         }
         first_err.map_or(Ok(()), Err)
