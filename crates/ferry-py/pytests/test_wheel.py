@@ -391,15 +391,25 @@ def test_a_process_exits_with_memory_registered(mode):
     The bound only ends a process that would never exit."""
     import signal
 
-    child = subprocess.Popen(
-        [sys.executable, "-c", EXITS, mode],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
+    for attempt in range(3):
+        child = subprocess.Popen(
+            [sys.executable, "-c", EXITS, mode],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         line = child.stdout.readline()
-        assert line.strip() == "ready", child.communicate(timeout=60)[1][-4000:]
+        if line.strip() == "ready":
+            break
+        err = child.communicate(timeout=60)[1]
+        # The 0.3.3 wheel (an ASan build) now and then crashes in its own
+        # set-up (a SEGV in libgcc_s during initialize, about 1 run in 30
+        # here), before anything this test is about: tried again, saying so.
+        if "AddressSanitizer" in err and attempt < 2:
+            print(f"the wheel crashed in its set-up (attempt {attempt + 1}); trying again")
+            continue
+        pytest.fail(f"the child did not get ready: {err[-4000:]}")
+    try:
         if mode == "sigterm":
             child.send_signal(signal.SIGTERM)
         _, err = child.communicate(timeout=30)
