@@ -37,7 +37,16 @@
 //!   revoked region at once, and answers `REVOKED` only when none of its
 //!   transfers into the region is in flight (NIXL reported each one
 //!   terminal). The target deregisters the memory from NIXL, and its
-//!   `unregister` returns, only after every connection answered or closed.
+//!   `unregister` returns, only after every connection answered or was
+//!   closed by its peer (end of stream: the initiator closes it only once
+//!   NIXL released its last request on it). A connection that ended any
+//!   other way (reset, error, a refused frame, a `REVOKE` not sent) proves
+//!   nothing: the regions advertised to that peer, or being revoked from
+//!   it, stay registered for the life of the engine (`RegionHeld`).
+//! - An initiator whose connection ends without its asking aborts the
+//!   requests still in flight on it (the peer can no longer revoke), and
+//!   keeps their regions' guards (UCX may not stop an operation already on
+//!   the wire).
 //!
 //! - A batch with a notification is finished only when the peer has it:
 //!   the notification travels as a NIXL notification (on the transfer
