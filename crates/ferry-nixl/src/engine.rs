@@ -51,8 +51,18 @@ const MAX_SEEN_TOKENS: usize = 1 << 16;
 
 type Writer = Arc<tokio::sync::Mutex<OwnedWriteHalf>>;
 type Waiters<T> = Arc<Mutex<HashMap<u64, oneshot::Sender<T>>>>;
-/// A peer's revocations waiting for its `REVOKED`: seq → (region, answer).
-type Revocations = Arc<Mutex<HashMap<u64, (u64, oneshot::Sender<()>)>>>;
+type Revocations = Arc<Mutex<PeerRevocations>>;
+
+/// A peer's revocations waiting for its `REVOKED`, and how its connection
+/// ended (set once, by the task serving it, under this lock).
+#[derive(Default)]
+struct PeerRevocations {
+    /// seq → (region, answer).
+    waiting: HashMap<u64, (u64, oneshot::Sender<()>)>,
+    /// `Some(None)`: the peer closed the connection (nothing of it in
+    /// flight); `Some(Some(why))`: it ended otherwise.
+    ended: Option<Option<String>>,
+}
 type RegDescs = Vec<(u64, u64, u64)>;
 
 /// The tokens of the notifications taken from NIXL whose delivery a sender
@@ -719,25 +729,24 @@ async fn serve_peer(inner: std::sync::Weak<Inner>, stream: TcpStream) {
     }
     impl Drop for Gone {
         fn drop(&mut self) {
+            // Under the peer's revocation lock: a revocation starting now
+            // sees `ended` (see `revoke_and_deregister`).
+            let mut rev = lock(&self.pending);
             if let Some(engine) = self.inner.upgrade() {
                 lock(&engine.peers).remove(&self.id);
                 if let Some(why) = &self.abnormal {
-                    let reason = format!(
-                        "the control connection of NIXL peer {} ended without the peer closing \
-                         it ({why}) while it could use this region: its NIXL requests into it \
-                         may still be in flight and cannot be shown finished; the region stays \
-                         registered and its memory must not be freed",
-                        self.who
-                    );
                     let mut addrs: Vec<u64> = lock(&engine.advertised).keys().copied().collect();
-                    addrs.extend(lock(&self.pending).values().map(|(a, _)| *a));
+                    addrs.extend(rev.waiting.values().map(|(a, _)| *a));
                     let mut doubt = lock(&engine.doubt);
                     for a in addrs {
-                        doubt.entry(a).or_insert_with(|| reason.clone());
+                        doubt
+                            .entry(a)
+                            .or_insert_with(|| lost_peer_reason(&self.who, why));
                     }
                 }
             }
-            lock(&self.pending).clear();
+            rev.ended = Some(self.abnormal.clone());
+            rev.waiting.clear();
         }
     }
     let mut gone = Gone {
@@ -759,7 +768,7 @@ async fn serve_peer(inner: std::sync::Weak<Inner>, stream: TcpStream) {
                 }
             }
             Ok(Some(Frame::Revoked { seq })) => {
-                if let Some((_, tx)) = lock(&pending).remove(&seq) {
+                if let Some((_, tx)) = lock(&pending).waiting.remove(&seq) {
                     let _ = tx.send(());
                 }
             }
@@ -836,8 +845,17 @@ async fn read_segment(
                 let s = Arc::clone(&seg);
                 tokio::spawn(async move {
                     // Waits until every transfer into the region has been
-                    // reported finished by NIXL (their guards dropped).
-                    let _ = s.remote.remove(addr).await;
+                    // reported finished by NIXL (their guards dropped). A
+                    // region still used by a request aborted in progress
+                    // (`RegionHeld`) is never answered: the target then
+                    // keeps it registered.
+                    match s.remote.remove(addr).await {
+                        Ok(_) | Err(Error::RegionNotRegistered { .. }) => {}
+                        Err(e) => {
+                            tracing::warn!(peer = %s.name, addr, error = %e, "ferry: not answering a NIXL REVOKE: a request of ours may still use the region");
+                            return;
+                        }
+                    }
                     let mut w = s.writer.lock().await;
                     let _ = write_frame(&mut *w, &Frame::Revoked { seq }, &s.name).await;
                 });
@@ -851,6 +869,20 @@ async fn read_segment(
     // The peer can no longer ask us to stop using its regions (a `REVOKE`
     // would not arrive): the requests still in flight are aborted now.
     seg.aborted.store(true, Ordering::Release);
+    // Where the connection itself still works (a frame this side could
+    // not take), the peer must not see our later close (end of stream) as
+    // "nothing in flight": it is told the connection is given up, which a
+    // target takes as an abnormal end (best effort; a dead connection
+    // needs nothing).
+    {
+        let giving_up = Frame::Refuse(format!("the initiator gave up this connection: {reason}"));
+        let mut w = seg.writer.lock().await;
+        let _ = tokio::time::timeout(
+            Duration::from_secs(1),
+            write_frame(&mut *w, &giving_up, &seg.name),
+        )
+        .await;
+    }
     tracing::warn!(
         peer = %seg.name,
         reason = %reason,
@@ -910,6 +942,16 @@ impl Drop for NixlEngine {
         // the process exits (see `Poller::stop_and_wait`).
         self.inner.poller.stop_and_wait(POLLER_STOP);
     }
+}
+
+/// Why a region stays registered after the control connection of peer
+/// `who` ended other than by the peer closing it (`why`).
+fn lost_peer_reason(who: &str, why: &str) -> String {
+    format!(
+        "the control connection of NIXL peer {who} ended without the peer closing it ({why}) \
+         while it could use this region: its NIXL requests into it may still be in flight and \
+         cannot be shown finished; the region stays registered and its memory must not be freed"
+    )
 }
 
 /// Refuses a listener other hosts can reach unless `insecure` says so
@@ -1080,9 +1122,10 @@ impl Inner {
     /// its memory is not freed (`RegisteredBuffer` leaks it) while the peer
     /// may still write it. A later `unregister` asks again.
     ///
-    /// A peer whose connection ended any other way (reset, error, a
-    /// `REVOKE` that could not be written) is never shown done: the region
-    /// is in [`Inner::doubt`] and stays registered for good (`RegionHeld`).
+    /// A peer whose connection ended any other way (reset, error, a frame
+    /// refused) is never shown done: the region is in [`Inner::doubt`] and
+    /// stays registered for good (`RegionHeld`). A `REVOKE` that cannot be
+    /// written is answered by how the connection ended.
     async fn revoke_and_deregister(self: Arc<Self>, addr: u64, removal: Removal) -> Result<()> {
         let Some(region) = removal.region() else {
             return Err(Error::RegionNotRegistered { addr });
@@ -1107,27 +1150,33 @@ impl Inner {
             let mut waits = Vec::new();
             for (who, w, pending) in peers {
                 let (tx, rx) = oneshot::channel();
-                lock(&pending).insert(seq, (region.addr(), tx));
+                {
+                    let mut rev = lock(&pending);
+                    match &rev.ended {
+                        None => {
+                            rev.waiting.insert(seq, (region.addr(), tx));
+                        }
+                        // Closed by the peer meanwhile: nothing in flight.
+                        Some(None) => continue,
+                        Some(Some(why)) => {
+                            lock(&self.doubt)
+                                .entry(region.addr())
+                                .or_insert_with(|| lost_peer_reason(&who, why));
+                            continue;
+                        }
+                    }
+                }
                 let mut w = w.lock().await;
                 let revoke = Frame::Revoke {
                     seq,
                     addr: region.addr(),
                 };
-                match write_frame(&mut *w, &revoke, &who).await {
-                    Ok(()) => waits.push(rx),
-                    Err(e) => {
-                        // The peer cannot be asked: it may still have
-                        // requests into the region in flight.
-                        lock(&self.doubt).entry(region.addr()).or_insert_with(|| {
-                            format!(
-                                "the REVOKE of this region could not be sent to NIXL peer {who} \
-                                 ({e}), which may still have NIXL requests into it in flight; \
-                                 the region stays registered and its memory must not be freed"
-                            )
-                        });
-                        lock(&pending).remove(&seq);
-                    }
+                if let Err(e) = write_frame(&mut *w, &revoke, &who).await {
+                    // The connection is broken: how it ended (seen by the
+                    // task serving it, which then answers) decides.
+                    tracing::debug!(peer = %who, error = %e, "ferry: a NIXL REVOKE could not be sent");
                 }
+                waits.push(rx);
             }
             waits
         };

@@ -116,3 +116,109 @@ async fn a_reset_control_connection_keeps_the_regions_it_could_use() {
     drop(target);
     std::mem::forget(buf);
 }
+
+/// A relay for one connection to `upstream` that writes the bytes sent on
+/// `inject` to the downstream side (towards the initiator) between the
+/// upstream's bytes; end of stream is passed on both ways.
+async fn injecting_relay(upstream: String) -> (String, tokio::sync::oneshot::Sender<Vec<u8>>) {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("relay bind");
+    let addr = l.local_addr().expect("relay addr").to_string();
+    let (inject, on_inject) = tokio::sync::oneshot::channel::<Vec<u8>>();
+    tokio::spawn(async move {
+        let (down, _) = l.accept().await.expect("relay accept");
+        let up = TcpStream::connect(&upstream).await.expect("relay connect");
+        let (mut dr, mut dw) = down.into_split();
+        let (mut ur, mut uw) = up.into_split();
+        tokio::spawn(async move {
+            let _ = tokio::io::copy(&mut dr, &mut uw).await;
+            let _ = uw.shutdown().await;
+        });
+        let mut buf = vec![0u8; 64 << 10];
+        let mut on_inject = Some(on_inject);
+        loop {
+            tokio::select! {
+                n = ur.read(&mut buf) => match n {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => {
+                        if dw.write_all(&buf[..n]).await.is_err() {
+                            break;
+                        }
+                    }
+                },
+                bytes = async { on_inject.as_mut().expect("armed").await }, if on_inject.is_some() => {
+                    on_inject = None;
+                    if let Ok(b) = bytes {
+                        if dw.write_all(&b).await.is_err() {
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        let _ = dw.shutdown().await;
+    });
+    (addr, inject)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_initiator_that_gives_up_a_working_connection_does_not_close_it_cleanly() {
+    let target = match common::engine().await {
+        Ok(e) => e,
+        Err(e) => {
+            skip_unavailable(
+                "an_initiator_that_gives_up_a_working_connection_does_not_close_it_cleanly",
+                &e,
+            );
+            return;
+        }
+    };
+    let initiator = common::engine().await.expect("initiator");
+    let buf = HostBuffer::new(1 << 20).unwrap();
+    let src = HostBuffer::new(4096).unwrap();
+    target.register(region(&buf)).await.unwrap();
+    initiator.register(region(&src)).await.unwrap();
+    let (via, inject) = injecting_relay(target.segment_name().to_owned()).await;
+    let seg = initiator.open_segment(&via).await.unwrap();
+    initiator
+        .transfer(
+            seg,
+            ferry_core::TransferRequest::write(src.addr(), buf.addr(), 64),
+        )
+        .await
+        .expect("a write through the relay");
+    // A frame the initiator cannot take (a HELLO, target → initiator): it
+    // gives the connection up, which still works.
+    inject.send(hello()).expect("inject");
+    let lost = tokio::time::timeout(std::time::Duration::from_secs(10), async {
+        loop {
+            let r = initiator
+                .transfer(
+                    seg,
+                    ferry_core::TransferRequest::write(src.addr(), buf.addr(), 64),
+                )
+                .await;
+            if let Err(Error::PeerLost { .. }) = r {
+                return;
+            }
+            tokio::task::yield_now().await;
+        }
+    })
+    .await;
+    assert!(lost.is_ok(), "the initiator did not give the connection up");
+    // The initiator goes away; its socket ends with end of stream, which
+    // alone would read as "the peer closed it, nothing in flight". It
+    // could not be asked about the region since it gave the connection
+    // up, so the region must stay registered.
+    drop(initiator);
+    let r = target.unregister(buf.addr()).await;
+    assert!(
+        matches!(r, Err(Error::RegionHeld { .. })),
+        "after an initiator gave up a working control connection, the target must keep the \
+         region: got {r:?}"
+    );
+    drop(target);
+    std::mem::forget(buf);
+    std::mem::forget(src);
+}
