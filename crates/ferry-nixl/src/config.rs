@@ -57,6 +57,14 @@ pub struct NixlConfig {
     pub timeout: Duration,
     /// Per-byte part of each batch's deadline, in nanoseconds.
     pub timeout_ns_per_byte: u64,
+    /// Let the metadata listener bind an address other hosts can reach
+    /// (URL `insecure=1`). The listener has no authentication: whoever
+    /// connects receives this agent's NIXL metadata (the remote keys of
+    /// every registered region) and can then read and write all of it with
+    /// an agent of their own. Without this flag
+    /// [`crate::NixlEngine::start`] refuses a `host` that is not a
+    /// loopback address; with it the engine starts and logs a warning.
+    pub insecure: bool,
 }
 
 impl Default for NixlConfig {
@@ -70,6 +78,7 @@ impl Default for NixlConfig {
             progress_thread: true,
             timeout: Duration::from_secs(30),
             timeout_ns_per_byte: 1,
+            insecure: false,
         }
     }
 }
@@ -86,11 +95,12 @@ ferry_core::__config_builder! {
         set progress_thread: bool,
         set timeout: Duration,
         set timeout_ns_per_byte: u64,
+        set insecure: bool,
     }
 }
 
 /// The URL parameters [`NixlConfig::from_url`] accepts.
-pub const URL_PARAMETERS: [&str; 8] = [
+pub const URL_PARAMETERS: [&str; 9] = [
     "lib",
     "backends",
     "host",
@@ -99,6 +109,7 @@ pub const URL_PARAMETERS: [&str; 8] = [
     "progress_thread",
     "timeout_ms",
     "ns_per_byte",
+    "insecure",
 ];
 
 impl NixlConfig {
@@ -115,10 +126,12 @@ impl NixlConfig {
     /// | `progress_thread` | `1`/`0`: NIXL's own progress thread | `1` |
     /// | `timeout_ms` | fixed part of each batch's deadline | `30000` |
     /// | `ns_per_byte` | per-byte part of the deadline, ns | `1` |
+    /// | `insecure` | `1`/`0`: allow a `host` beyond loopback (no authentication) | `0` |
     ///
     /// The URL is parsed by [`ParsedUrl`]: strict percent-decoding (`+` is
     /// a space), no fragment, no userinfo; `progress_thread` takes `1`/`0`,
-    /// `true`/`false`, `yes`/`no`, `on`/`off`.
+    /// `true`/`false`, `yes`/`no`, `on`/`off`; `insecure` only `1`/`0`
+    /// or `true`/`false`.
     ///
     /// Errors ([`Error::InvalidArgument`], the URL quoted with its secrets
     /// hidden): another scheme, a host or path in the URL (put them in
@@ -175,6 +188,15 @@ impl NixlConfig {
         }
         if let Some(n) = url.take("ns_per_byte")? {
             cfg.timeout_ns_per_byte = n;
+        }
+        // Deliberately strict (no `yes`/`on`, no bare key): it opens the
+        // agent's memory to every host that can reach the listener.
+        if let Some(v) = url.take_with("insecure", "1 or 0 (true or false)", |v| match v {
+            "1" | "true" => Some(true),
+            "0" | "false" => Some(false),
+            _ => None,
+        })? {
+            cfg.insecure = v;
         }
         url.finish()?;
         cfg.validate()?;
@@ -235,6 +257,7 @@ mod tests {
                 progress_thread: false,
                 timeout: Duration::from_secs(5),
                 timeout_ns_per_byte: 2,
+                insecure: false,
             }
         );
         assert_eq!(
@@ -274,5 +297,23 @@ mod tests {
         assert_eq!(c.backends, ["UCX", "POSIX"]);
         assert!(!c.progress_thread);
         assert!(NixlConfig::builder().name("").build().is_err());
+        // `insecure` is strict.
+        assert!(
+            NixlConfig::from_url("nixl://?host=0.0.0.0&insecure=1")
+                .unwrap()
+                .insecure
+        );
+        assert!(
+            !NixlConfig::from_url("nixl://?insecure=false")
+                .unwrap()
+                .insecure
+        );
+        for u in [
+            "nixl://?insecure=on",
+            "nixl://?insecure=yes",
+            "nixl://?insecure",
+        ] {
+            assert!(err(u).contains("`insecure`"), "{u}");
+        }
     }
 }

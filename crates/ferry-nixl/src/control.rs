@@ -13,7 +13,7 @@
 //! | `FETCH` 0x03 | initiator → target | — (asks for a fresh `STATE`) |
 //! | `REVOKE` 0x04 | target → initiator | `u64 seq`, `u64 addr` |
 //! | `REVOKED` 0x05 | initiator → target | `u64 seq` |
-//! | `REFUSE` 0x06 | target → initiator | reason (UTF-8) |
+//! | `REFUSE` 0x06 | target → initiator, initiator → target | reason (UTF-8) |
 //! | `CONFIRM` 0x07 | initiator → target | `u64 token`, sender agent name |
 //! | `CONFIRMED` 0x08 | target → initiator | `u64 token`, `u8 ok` |
 //!
@@ -37,7 +37,19 @@
 //!   revoked region at once, and answers `REVOKED` only when none of its
 //!   transfers into the region is in flight (NIXL reported each one
 //!   terminal). The target deregisters the memory from NIXL, and its
-//!   `unregister` returns, only after every connection answered or closed.
+//!   `unregister` returns, only after every connection answered or was
+//!   closed by its peer (end of stream: the initiator closes it only once
+//!   NIXL released its last request on it). A connection that ended any
+//!   other way (reset, error, a refused frame) proves nothing: the regions
+//!   advertised to that peer, or being revoked from it, stay registered
+//!   for the life of the engine (`RegionHeld`).
+//! - An initiator whose connection ends without its asking aborts the
+//!   requests still in flight on it (the peer can no longer revoke), and
+//!   keeps their regions' guards (UCX may not stop an operation already on
+//!   the wire); it answers no `REVOKE` of a region such a guard holds.
+//!   Where it gave up a connection that still works (a frame it could not
+//!   take), it sends `REFUSE` first, which the target takes as an abnormal
+//!   end, so that its later close is not read as "nothing in flight".
 //!
 //! - A batch with a notification is finished only when the peer has it:
 //!   the notification travels as a NIXL notification (on the transfer

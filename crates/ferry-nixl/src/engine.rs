@@ -51,6 +51,18 @@ const MAX_SEEN_TOKENS: usize = 1 << 16;
 
 type Writer = Arc<tokio::sync::Mutex<OwnedWriteHalf>>;
 type Waiters<T> = Arc<Mutex<HashMap<u64, oneshot::Sender<T>>>>;
+type Revocations = Arc<Mutex<PeerRevocations>>;
+
+/// A peer's revocations waiting for its `REVOKED`, and how its connection
+/// ended (set once, by the task serving it, under this lock).
+#[derive(Default)]
+struct PeerRevocations {
+    /// seq → (region, answer).
+    waiting: HashMap<u64, (u64, oneshot::Sender<()>)>,
+    /// `Some(None)`: the peer closed the connection (nothing of it in
+    /// flight); `Some(Some(why))`: it ended otherwise.
+    ended: Option<Option<String>>,
+}
 type RegDescs = Vec<(u64, u64, u64)>;
 
 /// The tokens of the notifications taken from NIXL whose delivery a sender
@@ -94,6 +106,14 @@ struct Inner {
     order: tokio::sync::Mutex<u64>,
     /// Connections of peers that opened this engine's segment.
     peers: Mutex<HashMap<u64, Peer>>,
+    /// Regions a peer may still be using although it can no longer be
+    /// asked: its control connection ended without the peer closing it
+    /// (a reset, a read or write error, a frame this engine refused) while
+    /// the region was advertised to it or being revoked from it. Such a
+    /// peer may still have NIXL requests into the region in flight, and
+    /// nothing can show when they end: the region stays registered
+    /// (`unregister` answers `RegionHeld`) for the life of the engine.
+    doubt: Mutex<BTreeMap<u64, String>>,
     next_peer: AtomicU64,
     segments: Mutex<HashMap<u64, Arc<Segment>>>,
     /// Open segments per peer agent (its metadata is invalidated when the
@@ -116,8 +136,9 @@ struct Inner {
 
 /// A peer connected to this engine's listener.
 struct Peer {
+    who: String,
     writer: Writer,
-    pending: Waiters<()>,
+    pending: Revocations,
 }
 
 /// A peer segment opened by this engine.
@@ -136,9 +157,18 @@ pub(crate) struct Segment {
     /// Batches posted on this segment and not finished by NIXL.
     pub(crate) inflight: AtomicUsize,
     pub(crate) idle: Notify,
+    /// The control connection ended without this engine closing it: the
+    /// poller aborts the requests still in flight on this segment (the
+    /// peer can no longer revoke its regions from us).
+    pub(crate) aborted: std::sync::atomic::AtomicBool,
 }
 
 impl Segment {
+    /// Why the control connection was lost, once it was.
+    pub(crate) fn lost_reason(&self) -> Option<String> {
+        lock(&self.lost).clone()
+    }
+
     fn lost_error(&self) -> Option<Error> {
         lock(&self.lost).as_ref().map(|r| Error::PeerLost {
             peer: self.name.clone(),
@@ -331,11 +361,16 @@ impl NixlEngine {
 
     /// Starts an engine on a library already loaded.
     ///
-    /// Errors: [`Error::Unavailable`] when a backend plugin of
-    /// `config.backends` cannot be loaded, [`Error::Io`] when the listener
-    /// cannot bind, [`Error::Backend`] when NIXL refuses the agent.
+    /// Errors: [`Error::InvalidArgument`] when `config.host` is not a
+    /// loopback address and `config.insecure` is not set (the listener
+    /// gives every caller the agent's NIXL metadata, with the remote keys
+    /// of every registered region, and authenticates nobody),
+    /// [`Error::Unavailable`] when a backend plugin of `config.backends`
+    /// cannot be loaded, [`Error::Io`] when the listener cannot bind,
+    /// [`Error::Backend`] when NIXL refuses the agent.
     pub async fn start_with(lib: Arc<NixlLibrary>, config: NixlConfig) -> Result<NixlEngine> {
         config.validate()?;
+        check_exposure(&config).await?;
         let listener = TcpListener::bind((config.host.as_str(), config.port))
             .await
             .map_err(|e| {
@@ -394,6 +429,7 @@ impl NixlEngine {
             advertised: Mutex::new(BTreeMap::new()),
             order: tokio::sync::Mutex::new(0),
             peers: Mutex::new(HashMap::new()),
+            doubt: Mutex::new(BTreeMap::new()),
             next_peer: AtomicU64::new(1),
             segments: Mutex::new(HashMap::new()),
             remote_agents: Mutex::new(HashMap::new()),
@@ -461,6 +497,15 @@ impl NixlEngine {
     /// (unregistering it waits) until NIXL reports them finished.
     pub fn held_requests(&self) -> usize {
         self.inner.poller.held()
+    }
+
+    /// NIXL requests aborted in progress because the control connection of
+    /// their segment was lost (their batches failed with `PeerLost`). Not
+    /// proven to have stopped touching memory, their regions stay
+    /// registered for the life of the engine (`unregister` answers
+    /// `RegionHeld`).
+    pub fn aborted_requests(&self) -> usize {
+        self.inner.poller.aborted()
     }
 
     fn segment(&self, id: SegmentId) -> Result<Arc<Segment>> {
@@ -630,7 +675,7 @@ async fn serve_peer(inner: std::sync::Weak<Inner>, stream: TcpStream) {
     let _ = stream.set_nodelay(true);
     let (mut rd, wr) = stream.into_split();
     let writer: Writer = Arc::new(tokio::sync::Mutex::new(wr));
-    let pending: Waiters<()> = Arc::default();
+    let pending: Revocations = Arc::default();
     let first = tokio::time::timeout(OPEN_TIMEOUT, read_frame(&mut rd, &who)).await;
     let Ok(Ok(Some(Frame::Hello { min, max }))) = first else {
         return;
@@ -657,6 +702,7 @@ async fn serve_peer(inner: std::sync::Weak<Inner>, stream: TcpStream) {
         lock(&engine.peers).insert(
             id,
             Peer {
+                who: who.clone(),
                 writer: Arc::clone(&writer),
                 pending: Arc::clone(&pending),
             },
@@ -665,37 +711,64 @@ async fn serve_peer(inner: std::sync::Weak<Inner>, stream: TcpStream) {
     drop(engine);
     // Runs when this task ends, returned or aborted (the engine dropped):
     // the peer leaves the table and every revocation still waiting on it
-    // is answered (dropped senders: a peer that went away has no transfer
-    // of this connection left to wait for).
+    // is answered (dropped senders). Only a connection the peer closed
+    // (end of stream) shows it has nothing in flight: Ferry's initiator
+    // closes it only once NIXL released its last request on it, or its
+    // process ended. Any other end (reset, read or write error, a frame
+    // refused here, this engine dropping it) leaves the peer's requests
+    // unknown: every region advertised to it, or being revoked from it,
+    // goes into `doubt` first, so that the revocations answered here fail
+    // with `RegionHeld` instead of taking the close as "nothing in flight".
     struct Gone {
         inner: std::sync::Weak<Inner>,
         id: u64,
-        pending: Waiters<()>,
+        who: String,
+        pending: Revocations,
+        /// Why the connection ended, unless the peer closed it.
+        abnormal: Option<String>,
     }
     impl Drop for Gone {
         fn drop(&mut self) {
+            // Under the peer's revocation lock: a revocation starting now
+            // sees `ended` (see `revoke_and_deregister`).
+            let mut rev = lock(&self.pending);
             if let Some(engine) = self.inner.upgrade() {
                 lock(&engine.peers).remove(&self.id);
+                if let Some(why) = &self.abnormal {
+                    let mut addrs: Vec<u64> = lock(&engine.advertised).keys().copied().collect();
+                    addrs.extend(rev.waiting.values().map(|(a, _)| *a));
+                    let mut doubt = lock(&engine.doubt);
+                    for a in addrs {
+                        doubt
+                            .entry(a)
+                            .or_insert_with(|| lost_peer_reason(&self.who, why));
+                    }
+                }
             }
-            lock(&self.pending).clear();
+            rev.ended = Some(self.abnormal.clone());
+            rev.waiting.clear();
         }
     }
-    let _gone = Gone {
+    let mut gone = Gone {
         inner: inner.clone(),
         id,
+        who: who.clone(),
         pending: Arc::clone(&pending),
+        abnormal: Some("the task serving it was stopped".to_owned()),
     };
-    loop {
+    gone.abnormal = Some(loop {
         match read_frame(&mut rd, &who).await {
             Ok(Some(Frame::Fetch)) => {
-                let Some(engine) = inner.upgrade() else { break };
+                let Some(engine) = inner.upgrade() else {
+                    break "the engine is gone".to_owned();
+                };
                 let _order = engine.order.lock().await;
-                if send_state(&engine, &writer, &who).await.is_err() {
-                    break;
+                if let Err(e) = send_state(&engine, &writer, &who).await {
+                    break format!("sending a STATE failed: {e}");
                 }
             }
             Ok(Some(Frame::Revoked { seq })) => {
-                if let Some(tx) = lock(&pending).remove(&seq) {
+                if let Some((_, tx)) = lock(&pending).waiting.remove(&seq) {
                     let _ = tx.send(());
                 }
             }
@@ -712,15 +785,19 @@ async fn serve_peer(inner: std::sync::Weak<Inner>, stream: TcpStream) {
             }
             Ok(Some(other)) => {
                 tracing::warn!(peer = %who, frame = ?other, "ferry: NIXL peer sent an unexpected frame; closing");
-                break;
+                break format!("it sent an unexpected frame {other:?}");
             }
-            Ok(None) => break,
+            Ok(None) => {
+                // The peer closed it: nothing of it is in flight.
+                gone.abnormal = None;
+                return;
+            }
             Err(e) => {
                 tracing::warn!(peer = %who, error = %e, "ferry: NIXL peer connection failed");
-                break;
+                break e.to_string();
             }
         }
-    }
+    });
 }
 
 /// Writes a `STATE` (the caller holds `order`).
@@ -768,8 +845,17 @@ async fn read_segment(
                 let s = Arc::clone(&seg);
                 tokio::spawn(async move {
                     // Waits until every transfer into the region has been
-                    // reported finished by NIXL (their guards dropped).
-                    let _ = s.remote.remove(addr).await;
+                    // reported finished by NIXL (their guards dropped). A
+                    // region still used by a request aborted in progress
+                    // (`RegionHeld`) is never answered: the target then
+                    // keeps it registered.
+                    match s.remote.remove(addr).await {
+                        Ok(_) | Err(Error::RegionNotRegistered { .. }) => {}
+                        Err(e) => {
+                            tracing::warn!(peer = %s.name, addr, error = %e, "ferry: not answering a NIXL REVOKE: a request of ours may still use the region");
+                            return;
+                        }
+                    }
                     let mut w = s.writer.lock().await;
                     let _ = write_frame(&mut *w, &Frame::Revoked { seq }, &s.name).await;
                 });
@@ -780,6 +866,29 @@ async fn read_segment(
         }
     };
     *lock(&seg.lost) = Some(reason.clone());
+    // The peer can no longer ask us to stop using its regions (a `REVOKE`
+    // would not arrive): the requests still in flight are aborted now.
+    seg.aborted.store(true, Ordering::Release);
+    // Where the connection itself still works (a frame this side could
+    // not take), the peer must not see our later close (end of stream) as
+    // "nothing in flight": it is told the connection is given up, which a
+    // target takes as an abnormal end (best effort; a dead connection
+    // needs nothing).
+    {
+        let giving_up = Frame::Refuse(format!("the initiator gave up this connection: {reason}"));
+        let mut w = seg.writer.lock().await;
+        let _ = tokio::time::timeout(
+            Duration::from_secs(1),
+            write_frame(&mut *w, &giving_up, &seg.name),
+        )
+        .await;
+    }
+    tracing::warn!(
+        peer = %seg.name,
+        reason = %reason,
+        in_flight = seg.inflight.load(Ordering::Acquire),
+        "ferry: lost the NIXL control connection; aborting the requests in flight on it"
+    );
     lock(&seg.confirms).clear();
     if let Some(tx) = lock(&seg.waiter).take() {
         let _ = tx.send(Err(Error::PeerLost {
@@ -833,6 +942,58 @@ impl Drop for NixlEngine {
         // the process exits (see `Poller::stop_and_wait`).
         self.inner.poller.stop_and_wait(POLLER_STOP);
     }
+}
+
+/// Why a region stays registered after the control connection of peer
+/// `who` ended other than by the peer closing it (`why`).
+fn lost_peer_reason(who: &str, why: &str) -> String {
+    format!(
+        "the control connection of NIXL peer {who} ended without the peer closing it ({why}) \
+         while it could use this region: its NIXL requests into it may still be in flight and \
+         cannot be shown finished; the region stays registered and its memory must not be freed"
+    )
+}
+
+/// Refuses a listener other hosts can reach unless `insecure` says so
+/// (then logs it): the listener authenticates nobody, and its `STATE` is
+/// all another NIXL agent needs to read and write every registered region.
+async fn check_exposure(config: &NixlConfig) -> Result<()> {
+    let addrs: Vec<std::net::SocketAddr> =
+        tokio::net::lookup_host((config.host.as_str(), config.port))
+            .await
+            .map_err(|e| Error::io(format!("resolving {}", config.host), &e))?
+            .collect();
+    let exposed: Vec<String> = addrs
+        .iter()
+        .filter(|a| !a.ip().is_loopback())
+        .map(|a| a.ip().to_string())
+        .collect();
+    if exposed.is_empty() && !addrs.is_empty() {
+        return Ok(());
+    }
+    if !config.insecure {
+        return Err(Error::InvalidArgument(format!(
+            "refusing to start the NIXL metadata listener on {:?} ({}): it is not a loopback \
+             address, and the listener authenticates nobody: any host that can reach it \
+             receives this agent's NIXL metadata (the remote keys of every registered region) \
+             and can read and write all of that memory with its own NIXL agent. Listen on a \
+             loopback address, or accept the exposure explicitly with insecure=1 \
+             (NixlConfig::insecure) on a network you trust",
+            config.host,
+            if exposed.is_empty() {
+                "resolves to no address".to_owned()
+            } else {
+                exposed.join(", ")
+            }
+        )));
+    }
+    tracing::warn!(
+        host = %config.host,
+        addresses = %exposed.join(", "),
+        "ferry: NIXL metadata listener beyond loopback without authentication (insecure=1): \
+         every host that can reach it can read and write this agent's registered memory"
+    );
+    Ok(())
 }
 
 fn mem_kind(loc: &Location) -> Result<(i32, u64)> {
@@ -952,55 +1113,79 @@ impl Inner {
     /// from every peer, then from NIXL, then out of the table.
     ///
     /// A peer answers a `REVOKE` once every transfer of its own into the
-    /// region is finished in NIXL, or its connection closes (which happens
-    /// only once its last batch on it is finished). A peer that does
-    /// neither within [`Inner::revoke_limit`] (its NIXL request never
-    /// finishing, or the peer process stopped) cannot be shown done: the
-    /// region stays registered with NIXL and in the table (unadvertised),
-    /// and `unregister` fails with `RegionHeld`, so that its memory is not
-    /// freed (`RegisteredBuffer` leaks it) while the peer may still write
-    /// it. A later `unregister` asks again.
+    /// region is finished in NIXL, or closes its connection (which it does
+    /// only once its last request on it is released, or when its process
+    /// ends). A peer that does neither within [`Inner::revoke_limit`] (its
+    /// NIXL request never finishing, or the peer process stopped) cannot be
+    /// shown done: the region stays registered with NIXL and in the table
+    /// (unadvertised), and `unregister` fails with `RegionHeld`, so that
+    /// its memory is not freed (`RegisteredBuffer` leaks it) while the peer
+    /// may still write it. A later `unregister` asks again.
+    ///
+    /// A peer whose connection ended any other way (reset, error, a frame
+    /// refused) is never shown done: the region is in [`Inner::doubt`] and
+    /// stays registered for good (`RegionHeld`). A `REVOKE` that cannot be
+    /// written is answered by how the connection ended.
     async fn revoke_and_deregister(self: Arc<Self>, addr: u64, removal: Removal) -> Result<()> {
         let Some(region) = removal.region() else {
             return Err(Error::RegionNotRegistered { addr });
         };
+        let held = |reason: String| Error::RegionHeld {
+            addr: region.addr(),
+            reason,
+        };
+        if let Some(reason) = lock(&self.doubt).get(&region.addr()).cloned() {
+            // `removal` dropped unfinished: still registered, usable.
+            return Err(held(reason));
+        }
         let waits = {
             let mut order = self.order.lock().await;
             lock(&self.advertised).remove(&region.addr());
             *order += 1;
             let seq = *order;
-            let peers: Vec<(Writer, Waiters<()>)> = lock(&self.peers)
+            let peers: Vec<(String, Writer, Revocations)> = lock(&self.peers)
                 .values()
-                .map(|p| (Arc::clone(&p.writer), Arc::clone(&p.pending)))
+                .map(|p| (p.who.clone(), Arc::clone(&p.writer), Arc::clone(&p.pending)))
                 .collect();
             let mut waits = Vec::new();
-            for (w, pending) in peers {
+            for (who, w, pending) in peers {
                 let (tx, rx) = oneshot::channel();
-                lock(&pending).insert(seq, tx);
-                let mut w = w.lock().await;
-                if write_frame(
-                    &mut *w,
-                    &Frame::Revoke {
-                        seq,
-                        addr: region.addr(),
-                    },
-                    "a peer",
-                )
-                .await
-                .is_ok()
                 {
-                    waits.push(rx);
-                } else {
-                    lock(&pending).remove(&seq);
+                    let mut rev = lock(&pending);
+                    match &rev.ended {
+                        None => {
+                            rev.waiting.insert(seq, (region.addr(), tx));
+                        }
+                        // Closed by the peer meanwhile: nothing in flight.
+                        Some(None) => continue,
+                        Some(Some(why)) => {
+                            lock(&self.doubt)
+                                .entry(region.addr())
+                                .or_insert_with(|| lost_peer_reason(&who, why));
+                            continue;
+                        }
+                    }
                 }
+                let mut w = w.lock().await;
+                let revoke = Frame::Revoke {
+                    seq,
+                    addr: region.addr(),
+                };
+                if let Err(e) = write_frame(&mut *w, &revoke, &who).await {
+                    // The connection is broken: how it ended (seen by the
+                    // task serving it, which then answers) decides.
+                    tracing::debug!(peer = %who, error = %e, "ferry: a NIXL REVOKE could not be sent");
+                }
+                waits.push(rx);
             }
             waits
         };
         let limit = self.revoke_limit(region.len());
         let answered = tokio::time::timeout(limit, async {
             for w in waits {
-                // Err: the connection closed, the peer has nothing in
-                // flight.
+                // Err: the connection ended. The peer closed it (nothing
+                // in flight), or it ended otherwise and the region is in
+                // `doubt` (checked below).
                 let _ = w.await;
             }
         })
@@ -1008,15 +1193,15 @@ impl Inner {
         if answered.is_err() {
             // `removal` dropped unfinished: the region is open again (and
             // unadvertised: peers drop it when they see the `REVOKE`).
-            return Err(Error::RegionHeld {
-                addr: region.addr(),
-                reason: format!(
-                    "a peer did not confirm within {limit:?} that none of its NIXL transfers \
-                     into this region is still in flight (its request never finished, or the \
-                     peer is stopped); the region stays registered and its memory must not be \
-                     freed"
-                ),
-            });
+            return Err(held(format!(
+                "a peer did not confirm within {limit:?} that none of its NIXL transfers \
+                 into this region is still in flight (its request never finished, or the \
+                 peer is stopped); the region stays registered and its memory must not be \
+                 freed"
+            )));
+        }
+        if let Some(reason) = lock(&self.doubt).get(&region.addr()).cloned() {
+            return Err(held(reason));
         }
         let (kind, dev) = mem_kind(region.location())?;
         self.agent
@@ -1213,6 +1398,7 @@ impl TransferEngine for NixlEngine {
             reader: Mutex::new(None),
             inflight: AtomicUsize::new(0),
             idle: Notify::new(),
+            aborted: std::sync::atomic::AtomicBool::new(false),
         });
         let agent = Arc::clone(&self.inner.agent);
         let (a2, s2) = (Arc::clone(&agent), Arc::clone(&seg));

@@ -6,11 +6,19 @@
 //! The guarantee Ferry adds to NIXL's: a request whose batch's deadline
 //! passed (the batch is then failed by `ferry_core::batch`), or whose
 //! caller went away, stays here with the guards of its local and remote
-//! regions until NIXL reports it done or failed. NIXL is never asked to
-//! abort a request in progress (UCX may still be writing its memory), so
-//! no region it uses can be unregistered, and no memory freed, while NIXL
-//! may still write it. A request NIXL never finishes is held for the life
-//! of the process ([`Poller::held`] counts them).
+//! regions until NIXL reports it done or failed. A request NIXL never
+//! finishes is held for the life of the process ([`Poller::held`] counts
+//! them).
+//!
+//! One exception: when the control connection of a segment is lost
+//! (`Segment::aborted`), the peer can no longer revoke its regions from
+//! this engine, so its requests still in progress are aborted
+//! (`nixl_capi_release_xfer_req`, which cancels them in UCX) and their
+//! batches fail with `PeerLost`. An aborted request is not proven to have
+//! stopped touching memory (UCX may not cancel an operation already on
+//! the wire), so the guards of its regions are kept for the life of the
+//! engine, marked unproven: unregistering its local region answers
+//! `RegionHeld` ([`Poller::aborted`] counts them).
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -63,6 +71,9 @@ pub(crate) struct Poller {
     wake: Condvar,
     stop: AtomicBool,
     held: AtomicUsize,
+    /// Guards of requests aborted in progress (kept, see the module docs).
+    parked: Mutex<Vec<RegionGuard>>,
+    aborted: AtomicUsize,
     runtime: tokio::runtime::Handle,
     /// The thread, joined by [`Poller::stop_and_wait`].
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
@@ -77,6 +88,8 @@ impl Poller {
             wake: Condvar::new(),
             stop: AtomicBool::new(false),
             held: AtomicUsize::new(0),
+            parked: Mutex::new(Vec::new()),
+            aborted: AtomicUsize::new(0),
             runtime,
             thread: Mutex::new(None),
         });
@@ -134,6 +147,63 @@ impl Poller {
     /// Requests held past their batch's end (deadline or cancellation).
     pub(crate) fn held(&self) -> usize {
         self.held.load(Ordering::Acquire)
+    }
+
+    /// Requests aborted in progress because their segment's control
+    /// connection was lost (their regions' guards are kept).
+    pub(crate) fn aborted(&self) -> usize {
+        self.aborted.load(Ordering::Acquire)
+    }
+}
+
+/// Aborts `p` (its segment's control connection is lost): a request NIXL
+/// already finished takes the usual way ([`poll`]); one in progress is
+/// released (NIXL cancels it in UCX), its batch requests fail with
+/// `PeerLost`, and its guards are parked, unproven. Whether it is finished
+/// (released); a request NIXL refuses to release stays (held).
+fn abort(p_: &Poller, agent: &Agent, driver: &BatchDriver, seg: &Segment, p: &mut Pending) -> bool {
+    let Some(req) = p.req.as_ref() else {
+        return true;
+    };
+    if !matches!(agent.state(req), XferState::InProgress) {
+        return poll(agent, driver, seg, p);
+    }
+    let Some(req) = p.req.take() else {
+        return true;
+    };
+    match agent.release(req) {
+        Ok(()) => {
+            let reason = format!(
+                "the control connection to {} was lost ({}): its NIXL request was aborted in \
+                 progress",
+                seg.name,
+                seg.lost_reason().unwrap_or_default()
+            );
+            for &i in &p.indices {
+                driver.complete(
+                    i,
+                    Err(Error::PeerLost {
+                        peer: seg.name.clone(),
+                        reason: reason.clone(),
+                    }),
+                );
+            }
+            let held = format!(
+                "{reason}; UCX may still move bytes of it, so this region stays registered for \
+                 the life of the engine"
+            );
+            let mut parked = lock(&p_.parked);
+            for g in p.guards.drain(..) {
+                g.hold_unproven(held.clone());
+                parked.push(g);
+            }
+            p_.aborted.fetch_add(1, Ordering::AcqRel);
+            true
+        }
+        Err(req) => {
+            p.req = Some(req);
+            false
+        }
     }
 }
 
@@ -196,9 +266,15 @@ fn run(p: &Poller, agent: &Agent) {
         let mut progressed = false;
         jobs.retain_mut(|job| {
             let mut all = true;
+            let aborting = job.segment.aborted.load(Ordering::Acquire);
             for pending in &mut job.pendings {
                 if pending.req.is_some() {
-                    if poll(agent, &job.driver, &job.segment, pending) {
+                    let finished = if aborting {
+                        abort(p, agent, &job.driver, &job.segment, pending)
+                    } else {
+                        poll(agent, &job.driver, &job.segment, pending)
+                    };
+                    if finished {
                         progressed = true;
                     } else {
                         all = false;

@@ -222,7 +222,11 @@ fn a_silent_peer_holds_a_region_and_unregister_says_so() {
             matches!(b.register(again).await, Err(Error::RegionOverlap { .. })),
             "a held region must stay registered"
         );
-        // The peer goes away: nothing of it can be in flight any more.
+        // The peer closes its connection (its write side first, as Ferry's
+        // initiator does once NIXL released its last request): nothing of
+        // it can be in flight any more. (A reset instead would leave the
+        // region held for good: tests/control_loss.rs.)
+        peer.shutdown(std::net::Shutdown::Write).expect("shutdown");
         drop(peer);
         tokio::time::timeout(LIMIT * 20, b.unregister(mem.addr()))
             .await

@@ -88,6 +88,15 @@
  *    pending when the engine is destroyed are dropped;
  *  - the same matrix containing "notify=accept" makes a TL_GEN 4 engine
  *    accept notifications (v0.3.8-v0.3.10);
+ *  - the same matrix containing "unreg_refuse_len=<n>" makes that engine
+ *    keep every region of exactly <n> bytes when asked to let it go:
+ *    unregisterLocalMemory returns ERR_CONTEXT and keeps it (peers can still
+ *    reach it), and unregisterLocalMemoryBatch, best-effort over the list
+ *    as the real TCP transport is, releases the other addresses and
+ *    returns its first error (the real call returns one code for the whole
+ *    list and does not say which addresses it released). It stands for a
+ *    transport that could not release a region (an RDMA memory region
+ *    whose deregistration failed), for the tests of Ferry's bookkeeping;
  *  - openSegment of the name "ferry-testlib:refuse-notifications" opens
  *    nothing (it fails, -1) and makes that engine reject every notification
  *    sent to it from then on, as a TCP engine of v0.3.5-v0.3.7 does (for
@@ -260,6 +269,8 @@ typedef struct engine {
     int p2p;
     int stall_ms;
     int land_delay_ms;
+    /* Test-only: regions of this many bytes are never released (0: none). */
+    size_t refuse_unregister_len;
     /* Whether this engine's server accepts notifications (TCP engines of
      * v0.3.5-v0.3.7 reject them: only the RDMA transport installed the
      * handler until v0.3.8). */
@@ -1106,9 +1117,13 @@ static int add_region(engine_t *e, uintptr_t addr, size_t len) {
     return 0;
 }
 
-static int remove_region(engine_t *e, uintptr_t addr) {
+/* `keep`: honour "unreg_refuse_len" (an unregister call), or not (the
+ * rollback of a registration that failed). */
+static int remove_region(engine_t *e, uintptr_t addr, int keep) {
     for (size_t i = 0; i < e->nregions; i++) {
         if (e->regions[i].addr == addr) {
+            if (keep && e->refuse_unregister_len && e->regions[i].len == e->refuse_unregister_len)
+                return CODE(E_CONTEXT);
             e->regions[i] = e->regions[--e->nregions];
             return 0;
         }
@@ -1137,7 +1152,7 @@ EXPORT int unregisterLocalMemory(void *engine, void *addr) {
     engine_t *e = as_engine(engine);
     if (!e) return CODE(E_INVALID_ARGUMENT);
     pthread_rwlock_wrlock(&e->mem);
-    int rc = remove_region(e, (uintptr_t)addr);
+    int rc = remove_region(e, (uintptr_t)addr, 1);
     pthread_rwlock_unlock(&e->mem);
     return rc;
 }
@@ -1164,7 +1179,7 @@ EXPORT int registerLocalMemoryBatch(void *engine, struct buffer_entry *list, siz
     for (size_t i = 0; i < n && !rc; i++, added++)
         rc = add_region(e, (uintptr_t)list[i].addr, list[i].length);
     if (rc)
-        for (size_t i = 0; i < added; i++) remove_region(e, (uintptr_t)list[i].addr);
+        for (size_t i = 0; i < added; i++) remove_region(e, (uintptr_t)list[i].addr, 0);
     pthread_rwlock_unlock(&e->mem);
     return rc;
 }
@@ -1175,7 +1190,7 @@ EXPORT int unregisterLocalMemoryBatch(void *engine, void **addrs, size_t n) {
     int rc = 0;
     pthread_rwlock_wrlock(&e->mem);
     for (size_t i = 0; i < n; i++) {
-        int r = remove_region(e, (uintptr_t)addrs[i]);
+        int r = remove_region(e, (uintptr_t)addrs[i], 1);
         if (r && !rc) rc = r;
     }
     pthread_rwlock_unlock(&e->mem);
@@ -1387,6 +1402,13 @@ static void parse_test_args(engine_t *e, void **args) {
     const char *stall = strstr(m, "stall=");
     if (stall) e->stall_ms = atoi(stall + 6);
     if (strstr(m, "notify=accept")) __atomic_store_n(&e->notify_accept, 1, __ATOMIC_RELAXED);
+    const char *refuse = strstr(m, "unreg_refuse_len=");
+    if (refuse) {
+        long long n = atoll(refuse + 17);
+        pthread_rwlock_wrlock(&e->mem);
+        e->refuse_unregister_len = n > 0 ? (size_t)n : 0;
+        pthread_rwlock_unlock(&e->mem);
+    }
     const char *delay = strstr(m, "land_delay=");
     if (delay) {
         int ms = atoi(delay + 11);

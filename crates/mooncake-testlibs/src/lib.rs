@@ -20,7 +20,9 @@
 //! that have no `P2PHANDSHAKE`; in `installTransport`'s NIC priority matrix,
 //! `stall=<ms>`, which delays every read/write the engine serves, and, up to
 //! v0.3.6, `land_delay=<ms>` and `land_cap_mib=<n>`, which time and bound
-//! the old TCP transport's late landing of written bytes), are listed at the
+//! the old TCP transport's late landing of written bytes, and
+//! `unreg_refuse_len=<n>`, which makes the library keep regions of `n`
+//! bytes when asked to unregister them), are listed at the
 //! top of `csrc/mooncake_testlib.c`.
 #![forbid(unsafe_code)]
 

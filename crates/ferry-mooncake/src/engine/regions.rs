@@ -12,7 +12,7 @@ use std::sync::Arc;
 use ferry_core::{Error, MemoryRegion, RegionInfo, Result};
 
 use super::{blocking, cstring, Inner, MooncakeEngine};
-use crate::codes::call_error;
+use crate::codes::{call_error, MooncakeErrorCode};
 use crate::library::CBufferEntry;
 
 /// Counts a registration in flight (see
@@ -147,8 +147,23 @@ impl MooncakeEngine {
         to_completion(&self.inner, register_batch(inner, regions)).await
     }
 
-    /// `batch_unregister`: removes every region it can (waiting for the
-    /// transfers using each), from both tables; the first error.
+    /// `batch_unregister`: waits for the transfers using each region, then
+    /// takes them out of the library and only then out of the
+    /// `RegionTable`, like `unregister`; the first error.
+    ///
+    /// A failed `unregisterLocalMemoryBatch` returns one code for the whole
+    /// list and does not say which addresses it released (the real TCP
+    /// transport releases every address it can and returns its first
+    /// error). Each region is then asked for alone: `unregisterLocalMemory`
+    /// answering 0 released it now, `ERR_ADDRESS_NOT_REGISTERED` means the
+    /// batch call did (Ferry registered it, installs one transport, and no
+    /// other call can take it out meanwhile: the region still occupies its
+    /// range in the table); both leave the table. Any other answer keeps
+    /// the region registered in both tables (usable; a later `unregister`
+    /// asks the library again). The error is the library's
+    /// ([`Error::Backend`] naming `unregisterLocalMemoryBatch` and the
+    /// code), or the first table error (`RegionNotRegistered`,
+    /// `RegionHeld`) of an address that came before.
     pub(super) async fn unregister_all(&self, addrs: &[u64]) -> Result<()> {
         let inner = Arc::clone(&self.inner);
         let addrs = addrs.to_vec();
@@ -156,28 +171,66 @@ impl MooncakeEngine {
             // Registrations under way end first.
             drop(inner.registry.write().await);
             let mut first = None;
-            let mut removed = Vec::new();
+            // Idle, closed to new transfers, still occupying their ranges:
+            // a `Removal` dropped unfinished reopens its region.
+            let mut removals = Vec::new();
             for &a in &addrs {
-                match inner.regions.remove(a).await {
-                    Ok(_) => removed.push(a),
+                match inner.regions.remove_in_steps(a).await {
+                    Ok(r) => removals.push((a, r)),
                     Err(e) => {
                         first.get_or_insert(e);
                     }
                 }
             }
-            if !removed.is_empty() {
+            if removals.is_empty() {
+                return first.map_or(Ok(()), Err);
+            }
+            let this = Arc::clone(&inner);
+            let batch: Vec<u64> = removals.iter().map(|(a, _)| *a).collect();
+            // `?`: the call did not run to an answer; every region stays
+            // registered (its removal dropped unfinished).
+            let rc = blocking(move || {
+                let mut ptrs: Vec<*mut c_void> =
+                    batch.iter().map(|&a| a as usize as *mut c_void).collect();
+                // SAFETY: live engine; regions no transfer uses any more.
+                unsafe {
+                    (this.lib.api.unregister_batch)(this.raw(), ptrs.as_mut_ptr(), ptrs.len())
+                }
+            })
+            .await?;
+            if rc == 0 {
+                for (_, removal) in removals {
+                    removal.finish();
+                }
+                return first.map_or(Ok(()), Err);
+            }
+            first.get_or_insert(call_error("unregisterLocalMemoryBatch", i64::from(rc)));
+            for (a, removal) in removals {
                 let this = Arc::clone(&inner);
-                let rc = blocking(move || {
-                    let mut ptrs: Vec<*mut c_void> =
-                        removed.iter().map(|&a| a as usize as *mut c_void).collect();
-                    // SAFETY: live engine; regions no transfer uses any more.
-                    unsafe {
-                        (this.lib.api.unregister_batch)(this.raw(), ptrs.as_mut_ptr(), ptrs.len())
-                    }
+                let one = blocking(move || {
+                    // SAFETY: live engine; no transfer uses the region.
+                    unsafe { (this.lib.api.unregister)(this.raw(), a as usize as *mut c_void) }
                 })
-                .await?;
-                if rc != 0 {
-                    first.get_or_insert(call_error("unregisterLocalMemoryBatch", i64::from(rc)));
+                .await;
+                let released = match one {
+                    Ok(0) => true,
+                    Ok(rc) => {
+                        MooncakeErrorCode::from_raw(i64::from(rc))
+                            == Some(MooncakeErrorCode::AddressNotRegistered)
+                    }
+                    Err(_) => false,
+                };
+                if released {
+                    removal.finish();
+                } else {
+                    tracing::warn!(
+                        addr = a,
+                        batch_code = rc,
+                        answer = ?one,
+                        "ferry: mooncake kept a region of a failed unregisterLocalMemoryBatch; \
+                         it stays registered"
+                    );
+                    // `removal` dropped unfinished: registered in both.
                 }
             }
             first.map_or(Ok(()), Err)
