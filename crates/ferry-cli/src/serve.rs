@@ -79,8 +79,9 @@ pub struct ServeArgs {
     secret_file: Option<PathBuf>,
 
     /// Serve on an address other hosts can reach without a secret (TCP
-    /// backend): anyone who can reach the port can then read and write the
-    /// served region. Without it such a `serve` refuses to start.
+    /// backend) or without authentication at all (NIXL's metadata
+    /// listener): anyone who can reach the port can then read and write
+    /// the served region. Without it such a `serve` refuses to start.
     #[arg(long)]
     insecure: bool,
 
@@ -223,7 +224,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let secret = secret_from(args.secret_file.as_ref(), std::env::var(SECRET_ENV).ok())?;
     add_secret(&mut url, secret)?;
     args.tls.apply(&mut url)?;
-    if args.insecure && url.scheme() == "tcp" {
+    if args.insecure && matches!(url.scheme(), "tcp" | "nixl") {
         url.insert("insecure", "1")?;
     }
     let shown = url.shown().to_owned();
