@@ -181,6 +181,7 @@ impl Peer {
                     &self.name,
                     offered,
                     area.as_ref().ok().map(|(a, _)| a.raw_fd()),
+                    agreed.cred.as_ref(),
                     cfg.connect_timeout,
                 )
                 .await?;

@@ -549,7 +549,7 @@ impl ClientGrants {
         // range is checked by the kernel.
         let r = unsafe {
             super::cma::copy_all(
-                pid,
+                target.remote(),
                 false,
                 (&mut seen as *mut u64).cast(),
                 probe,
@@ -670,14 +670,12 @@ impl ClientGrants {
             #[cfg(feature = "test-hooks")]
             crate::test_hooks::between_mark_and_copy();
             // A PID whose process exited may have been reused: never
-            // reached (the pidfd tells; see `cma::ALIVE_FOR` for how
-            // often it is asked).
-            let ok = self.target.alive_lately() && {
-                // SAFETY: the caller guarantees the local ranges; the
-                // remote ones lie in a region the target granted and
-                // cannot free while the mark stands.
-                unsafe { self.copy_parts(read, parts) }
-            };
+            // reached (each copy polls the pidfd right before it, see
+            // `cma::Remote`).
+            // SAFETY: the caller guarantees the local ranges; the remote
+            // ones lie in a region the target granted and cannot free
+            // while the mark stands.
+            let ok = unsafe { self.copy_parts(read, parts) };
             leave(mark);
             ok
         };
@@ -710,7 +708,7 @@ impl ClientGrants {
                 .collect();
             let want: u64 = chunk.iter().map(|p| p.len).sum();
             // SAFETY: as for `copy`.
-            match unsafe { super::cma::copy(self.target.pid, !read, &local, &remote) } {
+            match unsafe { super::cma::copy(self.target.remote(), !read, &local, &remote) } {
                 Ok(n) if n as u64 == want => {}
                 _ => return false,
             }
