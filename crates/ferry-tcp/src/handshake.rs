@@ -775,6 +775,10 @@ pub enum SameHostVerdict {
         /// `Ok` if the target mapped the offered staging area, else why
         /// not.
         stage: std::result::Result<(), String>,
+        /// The target's process as the kernel attests it on the
+        /// credential connection (`None`: the target sent no invitation,
+        /// an older build; or why it could not be read).
+        target: Option<std::result::Result<crate::same_host::cma::Initiator, String>>,
     },
     /// Payloads move on the socket, for this reason.
     Refused(String),
@@ -822,6 +826,7 @@ pub async fn offer_same_host(
     // The target has read the probe and checked the credentials (or
     // given up) once it answered.
     drop(probe);
+    let target = proof.as_ref().map(crate::same_host::cma::attested_target);
     drop(proof);
     match crate::frame::Response::decode(&resp) {
         Ok(crate::frame::Response::SameHostOk {
@@ -843,6 +848,7 @@ pub async fn offer_same_host(
                     crate::same_host::cma::errno_name(e as i32)
                 ),
             }),
+            target,
         }),
         Ok(crate::frame::Response::Err {
             id: 0,

@@ -1428,66 +1428,73 @@ async fn answer_bytes(s: &mut tokio::net::TcpStream, offer: &Offer) -> [u8; HEAD
     hdr
 }
 
-/// A mapped address of PID 1 (the start of its first mapping), if this
-/// process may read its maps.
-fn mapped_in_pid1() -> Option<u64> {
-    let maps = std::fs::read_to_string("/proc/1/maps").ok()?;
+/// A mapped address of process `pid` (the start of its first mapping), if
+/// this process may read its maps.
+fn mapped_in(pid: u32) -> Option<u64> {
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).ok()?;
     let first = maps.lines().next()?;
     u64::from_str_radix(first.split('-').next()?, 16).ok()
 }
 
 /// Issue 41, item 2: an offer naming a process the peer has not proven it
-/// is (PID 1 here) teaches it nothing: a probe address mapped in PID 1 and
-/// an unmapped one get byte-identical answers — from a peer that does not
+/// is teaches it nothing: a probe address mapped in that process and an
+/// unmapped one get byte-identical answers — from a peer that does not
 /// prove its credentials (a legacy hello) and from one that proves its
-/// own (this process) but names PID 1. (Before: `ProbeMismatch` for the
+/// own (this process) but names another. The named processes: a child of
+/// this process (which the target, this process, may read) and PID 1
+/// where its maps are readable here. (Before: `ProbeMismatch` for the
 /// mapped address, `ProbeFailed` with `EFAULT` for the unmapped one, read
 /// with the target's privileges: an ASLR oracle.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn offers_naming_another_process_get_identical_answers() {
-    let Some(mapped) = mapped_in_pid1() else {
-        println!("skipped: /proc/1/maps is not readable here");
-        return;
-    };
     let b = start(cfg(SameHost::Auto)).await;
-    let probe: Box<[u8; 16]> = Box::new([0x5c; 16]);
-    let mut at_mapped = true_offer(&probe);
-    at_mapped.pid = 1;
-    at_mapped.probe_addr = mapped;
-    let mut at_unmapped = at_mapped.clone();
-    at_unmapped.probe_addr = 8;
-    // One offer per connection (a second one closes it).
     let name = b.segment_name();
+    let probe: Box<[u8; 16]> = Box::new([0x5c; 16]);
+    let mut sleeper = Command::new("sleep").arg("30").spawn().unwrap();
+    let mut named = vec![sleeper.id()];
+    if mapped_in(1).is_some() {
+        named.push(1);
+    } else {
+        println!("PID 1's maps are not readable here: only a child is named");
+    }
+    // One offer per connection (a second one closes it).
     async fn legacy(name: &str, o: &Offer) -> [u8; HEADER_LEN] {
         let (mut s, _) = common::raw_handshake_gens(name).await;
         answer_bytes(&mut s, o).await
     }
-    let a = legacy(name, &at_mapped).await;
-    let u = legacy(name, &at_unmapped).await;
-    assert_eq!(
-        a,
-        u,
-        "a peer without credentials: {:?} vs {:?}",
-        Response::decode(&a),
-        Response::decode(&u)
-    );
     async fn proven(name: &str, o: &Offer) -> [u8; HEADER_LEN] {
         let (mut s, _, _cred) = common::raw_same_host(name).await;
         answer_bytes(&mut s, o).await
     }
-    let pa = proven(name, &at_mapped).await;
-    let pu = proven(name, &at_unmapped).await;
-    assert_eq!(pa, pu, "a peer proven to be another process");
-    assert_eq!(pa, a, "one refusal for every reason");
-    assert_eq!(
-        Response::decode(&a).unwrap(),
-        Response::Err {
-            id: 7,
-            status: Status::SameHostRefused,
-            addr: Refusal::Refused as u64,
-            len: 0,
-        }
-    );
+    let generic = Response::Err {
+        id: 7,
+        status: Status::SameHostRefused,
+        addr: Refusal::Refused as u64,
+        len: 0,
+    };
+    for pid in named {
+        let mut at_mapped = true_offer(&probe);
+        at_mapped.pid = pid as u64;
+        at_mapped.probe_addr = mapped_in(pid).expect("its maps");
+        let mut at_unmapped = at_mapped.clone();
+        at_unmapped.probe_addr = 8;
+        let a = legacy(name, &at_mapped).await;
+        let u = legacy(name, &at_unmapped).await;
+        assert_eq!(
+            a,
+            u,
+            "PID {pid}, a peer without credentials: {:?} vs {:?}",
+            Response::decode(&a),
+            Response::decode(&u)
+        );
+        let pa = proven(name, &at_mapped).await;
+        let pu = proven(name, &at_unmapped).await;
+        assert_eq!(pa, pu, "PID {pid}, a peer proven to be another process");
+        assert_eq!(pa, a, "one refusal for every reason");
+        assert_eq!(Response::decode(&a).unwrap(), generic);
+    }
+    let _ = sleeper.kill();
+    let _ = sleeper.wait();
     drop(probe);
 }
 

@@ -14,14 +14,19 @@
 //! against its own regions and keeps registered until the answer).
 //!
 //! Negotiation (one SAME_HOST request per connection, after the
-//! authenticated handshake): the initiator announces its boot id, PID
-//! namespace, PID and the address of a probe word holding a fresh random
-//! nonce. The target accepts only if the boot id and PID namespace are its
-//! own, a `process_vm_readv` of the probe returns the nonce (the kernel
-//! grants it ptrace-level access to the initiator), and the initiator's PID
-//! holds the very socket of this connection (`/proc/net/tcp*` inode found
-//! in `/proc/PID/fd`). Otherwise it answers with a reason code and an
-//! errno, and the connection carries payloads on the socket as before.
+//! authenticated handshake; a second one closes the connection): the
+//! initiator first proves to the kernel which process it is, connecting to
+//! the target's per-connection credential socket ([`CredListener`],
+//! [`cred_connect`]), then announces its boot id, PID namespace, PID and
+//! the address of a probe word holding a fresh random nonce. The target
+//! accepts only if the boot id and PID namespace are its own, the PID is
+//! the process `SO_PEERCRED` names (of its uid or an allowed one), and —
+//! only then looked at — that process holds the very socket of this
+//! connection and a `process_vm_readv` of the probe returns the nonce
+//! ([`check_offer_on`] has the order). Otherwise it answers with one
+//! generic refusal (no errno: the reason goes to its log), and the
+//! connection carries payloads on the socket as before. See the module
+//! above for the PID-reuse window that remains around each copy.
 
 use std::fmt;
 use std::os::fd::{AsFd, AsRawFd};
@@ -464,24 +469,7 @@ impl CredListener {
             if r < 0 {
                 return Err(format!("SO_PEERCRED: {}", errno_name(last_errno())));
             }
-            let pidfd = SO_PEERPIDFD.and_then(|opt| {
-                use std::os::fd::FromRawFd;
-                let mut fd: libc::c_int = -1;
-                let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
-                // SAFETY: `fd` and `len` are valid for the int-sized option;
-                // on success the kernel installs a new descriptor we own.
-                let r = unsafe {
-                    libc::getsockopt(
-                        conn.as_raw_fd(),
-                        libc::SOL_SOCKET,
-                        opt,
-                        (&mut fd as *mut libc::c_int).cast(),
-                        &mut len,
-                    )
-                };
-                // SAFETY: a fresh descriptor returned to us above.
-                (r == 0 && fd >= 0).then(|| unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
-            });
+            let pidfd = peer_pidfd(conn.as_raw_fd());
             return Ok(Proven {
                 pid: cred.pid,
                 uid: cred.uid,
@@ -545,6 +533,59 @@ pub fn cred_connect(
         .write_all(&invite.token)
         .map_err(|e| format!("sending the credential token: {e}"))?;
     Ok(conn)
+}
+
+/// Initiator side: the target's process as the kernel attests it on the
+/// credential connection — the process that listens on the socket
+/// (`SO_PEERCRED`; for a connected socket, the listener's credentials),
+/// pinned by `SO_PEERPIDFD` (Linux ≥ 6.5; else `pidfd_open(2)` of its
+/// PID). Granted copies go only to that process
+/// ([`crate::same_host::grant::ClientGrants::open`]).
+pub fn attested_target(conn: &std::os::unix::net::UnixStream) -> Result<Initiator, String> {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: `cred` and `len` are valid for SO_PEERCRED's ucred.
+    let r = unsafe {
+        libc::getsockopt(
+            conn.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    if r < 0 || cred.pid <= 0 {
+        return Err(format!("SO_PEERCRED: {}", errno_name(last_errno())));
+    }
+    Ok(match peer_pidfd(conn.as_raw_fd()) {
+        Some(fd) => Initiator::with_pidfd(cred.pid, fd),
+        None => Initiator::new(cred.pid),
+    })
+}
+
+/// `SO_PEERPIDFD` of the socket `fd`, where the kernel has it.
+fn peer_pidfd(fd: std::os::fd::RawFd) -> Option<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    let opt = SO_PEERPIDFD?;
+    let mut pidfd: libc::c_int = -1;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: `pidfd` and `len` are valid for the int-sized option; on
+    // success the kernel installs a new descriptor we own.
+    let r = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            opt,
+            (&mut pidfd as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    };
+    // SAFETY: a fresh descriptor returned to us above.
+    (r == 0 && pidfd >= 0).then(|| unsafe { std::os::fd::OwnedFd::from_raw_fd(pidfd) })
 }
 
 /// Whether the peer of the socket `fd` has closed it (or reset it).
