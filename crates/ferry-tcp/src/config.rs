@@ -152,6 +152,12 @@ pub struct TcpConfig {
     /// `same_host_grant=off`): an initiator never copies, a target grants
     /// nothing (its peers then stage, as with an older target).
     pub same_host_grant: bool,
+    /// As a target, the uids besides this process's effective uid whose
+    /// processes may get the same-host path (URL `same_host_uids=1000,1001`;
+    /// default none). The target copies with its own privileges into and
+    /// out of the initiator's memory, so it accepts only an initiator the
+    /// kernel attests is of its own uid or of one listed here.
+    pub same_host_uids: Vec<u32>,
     /// Listen on an address other hosts can reach without a `secret`
     /// (URL `insecure=1`). Without it [`crate::TcpEngine::start`] refuses
     /// such an engine: anyone who can reach its port could read and write
@@ -200,6 +206,7 @@ impl Default for TcpConfig {
             same_host_chunk: 16 << 20,
             same_host_stage: Some(1),
             same_host_grant: true,
+            same_host_uids: Vec::new(),
             insecure: false,
             tls: crate::tls::TlsMode::Off,
             tls_cert: None,
@@ -236,6 +243,7 @@ ferry_core::__config_builder! {
         set same_host_chunk: usize,
         set same_host_stage: Option<usize>,
         set same_host_grant: bool,
+        set same_host_uids: Vec<u32>,
         set insecure: bool,
         set tls: crate::tls::TlsMode,
         some tls_cert: PathBuf,
@@ -302,6 +310,7 @@ impl TcpConfig {
     /// | `same_host_chunk`    | `same_host_chunk` | bytes per CWRITE / CREAD frame on the same-host path (4096..=64 MiB) |
     /// | `same_host_stage`    | `same_host_stage` | smallest frame moved through the staging area, bytes (1..=64 MiB), or `off` |
     /// | `same_host_grant`    | `same_host_grant` | `on` (default) or `off`: the initiator copies into memory the target granted (off on either side: never) |
+    /// | `same_host_uids`     | `same_host_uids`  | comma-separated uids whose processes a target also accepts on the same-host path (besides its own) |
     /// | `insecure`           | `insecure`        | `1`: listen beyond loopback without a secret (refused otherwise) |
     /// | `tls`                | `tls`             | `off` (default), `on` (with peers that have it) or `require` |
     /// | `tls_cert`           | `tls_cert`        | PEM certificate chain file (with `tls_key`, `tls_ca`) |
@@ -423,6 +432,15 @@ impl TcpConfig {
                 "on" => Some(true),
                 "off" => Some(false),
                 _ => None,
+            })?,
+        );
+        set(
+            &mut cfg.same_host_uids,
+            url.take_with("same_host_uids", "comma-separated uids", |v| {
+                v.split(',')
+                    .filter(|u| !u.is_empty())
+                    .map(|u| u.trim().parse::<u32>().ok())
+                    .collect::<Option<Vec<u32>>>()
             })?,
         );
         // Deliberately strict (not `take_bool`: no `yes`/`on`, no bare

@@ -267,6 +267,7 @@ fn our_extensions(
     tls: Option<&TlsContext>,
     nc: &[u8; 32],
     nt: &[u8; 32],
+    cred: Option<&crate::same_host::cma::CredListener>,
 ) -> Extensions {
     Extensions {
         versions: VersionRange::OURS,
@@ -279,6 +280,7 @@ fn our_extensions(
         tls: tls
             .filter(|_| features.enabled(negotiate::TLS))
             .map(|t| t.identity as u8),
+        cred: cred.map(|c| c.invite().clone()),
     }
 }
 
@@ -385,7 +387,7 @@ pub async fn client(
     let ns = server.nonce;
     let (ext_bytes, agreement, use_tls) = if server.flags & FLAG_EXT != 0 {
         let (their_raw, theirs) = read_ext(stream, peer, timeout).await?;
-        let mine = our_extensions(features, tls, &nc, &ns);
+        let mine = our_extensions(features, tls, &nc, &ns, None);
         let my_raw = mine.encode();
         let Some(version) = VersionRange::OURS.highest_common(theirs.versions) else {
             // Tell the target our range (it logs the refusal), then give up.
@@ -418,6 +420,12 @@ pub async fn client(
             theirs: theirs.features,
             same_host_token,
             tls: None,
+            // Used only if both have the proof on (the target sends an
+            // invitation only then).
+            cred: theirs
+                .cred
+                .clone()
+                .filter(|_| features.enabled(negotiate::SAME_HOST_CRED)),
         };
         (Some((my_raw, their_raw)), agreement, use_tls)
     } else {
@@ -458,6 +466,7 @@ pub async fn client(
             theirs: FeatureSet::implied_by(v),
             same_host_token: None,
             tls: None,
+            cred: None,
         };
         (None, agreement, false)
     };
@@ -545,6 +554,10 @@ pub struct Verified {
     pub name: String,
     /// The version and features settled.
     pub agreement: Agreement,
+    /// The connection's credential socket, for its SAME_HOST offer (only
+    /// with an initiator of this host that has [`negotiate::SAME_HOST_CRED`]
+    /// on).
+    pub cred: Option<crate::same_host::cma::CredListener>,
     proof: [u8; 32],
 }
 
@@ -575,8 +588,18 @@ pub async fn server(
     let mut ns = nonce();
     let auth = if secret.is_some() { FLAG_AUTH } else { 0 };
     let nc = client.nonce;
+    let mut cred = None;
     let (ext_bytes, agreement, use_tls) = if client.flags & FLAG_EXT != 0 {
-        let mine = our_extensions(features, tls, &nc, &ns);
+        // The credential socket of this connection (SAME_HOST_CRED): bound
+        // before the initiator's block is known (it follows ours), kept
+        // only for a same-host initiator that has the proof on.
+        if features.enabled(negotiate::SAME_HOST_CRED) && features.enabled(negotiate::SAME_HOST) {
+            match crate::same_host::cma::CredListener::bind() {
+                Ok(l) => cred = Some(l),
+                Err(why) => tracing::debug!(peer = %peer_addr, %why, "no credential socket"),
+            }
+        }
+        let mine = our_extensions(features, tls, &nc, &ns, cred.as_ref());
         let my_raw = mine.encode();
         let hello = Hello {
             version: LEGACY_VERSION,
@@ -619,7 +642,14 @@ pub async fn server(
             theirs: theirs.features,
             same_host_token,
             tls: None,
+            cred: None,
         };
+        if !(agreement.both(negotiate::SAME_HOST)
+            && agreement.both(negotiate::SAME_HOST_CRED)
+            && same_host_token == Some(true))
+        {
+            cred = None;
+        }
         (Some((their_raw, my_raw)), agreement, use_tls)
     } else {
         // A peer that does not negotiate: answer in its version if this
@@ -656,6 +686,7 @@ pub async fn server(
             theirs: FeatureSet::implied_by(v),
             same_host_token: None,
             tls: None,
+            cred: None,
         };
         if let Err(reason) = tls_plan(tls, None, "initiator") {
             send_reject(stream, Status::AuthFailed, &reason, timeout).await;
@@ -700,6 +731,7 @@ pub async fn server(
     Ok(Verified {
         name: client.name,
         agreement,
+        cred,
         proof: match secret {
             Some(s) => proof(s, &server_label, &nc, &ns),
             None => [0u8; 32],
@@ -743,6 +775,10 @@ pub enum SameHostVerdict {
         /// `Ok` if the target mapped the offered staging area, else why
         /// not.
         stage: std::result::Result<(), String>,
+        /// The target's process as the kernel attests it on the
+        /// credential connection (`None`: the target sent no invitation,
+        /// an older build; or why it could not be read).
+        target: Option<std::result::Result<crate::same_host::cma::Initiator, String>>,
     },
     /// Payloads move on the socket, for this reason.
     Refused(String),
@@ -753,17 +789,25 @@ pub enum SameHostVerdict {
 /// word, and `channel`'s descriptor number as the control channel) and
 /// reads the target's verdict. `channel` (this process's copy of the
 /// target's end) and `stage` (the staging area) must stay open until
-/// this returns. Errors are I/O or
+/// this returns. With the target's credential invitation `cred`
+/// ([`negotiate::SAME_HOST_CRED`]), this process first connects to its
+/// credential socket and sends the token there (if it cannot, no offer is
+/// made), and holds that connection until the verdict. Errors are I/O or
 /// protocol failures of the connection itself.
 pub async fn offer_same_host(
     stream: &Stream,
     peer: &str,
     channel: Option<std::os::fd::RawFd>,
     stage: Option<std::os::fd::RawFd>,
+    cred: Option<&negotiate::CredInvite>,
     timeout: Duration,
 ) -> Result<SameHostVerdict> {
     let (probe, offer) = match crate::same_host::cma::make_offer() {
         Ok(x) => x,
+        Err(reason) => return Ok(SameHostVerdict::Refused(reason)),
+    };
+    let proof = match cred.map(crate::same_host::cma::cred_connect).transpose() {
+        Ok(p) => p,
         Err(reason) => return Ok(SameHostVerdict::Refused(reason)),
     };
     let hdr = crate::frame::Request::SameHost {
@@ -779,8 +823,11 @@ pub async fn offer_same_host(
     read_exact(stream, &mut resp, timeout)
         .await
         .map_err(|e| io_err(peer, "same-host verdict", timeout, e))?;
-    // The target has read the probe (or given up) once it answered.
+    // The target has read the probe and checked the credentials (or
+    // given up) once it answered.
     drop(probe);
+    let target = proof.as_ref().map(crate::same_host::cma::attested_target);
+    drop(proof);
     match crate::frame::Response::decode(&resp) {
         Ok(crate::frame::Response::SameHostOk {
             id: 0,
@@ -801,6 +848,7 @@ pub async fn offer_same_host(
                     crate::same_host::cma::errno_name(e as i32)
                 ),
             }),
+            target,
         }),
         Ok(crate::frame::Response::Err {
             id: 0,

@@ -35,6 +35,14 @@ const EXT_HOST: u16 = 3;
 /// Extension type: how the sender names itself in TLS (1 byte,
 /// [`crate::tls::Identity`]); only from a side with TLS on.
 const EXT_TLS: u16 = 4;
+/// Extension type: the target's credential invitation ([`CredInvite`]:
+/// a 16-byte token, then the abstract Unix socket name, 1 to
+/// [`MAX_CRED_NAME`] bytes); only from a target, to an initiator that
+/// announced [`SAME_HOST_CRED`].
+const EXT_CRED: u16 = 5;
+/// Longest abstract socket name in a [`CredInvite`] (`sun_path` less its
+/// leading zero byte).
+pub const MAX_CRED_NAME: usize = 107;
 
 /// A range of protocol versions, both ends included.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -129,6 +137,20 @@ pub const GRANTS: Feature = Feature {
     setting: "same_host_grant=off",
 };
 
+/// Kernel-attested credentials for the same-host offer: the initiator
+/// connects to a Unix socket the target named in its hello
+/// ([`CredInvite`]) and sends the connection's token there before its
+/// SAME_HOST offer; the target reads that connection's `SO_PEERCRED` /
+/// `SO_PEERPIDFD` and accepts only an offer naming that very process (of
+/// its own uid, or one the operator allows). A target of this build
+/// refuses the same-host path to a peer without it. Negotiated only.
+pub const SAME_HOST_CRED: Feature = Feature {
+    bit: 64,
+    name: "same-host-cred",
+    since: u16::MAX,
+    setting: "same_host=off",
+};
+
 /// TLS 1.3 on the socket path (PROTOCOL.md §1.3). Not one of
 /// [`FEATURES`], which are the same-host path's: it is reported apart,
 /// with its cipher suite.
@@ -140,7 +162,25 @@ pub const TLS: Feature = Feature {
 };
 
 /// Every optional feature this build implements, in report order.
-pub const FEATURES: [Feature; 5] = [SAME_HOST, CONTROL_CHANNEL, STAGING, ACK_LANE, GRANTS];
+pub const FEATURES: [Feature; 6] = [
+    SAME_HOST,
+    CONTROL_CHANNEL,
+    STAGING,
+    ACK_LANE,
+    GRANTS,
+    SAME_HOST_CRED,
+];
+
+/// A target's invitation to prove the initiator's credentials
+/// ([`SAME_HOST_CRED`]): where to connect and what to send.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CredInvite {
+    /// Sent by the initiator on the Unix connection: binds it to this
+    /// TCP connection's handshake.
+    pub token: [u8; 16],
+    /// The abstract Unix socket name (without the leading zero byte).
+    pub name: Vec<u8>,
+}
 
 /// What one side says about its features: the ones it implements (`has`)
 /// and the ones its settings leave on (`on`, a subset).
@@ -182,6 +222,8 @@ pub struct Extensions {
     /// Its TLS identity kind (see [`crate::tls::Identity`]), if it has TLS
     /// on.
     pub tls: Option<u8>,
+    /// A target's credential invitation ([`SAME_HOST_CRED`]).
+    pub cred: Option<CredInvite>,
 }
 
 impl Extensions {
@@ -207,6 +249,9 @@ impl Extensions {
         if let Some(t) = self.tls {
             entry(EXT_TLS, &[t]);
         }
+        if let Some(c) = &self.cred {
+            entry(EXT_CRED, &[c.token.as_slice(), &c.name].concat());
+        }
         let mut out = Vec::with_capacity(2 + body.len());
         out.extend_from_slice(&(body.len() as u16).to_le_bytes());
         out.extend_from_slice(&body);
@@ -223,8 +268,8 @@ impl Extensions {
                 body.len()
             ));
         }
-        let (mut versions, mut features, mut host, mut tls) =
-            (None, FeatureSet::default(), None, None);
+        let (mut versions, mut features, mut host, mut tls, mut cred) =
+            (None, FeatureSet::default(), None, None, None);
         let mut rest = body;
         while !rest.is_empty() {
             let [t0, t1, l0, l1, tail @ ..] = rest else {
@@ -264,7 +309,15 @@ impl Extensions {
                     host = Some(b);
                 }
                 (EXT_TLS, [t]) => tls = Some(*t),
-                (EXT_VERSIONS | EXT_FEATURES | EXT_HOST | EXT_TLS, v) => {
+                (EXT_CRED, v) if v.len() > 16 && v.len() <= 16 + MAX_CRED_NAME => {
+                    let mut token = [0u8; 16];
+                    token.copy_from_slice(&v[..16]);
+                    cred = Some(CredInvite {
+                        token,
+                        name: v[16..].to_vec(),
+                    });
+                }
+                (EXT_VERSIONS | EXT_FEATURES | EXT_HOST | EXT_TLS | EXT_CRED, v) => {
                     return Err(format!("extension {t} has a length of {}", v.len()));
                 }
                 _ => {}
@@ -276,6 +329,7 @@ impl Extensions {
             features,
             host,
             tls,
+            cred,
         })
     }
 }
@@ -335,6 +389,9 @@ pub struct Agreement {
     /// The TLS session: its cipher suite and how the peers were named
     /// (`None`: in clear).
     pub tls: Option<String>,
+    /// The target's credential invitation (initiator side; `None`: the
+    /// target sent none).
+    pub cred: Option<CredInvite>,
 }
 
 impl Agreement {
@@ -535,6 +592,10 @@ mod tests {
             features: FeatureSet { has: 15, on: 5 },
             host: Some([7; 32]),
             tls: Some(1),
+            cred: Some(CredInvite {
+                token: [5; 16],
+                name: b"ferry-cred-test".to_vec(),
+            }),
         };
         let bytes = e.encode();
         let len = u16::from_le_bytes([bytes[0], bytes[1]]) as usize;
@@ -595,7 +656,9 @@ mod tests {
         assert!(v4.enabled(SAME_HOST) && v4.enabled(CONTROL_CHANNEL));
         assert!(!v4.enabled(STAGING) && !v4.enabled(ACK_LANE));
         let v5 = FeatureSet::implied_by(5);
-        assert!(FEATURES.iter().all(|f| v5.enabled(*f) != (*f == GRANTS)));
+        assert!(FEATURES
+            .iter()
+            .all(|f| v5.enabled(*f) != (*f == GRANTS || *f == SAME_HOST_CRED)));
         assert!(
             !FeatureSet::implied_by(u16::MAX - 1).enabled(GRANTS),
             "granted copies are negotiated only"
@@ -612,6 +675,7 @@ mod tests {
             theirs: FeatureSet::implied_by(4),
             same_host_token: None,
             tls: None,
+            cred: None,
         };
         assert_eq!(a.why_off(SAME_HOST), None);
         assert_eq!(

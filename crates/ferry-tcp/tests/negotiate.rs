@@ -247,6 +247,7 @@ async fn negotiating_target(
             features: FeatureSet::implied_by(5),
             host,
             tls: None,
+            cred: None,
         };
         s.write_all(&[mine.encode(), ext.encode()].concat())
             .await
@@ -306,6 +307,7 @@ async fn no_common_version_names_both_ranges_and_what_to_upgrade() {
         features: FeatureSet::default(),
         host: None,
         tls: None,
+        cred: None,
     };
     s.write_all(&mine.encode()).await.unwrap();
     let mut rej = Vec::new();
@@ -460,8 +462,8 @@ async fn a_mooncake_peer_is_named_both_ways() {
 }
 
 #[test]
-fn check_offer_pins_the_process_it_checked() {
-    use ferry_tcp::test_support::cma::{check_offer, make_offer};
+fn check_offer_pins_the_process_it_proved() {
+    use ferry_tcp::test_support::cma::{check_offer, cred_connect, make_offer, CredListener};
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let _c = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
     let (srv, _) = l.accept().unwrap();
@@ -473,31 +475,41 @@ fn check_offer_pins_the_process_it_checked() {
     let _g = rt.enter();
     let srv = TcpStream::from_std(srv).unwrap();
     let (probe, offer) = make_offer().expect("an offer");
-    match check_offer(&srv, &offer) {
+    let prove = || {
+        let cred = CredListener::bind().expect("a credential socket");
+        let conn = cred_connect(cred.invite()).expect("connect");
+        let proof = cred.prove().expect("this process proved itself");
+        (cred, conn, proof)
+    };
+    let (_l, _conn, proof) = prove();
+    assert_eq!(proof.pid as u32, std::process::id());
+    match check_offer(&srv, &offer, proof, &[]) {
         Ok(init) => {
             assert_eq!(init.pid as u32, std::process::id());
-            assert!(init.alive());
+            assert!(init.pinned() && init.alive());
         }
         // Where this process may not read itself (ptrace scope), the
-        // refusal names the probe.
-        Err((why, errno)) => {
-            assert_eq!(
-                why,
-                ferry_tcp::test_support::cma::Refusal::ProbeFailed,
-                "errno {errno}"
-            );
-        }
+        // detail names the probe.
+        Err(why) => assert!(why.contains("process_vm_readv"), "{why}"),
     }
-    // An exited (not yet reaped) process is refused: pinned first, its
-    // pidfd polls as exited.
+    // Another process's PID (an exited child here), whatever its state:
+    // not the process that proved itself, refused before anything is
+    // done to it.
     let mut child = std::process::Command::new("true").spawn().unwrap();
-    std::thread::sleep(Duration::from_millis(200));
     let dead = ferry_tcp::test_support::cma::Offer {
         pid: child.id() as u64,
-        ..offer
+        ..offer.clone()
     };
-    assert!(check_offer(&srv, &dead).is_err());
+    let (_l, _conn, proof) = prove();
+    let why = check_offer(&srv, &dead, proof, &[]).unwrap_err();
+    assert!(why.contains("credential socket was connected by"), "{why}");
     let _ = child.wait();
+    // A token that does not match proves nothing.
+    let cred = CredListener::bind().unwrap();
+    let mut other = cred.invite().clone();
+    other.token[0] ^= 1;
+    let _conn = cred_connect(&other).unwrap();
+    assert!(cred.prove().is_err());
     drop(probe);
 }
 

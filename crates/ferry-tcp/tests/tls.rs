@@ -343,6 +343,7 @@ async fn fake_tls_target(identity: u8, server: Arc<rustls::ServerConfig>) -> Str
                     features: FeatureSet { has: 16, on: 16 },
                     host: None,
                     tls: Some(identity),
+                    cred: None,
                 };
                 s.write_all(&[hello.encode(), ext.encode()].concat())
                     .await?;

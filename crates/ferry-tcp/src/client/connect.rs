@@ -181,6 +181,7 @@ impl Peer {
                     &self.name,
                     offered,
                     area.as_ref().ok().map(|(a, _)| a.raw_fd()),
+                    agreed.cred.as_ref(),
                     cfg.connect_timeout,
                 )
                 .await?;
@@ -188,7 +189,11 @@ impl Peer {
                 // will): ours of it goes.
                 let ours = pair.map(|(ours, _theirs)| ours);
                 match verdict {
-                    handshake::SameHostVerdict::Cma { channel, stage } => {
+                    handshake::SameHostVerdict::Cma {
+                        channel,
+                        stage,
+                        target,
+                    } => {
                         report.set(negotiate::SAME_HOST, None);
                         report.set(
                             negotiate::CONTROL_CHANNEL,
@@ -249,6 +254,7 @@ impl Peer {
                                     Some(why) => Err(why.clone()),
                                     None => crate::same_host::grant::ClientGrants::open(
                                         Arc::clone(&area),
+                                        target,
                                     )
                                     .map_err(FeatureOff::Refused),
                                 };

@@ -14,17 +14,22 @@
 //! against its own regions and keeps registered until the answer).
 //!
 //! Negotiation (one SAME_HOST request per connection, after the
-//! authenticated handshake): the initiator announces its boot id, PID
-//! namespace, PID and the address of a probe word holding a fresh random
-//! nonce. The target accepts only if the boot id and PID namespace are its
-//! own, a `process_vm_readv` of the probe returns the nonce (the kernel
-//! grants it ptrace-level access to the initiator), and the initiator's PID
-//! holds the very socket of this connection (`/proc/net/tcp*` inode found
-//! in `/proc/PID/fd`). Otherwise it answers with a reason code and an
-//! errno, and the connection carries payloads on the socket as before.
+//! authenticated handshake; a second one closes the connection): the
+//! initiator first proves to the kernel which process it is, connecting to
+//! the target's per-connection credential socket ([`CredListener`],
+//! [`cred_connect`]), then announces its boot id, PID namespace, PID and
+//! the address of a probe word holding a fresh random nonce. The target
+//! accepts only if the boot id and PID namespace are its own, the PID is
+//! the process `SO_PEERCRED` names (of its uid or an allowed one), and —
+//! only then looked at — that process holds the very socket of this
+//! connection and a `process_vm_readv` of the probe returns the nonce
+//! ([`check_offer_on`] has the order). Otherwise it answers with one
+//! generic refusal (no errno: the reason goes to its log), and the
+//! connection carries payloads on the socket as before. See the module
+//! above for the PID-reuse window that remains around each copy.
 
 use std::fmt;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsFd, AsRawFd};
 
 use tokio::net::TcpStream;
 
@@ -144,6 +149,10 @@ pub enum Refusal {
     NotTheOwner = 6,
     /// The target's platform has no cross-memory attach.
     Unsupported = 7,
+    /// Refused, with no detail (this build's targets: the reason is in
+    /// the target's log, never told to the peer, so that an offer learns
+    /// nothing about the process it names).
+    Refused = 8,
 }
 
 impl Refusal {
@@ -157,6 +166,7 @@ impl Refusal {
             5 => Refusal::ProbeMismatch,
             6 => Refusal::NotTheOwner,
             7 => Refusal::Unsupported,
+            8 => Refusal::Refused,
             _ => return None,
         })
     }
@@ -179,6 +189,7 @@ impl Refusal {
                 "the peer found the connection held by another process".to_owned()
             }
             Some(Refusal::Unsupported) => "the peer's platform has no process_vm_*".to_owned(),
+            Some(Refusal::Refused) => "refused by the peer; its log says why".to_owned(),
             None => format!("refused by the peer (code {code}, {e})"),
         }
     }
@@ -236,66 +247,357 @@ pub fn make_offer() -> Result<(Box<[u8; 16]>, Offer), String> {
     Ok((probe, offer))
 }
 
-/// Target side: whether the initiator behind `stream` may be reached by
-/// cross-memory attach; `Err((refusal, errno))` otherwise. The process is
-/// pinned (pidfd) *before* it is checked, and found alive after: the checks
-/// therefore concern the process the returned [`Initiator`] holds, and a PID
-/// reused between check and pin cannot slip in (where the kernel has no
-/// pidfds, Linux < 5.3, this ordering cannot be enforced).
-pub fn check_offer(stream: &TcpStream, offer: &Offer) -> Result<Initiator, (Refusal, i32)> {
-    let errno = |e: std::io::Error| e.raw_os_error().unwrap_or(libc::EIO);
+/// Target side: whether the initiator behind `stream`, whose credentials
+/// `proof` carries, may be reached by cross-memory attach; `Err(detail)`
+/// otherwise (for this process's log only: the peer is told nothing but
+/// "refused", [`Refusal::Refused`]). See [`check_offer_on`].
+pub fn check_offer(
+    stream: &TcpStream,
+    offer: &Offer,
+    proof: Proven,
+    uids: &[u32],
+) -> Result<Initiator, String> {
     let addrs = (
         stream
             .local_addr()
-            .map_err(|e| (Refusal::NotTheOwner, errno(e)))?,
+            .map_err(|e| format!("local address: {e}"))?,
         stream
             .peer_addr()
-            .map_err(|e| (Refusal::NotTheOwner, errno(e)))?,
+            .map_err(|e| format!("peer address: {e}"))?,
     );
-    check_offer_on(addrs, offer)
+    check_offer_on(addrs, offer, proof, uids)
 }
 
 /// [`check_offer`] for the TCP connection with these (local, peer)
 /// addresses.
+///
+/// Order (nothing is done to the named process before it is proven):
+/// 1. boot id and PID namespace against this process's (no system call
+///    on any other process);
+/// 2. the offered PID must be the process the kernel attests connected
+///    to this connection's credential socket and sent its token
+///    (`SO_PEERCRED` of `proof`), and its uid this process's effective uid
+///    or one of `uids` (the operator's `same_host_uids`);
+/// 3. that process is pinned: the pidfd `SO_PEERPIDFD` gave (Linux ≥ 6.5),
+///    else `pidfd_open(2)` of its PID followed by a check that it still
+///    holds its end of the credential connection (so the pidfd cannot
+///    name a process that got the PID after the prover exited);
+/// 4. the pinned process holds this very TCP connection's socket
+///    (`/proc/PID/fd`), and a `process_vm_readv` of its probe returns its
+///    nonce (the kernel grants this process ptrace-level access to it);
+/// 5. it is still alive (so the PID named the pinned process throughout).
 pub fn check_offer_on(
     addrs: (std::net::SocketAddr, std::net::SocketAddr),
     offer: &Offer,
-) -> Result<Initiator, (Refusal, i32)> {
+    proof: Proven,
+    uids: &[u32],
+) -> Result<Initiator, String> {
     if boot_id().ok().as_ref() != Some(&offer.boot_id) {
-        return Err((Refusal::OtherHost, 0));
+        return Err("another boot id (another host)".to_owned());
     }
     if pid_namespace().ok() != Some(offer.pidns) {
-        return Err((Refusal::OtherPidNamespace, 0));
+        return Err("another PID namespace".to_owned());
     }
-    let pid = i32::try_from(offer.pid)
-        .ok()
-        .filter(|p| *p > 0)
-        .ok_or((Refusal::NotTheOwner, 0))?;
-    let initiator = Initiator::new(pid);
-    // The kernel's verdict first: this is the errno users need to see.
+    let pid = i32::try_from(offer.pid).unwrap_or(0);
+    if pid <= 0 || pid != proof.pid {
+        return Err(format!(
+            "the offer names PID {} but the credential socket was connected by PID {}",
+            offer.pid, proof.pid
+        ));
+    }
+    // SAFETY: geteuid has no preconditions.
+    let me = unsafe { libc::geteuid() };
+    if proof.uid != me && !uids.contains(&proof.uid) {
+        return Err(format!(
+            "PID {pid} runs as uid {}, not this process's uid {me} nor one of same_host_uids",
+            proof.uid
+        ));
+    }
+    let initiator = match proof.pidfd {
+        Some(fd) => Initiator::with_pidfd(pid, fd),
+        None => {
+            let pinned = Initiator::new(pid);
+            // Pinned after the connect: the prover must still hold its end
+            // (else the PID may have passed to another process).
+            if !pinned.pinned() || stream_closed(proof.conn.as_raw_fd()) {
+                return Err(format!(
+                    "PID {pid} exited, or left its credential connection, before it was pinned"
+                ));
+            }
+            pinned
+        }
+    };
+    match socket_owned_by(addrs, pid) {
+        Ok(true) => {}
+        Ok(false) => return Err(format!("PID {pid} does not hold this connection's socket")),
+        Err(e) => {
+            return Err(format!(
+                "cannot check that PID {pid} holds this connection's socket: {}",
+                errno_name(e)
+            ))
+        }
+    }
     let mut got = [0u8; 16];
     let dst = [iov(got.as_mut_ptr(), got.len())];
     let src = [iov(offer.probe_addr as *mut u8, 16)];
     // SAFETY: `dst` covers `got`, a local array alive for the call; the
-    // remote range is only read, in another address space.
-    match unsafe { copy(pid, false, &dst, &src) } {
-        Ok(16) => {}
-        Ok(_) => return Err((Refusal::ProbeMismatch, 0)),
-        Err(e) => return Err((Refusal::ProbeFailed, e)),
-    }
-    if got != offer.nonce {
-        return Err((Refusal::ProbeMismatch, 0));
-    }
-    match socket_owned_by(addrs, pid) {
-        Ok(true) => {}
-        Ok(false) => return Err((Refusal::NotTheOwner, 0)),
-        Err(e) => return Err((Refusal::NotTheOwner, e)),
+    // remote range is only read, in another address space (of the process
+    // proven above).
+    match unsafe { copy(initiator.remote(), false, &dst, &src) } {
+        Ok(16) if got == offer.nonce => {}
+        Ok(_) => return Err("the probe read back other bytes than its nonce".to_owned()),
+        Err(e) => return Err(format!("process_vm_readv of the probe: {}", errno_name(e))),
     }
     // Alive now, so the PID named the pinned process throughout.
     if !initiator.alive() {
-        return Err((Refusal::NotTheOwner, libc::ESRCH));
+        return Err(format!("PID {pid} exited during the checks"));
     }
+    drop(proof.conn);
     Ok(initiator)
+}
+
+/// What the kernel attests about the process that connected to a
+/// [`CredListener`] and sent its token.
+#[derive(Debug)]
+pub struct Proven {
+    /// Its PID (`SO_PEERCRED`, as of its `connect(2)`).
+    pub pid: i32,
+    /// Its effective uid then.
+    pub uid: u32,
+    /// A pidfd of it (`SO_PEERPIDFD`, Linux ≥ 6.5), pinned at its
+    /// `connect(2)`; `None` where the kernel has none.
+    pidfd: Option<std::os::fd::OwnedFd>,
+    /// The connection (held until the checks are done).
+    conn: std::os::unix::net::UnixStream,
+}
+
+/// `SO_PEERPIDFD` (asm-generic's value; `None` on the architectures that
+/// number it otherwise: they fall back to `pidfd_open`).
+const SO_PEERPIDFD: Option<libc::c_int> =
+    if cfg!(any(target_arch = "sparc", target_arch = "sparc64",)) {
+        None
+    } else {
+        Some(77)
+    };
+
+/// The most queued connections one [`CredListener::prove`] looks at
+/// (the rest are closed unread when the listener is dropped).
+const MAX_CRED_TRIES: usize = 1024;
+
+/// Target side of [`crate::negotiate::SAME_HOST_CRED`]: an abstract Unix
+/// socket of random name, one per connection, announced in the target's
+/// hello with a random token. It lives until the connection's SAME_HOST
+/// offer (or its end).
+#[derive(Debug)]
+pub struct CredListener {
+    listener: std::os::unix::net::UnixListener,
+    invite: crate::negotiate::CredInvite,
+}
+
+impl CredListener {
+    /// Binds a fresh abstract socket (non-blocking, close-on-exec).
+    pub fn bind() -> Result<CredListener, String> {
+        use std::os::linux::net::SocketAddrExt;
+        let id: u128 = rand::random();
+        let name = format!("ferry-cred-{id:032x}").into_bytes();
+        let addr = std::os::unix::net::SocketAddr::from_abstract_name(&name)
+            .map_err(|e| format!("abstract socket name: {e}"))?;
+        let listener = std::os::unix::net::UnixListener::bind_addr(&addr)
+            .map_err(|e| format!("credential socket: {e}"))?;
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| format!("credential socket: {e}"))?;
+        Ok(CredListener {
+            listener,
+            invite: crate::negotiate::CredInvite {
+                token: rand::random(),
+                name,
+            },
+        })
+    }
+
+    /// What the target's hello announces.
+    pub fn invite(&self) -> &crate::negotiate::CredInvite {
+        &self.invite
+    }
+
+    /// The queued connection that sent the token (the initiator connects
+    /// and sends it before its offer, so it is there when the offer is
+    /// read), with the kernel's word on who made it. Never blocks; other
+    /// connections are closed.
+    pub fn prove(&self) -> Result<Proven, String> {
+        for _ in 0..MAX_CRED_TRIES {
+            let conn = match self.listener.accept() {
+                Ok((c, _)) => c,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) => return Err(format!("credential socket: accept: {e}")),
+            };
+            let mut got = [0u8; 16];
+            // SAFETY: `got` is a local buffer of 16 bytes.
+            let n = unsafe {
+                libc::recv(
+                    conn.as_raw_fd(),
+                    got.as_mut_ptr().cast(),
+                    got.len(),
+                    libc::MSG_DONTWAIT,
+                )
+            };
+            let same = got
+                .iter()
+                .zip(&self.invite.token)
+                .fold(0u8, |d, (a, b)| d | (a ^ b))
+                == 0;
+            if n != 16 || !same {
+                continue;
+            }
+            let mut cred = libc::ucred {
+                pid: 0,
+                uid: 0,
+                gid: 0,
+            };
+            let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+            // SAFETY: `cred` and `len` are valid for SO_PEERCRED's ucred.
+            let r = unsafe {
+                libc::getsockopt(
+                    conn.as_raw_fd(),
+                    libc::SOL_SOCKET,
+                    libc::SO_PEERCRED,
+                    (&mut cred as *mut libc::ucred).cast(),
+                    &mut len,
+                )
+            };
+            if r < 0 {
+                return Err(format!("SO_PEERCRED: {}", errno_name(last_errno())));
+            }
+            let pidfd = peer_pidfd(conn.as_raw_fd());
+            return Ok(Proven {
+                pid: cred.pid,
+                uid: cred.uid,
+                pidfd,
+                conn,
+            });
+        }
+        Err("no connection to the credential socket carried this connection's token".to_owned())
+    }
+}
+
+/// Initiator side of [`crate::negotiate::SAME_HOST_CRED`]: connects to
+/// the target's credential socket and sends the token. The connection
+/// must stay open until the target has answered the offer. Never blocks
+/// (a full queue is an error).
+pub fn cred_connect(
+    invite: &crate::negotiate::CredInvite,
+) -> Result<std::os::unix::net::UnixStream, String> {
+    use std::os::fd::FromRawFd;
+    if invite.name.is_empty() || invite.name.len() > crate::negotiate::MAX_CRED_NAME {
+        return Err("invalid credential socket name".to_owned());
+    }
+    // SAFETY: socket takes constants and returns a new descriptor or -1.
+    let fd = unsafe {
+        libc::socket(
+            libc::AF_UNIX,
+            libc::SOCK_STREAM | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK,
+            0,
+        )
+    };
+    if fd < 0 {
+        return Err(format!("socket: {}", errno_name(last_errno())));
+    }
+    // SAFETY: a fresh descriptor returned to us above.
+    let conn = unsafe { std::os::unix::net::UnixStream::from_raw_fd(fd) };
+    // SAFETY: an all-zero sockaddr_un is valid.
+    let mut sa: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    sa.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    // sun_path[0] stays 0: the abstract namespace.
+    for (d, s) in sa.sun_path[1..].iter_mut().zip(&invite.name) {
+        *d = *s as libc::c_char;
+    }
+    let len = std::mem::size_of::<libc::sa_family_t>() + 1 + invite.name.len();
+    // SAFETY: `sa` is a valid sockaddr_un and `len` covers the family, the
+    // zero byte and the name.
+    let r = unsafe {
+        libc::connect(
+            conn.as_raw_fd(),
+            (&sa as *const libc::sockaddr_un).cast(),
+            len as libc::socklen_t,
+        )
+    };
+    if r < 0 {
+        return Err(format!(
+            "connecting to the target's credential socket: {}",
+            errno_name(last_errno())
+        ));
+    }
+    use std::io::Write;
+    (&conn)
+        .write_all(&invite.token)
+        .map_err(|e| format!("sending the credential token: {e}"))?;
+    Ok(conn)
+}
+
+/// Initiator side: the target's process as the kernel attests it on the
+/// credential connection — the process that listens on the socket
+/// (`SO_PEERCRED`; for a connected socket, the listener's credentials),
+/// pinned by `SO_PEERPIDFD` (Linux ≥ 6.5; else `pidfd_open(2)` of its
+/// PID). Granted copies go only to that process
+/// ([`crate::same_host::grant::ClientGrants::open`]).
+pub fn attested_target(conn: &std::os::unix::net::UnixStream) -> Result<Initiator, String> {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: `cred` and `len` are valid for SO_PEERCRED's ucred.
+    let r = unsafe {
+        libc::getsockopt(
+            conn.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    if r < 0 || cred.pid <= 0 {
+        return Err(format!("SO_PEERCRED: {}", errno_name(last_errno())));
+    }
+    Ok(match peer_pidfd(conn.as_raw_fd()) {
+        Some(fd) => Initiator::with_pidfd(cred.pid, fd),
+        None => Initiator::new(cred.pid),
+    })
+}
+
+/// `SO_PEERPIDFD` of the socket `fd`, where the kernel has it.
+fn peer_pidfd(fd: std::os::fd::RawFd) -> Option<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    let opt = SO_PEERPIDFD?;
+    let mut pidfd: libc::c_int = -1;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: `pidfd` and `len` are valid for the int-sized option; on
+    // success the kernel installs a new descriptor we own.
+    let r = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            opt,
+            (&mut pidfd as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    };
+    // SAFETY: a fresh descriptor returned to us above.
+    (r == 0 && pidfd >= 0).then(|| unsafe { std::os::fd::OwnedFd::from_raw_fd(pidfd) })
+}
+
+/// Whether the peer of the socket `fd` has closed it (or reset it).
+fn stream_closed(fd: std::os::fd::RawFd) -> bool {
+    let mut p = libc::pollfd {
+        fd,
+        events: libc::POLLRDHUP,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd, zero timeout.
+    let n = unsafe { libc::poll(&mut p, 1, 0) };
+    n != 0 && (n < 0 || p.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0)
 }
 
 /// The `/proc/net/tcp*` form of a socket address.
@@ -355,9 +657,51 @@ pub fn iov(ptr: *mut u8, len: usize) -> libc::iovec {
     }
 }
 
-/// One `process_vm_readv` (`write_remote` false: from `remote` in `pid`
-/// into `local`) or `process_vm_writev` (true: from `local` into `remote`)
-/// call; returns the bytes moved or the errno.
+/// A process to copy with: its PID and, where it is pinned, its pidfd
+/// (borrowed from the [`Initiator`] that owns it). Every copy through it
+/// first polls the pidfd — one non-blocking `poll(2)`, never a cached
+/// verdict — and makes no copy once the pidfd reports the exit (`ESRCH`).
+/// See the module's safety notes for the window that remains.
+#[derive(Clone, Copy, Debug)]
+pub struct Remote<'a> {
+    /// Its PID.
+    pub pid: i32,
+    pidfd: Option<std::os::fd::BorrowedFd<'a>>,
+}
+
+impl Remote<'static> {
+    /// A process named by its PID only (nothing to poll): for benchmarks
+    /// and tests that copy with this very process.
+    pub fn unpinned(pid: i32) -> Remote<'static> {
+        Remote { pid, pidfd: None }
+    }
+}
+
+impl Remote<'_> {
+    /// False once the pidfd reports the exit (true without a pidfd).
+    pub fn alive(self) -> bool {
+        self.pidfd.is_none_or(|fd| !pidfd_exited(fd.as_raw_fd()))
+    }
+}
+
+/// One non-blocking `poll(2)` of a pidfd: true once its process has
+/// exited (or the poll fails: no copy on doubt).
+fn pidfd_exited(fd: std::os::fd::RawFd) -> bool {
+    let mut p = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd, zero timeout.
+    let n = unsafe { libc::poll(&mut p, 1, 0) };
+    n != 0
+}
+
+/// One `process_vm_readv` (`write_remote` false: from `remote` in the
+/// process into `local`) or `process_vm_writev` (true: from `local` into
+/// `remote`) call, made only if the process's pidfd (if any) does not
+/// report its exit right before; returns the bytes moved or the errno
+/// (`ESRCH` for an exit the pidfd reported).
 ///
 /// # Safety
 ///
@@ -365,11 +709,15 @@ pub fn iov(ptr: *mut u8, len: usize) -> libc::iovec {
 /// for the duration of the call. The remote ranges are checked by the
 /// kernel (a bad one is `EFAULT`, never a fault in this process).
 pub unsafe fn copy(
-    pid: i32,
+    to: Remote<'_>,
     write_remote: bool,
     local: &[libc::iovec],
     remote: &[libc::iovec],
 ) -> Result<usize, i32> {
+    if !to.alive() {
+        return Err(libc::ESRCH);
+    }
+    let pid = to.pid;
     // SAFETY: the caller guarantees the local ranges; the iovec arrays are
     // live slices of the lengths passed.
     let n = unsafe {
@@ -410,7 +758,7 @@ pub unsafe fn copy(
 ///
 /// As for [`copy`], for `[local, local+len)`.
 pub unsafe fn copy_all(
-    pid: i32,
+    to: Remote<'_>,
     write_remote: bool,
     local: *mut u8,
     remote: u64,
@@ -424,7 +772,7 @@ pub unsafe fn copy_all(
             len - done,
         )];
         // SAFETY: the caller guarantees the local range.
-        match unsafe { copy(pid, write_remote, &l, &r) }? {
+        match unsafe { copy(to, write_remote, &l, &r) }? {
             0 => return Err(libc::EFAULT),
             n => done += n,
         }
@@ -456,7 +804,7 @@ pub fn kernel_copy_gbps(
         // SAFETY: `local[off..off + block]` is a live buffer owned here.
         unsafe {
             copy_all(
-                pid,
+                Remote::unpinned(pid),
                 false,
                 local[off..].as_mut_ptr(),
                 remote + off as u64,
@@ -477,6 +825,9 @@ pub const PARALLEL_MIN: usize = 8 << 20;
 /// One part of a split copy: `(local, remote, len)` ranges, done in order.
 struct Job {
     pid: i32,
+    /// The pidfd of `Remote` (-1: none), open until the submitter has
+    /// received `done` (it waits for it, holding the `Initiator`).
+    pidfd: std::os::fd::RawFd,
     write_remote: bool,
     parts: Vec<(usize, u64, usize)>,
     done: std::sync::mpsc::SyncSender<Result<(), i32>>,
@@ -552,10 +903,18 @@ fn helper(rx: &std::sync::Mutex<std::sync::mpsc::Receiver<Job>>) {
                 },
             }
         };
+        // SAFETY: the submitter holds the pidfd open until it has received
+        // this result (see copy_split).
+        let pidfd =
+            (job.pidfd >= 0).then(|| unsafe { std::os::fd::BorrowedFd::borrow_raw(job.pidfd) });
+        let to = Remote {
+            pid: job.pid,
+            pidfd,
+        };
         let r = job.parts.iter().try_for_each(|&(l, r, n)| {
             // SAFETY: the submitter of the job holds the local ranges
             // valid until it has received this result (see copy_split).
-            unsafe { copy_all(job.pid, job.write_remote, l as *mut u8, r, n) }
+            unsafe { copy_all(to, job.write_remote, l as *mut u8, r, n) }
         });
         let _ = job.done.send(r);
     }
@@ -569,7 +928,7 @@ fn helper(rx: &std::sync::Mutex<std::sync::mpsc::Receiver<Job>>) {
 ///
 /// As for [`copy`], for every local range, until this returns.
 pub unsafe fn copy_split(
-    pid: i32,
+    to: Remote<'_>,
     write_remote: bool,
     pairs: &[(usize, u64, usize)],
 ) -> Result<(), i32> {
@@ -610,7 +969,8 @@ pub unsafe fn copy_split(
         }
         let (done, wait) = std::sync::mpsc::sync_channel(1);
         let job = Job {
-            pid,
+            pid: to.pid,
+            pidfd: to.pidfd.map_or(-1, |fd| fd.as_raw_fd()),
             write_remote,
             parts: part,
             done,
@@ -622,7 +982,7 @@ pub unsafe fn copy_split(
             Err(std::sync::mpsc::SendError(job)) => {
                 let r = job.parts.iter().try_for_each(|&(l, r, n)| {
                     // SAFETY: the caller's guarantee.
-                    unsafe { copy_all(pid, write_remote, l as *mut u8, r, n) }
+                    unsafe { copy_all(to, write_remote, l as *mut u8, r, n) }
                 });
                 waits.push({
                     let (tx, rx) = std::sync::mpsc::sync_channel(1);
@@ -634,7 +994,7 @@ pub unsafe fn copy_split(
     }
     let mut result = first.unwrap_or_default().iter().try_for_each(|&(l, r, n)| {
         // SAFETY: the caller's guarantee.
-        unsafe { copy_all(pid, write_remote, l as *mut u8, r, n) }
+        unsafe { copy_all(to, write_remote, l as *mut u8, r, n) }
     });
     // Wait for every helper before the caller may release the memory.
     for w in waits {
@@ -648,53 +1008,20 @@ pub unsafe fn copy_split(
 
 /// The initiator process a connection copies with, pinned by a pidfd
 /// where the kernel has them (Linux ≥ 5.3): a copy is never made once
-/// that process has exited, so a PID reused by another process is never
-/// reached.
+/// that process has exited (each copy polls the pidfd right before it,
+/// see [`Remote`]), so a PID reused by another process is never reached
+/// but in the window the module's safety notes describe.
 #[derive(Debug)]
 pub struct Initiator {
     /// Its PID.
     pub pid: i32,
     pidfd: Option<std::os::fd::OwnedFd>,
-    /// For [`Initiator::alive_lately`]: nanoseconds after `epoch` (+1) of
-    /// the start of the last look that found the process alive (0: none;
-    /// `u64::MAX`: a look found it exited).
-    seen_alive: std::sync::atomic::AtomicU64,
-    epoch: std::time::Instant,
-}
-
-/// How long a look at a pidfd that found its process alive stands for
-/// [`Initiator::alive_lately`].
-///
-/// What the look guards against is a write into another process that got
-/// the PID of one that exited: the kernel frees a PID when its process is
-/// reaped and hands PIDs out in turn, so a PID comes back only after every
-/// other free one of the namespace was given out — at `pid_max` ≥ 32 768
-/// (the kernel's smallest default) that is over 32 000 forks or thread
-/// creations, which no machine makes in this time (each takes tens of µs
-/// of CPU under one global allocator lock: ≥ 10 ms at any core count).
-/// Meanwhile a copy to the exited process fails (`ESRCH`; a zombie has no
-/// memory) and goes as a frame, which fails with the connection. A look
-/// per copy (one `poll(2)`, ~0.4 µs) was a sixth of a 4 KiB granted write.
-pub const ALIVE_FOR: std::time::Duration = std::time::Duration::from_micros(250);
-
-/// The `pid_max` from which [`ALIVE_FOR`] holds (below it, as set by an
-/// administrator, every copy looks).
-pub const PID_MAX_BOUNDED: u64 = 32_768;
-
-/// Whether this PID namespace's PIDs come back slowly enough for
-/// [`ALIVE_FOR`]: `/proc/sys/kernel/pid_max` read once (unreadable: no).
-pub fn pid_reuse_bounded() -> bool {
-    static BOUNDED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *BOUNDED.get_or_init(|| {
-        std::fs::read_to_string("/proc/sys/kernel/pid_max")
-            .ok()
-            .and_then(|s| s.trim().parse::<u64>().ok())
-            .is_some_and(|n| n >= PID_MAX_BOUNDED)
-    })
 }
 
 impl Initiator {
-    /// Pins `pid` ([`check_offer`] pins before it checks).
+    /// Pins `pid` with `pidfd_open(2)` (none where the kernel has no
+    /// pidfds). The caller must check afterwards that the pinned process
+    /// is the one it means ([`check_offer`] does).
     pub fn new(pid: i32) -> Initiator {
         // SAFETY: pidfd_open takes a PID and flags and returns a new fd
         // (or -1), which we own.
@@ -704,11 +1031,14 @@ impl Initiator {
             // SAFETY: a fresh descriptor returned to us above.
             unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) }
         });
+        Initiator { pid, pidfd }
+    }
+
+    /// The process `pidfd` pins, whose PID is `pid`.
+    pub fn with_pidfd(pid: i32, pidfd: std::os::fd::OwnedFd) -> Initiator {
         Initiator {
             pid,
-            pidfd,
-            seen_alive: std::sync::atomic::AtomicU64::new(0),
-            epoch: std::time::Instant::now(),
+            pidfd: Some(pidfd),
         }
     }
 
@@ -718,53 +1048,17 @@ impl Initiator {
         self.pidfd.is_some()
     }
 
-    /// [`Initiator::alive`], looked at no more than once per
-    /// [`ALIVE_FOR`] while it holds (see there why that is as safe for a
-    /// copy by PID), on every call where `pid_max` is below
-    /// [`PID_MAX_BOUNDED`]. A look that finds the process gone is never
-    /// cached: once false, false.
-    pub fn alive_lately(&self) -> bool {
-        if !pid_reuse_bounded() {
-            return self.alive();
+    /// The process to copy with: every copy polls the pidfd first.
+    pub fn remote(&self) -> Remote<'_> {
+        Remote {
+            pid: self.pid,
+            pidfd: self.pidfd.as_ref().map(|fd| fd.as_fd()),
         }
-        self.alive_within(ALIVE_FOR)
-    }
-
-    /// [`Initiator::alive_lately`] with a look standing for `stands`.
-    fn alive_within(&self, stands: std::time::Duration) -> bool {
-        use std::sync::atomic::Ordering;
-        if self.pidfd.is_none() {
-            return self.alive();
-        }
-        // The time before the look: a look stands from when it began.
-        let now = self.epoch.elapsed().as_nanos() as u64 + 1;
-        let seen = self.seen_alive.load(Ordering::Relaxed);
-        if seen == u64::MAX {
-            return false;
-        }
-        if seen != 0 && now.saturating_sub(seen) < stands.as_nanos() as u64 {
-            return true;
-        }
-        if !self.alive() {
-            // For good: `fetch_max` below cannot go past it.
-            self.seen_alive.store(u64::MAX, Ordering::Relaxed);
-            return false;
-        }
-        self.seen_alive.fetch_max(now, Ordering::Relaxed);
-        true
     }
 
     /// False once the process has exited (a pidfd polls readable then).
     pub fn alive(&self) -> bool {
-        let Some(fd) = &self.pidfd else { return true };
-        let mut p = libc::pollfd {
-            fd: fd.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: one valid pollfd, zero timeout.
-        let n = unsafe { libc::poll(&mut p, 1, 0) };
-        n == 0
+        self.remote().alive()
     }
 
     /// A copy of the initiator's descriptor number `fd` (`pidfd_getfd`,
@@ -925,37 +1219,71 @@ mod tests {
         assert_eq!(errno_name(12345), "errno 12345");
     }
 
+    /// Item 6 of issue 41: the copy itself asks the pidfd (no cached
+    /// verdict). An `Initiator` of this very process's PID but with the
+    /// pidfd of a child that exited: the kernel would allow the copy, the
+    /// pidfd's exit report stops it, and the destination stays untouched.
     #[test]
-    fn a_look_at_the_pidfd_stands_for_a_while_and_never_for_an_exit() {
+    fn a_pidfd_reporting_exit_prevents_the_copy() {
         let mut child = std::process::Command::new("sleep")
             .arg("30")
             .spawn()
             .expect("sleep");
-        let p = Initiator::new(child.id() as i32);
-        assert!(p.pinned());
-        let long = std::time::Duration::from_secs(60);
-        assert!(p.alive() && p.alive_within(long));
+        let theirs = Initiator::new(child.id() as i32);
+        assert!(theirs.pinned() && theirs.alive());
+        let me = std::process::id() as i32;
+        let src = vec![7u8; 4096];
+        let mut dst = vec![0u8; 4096];
+        let pidfd = theirs.pidfd.as_ref().expect("pinned").try_clone().unwrap();
+        let mixed = Initiator::with_pidfd(me, pidfd);
+        // SAFETY: `dst` is a live local buffer of that length.
+        let r = unsafe {
+            copy_all(
+                mixed.remote(),
+                false,
+                dst.as_mut_ptr(),
+                src.as_ptr() as u64,
+                dst.len(),
+            )
+        };
+        assert_eq!(r, Ok(()), "alive: the copy is made");
+        assert!(dst == src);
+        dst.fill(0);
         child.kill().expect("kill");
         child.wait().expect("reap");
-        assert!(!p.alive(), "the pidfd reports the exit at once");
-        assert!(p.alive_within(long), "the last look stands for its while");
-        assert!(
-            !p.alive_within(std::time::Duration::ZERO),
-            "after it, a look"
+        assert!(!theirs.alive(), "the pidfd reports the exit at once");
+        // SAFETY: as above.
+        let r = unsafe {
+            copy_all(
+                mixed.remote(),
+                false,
+                dst.as_mut_ptr(),
+                src.as_ptr() as u64,
+                dst.len(),
+            )
+        };
+        assert_eq!(
+            r,
+            Err(libc::ESRCH),
+            "no copy once the pidfd reports the exit"
         );
-        assert!(!p.alive_within(long), "an exit seen is seen for good");
-        assert!(!p.alive_lately());
+        assert!(dst.iter().all(|&b| b == 0), "nothing was copied");
+        let pairs = [(dst.as_mut_ptr() as usize, src.as_ptr() as u64, dst.len())];
+        assert_eq!(
+            // SAFETY: as above, through the split path (one part here).
+            unsafe { copy_split(mixed.remote(), false, &pairs) },
+            Err(libc::ESRCH)
+        );
+        assert!(dst.iter().all(|&b| b == 0), "nothing was copied");
         // A reaped PID cannot be pinned (grants need a pin).
         assert!(!Initiator::new(child.id() as i32).pinned());
-        let me = Initiator::new(std::process::id() as i32);
-        assert!(me.alive_lately() && me.alive_lately());
     }
 
     #[test]
     fn copies_within_this_process() {
         let src = vec![7u8; 100_000];
         let mut dst = vec![0u8; 100_000];
-        let pid = std::process::id() as i32;
+        let pid = Remote::unpinned(std::process::id() as i32);
         // SAFETY: `dst` is a live local buffer of that length.
         unsafe { copy_all(pid, false, dst.as_mut_ptr(), src.as_ptr() as u64, dst.len()) }
             .expect("copy");

@@ -606,7 +606,16 @@ unsafe impl Send for Part {}
 impl ClientGrants {
     /// Checks that this process may reach the target the page names (see
     /// the module's comment): `Err(reason)` otherwise (no grants are used).
-    pub fn open(area: Arc<Area>) -> Result<ClientGrants, String> {
+    ///
+    /// `attested`: the target's process as the kernel attests it on the
+    /// credential connection ([`super::cma::attested_target`]). The page
+    /// is the target's word only: granted copies go to the PID it names
+    /// only if that is the attested (and pinned) process, so a target
+    /// cannot make this process write with its privileges into another.
+    pub fn open(
+        area: Arc<Area>,
+        attested: Option<Result<Initiator, String>>,
+    ) -> Result<ClientGrants, String> {
         let page = area.grants().ok_or("no grants page")?;
         let pid = page.word(PID).load(Ordering::Relaxed);
         let probe = page.word(PROBE).load(Ordering::Relaxed);
@@ -615,9 +624,19 @@ impl ClientGrants {
             .ok()
             .filter(|&p| p > 0 && probe != 0 && nonce != 0)
             .ok_or("the target published no grants")?;
-        // Pinned first, then checked: the checks concern the pinned
-        // process.
-        let target = Initiator::new(pid);
+        // Pinned when attested, then checked: the checks concern the
+        // pinned process.
+        let target = match attested {
+            None => return Err("the target did not prove which process it is".to_owned()),
+            Some(Err(why)) => return Err(format!("the target's credentials: {why}")),
+            Some(Ok(t)) if t.pid != pid => {
+                return Err(format!(
+                    "the grants page names PID {pid}, not the target's process {}",
+                    t.pid
+                ))
+            }
+            Some(Ok(t)) => t,
+        };
         if !target.pinned() {
             return Err("no pidfd for the target's process".to_owned());
         }
@@ -626,7 +645,7 @@ impl ClientGrants {
         // range is checked by the kernel.
         let r = unsafe {
             super::cma::copy_all(
-                pid,
+                target.remote(),
                 false,
                 (&mut seen as *mut u64).cast(),
                 probe,
@@ -747,14 +766,12 @@ impl ClientGrants {
             #[cfg(feature = "test-hooks")]
             crate::test_hooks::between_mark_and_copy();
             // A PID whose process exited may have been reused: never
-            // reached (the pidfd tells; see `cma::ALIVE_FOR` for how
-            // often it is asked).
-            let ok = self.target.alive_lately() && {
-                // SAFETY: the caller guarantees the local ranges; the
-                // remote ones lie in a region the target granted and
-                // cannot free while the mark stands.
-                unsafe { self.copy_parts(read, parts) }
-            };
+            // reached (each copy polls the pidfd right before it, see
+            // `cma::Remote`).
+            // SAFETY: the caller guarantees the local ranges; the remote
+            // ones lie in a region the target granted and cannot free
+            // while the mark stands.
+            let ok = unsafe { self.copy_parts(read, parts) };
             leave(mark);
             ok
         };
@@ -787,7 +804,7 @@ impl ClientGrants {
                 .collect();
             let want: u64 = chunk.iter().map(|p| p.len).sum();
             // SAFETY: as for `copy`.
-            match unsafe { super::cma::copy(self.target.pid, !read, &local, &remote) } {
+            match unsafe { super::cma::copy(self.target.remote(), !read, &local, &remote) } {
                 Ok(n) if n as u64 == want => {}
                 _ => return false,
             }
@@ -799,6 +816,38 @@ impl ClientGrants {
 #[cfg(all(test, not(ferry_loom)))]
 mod tests {
     use super::*;
+
+    /// Issue 41 (item 2, the other way): the grants page is the target's
+    /// word; an initiator copies only into the process the kernel attests
+    /// on the credential connection. A page naming another PID (here a
+    /// child of this process, whose probe would pass: it is a copy of
+    /// this process's memory) is refused, as is a page from a target that
+    /// attested nothing; the page naming the attested process is taken.
+    #[test]
+    fn grants_go_only_to_the_attested_target() {
+        let area = Arc::new(Area::create(true).expect("an area with grants"));
+        let word = Box::new(0x1234_5678_9abc_def0u64);
+        let page = area.grants().expect("grants page");
+        page.word(PROBE)
+            .store(&*word as *const u64 as u64, Ordering::Relaxed);
+        page.word(NONCE).store(*word, Ordering::Relaxed);
+        let me = std::process::id() as i32;
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .expect("sleep");
+        page.word(PID).store(child.id() as u64, Ordering::Relaxed);
+        let why = match ClientGrants::open(Arc::clone(&area), Some(Ok(Initiator::new(me)))) {
+            Err(why) => why,
+            Ok(_) => panic!("another PID is refused"),
+        };
+        assert!(why.contains("not the target's process"), "{why}");
+        let _ = child.kill();
+        let _ = child.wait();
+        page.word(PID).store(me as u64, Ordering::Relaxed);
+        assert!(ClientGrants::open(Arc::clone(&area), None).is_err());
+        assert!(ClientGrants::open(Arc::clone(&area), Some(Ok(Initiator::new(me)))).is_ok());
+    }
 
     #[test]
     fn marks_name_entry_and_generation() {

@@ -6,19 +6,27 @@
 //! [`cma`]). The initiator offers the path only to a peer that can be on
 //! this host (a negotiating peer proves it with a keyed hash of boot id and
 //! PID namespace; an older one must be on loopback or this connection's own
-//! address). Its SAME_HOST request carries boot id, PID namespace, PID, the
-//! address of a probe word holding a fresh nonce, and optionally the
-//! number of its end of a Unix socket pair (the control channel) and of a
-//! sealed memfd (the staging area). The target pins the initiator's
-//! process with a pidfd first, then checks boot id, namespace, that the
-//! PID holds this very connection's socket and that `process_vm_readv` of
-//! the probe returns the nonce (the kernel grants it ptrace-level access);
-//! it takes the channel and the area with `pidfd_getfd`, maps the area
-//! only if it is a tmpfs memfd of exactly its size sealed against
-//! shrinking and growing, and answers SAME_HOST_OK with a verdict for each.
-//! States: `offered → agreed` (the connection moves to a thread of the
-//! target's own and, with the channel, onto the Unix socket) or
-//! `offered → refused(reason, errno)` (it stays a socket connection).
+//! address). A target of this build first has the initiator prove who it
+//! is to the kernel: its hello names an abstract Unix socket it opened for
+//! this connection, with a token; the initiator connects to it and sends
+//! the token before its offer ([`crate::negotiate::SAME_HOST_CRED`]). Its
+//! SAME_HOST request carries boot id, PID namespace, PID, the address of a
+//! probe word holding a fresh nonce, and optionally the number of its end
+//! of a Unix socket pair (the control channel) and of a sealed memfd (the
+//! staging area). The target checks boot id and namespace, then that the
+//! PID is the process the kernel attests connected to the credential
+//! socket (`SO_PEERCRED`), of its own uid or one the operator allows; only
+//! then does it pin that process (`SO_PEERPIDFD`, else `pidfd_open` and a
+//! re-check) and act on it: that it holds this very connection's socket
+//! and that `process_vm_readv` of the probe returns the nonce (the kernel
+//! grants it ptrace-level access); it takes the channel and the area with
+//! `pidfd_getfd`, maps the area only if it is a tmpfs memfd of exactly its
+//! size sealed against shrinking and growing, and answers SAME_HOST_OK
+//! with a verdict for each. States: `offered → agreed` (the connection
+//! moves to a thread of the target's own and, with the channel, onto the
+//! Unix socket) or `offered → refused` (one answer for every reason, no
+//! errno: the reason is logged by the target; the connection stays a
+//! socket connection, and a second offer closes it).
 //!
 //! **Moving bytes.** Frames of 8 MiB and more: CWRITE / CREAD, one
 //! cross-memory copy by the target (split over a helper thread) into or out
@@ -59,6 +67,25 @@
 //! - Nothing a peer writes into the area can make the target fault or
 //!   touch memory outside its checked ranges: slot addresses stay inside
 //!   the mapping, counters are only compared.
+//! - The target makes no system call on a process (no `process_vm_*`, no
+//!   `pidfd_getfd`, no `/proc/PID/fd`) before the peer has proven it is
+//!   that process (above), and tells a refused peer nothing about it.
+//!
+//! **Safety notes: PID reuse.** Copies are made by PID
+//! (`process_vm_readv` / `process_vm_writev` have no pidfd form). Each
+//! copy — the target's CWRITE / CREAD, every part of a split copy, every
+//! continuation after a short count, the initiator's granted copy — first
+//! polls the peer's pidfd (one non-blocking `poll(2)`, never a cached
+//! verdict; [`cma::Remote`]) and is not made once it reports the exit.
+//! What remains is the window between that poll and the system call: a
+//! thread preempted (or stopped) there for as long as it takes the peer to
+//! exit, be reaped, and its PID to be handed to another process — which
+//! the kernel does only after every other free PID of the namespace was
+//! given out (`pid_max` ≥ 32 768 by default) — would copy into or out of
+//! that process. The copy then still needs the ptrace-level access the
+//! copier has to it, and touches only the addresses the request named.
+//! Without pidfds (Linux < 5.3) nothing is polled and this window is the
+//! whole connection; the target refuses the path without a pin.
 
 pub(crate) mod choice;
 pub(crate) mod cma;

@@ -269,6 +269,7 @@ async fn serve_conn(
         }
         Some(Ok(r)) => r?,
     };
+    let mut verified = verified;
     let admitted = match core.admit(source_of(addr.ip())) {
         Ok(a) => a,
         Err(why) => {
@@ -297,6 +298,7 @@ async fn serve_conn(
     let served = core.served.peer(&verified.name);
     let peer = format!("{} ({peer})", verified.name.escape_default());
     let agreed = verified.agreement.clone();
+    let cred = verified.cred.take();
     tracing::debug!(
         %peer,
         version = agreed.version,
@@ -314,6 +316,7 @@ async fn serve_conn(
         cma_pid: None,
         stage: None,
         agreed,
+        cred,
         served,
     };
     // From here on the runtime hears of the socket only while a task waits

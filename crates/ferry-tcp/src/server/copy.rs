@@ -19,7 +19,7 @@ pub(super) fn acquire_segments(core: &Core, segs: &[Segment]) -> Vec<Result<Regi
 /// else the status and indices of those that did not. `one_call`: the
 /// segments do not overlap, so all of them may go in one system call.
 pub(super) fn cma_copy(
-    pid: i32,
+    to: cma::Remote<'_>,
     read: bool,
     segs: &[crate::frame::CmaSegment],
     guards: &[Result<RegionGuard, Status>],
@@ -38,7 +38,7 @@ pub(super) fn cma_copy(
             // by its guard until after copy_split has returned (it waits
             // for its helper threads); the kernel checks the initiator's
             // ranges (EFAULT, never a fault here).
-            unsafe { cma::copy_split(pid, read, &pairs) }.is_ok()
+            unsafe { cma::copy_split(to, read, &pairs) }.is_ok()
         } else {
             let local: Vec<libc::iovec> = guards
                 .iter()
@@ -50,7 +50,7 @@ pub(super) fn cma_copy(
                 .map(|s| cma::iov(s.local as usize as *mut u8, s.seg.len as usize))
                 .collect();
             // SAFETY: as above, for one system call.
-            (unsafe { cma::copy(pid, read, &local, &remote) }) == Ok(total as usize)
+            (unsafe { cma::copy(to, read, &local, &remote) }) == Ok(total as usize)
         };
         if ok {
             return None;
@@ -63,7 +63,7 @@ pub(super) fn cma_copy(
         let st = match g {
             Ok(g) => {
                 // SAFETY: as above, for this guard's range.
-                let r = unsafe { cma::copy_all(pid, read, g.as_ptr(), s.local, g.len() as usize) };
+                let r = unsafe { cma::copy_all(to, read, g.as_ptr(), s.local, g.len() as usize) };
                 match r {
                     Ok(()) => continue,
                     Err(_) => Status::CopyFailed,

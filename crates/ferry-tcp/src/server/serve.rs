@@ -16,6 +16,9 @@ pub(super) struct ConnState {
     pub(super) stage: Option<TargetStage>,
     /// The version and features the handshake settled.
     pub(super) agreed: crate::negotiate::Agreement,
+    /// The connection's credential socket until its SAME_HOST offer
+    /// (see [`cma::check_offer_on`]).
+    pub(super) cred: Option<cma::CredListener>,
     /// The peer's served-traffic counters.
     pub(super) served: ferry_core::inbound::ServedPeer,
 }
@@ -235,8 +238,11 @@ pub(super) async fn serve(
         mut cma_pid,
         mut stage,
         agreed,
+        mut cred,
         served,
     } = st;
+    // One SAME_HOST offer per connection: a second one closes it.
+    let mut offered = false;
     // The segment table of the current CWRITE / CREAD.
     let mut cma_table: Vec<u8> = Vec::new();
     loop {
@@ -481,16 +487,34 @@ pub(super) async fn serve(
                     .await
                     .map_err(|e| io_error(peer, e, stall))?;
                 let offer = cma::Offer::decode(&raw);
+                if std::mem::replace(&mut offered, true) {
+                    let reason = "a second SAME_HOST offer on one connection".to_owned();
+                    return Err(malformed(&stream, &mut out, core, peer, id, reason).await);
+                }
+                // The offered PID is trusted only once proven (see
+                // `cma::check_offer_on`); until then the target makes no
+                // system call on it, and whatever fails, the peer is told
+                // only "refused" (the detail goes to this log).
                 let verdict = match &stream {
-                    _ if cfg.same_host == SameHost::Off => Err((cma::Refusal::Disabled, 0)),
+                    _ if cfg.same_host == SameHost::Off => Err((cma::Refusal::Disabled, None)),
                     _ if !agreed.theirs.enabled(crate::negotiate::SAME_HOST) => {
                         let reason = "SAME_HOST from a peer that did not announce it".to_owned();
                         return Err(malformed(&stream, &mut out, core, peer, id, reason).await);
                     }
-                    s if cma_pid.is_none() && !s.is_unix() => match s.tcp_addrs() {
-                        Some(addrs) => cma::check_offer_on(addrs, &offer),
-                        None => Err((cma::Refusal::NotTheOwner, libc::EIO)),
-                    },
+                    s if cma_pid.is_none() && !s.is_unix() => {
+                        let checked = match (cred.take(), s.tcp_addrs()) {
+                            (None, _) => Err(
+                                "the peer did not prove its credentials (same-host-cred: a Ferry \
+                                 build without it, or not on this host)"
+                                    .to_owned(),
+                            ),
+                            (Some(_), None) => Err("no TCP addresses".to_owned()),
+                            (Some(l), Some(addrs)) => l.prove().and_then(|proof| {
+                                cma::check_offer_on(addrs, &offer, proof, &cfg.same_host_uids)
+                            }),
+                        };
+                        checked.map_err(|why| (cma::Refusal::Refused, Some(why)))
+                    }
                     _ => {
                         let reason = "SAME_HOST on a connection that has agreed it".to_owned();
                         return Err(malformed(&stream, &mut out, core, peer, id, reason).await);
@@ -573,13 +597,20 @@ pub(super) async fn serve(
                             cma_pid,
                             stage,
                             agreed,
+                            cred: None,
                             served,
                         });
                         return Ok(Served::ToThread(stream, st));
                     }
-                    Err((why, errno)) => {
-                        tracing::debug!(%peer, ?why, errno, "same-host path refused");
-                        out.err(id, Status::SameHostRefused, why as u64, errno as u64);
+                    Err((why, detail)) => {
+                        tracing::info!(
+                            %peer,
+                            pid = offer.pid,
+                            detail = detail.as_deref().unwrap_or("same_host=off"),
+                            "same-host path refused"
+                        );
+                        // No errno, no detail: one answer for every reason.
+                        out.err(id, Status::SameHostRefused, why as u64, 0);
                     }
                 }
             }
@@ -676,7 +707,13 @@ pub(super) async fn serve(
                 }
                 #[cfg(feature = "test-hooks")]
                 crate::test_hooks::between_check_and_copy(read);
-                let failed = cma_copy(initiator.pid, read, &segs, &guards, !overlapping(&plain));
+                let failed = cma_copy(
+                    initiator.remote(),
+                    read,
+                    &segs,
+                    &guards,
+                    !overlapping(&plain),
+                );
                 drop(guards);
                 let (bytes, n) = match &failed {
                     None => landed(&plain, |_| true),

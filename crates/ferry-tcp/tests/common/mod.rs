@@ -378,3 +378,87 @@ impl Helper {
         assert_eq!(unsafe { libc::kill(self.pid, sig) }, 0);
     }
 }
+
+/// A raw client that negotiates (extension block, no secret) with the
+/// same-host path and its credential proof on (granted copies and TLS
+/// off), returning the stream, the table and the target's credential
+/// invitation (`None`: it sent none).
+pub async fn raw_handshake_cred(
+    target: &str,
+) -> (
+    TcpStream,
+    Vec<TableEntry>,
+    Option<ferry_tcp::test_support::negotiate::CredInvite>,
+) {
+    use ferry_tcp::test_support::frame::FLAG_EXT;
+    use ferry_tcp::test_support::negotiate::{
+        host_token, Extensions, FeatureSet, VersionRange, FEATURES, GRANTS, LEGACY_VERSION,
+    };
+    let mut s = TcpStream::connect(target).await.expect("connect");
+    let nc: [u8; NONCE_LEN] = [3; NONCE_LEN];
+    let hello = Hello {
+        version: LEGACY_VERSION,
+        flags: FLAG_EXT,
+        nonce: nc,
+        name: "raw-cred-client".to_owned(),
+    };
+    s.write_all(&hello.encode()).await.expect("hello");
+    let mut fixed = [0u8; HELLO_FIXED];
+    s.read_exact(&mut fixed).await.expect("server hello");
+    let (theirs, name_len) = Hello::decode_fixed(&fixed).expect("valid hello");
+    let mut name = vec![0u8; name_len];
+    s.read_exact(&mut name).await.expect("name");
+    let mut len = [0u8; 2];
+    s.read_exact(&mut len).await.expect("extension block");
+    let mut body = vec![0u8; u16::from_le_bytes(len) as usize];
+    s.read_exact(&mut body).await.expect("extension block");
+    let ext = Extensions::decode(&body).expect("the target's block");
+    let has = FEATURES
+        .iter()
+        .filter(|f| **f != GRANTS)
+        .fold(0, |m, f| m | f.bit);
+    let mine = Extensions {
+        versions: VersionRange::OURS,
+        features: FeatureSet { has, on: has },
+        host: host_token(&nc, &theirs.nonce),
+        tls: None,
+        cred: None,
+    };
+    s.write_all(&mine.encode()).await.expect("our block");
+    s.write_all(&[0u8; 32]).await.expect("proof");
+    let table = read_welcome(&mut s).await;
+    (s, table, ext.cred)
+}
+
+/// [`raw_handshake_cred`], then proves this process's credentials to the
+/// target (the returned Unix connection must stay open until the offer is
+/// answered).
+pub async fn raw_same_host(
+    target: &str,
+) -> (TcpStream, Vec<TableEntry>, std::os::unix::net::UnixStream) {
+    let (s, table, invite) = raw_handshake_cred(target).await;
+    let invite = invite.expect("the target invites a same-host peer to prove its credentials");
+    let proof = ferry_tcp::test_support::cma::cred_connect(&invite).expect("credential socket");
+    (s, table, proof)
+}
+
+/// Reads WELCOME, the target's proof, idle deadline and table.
+async fn read_welcome(s: &mut TcpStream) -> Vec<TableEntry> {
+    let mut status = [0u8; 1];
+    s.read_exact(&mut status).await.expect("status");
+    assert_eq!(
+        status[0], WELCOME,
+        "expected a welcome (REJECT is {REJECT})"
+    );
+    let mut proof = [0u8; 32];
+    s.read_exact(&mut proof).await.expect("proof");
+    let mut idle = [0u8; 4];
+    s.read_exact(&mut idle).await.expect("idle deadline");
+    let mut count = [0u8; 4];
+    s.read_exact(&mut count).await.expect("count");
+    let count = u32::from_le_bytes(count);
+    assert!(count <= MAX_TABLE_ENTRIES);
+    let mut raw = vec![0u8; count as usize * TABLE_ENTRY_LEN];
+    s.read_exact(&mut raw).await.expect("table");
+    decode_table(&raw).expect("valid table")
+}
