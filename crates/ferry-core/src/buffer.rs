@@ -608,7 +608,10 @@ mod tests {
         let err = RegisteredBuffer::from_owned(Arc::clone(&engine), memory, Location::cpu(0))
             .await
             .unwrap_err();
-        assert!(matches!(err, Error::RegionHeld { addr: a, .. } if a == addr), "{err:?}");
+        assert!(
+            matches!(err, Error::RegionHeld { addr: a, .. } if a == addr),
+            "{err:?}"
+        );
         assert_eq!(leaked(), before + 1, "the memory was freed, not leaked");
         // Still registered where the backend kept it: unregistering it
         // reaches the engine (the leaked memory stays valid for it).
@@ -625,7 +628,11 @@ mod tests {
         let addr = buf.addr();
         let err = buf.register_with(second).await.unwrap_err();
         assert!(matches!(err, Error::RegionHeld { .. }), "{err:?}");
-        assert_eq!(buf.engines().len(), 2, "the engine that may hold it was dropped");
+        assert_eq!(
+            buf.engines().len(),
+            2,
+            "the engine that may hold it was dropped"
+        );
         // Release unregisters from it too, then frees.
         let before = leaked();
         buf.release().await.unwrap();
