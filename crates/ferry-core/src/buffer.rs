@@ -181,7 +181,10 @@ impl<E: TransferEngine + ?Sized> RegisteredBuffer<E> {
     }
 
     /// Registers `memory`, which the buffer then owns, with `engine` at
-    /// `location`. On error the memory is not registered and is freed.
+    /// `location`. On error the memory is not registered and is freed,
+    /// except on [`Error::RegionHeld`] (the registration failed but may
+    /// have stayed in the backend's library): then the memory is leaked,
+    /// never freed, and stays in the engine's table.
     pub async fn from_owned(
         engine: Arc<E>,
         memory: HostBuffer,
@@ -199,6 +202,10 @@ impl<E: TransferEngine + ?Sized> RegisteredBuffer<E> {
                 location,
                 memory: held.keep(),
             }),
+            Err(e) if may_stay_registered(&e) => {
+                held.leak("a failed register may have left the memory registered");
+                Err(e)
+            }
             Err(e) => {
                 // A failed register registered nothing.
                 held.free();
@@ -209,7 +216,10 @@ impl<E: TransferEngine + ?Sized> RegisteredBuffer<E> {
 
     /// Registers the same memory with one more engine (e.g. a second NIC's
     /// engine), at the same location; it is unregistered from that one too
-    /// before the memory is freed.
+    /// before the memory is freed. On [`Error::RegionHeld`] (the register
+    /// failed but may have stayed registered) the engine stays in
+    /// [`RegisteredBuffer::engines`], so that release and drop unregister
+    /// the memory from it too.
     pub async fn register_with(&mut self, engine: Arc<E>) -> Result<()> {
         // SAFETY: as in `from_owned`: the memory is unregistered from every
         // engine in `self.engines` before it is freed.
@@ -219,6 +229,7 @@ impl<E: TransferEngine + ?Sized> RegisteredBuffer<E> {
         self.engines.push(Arc::clone(&engine));
         match engine.register(region).await {
             Ok(()) => Ok(()),
+            Err(e) if may_stay_registered(&e) => Err(e),
             Err(e) => {
                 self.engines.pop();
                 Err(e)
@@ -295,6 +306,23 @@ unsafe fn raw_region(memory: &HostBuffer, location: Location) -> MemoryRegion {
     unsafe { MemoryRegion::from_raw_parts(memory.as_ptr(), memory.len(), location) }
 }
 
+/// Whether a failed register may have left the memory registered: the
+/// backend says so with [`Error::RegionHeld`] (also as the source of a
+/// [`Error::BatchRegisterFailed`]).
+fn may_stay_registered(e: &Error) -> bool {
+    match e {
+        Error::RegionHeld { .. } => true,
+        Error::BatchRegisterFailed { source, .. } => may_stay_registered(source),
+        _ => false,
+    }
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Memory leaked by `Pending::leak` on this thread (for the tests).
+    static LEAKED: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
 /// Owns memory that may be registered: dropping it leaks the memory unless
 /// [`Pending::free`] was called, so that a cancelled unregister never frees
 /// memory an engine may still write.
@@ -307,6 +335,16 @@ impl Pending {
 
     fn keep(mut self) -> Option<HostBuffer> {
         self.0.take()
+    }
+
+    /// Leaks the memory (it may be registered), saying why once.
+    fn leak(mut self, why: &str) {
+        if let Some(m) = self.0.take() {
+            tracing::warn!(addr = m.addr(), "leaking memory: {why}");
+            #[cfg(test)]
+            LEAKED.with(|n| n.set(n.get() + 1));
+            std::mem::forget(m);
+        }
     }
 }
 
@@ -413,7 +451,9 @@ impl<E: TransferEngine + ?Sized> RegisteredBuffers<E> {
 
     /// Registers every buffer of `buffers`, which the value then owns, with
     /// `engine` at `location`, all or none ([`TransferEngine::batch_register`]).
-    /// On error nothing is registered and the memory is freed.
+    /// On error nothing is registered and the memory is freed, except on
+    /// [`Error::RegionHeld`] (some of it may have stayed registered): then
+    /// every buffer is leaked, never freed.
     pub async fn from_owned(
         engine: Arc<E>,
         buffers: Vec<HostBuffer>,
@@ -432,6 +472,12 @@ impl<E: TransferEngine + ?Sized> RegisteredBuffers<E> {
                 engine,
                 buffers: held.into_iter().filter_map(Pending::keep).collect(),
             }),
+            Err(e) if may_stay_registered(&e) => {
+                for h in held {
+                    h.leak("a failed batch register may have left the memory registered");
+                }
+                Err(e)
+            }
             Err(e) => {
                 // All or nothing: a failed batch registered nothing.
                 held.into_iter().for_each(Pending::free);
@@ -503,5 +549,97 @@ impl<E: TransferEngine + ?Sized> Drop for RegisteredBuffers<E> {
                 buffers.into_iter().for_each(std::mem::forget);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::caps::Capabilities;
+    use crate::inproc::InprocEngine;
+
+    /// Registers with an in-process engine (the region stays in its table)
+    /// and then fails with `RegionHeld`: a backend whose library may have
+    /// kept a registration that failed half way.
+    struct HeldOnRegister {
+        inner: InprocEngine,
+    }
+
+    impl HeldOnRegister {
+        fn new() -> HeldOnRegister {
+            HeldOnRegister {
+                inner: InprocEngine::auto(Capabilities::default()),
+            }
+        }
+    }
+
+    impl TransferEngine for HeldOnRegister {
+        forward!(
+            backend_name,
+            segment_name,
+            capabilities,
+            backend_info,
+            unregister,
+            open_segment,
+            close_segment,
+            transfer
+        );
+
+        async fn register(&self, region: MemoryRegion) -> Result<()> {
+            let addr = region.addr();
+            self.inner.register(region).await?;
+            Err(Error::RegionHeld {
+                addr,
+                reason: "test: the registration failed and may have stayed".into(),
+            })
+        }
+    }
+
+    fn leaked() -> usize {
+        LEAKED.with(|n| n.get())
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn from_owned_leaks_memory_a_failed_register_may_have_left_registered() {
+        let engine = Arc::new(HeldOnRegister::new());
+        let memory = HostBuffer::new(4096).unwrap();
+        let addr = memory.addr();
+        let before = leaked();
+        let err = RegisteredBuffer::from_owned(Arc::clone(&engine), memory, Location::cpu(0))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, Error::RegionHeld { addr: a, .. } if a == addr),
+            "{err:?}"
+        );
+        assert_eq!(leaked(), before + 1, "the memory was freed, not leaked");
+        // Still registered where the backend kept it: unregistering it
+        // reaches the engine (the leaked memory stays valid for it).
+        engine.unregister(addr).await.unwrap();
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn register_with_keeps_an_engine_whose_register_may_have_stayed() {
+        let first: Arc<dyn DynTransferEngine> =
+            Arc::new(InprocEngine::auto(Capabilities::default()));
+        let held = Arc::new(HeldOnRegister::new());
+        let second: Arc<dyn DynTransferEngine> = held.clone();
+        let mut buf = RegisteredBuffer::new(first, 4096).await.unwrap();
+        let addr = buf.addr();
+        let err = buf.register_with(second).await.unwrap_err();
+        assert!(matches!(err, Error::RegionHeld { .. }), "{err:?}");
+        assert_eq!(
+            buf.engines().len(),
+            2,
+            "the engine that may hold it was dropped"
+        );
+        // Release unregisters from it too, then frees.
+        let before = leaked();
+        buf.release().await.unwrap();
+        assert_eq!(leaked(), before);
+        assert_eq!(
+            held.inner.unregister(addr).await,
+            Err(Error::RegionNotRegistered { addr })
+        );
     }
 }

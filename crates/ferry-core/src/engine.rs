@@ -60,6 +60,10 @@ pub trait TransferEngine: Send + Sync + 'static {
     /// location the backend cannot register, and with
     /// [`Error::RegionOverlap`] if it overlaps a registered region.
     ///
+    /// A failed register registered nothing, except [`Error::RegionHeld`]:
+    /// the region may be registered (a library failed to undo it) and stays
+    /// in the engine's table; unregister it before freeing the memory.
+    ///
     /// Cancel-safety: a dropped future leaves the region registered or not,
     /// never half (a registration in a library runs to its end); a
     /// [`crate::RegisteredBuffer`] whose registration was dropped leaks its
@@ -80,6 +84,12 @@ pub trait TransferEngine: Send + Sync + 'static {
     /// Registers every region, all or nothing: if one fails, those already
     /// registered by this call are unregistered and the error is
     /// [`Error::BatchRegisterFailed`] naming the failed index.
+    ///
+    /// A failed batch registered nothing, except [`Error::RegionHeld`]
+    /// (also as the source of `BatchRegisterFailed`): the region at its
+    /// address, and possibly others of the batch, may be registered (a
+    /// library failed to undo them) and stay in the engine's table;
+    /// unregister them before freeing the memory.
     ///
     /// Cancel-safety: all or nothing also when dropped (a rollback runs on
     /// a task of its own).

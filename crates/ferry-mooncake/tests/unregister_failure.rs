@@ -100,3 +100,53 @@ async fn regions_the_library_kept_stay_registered_after_a_failed_batch_unregiste
         std::mem::forget(kept);
     }
 }
+
+/// A batch register whose later group the library refuses, and whose undo
+/// of an earlier group the library refuses too: the region the library
+/// kept stays in Ferry's table (a later `unregister` asks the library
+/// again) and the error is `RegionHeld`, which `RegisteredBuffer` takes as
+/// "leak, never free". Before, the undo's answer was ignored, Ferry forgot
+/// the region and the caller freed memory the library still had.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_register_whose_undo_the_library_refuses_keeps_the_region() {
+    const REFUSED: usize = 8192;
+    for gen in SUPPORTED {
+        let meta = metadata_for(gen);
+        let kept = HostBuffer::new(KEPT).unwrap();
+        let refused = HostBuffer::new(REFUSED).unwrap();
+        let mut cfg = config(gen, &meta, "");
+        cfg.device = Some(format!("unreg_refuse_len={KEPT},reg_fail_len={REFUSED}"));
+        let a = start_engine(cfg).await.unwrap();
+        // Two locations, two library calls: `kept` is registered by the
+        // first, `refused` fails the second.
+        // SAFETY: the buffers outlive the engine; `kept` is leaked below.
+        let err = a
+            .batch_register(vec![unsafe { kept.region(Location::cpu(0)) }, unsafe {
+                refused.region(Location::cpu(1))
+            }])
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, Error::RegionHeld { addr, .. } if addr == kept.addr()),
+            "{gen}: a region the library may still have, typed: {err:?}"
+        );
+        // Still in Ferry's table: unregistering it asks the library again
+        // (which still refuses) instead of answering RegionNotRegistered.
+        let again = a.unregister(kept.addr()).await.unwrap_err();
+        assert!(
+            is_library_error(&again, "unregisterLocalMemory"),
+            "{gen}: unregister of the region the library kept: {again:?}"
+        );
+        // The refused region is in neither table.
+        assert_eq!(
+            a.unregister(refused.addr()).await,
+            Err(Error::RegionNotRegistered {
+                addr: refused.addr()
+            }),
+            "{gen}"
+        );
+        drop(a);
+        // Still registered with the library when its engine went: leaked.
+        std::mem::forget(kept);
+    }
+}

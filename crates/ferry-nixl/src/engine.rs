@@ -1020,6 +1020,22 @@ fn mem_kind(loc: &Location) -> Result<(i32, u64)> {
     }
 }
 
+/// A failed [`Inner::register_nixl`]: the error, and the addresses NIXL
+/// may still hold (their rollback deregistration failed).
+struct NixlRegisterFailed {
+    error: Error,
+    kept: Vec<u64>,
+}
+
+impl NixlRegisterFailed {
+    fn nothing(error: Error) -> NixlRegisterFailed {
+        NixlRegisterFailed {
+            error,
+            kept: Vec::new(),
+        }
+    }
+}
+
 impl Inner {
     /// Moves what NIXL received into Ferry's queue.
     fn drain_notes(&self) -> Result<()> {
@@ -1082,11 +1098,14 @@ impl Inner {
     }
 
     /// Registers with NIXL and advertises; the region is already in the
-    /// table. Nothing awaits: cancel-safe.
-    fn register_nixl(&self, regions: &[RegionInfo]) -> Result<()> {
+    /// table. Nothing awaits: cancel-safe. On failure, the groups already
+    /// registered are deregistered; the error names the addresses NIXL
+    /// may still hold (a deregistration that failed), which must stay in
+    /// the table.
+    fn register_nixl(&self, regions: &[RegionInfo]) -> std::result::Result<(), NixlRegisterFailed> {
         let mut by_kind: BTreeMap<i32, RegDescs> = BTreeMap::new();
         for r in regions {
-            let (kind, dev) = mem_kind(r.location())?;
+            let (kind, dev) = mem_kind(r.location()).map_err(NixlRegisterFailed::nothing)?;
             by_kind
                 .entry(kind)
                 .or_default()
@@ -1094,11 +1113,19 @@ impl Inner {
         }
         let mut done: Vec<(i32, &RegDescs)> = Vec::new();
         for (kind, descs) in &by_kind {
-            if let Err(e) = self.agent.register(*kind, descs, true) {
+            if let Err(error) = self.agent.register(*kind, descs, true) {
+                let mut kept = Vec::new();
                 for (k, d) in done {
-                    let _ = self.agent.register(k, d, false);
+                    if let Err(undo) = self.agent.register(k, d, false) {
+                        tracing::warn!(
+                            error = %undo,
+                            "ferry: NIXL refused to deregister regions of a failed register; \
+                             they stay registered"
+                        );
+                        kept.extend(d.iter().map(|&(addr, _, _)| addr));
+                    }
                 }
-                return Err(e);
+                return Err(NixlRegisterFailed { error, kept });
             }
             done.push((*kind, descs));
         }
@@ -1319,14 +1346,30 @@ impl TransferEngine for NixlEngine {
         }
         let infos: Vec<RegionInfo> = regions.iter().map(MemoryRegion::info).collect();
         self.inner.regions.insert_all(regions)?;
-        if let Err(e) = self.inner.register_nixl(&infos) {
-            for r in &infos {
+        if let Err(failed) = self.inner.register_nixl(&infos) {
+            // Out of the table only what NIXL surely does not hold: a
+            // region whose rollback failed stays (unadvertised), so that a
+            // later `unregister` deregisters it from NIXL again.
+            for r in infos.iter().filter(|r| !failed.kept.contains(&r.addr())) {
                 let _ = self.inner.regions.remove(r.addr()).await;
+            }
+            if let Some(&addr) = failed.kept.first() {
+                return Err(Error::RegionHeld {
+                    addr,
+                    reason: format!(
+                        "the registration failed ({}) and NIXL refused to undo {} region(s) \
+                         registered before, which may stay registered; they stay in Ferry's \
+                         table: unregister them (to retry NIXL's deregistration) before \
+                         freeing the memory",
+                        failed.error,
+                        failed.kept.len()
+                    ),
+                });
             }
             return Err(Error::BatchRegisterFailed {
                 index: 0,
                 addr: infos.first().map(RegionInfo::addr).unwrap_or(0),
-                source: Box::new(e),
+                source: Box::new(failed.error),
             });
         }
         Ok(())

@@ -97,6 +97,11 @@
  *    list and does not say which addresses it released). It stands for a
  *    transport that could not release a region (an RDMA memory region
  *    whose deregistration failed), for the tests of Ferry's bookkeeping;
+ *  - the same matrix containing "reg_fail_len=<n>" makes that engine refuse
+ *    to register a region of exactly <n> bytes (ERR_INVALID_ARGUMENT, from
+ *    registerLocalMemory and for the whole registerLocalMemoryBatch list):
+ *    with two locations, a later group of a Ferry batch fails after an
+ *    earlier one was registered;
  *  - openSegment of the name "ferry-testlib:refuse-notifications" opens
  *    nothing (it fails, -1) and makes that engine reject every notification
  *    sent to it from then on, as a TCP engine of v0.3.5-v0.3.7 does (for
@@ -271,6 +276,7 @@ typedef struct engine {
     int land_delay_ms;
     /* Test-only: regions of this many bytes are never released (0: none). */
     size_t refuse_unregister_len;
+    size_t refuse_register_len;
     /* Whether this engine's server accepts notifications (TCP engines of
      * v0.3.5-v0.3.7 reject them: only the RDMA transport installed the
      * handler until v0.3.8). */
@@ -1140,7 +1146,9 @@ EXPORT int registerLocalMemory(void *engine, void *addr, size_t length, const ch
     int rc = location_ok(location);
     if (rc) return rc;
     pthread_rwlock_wrlock(&e->mem);
-    if (overlaps_any(e, (uintptr_t)addr, length))
+    if (e->refuse_register_len && length == e->refuse_register_len)
+        rc = CODE(E_INVALID_ARGUMENT);
+    else if (overlaps_any(e, (uintptr_t)addr, length))
         rc = CODE(E_ADDRESS_OVERLAPPED);
     else
         rc = add_region(e, (uintptr_t)addr, length);
@@ -1169,6 +1177,8 @@ EXPORT int registerLocalMemoryBatch(void *engine, struct buffer_entry *list, siz
         uintptr_t a = (uintptr_t)list[i].addr;
         size_t l = list[i].length;
         if (!a || l == 0 || a + l < a) rc = CODE(E_INVALID_ARGUMENT);
+        else if (e->refuse_register_len && l == e->refuse_register_len)
+            rc = CODE(E_INVALID_ARGUMENT);
         else if (overlaps_any(e, a, l)) rc = CODE(E_ADDRESS_OVERLAPPED);
         for (size_t j = 0; j < i && !rc; j++) {
             uintptr_t b = (uintptr_t)list[j].addr;
@@ -1407,6 +1417,13 @@ static void parse_test_args(engine_t *e, void **args) {
         long long n = atoll(refuse + 17);
         pthread_rwlock_wrlock(&e->mem);
         e->refuse_unregister_len = n > 0 ? (size_t)n : 0;
+        pthread_rwlock_unlock(&e->mem);
+    }
+    const char *refuse_reg = strstr(m, "reg_fail_len=");
+    if (refuse_reg) {
+        long long n = atoll(refuse_reg + 13);
+        pthread_rwlock_wrlock(&e->mem);
+        e->refuse_register_len = n > 0 ? (size_t)n : 0;
         pthread_rwlock_unlock(&e->mem);
     }
     const char *delay = strstr(m, "land_delay=");

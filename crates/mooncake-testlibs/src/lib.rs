@@ -22,7 +22,8 @@
 //! v0.3.6, `land_delay=<ms>` and `land_cap_mib=<n>`, which time and bound
 //! the old TCP transport's late landing of written bytes, and
 //! `unreg_refuse_len=<n>`, which makes the library keep regions of `n`
-//! bytes when asked to unregister them), are listed at the
+//! bytes when asked to unregister them, and `reg_fail_len=<n>`, which makes
+//! it refuse to register regions of `n` bytes), are listed at the
 //! top of `csrc/mooncake_testlib.c`.
 #![forbid(unsafe_code)]
 

@@ -4,7 +4,7 @@
 //! their own: a caller that drops the future does not leave a region in one
 //! table and not the other, or a batch half registered.
 
-use std::ffi::c_void;
+use std::ffi::{c_void, CString};
 use std::future::Future;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -33,10 +33,12 @@ impl Drop for InFlight {
 }
 
 /// Runs `f` in a task of its own and waits for it: dropping the returned
-/// future leaves `f` running to its end.
-async fn to_completion<T: Send + 'static>(
+/// future leaves `f` running to its end. If the task does not finish (it
+/// panicked, or the runtime is shutting down), `lost` says what that means.
+async fn run_to_end<T: Send + 'static>(
     inner: &Arc<Inner>,
     f: impl Future<Output = Result<T>> + Send + 'static,
+    lost: impl FnOnce(String) -> Error,
 ) -> Result<T> {
     let counted = InFlight::new(inner);
     tokio::spawn(async move {
@@ -44,7 +46,69 @@ async fn to_completion<T: Send + 'static>(
         f.await
     })
     .await
-    .map_err(|e| Error::Canceled(format!("a Mooncake registration did not finish: {e}")))?
+    .map_err(|e| lost(format!("a Mooncake registration task did not finish: {e}")))?
+}
+
+/// `run_to_end` of an unregister: a task that did not finish left its
+/// regions registered (`Canceled`, which `RegisteredBuffer` leaks on).
+async fn to_completion<T: Send + 'static>(
+    inner: &Arc<Inner>,
+    f: impl Future<Output = Result<T>> + Send + 'static,
+) -> Result<T> {
+    run_to_end(inner, f, Error::Canceled).await
+}
+
+/// `run_to_end` of a register whose first region starts at `addr`: a task
+/// that did not finish may have left it registered (`RegionHeld`).
+async fn register_to_completion(
+    inner: &Arc<Inner>,
+    addr: u64,
+    f: impl Future<Output = Result<()>> + Send + 'static,
+) -> Result<()> {
+    run_to_end(inner, f, |why| held_after_failed_register(addr, &why)).await
+}
+
+/// A failed register that may have left the region at `addr` in the
+/// library: it stays in Ferry's table too, so that a later `unregister`
+/// asks the library again, and `RegisteredBuffer` leaks its memory.
+fn held_after_failed_register(addr: u64, why: &str) -> Error {
+    Error::RegionHeld {
+        addr,
+        reason: format!(
+            "the registration failed ({why}) and may have stayed in the Mooncake library; \
+             it stays in Ferry's table: unregister it (to retry the library's unregister) \
+             before freeing the memory"
+        ),
+    }
+}
+
+/// Asks the library to let go of `addr` alone: whether it surely does not
+/// hold it any more (`unregisterLocalMemory` answered 0, or
+/// `ERR_ADDRESS_NOT_REGISTERED`).
+async fn released_alone(inner: &Arc<Inner>, addr: u64) -> bool {
+    let this = Arc::clone(inner);
+    let one = blocking(move || {
+        // SAFETY: live engine; no transfer uses the region (it is being
+        // registered or unregistered under the registry lock).
+        unsafe { (this.lib.api.unregister)(this.raw(), addr as usize as *mut c_void) }
+    })
+    .await;
+    let released = match one {
+        Ok(0) => true,
+        Ok(rc) => {
+            MooncakeErrorCode::from_raw(i64::from(rc))
+                == Some(MooncakeErrorCode::AddressNotRegistered)
+        }
+        Err(_) => false,
+    };
+    if !released {
+        tracing::warn!(
+            addr,
+            answer = ?one,
+            "ferry: mooncake kept a region it was asked to let go of; it stays registered"
+        );
+    }
+    released
 }
 
 fn check_host(region: &MemoryRegion) -> Result<()> {
@@ -66,7 +130,8 @@ impl MooncakeEngine {
         check_host(&region)?;
         let loc = cstring("location", region.location().as_str())?;
         let inner = Arc::clone(&self.inner);
-        to_completion(&self.inner, async move {
+        let at = region.addr();
+        register_to_completion(&self.inner, at, async move {
             let _registering = inner.registry.read().await;
             let (addr, len) = (region.addr(), region.len());
             inner.regions.insert(region)?;
@@ -87,12 +152,21 @@ impl MooncakeEngine {
             .await;
             match rc {
                 Ok(0) => Ok(()),
-                other => {
+                Ok(rc) => {
+                    // The library refused it: it registered nothing.
                     inner.regions.remove(addr).await?;
-                    Err(match other {
-                        Ok(rc) => call_error("registerLocalMemory", i64::from(rc)),
-                        Err(e) => e,
-                    })
+                    Err(call_error("registerLocalMemory", i64::from(rc)))
+                }
+                Err(e) => {
+                    // The call did not run to an answer: the library may
+                    // have registered it. Out of the table only once the
+                    // library surely does not have it.
+                    if released_alone(&inner, addr).await {
+                        inner.regions.remove(addr).await?;
+                        Err(e)
+                    } else {
+                        Err(held_after_failed_register(addr, &e.to_string()))
+                    }
                 }
             }
         })
@@ -144,7 +218,8 @@ impl MooncakeEngine {
             }
         }
         let inner = Arc::clone(&self.inner);
-        to_completion(&self.inner, register_batch(inner, regions)).await
+        let at = regions.first().map(|r| r.addr()).unwrap_or(0);
+        register_to_completion(&self.inner, at, register_batch(inner, regions)).await
     }
 
     /// `batch_unregister`: waits for the transfers using each region, then
@@ -206,37 +281,41 @@ impl MooncakeEngine {
             }
             first.get_or_insert(call_error("unregisterLocalMemoryBatch", i64::from(rc)));
             for (a, removal) in removals {
-                let this = Arc::clone(&inner);
-                let one = blocking(move || {
-                    // SAFETY: live engine; no transfer uses the region.
-                    unsafe { (this.lib.api.unregister)(this.raw(), a as usize as *mut c_void) }
-                })
-                .await;
-                let released = match one {
-                    Ok(0) => true,
-                    Ok(rc) => {
-                        MooncakeErrorCode::from_raw(i64::from(rc))
-                            == Some(MooncakeErrorCode::AddressNotRegistered)
-                    }
-                    Err(_) => false,
-                };
-                if released {
+                if released_alone(&inner, a).await {
                     removal.finish();
-                } else {
-                    tracing::warn!(
-                        addr = a,
-                        batch_code = rc,
-                        answer = ?one,
-                        "ferry: mooncake kept a region of a failed unregisterLocalMemoryBatch; \
-                         it stays registered"
-                    );
-                    // `removal` dropped unfinished: registered in both.
                 }
+                // Otherwise `removal` dropped unfinished: registered in both.
             }
             first.map_or(Ok(()), Err)
         })
         .await
     }
+}
+
+/// Unregisters `addrs` from the library (the undo of a failed batch
+/// register); the addresses it may still hold.
+async fn undo_in_library(inner: &Arc<Inner>, addrs: Vec<u64>) -> Vec<u64> {
+    let this = Arc::clone(inner);
+    let batch = addrs.clone();
+    let rc = blocking(move || {
+        let mut ptrs: Vec<*mut c_void> = batch.iter().map(|&a| a as usize as *mut c_void).collect();
+        // SAFETY: live engine; addresses of regions this call registered
+        // (unknown ones are reported, not touched).
+        unsafe { (this.lib.api.unregister_batch)(this.raw(), ptrs.as_mut_ptr(), ptrs.len()) }
+    })
+    .await;
+    if matches!(rc, Ok(0)) {
+        return Vec::new();
+    }
+    // One code for the whole list (the addresses of the failed group were
+    // likely never registered: ERR_ADDRESS_NOT_REGISTERED): each alone.
+    let mut kept = Vec::new();
+    for a in addrs {
+        if !released_alone(inner, a).await {
+            kept.push(a);
+        }
+    }
+    kept
 }
 
 /// The body of `batch_register` (run to completion, see `to_completion`).
@@ -249,6 +328,19 @@ async fn register_batch(inner: Arc<Inner>, owned: Vec<MemoryRegion>) -> Result<(
         addr: regions[index].addr(),
         source: Box::new(source),
     };
+    // Every location as a C string before anything is registered: a
+    // failure below is then the library's only.
+    let mut groups: Vec<(String, CString, Vec<usize>)> = Vec::new();
+    for (i, r) in regions.iter().enumerate() {
+        let loc = r.location().as_str();
+        match groups.iter_mut().find(|(l, _, _)| l == loc) {
+            Some((_, _, v)) => v.push(i),
+            None => {
+                let c = cstring("location", loc).map_err(|e| fail(i, e))?;
+                groups.push((loc.to_owned(), c, vec![i]));
+            }
+        }
+    }
     let _registering = inner.registry.read().await;
     for (i, r) in owned.into_iter().enumerate() {
         if let Err(e) = inner.regions.insert(r) {
@@ -259,16 +351,8 @@ async fn register_batch(inner: Arc<Inner>, owned: Vec<MemoryRegion>) -> Result<(
         }
     }
     // One C call per location, in first-appearance order.
-    let mut groups: Vec<(String, Vec<usize>)> = Vec::new();
-    for (i, r) in regions.iter().enumerate() {
-        let loc = r.location().as_str();
-        match groups.iter_mut().find(|(l, _)| l == loc) {
-            Some((_, v)) => v.push(i),
-            None => groups.push((loc.to_owned(), vec![i])),
-        }
-    }
     let mut registered: Vec<usize> = Vec::new();
-    for (loc, idx) in &groups {
+    for (_, loc_c, idx) in groups {
         let this = Arc::clone(&inner);
         let mut entries: Vec<CBufferEntry> = idx
             .iter()
@@ -277,7 +361,6 @@ async fn register_batch(inner: Arc<Inner>, owned: Vec<MemoryRegion>) -> Result<(
                 length: regions[i].len() as usize,
             })
             .collect();
-        let loc_c = cstring("location", loc)?;
         let rc = blocking(move || {
             // SAFETY: live engine; every range is a region the caller
             // promised valid; `entries` and `loc_c` outlive the call.
@@ -301,22 +384,26 @@ async fn register_batch(inner: Arc<Inner>, owned: Vec<MemoryRegion>) -> Result<(
             // this one, in case the library registered part of it).
             let undo: Vec<u64> = registered
                 .iter()
-                .chain(idx)
+                .chain(&idx)
                 .map(|&i| regions[i].addr())
                 .collect();
-            let this = Arc::clone(&inner);
-            let _ = blocking(move || {
-                let mut ptrs: Vec<*mut c_void> =
-                    undo.iter().map(|&a| a as usize as *mut c_void).collect();
-                // SAFETY: live engine; addresses of regions this call
-                // registered (unknown ones are reported, not touched).
-                unsafe {
-                    (this.lib.api.unregister_batch)(this.raw(), ptrs.as_mut_ptr(), ptrs.len())
-                }
-            })
-            .await;
-            for r in &regions {
+            let kept = undo_in_library(&inner, undo).await;
+            // Out of Ferry's table last, and only what the library surely
+            // let go of: a region it may still have stays (a later
+            // `unregister` asks it again).
+            for r in regions.iter().filter(|r| !kept.contains(&r.addr())) {
                 let _ = inner.regions.remove(r.addr()).await;
+            }
+            if let Some(&addr) = kept.first() {
+                return Err(held_after_failed_register(
+                    addr,
+                    &format!(
+                        "region {} of the batch: {e}; the library refused to undo {} \
+                         region(s) registered before",
+                        idx[0],
+                        kept.len()
+                    ),
+                ));
             }
             return Err(fail(idx[0], e));
         }
