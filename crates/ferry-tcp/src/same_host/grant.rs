@@ -793,18 +793,27 @@ impl ClientGrants {
     /// As for [`ClientGrants::copy`].
     unsafe fn copy_parts(&self, read: bool, parts: &[Part]) -> bool {
         const IOV_MAX: usize = 1024;
+        // Small calls (most granted ones) build their iovecs on the stack:
+        // the copy's own poll of the pidfd is its one extra cost.
+        const ON_STACK: usize = 8;
+        let empty = super::cma::iov(std::ptr::null_mut(), 0);
+        let (mut l_stack, mut r_stack) = ([empty; ON_STACK], [empty; ON_STACK]);
+        let (mut l_heap, mut r_heap) = (Vec::new(), Vec::new());
         for chunk in parts.chunks(IOV_MAX) {
-            let local: Vec<libc::iovec> = chunk
-                .iter()
-                .map(|p| super::cma::iov(p.local, p.len as usize))
-                .collect();
-            let remote: Vec<libc::iovec> = chunk
-                .iter()
-                .map(|p| super::cma::iov(p.remote as usize as *mut u8, p.len as usize))
-                .collect();
+            let (local, remote) = if chunk.len() <= ON_STACK {
+                (&mut l_stack[..chunk.len()], &mut r_stack[..chunk.len()])
+            } else {
+                l_heap.resize(chunk.len(), empty);
+                r_heap.resize(chunk.len(), empty);
+                (&mut l_heap[..chunk.len()], &mut r_heap[..chunk.len()])
+            };
+            for ((l, r), p) in local.iter_mut().zip(remote.iter_mut()).zip(chunk) {
+                *l = super::cma::iov(p.local, p.len as usize);
+                *r = super::cma::iov(p.remote as usize as *mut u8, p.len as usize);
+            }
             let want: u64 = chunk.iter().map(|p| p.len).sum();
             // SAFETY: as for `copy`.
-            match unsafe { super::cma::copy(self.target.remote(), !read, &local, &remote) } {
+            match unsafe { super::cma::copy(self.target.remote(), !read, local, remote) } {
                 Ok(n) if n as u64 == want => {}
                 _ => return false,
             }
