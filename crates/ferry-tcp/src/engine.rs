@@ -51,6 +51,13 @@ struct Inner {
 /// engine (or calling [`TcpEngine::shutdown`]) stops the listener, closes
 /// every connection and cancels its asynchronous batches. Must be used
 /// inside a Tokio runtime (it spawns tasks).
+///
+/// Memory it has registered may be freed once `unregister` of it, or
+/// `shutdown`, has returned `Ok`. Dropping the engine does not wait: a
+/// same-host initiator that marked a granted copy before the drop (and was
+/// stopped between its mark and its copy) may still complete that one
+/// copy, so free memory of a dropped engine only after `shutdown` (or
+/// `RegisteredBuffer`, which unregisters before it frees).
 pub struct TcpEngine {
     inner: Arc<Inner>,
 }
