@@ -30,6 +30,9 @@ class FakeWheelTestDouble:
     (as a wheel that refuses does) and keep the region."""
 
     fail_unregister = False
+    # ``batch_register_memory`` keeps the first ``batch_keeps`` regions,
+    # then fails (-1), as a wheel that stops half-way would.
+    batch_keeps = None
 
     def __init__(self):
         self.registered = {}
@@ -47,13 +50,18 @@ class FakeWheelTestDouble:
         return 0
 
     def unregister_memory(self, addr):
-        if FakeWheelTestDouble.fail_unregister or addr not in self.registered:
+        if addr not in self.registered:
+            return -3  # ERR_ADDRESS_NOT_REGISTERED, as the real wheels answer
+        if FakeWheelTestDouble.fail_unregister:
             return -1
         del self.registered[addr]
         return 0
 
     def batch_register_memory(self, addrs, lengths, location="*"):
-        for a, n in zip(addrs, lengths):
+        keeps = FakeWheelTestDouble.batch_keeps
+        for i, (a, n) in enumerate(zip(addrs, lengths)):
+            if keeps is not None and i >= keeps:
+                return -1
             self.registered[a] = n
         return 0
 
@@ -76,6 +84,7 @@ def fake_wheel(monkeypatch):
     monkeypatch.setitem(sys.modules, "mooncake", package)
     monkeypatch.setitem(sys.modules, "mooncake.engine", engine)
     monkeypatch.setattr(FakeWheelTestDouble, "fail_unregister", False)
+    monkeypatch.setattr(FakeWheelTestDouble, "batch_keeps", None)
     return FakeWheelTestDouble
 
 
@@ -107,6 +116,42 @@ def test_a_refused_unregister_keeps_the_region_registered(fake_wheel):
     fake_wheel.fail_unregister = False
     e.unregister(addr)
     assert e.registered() == [] and resizable(buf)
+
+
+def test_a_failed_batch_register_whose_undo_is_refused_keeps_what_the_wheel_kept(fake_wheel):
+    """Issue 41 audit: the wheel's ``batch_register_memory`` keeps two of
+    three regions and fails, and refuses to let them go again. The regions
+    it may still have stay in Ferry's table (``RegionHeld`` as the cause of
+    ``BatchRegisterFailed``) and their objects stay alive; once the wheel
+    lets go, ``unregister`` releases them. Before, Ferry forgot the regions
+    and released the objects while the wheel still had their memory."""
+    e = ferry.Engine("mooncake-py://")
+    bufs = [bytearray(4096) for _ in range(3)]
+    fake_wheel.batch_keeps = 2
+    fake_wheel.fail_unregister = True
+    with pytest.raises(ferry.BatchRegisterFailed) as err:
+        e.batch_register(bufs)
+    assert "stays registered" in str(err.value), str(err.value)
+    kept = [ferry_addr(b) for b in bufs[:2]]
+    # Which regions the wheel kept is not certain from here: every object
+    # of the batch is kept alive.
+    assert set(kept) <= {a for a, _ in e.registered()}
+    assert not any(resizable(b) for b in bufs), "released while the wheel may still have it"
+    fake_wheel.fail_unregister = False
+    for b in bufs[:2]:
+        e.unregister(b)
+    # The third never stayed: the engine says so, and its object goes.
+    with pytest.raises(ferry.RegionNotRegistered):
+        e.unregister(bufs[2])
+    assert e.registered() == []
+    assert all(resizable(b) for b in bufs)
+
+
+def ferry_addr(buf):
+    """The address Ferry registers for ``buf`` (its first byte)."""
+    import ctypes
+
+    return ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf))
 
 
 def test_a_refused_batch_unregister_keeps_every_region(fake_wheel):

@@ -543,8 +543,16 @@ impl PyEngine {
         let resolved = resolve(target, length)?;
         let region = Self::region_of(&resolved, location)?;
         let region = self.checked_kind(region).map_err(|e| to_pyerr(py, &e))?;
-        block_on(py, engine.register(region))?.map_err(|e| to_pyerr(py, &e))?;
         let (addr, len) = (resolved.addr, resolved.len);
+        if let Err(e) = block_on(py, engine.register(region))? {
+            if may_stay_registered(&e) {
+                // The backend may still have it: its object stays alive
+                // until an `unregister` of it succeeds (or the engine
+                // drops), never released on doubt.
+                self.hold(addr, len, resolved.keep);
+            }
+            return Err(to_pyerr(py, &e));
+        }
         self.hold(addr, len, resolved.keep);
         Ok((addr, len))
     }
@@ -556,7 +564,14 @@ impl PyEngine {
         let engine = self.engine()?;
         let addr = address_of(target)?;
         let token = self.token_of(addr);
-        block_on(py, engine.unregister(addr))?.map_err(|e| to_pyerr(py, &e))?;
+        if let Err(e) = block_on(py, engine.unregister(addr))? {
+            if matches!(e, ferry::Error::RegionNotRegistered { .. }) {
+                // Not registered (the engine says so): an object kept on
+                // doubt (a failed register that may have stayed) goes.
+                drop(self.release(addr, token));
+            }
+            return Err(to_pyerr(py, &e));
+        }
         self.run_test_hook(py)?;
         let released = self.release(addr, token);
         drop(released);
@@ -605,7 +620,18 @@ impl PyEngine {
             regions.push(region);
             resolved.push(r);
         }
-        block_on(py, engine.batch_register(regions))?.map_err(|e| to_pyerr(py, &e))?;
+        if let Err(e) = block_on(py, engine.batch_register(regions))? {
+            if may_stay_registered(&e) {
+                // Which regions the backend kept is not certain: every
+                // object of the batch stays alive until an `unregister`
+                // of it succeeds or says it is not registered (or the
+                // engine drops, which unregisters each).
+                for r in resolved {
+                    self.hold(r.addr, r.len, r.keep);
+                }
+            }
+            return Err(to_pyerr(py, &e));
+        }
         let out = resolved.iter().map(|r| (r.addr, r.len)).collect();
         for r in resolved {
             self.hold(r.addr, r.len, r.keep);
@@ -989,5 +1015,16 @@ impl PyEngine {
             ),
             None => "<ferry.Engine closed>".to_owned(),
         }
+    }
+}
+
+/// Whether a failed register may have left the region registered
+/// (`RegionHeld`, also as the source of `BatchRegisterFailed`): see
+/// `TransferEngine::register`.
+fn may_stay_registered(e: &ferry::Error) -> bool {
+    match e {
+        ferry::Error::RegionHeld { .. } => true,
+        ferry::Error::BatchRegisterFailed { source, .. } => may_stay_registered(source),
+        _ => false,
     }
 }

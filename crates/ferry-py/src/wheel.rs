@@ -457,6 +457,9 @@ fn split_port(s: &str) -> (&str, Option<&str>) {
     }
 }
 
+/// The wheel's `ERR_ADDRESS_NOT_REGISTERED`.
+const ADDRESS_NOT_REGISTERED: i64 = -3;
+
 impl Inner {
     /// Runs `f` with the GIL on the runtime's blocking pool and returns what
     /// the wheel's method returned (`0` is success).
@@ -587,19 +590,44 @@ impl Inner {
             .await;
         if let Err(e) = out {
             // All or nothing: the wheel does not say which region failed,
-            // nor whether it kept the others; take every one back.
-            // Out of the wheel first, then out of the table (the wheel
-            // answers an address it did not keep with an error: ignored).
+            // nor whether it kept the others; take every one back, out of
+            // the wheel first, then out of the table. An address the wheel
+            // answers 0 (released) or ERR_ADDRESS_NOT_REGISTERED (never
+            // kept) leaves the table; any other answer may mean the wheel
+            // still has it: it stays in the table (a later `unregister`
+            // retries) and the error says so (`RegionHeld`, leak on doubt).
+            let mut kept = None;
             for &addr in &addrs {
                 let removal = self.regions.remove_in_steps(addr).await;
-                let _ = self
+                let undo = self
                     .call("unregister_memory", move |_, w| {
                         w.call_method1("unregister_memory", (addr,))
                     })
                     .await;
-                if let Ok(r) = removal {
-                    r.finish();
+                match (removal, undo) {
+                    (Ok(r), Ok(0 | ADDRESS_NOT_REGISTERED)) => r.finish(),
+                    (_, undo) => {
+                        kept.get_or_insert((addr, undo));
+                    }
                 }
+            }
+            if let Some((addr, undo)) = kept {
+                let answer = match undo {
+                    Ok(rc) => format!("answered {rc}"),
+                    Err(e) => format!("failed: {e}"),
+                };
+                return Err(Error::BatchRegisterFailed {
+                    index: 0,
+                    addr,
+                    source: Box::new(Error::RegionHeld {
+                        addr,
+                        reason: format!(
+                            "batch_register_memory failed ({e}), and the wheel's unregister_memory \
+                             of the region it may have kept {answer}: it stays registered; \
+                             unregister it before freeing the memory"
+                        ),
+                    }),
+                });
             }
             return Err(Error::BatchRegisterFailed {
                 index: 0,
