@@ -450,25 +450,8 @@ impl CredListener {
             if n != 16 || !same {
                 continue;
             }
-            let mut cred = libc::ucred {
-                pid: 0,
-                uid: 0,
-                gid: 0,
-            };
-            let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-            // SAFETY: `cred` and `len` are valid for SO_PEERCRED's ucred.
-            let r = unsafe {
-                libc::getsockopt(
-                    conn.as_raw_fd(),
-                    libc::SOL_SOCKET,
-                    libc::SO_PEERCRED,
-                    (&mut cred as *mut libc::ucred).cast(),
-                    &mut len,
-                )
-            };
-            if r < 0 {
-                return Err(format!("SO_PEERCRED: {}", errno_name(last_errno())));
-            }
+            let cred = peer_cred(conn.as_raw_fd())
+                .map_err(|e| format!("SO_PEERCRED: {}", errno_name(e)))?;
             let pidfd = peer_pidfd(conn.as_raw_fd());
             return Ok(Proven {
                 pid: cred.pid,
@@ -647,6 +630,32 @@ fn socket_owned_by(
         }
     }
     Ok(false)
+}
+
+/// The credentials (`SO_PEERCRED`) of the peer of the Unix stream socket
+/// `fd`, as of its `connect(2)` (or `listen(2)`, seen from the connecting
+/// side); the errno if the kernel gives none.
+fn peer_cred(fd: std::os::fd::RawFd) -> Result<libc::ucred, i32> {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: `cred` and `len` are valid for SO_PEERCRED's ucred.
+    let r = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    if r < 0 {
+        return Err(last_errno());
+    }
+    Ok(cred)
 }
 
 /// An iovec.
@@ -1122,25 +1131,7 @@ impl Initiator {
         if domain != libc::AF_UNIX || kind != libc::SOCK_STREAM {
             return Err(libc::EPROTOTYPE);
         }
-        let mut cred = libc::ucred {
-            pid: 0,
-            uid: 0,
-            gid: 0,
-        };
-        let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-        // SAFETY: `cred` and `len` are valid for SO_PEERCRED's ucred.
-        let r = unsafe {
-            libc::getsockopt(
-                owned.as_raw_fd(),
-                libc::SOL_SOCKET,
-                libc::SO_PEERCRED,
-                (&mut cred as *mut libc::ucred).cast(),
-                &mut len,
-            )
-        };
-        if r < 0 {
-            return Err(last_errno());
-        }
+        let cred = peer_cred(owned.as_raw_fd())?;
         if cred.pid != self.pid {
             return Err(libc::EACCES);
         }

@@ -464,23 +464,9 @@ impl Grants {
         r: &Revoked,
         patience: Duration,
     ) -> Result<(), i32> {
-        let start = Instant::now();
-        let mut n = 0u32;
-        loop {
-            let Some(pid) = r.held() else {
-                lock(&self.inner).held.remove(&(addr, gen));
-                return Ok(());
-            };
-            if start.elapsed() >= patience {
-                return Err(pid);
-            }
-            n += 1;
-            if n < 64 {
-                tokio::task::yield_now().await;
-            } else {
-                tokio::time::sleep(Duration::from_millis(1)).await;
-            }
-        }
+        wait_while(patience, || r.held()).await?;
+        lock(&self.inner).held.remove(&(addr, gen));
+        Ok(())
     }
 
     /// Waits until no live initiator marks a copy under any grant, at most
@@ -488,32 +474,17 @@ impl Grants {
     /// check). `Err((addr, pid))`: the region a mark names (0 if it names
     /// none the engine knows) and the process that still holds it.
     pub async fn settle_all(&self, patience: Duration) -> Result<(), (u64, i32)> {
-        let start = Instant::now();
-        let mut n = 0u32;
-        loop {
-            let held = {
-                let g = lock(&self.inner);
-                g.areas.iter().find_map(|l| {
-                    let page = l.page();
-                    let v = (0..MARKS)
-                        .map(|m| page.mark(m).load(Ordering::Acquire))
-                        .find(|&v| v != 0)?;
-                    l.peer.alive().then(|| (g.region_of(v), l.peer.pid))
-                })
-            };
-            let Some(held) = held else {
-                return Ok(());
-            };
-            if start.elapsed() >= patience {
-                return Err(held);
-            }
-            n += 1;
-            if n < 64 {
-                tokio::task::yield_now().await;
-            } else {
-                tokio::time::sleep(Duration::from_millis(1)).await;
-            }
-        }
+        wait_while(patience, || {
+            let g = lock(&self.inner);
+            g.areas.iter().find_map(|l| {
+                let page = l.page();
+                let v = (0..MARKS)
+                    .map(|m| page.mark(m).load(Ordering::Acquire))
+                    .find(|&v| v != 0)?;
+                l.peer.alive().then(|| (g.region_of(v), l.peer.pid))
+            })
+        })
+        .await
     }
 
     /// The engine stops serving: every grant of every area is revoked (a
@@ -554,6 +525,28 @@ impl Grants {
         let mut g = lock(&self.inner);
         for l in &mut g.areas {
             l.sync();
+        }
+    }
+}
+
+/// Looks with `held` until it finds nothing (`Ok`), at most `patience`
+/// (then `Err` with what it found last): 64 yields first, then once a
+/// millisecond.
+async fn wait_while<T>(patience: Duration, mut held: impl FnMut() -> Option<T>) -> Result<(), T> {
+    let start = Instant::now();
+    let mut n = 0u32;
+    loop {
+        let Some(h) = held() else {
+            return Ok(());
+        };
+        if start.elapsed() >= patience {
+            return Err(h);
+        }
+        n += 1;
+        if n < 64 {
+            tokio::task::yield_now().await;
+        } else {
+            tokio::time::sleep(Duration::from_millis(1)).await;
         }
     }
 }
