@@ -525,24 +525,10 @@ pub fn cred_connect(
 /// PID). Granted copies go only to that process
 /// ([`crate::same_host::grant::ClientGrants::open`]).
 pub fn attested_target(conn: &std::os::unix::net::UnixStream) -> Result<Initiator, String> {
-    let mut cred = libc::ucred {
-        pid: 0,
-        uid: 0,
-        gid: 0,
-    };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: `cred` and `len` are valid for SO_PEERCRED's ucred.
-    let r = unsafe {
-        libc::getsockopt(
-            conn.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_PEERCRED,
-            (&mut cred as *mut libc::ucred).cast(),
-            &mut len,
-        )
-    };
-    if r < 0 || cred.pid <= 0 {
-        return Err(format!("SO_PEERCRED: {}", errno_name(last_errno())));
+    let cred =
+        peer_cred(conn.as_raw_fd()).map_err(|e| format!("SO_PEERCRED: {}", errno_name(e)))?;
+    if cred.pid <= 0 {
+        return Err("SO_PEERCRED: no PID".to_owned());
     }
     Ok(match peer_pidfd(conn.as_raw_fd()) {
         Some(fd) => Initiator::with_pidfd(cred.pid, fd),
