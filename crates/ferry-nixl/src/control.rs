@@ -305,6 +305,52 @@ pub(crate) async fn write_frame<W: tokio::io::AsyncWrite + Unpin>(
         .map_err(|e| Error::io(format!("writing to {peer}"), &e))
 }
 
+/// The target's write half of a peer's control connection, which keeps
+/// whether one of its writes took a reset.
+///
+/// Linux reports a received `RST` once, to whichever call on the socket
+/// comes first. When a write of the target (a `REVOKE` from `unregister`,
+/// a `STATE`) takes it, the read that follows returns 0, as at the clean
+/// close that shows "nothing in flight". The reader therefore asks this
+/// writer, under its lock, before it takes an end of stream as clean:
+/// every write runs under that lock, so a reset taken by a write is
+/// recorded before the reader can look. A reset that comes after the
+/// peer's `FIN` (the target wrote to a socket the peer had closed) is
+/// reported as `EPIPE`, not `ECONNRESET`, and does not count: the `FIN`
+/// came first.
+pub(crate) struct PeerWriter {
+    half: tokio::net::tcp::OwnedWriteHalf,
+    reset: bool,
+}
+
+impl PeerWriter {
+    pub(crate) fn new(half: tokio::net::tcp::OwnedWriteHalf) -> Self {
+        Self { half, reset: false }
+    }
+
+    /// Writes one frame; a reset it meets is kept (see [`Self::was_reset`]).
+    pub(crate) async fn send(&mut self, frame: &Frame, peer: &str) -> Result<()> {
+        use tokio::io::AsyncWriteExt;
+        self.half.write_all(&frame.encode()).await.map_err(|e| {
+            if e.kind() == std::io::ErrorKind::ConnectionReset {
+                self.reset = true;
+            }
+            Error::io(format!("writing to {peer}"), &e)
+        })
+    }
+
+    /// Whether a write took the connection's reset.
+    pub(crate) fn was_reset(&self) -> bool {
+        self.reset
+    }
+
+    /// Shuts the write side down (a `FIN`).
+    pub(crate) async fn shutdown(&mut self) -> std::io::Result<()> {
+        use tokio::io::AsyncWriteExt;
+        self.half.shutdown().await
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -372,5 +418,63 @@ mod tests {
             Frame::decode(&huge, "p"),
             Err(Error::Protocol { .. })
         ));
+    }
+}
+
+/// [`PeerWriter`] on real loopback sockets: the kernel behaviour it exists
+/// for (a reset's error taken by a write, the read then at end of stream),
+/// and a write after a clean close.
+#[cfg(test)]
+mod end_of_stream {
+    use super::*;
+    use tokio::io::AsyncReadExt;
+    use tokio::net::{TcpListener, TcpStream};
+
+    async fn pair() -> (TcpStream, TcpStream) {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let peer = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
+        let (ours, _) = l.accept().await.unwrap();
+        (ours, peer)
+    }
+
+    /// The case a read alone gets wrong: the reset's error goes to a
+    /// write, and the read that follows says end of stream.
+    #[tokio::test]
+    async fn a_reset_taken_by_a_write_is_kept() {
+        let (ours, peer) = pair().await;
+        peer.set_zero_linger().unwrap();
+        drop(peer);
+        ours.readable().await.unwrap();
+        let (mut rd, wr) = ours.into_split();
+        let mut w = PeerWriter::new(wr);
+        let r = w.send(&Frame::Revoke { seq: 1, addr: 0 }, "p").await;
+        assert!(r.is_err(), "the write takes the reset: {r:?}");
+        let mut b = [0u8; 1];
+        assert_eq!(
+            rd.read(&mut b).await.unwrap(),
+            0,
+            "the read then reports end of stream, as at a clean close"
+        );
+        assert!(w.was_reset(), "the writer kept the reset");
+    }
+
+    /// The peer closed first; a later write draws its `RST` (`EPIPE` on
+    /// the next write): still a clean close.
+    #[tokio::test]
+    async fn writes_after_a_clean_close_are_not_a_reset() {
+        let (ours, peer) = pair().await;
+        drop(peer);
+        ours.readable().await.unwrap();
+        let (mut rd, wr) = ours.into_split();
+        let mut w = PeerWriter::new(wr);
+        let first = w.send(&Frame::Revoke { seq: 1, addr: 0 }, "p").await;
+        assert!(first.is_ok(), "{first:?}");
+        // The peer's kernel answers that write with a reset.
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        let second = w.send(&Frame::Revoke { seq: 2, addr: 0 }, "p").await;
+        assert!(second.is_err(), "{second:?}");
+        let mut b = [0u8; 1];
+        assert_eq!(rd.read(&mut b).await.unwrap(), 0);
+        assert!(!w.was_reset(), "the FIN came first");
     }
 }

@@ -23,7 +23,6 @@ use ferry_core::{
     MemoryRegion, Notification, RegionGuard, RegionInfo, RegionTable, Result, SegmentId, Side,
     TransferEngine, TransferOp, TransferRequest,
 };
-use tokio::io::AsyncWriteExt;
 use tokio::net::tcp::OwnedWriteHalf;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{oneshot, Notify};
@@ -31,7 +30,7 @@ use tokio::task::AbortHandle;
 
 use crate::agent::{Agent, XferReq};
 use crate::config::NixlConfig;
-use crate::control::{read_frame, write_frame, Frame, State, VERSION_MAX, VERSION_MIN};
+use crate::control::{read_frame, write_frame, Frame, PeerWriter, State, VERSION_MAX, VERSION_MIN};
 use crate::library::{self, NixlLibrary};
 use crate::poller::{Job, Pending, Poller};
 
@@ -49,7 +48,7 @@ const POLLER_STOP: Duration = Duration::from_secs(5);
 /// Most confirmation tokens remembered while no `CONFIRM` asked for them.
 const MAX_SEEN_TOKENS: usize = 1 << 16;
 
-type Writer = Arc<tokio::sync::Mutex<OwnedWriteHalf>>;
+type Writer = Arc<tokio::sync::Mutex<PeerWriter>>;
 type Waiters<T> = Arc<Mutex<HashMap<u64, oneshot::Sender<T>>>>;
 type Revocations = Arc<Mutex<PeerRevocations>>;
 
@@ -674,7 +673,7 @@ async fn serve_peer(inner: std::sync::Weak<Inner>, stream: TcpStream) {
         .unwrap_or_else(|_| "a peer".to_owned());
     let _ = stream.set_nodelay(true);
     let (mut rd, wr) = stream.into_split();
-    let writer: Writer = Arc::new(tokio::sync::Mutex::new(wr));
+    let writer: Writer = Arc::new(tokio::sync::Mutex::new(PeerWriter::new(wr)));
     let pending: Revocations = Arc::default();
     let first = tokio::time::timeout(OPEN_TIMEOUT, read_frame(&mut rd, &who)).await;
     let Ok(Ok(Some(Frame::Hello { min, max }))) = first else {
@@ -689,7 +688,7 @@ async fn serve_peer(inner: std::sync::Weak<Inner>, stream: TcpStream) {
             "no common protocol version: the peer speaks {min}..={max}, this engine \
              {VERSION_MIN}..={VERSION_MAX}"
         ));
-        let _ = write_frame(&mut *w, &refuse, &who).await;
+        let _ = w.send(&refuse, &who).await;
         let _ = w.shutdown().await;
         return;
     }
@@ -780,7 +779,7 @@ async fn serve_peer(inner: std::sync::Weak<Inner>, stream: TcpStream) {
                         None => false,
                     };
                     let mut w = w.lock().await;
-                    let _ = write_frame(&mut *w, &Frame::Confirmed { token, ok }, &who).await;
+                    let _ = w.send(&Frame::Confirmed { token, ok }, &who).await;
                 });
             }
             Ok(Some(other)) => {
@@ -788,6 +787,11 @@ async fn serve_peer(inner: std::sync::Weak<Inner>, stream: TcpStream) {
                 break format!("it sent an unexpected frame {other:?}");
             }
             Ok(None) => {
+                // A write that took a reset leaves the read at end of
+                // stream (see `PeerWriter`): asked under the writer's lock.
+                if writer.lock().await.was_reset() {
+                    break "the connection was reset".to_owned();
+                }
                 // The peer closed it: nothing of it is in flight.
                 gone.abnormal = None;
                 return;
@@ -803,7 +807,7 @@ async fn serve_peer(inner: std::sync::Weak<Inner>, stream: TcpStream) {
 /// Writes a `STATE` (the caller holds `order`).
 async fn send_state(
     engine: &Inner,
-    writer: &tokio::sync::Mutex<OwnedWriteHalf>,
+    writer: &tokio::sync::Mutex<PeerWriter>,
     who: &str,
 ) -> Result<()> {
     let regions: Vec<(u64, u64)> = lock(&engine.advertised)
@@ -817,8 +821,7 @@ async fn send_state(
         metadata,
         regions,
     });
-    let mut w = writer.lock().await;
-    write_frame(&mut *w, &frame, who).await
+    writer.lock().await.send(&frame, who).await
 }
 
 /// The initiator's side of a segment connection: applies `STATE`s, answers
@@ -1198,7 +1201,7 @@ impl Inner {
                     seq,
                     addr: region.addr(),
                 };
-                if let Err(e) = write_frame(&mut *w, &revoke, &who).await {
+                if let Err(e) = w.send(&revoke, &who).await {
                     // The connection is broken: how it ended (seen by the
                     // task serving it, which then answers) decides.
                     tracing::debug!(peer = %who, error = %e, "ferry: a NIXL REVOKE could not be sent");
