@@ -652,36 +652,63 @@ pub fn iov(ptr: *mut u8, len: usize) -> libc::iovec {
     }
 }
 
-/// A process to copy with: its PID and, where it is pinned, its pidfd
-/// (borrowed from the [`Initiator`] that owns it). Every copy through it
-/// first polls the pidfd — one non-blocking `poll(2)`, never a cached
-/// verdict — and makes no copy once the pidfd reports the exit (`ESRCH`).
-/// See the module's safety notes for the window that remains.
+/// A process to copy with: its PID and, where it is pinned, the
+/// descriptor that reports its exit (borrowed from the [`Initiator`] that
+/// owns it). Every copy through it first asks that descriptor — one
+/// non-blocking system call, never a cached verdict — and makes no copy
+/// once it reports the exit (`ESRCH`). See the module's safety notes for
+/// the window that remains.
 #[derive(Clone, Copy, Debug)]
 pub struct Remote<'a> {
     /// Its PID.
     pub pid: i32,
-    pidfd: Option<std::os::fd::BorrowedFd<'a>>,
+    watch: Option<Watch<'a>>,
+}
+
+/// What reports a pinned process's exit: an epoll instance watching its
+/// pidfd (`epoll_wait(2)` with a zero timeout), or the pidfd itself
+/// (`poll(2)`) where no epoll instance could be made.
+///
+/// Both answer from the same kernel event: the process's exit wakes the
+/// pidfd's wait queue, which puts the pidfd on the epoll instance's ready
+/// list in that same wake-up, before the parent is told and so before the
+/// process can be reaped and its PID handed out again. The epoll instance
+/// is level-triggered: once there, the pidfd stays reported. An
+/// `epoll_wait` with nothing ready only looks at the ready list, where a
+/// `poll` asks the pidfd each time: about 0.2 µs against 0.4–0.5 µs here
+/// (`BENCHMARKS.md`, "The exit watch"), paid on every copy.
+#[derive(Clone, Copy, Debug)]
+struct Watch<'a> {
+    fd: std::os::fd::BorrowedFd<'a>,
+    epoll: bool,
 }
 
 impl Remote<'static> {
     /// A process named by its PID only (nothing to poll): for benchmarks
     /// and tests that copy with this very process.
     pub fn unpinned(pid: i32) -> Remote<'static> {
-        Remote { pid, pidfd: None }
+        Remote { pid, watch: None }
     }
 }
 
 impl Remote<'_> {
-    /// False once the pidfd reports the exit (true without a pidfd).
+    /// False once the process's exit is reported (true when unpinned).
     pub fn alive(self) -> bool {
-        self.pidfd.is_none_or(|fd| !pidfd_exited(fd.as_raw_fd()))
+        self.watch
+            .is_none_or(|w| !exited(w.fd.as_raw_fd(), w.epoll))
     }
 }
 
-/// One non-blocking `poll(2)` of a pidfd: true once its process has
-/// exited (or the poll fails: no copy on doubt).
-fn pidfd_exited(fd: std::os::fd::RawFd) -> bool {
+/// One non-blocking look at an exit watch (`epoll`: an epoll instance
+/// holding the pidfd; else the pidfd): true once its process has exited,
+/// or when the call fails (no copy on doubt).
+fn exited(fd: std::os::fd::RawFd, epoll: bool) -> bool {
+    if epoll {
+        let mut ev = libc::epoll_event { events: 0, u64: 0 };
+        // SAFETY: room for one event, zero timeout (never sleeps).
+        let n = unsafe { libc::epoll_wait(fd, &mut ev, 1, 0) };
+        return n != 0;
+    }
     let mut p = libc::pollfd {
         fd,
         events: libc::POLLIN,
@@ -692,11 +719,39 @@ fn pidfd_exited(fd: std::os::fd::RawFd) -> bool {
     n != 0
 }
 
+/// An epoll instance (close-on-exec) watching `pidfd` for its process's
+/// exit (`EPOLLIN`, level-triggered), or `None` if one cannot be made.
+fn exit_watch(pidfd: &std::os::fd::OwnedFd) -> Option<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: epoll_create1 takes flags and returns a new descriptor (or
+    // -1), which we own.
+    let ep = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+    if ep < 0 {
+        return None;
+    }
+    // SAFETY: a fresh descriptor returned to us above.
+    let ep = unsafe { std::os::fd::OwnedFd::from_raw_fd(ep) };
+    let mut ev = libc::epoll_event {
+        events: libc::EPOLLIN as u32,
+        u64: 0,
+    };
+    // SAFETY: both descriptors are open; `ev` is a valid event.
+    let r = unsafe {
+        libc::epoll_ctl(
+            ep.as_raw_fd(),
+            libc::EPOLL_CTL_ADD,
+            pidfd.as_raw_fd(),
+            &mut ev,
+        )
+    };
+    (r == 0).then_some(ep)
+}
+
 /// One `process_vm_readv` (`write_remote` false: from `remote` in the
 /// process into `local`) or `process_vm_writev` (true: from `local` into
-/// `remote`) call, made only if the process's pidfd (if any) does not
-/// report its exit right before; returns the bytes moved or the errno
-/// (`ESRCH` for an exit the pidfd reported).
+/// `remote`) call, made only if the process's exit watch (if any) does
+/// not report its exit right before; returns the bytes moved or the errno
+/// (`ESRCH` for a reported exit).
 ///
 /// # Safety
 ///
@@ -820,9 +875,10 @@ pub const PARALLEL_MIN: usize = 8 << 20;
 /// One part of a split copy: `(local, remote, len)` ranges, done in order.
 struct Job {
     pid: i32,
-    /// The pidfd of `Remote` (-1: none), open until the submitter has
-    /// received `done` (it waits for it, holding the `Initiator`).
-    pidfd: std::os::fd::RawFd,
+    /// The exit watch of `Remote` (-1: none) and whether it is an epoll
+    /// instance, open until the submitter has received `done` (it waits
+    /// for it, holding the `Initiator`).
+    watch: (std::os::fd::RawFd, bool),
     write_remote: bool,
     parts: Vec<(usize, u64, usize)>,
     done: std::sync::mpsc::SyncSender<Result<(), i32>>,
@@ -898,13 +954,16 @@ fn helper(rx: &std::sync::Mutex<std::sync::mpsc::Receiver<Job>>) {
                 },
             }
         };
-        // SAFETY: the submitter holds the pidfd open until it has received
-        // this result (see copy_split).
-        let pidfd =
-            (job.pidfd >= 0).then(|| unsafe { std::os::fd::BorrowedFd::borrow_raw(job.pidfd) });
+        let (fd, epoll) = job.watch;
+        let watch = (fd >= 0).then(|| Watch {
+            // SAFETY: the submitter holds the descriptor open until it has
+            // received this result (see copy_split).
+            fd: unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) },
+            epoll,
+        });
         let to = Remote {
             pid: job.pid,
-            pidfd,
+            watch,
         };
         let r = job.parts.iter().try_for_each(|&(l, r, n)| {
             // SAFETY: the submitter of the job holds the local ranges
@@ -965,7 +1024,9 @@ pub unsafe fn copy_split(
         let (done, wait) = std::sync::mpsc::sync_channel(1);
         let job = Job {
             pid: to.pid,
-            pidfd: to.pidfd.map_or(-1, |fd| fd.as_raw_fd()),
+            watch: to
+                .watch
+                .map_or((-1, false), |w| (w.fd.as_raw_fd(), w.epoll)),
             write_remote,
             parts: part,
             done,
@@ -1003,14 +1064,17 @@ pub unsafe fn copy_split(
 
 /// The initiator process a connection copies with, pinned by a pidfd
 /// where the kernel has them (Linux ≥ 5.3): a copy is never made once
-/// that process has exited (each copy polls the pidfd right before it,
-/// see [`Remote`]), so a PID reused by another process is never reached
-/// but in the window the module's safety notes describe.
+/// that process has exited (each copy asks its exit watch right before
+/// it, see [`Remote`]), so a PID reused by another process is never
+/// reached but in the window the module's safety notes describe.
 #[derive(Debug)]
 pub struct Initiator {
     /// Its PID.
     pub pid: i32,
     pidfd: Option<std::os::fd::OwnedFd>,
+    /// An epoll instance watching `pidfd` (see [`Watch`]); `None`: the
+    /// pidfd is polled itself.
+    watch: Option<std::os::fd::OwnedFd>,
 }
 
 impl Initiator {
@@ -1026,13 +1090,15 @@ impl Initiator {
             // SAFETY: a fresh descriptor returned to us above.
             unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) }
         });
-        Initiator { pid, pidfd }
+        let watch = pidfd.as_ref().and_then(exit_watch);
+        Initiator { pid, pidfd, watch }
     }
 
     /// The process `pidfd` pins, whose PID is `pid`.
     pub fn with_pidfd(pid: i32, pidfd: std::os::fd::OwnedFd) -> Initiator {
         Initiator {
             pid,
+            watch: exit_watch(&pidfd),
             pidfd: Some(pidfd),
         }
     }
@@ -1043,15 +1109,26 @@ impl Initiator {
         self.pidfd.is_some()
     }
 
-    /// The process to copy with: every copy polls the pidfd first.
+    /// The process to copy with: every copy asks its exit watch first.
     pub fn remote(&self) -> Remote<'_> {
+        let watch = match (&self.watch, &self.pidfd) {
+            (Some(ep), _) => Some(Watch {
+                fd: ep.as_fd(),
+                epoll: true,
+            }),
+            (None, Some(fd)) => Some(Watch {
+                fd: fd.as_fd(),
+                epoll: false,
+            }),
+            (None, None) => None,
+        };
         Remote {
             pid: self.pid,
-            pidfd: self.pidfd.as_ref().map(|fd| fd.as_fd()),
+            watch,
         }
     }
 
-    /// False once the process has exited (a pidfd polls readable then).
+    /// False once the process has exited (its pidfd reports it).
     pub fn alive(&self) -> bool {
         self.remote().alive()
     }
@@ -1254,6 +1331,63 @@ mod tests {
         assert!(dst.iter().all(|&b| b == 0), "nothing was copied");
         // A reaped PID cannot be pinned (grants need a pin).
         assert!(!Initiator::new(child.id() as i32).pinned());
+    }
+
+    /// Both kinds of exit watch (the epoll instance an `Initiator` makes,
+    /// and the pidfd polled itself where none can be made) say alive while
+    /// the process lives, and report its exit before it is reaped (a
+    /// zombie's PID cannot be handed out yet), and still after.
+    #[test]
+    fn both_exit_watches_report_the_exit_before_the_reap() {
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .expect("sleep");
+        let pinned = Initiator::new(child.id() as i32);
+        assert!(pinned.watch.is_some(), "an epoll instance was made");
+        let pidfd = pinned.pidfd.as_ref().expect("pinned");
+        let by_epoll = pinned.remote();
+        let by_poll = Remote {
+            pid: pinned.pid,
+            watch: Some(Watch {
+                fd: pidfd.as_fd(),
+                epoll: false,
+            }),
+        };
+        assert!(by_epoll.watch.is_some_and(|w| w.epoll));
+        for _ in 0..1000 {
+            assert!(by_epoll.alive() && by_poll.alive(), "alive while it lives");
+        }
+        child.kill().expect("kill");
+        let start = std::time::Instant::now();
+        while by_poll.alive() {
+            assert!(start.elapsed() < std::time::Duration::from_secs(10));
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        // The pidfd reports the exit: the epoll instance does too, at once
+        // and every time after, and the process is not reaped yet.
+        for _ in 0..3 {
+            assert!(!by_epoll.alive(), "the epoll watch reports what poll does");
+        }
+        // SAFETY: siginfo_t is plain data; all zeroes is a valid value.
+        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+        // SAFETY: waitid on our own child with WNOWAIT: it stays a zombie.
+        let r = unsafe {
+            libc::waitid(
+                libc::P_PID,
+                child.id(),
+                &mut info,
+                libc::WEXITED | libc::WNOHANG | libc::WNOWAIT,
+            )
+        };
+        assert_eq!(r, 0);
+        // SAFETY: filled by waitid for an exited child.
+        assert_eq!(unsafe { info.si_pid() }, child.id() as i32, "a zombie");
+        child.wait().expect("reap");
+        assert!(
+            !by_epoll.alive() && !by_poll.alive(),
+            "reported after the reap"
+        );
     }
 
     #[test]

@@ -75,9 +75,11 @@
 //! (`process_vm_readv` / `process_vm_writev` have no pidfd form). Each
 //! copy — the target's CWRITE / CREAD, every part of a split copy, every
 //! continuation after a short count, the initiator's granted copy — first
-//! polls the peer's pidfd (one non-blocking `poll(2)`, never a cached
-//! verdict; [`cma::Remote`]) and is not made once it reports the exit.
-//! What remains is the window between that poll and the system call: a
+//! asks the peer's pidfd (one non-blocking `epoll_wait(2)` on an epoll
+//! instance watching it, or `poll(2)` of the pidfd where no epoll instance
+//! can be made; never a cached verdict; [`cma::Remote`]) and is not made
+//! once it reports the exit. What remains is the window between that
+//! question and the system call: a
 //! thread preempted (or stopped) there for as long as it takes the peer to
 //! exit, be reaped, and its PID to be handed to another process — which
 //! the kernel does only after every other free PID of the namespace was
