@@ -55,8 +55,12 @@ block-sized chunks. --span of one batch measures cache-resident bytes instead.";
 #[command(after_help = EXAMPLES)]
 pub struct BenchArgs {
     /// Backend URL for the engines of this process (`ferry caps --help` lists the schemes).
+    /// The shared secret comes from --secret-file, FERRY_SECRET or FERRY_SECRET_FILE.
     #[arg(long, default_value = "tcp://127.0.0.1:0")]
     backend: String,
+
+    #[command(flatten)]
+    secret: crate::util::SecretArgs,
 
     /// Drive a remote `ferry serve` at this segment name (host:port) instead
     /// of a second engine in this process. Needs --remote-addr and --remote-len.
@@ -538,11 +542,13 @@ impl Setup {
 }
 
 async fn setup(args: &BenchArgs, max_block: u64) -> anyhow::Result<Setup> {
+    let parsed = crate::util::backend_url(&args.backend, &args.secret)?;
     let open = |what: &'static str| {
         let url = args.backend.clone();
+        let parsed = parsed.clone();
         let layers = !args.no_layers;
         async move {
-            let config = EngineConfig::from_url(&url)?;
+            let config = EngineConfig::from_parts(parsed)?;
             let config = if layers {
                 config
             } else {

@@ -1,11 +1,9 @@
 //! `ferry caps`: the capability report a person reads before deploying.
 
 use anyhow::Context;
-use ferry::raw::ParsedUrl;
 use ferry::{Engine, EngineConfig, Operation, Support, TransferEngine};
 use serde::Serialize;
 
-use crate::bench::redact;
 use crate::util::parse_operation;
 
 const EXAMPLES: &str = "\
@@ -16,14 +14,15 @@ Examples:
   # use, each optional feature on/off and why, the payload path
   ferry caps --peer 127.0.0.1:7000
   # with TLS (the line `tls  on: TLS13_…` names the cipher suite)
-  ferry caps --backend 'tcp://127.0.0.1:0?secret=S' --tls require --peer 10.0.0.2:7000
+  FERRY_SECRET=S ferry caps --backend tcp://127.0.0.1:0 --tls require --peer 10.0.0.2:7000
   ferry caps --backend 'mooncake://?lib=/opt/mooncake/libtransfer_engine.so&metadata=P2PHANDSHAKE&protocol=tcp&host=127.0.0.1'
   ferry caps --backend 'verbs://mlx5_0?port=1&gid_index=3'
   # in a start-up script: fail unless batches and notifications are native
   ferry caps --backend \"$FERRY_URL\" --strict --require batch_transfer,notify || exit 1
 
 Backend URLs (the scheme is also the cargo feature that compiles the backend in):
-  tcp://HOST:PORT[?secret=S&tls=on]     tokio TCP (default feature)
+  tcp://HOST:PORT[?tls=on]              tokio TCP (default feature); the secret: FERRY_SECRET,
+                                        FERRY_SECRET_FILE or --secret-file (or secret_file=PATH)
   mooncake://?lib=PATH&metadata=…&…     Mooncake Transfer Engine, loaded at run time
   verbs://DEVICE?port=N&gid_index=N     RDMA verbs
 Ferry's own parameters, on any URL: strict=1 (no emulation), coalesce=0,
@@ -64,6 +63,9 @@ pub struct CapsArgs {
 
     #[command(flatten)]
     tls: crate::serve::TlsArgs,
+
+    #[command(flatten)]
+    secret: crate::util::SecretArgs,
 }
 
 /// Required capabilities are missing (exit status 3).
@@ -129,8 +131,7 @@ struct JsonReport {
 pub async fn run(args: CapsArgs) -> anyhow::Result<()> {
     // The URL is parsed once; what the flags add goes into the parsed URL
     // (`--strict` only where the URL does not say).
-    let mut url = ParsedUrl::parse(&args.backend)
-        .with_context(|| format!("opening {}", redact(&args.backend)))?;
+    let mut url = crate::util::backend_url(&args.backend, &args.secret)?;
     if args.strict && !url.contains("strict") {
         url.insert("strict", "1")?;
     }

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use ferry::raw::ParsedUrl;
-use ferry::{Engine, EngineConfig, Location, RegisteredBuffer, Secret, TransferEngine};
+use ferry::{Engine, EngineConfig, Location, RegisteredBuffer, TransferEngine};
 
 use crate::bench::TARGET_SEED;
 use crate::rawtcp::{self, SinkStats};
@@ -34,9 +34,6 @@ receives (ferry bench sends one per point; at most 20 a second are shown, peer
 text escaped), and on Ctrl-C (or SIGTERM) a summary: notifications, bytes the
 peers reported, raw-TCP baseline streams, and how many bytes of the region
 differ from the initial pattern. A second Ctrl-C / SIGTERM exits at once.";
-
-/// Environment variable holding the backend's shared secret.
-pub const SECRET_ENV: &str = "FERRY_SECRET";
 
 /// Most notifications printed per second; the rest are counted.
 const PRINTED_PER_SECOND: u32 = 20;
@@ -72,11 +69,8 @@ pub struct ServeArgs {
     #[arg(long)]
     raw_listen: Option<String>,
 
-    /// Read the backend's shared secret from this file (first line),
-    /// instead of `secret=` in the URL, which other users can see in the
-    /// process list.
-    #[arg(long, value_name = "PATH")]
-    secret_file: Option<PathBuf>,
+    #[command(flatten)]
+    secret: crate::util::SecretArgs,
 
     /// Serve on an address other hosts can reach without a secret (TCP
     /// backend) or without authentication at all (NIXL's metadata
@@ -152,56 +146,6 @@ impl TlsArgs {
     }
 }
 
-/// The shared secret of `--secret-file` (its first line) or
-/// `FERRY_SECRET`, if either gives one. Giving a secret two ways is an
-/// error.
-fn secret_from(file: Option<&PathBuf>, env: Option<String>) -> anyhow::Result<Option<Secret>> {
-    let from_file = match file {
-        Some(p) => {
-            let text = Secret::new(
-                std::fs::read_to_string(p)
-                    .with_context(|| format!("reading the secret file {}", p.display()))?,
-            );
-            let line = text
-                .expose()
-                .lines()
-                .next()
-                .unwrap_or("")
-                .trim_end_matches('\r');
-            if line.is_empty() {
-                bail!("the secret file {} is empty", p.display());
-            }
-            Some(Secret::new(line))
-        }
-        None => None,
-    };
-    let env = env.filter(|s| !s.is_empty()).map(Secret::new);
-    match (from_file, env) {
-        (Some(_), Some(_)) => bail!("both --secret-file and {SECRET_ENV} give a secret; use one"),
-        (s @ Some(_), None) | (None, s @ Some(_)) => Ok(s),
-        (None, None) => Ok(None),
-    }
-}
-
-/// Adds `secret` (from [`secret_from`]) to the parsed backend URL as its
-/// `secret=` parameter — no URL string holds it. An error if the URL has a
-/// secret already.
-fn add_secret(url: &mut ParsedUrl, secret: Option<Secret>) -> anyhow::Result<()> {
-    let Some(secret) = secret else {
-        return Ok(());
-    };
-    if has_secret(url) {
-        bail!("the backend URL already has a secret; give it one way only");
-    }
-    url.insert("secret", secret.expose())?;
-    Ok(())
-}
-
-/// Whether the URL has a `secret` parameter (its key decoded, any case).
-fn has_secret(url: &ParsedUrl) -> bool {
-    url.keys().any(|k| k.eq_ignore_ascii_case("secret"))
-}
-
 /// A backend URL with every secret hidden, for messages (the one
 /// redaction every parser uses: `ferry_core::raw::redact_url`).
 pub fn redact_url(url: &str) -> String {
@@ -213,22 +157,14 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     // Signals first, so that none is lost while starting.
     let mut stop = stop_signals()?;
     // The URL is parsed once; what the flags add goes into the parsed URL.
-    let mut url = ParsedUrl::parse(&args.backend)
-        .with_context(|| format!("opening {}", redact_url(&args.backend)))?;
-    if has_secret(&url) {
-        eprintln!(
-            "warning: the secret given in --backend is visible to every user of this machine \
-             (/proc/PID/cmdline); use --secret-file or {SECRET_ENV} instead"
-        );
-    }
-    let secret = secret_from(args.secret_file.as_ref(), std::env::var(SECRET_ENV).ok())?;
-    add_secret(&mut url, secret)?;
+    let mut url = crate::util::backend_url(&args.backend, &args.secret)?;
     args.tls.apply(&mut url)?;
     if args.insecure && matches!(url.scheme(), "tcp" | "nixl") {
         url.insert("insecure", "1")?;
     }
     let shown = url.shown().to_owned();
     let client = client_url(&url);
+    let secured = ferry::secret::url_has_secret(&url);
     let engine = Arc::new(
         Engine::start(EngineConfig::from_parts(url).with_context(|| format!("opening {shown}"))?)
             .await
@@ -290,11 +226,16 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         println!("metrics: http://{a}/metrics");
     }
     let mut cmd = format!(
-        "ferry bench --peer {segment} --remote-addr {:#x} --remote-len {}",
+        "{}ferry bench --peer {segment} --remote-addr {:#x} --remote-len {}",
+        if secured {
+            "FERRY_SECRET=<the same secret> "
+        } else {
+            ""
+        },
         buf.addr(),
         buf.len()
     );
-    if shown != "tcp://127.0.0.1:0" {
+    if client != "tcp://127.0.0.1:0" {
         cmd.push_str(&format!(" --backend '{client}'"));
     }
     if let Some(a) = &raw_addr {
@@ -472,9 +413,15 @@ fn client_url(url: &ParsedUrl) -> String {
         s @ ("mooncake" | "nixl") => (format!("{s}://"), &["name", "port"]),
         s => (format!("{s}://{}", url.authority()), &[]),
     };
+    // The secret is never printed: the bench takes it as serve does
+    // (`ferry::secret`).
     let kept: Vec<String> = url
         .shown_params()
-        .filter(|(key, _)| !left_out.contains(key))
+        .filter(|(key, _)| {
+            !left_out.contains(key)
+                && !key.eq_ignore_ascii_case("secret")
+                && !key.eq_ignore_ascii_case(ferry::secret::SECRET_FILE_KEY)
+        })
         .map(|(_, pair)| pair)
         .collect();
     if kept.is_empty() {
@@ -545,8 +492,8 @@ mod tests {
     #[test]
     fn helpers() {
         assert_eq!(
-            client("tcp://10.0.0.2:7000?secret=x"),
-            "tcp://127.0.0.1:0?secret=…"
+            client("tcp://10.0.0.2:7000?secret=x&connections=2"),
+            "tcp://127.0.0.1:0?connections=2"
         );
         assert_eq!(client("tcp://10.0.0.2:7000"), "tcp://127.0.0.1:0");
         // The server's own name and port never go into the client's URL.
@@ -583,37 +530,6 @@ mod tests {
             redact_url("tcp://h:1?connections=2&secret=x"),
             "tcp://h:1?connections=2&secret=…"
         );
-    }
-
-    #[test]
-    fn secret_from_file_or_environment() {
-        let dir = std::env::temp_dir().join(format!("ferry-serve-secret-{}", std::process::id()));
-        let with = |url: &str, file: Option<&PathBuf>, env: Option<&str>| {
-            let mut u = ParsedUrl::parse(url).unwrap();
-            add_secret(&mut u, secret_from(file, env.map(str::to_owned))?)?;
-            anyhow::Ok(u)
-        };
-        std::fs::write(&dir, "s&3 cret\nsecond line\n").unwrap();
-        let mut u = with("tcp://h:1", Some(&dir), None).unwrap();
-        // Shown redacted; parsed as given.
-        assert_eq!(u.shown(), "tcp://h:1?secret=…");
-        assert_eq!(
-            u.take_secret("secret").unwrap().unwrap().expose(),
-            "s&3 cret"
-        );
-        let mut u = with("tcp://h:1?connections=2", None, Some("e")).unwrap();
-        assert_eq!(u.shown(), "tcp://h:1?connections=2&secret=…");
-        assert_eq!(u.take_secret("secret").unwrap().unwrap().expose(), "e");
-        assert!(with("tcp://h:1", Some(&dir), Some("e")).is_err());
-        assert!(with("tcp://h:1?%73ecret=x", None, Some("e")).is_err());
-        assert_eq!(with("tcp://h:1", None, None).unwrap().shown(), "tcp://h:1");
-        assert_eq!(
-            with("tcp://h:1", None, Some("")).unwrap().shown(),
-            "tcp://h:1"
-        );
-        std::fs::write(&dir, "\n").unwrap();
-        assert!(with("tcp://h:1", Some(&dir), None).is_err());
-        let _ = std::fs::remove_file(&dir);
     }
 
     #[test]

@@ -182,3 +182,60 @@ mod tests {
         assert!(a.iter().all(|x| *x != 0));
     }
 }
+
+/// `--secret-file`, shared by every subcommand that opens an engine (the
+/// one way to give a secret: [`ferry::secret`]).
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct SecretArgs {
+    /// Read the backend's shared secret from this file (its first line).
+    /// Or set FERRY_SECRET, or FERRY_SECRET_FILE to a file; `secret=` in
+    /// the URL is visible to every user of this machine.
+    #[arg(long, value_name = "PATH")]
+    pub secret_file: Option<std::path::PathBuf>,
+}
+
+/// Parses `backend` (a URL from the command line) and adds the shared
+/// secret the one way every subcommand takes it ([`ferry::secret`]):
+/// `--secret-file`, `FERRY_SECRET` or `FERRY_SECRET_FILE`; given two ways,
+/// an error. A secret written in the URL itself is used, with a warning:
+/// the process list shows it.
+pub fn backend_url(backend: &str, secret: &SecretArgs) -> anyhow::Result<ferry::raw::ParsedUrl> {
+    use anyhow::Context;
+    use ferry::secret as s;
+    let mut url = ferry::raw::ParsedUrl::parse(backend)
+        .with_context(|| format!("opening {}", ferry::raw::redact_url(backend)))?;
+    static WARNED: std::sync::Once = std::sync::Once::new();
+    if s::url_shows_secret(&url) {
+        WARNED.call_once(|| {
+            eprintln!(
+                "warning: the secret given in --backend is visible to every user of this machine \
+             (/proc/PID/cmdline); use --secret-file, {} or {} instead",
+                s::SECRET_ENV,
+                s::SECRET_FILE_ENV
+            )
+        });
+    }
+    if let Some(path) = &secret.secret_file {
+        let env = [s::SECRET_ENV, s::SECRET_FILE_ENV]
+            .into_iter()
+            .find(|k| std::env::var_os(k).is_some_and(|v| !v.is_empty()));
+        if let Some(k) = env {
+            anyhow::bail!(
+                "a shared secret is given two ways, by --secret-file and by {k}; give it one \
+                 way only"
+            );
+        }
+        if s::url_has_secret(&url) {
+            anyhow::bail!(
+                "a shared secret is given two ways, by --secret-file and by the URL; give it \
+                 one way only"
+            );
+        }
+        let path = path
+            .to_str()
+            .context("the --secret-file path is not UTF-8")?;
+        url.insert(s::SECRET_FILE_KEY, path)?;
+    }
+    s::from_environment(&mut url)?;
+    Ok(url)
+}

@@ -343,6 +343,57 @@ fn secret_is_redacted_and_read_from_a_file_or_the_environment() {
     let _ = std::fs::remove_file(&file);
 }
 
+/// Issue 43 (item 6): every subcommand takes the secret the way `serve`
+/// does. `ferry caps --peer` against a `serve` with a secret: proven with
+/// `FERRY_SECRET`, `FERRY_SECRET_FILE` or `--secret-file` (none of them on
+/// the command line), refused as `Authentication` without one, and a
+/// secret given two ways is an error before anything is dialled.
+#[test]
+fn caps_takes_the_secret_the_way_serve_does() {
+    let s = Serve::start(&["--size", "1MiB"], &[("FERRY_SECRET", "one-way")]);
+    let seg = s.segment();
+    let file = std::env::temp_dir().join(format!("ferry-caps-secret-{}", std::process::id()));
+    std::fs::write(&file, "one-way\n").unwrap();
+    let path = file.to_str().unwrap().to_owned();
+    let caps = |args: &[&str], env: &[(&str, &str)]| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_ferry"));
+        cmd.env_remove("RUST_LOG")
+            .env_remove("FERRY_SECRET")
+            .env_remove("FERRY_SECRET_FILE")
+            .args(["caps", "--peer", seg.as_str()])
+            .args(args);
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let out = cmd.output().expect("run ferry caps");
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        (out.status.success(), text)
+    };
+    for (args, env) in [
+        (vec![], vec![("FERRY_SECRET", "one-way")]),
+        (vec![], vec![("FERRY_SECRET_FILE", path.as_str())]),
+        (vec!["--secret-file", path.as_str()], vec![]),
+    ] {
+        let (ok, text) = caps(&args, &env);
+        assert!(ok, "{args:?} {env:?}: {text}");
+        assert!(!text.contains("one-way"), "the secret never shows: {text}");
+    }
+    let (ok, text) = caps(&[], &[]);
+    assert!(!ok, "no secret: refused");
+    assert!(text.to_lowercase().contains("authentic"), "{text}");
+    let (ok, text) = caps(
+        &["--secret-file", path.as_str()],
+        &[("FERRY_SECRET", "one-way")],
+    );
+    assert!(!ok && text.contains("two ways"), "{text}");
+    assert!(!text.contains("one-way"), "{text}");
+    let _ = std::fs::remove_file(&file);
+}
+
 /// Row 4 at serve: a notification flood keeps serve's memory and output
 /// bounded.
 #[test]

@@ -256,3 +256,13 @@ def test_batch_unregister_releases_only_its_own_registrations():
     assert not resizable(bufs[0]) and resizable(bufs[1])
     e.unregister(bufs[0])
     assert e.registered() == [] and resizable(bufs[0])
+
+
+def test_a_temporary_engine_passes_its_error_on():
+    """An engine that is the temporary of a call that raises is dropped
+    while the exception is on its way out: the caller still gets the typed
+    error (not ``SystemError: error return without exception set`` from
+    Python called in the drop)."""
+    with pytest.raises(ferry.FerryError) as err:
+        ferry.Engine("tcp://127.0.0.1:0").open_segment("127.0.0.1:1")
+    assert not isinstance(err.value, SystemError)

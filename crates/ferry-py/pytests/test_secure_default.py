@@ -5,6 +5,8 @@ and goes on (Ferry's engine itself would refuse to start)."""
 
 import logging
 
+import pytest
+
 import ferry
 from ferry.mooncake import TransferEngine
 from conftest import address, pattern
@@ -56,3 +58,31 @@ def test_ferry_secret_authenticates_peers(caplog, monkeypatch):
     assert stranger.register_memory(address(other), len(other)) == 0
     assert stranger.transfer_sync_write(peer, address(other), address(dst), len(other)) < 0
     assert dst == src
+
+
+def test_the_native_engine_takes_the_secret_the_way_every_program_does(tmp_path, monkeypatch):
+    """Issue 43 (item 6): ``ferry.Engine`` takes the secret as ``ferry
+    serve`` does: ``FERRY_SECRET``, ``FERRY_SECRET_FILE`` or
+    ``secret_file=``; given two ways it is refused, naming the ways and
+    never the value."""
+    path = tmp_path / "secret"
+    path.write_text("from-the-file\n")
+    monkeypatch.delenv("FERRY_SECRET", raising=False)
+    monkeypatch.setenv("FERRY_SECRET_FILE", str(path))
+    target = ferry.Engine("tcp://127.0.0.1:0")
+    monkeypatch.delenv("FERRY_SECRET_FILE")
+    # The same secret by the URL's file parameter: the peer proves it.
+    friend = ferry.Engine(f"tcp://127.0.0.1:0?secret_file={path}")
+    friend.open_segment(target.segment_name)
+    # By FERRY_SECRET: the same.
+    monkeypatch.setenv("FERRY_SECRET", "from-the-file")
+    ferry.Engine("tcp://127.0.0.1:0").open_segment(target.segment_name)
+    # Two ways: refused before anything is opened.
+    with pytest.raises(ferry.InvalidArgument) as err:
+        ferry.Engine("tcp://127.0.0.1:0?secret=from-the-file")
+    assert "two ways" in str(err.value) and "FERRY_SECRET" in str(err.value)
+    assert "from-the-file" not in str(err.value)
+    # No secret: the target refuses the peer.
+    monkeypatch.delenv("FERRY_SECRET")
+    with pytest.raises(ferry.Authentication):
+        ferry.Engine("tcp://127.0.0.1:0").open_segment(target.segment_name)

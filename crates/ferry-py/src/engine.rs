@@ -79,6 +79,11 @@ impl Drop for PyEngine {
         // the GIL, so that a task about to call back into Python can finish.
         let addrs: Vec<u64> = regions.keys().copied().collect();
         Python::attach(|py| {
+            // A drop may run while an exception is on its way out (the
+            // engine was a temporary of a call that raised): set aside
+            // while Python is called below, and put back after, or the
+            // caller would get "error return without exception set".
+            let pending = PyErr::take(py);
             // At interpreter exit the wheel backend cannot be called (see
             // `runtime::exiting`): its unregisters fail at once and the
             // regions stay registered until the process ends.
@@ -122,6 +127,9 @@ impl Drop for PyEngine {
             }
             drop(regions);
             drop(wheel);
+            if let Some(e) = pending {
+                e.restore(py);
+            }
         });
     }
 }
@@ -461,6 +469,20 @@ impl PyEngine {
     }
 }
 
+/// Opens a Ferry engine (every scheme but `inproc://` and `mooncake-py://`)
+/// with the shared secret taken the one way every program takes it
+/// (`ferry::secret`: `FERRY_SECRET`, `FERRY_SECRET_FILE`, `secret_file=`).
+fn open_ferry(py: Python<'_>, url: &str) -> PyResult<ferry::Result<Handle>> {
+    let config = ferry::raw::ParsedUrl::parse(url).and_then(|mut u| {
+        ferry::secret::from_environment(&mut u)?;
+        ferry::EngineConfig::from_parts(u)
+    });
+    match config {
+        Ok(config) => Ok(block_on(py, Engine::start(config))?.map(Handle::ferry)),
+        Err(e) => Ok(Err(e)),
+    }
+}
+
 #[pymethods]
 impl PyEngine {
     /// Opens an engine from a URL (`tcp://127.0.0.1:0`,
@@ -475,7 +497,7 @@ impl PyEngine {
             let _guard = rt.enter();
             open_inproc(url)
         } else {
-            block_on(py, Engine::open(url))?.map(Handle::ferry)
+            open_ferry(py, url)?
         }
         .map_err(|e| to_pyerr(py, &e))?;
         Ok(PyEngine {

@@ -287,7 +287,10 @@ impl EngineConfig {
         self
     }
 
-    /// Parses `url` (see the type's documentation).
+    /// Parses `url` (see the type's documentation). A `secret_file=PATH`
+    /// parameter is replaced by `secret=` with the file's first line
+    /// ([`crate::secret`]); the environment is not read here (programs add
+    /// it with [`crate::secret::from_environment`]).
     ///
     /// Errors: [`Error::InvalidArgument`] for a malformed URL, an unknown
     /// scheme or a bad Ferry parameter; [`Error::Unavailable`] naming the
@@ -303,6 +306,7 @@ impl EngineConfig {
     /// [`BackendConfig::from_parts`].
     pub fn from_parts(mut url: ParsedUrl) -> Result<Self> {
         url.scheme().parse::<BackendKind>()?;
+        crate::secret::resolve_url_file(&mut url)?;
         let (adapter, require) = AdapterConfig::take_url_params(&mut url)?;
         Ok(EngineConfig::new(BackendConfig::from_parts(url)?)
             .adapter(adapter)

@@ -54,6 +54,7 @@
 pub mod blocking;
 mod config;
 mod dispatch;
+pub mod secret;
 
 pub use config::{BackendConfig, BackendKind, EngineConfig};
 pub use dispatch::{Engine, Stack};

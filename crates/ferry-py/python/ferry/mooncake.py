@@ -320,17 +320,22 @@ class TransferEngine:
                 )
             host = host or (base_path.rsplit(":", 1)[0] if base_path else "127.0.0.1")
             keys = {k.lower() for k, _ in params}
-            secret = os.environ.get("FERRY_SECRET")
-            if "secret" not in keys and secret:
-                params.append(("secret", secret))
-                keys.add("secret")
-            if "secret" not in keys and "insecure" not in keys and not _is_loopback(host):
+            # The engine takes the secret from FERRY_SECRET or
+            # FERRY_SECRET_FILE itself (ferry::secret: the way every Ferry
+            # program takes it); the URL is left without it.
+            secured = (
+                "secret" in keys
+                or "secret_file" in keys
+                or os.environ.get("FERRY_SECRET")
+                or os.environ.get("FERRY_SECRET_FILE")
+            )
+            if not secured and "insecure" not in keys and not _is_loopback(host):
                 # What Mooncake does silently; Ferry's engine refuses it
                 # unless told, so the drop-in says it once and goes on.
                 logger.warning(
                     "listening on %s without a secret: any host that can reach this port can "
-                    "read and write every registered byte; set FERRY_SECRET (the same on every "
-                    "node) to authenticate peers",
+                    "read and write every registered byte; set FERRY_SECRET or FERRY_SECRET_FILE "
+                    "(the same secret on every node) to authenticate peers",
                     host,
                 )
                 params.append(("insecure", "1"))
