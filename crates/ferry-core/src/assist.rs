@@ -9,8 +9,8 @@
 //! cross-thread wake-up: the worker that completed the operation must
 //! `unpark` the caller, and a parked thread takes tens of microseconds to run
 //! again on a VM, longer than a whole 4 KiB transfer on the same host
-//! (measured: 5–12 µs p50 from a worker task, 110–160 µs from an outside
-//! thread; see `crates/ferry/examples/blocking_latency.rs`).
+//! (figures: docs/benchmarks/ferry-core.md, from
+//! `crates/ferry/examples/blocking_latency.rs`).
 //!
 //! This module removes that hop (leader/follower): a background task made
 //! with [`Task`] can be *driven by a blocked caller*. [`block_on`] runs a

@@ -730,8 +730,8 @@ impl PyEngine {
         };
         // A call the engine finishes at once (a granted same-host copy)
         // needs no future and no waiting: tried first, with the GIL
-        // released as for any call (kept, ten threads ran 2.4x the calls
-        // but a thread waiting for the GIL waited up to 0.4 s); one
+        // released as for any call (holding it through the copy starved
+        // threads waiting for the GIL: docs/benchmarks/ferry-py.md); one
         // release for both tries.
         let seg = SegmentId(segment);
         let rt = runtime()?;

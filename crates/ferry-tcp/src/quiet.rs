@@ -8,10 +8,8 @@
 //! polling the socket itself (a blocked caller driving its connection,
 //! `ferry_core::assist`, or a reader in its spin window), and on a small VM
 //! each such wake-up of an idle CPU costs tens of microseconds of that CPU
-//! — the CPU the peer process needed (measured: a runtime worker of the
-//! initiator woke ~9 000 times a second in `epoll_wait` while the Python
-//! caller polled its own answers, and the 4 KiB p50 went bimodal, 18 or
-//! 90 µs).
+//! — the CPU the peer process needed (figures:
+//! crates/ferry-tcp/BENCHMARKS.md).
 //!
 //! Here the socket sits in an epoll set of its own per direction, with
 //! `EPOLLONESHOT`; only those small sets are registered with the runtime.

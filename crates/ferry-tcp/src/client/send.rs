@@ -25,18 +25,14 @@ const FAIR_SLICE: u64 = 1 << 20;
 /// Slices of a long send that may be written and not yet answered: before
 /// slice `k` goes, every operation of slice `k - FAIR_WINDOW` and before
 /// has its answer. Without it the kernel's socket buffers held several
-/// MiB of the send (measured on loopback: up to 4 MB in the target's
-/// receive queue and 4 MB in the sender's send queue), and a small call
-/// written at a slice boundary queued behind all of it. Four: with two,
-/// small calls beside a 16 MiB batch did best (Python, ten small threads:
-/// 10k calls/s, p99 3.9 ms, against 5k and 6.7 ms without a window), but
-/// the batch, waiting for a wake-up per slice on a busy host, took twice
-/// as long; with four it loses a quarter there (nothing alone: `ferry
-/// bench` 16 MiB and 16 x 1 MiB measure the same or 10 % better) and the
-/// small calls still gain most (8.3k calls/s, p99 4.1 ms). It also bounds
-/// one connection's long send to 4 MiB per round trip of the answers
-/// (40 GB/s at 100 µs); across a long-haul link, `connections=N` spreads
-/// long requests over N connections, each with its own window.
+/// MiB of the send, and a small call written at a slice boundary queued
+/// behind all of it. Four, not two: two served the small calls a little
+/// better but made the batch, waiting for a wake-up per slice on a busy
+/// host, take twice as long; four keeps most of the small calls' gain and
+/// costs a lone send nothing (figures: crates/ferry-tcp/BENCHMARKS.md).
+/// It also bounds one connection's long send to 4 MiB per round trip of
+/// the answers; across a long-haul link, `connections=N` spreads long
+/// requests over N connections, each with its own window.
 const FAIR_WINDOW: usize = 4;
 
 /// If a send is abandoned before it started writing (its caller was
@@ -588,9 +584,9 @@ const COMBINE_MAX: usize = 64 << 10;
 /// threads, as vLLM's connector calls), each waited for the write lock in
 /// turn, and every hand-over of the lock was a thread wake-up (tens of µs
 /// on a VM) in series with the next `sendmsg`: the calls went one at a
-/// time however many threads there were (measured: ten threads got half
-/// of what one got). Copying a small payload (a 4 KiB write: well under a
-/// microsecond) is cheaper than one of those wake-ups.
+/// time however many threads there were. Copying a small payload is
+/// cheaper than one of those wake-ups (figures:
+/// crates/ferry-tcp/BENCHMARKS.md).
 ///
 /// Frames queued here are never withdrawn: once queued, the call is as
 /// good as sent (its caller may stop waiting, as after a send).
@@ -758,13 +754,13 @@ pub(crate) fn fail_ops(state: &WireOps, ops: &[OutOp], e: &Error) {
 /// copies whatever the state of the staging area: below it one
 /// `process_vm_writev` by the initiator beats a round trip with the
 /// target; above it, on a quiet machine, the area's two pipelined copies
-/// are faster (measured in ferry-tcp's README), so larger calls take the
+/// are faster (crates/ferry-tcp/BENCHMARKS.md), so larger calls take the
 /// way [`crate::same_host::choice::PathChoice::grant`] finds faster.
 pub(crate) const GRANTED_ALWAYS: u64 = 128 << 10;
 
 /// Granted copies run on the caller's thread (a kernel copy is as long as
-/// a memcpy of its bytes; a hop to the blocking pool measured 1.5-2x
-/// slower), in pieces of at most this many bytes, each under its own mark
+/// a memcpy of its bytes; a hop to the blocking pool was slower:
+/// crates/ferry-tcp/BENCHMARKS.md), in pieces of at most this many bytes, each under its own mark
 /// (so that a target's `unregister` waits for one piece at most).
 const GRANTED_PIECE: u64 = 256 << 10;
 
@@ -772,7 +768,7 @@ const GRANTED_PIECE: u64 = 256 << 10;
 /// since its start or its last yield, so that no caller's runtime is held
 /// for long. (A yield after every piece woke a parked worker of a
 /// multi-threaded runtime through its I/O driver, which then stole the
-/// task: 1 MiB calls ran at 0.8x.)
+/// task: crates/ferry-tcp/BENCHMARKS.md.)
 const GRANTED_YIELD: std::time::Duration = std::time::Duration::from_micros(500);
 
 /// Copies the transfer operations of `ops` that the target has granted

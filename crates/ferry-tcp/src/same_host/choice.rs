@@ -14,9 +14,8 @@
 //! decides: while some runnable task waited for a CPU at least
 //! [`pressure::CONTENDED`] per mille of the last window (until it falls
 //! below [`pressure::CALM`]), long calls copy granted (else take the
-//! kernel copy); otherwise they stage. Measured on two CPUs: quiet, the
-//! two processes' own copying reads 200-300 per mille; with one busy loop
-//! beside them 430, with two 770. Rates measured per call were not a
+//! kernel copy); otherwise they stage (the thresholds' measurements:
+//! crates/ferry-tcp/BENCHMARKS.md). Rates measured per call were not a
 //! usable signal: the area's speed is bimodal even on a quiet machine
 //! (whether the two copying threads share a CPU), so a moving average
 //! kept leaving it for granted copies at half its speed.

@@ -45,8 +45,7 @@ const READ_BUFFER: usize = 64 << 10;
 /// socket. Not Tokio's `try_read` / `try_write`: those return
 /// `WouldBlock` without asking the kernel while the runtime's readiness
 /// flag is clear, so a reader polling for an answer would see it only once
-/// the reactor next ran (measured: 4 KiB writes at p50 140 µs instead of
-/// 35). A `WouldBlock` from here clears the readiness through the caller's
+/// the reactor next ran (figures: crates/ferry-tcp/BENCHMARKS.md). A `WouldBlock` from here clears the readiness through the caller's
 /// `Stream::try_io`, as on a clear socket.
 struct Sock<'a>(&'a TcpStream);
 
