@@ -676,7 +676,7 @@ pub struct Remote<'a> {
 /// is level-triggered: once there, the pidfd stays reported. An
 /// `epoll_wait` with nothing ready only looks at the ready list, where a
 /// `poll` asks the pidfd each time: about 0.2 µs against 0.4–0.5 µs here
-/// (`BENCHMARKS.md`, "The exit watch"), paid on every copy.
+/// (`BENCHMARKS.md`, `cma::Remote::alive`), paid on every copy.
 #[derive(Clone, Copy, Debug)]
 struct Watch<'a> {
     fd: std::os::fd::BorrowedFd<'a>,
