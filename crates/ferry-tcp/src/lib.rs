@@ -80,10 +80,9 @@ mod stream;
 mod test_hooks;
 mod tls;
 
-pub use config::{TcpConfig, TcpConfigBuilder};
+pub use config::{SameHost, TcpConfig, TcpConfigBuilder};
 pub use engine::TcpEngine;
 pub use negotiate::{FeatureOff, FeatureState, PeerReport, VersionRange};
-pub use same_host::cma::SameHost;
 pub use same_host::cma::{errno_name, kernel_copy_gbps};
 pub use server::{MAX_QUEUED_NOTIFICATIONS, MAX_QUEUED_NOTIFICATION_BYTES};
 pub use tls::TlsMode;
@@ -99,6 +98,7 @@ pub mod test_support {
     }
     /// The same-host offer and its checks.
     pub mod cma {
+        pub use crate::config::SameHost;
         pub use crate::same_host::cma::*;
     }
     /// The staging area.

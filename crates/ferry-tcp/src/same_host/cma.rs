@@ -28,49 +28,12 @@
 //! connection carries payloads on the socket as before. See the module
 //! above for the PID-reuse window that remains around each copy.
 
-use std::fmt;
 use std::os::fd::{AsFd, AsRawFd};
 
 use tokio::net::TcpStream;
 
+use crate::negotiate::{CredInvite, HostKey, MAX_CRED_NAME};
 use crate::stream::Stream;
-
-/// The `same_host` setting.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum SameHost {
-    /// Use cross-memory attach when the peer is on this host and the
-    /// kernel allows it; otherwise the socket (with the reason reported).
-    #[default]
-    Auto,
-    /// Require it: connecting to a peer that cannot use it fails with the
-    /// reason. As a target, same as `Auto`.
-    Cma,
-    /// Never: payloads always travel on the socket; as a target, refuse
-    /// initiators that ask.
-    Off,
-}
-
-impl SameHost {
-    /// Parses `auto`, `cma` or `off`.
-    pub fn parse(s: &str) -> Option<SameHost> {
-        match s {
-            "auto" => Some(SameHost::Auto),
-            "cma" => Some(SameHost::Cma),
-            "off" => Some(SameHost::Off),
-            _ => None,
-        }
-    }
-}
-
-impl fmt::Display for SameHost {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            SameHost::Auto => "auto",
-            SameHost::Cma => "cma",
-            SameHost::Off => "off",
-        })
-    }
-}
 
 /// Length of the boot id field of a SAME_HOST request.
 pub const BOOT_ID_LEN: usize = 48;
@@ -233,6 +196,12 @@ pub fn pid_namespace() -> Result<u64, String> {
         .map_err(|e| format!("cannot read the PID namespace: {e}"))
 }
 
+/// This process's [`HostKey`] (boot id and PID namespace), read once per
+/// engine; `None` where either cannot be read (no `/proc`).
+pub fn host_key() -> Option<HostKey> {
+    Some(HostKey::new(&boot_id().ok()?, pid_namespace().ok()?))
+}
+
 /// A probe word the target reads to test its access, and the offer that
 /// announces it. The word must stay alive until the target answered.
 pub fn make_offer() -> Result<(Box<[u8; 16]>, Offer), String> {
@@ -391,7 +360,7 @@ const MAX_CRED_TRIES: usize = 1024;
 #[derive(Debug)]
 pub struct CredListener {
     listener: std::os::unix::net::UnixListener,
-    invite: crate::negotiate::CredInvite,
+    invite: CredInvite,
 }
 
 impl CredListener {
@@ -409,7 +378,7 @@ impl CredListener {
             .map_err(|e| format!("credential socket: {e}"))?;
         Ok(CredListener {
             listener,
-            invite: crate::negotiate::CredInvite {
+            invite: CredInvite {
                 token: rand::random(),
                 name,
             },
@@ -417,7 +386,7 @@ impl CredListener {
     }
 
     /// What the target's hello announces.
-    pub fn invite(&self) -> &crate::negotiate::CredInvite {
+    pub fn invite(&self) -> &CredInvite {
         &self.invite
     }
 
@@ -468,11 +437,9 @@ impl CredListener {
 /// the target's credential socket and sends the token. The connection
 /// must stay open until the target has answered the offer. Never blocks
 /// (a full queue is an error).
-pub fn cred_connect(
-    invite: &crate::negotiate::CredInvite,
-) -> Result<std::os::unix::net::UnixStream, String> {
+pub fn cred_connect(invite: &CredInvite) -> Result<std::os::unix::net::UnixStream, String> {
     use std::os::fd::FromRawFd;
-    if invite.name.is_empty() || invite.name.len() > crate::negotiate::MAX_CRED_NAME {
+    if invite.name.is_empty() || invite.name.len() > MAX_CRED_NAME {
         return Err("invalid credential socket name".to_owned());
     }
     // SAFETY: socket takes constants and returns a new descriptor or -1.
@@ -1268,8 +1235,6 @@ mod tests {
             Refusal::describe(Refusal::ProbeFailed as u64, libc::EPERM as u64),
             "process_vm_readv: EPERM"
         );
-        assert_eq!(SameHost::parse("cma"), Some(SameHost::Cma));
-        assert_eq!(SameHost::parse("on"), None);
         assert_eq!(errno_name(12345), "errno 12345");
     }
 
