@@ -860,7 +860,7 @@ pub async fn offer_same_host(
             addr,
             len,
         }) => Ok(SameHostVerdict::Refused(
-            crate::same_host::cma::Refusal::describe(addr, len),
+            crate::same_host::cma::Refusal::describe(addr, len, crate::same_host::cma::errno_name),
         )),
         other => Err(Error::Protocol {
             peer: peer.to_owned(),

@@ -68,10 +68,8 @@ mod client;
 mod config;
 mod engine;
 mod foreign;
-mod frame;
 mod handshake;
 mod io;
-mod negotiate;
 mod quiet;
 mod same_host;
 mod server;
@@ -79,6 +77,16 @@ mod stream;
 #[cfg(feature = "test-hooks")]
 mod test_hooks;
 mod tls;
+
+// The sans-IO core (issue 42), under the paths the modules had here.
+pub(crate) use ferry_tcp_proto::{frame, negotiate};
+
+// The core has no ferry-core (which needs tokio): its notification limits
+// are literals that must stay ferry-core's.
+const _: () = assert!(
+    frame::MAX_NOTIFY_NAME == ferry_core::MAX_NOTIFICATION_NAME as u64
+        && frame::MAX_NOTIFY_MESSAGE == ferry_core::MAX_NOTIFICATION_MESSAGE as u64
+);
 
 pub use config::{SameHost, TcpConfig, TcpConfigBuilder};
 pub use engine::TcpEngine;

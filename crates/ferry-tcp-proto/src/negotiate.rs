@@ -14,6 +14,9 @@
 
 use std::fmt;
 
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+
 /// The version field of every hello this build sends first (and the
 /// newest version a peer that does not negotiate can speak).
 pub const LEGACY_VERSION: u16 = 5;
@@ -33,7 +36,7 @@ const EXT_FEATURES: u16 = 2;
 /// Extension type: the same-host token (32 bytes, see [`host_token`]).
 const EXT_HOST: u16 = 3;
 /// Extension type: how the sender names itself in TLS (1 byte,
-/// [`crate::tls::Identity`]); only from a side with TLS on.
+/// ferry-tcp's `tls::Identity`); only from a side with TLS on.
 const EXT_TLS: u16 = 4;
 /// Extension type: the target's credential invitation ([`CredInvite`]:
 /// a 16-byte token, then the abstract Unix socket name, 1 to
@@ -128,7 +131,7 @@ pub const ACK_LANE: Feature = Feature {
 
 /// Granted copies on the same-host path: the initiator copies into the
 /// target's memory itself, under grants the target publishes in a page
-/// of the staging area (see [`crate::same_host::grant`]). Negotiated
+/// of the staging area (see [`crate::layout::grants`]). Negotiated
 /// only: no version implies it.
 pub const GRANTS: Feature = Feature {
     bit: 32,
@@ -219,7 +222,7 @@ pub struct Extensions {
     pub features: FeatureSet,
     /// Its same-host token, if it offers the same-host path.
     pub host: Option<[u8; 32]>,
-    /// Its TLS identity kind (see [`crate::tls::Identity`]), if it has TLS
+    /// Its TLS identity kind (ferry-tcp's `tls::Identity`), if it has TLS
     /// on.
     pub tls: Option<u8>,
     /// A target's credential invitation ([`SAME_HOST_CRED`]).
@@ -387,7 +390,17 @@ impl fmt::Debug for HostKey {
 /// token reveals nothing else (the boot id is 122 random bits, and the
 /// nonces are fresh).
 pub fn host_token(key: &HostKey, initiator: &[u8; 32], target: &[u8; 32]) -> [u8; 32] {
-    ferry_core::raw::auth::proof(&key.0, b"ferry-tcp host", initiator, target)
+    // The MAC of ferry-core's `raw::auth::proof`, written out here (that
+    // crate needs tokio); ferry-tcp tests that the two agree.
+    // HMAC takes keys of any length: new_from_slice cannot fail.
+    let mut m = match Hmac::<Sha256>::new_from_slice(key.0.as_bytes()) {
+        Ok(m) => m,
+        Err(_) => unreachable!("HMAC accepts keys of any length"),
+    };
+    m.update(b"ferry-tcp host");
+    m.update(initiator);
+    m.update(target);
+    m.finalize().into_bytes().into()
 }
 
 /// What one handshake settled.
@@ -540,7 +553,7 @@ pub struct FeatureState {
 }
 
 /// What an initiator negotiated with one peer on its latest connection
-/// ([`crate::TcpEngine::peer_report`]).
+/// (ferry-tcp's `TcpEngine::peer_report`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PeerReport {
     /// The peer's segment name.
