@@ -1,5 +1,6 @@
 //! Engine configuration and its URL form.
 
+use std::fmt;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -7,7 +8,44 @@ use ferry_core::raw::ParsedUrl;
 use ferry_core::{Error, Result, Secret};
 
 use crate::frame::MAX_OP_LEN;
-use crate::same_host::cma::SameHost;
+use crate::negotiate::FeatureSettings;
+
+/// The `same_host` setting.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum SameHost {
+    /// Use cross-memory attach when the peer is on this host and the
+    /// kernel allows it; otherwise the socket (with the reason reported).
+    #[default]
+    Auto,
+    /// Require it: connecting to a peer that cannot use it fails with the
+    /// reason. As a target, same as `Auto`.
+    Cma,
+    /// Never: payloads always travel on the socket; as a target, refuse
+    /// initiators that ask.
+    Off,
+}
+
+impl SameHost {
+    /// Parses `auto`, `cma` or `off`.
+    pub fn parse(s: &str) -> Option<SameHost> {
+        match s {
+            "auto" => Some(SameHost::Auto),
+            "cma" => Some(SameHost::Cma),
+            "off" => Some(SameHost::Off),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for SameHost {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            SameHost::Auto => "auto",
+            SameHost::Cma => "cma",
+            SameHost::Off => "off",
+        })
+    }
+}
 
 /// Configuration of a [`crate::TcpEngine`].
 ///
@@ -264,6 +302,18 @@ fn set<T>(dst: &mut T, v: Option<T>) {
 }
 
 impl TcpConfig {
+    /// The settings that decide this engine's features in a handshake
+    /// ([`crate::negotiate::our_features`]).
+    pub(crate) fn feature_settings(&self) -> FeatureSettings {
+        FeatureSettings {
+            same_host_on: self.same_host != SameHost::Off,
+            tls_on: self.tls != crate::tls::TlsMode::Off,
+            unix: self.same_host_unix,
+            stage: self.same_host_stage.is_some(),
+            grant: self.same_host_grant,
+        }
+    }
+
     /// The effective per-source bound (see [`TcpConfig::max_per_source`]).
     pub fn per_source_limit(&self) -> usize {
         match self.max_per_source {
@@ -571,6 +621,8 @@ mod tests {
         assert_eq!(c.evict_idle, Duration::ZERO);
         assert_eq!(c.same_host, SameHost::Off);
         assert_eq!(TcpConfig::default().same_host, SameHost::Auto);
+        assert_eq!(SameHost::parse("cma"), Some(SameHost::Cma));
+        assert_eq!(SameHost::parse("on"), None);
         assert!(TcpConfig::from_url("tcp://h:1?same_host=yes").is_err());
         assert!(!c.same_host_unix);
         assert!(TcpConfig::default().same_host_unix);

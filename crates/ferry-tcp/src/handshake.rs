@@ -14,7 +14,8 @@ use crate::frame::{
 };
 use crate::io::{read_some, write_all_slices, Pace};
 use crate::negotiate::{
-    self, Agreement, Extensions, FeatureSet, VersionRange, LEGACY_VERSION, MAX_EXT_LEN, MIN_VERSION,
+    self, Agreement, Extensions, FeatureSet, HostKey, VersionRange, LEGACY_VERSION, MAX_EXT_LEN,
+    MIN_VERSION,
 };
 
 const CLIENT_LABEL: &[u8] = b"ferry-tcp/2 initiator";
@@ -261,9 +262,11 @@ async fn read_ext(stream: &Stream, peer: &str, timeout: Duration) -> Result<(Vec
 }
 
 /// What a side announces: this build's range, its features, and (when it
-/// has the same-host path on) its host token for these nonces.
+/// has the same-host path on and knows its [`HostKey`]) its host token for
+/// these nonces.
 fn our_extensions(
     features: FeatureSet,
+    host_key: Option<&HostKey>,
     tls: Option<&TlsContext>,
     nc: &[u8; 32],
     nt: &[u8; 32],
@@ -272,11 +275,9 @@ fn our_extensions(
     Extensions {
         versions: VersionRange::OURS,
         features,
-        host: if features.enabled(negotiate::SAME_HOST) {
-            negotiate::host_token(nc, nt)
-        } else {
-            None
-        },
+        host: host_key
+            .filter(|_| features.enabled(negotiate::SAME_HOST))
+            .map(|k| negotiate::host_token(k, nc, nt)),
         tls: tls
             .filter(|_| features.enabled(negotiate::TLS))
             .map(|t| t.identity as u8),
@@ -354,6 +355,7 @@ pub async fn client(
     timeout: Duration,
     hello_version: u16,
     features: FeatureSet,
+    host_key: Option<&HostKey>,
     tls: Option<&TlsContext>,
 ) -> Result<ClientOutcome> {
     let nc = nonce();
@@ -387,7 +389,7 @@ pub async fn client(
     let ns = server.nonce;
     let (ext_bytes, agreement, use_tls) = if server.flags & FLAG_EXT != 0 {
         let (their_raw, theirs) = read_ext(stream, peer, timeout).await?;
-        let mine = our_extensions(features, tls, &nc, &ns, None);
+        let mine = our_extensions(features, host_key, tls, &nc, &ns, None);
         let my_raw = mine.encode();
         let Some(version) = VersionRange::OURS.highest_common(theirs.versions) else {
             // Tell the target our range (it logs the refusal), then give up.
@@ -570,6 +572,7 @@ pub struct Verified {
 /// With `tls` and an initiator that has TLS on, the TLS handshake runs
 /// right after the initiator's extension block, and `stream` becomes its
 /// plaintext end.
+#[allow(clippy::too_many_arguments)]
 pub async fn server(
     stream: &mut Stream,
     peer_addr: &str,
@@ -577,6 +580,7 @@ pub async fn server(
     secret: Option<&str>,
     timeout: Duration,
     features: FeatureSet,
+    host_key: Option<&HostKey>,
     tls: Option<&TlsContext>,
 ) -> Result<Verified> {
     let first = read_first(stream, peer_addr, "hello", timeout).await?;
@@ -599,7 +603,7 @@ pub async fn server(
                 Err(why) => tracing::debug!(peer = %peer_addr, %why, "no credential socket"),
             }
         }
-        let mine = our_extensions(features, tls, &nc, &ns, cred.as_ref());
+        let mine = our_extensions(features, host_key, tls, &nc, &ns, cred.as_ref());
         let my_raw = mine.encode();
         let hello = Hello {
             version: LEGACY_VERSION,
@@ -856,7 +860,7 @@ pub async fn offer_same_host(
             addr,
             len,
         }) => Ok(SameHostVerdict::Refused(
-            crate::same_host::cma::Refusal::describe(addr, len),
+            crate::same_host::cma::Refusal::describe(addr, len, crate::same_host::cma::errno_name),
         )),
         other => Err(Error::Protocol {
             peer: peer.to_owned(),

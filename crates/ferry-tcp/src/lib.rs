@@ -68,10 +68,8 @@ mod client;
 mod config;
 mod engine;
 mod foreign;
-mod frame;
 mod handshake;
 mod io;
-mod negotiate;
 mod quiet;
 mod same_host;
 mod server;
@@ -80,10 +78,19 @@ mod stream;
 mod test_hooks;
 mod tls;
 
-pub use config::{TcpConfig, TcpConfigBuilder};
+// The sans-IO core (issue 42), under the paths the modules had here.
+pub(crate) use ferry_tcp_proto::{frame, negotiate};
+
+// The core has no ferry-core (which needs tokio): its notification limits
+// are literals that must stay ferry-core's.
+const _: () = assert!(
+    frame::MAX_NOTIFY_NAME == ferry_core::MAX_NOTIFICATION_NAME as u64
+        && frame::MAX_NOTIFY_MESSAGE == ferry_core::MAX_NOTIFICATION_MESSAGE as u64
+);
+
+pub use config::{SameHost, TcpConfig, TcpConfigBuilder};
 pub use engine::TcpEngine;
 pub use negotiate::{FeatureOff, FeatureState, PeerReport, VersionRange};
-pub use same_host::cma::SameHost;
 pub use same_host::cma::{errno_name, kernel_copy_gbps};
 pub use server::{MAX_QUEUED_NOTIFICATIONS, MAX_QUEUED_NOTIFICATION_BYTES};
 pub use tls::TlsMode;
@@ -99,6 +106,7 @@ pub mod test_support {
     }
     /// The same-host offer and its checks.
     pub mod cma {
+        pub use crate::config::SameHost;
         pub use crate::same_host::cma::*;
     }
     /// The staging area.

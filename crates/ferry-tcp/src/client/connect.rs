@@ -13,10 +13,10 @@ use ferry_core::{Error, Result};
 use super::conn::{ClientStage, Conn, ConnShared, PendingMap};
 use super::peer::Peer;
 use super::reader::reader_task;
+use crate::config::SameHost;
 use crate::handshake;
 use crate::io::Pace;
 use crate::negotiate::{self, Agreement, Feature, FeatureOff, FeatureState, PeerReport};
-use crate::same_host::cma::SameHost;
 use crate::stream::Stream;
 
 /// The error for a peer that cannot be reached.
@@ -80,7 +80,7 @@ impl Peer {
     /// version this build speaks (remembered for the next connections).
     async fn dial_and_greet(&self) -> Result<(Stream, handshake::Welcome)> {
         let cfg = &self.core.config;
-        let features = negotiate::our_features(cfg, true);
+        let features = negotiate::our_features(cfg.feature_settings(), true);
         loop {
             let hello_version = self.hello_version.load(Ordering::Relaxed);
             let mut stream = self.dial().await?;
@@ -92,6 +92,7 @@ impl Peer {
                 cfg.connect_timeout,
                 hello_version,
                 features,
+                self.core.host_key.as_ref(),
                 self.core.tls.as_deref(),
             )
             .await?

@@ -28,172 +28,14 @@
 //! connection carries payloads on the socket as before. See the module
 //! above for the PID-reuse window that remains around each copy.
 
-use std::fmt;
 use std::os::fd::{AsFd, AsRawFd};
 
 use tokio::net::TcpStream;
 
+use crate::negotiate::{CredInvite, HostKey, MAX_CRED_NAME};
 use crate::stream::Stream;
 
-/// The `same_host` setting.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum SameHost {
-    /// Use cross-memory attach when the peer is on this host and the
-    /// kernel allows it; otherwise the socket (with the reason reported).
-    #[default]
-    Auto,
-    /// Require it: connecting to a peer that cannot use it fails with the
-    /// reason. As a target, same as `Auto`.
-    Cma,
-    /// Never: payloads always travel on the socket; as a target, refuse
-    /// initiators that ask.
-    Off,
-}
-
-impl SameHost {
-    /// Parses `auto`, `cma` or `off`.
-    pub fn parse(s: &str) -> Option<SameHost> {
-        match s {
-            "auto" => Some(SameHost::Auto),
-            "cma" => Some(SameHost::Cma),
-            "off" => Some(SameHost::Off),
-            _ => None,
-        }
-    }
-}
-
-impl fmt::Display for SameHost {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            SameHost::Auto => "auto",
-            SameHost::Cma => "cma",
-            SameHost::Off => "off",
-        })
-    }
-}
-
-/// Length of the boot id field of a SAME_HOST request.
-pub const BOOT_ID_LEN: usize = 48;
-/// Length of a SAME_HOST request's payload: boot id, PID namespace inode
-/// u64, PID u64, probe address u64, probe nonce (16 bytes).
-pub const OFFER_LEN: usize = BOOT_ID_LEN + 8 + 8 + 8 + 16;
-
-/// What an initiator announces in its SAME_HOST request.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Offer {
-    /// `/proc/sys/kernel/random/boot_id`, ASCII, zero-padded.
-    pub boot_id: [u8; BOOT_ID_LEN],
-    /// Inode of `/proc/self/ns/pid`.
-    pub pidns: u64,
-    /// The initiator's PID.
-    pub pid: u64,
-    /// Address of the probe word in the initiator.
-    pub probe_addr: u64,
-    /// The probe word's contents.
-    pub nonce: [u8; 16],
-}
-
-impl Offer {
-    /// Encodes the payload.
-    pub fn encode(&self) -> [u8; OFFER_LEN] {
-        let mut out = [0u8; OFFER_LEN];
-        out[..BOOT_ID_LEN].copy_from_slice(&self.boot_id);
-        let mut o = BOOT_ID_LEN;
-        for v in [self.pidns, self.pid, self.probe_addr] {
-            out[o..o + 8].copy_from_slice(&v.to_le_bytes());
-            o += 8;
-        }
-        out[o..].copy_from_slice(&self.nonce);
-        out
-    }
-
-    /// Decodes the payload (any bytes are a valid offer; the target checks
-    /// every field against the system).
-    pub fn decode(buf: &[u8; OFFER_LEN]) -> Offer {
-        let mut boot_id = [0u8; BOOT_ID_LEN];
-        boot_id.copy_from_slice(&buf[..BOOT_ID_LEN]);
-        let u = |o: usize| {
-            let mut a = [0u8; 8];
-            a.copy_from_slice(&buf[o..o + 8]);
-            u64::from_le_bytes(a)
-        };
-        let mut nonce = [0u8; 16];
-        nonce.copy_from_slice(&buf[BOOT_ID_LEN + 24..]);
-        Offer {
-            boot_id,
-            pidns: u(BOOT_ID_LEN),
-            pid: u(BOOT_ID_LEN + 8),
-            probe_addr: u(BOOT_ID_LEN + 16),
-            nonce,
-        }
-    }
-}
-
-/// Why a target refused the path (ERR `SameHostRefused`, `a` = code, `b` =
-/// errno or 0).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[repr(u64)]
-pub enum Refusal {
-    /// The target runs with `same_host=off`.
-    Disabled = 1,
-    /// Boot ids differ: another machine (or kernel).
-    OtherHost = 2,
-    /// PID namespaces differ.
-    OtherPidNamespace = 3,
-    /// `process_vm_readv` of the probe failed (errno in `b`).
-    ProbeFailed = 4,
-    /// The probe read back other bytes than the nonce.
-    ProbeMismatch = 5,
-    /// The announced PID does not hold this connection's socket (errno in
-    /// `b` if the lookup itself failed).
-    NotTheOwner = 6,
-    /// The target's platform has no cross-memory attach.
-    Unsupported = 7,
-    /// Refused, with no detail (this build's targets: the reason is in
-    /// the target's log, never told to the peer, so that an offer learns
-    /// nothing about the process it names).
-    Refused = 8,
-}
-
-impl Refusal {
-    /// Parses a code.
-    pub fn from_u64(v: u64) -> Option<Refusal> {
-        Some(match v {
-            1 => Refusal::Disabled,
-            2 => Refusal::OtherHost,
-            3 => Refusal::OtherPidNamespace,
-            4 => Refusal::ProbeFailed,
-            5 => Refusal::ProbeMismatch,
-            6 => Refusal::NotTheOwner,
-            7 => Refusal::Unsupported,
-            8 => Refusal::Refused,
-            _ => return None,
-        })
-    }
-
-    /// The reason, as the capability report shows it.
-    pub fn describe(code: u64, errno: u64) -> String {
-        let e = errno_name(errno as i32);
-        match Refusal::from_u64(code) {
-            Some(Refusal::Disabled) => "the peer disables it (same_host=off)".to_owned(),
-            Some(Refusal::OtherHost) => "peer on another host (boot ids differ)".to_owned(),
-            Some(Refusal::OtherPidNamespace) => "peer in another PID namespace".to_owned(),
-            Some(Refusal::ProbeFailed) => format!("process_vm_readv: {e}"),
-            Some(Refusal::ProbeMismatch) => {
-                "process_vm_readv read back other bytes than the probe".to_owned()
-            }
-            Some(Refusal::NotTheOwner) if errno != 0 => {
-                format!("the peer cannot verify that this process holds the connection: {e}")
-            }
-            Some(Refusal::NotTheOwner) => {
-                "the peer found the connection held by another process".to_owned()
-            }
-            Some(Refusal::Unsupported) => "the peer's platform has no process_vm_*".to_owned(),
-            Some(Refusal::Refused) => "refused by the peer; its log says why".to_owned(),
-            None => format!("refused by the peer (code {code}, {e})"),
-        }
-    }
-}
+pub use ferry_tcp_proto::offer::{Offer, Refusal, BOOT_ID_LEN, OFFER_LEN};
 
 /// `EPERM`, `ESRCH`, … for the common errnos, else `errno N`.
 pub fn errno_name(errno: i32) -> String {
@@ -231,6 +73,12 @@ pub fn pid_namespace() -> Result<u64, String> {
     std::fs::metadata("/proc/self/ns/pid")
         .map(|m| m.ino())
         .map_err(|e| format!("cannot read the PID namespace: {e}"))
+}
+
+/// This process's [`HostKey`] (boot id and PID namespace), read once per
+/// engine; `None` where either cannot be read (no `/proc`).
+pub fn host_key() -> Option<HostKey> {
+    Some(HostKey::new(&boot_id().ok()?, pid_namespace().ok()?))
 }
 
 /// A probe word the target reads to test its access, and the offer that
@@ -391,7 +239,7 @@ const MAX_CRED_TRIES: usize = 1024;
 #[derive(Debug)]
 pub struct CredListener {
     listener: std::os::unix::net::UnixListener,
-    invite: crate::negotiate::CredInvite,
+    invite: CredInvite,
 }
 
 impl CredListener {
@@ -409,7 +257,7 @@ impl CredListener {
             .map_err(|e| format!("credential socket: {e}"))?;
         Ok(CredListener {
             listener,
-            invite: crate::negotiate::CredInvite {
+            invite: CredInvite {
                 token: rand::random(),
                 name,
             },
@@ -417,7 +265,7 @@ impl CredListener {
     }
 
     /// What the target's hello announces.
-    pub fn invite(&self) -> &crate::negotiate::CredInvite {
+    pub fn invite(&self) -> &CredInvite {
         &self.invite
     }
 
@@ -468,11 +316,9 @@ impl CredListener {
 /// the target's credential socket and sends the token. The connection
 /// must stay open until the target has answered the offer. Never blocks
 /// (a full queue is an error).
-pub fn cred_connect(
-    invite: &crate::negotiate::CredInvite,
-) -> Result<std::os::unix::net::UnixStream, String> {
+pub fn cred_connect(invite: &CredInvite) -> Result<std::os::unix::net::UnixStream, String> {
     use std::os::fd::FromRawFd;
-    if invite.name.is_empty() || invite.name.len() > crate::negotiate::MAX_CRED_NAME {
+    if invite.name.is_empty() || invite.name.len() > MAX_CRED_NAME {
         return Err("invalid credential socket name".to_owned());
     }
     // SAFETY: socket takes constants and returns a new descriptor or -1.
@@ -1265,12 +1111,26 @@ mod tests {
         let (_probe, offer) = make_offer().expect("linux");
         assert_eq!(Offer::decode(&offer.encode()), offer);
         assert_eq!(
-            Refusal::describe(Refusal::ProbeFailed as u64, libc::EPERM as u64),
+            Refusal::describe(Refusal::ProbeFailed as u64, libc::EPERM as u64, errno_name),
             "process_vm_readv: EPERM"
         );
-        assert_eq!(SameHost::parse("cma"), Some(SameHost::Cma));
-        assert_eq!(SameHost::parse("on"), None);
         assert_eq!(errno_name(12345), "errno 12345");
+    }
+
+    /// The core's host token is the MAC ferry-core's `raw::auth::proof`
+    /// computes, keyed by `boot id/PID-namespace inode`, as it was when
+    /// the token was computed with it (a change here is a wire change:
+    /// peers of two builds would never agree on one host).
+    #[test]
+    fn host_tokens_are_the_proof_keyed_by_boot_and_namespace() {
+        let (boot, ns) = (boot_id().expect("linux"), pid_namespace().expect("linux"));
+        let end = boot.iter().position(|&b| b == 0).unwrap_or(boot.len());
+        let key = format!("{}/{ns}", String::from_utf8_lossy(&boot[..end]));
+        let (ni, nt) = ([1u8; 32], [2u8; 32]);
+        assert_eq!(
+            crate::negotiate::host_token(&host_key().expect("linux"), &ni, &nt),
+            ferry_core::raw::auth::proof(&key, b"ferry-tcp host", &ni, &nt)
+        );
     }
 
     /// Item 6 of issue 41: the copy itself asks the pidfd (no cached

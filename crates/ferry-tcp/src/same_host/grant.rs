@@ -63,35 +63,10 @@ use ferry_core::raw::lock;
 use super::cma::Initiator;
 use super::stage::Area;
 
-/// Bytes of the grants page appended to a staging area.
-pub const GRANTS_LEN: usize = 64 << 10;
-/// Offsets in the page: the target's PID, the address of its probe word,
-/// the nonce that word holds, the page's version (bumped after every
-/// change of the entries), and the entries in use (an upper bound).
-const PID: usize = 0;
-const PROBE: usize = 8;
-const NONCE: usize = 16;
-const VERSION: usize = 24;
-const USED: usize = 32;
-/// The initiator's marks, one word each.
-const MARKS_AT: usize = 64;
-/// Marks per area: copies one initiator process may have in progress on
-/// one connection at once (more wait their turn as frames).
-pub const MARKS: usize = 16;
-/// What the initiator copied: bytes written, segments written, bytes
-/// read, segments read.
-const COUNTERS_AT: usize = 256;
-/// The entries: generation, address, length (and a spare word).
-const ENTRIES_AT: usize = 1024;
-const ENTRY: usize = 32;
-/// Entries of a page: regions a target can grant (the rest are served as
-/// frames).
-pub const ENTRIES: usize = (GRANTS_LEN - ENTRIES_AT) / ENTRY;
-
-/// The value of a mark naming entry `idx` at generation `gen`.
-pub fn mark_value(idx: usize, gen: u32) -> u64 {
-    ((idx as u64 + 1) << 32) | u64::from(gen)
-}
+pub use ferry_tcp_proto::layout::grants::{mark_value, ENTRIES, GRANTS_LEN, MARKS};
+use ferry_tcp_proto::layout::grants::{
+    COUNTERS_AT, ENTRIES_AT, ENTRY, MARKS_AT, NONCE, PID, PROBE, USED, VERSION,
+};
 
 /// Initiator: marks a copy under the grant `granted` (entry generation
 /// word) at `gen`, then checks the grant. `true`: the copy may go ahead

@@ -49,42 +49,12 @@ use loom::sync::atomic::{fence, AtomicU64};
 use std::sync::atomic::{fence, AtomicU64};
 use std::time::{Duration, Instant};
 
-use crate::frame::MAX_SEGMENTS;
-
-/// Bytes per slot.
-pub const SLOT: usize = 64 << 10;
-/// Slots per ring (one ring per direction).
-#[cfg(not(ferry_loom))]
-pub const SLOTS: u64 = 4;
-/// Slots per ring, fewer for the model checker (a smaller state space).
-#[cfg(ferry_loom)]
-pub const SLOTS: u64 = 2;
-/// Bytes one ring holds: a stream no longer than this is copied in
-/// without waiting for the other side.
-pub const RING_BYTES: usize = SLOTS as usize * SLOT;
-/// The control page: the four counters, each on its own cache line.
-const CONTROL: usize = 4096;
-/// Size of the shared area.
-pub const AREA_LEN: usize = CONTROL + 2 * SLOTS as usize * SLOT;
-/// Entries of the acknowledgement lane (in the control page).
-#[cfg(not(ferry_loom))]
-pub const ACKS: u64 = 256;
-/// Entries of the lane, fewer for the model checker.
-#[cfg(ferry_loom)]
-pub const ACKS: u64 = 2;
-/// Offsets in the control page: the lane's `head` (acknowledgements the
-/// target has posted), `tail` (those the initiator has taken), the
-/// initiator's `polling` flag, and the ring of request ids.
-const ACK_HEAD: usize = 256;
-const ACK_TAIL: usize = 320;
-const ACK_POLLING: usize = 384;
-const ACK_RING: usize = 2048;
-/// Offset in the control page of the target's count of its waits that
-/// slept ([`Area::target_slept`]).
-const TARGET_SLEPT: usize = 448;
-
-/// Bytes of an SREAD's verdict (one bit per segment).
-pub const VERDICT_LEN: usize = MAX_SEGMENTS as usize / 8;
+pub use ferry_tcp_proto::layout::area::{
+    refused, verdict, ACKS, AREA_LEN, RING_BYTES, SLOT, SLOTS, VERDICT_LEN,
+};
+use ferry_tcp_proto::layout::area::{
+    ACK_HEAD, ACK_POLLING, ACK_RING, ACK_TAIL, CONTROL, TARGET_SLEPT,
+};
 
 /// Spin this long for the other side before yielding the CPU.
 const SPIN: Duration = Duration::from_micros(50);
@@ -887,23 +857,6 @@ fn errno() -> i32 {
         .unwrap_or(libc::EIO)
 }
 
-/// Encodes the verdict slot of an SREAD: bit `i` set when segment `i` was
-/// refused.
-pub fn verdict(refused: impl Iterator<Item = usize>) -> [u8; VERDICT_LEN] {
-    let mut v = [0u8; VERDICT_LEN];
-    for i in refused {
-        if i < MAX_SEGMENTS as usize {
-            v[i / 8] |= 1 << (i % 8);
-        }
-    }
-    v
-}
-
-/// Whether segment `i` is refused in a verdict.
-pub fn refused(v: &[u8; VERDICT_LEN], i: usize) -> bool {
-    i < MAX_SEGMENTS as usize && v[i / 8] & (1 << (i % 8)) != 0
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1245,13 +1198,6 @@ mod tests {
                 }
             }
         });
-    }
-
-    #[test]
-    fn verdicts_name_the_refused_segments() {
-        let v = verdict([0, 9, 511, 512].into_iter());
-        assert!(refused(&v, 0) && refused(&v, 9) && refused(&v, 511));
-        assert!(!refused(&v, 1) && !refused(&v, 8) && !refused(&v, 512));
     }
 }
 

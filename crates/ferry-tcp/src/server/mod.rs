@@ -27,7 +27,7 @@ use ferry_core::{Error, MemoryRegion, Notification, RegionGuard, RegionTable, Si
 use tokio::sync::{oneshot, Notify};
 use tokio::task::JoinSet;
 
-use crate::config::TcpConfig;
+use crate::config::{SameHost, TcpConfig};
 use crate::frame::{
     decode_cma_segments, decode_segments, encode_table, Request, Response, Segment, Status,
     TableEntry, CMA_SEGMENT_LEN, HEADER_LEN, MAX_ACKS, MAX_SEGMENTS, MAX_TABLE_ENTRIES,
@@ -35,7 +35,7 @@ use crate::frame::{
 };
 use crate::handshake;
 use crate::io::{write_all, write_all_slices, Bytes, FrameReader, Next, Pace};
-use crate::same_host::cma::{self, SameHost};
+use crate::same_host::cma;
 
 /// Payload bytes received after which pending acknowledgements are sent
 /// even if more requests are already waiting (so large transfers complete
@@ -94,6 +94,9 @@ pub struct Core {
     pub config: TcpConfig,
     /// Its TLS configurations (`None`: `tls=off`).
     pub tls: Option<std::sync::Arc<crate::tls::TlsContext>>,
+    /// Its boot id and PID namespace, the key of its same-host tokens
+    /// (read once, here; `None`: `same_host=off`, or no `/proc`).
+    pub host_key: Option<crate::negotiate::HostKey>,
     /// Its registered regions.
     pub regions: RegionTable,
     gens: Arc<Mutex<Generations>>,
@@ -150,9 +153,13 @@ impl Core {
                 Core::forget_detached(&gens, &grants, table, addr)
             });
         }
+        let host_key = (config.same_host != SameHost::Off)
+            .then(crate::same_host::cma::host_key)
+            .flatten();
         Core {
             name,
             tls: None,
+            host_key,
             config,
             regions,
             gens,

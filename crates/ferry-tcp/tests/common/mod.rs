@@ -420,7 +420,7 @@ pub async fn raw_handshake_cred(
     let mine = Extensions {
         versions: VersionRange::OURS,
         features: FeatureSet { has, on: has },
-        host: host_token(&nc, &theirs.nonce),
+        host: ferry_tcp::test_support::cma::host_key().map(|k| host_token(&k, &nc, &theirs.nonce)),
         tls: None,
         cred: None,
     };

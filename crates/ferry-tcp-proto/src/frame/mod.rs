@@ -1,4 +1,4 @@
-//! The wire format (see `PROTOCOL.md` in the crate root for the prose
+//! The wire format (see `PROTOCOL.md` in ferry-tcp's root for the prose
 //! version): fixed 32-byte little-endian frame headers, the handshake
 //! messages, the limits every decoder enforces and the error codes.
 //!
@@ -57,10 +57,12 @@ pub const MAX_NAME: usize = 256;
 pub const MAX_REJECT_MSG: usize = 1024;
 /// Size of nonces and MACs.
 pub const NONCE_LEN: usize = 32;
-/// Longest notification name (same as ferry-core).
-pub const MAX_NOTIFY_NAME: u64 = ferry_core::MAX_NOTIFICATION_NAME as u64;
-/// Longest notification message (same as ferry-core).
-pub const MAX_NOTIFY_MESSAGE: u64 = ferry_core::MAX_NOTIFICATION_MESSAGE as u64;
+/// Longest notification name (ferry-core's `MAX_NOTIFICATION_NAME`;
+/// ferry-tcp asserts that the two agree).
+pub const MAX_NOTIFY_NAME: u64 = 256;
+/// Longest notification message (ferry-core's `MAX_NOTIFICATION_MESSAGE`;
+/// ferry-tcp asserts that the two agree).
+pub const MAX_NOTIFY_MESSAGE: u64 = 64 * 1024;
 
 /// Request kinds (initiator → target).
 pub mod kind {
@@ -79,10 +81,10 @@ pub mod kind {
     /// `aux` segments as for WRITEV follow (`b` bytes in total to send
     /// back).
     pub const READV: u8 = 0x06;
-    /// Same-host negotiation: an offer of [`crate::same_host::cma::OFFER_LEN`] bytes
+    /// Same-host negotiation: an offer of [`crate::offer::OFFER_LEN`] bytes
     /// follows; `a` = 1 + the initiator's descriptor number of the control
     /// channel it offers (0: none), `b` = 1 + that of the staging area
-    /// (0: none; see [`crate::same_host::stage`]).
+    /// (0: none; see [`crate::layout::area`]).
     pub const SAME_HOST: u8 = 0x07;
     /// Cross-memory write: `aux` segments of 24 bytes follow (target addr,
     /// len, generation, initiator source addr); the target copies them.
@@ -91,7 +93,7 @@ pub mod kind {
     /// the initiator's destinations.
     pub const CREAD: u8 = 0x09;
     /// Staged write: segments as for CWRITE (initiator addr 0) follow; the
-    /// payload comes through the staging area ([`crate::same_host::stage`]).
+    /// payload comes through the staging area ([`crate::layout::area`]).
     pub const SWRITE: u8 = 0x0a;
     /// Staged read: segments as for CREAD (initiator addr 0); the verdict
     /// and payload come through the staging area.
@@ -149,7 +151,7 @@ pub enum Status {
     /// generation differs from the frame's): refused, nothing touched.
     StaleRegion = 10,
     /// SAME_HOST refused: `a` is the reason code
-    /// ([`crate::same_host::cma::Refusal`]), `b` an errno or 0.
+    /// ([`crate::offer::Refusal`]), `b` an errno or 0.
     SameHostRefused = 11,
     /// A cross-memory copy failed (`a`/`b`: the target range); the
     /// initiator's range could not be read or written.
@@ -158,6 +160,7 @@ pub enum Status {
 
 impl Status {
     /// Parses a status byte.
+    #[inline]
     pub fn from_u8(v: u8) -> Option<Status> {
         Some(match v {
             1 => Status::AddressNotRegistered,
@@ -210,6 +213,7 @@ pub struct Header {
 
 impl Header {
     /// Encodes the header.
+    #[inline]
     pub fn encode(&self) -> [u8; HEADER_LEN] {
         let mut out = [0u8; HEADER_LEN];
         out[0] = self.kind;
@@ -222,6 +226,7 @@ impl Header {
     }
 
     /// Decodes the raw fields (checks only the reserved bytes).
+    #[inline]
     pub fn decode(buf: &[u8; HEADER_LEN]) -> Result<Header, DecodeError> {
         if buf[2] != 0 || buf[3] != 0 {
             return Err(bad("reserved header bytes are not zero"));

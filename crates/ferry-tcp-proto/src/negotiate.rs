@@ -14,6 +14,9 @@
 
 use std::fmt;
 
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+
 /// The version field of every hello this build sends first (and the
 /// newest version a peer that does not negotiate can speak).
 pub const LEGACY_VERSION: u16 = 5;
@@ -33,7 +36,7 @@ const EXT_FEATURES: u16 = 2;
 /// Extension type: the same-host token (32 bytes, see [`host_token`]).
 const EXT_HOST: u16 = 3;
 /// Extension type: how the sender names itself in TLS (1 byte,
-/// [`crate::tls::Identity`]); only from a side with TLS on.
+/// ferry-tcp's `tls::Identity`); only from a side with TLS on.
 const EXT_TLS: u16 = 4;
 /// Extension type: the target's credential invitation ([`CredInvite`]:
 /// a 16-byte token, then the abstract Unix socket name, 1 to
@@ -128,7 +131,7 @@ pub const ACK_LANE: Feature = Feature {
 
 /// Granted copies on the same-host path: the initiator copies into the
 /// target's memory itself, under grants the target publishes in a page
-/// of the staging area (see [`crate::same_host::grant`]). Negotiated
+/// of the staging area (see [`crate::layout::grants`]). Negotiated
 /// only: no version implies it.
 pub const GRANTS: Feature = Feature {
     bit: 32,
@@ -219,7 +222,7 @@ pub struct Extensions {
     pub features: FeatureSet,
     /// Its same-host token, if it offers the same-host path.
     pub host: Option<[u8; 32]>,
-    /// Its TLS identity kind (see [`crate::tls::Identity`]), if it has TLS
+    /// Its TLS identity kind (ferry-tcp's `tls::Identity`), if it has TLS
     /// on.
     pub tls: Option<u8>,
     /// A target's credential invitation ([`SAME_HOST_CRED`]).
@@ -350,23 +353,54 @@ pub fn is_marked_legacy(nonce: &[u8; 32]) -> bool {
     nonce[24..] == DOWNGRADE_SENTINEL
 }
 
+/// What two processes share exactly when they run on one boot of one
+/// machine in one PID namespace: the key of [`host_token`], the string
+/// `boot id ‖ "/" ‖ PID-namespace inode`. The driver reads both once (at
+/// engine start) from `/proc`; this module never does.
+#[derive(Clone, PartialEq, Eq)]
+pub struct HostKey(String);
+
+impl HostKey {
+    /// The key of a process whose boot id is `boot_id` (ASCII,
+    /// zero-padded: the bytes up to the first zero count) and whose PID
+    /// namespace has the inode `pid_namespace`.
+    pub fn new(boot_id: &[u8], pid_namespace: u64) -> HostKey {
+        let end = boot_id
+            .iter()
+            .position(|&b| b == 0)
+            .unwrap_or(boot_id.len());
+        HostKey(format!(
+            "{}/{pid_namespace}",
+            String::from_utf8_lossy(&boot_id[..end])
+        ))
+    }
+}
+
+impl fmt::Debug for HostKey {
+    // The boot id is the secret of the token: never printed.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("HostKey(..)")
+    }
+}
+
 /// The same-host token of this process for one handshake:
-/// `HMAC-SHA256(boot id ‖ "/" ‖ PID-namespace inode, "ferry-tcp host" ‖
-/// nonce_i ‖ nonce_t)`. Two processes get the same token exactly when they
-/// share the boot and the PID namespace; the token reveals nothing else
-/// (the boot id is 122 random bits, and the nonces are fresh). `None`
-/// where either cannot be read (no `/proc`).
-pub fn host_token(initiator: &[u8; 32], target: &[u8; 32]) -> Option<[u8; 32]> {
-    let boot = crate::same_host::cma::boot_id().ok()?;
-    let ns = crate::same_host::cma::pid_namespace().ok()?;
-    let end = boot.iter().position(|&b| b == 0).unwrap_or(boot.len());
-    let key = format!("{}/{ns}", String::from_utf8_lossy(&boot[..end]));
-    Some(ferry_core::raw::auth::proof(
-        &key,
-        b"ferry-tcp host",
-        initiator,
-        target,
-    ))
+/// `HMAC-SHA256(key, "ferry-tcp host" ‖ nonce_i ‖ nonce_t)` with the
+/// [`HostKey`] `boot id ‖ "/" ‖ PID-namespace inode`. Two processes get the
+/// same token exactly when they share the boot and the PID namespace; the
+/// token reveals nothing else (the boot id is 122 random bits, and the
+/// nonces are fresh).
+pub fn host_token(key: &HostKey, initiator: &[u8; 32], target: &[u8; 32]) -> [u8; 32] {
+    // The MAC of ferry-core's `raw::auth::proof`, written out here (that
+    // crate needs tokio); ferry-tcp tests that the two agree.
+    // HMAC takes keys of any length: new_from_slice cannot fail.
+    let mut m = match Hmac::<Sha256>::new_from_slice(key.0.as_bytes()) {
+        Ok(m) => m,
+        Err(_) => unreachable!("HMAC accepts keys of any length"),
+    };
+    m.update(b"ferry-tcp host");
+    m.update(initiator);
+    m.update(target);
+    m.finalize().into_bytes().into()
 }
 
 /// What one handshake settled.
@@ -429,30 +463,46 @@ pub fn no_common_version(ours: VersionRange, theirs: VersionRange, peer_role: &s
     )
 }
 
+/// The settings of an engine that decide its features
+/// ([`our_features`]): a plain copy of five fields of its configuration.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FeatureSettings {
+    /// `same_host` is not `off`.
+    pub same_host_on: bool,
+    /// `tls` is not `off`.
+    pub tls_on: bool,
+    /// `same_host_control=unix` (an initiator offers the control channel).
+    pub unix: bool,
+    /// `same_host_stage` is not `off` (an initiator offers a staging area).
+    pub stage: bool,
+    /// `same_host_grant` is on.
+    pub grant: bool,
+}
+
 /// This engine's features for a connection, given its settings: an
 /// initiator's `same_host`, `same_host_control` and `same_host_stage`, or
 /// a target's `same_host` (a target takes whatever channel and area an
 /// agreed initiator offers); either side's `same_host_grant`.
-pub fn our_features(cfg: &crate::TcpConfig, initiator: bool) -> FeatureSet {
+pub fn our_features(cfg: FeatureSettings, initiator: bool) -> FeatureSet {
     let has = FEATURES.iter().fold(TLS.bit, |m, f| m | f.bit);
     let mut on = has;
-    if cfg.same_host == crate::same_host::cma::SameHost::Off {
+    if !cfg.same_host_on {
         on = TLS.bit;
     }
-    if cfg.tls == crate::tls::TlsMode::Off {
+    if !cfg.tls_on {
         on &= !TLS.bit;
     }
     if initiator {
-        if !cfg.same_host_unix {
+        if !cfg.unix {
             on &= !CONTROL_CHANNEL.bit;
         }
-        if cfg.same_host_stage.is_none() {
+        if !cfg.stage {
             on &= !(STAGING.bit | ACK_LANE.bit);
         }
     }
     // Either side may refuse granted copies: an initiator that will not
     // copy, a target that will not grant.
-    if !cfg.same_host_grant {
+    if !cfg.grant {
         on &= !GRANTS.bit;
     }
     FeatureSet { has, on }
@@ -503,7 +553,7 @@ pub struct FeatureState {
 }
 
 /// What an initiator negotiated with one peer on its latest connection
-/// ([`crate::TcpEngine::peer_report`]).
+/// (ferry-tcp's `TcpEngine::peer_report`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PeerReport {
     /// The peer's segment name.
@@ -689,6 +739,21 @@ mod tests {
             ..a
         };
         assert_eq!(b.why_off(SAME_HOST), Some(FeatureOff::DisabledByPeer));
+    }
+
+    #[test]
+    fn host_tokens_agree_exactly_on_one_boot_and_namespace() {
+        let mut boot = [0u8; 48];
+        boot[..3].copy_from_slice(b"b-1");
+        let key = HostKey::new(&boot, 7);
+        assert_eq!(key.0, "b-1/7", "the bytes up to the first zero");
+        assert_eq!(format!("{key:?}"), "HostKey(..)");
+        let (ni, nt) = ([1u8; 32], [2u8; 32]);
+        let t = host_token(&key, &ni, &nt);
+        assert_eq!(t, host_token(&HostKey::new(b"b-1", 7), &ni, &nt));
+        assert_ne!(t, host_token(&HostKey::new(b"b-1", 8), &ni, &nt));
+        assert_ne!(t, host_token(&HostKey::new(b"b-2", 7), &ni, &nt));
+        assert_ne!(t, host_token(&key, &nt, &ni));
     }
 
     #[test]

@@ -89,6 +89,7 @@ pub enum Request {
 
 impl Request {
     /// Encodes the header of this request.
+    #[inline]
     pub fn encode(&self) -> [u8; HEADER_LEN] {
         let h = match *self {
             Request::Write { id, addr, len, gen } => Header {
@@ -168,6 +169,7 @@ impl Request {
 
     /// Decodes and validates a request header. A WRITE longer than
     /// [`MAX_OP_LEN`] is an error: its payload cannot be skipped safely.
+    #[inline]
     pub fn decode(buf: &[u8; HEADER_LEN]) -> Result<Request, DecodeError> {
         let h = Header::decode(buf)?;
         let aux_allowed = matches!(

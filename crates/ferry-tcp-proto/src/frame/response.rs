@@ -76,12 +76,13 @@ pub enum Response {
         stage: std::result::Result<(), u32>,
     },
     /// Acknowledgements wait in the staging area's lane
-    /// ([`crate::same_host::stage::AckLane`]).
+    /// (the staging area's acknowledgement lane, [`crate::layout::area::ACK_RING`]).
     Wake,
 }
 
 impl Response {
     /// Encodes the header of this response.
+    #[inline]
     pub fn encode(&self) -> [u8; HEADER_LEN] {
         let h = match *self {
             Response::Ok { id } => Header {
@@ -160,6 +161,7 @@ impl Response {
     }
 
     /// Decodes and validates a response header.
+    #[inline]
     pub fn decode(buf: &[u8; HEADER_LEN]) -> Result<Response, DecodeError> {
         let h = Header::decode(buf)?;
         match h.kind {

@@ -157,6 +157,7 @@ pub fn encode_table(regions: &[TableEntry]) -> Vec<u8> {
 
 /// The generation of the entry of a sorted table that contains all of
 /// `[addr, addr+len)`, if one does.
+#[inline]
 pub fn table_lookup(table: &[TableEntry], addr: u64, len: u64) -> Option<u32> {
     let end = addr.checked_add(len)?;
     if len == 0 {
@@ -168,6 +169,7 @@ pub fn table_lookup(table: &[TableEntry], addr: u64, len: u64) -> Option<u32> {
 }
 
 /// Whether `[addr, addr+len)` lies inside one entry of a sorted table.
+#[inline]
 pub fn table_contains(table: &[TableEntry], addr: u64, len: u64) -> bool {
     table_lookup(table, addr, len).is_some()
 }

@@ -1,0 +1,34 @@
+//! # ferry-tcp-proto
+//!
+//! The sans-IO core of Ferry's TCP protocol (see `PROTOCOL.md` in
+//! ferry-tcp): what the two sides of a connection say to each other and
+//! decide, apart from how the bytes travel. ferry-tcp is its driver: it
+//! owns the sockets, the tasks, the clocks and the system calls, and
+//! re-exports these modules under their old paths (`crate::frame`,
+//! `crate::negotiate`, …).
+//!
+//! No tokio, no libc, no clock reads, no `/proc`: time, randomness and
+//! what the system says (boot id, PID namespace, errno values as raw
+//! `i32`) come in as arguments. Everything here is pure and never panics
+//! on peer bytes.
+//!
+//! It grows step by step (issue 42: the protocol as state machines driven
+//! by events, checked by deterministic simulation). Today it holds:
+//!
+//! - [`frame`]: the wire format, every frame's encoder and decoder;
+//! - [`negotiate`]: versions, features and the extension blocks of the
+//!   handshake, and the same-host token;
+//! - [`offer`]: the same-host offer and the target's refusal codes;
+//! - [`layout`]: the byte layout of the same-host staging area and of its
+//!   grants page, and the verdict slot of a staged read.
+//!
+//! The per-frame encoders and decoders and the small lookups are
+//! `#[inline]`: inside ferry-tcp the optimiser could inline them into the
+//! driver (local ThinLTO); across a crate boundary only `#[inline]` (or a
+//! small leaf) allows it, and moving them must not add a call per frame.
+#![forbid(unsafe_code)]
+
+pub mod frame;
+pub mod layout;
+pub mod negotiate;
+pub mod offer;
