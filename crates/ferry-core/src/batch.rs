@@ -552,6 +552,32 @@ impl Tracker {
     }
 }
 
+/// Reports the results of a batch run by the adapter (or the coalescing
+/// layer) to `driver` and
+/// finishes it (its notification, if any, was sent by `run_batch`). `Err`
+/// when the batch was refused as a whole.
+pub(crate) fn report_into(
+    driver: &BatchDriver,
+    n: usize,
+    results: Result<Vec<Result<()>>>,
+) -> Result<BatchReport> {
+    match results {
+        Ok(results) => {
+            for (i, r) in results.into_iter().enumerate() {
+                driver.complete(i, r);
+            }
+            driver.finish(None)
+        }
+        // Refused as a whole: nothing moved. An empty batch's refusal is
+        // the batch's error; otherwise every request carries it.
+        Err(e) if n == 0 => driver.finish(Some(Err(e))),
+        Err(e) => {
+            driver.fail_unreported(&e);
+            driver.finish(None)
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -4,8 +4,8 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::caps::{MissingCapability, Operation};
-use crate::types::{BatchId, SegmentId};
+use crate::ids::{BatchId, SegmentId, MAX_LIVE_BATCHES};
+use crate::operation::{MissingCapability, Operation};
 
 /// Result alias used throughout Ferry.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -583,7 +583,7 @@ impl Eq for IoSource {}
 /// [`Error::QueueFull`] for an engine holding [`crate::MAX_LIVE_BATCHES`]
 /// batches.
 pub fn live_batches_full(backend: &str) -> Error {
-    batches_full(backend, crate::MAX_LIVE_BATCHES)
+    batches_full(backend, MAX_LIVE_BATCHES)
 }
 
 /// [`Error::QueueFull`] for a batch table holding `limit` batches.
@@ -593,11 +593,5 @@ pub(crate) fn batches_full(backend: &str, limit: usize) -> Error {
         queue: Queue::Batches,
         what: "the table of submitted, not yet released batches".to_owned(),
         limit: Some(limit as u64),
-    }
-}
-
-impl From<crate::inbox::Closed> for Error {
-    fn from(_: crate::inbox::Closed) -> Error {
-        Error::Canceled("the engine shut down while waiting for a notification".to_owned())
     }
 }

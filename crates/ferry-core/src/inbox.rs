@@ -75,6 +75,12 @@ pub struct Inbox {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Closed;
 
+impl From<Closed> for crate::Error {
+    fn from(_: Closed) -> crate::Error {
+        crate::Error::Canceled("the engine shut down while waiting for a notification".to_owned())
+    }
+}
+
 impl Inbox {
     /// An empty inbox holding at most `max_count` notifications and
     /// `max_bytes` bytes (as counted by [`notification_cost`]).

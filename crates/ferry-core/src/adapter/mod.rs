@@ -36,17 +36,17 @@
 //! backend's batch length, notification native (and, above, nothing to
 //! merge).
 
-mod coalesce;
-
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::stream::{self, StreamExt};
 
-pub use coalesce::{coalesce, CoalesceEngine, CoalesceLayer, CoalescedBatch};
+use crate::batch::report_into;
+pub use crate::layer::coalesce::{coalesce, CoalesceEngine, CoalesceLayer, CoalescedBatch};
+pub use crate::layer::Layer;
 
-use crate::batch::{BatchDriver, BatchTable};
+use crate::batch::BatchTable;
 use crate::caps::{
     BackendInfo, Capabilities, CapabilityReport, MissingCapability, Operation, Support,
 };
@@ -56,14 +56,6 @@ use crate::layer::concurrency_limit::{limited, ConcurrencyLimitEngine};
 use crate::types::{
     BatchId, BatchReport, BatchStatus, MemoryRegion, Notification, SegmentId, TransferRequest,
 };
-
-/// Builds a wrapper around an engine (tower's `Layer` shape).
-pub trait Layer<E> {
-    /// The wrapped engine type.
-    type Engine;
-    /// Wraps `inner`.
-    fn layer(&self, inner: E) -> Self::Engine;
-}
 
 /// How the adapter fills gaps.
 ///
@@ -121,8 +113,8 @@ impl Default for AdapterConfig {
             emulate_async_batch: true,
             emulate_batch_wait: true,
             coalesce: true,
-            max_coalesced_len: 64 << 20,
-            max_concurrency: 16,
+            max_coalesced_len: crate::layer::coalesce::DEFAULT_MAX_COALESCED_LEN,
+            max_concurrency: crate::layer::concurrency_limit::DEFAULT_MAX_CONCURRENCY,
         }
     }
 }
@@ -1068,31 +1060,6 @@ impl<E: TransferEngine + ?Sized> TransferEngine for EmulationEngine<E> {
             s.batches.remove(id);
         }
         self.inner.shutdown().await
-    }
-}
-
-/// Reports the results of a batch run by the adapter to `driver` and
-/// finishes it (its notification, if any, was sent by `run_batch`). `Err`
-/// when the batch was refused as a whole.
-pub(crate) fn report_into(
-    driver: &BatchDriver,
-    n: usize,
-    results: Result<Vec<Result<()>>>,
-) -> Result<BatchReport> {
-    match results {
-        Ok(results) => {
-            for (i, r) in results.into_iter().enumerate() {
-                driver.complete(i, r);
-            }
-            driver.finish(None)
-        }
-        // Refused as a whole: nothing moved. An empty batch's refusal is
-        // the batch's error; otherwise every request carries it.
-        Err(e) if n == 0 => driver.finish(Some(Err(e))),
-        Err(e) => {
-            driver.fail_unreported(&e);
-            driver.finish(None)
-        }
     }
 }
 

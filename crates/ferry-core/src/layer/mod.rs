@@ -34,6 +34,7 @@
 //! assert!(metrics.encode().ends_with("# EOF\n"));
 //! ```
 
+pub(crate) mod coalesce;
 pub mod concurrency_limit;
 pub mod metrics;
 mod peers;
@@ -45,7 +46,15 @@ pub use metrics::{Metrics, MetricsEngine, MetricsLayer, MetricsSnapshot, PeerSna
 pub use timeout::{TimeoutEngine, TimeoutLayer};
 pub use tracing::{TracingEngine, TracingLayer};
 
-pub use crate::adapter::{CoalesceEngine, CoalesceLayer, Layer};
+pub use coalesce::{CoalesceEngine, CoalesceLayer};
+
+/// Builds a wrapper around an engine (tower's `Layer` shape).
+pub trait Layer<E> {
+    /// The wrapped engine type.
+    type Engine;
+    /// Wraps `inner`.
+    fn layer(&self, inner: E) -> Self::Engine;
+}
 
 /// `engine.layer(L)` on every engine: wraps it in `L` (so that layers
 /// chain: `engine.layer(a).layer(b)`; `b` ends up outermost).

@@ -96,9 +96,9 @@ use std::sync::Arc;
 
 use tokio::sync::Semaphore;
 
-use crate::adapter::Layer;
 use crate::engine::TransferEngine;
 use crate::error::Result;
+use crate::layer::Layer;
 use crate::types::{SegmentId, TransferRequest};
 
 tokio::task_local! {
@@ -135,10 +135,13 @@ impl ConcurrencyLimitLayer {
     }
 }
 
+/// The default limit (also the adapter's `max_concurrency`).
+pub(crate) const DEFAULT_MAX_CONCURRENCY: usize = 16;
+
 impl Default for ConcurrencyLimitLayer {
     /// The adapter's default, 16.
     fn default() -> Self {
-        ConcurrencyLimitLayer::new(crate::AdapterConfig::default().max_concurrency)
+        ConcurrencyLimitLayer::new(DEFAULT_MAX_CONCURRENCY)
     }
 }
 

@@ -64,11 +64,11 @@ use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::ConstCounter;
 
 use super::peers::{op_label, Peers, OTHER, UNKNOWN};
-use crate::adapter::Layer;
 use crate::caps::{Capabilities, Operation};
 use crate::engine::TransferEngine;
 use crate::error::{Error, ErrorKind, Result};
 use crate::inbound::{Inbound, InboundSnapshot, ServedCounts};
+use crate::layer::Layer;
 use crate::raw::{lock, read, write};
 use crate::types::{
     BatchId, BatchReport, MemoryRegion, Notification, SegmentId, TransferOp, TransferRequest,

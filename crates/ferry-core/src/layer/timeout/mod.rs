@@ -13,9 +13,9 @@
 use std::fmt;
 use std::time::Duration;
 
-use crate::adapter::Layer;
 use crate::engine::TransferEngine;
 use crate::error::Result;
+use crate::layer::Layer;
 use crate::types::{BatchId, BatchReport, Notification, SegmentId, TransferRequest};
 use crate::within::deadline;
 

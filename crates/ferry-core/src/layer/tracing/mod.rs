@@ -24,10 +24,10 @@ use tracing::instrument::Instrumented;
 use tracing::{Instrument, Span};
 
 use super::peers::{batch_bytes, batch_op, Peers};
-use crate::adapter::Layer;
 use crate::engine::TransferEngine;
 use crate::error::Result;
 use crate::layer::metrics::kind_label;
+use crate::layer::Layer;
 use crate::types::{BatchId, BatchReport, Notification, SegmentId, TransferRequest};
 
 /// The fields of the `ferry_connect` span a backend may record from inside

@@ -7,7 +7,7 @@ use std::future::Future;
 use std::ops::Range;
 use std::sync::Arc;
 
-use crate::adapter::Layer;
+use super::Layer;
 use crate::batch::BatchTable;
 use crate::drain::Drain;
 use crate::engine::TransferEngine;
@@ -135,10 +135,14 @@ impl CoalesceLayer {
     }
 }
 
+/// The default limit of a merged request (also the adapter's
+/// `max_coalesced_len`).
+pub(crate) const DEFAULT_MAX_COALESCED_LEN: u64 = 64 << 20;
+
 impl Default for CoalesceLayer {
     /// The adapter's default limit, 64 MiB.
     fn default() -> Self {
-        CoalesceLayer::new(crate::AdapterConfig::default().max_coalesced_len)
+        CoalesceLayer::new(DEFAULT_MAX_COALESCED_LEN)
     }
 }
 
@@ -271,7 +275,7 @@ impl<E: TransferEngine> TransferEngine for CoalesceEngine<E> {
                 segment,
             };
             let results = run_coalesced(&forward, &requests, notify.as_ref(), true, max_len).await;
-            crate::adapter::report_into(&driver, requests.len(), results)
+            crate::batch::report_into(&driver, requests.len(), results)
         };
         if tokio::runtime::Handle::try_current().is_ok() {
             tokio::spawn(drive);
