@@ -147,7 +147,15 @@ impl Peer {
             match g.0.len() {
                 0 => {}
                 1 => {
-                    if let Some((index, guard, off, len, remote, gen)) = g.0.pop() {
+                    if let Some(Part {
+                        index,
+                        guard,
+                        off,
+                        len,
+                        remote,
+                        gen,
+                    }) = g.0.pop()
+                    {
                         let kind = if read {
                             OutKind::Read {
                                 guard,
@@ -170,7 +178,7 @@ impl Peer {
                 }
                 _ => {
                     let parts = std::mem::take(&mut g.0);
-                    let index = parts[0].0;
+                    let index = parts[0].index;
                     let kind = if read {
                         OutKind::ReadV(parts)
                     } else {
@@ -202,7 +210,14 @@ impl Peer {
                 if grp.0.len() == MAX_SEGMENTS as usize || grp.1 + r.len > GATHER_MAX_BYTES {
                     flush(grp, read, &mut per_conn[home]);
                 }
-                grp.0.push((i, Arc::clone(g), 0, r.len, r.remote_addr, gen));
+                grp.0.push(Part {
+                    index: i,
+                    guard: Arc::clone(g),
+                    off: 0,
+                    len: r.len,
+                    remote: r.remote_addr,
+                    gen,
+                });
                 grp.1 += r.len;
                 counts[i] += 1;
                 continue;

@@ -110,9 +110,22 @@ pub(crate) enum OutKind {
     ReadV(Vec<Part>),
 }
 
-/// One segment of a WRITEV/READV: `(request index, local guard, offset in
-/// it, len, remote addr, remote region generation)`.
-pub(crate) type Part = (usize, Arc<RegionGuard>, u64, u64, u64, u32);
+/// One segment of a WRITEV/READV (or of a CWRITE/CREAD).
+#[derive(Clone)]
+pub(crate) struct Part {
+    /// The request of the batch it belongs to.
+    pub(crate) index: usize,
+    /// The local region, held registered while the segment is in flight.
+    pub(crate) guard: Arc<RegionGuard>,
+    /// Where the segment starts in the guard's region.
+    pub(crate) off: u64,
+    /// Its length.
+    pub(crate) len: u64,
+    /// The peer's address.
+    pub(crate) remote: u64,
+    /// The generation of the peer's region there (from its table).
+    pub(crate) gen: u32,
+}
 
 /// The segment table of a WRITEV/READV frame and the segments' total
 /// length.
@@ -120,12 +133,12 @@ pub(crate) fn segment_table(parts: &[Part]) -> (Vec<u8>, u64) {
     let segs: Vec<Segment> = parts
         .iter()
         .map(|p| Segment {
-            addr: p.4,
-            len: p.3,
-            gen: p.5,
+            addr: p.remote,
+            len: p.len,
+            gen: p.gen,
         })
         .collect();
-    (encode_segments(&segs), parts.iter().map(|p| p.3).sum())
+    (encode_segments(&segs), parts.iter().map(|p| p.len).sum())
 }
 
 /// One planned wire operation.
@@ -149,7 +162,7 @@ impl OutOp {
     pub(crate) fn payload_len(&self) -> u64 {
         match &self.kind {
             OutKind::Write { len, .. } | OutKind::Read { len, .. } => *len,
-            OutKind::WriteV(parts) | OutKind::ReadV(parts) => parts.iter().map(|p| p.3).sum(),
+            OutKind::WriteV(parts) | OutKind::ReadV(parts) => parts.iter().map(|p| p.len).sum(),
             _ => 0,
         }
     }
@@ -166,7 +179,14 @@ impl OutOp {
                 gen,
             } => Some((
                 false,
-                vec![(self.index, Arc::clone(guard), *off, *len, *remote, *gen)],
+                vec![Part {
+                    index: self.index,
+                    guard: Arc::clone(guard),
+                    off: *off,
+                    len: *len,
+                    remote: *remote,
+                    gen: *gen,
+                }],
             )),
             OutKind::Read {
                 guard,
@@ -176,7 +196,14 @@ impl OutOp {
                 gen,
             } => Some((
                 true,
-                vec![(self.index, Arc::clone(guard), *off, *len, *remote, *gen)],
+                vec![Part {
+                    index: self.index,
+                    guard: Arc::clone(guard),
+                    off: *off,
+                    len: *len,
+                    remote: *remote,
+                    gen: *gen,
+                }],
             )),
             OutKind::WriteV(parts) => Some((false, parts.clone())),
             OutKind::ReadV(parts) => Some((true, parts.clone())),
@@ -189,7 +216,7 @@ impl OutOp {
         match &self.kind {
             OutKind::WriteV(parts) | OutKind::ReadV(parts) => {
                 for p in parts {
-                    batch.complete(p.0, Err(e.clone()));
+                    batch.complete(p.index, Err(e.clone()));
                 }
             }
             _ => batch.complete(self.index, Err(e.clone())),
@@ -255,7 +282,7 @@ pub(crate) async fn send_ops(
             ids.push(id);
             if conn.cma {
                 if let Some((read, parts)) = op.cma_parts() {
-                    let total: u64 = parts.iter().map(|p| p.3).sum();
+                    let total: u64 = parts.iter().map(|p| p.len).sum();
                     let staged = conn.stage.as_ref().is_some_and(|st| {
                         total >= st.min as u64
                             && (total < crate::same_host::cma::PARALLEL_MIN as u64
@@ -268,8 +295,8 @@ pub(crate) async fn send_ops(
                             parts
                                 .iter()
                                 .map(|p| stage::Piece {
-                                    ptr: p.1.as_ptr().wrapping_add(p.2 as usize),
-                                    len: p.3 as usize,
+                                    ptr: p.guard.as_ptr().wrapping_add(p.off as usize),
+                                    len: p.len as usize,
                                 })
                                 .collect(),
                         ));
@@ -278,13 +305,17 @@ pub(crate) async fn send_ops(
                         .iter()
                         .map(|p| CmaSegment {
                             seg: Segment {
-                                addr: p.4,
-                                len: p.3,
-                                gen: p.5,
+                                addr: p.remote,
+                                len: p.len,
+                                gen: p.gen,
                             },
                             // The target copies through the area: no
                             // address of ours.
-                            local: if staged { 0 } else { p.1.as_ptr() as u64 + p.2 },
+                            local: if staged {
+                                0
+                            } else {
+                                p.guard.as_ptr() as u64 + p.off
+                            },
                         })
                         .collect();
                     tables.push(encode_cma_segments(&segs));
@@ -302,8 +333,8 @@ pub(crate) async fn send_ops(
                             batch: Arc::clone(batch),
                             index: op.index,
                             kind: PendingKind::Cma {
-                                parts: parts.iter().map(|p| (p.0, p.4, p.3)).collect(),
-                                guards: parts.iter().map(|p| Arc::clone(&p.1)).collect(),
+                                parts: parts.iter().map(|p| (p.index, p.remote, p.len)).collect(),
+                                guards: parts.iter().map(|p| Arc::clone(&p.guard)).collect(),
                                 // Staged reads are copied by this side.
                                 target_writes: read && !staged,
                             },
@@ -370,9 +401,16 @@ pub(crate) async fn send_ops(
                         PendingKind::ReadV {
                             parts: parts
                                 .iter()
-                                .map(|p| (p.0, p.1.as_ptr() as usize + p.2 as usize, p.4, p.3))
+                                .map(|p| {
+                                    (
+                                        p.index,
+                                        p.guard.as_ptr() as usize + p.off as usize,
+                                        p.remote,
+                                        p.len,
+                                    )
+                                })
                                 .collect(),
-                            _guards: parts.iter().map(|p| Arc::clone(&p.1)).collect(),
+                            _guards: parts.iter().map(|p| Arc::clone(&p.guard)).collect(),
                         },
                     )
                 }
@@ -386,8 +424,8 @@ pub(crate) async fn send_ops(
                             total,
                         },
                         PendingKind::WriteV {
-                            parts: parts.iter().map(|p| (p.0, p.4, p.3)).collect(),
-                            _guards: parts.iter().map(|p| Arc::clone(&p.1)).collect(),
+                            parts: parts.iter().map(|p| (p.index, p.remote, p.len)).collect(),
+                            _guards: parts.iter().map(|p| Arc::clone(&p.guard)).collect(),
                         },
                     )
                 }
@@ -429,8 +467,8 @@ pub(crate) async fn send_ops(
                 if let Some(t) = tables.next() {
                     bufs.push(Bytes::from_ref(t));
                 }
-                for (_, guard, off, len, _, _) in parts {
-                    bufs.push(source(guard, *off, *len));
+                for p in parts {
+                    bufs.push(source(&p.guard, p.off, p.len));
                 }
             }
             OutKind::ReadV(_) => {
@@ -837,14 +875,14 @@ async fn copy_one(
     let all: Vec<Part> = parts
         .iter()
         .flat_map(|p| {
-            let (local, remote) = (p.1.as_ptr() as usize + p.2 as usize, p.4);
-            (0..p.3.div_ceil(GRANTED_PIECE).max(1)).map(move |i| {
+            let (local, remote) = (p.guard.as_ptr() as usize + p.off as usize, p.remote);
+            (0..p.len.div_ceil(GRANTED_PIECE).max(1)).map(move |i| {
                 let off = i * GRANTED_PIECE;
                 Part {
                     local: (local + off as usize) as *mut u8,
-                    len: (p.3 - off).min(GRANTED_PIECE),
+                    len: (p.len - off).min(GRANTED_PIECE),
                     remote: remote + off,
-                    gen: p.5,
+                    gen: p.gen,
                 }
             })
         })
@@ -871,7 +909,7 @@ async fn copy_one(
         }
     }
     for p in &parts {
-        batch.complete(p.0, Ok(()));
+        batch.complete(p.index, Ok(()));
     }
     true
 }
