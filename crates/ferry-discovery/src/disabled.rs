@@ -107,3 +107,9 @@ impl SegmentWatch {
         match self.0 {}
     }
 }
+
+impl Drop for Publication {
+    fn drop(&mut self) {
+        match self.0 {}
+    }
+}

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use etcd_client::{
-    Client, Compare, CompareOp, ConnectOptions, EventType, PutOptions, Txn, TxnOp,
-    TxnOpResponse, WatchOptions,
+    Client, Compare, CompareOp, ConnectOptions, EventType, PutOptions, Txn, TxnOp, TxnOpResponse,
+    WatchOptions,
 };
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
@@ -41,10 +41,7 @@ impl Ctx {
         match tokio::time::timeout(self.timeout, f).await {
             Ok(Ok(v)) => Ok(v),
             Ok(Err(e)) => Err(self.down(what, e)),
-            Err(_) => Err(self.down(
-                what,
-                format_args!("no answer within {:?}", self.timeout),
-            )),
+            Err(_) => Err(self.down(what, format_args!("no answer within {:?}", self.timeout))),
         }
     }
 }
@@ -283,7 +280,10 @@ async fn create(ctx: &Ctx, name: &str, key: &str, value: &str, lease: i64) -> Re
         )])
         .or_else([TxnOp::get(key, None)]);
     let mut c = ctx.client.clone();
-    let what = format!("publishing segment {name:?} at {key} (lease {})", hex(lease));
+    let what = format!(
+        "publishing segment {name:?} at {key} (lease {})",
+        hex(lease)
+    );
     let resp = ctx.call(&what, c.txn(txn)).await?;
     if resp.succeeded() {
         return Ok(());
@@ -361,7 +361,9 @@ async fn keeper(ctx: Ctx, p: Published, mut stop: oneshot::Receiver<oneshot::Sen
 /// returns what.
 async fn keep_alive(ctx: &Ctx, lease: i64, period: Duration) -> String {
     let mut c = ctx.client.clone();
-    let (mut keeper, mut stream) = match ctx.call("lease keep-alive", c.lease_keep_alive(lease)).await
+    let (mut keeper, mut stream) = match ctx
+        .call("lease keep-alive", c.lease_keep_alive(lease))
+        .await
     {
         Ok(k) => k,
         Err(e) => return e.to_string(),
@@ -387,7 +389,9 @@ async fn keep_alive(ctx: &Ctx, lease: i64, period: Duration) -> String {
 /// when another engine took the name meanwhile.
 async fn republish(ctx: &Ctx, p: &Published, old: i64) -> Result<()> {
     let mut c = ctx.client.clone();
-    let got = ctx.call("re-publishing (get)", c.get(p.key.as_str(), None)).await?;
+    let got = ctx
+        .call("re-publishing (get)", c.get(p.key.as_str(), None))
+        .await?;
     let holder = got.kvs().first().map(|kv| kv.lease());
     if holder == Some(old) {
         let ttl = ctx
@@ -462,7 +466,9 @@ async fn watcher(
             if now.map(|kv| kv.mod_revision()) != last {
                 last = now.map(|kv| kv.mod_revision());
                 let ev = match now {
-                    Some(kv) => Descriptor::from_json(&key, kv.value()).map(SegmentEvent::Registered),
+                    Some(kv) => {
+                        Descriptor::from_json(&key, kv.value()).map(SegmentEvent::Registered)
+                    }
                     None => Ok(SegmentEvent::Deleted { name: name.clone() }),
                 };
                 if tx.send(ev).await.is_err() {
@@ -472,7 +478,10 @@ async fn watcher(
         }
         resync = true;
         let options = WatchOptions::new().with_start_revision(revision);
-        let mut stream = match ctx.call("watch", c.watch(key.as_str(), Some(options))).await {
+        let mut stream = match ctx
+            .call("watch", c.watch(key.as_str(), Some(options)))
+            .await
+        {
             Ok(s) => s,
             Err(_) => {
                 tokio::time::sleep(retry).await;

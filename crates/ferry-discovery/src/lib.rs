@@ -95,11 +95,7 @@ struct Stored {
 
 impl Descriptor {
     /// A descriptor with no features.
-    pub fn new(
-        name: impl Into<String>,
-        addresses: Vec<String>,
-        protocol: ProtocolRange,
-    ) -> Self {
+    pub fn new(name: impl Into<String>, addresses: Vec<String>, protocol: ProtocolRange) -> Self {
         Descriptor {
             name: name.into(),
             addresses,
