@@ -119,29 +119,30 @@ impl EtcdDiscovery {
         };
         let options = ConnectOptions::new()
             .with_connect_timeout(timeout)
-            // A hung etcd (not a closed connection) ends the streams
-            // (keep-alive, watch) within about a second plus the timeout.
-            .with_keep_alive(Duration::from_secs(1), timeout)
-            .with_keep_alive_while_idle(true);
-        let client = match tokio::time::timeout(timeout, Client::connect(&eps, Some(options))).await
-        {
+            // A hung etcd (not a closed connection) ends the open streams
+            // (keep-alive, watch) within 10 s plus the timeout. Not more
+            // often, and not while idle: etcd's gRPC server refuses pings
+            // closer than 5 s (--grpc-keepalive-min-time) or without an open
+            // stream with GOAWAY "too_many_pings", which drops the streams.
+            .with_keep_alive(Duration::from_secs(10), timeout)
+            .with_keep_alive_while_idle(false);
+        // One deadline for building the client and the first answer (the
+        // channel connects lazily: ask something to know etcd is there).
+        let attempt = async {
+            let client = Client::connect(&eps, Some(options)).await?;
+            client.clone().status().await?;
+            Ok::<_, etcd_client::Error>(client)
+        };
+        let client = match tokio::time::timeout(timeout, attempt).await {
             Ok(Ok(c)) => c,
             Ok(Err(e)) => return Err(unavailable(e.to_string())),
             Err(_) => return Err(unavailable(format!("no answer within {timeout:?}"))),
         };
         let ctx = Ctx {
             client,
-            endpoints: endpoints.clone(),
+            endpoints,
             timeout,
         };
-        // The channel connects lazily: ask something to know etcd is there.
-        let mut c = ctx.client.clone();
-        ctx.call("connect (status)", c.status())
-            .await
-            .map_err(|e| match e {
-                Error::Unavailable { reason, .. } => unavailable(reason),
-                e => e,
-            })?;
         Ok(EtcdDiscovery {
             ctx,
             prefix: prefix.trim_end_matches('/').to_owned(),

@@ -367,6 +367,7 @@ async fn publication_survives_an_etcd_restart() {
     let d = connect(&etcd).await;
     let desc = descriptor("decode-2", "127.0.0.1:4300");
     let p = d.publish(&desc).await.unwrap();
+    let first_lease = p.lease_id();
 
     // etcd down: lookups fail typed (and quickly).
     etcd.kill();
@@ -391,6 +392,8 @@ async fn publication_survives_an_etcd_restart() {
         desc,
         "kept alive after the restart"
     );
+    // etcd kept the lease (it renews leases when it starts): no new one.
+    assert_eq!(p.lease_id(), first_lease);
 
     // Back without its data (a new, empty etcd on the same address): the
     // keeper re-publishes under a new lease.
