@@ -245,7 +245,7 @@ impl EtcdDiscovery {
         let mut c = self.ctx.client.clone();
         let resp = self.ctx.call(&what, c.get(key.as_str(), None)).await?;
         let revision = resp.header().map_or(0, |h| h.revision());
-        let last = resp.kvs().first().map(|kv| kv.mod_revision());
+        let last = resp.kvs().first().map(seen);
         let (tx, rx) = mpsc::channel(64);
         let task = tokio::spawn(watcher(
             self.ctx.clone(),
@@ -435,16 +435,22 @@ async fn republish(ctx: &Ctx, p: &Published, old: i64) -> Result<()> {
     }
 }
 
+/// What a watch remembers of the key's state.
+fn seen(kv: &etcd_client::KeyValue) -> (i64, Vec<u8>) {
+    (kv.mod_revision(), kv.value().to_vec())
+}
+
 /// Follows `key` from `revision`, reporting changes on `tx`; re-watches
 /// after an outage, first reporting the state found if it differs from
-/// the last one seen (`last`: the mod revision of the key, `None` when
+/// the last one seen (`last`: the mod revision and value of the key,
+/// `None` when
 /// absent).
 async fn watcher(
     ctx: Ctx,
     name: String,
     key: String,
     mut revision: i64,
-    mut last: Option<i64>,
+    mut last: Option<(i64, Vec<u8>)>,
     tx: mpsc::Sender<Result<SegmentEvent>>,
 ) {
     let retry = Duration::from_millis(200);
@@ -464,8 +470,10 @@ async fn watcher(
             };
             revision = got.header().map_or(0, |h| h.revision()) + 1;
             let now = got.kvs().first();
-            if now.map(|kv| kv.mod_revision()) != last {
-                last = now.map(|kv| kv.mod_revision());
+            // The value too: an etcd restarted without its data counts
+            // revisions from 1 again.
+            if now.map(seen) != last {
+                last = now.map(seen);
                 let ev = match now {
                     Some(kv) => {
                         Descriptor::from_json(&key, kv.value()).map(SegmentEvent::Registered)
@@ -502,7 +510,7 @@ async fn watcher(
                 revision = kv.mod_revision() + 1;
                 let out = match ev.event_type() {
                     EventType::Put => {
-                        last = Some(kv.mod_revision());
+                        last = Some(seen(kv));
                         Descriptor::from_json(&key, kv.value()).map(SegmentEvent::Registered)
                     }
                     EventType::Delete => {
