@@ -31,6 +31,7 @@ CRATES = [
     "ferry-mooncake",
     "ferry-nixl",
     "ferry-verbs",
+    "ferry-discovery",
 ]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(ROOT, "docs", "public-api")
