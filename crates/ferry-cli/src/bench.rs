@@ -681,7 +681,7 @@ async fn measure_baselines(
         Some(pid) => {
             let remote = setup.remote_addr;
             let r = tokio::task::spawn_blocking(move || {
-                ferry::ferry_tcp::kernel_copy_gbps(pid, remote, b, span, duration, total)
+                crate::kernel_copy::kernel_copy_gbps(pid, remote, b, span, duration, total)
             })
             .await
             .context("kernel-copy baseline task failed")?;
@@ -689,8 +689,7 @@ async fn measure_baselines(
                 Ok(g) => Some(g),
                 Err(e) => {
                     eprintln!(
-                        "note: no kernel-copy baseline: process_vm_readv: {}",
-                        ferry::ferry_tcp::errno_name(e)
+                        "note: no kernel-copy baseline: process_vm_readv: {e:?}"
                     );
                     None
                 }

@@ -4,6 +4,7 @@
 
 mod bench;
 mod caps;
+mod kernel_copy;
 mod metadata_server;
 mod metrics_http;
 mod plot;

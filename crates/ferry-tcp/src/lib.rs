@@ -91,7 +91,6 @@ const _: () = assert!(
 pub use config::{SameHost, TcpConfig, TcpConfigBuilder};
 pub use engine::TcpEngine;
 pub use negotiate::{FeatureOff, FeatureState, PeerReport, VersionRange};
-pub use same_host::cma::{errno_name, kernel_copy_gbps};
 pub use server::{MAX_QUEUED_NOTIFICATIONS, MAX_QUEUED_NOTIFICATION_BYTES};
 pub use tls::TlsMode;
 

@@ -676,44 +676,6 @@ pub unsafe fn copy_all(
     Ok(())
 }
 
-/// The kernel's cross-memory copy with no engine around it: one
-/// `process_vm_readv` of `block` bytes from `remote` in process `pid` into
-/// a local buffer, repeated slot after slot through `span` bytes (at least
-/// one block) on both sides for `duration` or `total` bytes; GB/s. The ceiling of the same-host path, for benchmarks
-/// (`ferry bench --same-host`). `Err(errno)` if the kernel refuses.
-pub fn kernel_copy_gbps(
-    pid: i32,
-    remote: u64,
-    block: usize,
-    span: usize,
-    duration: std::time::Duration,
-    total: u64,
-) -> Result<f64, i32> {
-    let block = block.max(1);
-    let slots = (span / block).max(1);
-    let mut local = vec![1u8; slots * block];
-    let start = std::time::Instant::now();
-    let mut copied = 0u64;
-    let mut slot = 0;
-    while copied < total && (copied == 0 || start.elapsed() < duration) {
-        let off = slot * block;
-        // SAFETY: `local[off..off + block]` is a live buffer owned here.
-        unsafe {
-            copy_all(
-                Remote::unpinned(pid),
-                false,
-                local[off..].as_mut_ptr(),
-                remote + off as u64,
-                block,
-            )
-        }?;
-        copied += block as u64;
-        slot = (slot + 1) % slots;
-    }
-    std::hint::black_box(&local);
-    Ok(copied as f64 / start.elapsed().as_secs_f64() / 1e9)
-}
-
 /// Copies of at least this many bytes are split over the helper threads.
 /// Smaller ones are not worth waking a helper (BENCHMARKS.md).
 pub const PARALLEL_MIN: usize = 8 << 20;
