@@ -688,9 +688,7 @@ async fn measure_baselines(
             match r {
                 Ok(g) => Some(g),
                 Err(e) => {
-                    eprintln!(
-                        "note: no kernel-copy baseline: process_vm_readv: {e:?}"
-                    );
+                    eprintln!("note: no kernel-copy baseline: process_vm_readv: {e:?}");
                     None
                 }
             }
