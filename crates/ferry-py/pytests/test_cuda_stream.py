@@ -153,7 +153,10 @@ def test_a_cuda_stream_transfer_from_unregistered_memory_is_refused(cuda_wheel):
     te = started()
     with pytest.raises(fm.AddressNotRegistered):
         te.transfer_write_on_cuda("peer:1", 0x1000, 0x2000, 64, 0xABC)
+    assert isinstance(te.last_error(), fm.AddressNotRegistered)
     assert CudaWheelTestDouble.calls == []
+    assert cuda_wheel == [] and te.unregister_memory(0x1000) == -1
+    assert cuda_wheel == [], "a refused transfer queued nothing to wait for"
 
 
 def test_an_unregister_whose_stream_cannot_be_waited_for_is_refused(cuda_wheel, monkeypatch):
@@ -215,3 +218,23 @@ def test_module_names_without_a_wheel(monkeypatch):
     for name in ("InnerTransferEngine", "SharedSegment", "RpcInterface", "CoroRPCInterface",
                  "ReceivedData", "ReceivedTensor", "create_rpc_client", "create_rpc_server"):
         assert not hasattr(fm, name), name
+
+
+def test_the_shim_keeps_the_cuda_stream_methods_and_every_name(cuda_wheel):
+    """With the shim active, ``mooncake.engine.TransferEngine`` is Ferry's
+    and answers ``hasattr`` as the wheel's class did; the module's other
+    names are the wheel's, untouched."""
+    wheel = sys.modules["mooncake.engine"]
+    before = {n: getattr(wheel, n) for n in dir(wheel) if not n.startswith("_")}
+    fm.install()
+    try:
+        shimmed = wheel.TransferEngine
+        assert shimmed._ferry_wheel_class is CudaWheelTestDouble
+        for name in CUDA_METHODS:
+            assert hasattr(shimmed, name) and hasattr(shimmed(), name)
+        for name, value in before.items():
+            if name != "TransferEngine":
+                assert getattr(wheel, name) is value, name
+    finally:
+        fm.uninstall()
+    assert wheel.TransferEngine is CudaWheelTestDouble

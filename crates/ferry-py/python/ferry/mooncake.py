@@ -962,8 +962,14 @@ class TransferEngine:
         # under the lock that unregister takes to synchronize it first, so
         # no byte of an unregistered region changes afterwards.
         with self._cuda_lock:
-            for addr, length in zip(addrs, lens):
-                self._check_local(addr, length)
+            try:
+                for addr, length in zip(addrs, lens):
+                    self._check_local(addr, length)
+            except FerryError as e:
+                # These methods return nothing (Mooncake's): the refusal is
+                # raised, and logged and kept as every failure is.
+                self._fail(method, e, None)
+                raise
             self._cuda_streams.add(int(stream_ptr))
             return call(
                 target_hostname, buffers, peer_buffer_addresses, lengths,
