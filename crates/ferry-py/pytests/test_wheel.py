@@ -475,3 +475,105 @@ def test_a_refused_batch_unregister_keeps_every_region():
         # The emulation unregistered that one alone, from both.
         assert te.unregister_memory(addrs[0]) == -1
         assert isinstance(te.last_error(), ferry.RegionNotRegistered)
+
+
+# -- issue 46: the whole `mooncake.engine` module, and the CUDA-stream methods --
+
+CUDA_METHODS = (
+    "transfer_write_on_cuda",
+    "transfer_read_on_cuda",
+    "batch_transfer_write_on_cuda",
+    "batch_transfer_read_on_cuda",
+)
+
+#: Prints the public names of ``mooncake.engine`` and whether each is
+#: importable with ``from mooncake.engine import <name>`` and from
+#: ``ferry.mooncake``, in a fresh interpreter (the shim per the environment).
+MODULE_NAMES = textwrap.dedent(
+    """
+    import json, sys
+    import mooncake.engine as m
+    names = [n for n in dir(m) if not n.startswith("_")]
+    plain, ferry_ok = [], []
+    for n in names:
+        try:
+            exec(f"from mooncake.engine import {n}")
+            plain.append(n)
+        except ImportError:
+            pass
+        try:
+            exec(f"from ferry.mooncake import {n}")
+            ferry_ok.append(n)
+        except ImportError:
+            pass
+    print(json.dumps({"names": names, "plain": plain, "ferry": ferry_ok,
+                      "class": f"{m.TransferEngine.__module__}.{m.TransferEngine.__name__}"}))
+    """
+)
+
+
+def module_names(shim):
+    env = dict(os.environ)
+    env.pop("FERRY_URL", None)
+    env.pop("FERRY_MOONCAKE_SHIM", None)
+    if shim:
+        env["FERRY_MOONCAKE_SHIM"] = "1"
+    out = subprocess.run(
+        [sys.executable, "-c", MODULE_NAMES], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_every_name_of_the_real_module_is_importable_through_the_shim_and_ferry():
+    """Issue 46 item 2: every public name of the real ``mooncake.engine``
+    (``dir()`` of the wheel's module, without the shim) can be imported
+    from ``mooncake.engine`` with the shim active and from
+    ``ferry.mooncake``."""
+    real = module_names(shim=False)
+    assert real["class"] == "mooncake.engine.TransferEngine"
+    assert "TransferEngine" in real["names"], real
+    shimmed = module_names(shim=True)
+    assert shimmed["class"] == "ferry.mooncake.TransferEngine", shimmed
+    assert set(shimmed["names"]) >= set(real["names"])
+    missing = sorted(set(real["names"]) - set(shimmed["plain"]))
+    assert not missing, f"lost by the shim: {missing}"
+    missing = sorted(set(real["names"]) - set(real["ferry"]))
+    assert not missing, f"not importable from ferry.mooncake: {missing}"
+
+
+def test_module_names_are_the_wheels_own():
+    """The names ``ferry.mooncake`` does not define itself are the wheel's
+    objects (its flags' values, its classes, its RPC helpers)."""
+    import mooncake.engine as wheel
+    from ferry import mooncake as fm
+
+    own = {"TransferEngine", "TransferOpcode", "TransferNotify", "Read", "Write"}
+    names = [n for n in dir(wheel) if not n.startswith("_") and n not in own]
+    # 0.3.3 has no other name (Read, Write, TransferOpcode, TransferEngine).
+    assert names or not NATIVE_BATCH, dir(wheel)
+    for name in names:
+        assert getattr(fm, name) is getattr(wheel, name), name
+        assert name in dir(fm), name
+    if NATIVE_BATCH:
+        assert fm.SUPPORT_CUDA is False  # the non-CUDA wheel's value
+        for name in ("InnerTransferEngine", "RpcInterface", "CoroRPCInterface",
+                     "create_rpc_client", "create_rpc_server"):
+            assert getattr(fm, name) is getattr(wheel, name)
+
+
+def test_cuda_stream_methods_are_there_exactly_where_the_wheel_has_them(pair):
+    """Issue 46 item 1: ``hasattr`` on Ferry's class and engines answers
+    what the wheel's class answers (the non-CUDA 0.3.13.post1 wheel: no,
+    and 0.3.3 predates them)."""
+    import mooncake.engine as wheel
+
+    for name in CUDA_METHODS:
+        expected = hasattr(wheel.TransferEngine, name)
+        assert hasattr(TransferEngine, name) == expected, name
+        assert hasattr(TransferEngine("mooncake-py://"), name) == expected, name
+        assert hasattr(pair[0], name) == expected, name
+        assert not hasattr(TransferEngine("tcp://"), name), name
+    if NATIVE_BATCH:
+        assert wheel.SUPPORT_CUDA is False
+        assert not any(hasattr(pair[0], name) for name in CUDA_METHODS)

@@ -209,6 +209,92 @@ def _device_exists(name):
     )
 
 
+def _wheel_class():
+    """The installed wheel's ``TransferEngine`` class (the one the shim
+    saved, when it is active), or ``None`` without a wheel."""
+    if not _wheel_present():
+        return None
+    try:
+        import mooncake.engine as wheel
+    except Exception:  # a wheel that does not import has no methods
+        return None
+    cls = getattr(wheel, "TransferEngine", None)
+    return getattr(cls, "_ferry_wheel_class", None) or cls
+
+
+def _scheme(url):
+    return url.partition("://")[0]
+
+
+class _CudaStreamMethod:
+    """One of Mooncake's CUDA-stream methods, there exactly where Mooncake's
+    own class has it, so that ``hasattr`` tells the truth: on an engine
+    whose backend is ``mooncake-py://`` and whose wheel's class has the
+    method (a CUDA build, ``SUPPORT_CUDA``, >= 0.3.9). Everywhere else,
+    and without a wheel, ``AttributeError``, as on a non-CUDA build."""
+
+    def __init__(self, func):
+        self._func = func
+        self.__doc__ = func.__doc__
+        self.__name__ = func.__name__
+
+    def __set_name__(self, owner, name):
+        self._name = name
+
+    def _present(self, owner, instance):
+        if instance is None:
+            url = os.environ.get("FERRY_URL") or owner._default_url()
+            wheel_cls = getattr(owner, "_ferry_wheel_class", None) or _wheel_class()
+            return _scheme(url) == "mooncake-py" and hasattr(wheel_cls, self._name)
+        engine = instance.__dict__.get("_engine")
+        if engine is not None:
+            try:
+                wheel = engine.wheel_engine()
+            except (FerryError, RuntimeError):  # a closed engine has none
+                return False
+            return wheel is not None and hasattr(wheel, self._name)
+        wheel_cls = getattr(owner, "_ferry_wheel_class", None) or _wheel_class()
+        return _scheme(instance._base_url) == "mooncake-py" and hasattr(wheel_cls, self._name)
+
+    def __get__(self, instance, owner=None):
+        owner = owner if owner is not None else type(instance)
+        if not self._present(owner, instance):
+            raise AttributeError(
+                f"{owner.__name__!r} object has no attribute {self._name!r} (Mooncake's "
+                "CUDA-stream methods exist only on mooncake-py:// over a CUDA build of the "
+                "Mooncake wheel, as on Mooncake's own class)"
+            )
+        if instance is None:
+            return self._func
+        return self._func.__get__(instance, owner)
+
+
+def _synchronize_cuda_stream(stream):
+    """``cudaStreamSynchronize(stream)`` through the CUDA runtime of this
+    process. Raises ``OSError`` when it cannot be done (no CUDA runtime, or
+    an error): the unregister that needed it is then refused, not done
+    while a queued transfer may still touch the region."""
+    global _CUDART
+    if _CUDART is None:
+        for name in ("libcudart.so", "libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0"):
+            try:
+                _CUDART = ctypes.CDLL(name)
+                break
+            except OSError:
+                continue
+        else:
+            raise OSError(
+                "a CUDA-stream transfer was queued but the CUDA runtime (libcudart) cannot "
+                "be loaded to wait for its stream: the region stays registered"
+            )
+    rc = _CUDART.cudaStreamSynchronize(ctypes.c_void_p(stream))
+    if rc != 0:
+        raise OSError(f"cudaStreamSynchronize({stream:#x}) failed with CUDA error {rc}")
+
+
+_CUDART = None
+
+
 class TransferEngine:
     """``mooncake.engine.TransferEngine`` on Ferry (see the module docs).
 
@@ -229,6 +315,10 @@ class TransferEngine:
         self._next_batch = 1
         self._managed = {}
         self._last_error = None
+        # CUDA-stream transfers queued since the last unregister (their
+        # streams), and the lock that orders them with unregister.
+        self._cuda_lock = threading.RLock()
+        self._cuda_streams = set()
 
     @staticmethod
     def _default_url():
@@ -486,9 +576,11 @@ class TransferEngine:
         """Unregisters the region at ``buffer_addr`` (waits for transfers
         using it): ``0`` / ``-1``."""
         try:
-            self._require().unregister(buffer_addr)
+            with self._cuda_lock:
+                self._drain_cuda_streams()
+                self._require().unregister(buffer_addr)
             return 0
-        except (FerryError, ValueError) as e:
+        except (FerryError, ValueError, OSError) as e:
             return self._fail("unregister_memory", e, -1)
 
     def batch_register_memory(self, buffer_addresses, capacities, location="*"):
@@ -508,9 +600,11 @@ class TransferEngine:
     def batch_unregister_memory(self, buffer_addresses):
         """Unregisters every region: ``0`` / ``-1`` (every one attempted)."""
         try:
-            self._require().batch_unregister(list(buffer_addresses))
+            with self._cuda_lock:
+                self._drain_cuda_streams()
+                self._require().batch_unregister(list(buffer_addresses))
             return 0
-        except (FerryError, ValueError) as e:
+        except (FerryError, ValueError, OSError) as e:
             return self._fail("batch_unregister_memory", e, -1)
 
     def allocate_managed_buffer(self, length):
@@ -537,8 +631,10 @@ class TransferEngine:
                 -1,
             )
         try:
-            self._require().unregister(buffer_addr)
-        except FerryError as e:
+            with self._cuda_lock:
+                self._drain_cuda_streams()
+                self._require().unregister(buffer_addr)
+        except (FerryError, OSError) as e:
             return self._fail("free_managed_buffer", e, -1)
         with self._lock:
             self._managed.pop(buffer_addr, None)
@@ -846,6 +942,94 @@ class TransferEngine:
             return []
         return [TransferNotify(name, msg) for name, msg in notes]
 
+    # -- CUDA-stream transfers (Mooncake >= 0.3.9, CUDA builds) --------------------
+    # Present exactly where Mooncake's own class has them (see _CudaStreamMethod):
+    # on mooncake-py:// over a wheel whose class has them, forwarded to it.
+
+    def _on_cuda(self, method, target_hostname, buffers, peer_buffer_addresses, lengths,
+                 stream_ptr, transport_hint, single):
+        engine = self._require()
+        wheel = engine.wheel_engine()
+        call = None if wheel is None else getattr(wheel, method, None)
+        if call is None:
+            raise AttributeError(
+                f"{method}: the {engine.backend} backend has no CUDA-stream transfers "
+                "(only mooncake-py:// over a CUDA build of the Mooncake wheel)"
+            )
+        addrs = [buffers] if single else list(buffers)
+        lens = [lengths] if single else list(lengths)
+        # The transfer runs later, on the stream: the stream is recorded
+        # under the lock that unregister takes to synchronize it first, so
+        # no byte of an unregistered region changes afterwards.
+        with self._cuda_lock:
+            try:
+                for addr, length in zip(addrs, lens):
+                    self._check_local(addr, length)
+            except FerryError as e:
+                # These methods return nothing (Mooncake's): the refusal is
+                # raised, and logged and kept as every failure is.
+                self._fail(method, e, None)
+                raise
+            self._cuda_streams.add(int(stream_ptr))
+            return call(
+                target_hostname, buffers, peer_buffer_addresses, lengths,
+                stream_ptr, transport_hint,
+            )
+
+    @_CudaStreamMethod
+    def transfer_write_on_cuda(
+        self, target_hostname, buffer, peer_buffer_address, length, stream_ptr=0,
+        transport_hint="",
+    ):
+        """Mooncake's: queues a write on the CUDA stream ``stream_ptr`` (the
+        wheel's engine runs it when the stream reaches it; later work on the
+        stream waits for it). Forwarded to the wheel; what it returns."""
+        return self._on_cuda(
+            "transfer_write_on_cuda", target_hostname, buffer, peer_buffer_address,
+            length, stream_ptr, transport_hint, True,
+        )
+
+    @_CudaStreamMethod
+    def transfer_read_on_cuda(
+        self, target_hostname, buffer, peer_buffer_address, length, stream_ptr=0,
+        transport_hint="",
+    ):
+        """Mooncake's: queues a read on the CUDA stream ``stream_ptr``."""
+        return self._on_cuda(
+            "transfer_read_on_cuda", target_hostname, buffer, peer_buffer_address,
+            length, stream_ptr, transport_hint, True,
+        )
+
+    @_CudaStreamMethod
+    def batch_transfer_write_on_cuda(
+        self, target_hostname, buffers, peer_buffer_addresses, lengths, stream_ptr=0,
+        transport_hint="",
+    ):
+        """Mooncake's: queues a batch of writes on the CUDA stream ``stream_ptr``."""
+        return self._on_cuda(
+            "batch_transfer_write_on_cuda", target_hostname, buffers,
+            peer_buffer_addresses, lengths, stream_ptr, transport_hint, False,
+        )
+
+    @_CudaStreamMethod
+    def batch_transfer_read_on_cuda(
+        self, target_hostname, buffers, peer_buffer_addresses, lengths, stream_ptr=0,
+        transport_hint="",
+    ):
+        """Mooncake's: queues a batch of reads on the CUDA stream ``stream_ptr``."""
+        return self._on_cuda(
+            "batch_transfer_read_on_cuda", target_hostname, buffers,
+            peer_buffer_addresses, lengths, stream_ptr, transport_hint, False,
+        )
+
+    def _drain_cuda_streams(self):
+        """Waits for every CUDA stream a transfer was queued on (called
+        with ``_cuda_lock`` held, before an unregister)."""
+        while self._cuda_streams:
+            stream = next(iter(self._cuda_streams))
+            _synchronize_cuda_stream(stream)
+            self._cuda_streams.discard(stream)
+
     # -- helpers ----------------------------------------------------------------
 
     def _require(self):
@@ -1001,3 +1185,62 @@ def _install_from_env():
     ``FERRY_MOONCAKE_SHIM`` is true."""
     if os.environ.get(_ENV_SHIM, "").lower() in _TRUE:
         install()
+
+
+# -- the rest of `mooncake.engine`: its module-level names ----------------------
+
+#: Mooncake's build flags and their values on a build without them (what
+#: ``ferry.mooncake`` answers where no wheel is installed).
+_NON_CUDA_FLAGS = {
+    "SUPPORT_CUDA": False,
+    "SUPPORT_EFA": False,
+    "SUPPORT_HIP": False,
+    "SUPPORT_INTRA_NVLINK": False,
+    "SUPPORT_MNNVL": False,
+    "SUPPORT_MUSA": False,
+}
+
+
+def _wheel_module():
+    """``mooncake.engine`` (imported on first use), or ``None`` without a
+    wheel. A wheel that is installed but does not import raises."""
+    if not _wheel_present():
+        return None
+    import mooncake.engine as wheel
+
+    return wheel
+
+
+def __getattr__(name):
+    """Every other public name of the installed wheel's ``mooncake.engine``
+    (``SUPPORT_CUDA`` and the other flags, ``InnerTransferEngine``,
+    ``SharedSegment``, the RPC helpers ``RpcInterface``,
+    ``create_rpc_client``, …), the wheel's own object; without a wheel, the
+    ``SUPPORT_*`` flags are ``False`` (a build without them) and the names
+    only a wheel has are absent."""
+    if name.startswith("_"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    wheel = _wheel_module()
+    if wheel is not None:
+        try:
+            return getattr(wheel, name)
+        except AttributeError:
+            pass
+    elif name in _NON_CUDA_FLAGS:
+        return _NON_CUDA_FLAGS[name]
+    raise AttributeError(
+        f"module {__name__!r} has no attribute {name!r}"
+        + (
+            " (nor has the installed mooncake.engine)"
+            if wheel is not None
+            else " (no Mooncake wheel is installed to provide it)"
+        )
+    )
+
+
+def __dir__():
+    wheel = _wheel_module()
+    extra = (
+        [n for n in dir(wheel) if not n.startswith("_")] if wheel is not None else _NON_CUDA_FLAGS
+    )
+    return sorted(set(globals()) | set(extra))
