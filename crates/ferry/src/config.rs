@@ -594,6 +594,81 @@ mod tests {
         }
     }
 
+    #[test]
+    fn discovery_params_on_tcp_and_verbs_only() {
+        let mut url = ParsedUrl::parse(
+            "tcp://127.0.0.1:0?metadata=etcd://h1:2379,h2:2379&prefix=/p&lease_ttl_ms=2500\
+             &segment_name=decode-3&secret=s",
+        )
+        .unwrap();
+        let d = DiscoveryConfig::take_url_params(&mut url).unwrap().unwrap();
+        assert_eq!(
+            d,
+            DiscoveryConfig::etcd(["h1:2379", "h2:2379"])
+                .prefix("/p")
+                .lease_ttl(Duration::from_millis(2500))
+                .segment_name("decode-3")
+        );
+        assert_eq!(url.keys().collect::<Vec<_>>(), ["secret"]);
+        // Defaults.
+        let mut url = ParsedUrl::parse("tcp://h:1?metadata=etcd://h:2379").unwrap();
+        let d = DiscoveryConfig::take_url_params(&mut url).unwrap().unwrap();
+        assert_eq!(d, DiscoveryConfig::etcd(["h:2379"]));
+        assert_eq!(
+            (d.prefix.as_str(), d.lease_ttl),
+            ("/ferry", Duration::from_secs(10))
+        );
+        // None without `metadata`.
+        let mut url = ParsedUrl::parse("tcp://h:1").unwrap();
+        assert_eq!(DiscoveryConfig::take_url_params(&mut url).unwrap(), None);
+        // Mooncake's `metadata=` stays Mooncake's.
+        let e = EngineConfig::from_url("mooncake://?metadata=etcd://h:2379");
+        if let Err(e) = e {
+            assert!(!e.to_string().contains("etcd discovery"), "{e}");
+        }
+    }
+
+    #[test]
+    fn bad_discovery_params_are_rejected() {
+        for url in [
+            "tcp://h:1?metadata=P2PHANDSHAKE",
+            "tcp://h:1?metadata=http://h:2379",
+            "tcp://h:1?metadata=etcd://",
+            "tcp://h:1?metadata=etcd://a,,b",
+            "tcp://h:1?metadata=etcd://u:p@h:2379",
+            "tcp://h:1?metadata=etcd://h:2379&lease_ttl_ms=0",
+            "tcp://h:1?metadata=etcd://h:2379&segment_name=a/b",
+            "tcp://h:1?metadata=etcd://h:2379&segment_name=h:7000",
+            "tcp://h:1?metadata=etcd://h:2379&segment_name=",
+            "tcp://h:1?prefix=/p",
+            "tcp://h:1?segment_name=x",
+            "tcp://h:1?lease_ttl_ms=100",
+        ] {
+            let mut parsed = ParsedUrl::parse(url).unwrap();
+            let e = DiscoveryConfig::take_url_params(&mut parsed).unwrap_err();
+            assert!(matches!(e, Error::InvalidArgument(_)), "{url}: {e}");
+        }
+    }
+
+    #[cfg(all(feature = "tcp", not(feature = "etcd")))]
+    #[test]
+    fn etcd_without_the_feature_names_it() {
+        let e = EngineConfig::from_url("tcp://127.0.0.1:0?metadata=etcd://h:2379").unwrap_err();
+        assert!(matches!(e, Error::Unavailable { .. }), "{e}");
+        assert!(e.to_string().contains("cargo feature `etcd`"), "{e}");
+    }
+
+    #[cfg(all(feature = "tcp", feature = "etcd"))]
+    #[test]
+    fn etcd_with_the_feature_is_configured() {
+        let c = EngineConfig::from_url("tcp://127.0.0.1:0?metadata=etcd://h:2379&segment_name=a")
+            .unwrap();
+        assert_eq!(
+            c.discovery,
+            Some(DiscoveryConfig::etcd(["h:2379"]).segment_name("a"))
+        );
+    }
+
     #[cfg(feature = "tcp")]
     #[test]
     fn unknown_parameters_name_ferry_and_backend_keys() {

@@ -225,8 +225,20 @@ impl Engine {
             #[allow(unreachable_patterns)]
             _ => ferry_discovery::ProtocolRange { min: 0, max: 0 },
         };
-        let descriptor = ferry_discovery::Descriptor::new(address.clone(), vec![address], protocol);
-        match etcd.publish(descriptor).await {
+        let unspecified = address
+            .parse::<std::net::SocketAddr>()
+            .is_ok_and(|a| a.ip().is_unspecified());
+        let published = if unspecified {
+            Err(ferry_core::Error::InvalidArgument(format!(
+                "etcd discovery: the engine listens on {address}, which peers cannot \
+                 connect to; listen on the address peers use"
+            )))
+        } else {
+            let descriptor =
+                ferry_discovery::Descriptor::new(address.clone(), vec![address], protocol);
+            etcd.publish(descriptor).await
+        };
+        match published {
             Ok(d) => {
                 self.discovery = Some(d);
                 Ok(())

@@ -256,6 +256,24 @@ async fn a_taken_name_fails_the_second_start_and_leaves_nothing_running() {
     first.shutdown().await.unwrap();
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unspecified_listen_address_is_not_published() {
+    let test = "an_unspecified_listen_address_is_not_published";
+    let Some(etcd) = Etcd::start(test).await else {
+        return;
+    };
+    let e = Engine::open(&etcd.url("0.0.0.0:0", "anywhere"))
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+    assert!(e.to_string().contains("0.0.0.0"), "{e}");
+    let etcd_client = EtcdDiscovery::connect(&[etcd.endpoint()], PREFIX, TTL)
+        .await
+        .unwrap();
+    let r = etcd_client.lookup("anywhere").await;
+    assert!(matches!(r, Err(Error::SegmentUnavailable { .. })), "{r:?}");
+}
+
 #[tokio::test]
 async fn an_etcd_that_does_not_answer_fails_the_start_typed() {
     let test = "an_etcd_that_does_not_answer_fails_the_start_typed";
