@@ -148,6 +148,12 @@ impl Engine {
             discovery,
         } = config;
         let etcd = match &discovery {
+            Some(_) if !matches!(backend.kind(), BackendKind::Tcp | BackendKind::Verbs) => {
+                return Err(ferry_core::Error::InvalidArgument(format!(
+                    "etcd discovery is for Ferry's own transports (tcp://, verbs://), not {}://",
+                    backend.kind()
+                )));
+            }
             Some(d) => Some(Etcd::connect(d).await?),
             None => None,
         };

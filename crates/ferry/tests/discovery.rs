@@ -257,6 +257,34 @@ async fn a_taken_name_fails_the_second_start_and_leaves_nothing_running() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_the_engine_revokes_its_name_in_the_background() {
+    let test = "dropping_the_engine_revokes_its_name_in_the_background";
+    let Some(etcd) = Etcd::start(test).await else {
+        return;
+    };
+    // A TTL far longer than the wait below: the name goes because the
+    // lease is revoked, not because it expired.
+    let url = format!(
+        "tcp://127.0.0.1:0?metadata=etcd://{}&prefix={PREFIX}&lease_ttl_ms=30000&segment_name=dropped",
+        etcd.endpoint()
+    );
+    let engine = Engine::open(&url).await.unwrap();
+    let etcd_client = EtcdDiscovery::connect(&[etcd.endpoint()], PREFIX, TTL)
+        .await
+        .unwrap();
+    etcd_client.lookup("dropped").await.unwrap();
+    drop(engine);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        match etcd_client.lookup("dropped").await {
+            Err(Error::SegmentUnavailable { .. }) => break,
+            r => assert!(Instant::now() < deadline, "still published: {r:?}"),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unspecified_listen_address_is_not_published() {
     let test = "an_unspecified_listen_address_is_not_published";
     let Some(etcd) = Etcd::start(test).await else {
