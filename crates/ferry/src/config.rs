@@ -3,6 +3,7 @@
 
 use std::fmt;
 use std::str::FromStr;
+use std::time::Duration;
 
 use ferry_core::raw::ParsedUrl;
 use ferry_core::{AdapterConfig, Error, Metrics, Operation, Result};
@@ -200,6 +201,17 @@ impl fmt::Debug for BackendConfig {
 /// | `max_concurrency` | `16` | emulated single transfers in flight, across batches ([`AdapterConfig::max_concurrency`], the adapter's [`ConcurrencyLimitLayer`](crate::ConcurrencyLimitLayer)) |
 /// | `require` | none | comma-separated operations (`batch_transfer,notify`) or guarantees (`landed_writes`, `peer_validation`) that must be available, else opening fails with [`Error::MissingCapabilities`] |
 ///
+/// On `tcp://` and `verbs://` only (Mooncake's `metadata=` is its own),
+/// segment discovery through etcd ([`DiscoveryConfig`], cargo feature
+/// `etcd`):
+///
+/// | parameter | default | meaning |
+/// |---|---|---|
+/// | `metadata` | none | `etcd://h1:2379,h2:2379`: publish this engine's segment in etcd and open logical names through it |
+/// | `prefix` | `/ferry` | etcd key prefix (keys `<prefix>/segments/<name>`) |
+/// | `lease_ttl_ms` | `10000` | lease TTL (etcd rounds up to whole seconds) |
+/// | `segment_name` | the engine's segment name | the logical name to publish |
+///
 /// In code (`#[non_exhaustive]`: no struct literal outside this crate):
 /// [`EngineConfig::new`] and the setters that consume and return it.
 ///
@@ -242,6 +254,9 @@ pub struct EngineConfig {
     /// Whether the tracing layer opens a `debug` span per batch (default
     /// on; a span no subscriber wants costs a check of the filter).
     pub tracing: bool,
+    /// Segment discovery through etcd (`metadata=etcd://…`); `None`
+    /// (the default): peer-to-peer `host:port` names only.
+    pub discovery: Option<DiscoveryConfig>,
 }
 
 impl EngineConfig {
@@ -254,7 +269,14 @@ impl EngineConfig {
             require: Vec::new(),
             metrics: Some(Metrics::global().clone()),
             tracing: true,
+            discovery: None,
         }
+    }
+
+    /// Sets segment discovery (`None`: peer-to-peer names only).
+    pub fn discovery(mut self, discovery: Option<DiscoveryConfig>) -> Self {
+        self.discovery = discovery;
+        self
     }
 
     /// Counts into `metrics` (`None`: metrics off).
@@ -305,13 +327,164 @@ impl EngineConfig {
     /// ([`AdapterConfig::take_url_params`]) and the same `url` goes to
     /// [`BackendConfig::from_parts`].
     pub fn from_parts(mut url: ParsedUrl) -> Result<Self> {
-        url.scheme().parse::<BackendKind>()?;
+        let kind = url.scheme().parse::<BackendKind>()?;
         crate::secret::resolve_url_file(&mut url)?;
         let (adapter, require) = AdapterConfig::take_url_params(&mut url)?;
+        let discovery = match kind {
+            BackendKind::Tcp | BackendKind::Verbs => DiscoveryConfig::take_url_params(&mut url)?,
+            _ => None,
+        };
+        if discovery.is_some() {
+            DiscoveryConfig::check_enabled()?;
+        }
         Ok(EngineConfig::new(BackendConfig::from_parts(url)?)
             .adapter(adapter)
-            .require(&require))
+            .require(&require)
+            .discovery(discovery))
     }
+}
+
+/// Segment discovery through etcd (crate `ferry-discovery`, cargo feature
+/// `etcd`): [`crate::Engine::start`] publishes the engine's segment
+/// descriptor under `<prefix>/segments/<segment_name>`, bound to a lease it
+/// keeps alive, and `open_segment` resolves a logical name (one without
+/// `:`) through etcd; a `host:port` name goes to the backend as always.
+/// [`TransferEngine::shutdown`](ferry_core::TransferEngine::shutdown)
+/// revokes the lease. From a URL: `metadata=etcd://h1:2379,h2:2379` with
+/// `prefix=`, `lease_ttl_ms=`, `segment_name=` (see [`EngineConfig`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DiscoveryConfig {
+    /// The etcd endpoints, `host:port` (or `http://host:port`).
+    pub endpoints: Vec<String>,
+    /// The key prefix (default [`DiscoveryConfig::DEFAULT_PREFIX`]).
+    pub prefix: String,
+    /// The lease TTL (default [`DiscoveryConfig::DEFAULT_LEASE_TTL`];
+    /// etcd rounds it up to whole seconds and raises it to its minimum).
+    pub lease_ttl: Duration,
+    /// The logical name to publish; `None`: the engine's segment name.
+    pub segment_name: Option<String>,
+}
+
+impl DiscoveryConfig {
+    /// The default key prefix.
+    pub const DEFAULT_PREFIX: &'static str = "/ferry";
+    /// The default lease TTL.
+    pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(10);
+
+    /// etcd at `endpoints`, with the default prefix and TTL, publishing
+    /// the engine's segment name.
+    pub fn etcd<S: Into<String>>(endpoints: impl IntoIterator<Item = S>) -> Self {
+        DiscoveryConfig {
+            endpoints: endpoints.into_iter().map(Into::into).collect(),
+            prefix: Self::DEFAULT_PREFIX.to_owned(),
+            lease_ttl: Self::DEFAULT_LEASE_TTL,
+            segment_name: None,
+        }
+    }
+
+    /// Sets the key prefix.
+    pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// Sets the lease TTL.
+    pub fn lease_ttl(mut self, ttl: Duration) -> Self {
+        self.lease_ttl = ttl;
+        self
+    }
+
+    /// Sets the logical name to publish.
+    pub fn segment_name(mut self, name: impl Into<String>) -> Self {
+        self.segment_name = Some(name.into());
+        self
+    }
+
+    /// Takes `metadata`, `prefix`, `lease_ttl_ms` and `segment_name` out of
+    /// `url`: `None` without `metadata`. [`Error::InvalidArgument`] for a
+    /// `metadata` that is not `etcd://host:port[,host:port…]`, an empty or
+    /// zero value, a logical name with `/`, `:` or a control character,
+    /// or the other three without `metadata`.
+    pub fn take_url_params(url: &mut ParsedUrl) -> Result<Option<Self>> {
+        let metadata = url.take_str("metadata")?;
+        let prefix = url.take_str("prefix")?;
+        let ttl = url.take_with("lease_ttl_ms", "a positive number of milliseconds", |v| {
+            v.parse::<u64>()
+                .ok()
+                .filter(|n| *n > 0)
+                .map(Duration::from_millis)
+        })?;
+        let name = url.take_str("segment_name")?;
+        let Some(metadata) = metadata else {
+            if let Some(key) = [
+                prefix.as_ref().map(|_| "prefix"),
+                ttl.map(|_| "lease_ttl_ms"),
+                name.as_ref().map(|_| "segment_name"),
+            ]
+            .into_iter()
+            .flatten()
+            .next()
+            {
+                return Err(Error::InvalidArgument(format!(
+                    "`{key}` is a parameter of etcd discovery: it needs `metadata=etcd://host:port`"
+                )));
+            }
+            return Ok(None);
+        };
+        let expected = "etcd://host:port[,host:port…]";
+        let endpoints = match metadata.split_once("://") {
+            Some((scheme, rest)) if scheme.eq_ignore_ascii_case("etcd") => rest
+                .split(',')
+                .map(|e| e.trim().to_owned())
+                .collect::<Vec<_>>(),
+            _ => return Err(url.bad_value("metadata", &metadata, expected)),
+        };
+        if endpoints.iter().any(|e| {
+            e.is_empty() || e.contains(['/', '?', '#', '@']) || e.contains(char::is_whitespace)
+        }) {
+            return Err(url.bad_value("metadata", &metadata, expected));
+        }
+        let mut c = DiscoveryConfig::etcd(endpoints);
+        if let Some(p) = prefix {
+            c = c.prefix(p);
+        }
+        if let Some(t) = ttl {
+            c = c.lease_ttl(t);
+        }
+        if let Some(n) = name {
+            check_logical_name(&n)?;
+            c = c.segment_name(n);
+        }
+        Ok(Some(c))
+    }
+
+    /// [`Error::Unavailable`] naming the cargo feature `etcd` when this
+    /// build does not include it.
+    pub(crate) fn check_enabled() -> Result<()> {
+        if cfg!(feature = "etcd") {
+            return Ok(());
+        }
+        Err(Error::Unavailable {
+            backend: "etcd".to_owned(),
+            reason: "this build of ferry does not include etcd discovery (`metadata=etcd://`); \
+                     enable the cargo feature `etcd` (ferry = { version = \"0.1\", features = \
+                     [\"etcd\"] }; its build needs `protoc`)"
+                .to_owned(),
+        })
+    }
+}
+
+/// A logical segment name: not empty, no `/` (the key layout), no `:`
+/// (what `open_segment` takes for `host:port`), no control character.
+pub(crate) fn check_logical_name(name: &str) -> Result<()> {
+    if name.is_empty() || name.contains(['/', ':']) || name.chars().any(char::is_control) {
+        return Err(Error::InvalidArgument(format!(
+            "segment_name {name:?}: a logical name must be non-empty, without '/', ':' \
+             or control characters"
+        )));
+    }
+    Ok(())
 }
 
 impl FromStr for EngineConfig {
@@ -421,6 +594,81 @@ mod tests {
         }
     }
 
+    #[test]
+    fn discovery_params_on_tcp_and_verbs_only() {
+        let mut url = ParsedUrl::parse(
+            "tcp://127.0.0.1:0?metadata=etcd://h1:2379,h2:2379&prefix=/p&lease_ttl_ms=2500\
+             &segment_name=decode-3&secret=s",
+        )
+        .unwrap();
+        let d = DiscoveryConfig::take_url_params(&mut url).unwrap().unwrap();
+        assert_eq!(
+            d,
+            DiscoveryConfig::etcd(["h1:2379", "h2:2379"])
+                .prefix("/p")
+                .lease_ttl(Duration::from_millis(2500))
+                .segment_name("decode-3")
+        );
+        assert_eq!(url.keys().collect::<Vec<_>>(), ["secret"]);
+        // Defaults.
+        let mut url = ParsedUrl::parse("tcp://h:1?metadata=etcd://h:2379").unwrap();
+        let d = DiscoveryConfig::take_url_params(&mut url).unwrap().unwrap();
+        assert_eq!(d, DiscoveryConfig::etcd(["h:2379"]));
+        assert_eq!(
+            (d.prefix.as_str(), d.lease_ttl),
+            ("/ferry", Duration::from_secs(10))
+        );
+        // None without `metadata`.
+        let mut url = ParsedUrl::parse("tcp://h:1").unwrap();
+        assert_eq!(DiscoveryConfig::take_url_params(&mut url).unwrap(), None);
+        // Mooncake's `metadata=` stays Mooncake's.
+        let e = EngineConfig::from_url("mooncake://?metadata=etcd://h:2379");
+        if let Err(e) = e {
+            assert!(!e.to_string().contains("etcd discovery"), "{e}");
+        }
+    }
+
+    #[test]
+    fn bad_discovery_params_are_rejected() {
+        for url in [
+            "tcp://h:1?metadata=P2PHANDSHAKE",
+            "tcp://h:1?metadata=http://h:2379",
+            "tcp://h:1?metadata=etcd://",
+            "tcp://h:1?metadata=etcd://a,,b",
+            "tcp://h:1?metadata=etcd://u:p@h:2379",
+            "tcp://h:1?metadata=etcd://h:2379&lease_ttl_ms=0",
+            "tcp://h:1?metadata=etcd://h:2379&segment_name=a/b",
+            "tcp://h:1?metadata=etcd://h:2379&segment_name=h:7000",
+            "tcp://h:1?metadata=etcd://h:2379&segment_name=",
+            "tcp://h:1?prefix=/p",
+            "tcp://h:1?segment_name=x",
+            "tcp://h:1?lease_ttl_ms=100",
+        ] {
+            let mut parsed = ParsedUrl::parse(url).unwrap();
+            let e = DiscoveryConfig::take_url_params(&mut parsed).unwrap_err();
+            assert!(matches!(e, Error::InvalidArgument(_)), "{url}: {e}");
+        }
+    }
+
+    #[cfg(all(feature = "tcp", not(feature = "etcd")))]
+    #[test]
+    fn etcd_without_the_feature_names_it() {
+        let e = EngineConfig::from_url("tcp://127.0.0.1:0?metadata=etcd://h:2379").unwrap_err();
+        assert!(matches!(e, Error::Unavailable { .. }), "{e}");
+        assert!(e.to_string().contains("cargo feature `etcd`"), "{e}");
+    }
+
+    #[cfg(all(feature = "tcp", feature = "etcd"))]
+    #[test]
+    fn etcd_with_the_feature_is_configured() {
+        let c = EngineConfig::from_url("tcp://127.0.0.1:0?metadata=etcd://h:2379&segment_name=a")
+            .unwrap();
+        assert_eq!(
+            c.discovery,
+            Some(DiscoveryConfig::etcd(["h:2379"]).segment_name("a"))
+        );
+    }
+
     #[cfg(feature = "tcp")]
     #[test]
     fn unknown_parameters_name_ferry_and_backend_keys() {
@@ -428,7 +676,10 @@ mod tests {
         let m = e.to_string();
         assert!(m.contains("`colour`"), "{m}");
         assert!(
-            m.contains("known: strict, coalesce, max_concurrency, require, secret"),
+            m.contains(
+                "known: strict, coalesce, max_concurrency, require, metadata, prefix, \
+                 lease_ttl_ms, segment_name, secret"
+            ),
             "{m}"
         );
     }

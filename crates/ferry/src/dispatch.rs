@@ -12,6 +12,7 @@ use ferry_core::{
 };
 
 use crate::config::{BackendConfig, BackendKind, EngineConfig};
+use crate::discovery::{Discovery, Etcd};
 
 /// The default stack over a backend `B`, outermost first: a
 /// [`TracingEngine`] (a span per batch), a [`MetricsEngine`] (counters
@@ -28,13 +29,24 @@ pub type Stack<B> = TracingEngine<MetricsEngine<CapabilityAdapter<B>>>;
 /// refused with a reason in strict mode), metrics ([`Engine::metrics`])
 /// and a `tracing` span per batch. [`Engine::layer`] stacks more.
 ///
-/// Dispatch is static: one variant per backend compiled in (cargo features
-/// `tcp`, `mooncake`, `verbs`, `nixl`). Users who pick a backend at run time and
-/// prefer a trait object can use `Arc<dyn DynTransferEngine>` (see
-/// [`Engine::into_dyn`]). The enum is `#[non_exhaustive]` because the set of
-/// variants depends on the features enabled anywhere in the build.
-#[non_exhaustive]
-pub enum Engine {
+/// Dispatch is static: one variant of a private enum per backend compiled
+/// in (cargo features `tcp`, `mooncake`, `verbs`, `nixl`). Users who pick a
+/// backend at run time and prefer a trait object can use
+/// `Arc<dyn DynTransferEngine>` (see [`Engine::into_dyn`]).
+///
+/// With segment discovery ([`EngineConfig::discovery`], `metadata=etcd://…`,
+/// cargo feature `etcd`) the engine also holds its etcd publication:
+/// `open_segment` resolves a logical name (one without `:`) through etcd,
+/// and `shutdown` revokes the lease.
+pub struct Engine {
+    backend: Backend,
+    /// The etcd publication, with `metadata=etcd://…`. Only
+    /// `open_segment` of a logical name and `shutdown` use it.
+    discovery: Option<Discovery>,
+}
+
+/// The backend in its [`Stack`].
+enum Backend {
     /// The TCP backend.
     #[cfg(feature = "tcp")]
     Tcp(Stack<ferry_tcp::TcpEngine>),
@@ -55,18 +67,18 @@ pub enum Engine {
 // trait methods are `async-trait` methods whose signatures it would have to
 // see after expansion. This macro is the whole dispatcher: one `match` arm
 // per compiled-in variant. With no backend compiled in, the enum is empty
-// and `match *self {}` is exhaustive.
+// and `match $self.backend {}` is exhaustive.
 macro_rules! dispatch {
     ($self:expr, $e:ident => $body:expr) => {
-        match *$self {
+        match $self.backend {
             #[cfg(feature = "tcp")]
-            Engine::Tcp(ref $e) => $body,
+            Backend::Tcp(ref $e) => $body,
             #[cfg(feature = "mooncake")]
-            Engine::Mooncake(ref $e) => $body,
+            Backend::Mooncake(ref $e) => $body,
             #[cfg(feature = "verbs")]
-            Engine::Verbs(ref $e) => $body,
+            Backend::Verbs(ref $e) => $body,
             #[cfg(feature = "nixl")]
-            Engine::Nixl(ref $e) => $body,
+            Backend::Nixl(ref $e) => $body,
         }
     };
 }
@@ -114,11 +126,18 @@ impl Engine {
     }
 
     /// Starts the backend `config` names, wraps it in the capability adapter
-    /// and checks `config.require`.
+    /// and checks `config.require`. With [`EngineConfig::discovery`] it
+    /// connects to etcd first, and publishes the segment's descriptor (the
+    /// logical name, the segment name as the address, the protocol range
+    /// where the backend reports one; nothing secret) once the backend runs.
     ///
     /// Errors: the backend's start-up error (e.g. [`ferry_core::Error::Unavailable`]
     /// on a machine without the library or device); [`ferry_core::Error::MissingCapabilities`]
-    /// when a required operation is not available.
+    /// when a required operation is not available; with discovery,
+    /// [`ferry_core::Error::Unavailable`] when etcd does not answer (or this
+    /// build lacks the `etcd` feature) and [`ferry_core::Error::InvalidArgument`]
+    /// naming the segment when another engine holds the logical name (the
+    /// backend is shut down again: nothing is left running).
     pub async fn start(config: EngineConfig) -> Result<Engine> {
         let EngineConfig {
             backend,
@@ -126,11 +145,22 @@ impl Engine {
             require,
             metrics,
             tracing,
+            discovery,
         } = config;
+        let etcd = match &discovery {
+            Some(_) if !matches!(backend.kind(), BackendKind::Tcp | BackendKind::Verbs) => {
+                return Err(ferry_core::Error::InvalidArgument(format!(
+                    "etcd discovery is for Ferry's own transports (tcp://, verbs://), not {}://",
+                    backend.kind()
+                )));
+            }
+            Some(d) => Some(Etcd::connect(d).await?),
+            None => None,
+        };
         let observe = Observe { metrics, tracing };
-        let engine: Engine = match backend {
+        let backend: Backend = match backend {
             #[cfg(feature = "tcp")]
-            BackendConfig::Tcp(c) => Engine::Tcp(observe.stack(CapabilityAdapter::with_config(
+            BackendConfig::Tcp(c) => Backend::Tcp(observe.stack(CapabilityAdapter::with_config(
                 ferry_tcp::TcpEngine::start(c).await?,
                 adapter,
             ))),
@@ -147,16 +177,16 @@ impl Engine {
                     ferry_mooncake::LibraryTrust::OperatorConfigured,
                 )
                 .await?;
-                Engine::Mooncake(observe.stack(CapabilityAdapter::with_config(engine, adapter)))
+                Backend::Mooncake(observe.stack(CapabilityAdapter::with_config(engine, adapter)))
             }
             #[cfg(feature = "verbs")]
-            BackendConfig::Verbs(c) => Engine::Verbs(observe.stack(
+            BackendConfig::Verbs(c) => Backend::Verbs(observe.stack(
                 CapabilityAdapter::with_config(ferry_verbs::VerbsEngine::start(c).await?, adapter),
             )),
             // As for Mooncake: the URL's `lib=` (or FERRY_NIXL_LIB, the
             // loader path, the active Python's wheel) is the operator's.
             #[cfg(feature = "nixl")]
-            BackendConfig::Nixl(c) => Engine::Nixl(
+            BackendConfig::Nixl(c) => Backend::Nixl(
                 observe.stack(CapabilityAdapter::with_config(
                     ferry_nixl::NixlEngine::start_trusted(
                         c,
@@ -167,26 +197,90 @@ impl Engine {
                 )),
             ),
         };
+        let mut engine = Engine {
+            backend,
+            discovery: None,
+        };
         engine.require(&require)?;
+        if let Some(etcd) = etcd {
+            engine.publish(etcd).await?;
+        }
         tracing::debug!(
             backend = engine.kind().scheme(),
             segment = engine.segment_name(),
+            published = engine.published_name(),
             "ferry engine started"
         );
         Ok(engine)
     }
 
+    /// Publishes this engine in etcd; on failure shuts the backend down.
+    #[cfg(feature = "etcd")]
+    async fn publish(&mut self, etcd: Etcd) -> Result<()> {
+        let address = self.segment_name().to_owned();
+        let protocol = match self.backend {
+            #[cfg(feature = "tcp")]
+            Backend::Tcp(_) => {
+                let ours = crate::VersionRange::OURS;
+                ferry_discovery::ProtocolRange {
+                    min: ours.min.into(),
+                    max: ours.max.into(),
+                }
+            }
+            // A backend that does not report its range publishes 0..=0.
+            #[allow(unreachable_patterns)]
+            _ => ferry_discovery::ProtocolRange { min: 0, max: 0 },
+        };
+        let unspecified = address
+            .parse::<std::net::SocketAddr>()
+            .is_ok_and(|a| a.ip().is_unspecified());
+        let published = if unspecified {
+            Err(ferry_core::Error::InvalidArgument(format!(
+                "etcd discovery: the engine listens on {address}, which peers cannot \
+                 connect to; listen on the address peers use"
+            )))
+        } else {
+            let descriptor =
+                ferry_discovery::Descriptor::new(address.clone(), vec![address], protocol);
+            etcd.publish(descriptor).await
+        };
+        match published {
+            Ok(d) => {
+                self.discovery = Some(d);
+                Ok(())
+            }
+            Err(e) => {
+                if let Err(s) = dispatch!(self, e => TransferEngine::shutdown(e).await) {
+                    tracing::warn!(error = %s, "ferry: shutdown after a failed etcd publication");
+                }
+                Err(e)
+            }
+        }
+    }
+
+    #[cfg(not(feature = "etcd"))]
+    async fn publish(&mut self, etcd: Etcd) -> Result<()> {
+        match etcd {}
+    }
+
+    /// The logical name this engine publishes in etcd
+    /// ([`EngineConfig::discovery`]; still given after
+    /// [`TransferEngine::shutdown`] revoked it); `None` without discovery.
+    pub fn published_name(&self) -> Option<&str> {
+        self.discovery.as_ref().map(Discovery::name)
+    }
+
     /// Which backend this is.
     pub fn kind(&self) -> BackendKind {
-        match *self {
+        match self.backend {
             #[cfg(feature = "tcp")]
-            Engine::Tcp(_) => BackendKind::Tcp,
+            Backend::Tcp(_) => BackendKind::Tcp,
             #[cfg(feature = "mooncake")]
-            Engine::Mooncake(_) => BackendKind::Mooncake,
+            Backend::Mooncake(_) => BackendKind::Mooncake,
             #[cfg(feature = "verbs")]
-            Engine::Verbs(_) => BackendKind::Verbs,
+            Backend::Verbs(_) => BackendKind::Verbs,
             #[cfg(feature = "nixl")]
-            Engine::Nixl(_) => BackendKind::Nixl,
+            Backend::Nixl(_) => BackendKind::Nixl,
         }
     }
 
@@ -217,9 +311,9 @@ impl Engine {
     /// negotiate (Mooncake speaks the installed library's protocol).
     #[cfg(feature = "tcp")]
     pub fn peer_report(&self, name: &str) -> Option<crate::PeerReport> {
-        match *self {
+        match self.backend {
             #[cfg(feature = "tcp")]
-            Engine::Tcp(ref e) => e.get_ref().get_ref().get_ref().peer_report(name),
+            Backend::Tcp(ref e) => e.get_ref().get_ref().get_ref().peer_report(name),
             #[allow(unreachable_patterns)]
             _ => {
                 let _ = name;
@@ -263,15 +357,27 @@ impl Engine {
     /// The payload path to the open peer `name`, for the metrics:
     /// what TCP negotiated (`socket`, `same-host cma`…), else the backend.
     fn peer_path(&self, name: &str) -> Option<String> {
-        match *self {
+        match self.backend {
             #[cfg(feature = "tcp")]
-            Engine::Tcp(_) => self.peer_report(name).map(|r| r.path),
+            Backend::Tcp(_) => self.peer_report(name).map(|r| r.path),
             #[allow(unreachable_patterns)]
             _ => {
                 let _ = name;
                 Some(self.kind().scheme().to_owned())
             }
         }
+    }
+
+    /// Opens the segment at `name` (`host:port`) on the backend.
+    async fn open_address(&self, name: &str) -> Result<SegmentId> {
+        let segment = dispatch!(self, e => e.open_segment(name).await)?;
+        if let Some(path) = self.peer_path(name) {
+            // Next to the tracing layer's `ferry_connect` span (closed by
+            // now): the path the connection negotiated.
+            tracing::debug!(peer = name, path = %path, "ferry: segment open");
+            dispatch!(self, e => e.get_ref().set_peer_path(name, &path));
+        }
+        Ok(segment)
     }
 
     /// The engine as a shared trait object, for code that chooses the
@@ -337,14 +443,22 @@ impl TransferEngine for Engine {
     }
 
     async fn open_segment(&self, name: &str) -> Result<SegmentId> {
-        let segment = dispatch!(self, e => e.open_segment(name).await)?;
-        if let Some(path) = self.peer_path(name) {
-            // Next to the tracing layer's `ferry_connect` span (closed by
-            // now): the path the connection negotiated.
-            tracing::debug!(peer = name, path = %path, "ferry: segment open");
-            dispatch!(self, e => e.get_ref().set_peer_path(name, &path));
+        match &self.discovery {
+            Some(d) if crate::discovery::is_logical(name) => {
+                // Resolved here only: a transfer on the segment never
+                // asks etcd. Each published address in order; the last
+                // error if none opens.
+                let mut last = None;
+                for address in d.lookup(name).await? {
+                    match self.open_address(&address).await {
+                        Ok(segment) => return Ok(segment),
+                        Err(e) => last = Some(e),
+                    }
+                }
+                Err(last.expect("lookup returns at least one address"))
+            }
+            _ => self.open_address(name).await,
         }
-        Ok(segment)
     }
 
     async fn close_segment(&self, segment: SegmentId) -> Result<()> {
@@ -405,6 +519,12 @@ impl TransferEngine for Engine {
     }
 
     async fn shutdown(&self) -> Result<()> {
-        dispatch!(self, e => TransferEngine::shutdown(e).await)
+        // The name goes first: no peer finds an engine that is stopping.
+        let revoked = match &self.discovery {
+            Some(d) => d.shutdown().await,
+            None => Ok(()),
+        };
+        dispatch!(self, e => TransferEngine::shutdown(e).await)?;
+        revoked
     }
 }

@@ -53,10 +53,11 @@
 
 pub mod blocking;
 mod config;
+mod discovery;
 mod dispatch;
 pub mod secret;
 
-pub use config::{BackendConfig, BackendKind, EngineConfig};
+pub use config::{BackendConfig, BackendKind, DiscoveryConfig, EngineConfig};
 pub use dispatch::{Engine, Stack};
 
 pub use ferry_core::{
