@@ -499,17 +499,30 @@ pub fn iov(ptr: *mut u8, len: usize) -> libc::iovec {
 }
 
 /// A process to copy with: its PID and, where it is pinned, the
-/// descriptor that reports its exit (borrowed from the [`Initiator`] that
-/// owns it). Every copy through it first asks that descriptor — one
-/// non-blocking system call, never a cached verdict — and makes no copy
-/// once it reports the exit (`ESRCH`). See the module's safety notes for
-/// the window that remains.
+/// descriptor that reports its exit and its open `/proc/PID/mem`
+/// (borrowed from the [`Initiator`] that owns them).
+///
+/// A copy of one range of at most [`MEM_FILE_MAX`] bytes goes through the
+/// mem file: it is bound to the process's address space when opened, not
+/// to its PID, so it can never reach another process (after an exit or an
+/// `exec` the kernel moves nothing and the copy is `ESRCH`), and it needs
+/// no question beforehand. Every other copy first asks the exit watch —
+/// one non-blocking system call, never a cached verdict — and makes no
+/// copy once it reports the exit (`ESRCH`); see the module's safety notes
+/// for the window that remains there.
 #[derive(Clone, Copy, Debug)]
 pub struct Remote<'a> {
     /// Its PID.
     pub pid: i32,
     watch: Option<Watch<'a>>,
+    mem: Option<std::os::fd::BorrowedFd<'a>>,
 }
+
+/// The largest copy made through `/proc/PID/mem` ([`Remote`]). The kernel
+/// moves such a copy through a page of its own (two memory copies where
+/// `process_vm_*` makes one), which costs more than the exit-watch
+/// question it saves above one page (BENCHMARKS.md, `cma` small copies).
+pub const MEM_FILE_MAX: usize = 4096;
 
 /// What reports a pinned process's exit: an epoll instance watching its
 /// pidfd (`epoll_wait(2)` with a zero timeout), or the pidfd itself
@@ -533,7 +546,11 @@ impl Remote<'static> {
     /// A process named by its PID only (nothing to poll): for benchmarks
     /// and tests that copy with this very process.
     pub fn unpinned(pid: i32) -> Remote<'static> {
-        Remote { pid, watch: None }
+        Remote {
+            pid,
+            watch: None,
+            mem: None,
+        }
     }
 }
 
@@ -610,6 +627,12 @@ pub unsafe fn copy(
     local: &[libc::iovec],
     remote: &[libc::iovec],
 ) -> Result<usize, i32> {
+    if let (Some(mem), [l], [r]) = (to.mem, local, remote) {
+        if l.iov_len == r.iov_len && l.iov_len > 0 && l.iov_len <= MEM_FILE_MAX {
+            // SAFETY: the caller's guarantee for the local range.
+            return unsafe { copy_mem(mem, write_remote, l, r.iov_base as u64) };
+        }
+    }
     if !to.alive() {
         return Err(libc::ESRCH);
     }
@@ -643,6 +666,45 @@ pub unsafe fn copy(
             .unwrap_or(libc::EIO))
     } else {
         Ok(n as usize)
+    }
+}
+
+/// One `pwrite(2)` (`write_remote`) or `pread(2)` of `/proc/PID/mem` at
+/// `remote`: the bytes moved, `ESRCH` when the address space it was
+/// opened on is gone (the process exited or replaced it with `exec`: the
+/// kernel then moves nothing and returns 0), `EFAULT` for a remote range
+/// that is not mapped (the kernel's `EIO`), or the errno.
+///
+/// # Safety
+///
+/// `local` must be valid for reads (`write_remote`) or writes for the
+/// duration of the call.
+unsafe fn copy_mem(
+    mem: std::os::fd::BorrowedFd<'_>,
+    write_remote: bool,
+    local: &libc::iovec,
+    remote: u64,
+) -> Result<usize, i32> {
+    // Beyond `i64::MAX` no address is mapped in any process.
+    let Ok(at) = libc::off64_t::try_from(remote) else {
+        return Err(libc::EFAULT);
+    };
+    // SAFETY: the caller guarantees the local range; the kernel checks the
+    // remote one against the address space the file was opened on.
+    let n = unsafe {
+        if write_remote {
+            libc::pwrite64(mem.as_raw_fd(), local.iov_base, local.iov_len, at)
+        } else {
+            libc::pread64(mem.as_raw_fd(), local.iov_base, local.iov_len, at)
+        }
+    };
+    match n {
+        0 => Err(libc::ESRCH),
+        n if n < 0 => Err(match last_errno() {
+            libc::EIO => libc::EFAULT,
+            e => e,
+        }),
+        n => Ok(n as usize),
     }
 }
 
@@ -772,6 +834,7 @@ fn helper(rx: &std::sync::Mutex<std::sync::mpsc::Receiver<Job>>) {
         let to = Remote {
             pid: job.pid,
             watch,
+            mem: None,
         };
         let r = job.parts.iter().try_for_each(|&(l, r, n)| {
             // SAFETY: the submitter of the job holds the local ranges
@@ -883,6 +946,9 @@ pub struct Initiator {
     /// An epoll instance watching `pidfd` (see [`Watch`]); `None`: the
     /// pidfd is polled itself.
     watch: Option<std::os::fd::OwnedFd>,
+    /// `/proc/PID/mem` of the process `pidfd` pins (see [`Remote`]);
+    /// `None` where it cannot be opened or proven to be that process's.
+    mem: Option<std::fs::File>,
 }
 
 impl Initiator {
@@ -899,7 +965,13 @@ impl Initiator {
             unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) }
         });
         let watch = pidfd.as_ref().and_then(exit_watch);
-        Initiator { pid, pidfd, watch }
+        let mem = pidfd.as_ref().and_then(|fd| open_mem(pid, fd));
+        Initiator {
+            pid,
+            pidfd,
+            watch,
+            mem,
+        }
     }
 
     /// The process `pidfd` pins, whose PID is `pid`.
@@ -907,6 +979,7 @@ impl Initiator {
         Initiator {
             pid,
             watch: exit_watch(&pidfd),
+            mem: open_mem(pid, &pidfd),
             pidfd: Some(pidfd),
         }
     }
@@ -933,6 +1006,7 @@ impl Initiator {
         Remote {
             pid: self.pid,
             watch,
+            mem: self.mem.as_ref().map(|f| f.as_fd()),
         }
     }
 
@@ -1012,6 +1086,42 @@ impl Initiator {
             .map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))?;
         Ok(stream)
     }
+}
+
+/// `/proc/PID/mem` of the process `pidfd` pins, opened for reading and
+/// writing, or `None`: no `/proc` of this PID namespace, no access (the
+/// same ptrace-attach check as `process_vm_*`), or no proof that the file
+/// is that process's. The proof: the pidfd names `pid` (its `fdinfo`)
+/// and its process is still alive after the open, so the PID named that
+/// process throughout and the file is bound to its address space.
+fn open_mem(pid: i32, pidfd: &std::os::fd::OwnedFd) -> Option<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    // `/proc` must be this PID namespace's: its `self` is this process.
+    static OWN_PROC: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let own = *OWN_PROC.get_or_init(|| {
+        std::fs::read_link("/proc/self")
+            .is_ok_and(|p| p.as_os_str() == std::process::id().to_string().as_str())
+    });
+    if !own || pid <= 0 {
+        return None;
+    }
+    let fdinfo =
+        std::fs::read_to_string(format!("/proc/self/fdinfo/{}", pidfd.as_raw_fd())).ok()?;
+    let named = fdinfo
+        .lines()
+        .find_map(|l| l.strip_prefix("Pid:"))
+        .and_then(|v| v.trim().parse::<i32>().ok());
+    if named != Some(pid) {
+        return None;
+    }
+    let mem = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_CLOEXEC)
+        .open(format!("/proc/{pid}/mem"))
+        .map_err(|e| tracing::debug!(pid, error = %e, "no /proc/PID/mem: copies go by PID"))
+        .ok()?;
+    (!exited(pidfd.as_raw_fd(), false)).then_some(mem)
 }
 
 /// The calling thread's errno.
@@ -1175,6 +1285,7 @@ mod tests {
                 fd: pidfd.as_fd(),
                 epoll: false,
             }),
+            mem: None,
         };
         assert!(by_epoll.watch.is_some_and(|w| w.epoll));
         for _ in 0..1000 {
@@ -1210,6 +1321,119 @@ mod tests {
             !by_epoll.alive() && !by_poll.alive(),
             "reported after the reap"
         );
+    }
+
+    /// A child forked from this process (so `buf` lies at the same address
+    /// in it), that waits for a byte on `go` and then replaces itself with
+    /// `sleep 30` (or, on end of file, exits).
+    fn forked_child(go: std::os::fd::RawFd) -> i32 {
+        let path = std::ffi::CString::new("/bin/sleep").unwrap();
+        let arg0 = std::ffi::CString::new("sleep").unwrap();
+        let arg1 = std::ffi::CString::new("30").unwrap();
+        let argv = [arg0.as_ptr(), arg1.as_ptr(), std::ptr::null()];
+        // SAFETY: the child calls only async-signal-safe functions (read,
+        // execv, _exit) on data prepared before the fork.
+        unsafe {
+            let pid = libc::fork();
+            assert!(pid >= 0, "fork");
+            if pid == 0 {
+                let mut b = 0u8;
+                if libc::read(go, (&mut b as *mut u8).cast(), 1) == 1 {
+                    libc::execv(path.as_ptr(), argv.as_ptr());
+                }
+                libc::_exit(0);
+            }
+            pid
+        }
+    }
+
+    /// Issue 41 (item 6): a copy of one page goes through the process's
+    /// `/proc/PID/mem`, bound to its address space and not to its PID:
+    /// it lands while the process lives, and once the process has exited
+    /// (still a zombie here, so its PID cannot have been handed out) or
+    /// has replaced its image with `exec`, the kernel moves nothing — with
+    /// no exit watch asked at all. A copy by PID after the `exec` would
+    /// reach the new image.
+    #[test]
+    fn one_page_copies_go_to_the_address_space_not_the_pid() {
+        let buf = vec![0u8; 4096];
+        let src = vec![0x5au8; 4096];
+        let mut back = vec![0u8; 4096];
+        for end in ["exit", "exec"] {
+            let mut fds = [0; 2];
+            // SAFETY: `fds` has room for the two descriptors.
+            assert_eq!(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) }, 0);
+            let pid = forked_child(fds[0]);
+            // SAFETY: our copy of the read end; the child has its own.
+            unsafe { libc::close(fds[0]) };
+            let theirs = Initiator::new(pid);
+            assert!(theirs.mem.is_some(), "{end}: the mem file is open");
+            let by_mem = Remote {
+                watch: None,
+                ..theirs.remote()
+            };
+            // SAFETY: `src` is a live buffer of that length.
+            let r = unsafe {
+                copy_all(
+                    by_mem,
+                    true,
+                    src.as_ptr().cast_mut(),
+                    buf.as_ptr() as u64,
+                    4096,
+                )
+            };
+            assert_eq!(r, Ok(()), "{end}: alive, the copy lands");
+            // SAFETY: `back` is a live buffer of that length.
+            unsafe {
+                copy_all(
+                    Remote::unpinned(pid),
+                    false,
+                    back.as_mut_ptr(),
+                    buf.as_ptr() as u64,
+                    4096,
+                )
+            }
+            .expect("read back by PID");
+            assert!(back == src, "{end}: the bytes are in the child");
+            assert!(buf.iter().all(|&b| b == 0), "not in this process");
+            if end == "exit" {
+                // SAFETY: signals our own child.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+                let start = std::time::Instant::now();
+                while theirs.alive() {
+                    assert!(start.elapsed() < std::time::Duration::from_secs(10));
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                }
+            } else {
+                // SAFETY: one byte from a live buffer.
+                assert_eq!(unsafe { libc::write(fds[1], b"x".as_ptr().cast(), 1) }, 1);
+                let start = std::time::Instant::now();
+                while std::fs::read_link(format!("/proc/{pid}/exe"))
+                    .is_ok_and(|p| !p.ends_with("sleep"))
+                {
+                    assert!(start.elapsed() < std::time::Duration::from_secs(10));
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                }
+                assert!(theirs.alive(), "exec is no exit");
+            }
+            // SAFETY: as above.
+            let r = unsafe {
+                copy_all(
+                    by_mem,
+                    true,
+                    src.as_ptr().cast_mut(),
+                    buf.as_ptr() as u64,
+                    4096,
+                )
+            };
+            assert_eq!(r, Err(libc::ESRCH), "{end}: nothing moves");
+            // SAFETY: our own child, reaped once.
+            unsafe {
+                libc::kill(pid, libc::SIGKILL);
+                libc::waitpid(pid, std::ptr::null_mut(), 0);
+                libc::close(fds[1]);
+            }
+        }
     }
 
     #[test]

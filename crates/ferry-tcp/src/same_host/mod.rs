@@ -71,23 +71,36 @@
 //!   `pidfd_getfd`, no `/proc/PID/fd`) before the peer has proven it is
 //!   that process (above), and tells a refused peer nothing about it.
 //!
-//! **Safety notes: PID reuse.** Copies are made by PID
-//! (`process_vm_readv` / `process_vm_writev` have no pidfd form). Each
-//! copy — the target's CWRITE / CREAD, every part of a split copy, every
-//! continuation after a short count, the initiator's granted copy — first
-//! asks the peer's pidfd (one non-blocking `epoll_wait(2)` on an epoll
-//! instance watching it, or `poll(2)` of the pidfd where no epoll instance
-//! can be made; never a cached verdict; [`cma::Remote`]) and is not made
-//! once it reports the exit. What remains is the window between that
-//! question and the system call: a
+//! **Safety notes: PID reuse.** A copy of one range of at most one page
+//! ([`cma::MEM_FILE_MAX`]) — most granted calls, and the small CWRITE /
+//! CREAD segments — goes through the peer's `/proc/PID/mem`, opened once
+//! per connection on the pinned process (proven: its pidfd names that PID
+//! and is alive after the open). The file is bound to that process's
+//! address space, not to its PID: once the process exits, or replaces its
+//! image with `exec`, the kernel moves nothing through it, so such a copy
+//! can never reach another process, at any time. The kernel writes
+//! through it as a debugger does (`FOLL_FORCE`): a page the peer
+//! registered but mapped read-only is written where `process_vm_writev`
+//! would fail; register writable memory.
+//!
+//! Every other copy is made by PID (`process_vm_readv` /
+//! `process_vm_writev` have no pidfd form). Each such copy — the target's
+//! CWRITE / CREAD, every part of a split copy, every continuation after a
+//! short count, the initiator's granted copy — first asks the peer's
+//! pidfd (one non-blocking `epoll_wait(2)` on an epoll instance watching
+//! it, or `poll(2)` of the pidfd where no epoll instance can be made;
+//! never a cached verdict; [`cma::Remote`]) and is not made once it
+//! reports the exit. What remains is the window between that question and
+//! the system call: a
 //! thread preempted (or stopped) there for as long as it takes the peer to
 //! exit, be reaped, and its PID to be handed to another process — which
 //! the kernel does only after every other free PID of the namespace was
 //! given out (`pid_max` ≥ 32 768 by default) — would copy into or out of
 //! that process. The copy then still needs the ptrace-level access the
 //! copier has to it, and touches only the addresses the request named.
-//! Without pidfds (Linux < 5.3) nothing is polled and this window is the
-//! whole connection; the target refuses the path without a pin.
+//! Without pidfds (Linux < 5.3) nothing is polled (and no mem file is
+//! opened) and this window is the whole connection; the target refuses
+//! the path without a pin.
 
 pub(crate) mod choice;
 pub(crate) mod cma;
