@@ -20,7 +20,11 @@
 //!   handshake, and the same-host token;
 //! - [`offer`]: the same-host offer and the target's refusal codes;
 //! - [`layout`]: the byte layout of the same-host staging area and of its
-//!   grants page, and the verdict slot of a staged read.
+//!   grants page, and the verdict slot of a staged read;
+//! - [`time`]: points on the driver's clock and the pace a peer must keep
+//!   (deadlines computed from a `now` passed in);
+//! - [`recv`]: the receiving side of a connection without its reads: the
+//!   next header, the bytes read past it, the frame's deadline.
 //!
 //! The per-frame encoders and decoders and the small lookups are
 //! `#[inline]`: inside ferry-tcp the optimiser could inline them into the
@@ -32,3 +36,5 @@ pub mod frame;
 pub mod layout;
 pub mod negotiate;
 pub mod offer;
+pub mod recv;
+pub mod time;

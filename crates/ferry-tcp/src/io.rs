@@ -148,45 +148,38 @@ fn too_slow() -> io::Error {
     )
 }
 
-/// How fast a peer must move bytes inside a frame: some progress every
-/// `stall`, and `n` bytes within `stall + n / min_rate`.
-#[derive(Clone, Copy, Debug)]
-pub struct Pace {
-    /// Longest wait for any progress.
-    pub stall: Duration,
-    /// Minimum bytes per second over a whole payload.
-    pub min_rate: u64,
+pub use ferry_tcp_proto::time::{Pace, Time};
+
+/// This driver's clock as the core reads it: the time since the first
+/// look (a process-wide origin on the monotonic clock).
+#[inline]
+pub fn now() -> Time {
+    let nanos = origin().elapsed().as_nanos();
+    Time::from_nanos(u64::try_from(nanos).unwrap_or(u64::MAX))
 }
 
-impl Pace {
-    /// A pace with only a stall deadline (handshake messages, which are
-    /// small).
-    pub fn stall_only(stall: Duration) -> Pace {
-        Pace {
-            stall,
-            min_rate: u64::MAX,
-        }
-    }
+/// `t` of [`now`]'s clock as an instant (a year from now if the clock
+/// cannot go that far).
+pub fn instant(t: Time) -> Instant {
+    origin()
+        .checked_add(Duration::from_nanos(t.as_nanos()))
+        .unwrap_or_else(|| Instant::now() + Duration::from_secs(365 * 86_400))
+}
 
-    /// When moving `bytes` must have finished, starting now.
-    pub fn deadline(&self, bytes: u64) -> Instant {
-        let per = Duration::try_from_secs_f64(bytes as f64 / self.min_rate.max(1) as f64)
-            .unwrap_or(Duration::MAX);
-        let now = Instant::now();
-        now.checked_add(self.stall.saturating_add(per))
-            .or_else(|| now.checked_add(Duration::from_secs(365 * 86_400)))
-            .unwrap_or(now)
-    }
+/// When moving `bytes` at `pace`, starting now, must have finished.
+pub fn deadline(pace: &Pace, bytes: u64) -> Instant {
+    instant(pace.deadline(now(), bytes))
+}
 
-    /// The wait allowed for the next progress: the stall deadline, cut to
-    /// what is left until `deadline` (an error once it has passed).
-    fn wait(&self, deadline: Instant) -> io::Result<Duration> {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(too_slow());
-        }
-        Ok(self.stall.min(left))
-    }
+fn origin() -> Instant {
+    static ORIGIN: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    *ORIGIN.get_or_init(Instant::now)
+}
+
+/// The wait allowed now for the next progress toward `deadline` (an
+/// error once it has passed).
+fn wait(pace: &Pace, deadline: Time) -> io::Result<Duration> {
+    pace.wait(now(), deadline).ok_or_else(too_slow)
 }
 
 fn retry(e: &io::Error) -> bool {
@@ -550,7 +543,7 @@ fn raw_write(stream: &Stream, bufs: &[Bytes<'_>], first_off: usize) -> io::Resul
 /// `pace`'s deadline for the total, is `TimedOut`.
 pub async fn write_all(stream: &Stream, bufs: &[Bytes<'_>], pace: Pace) -> io::Result<()> {
     let total: u64 = bufs.iter().map(|b| b.len() as u64).sum();
-    let deadline = pace.deadline(total);
+    let deadline = pace.deadline(now(), total);
     let mut idx = 0;
     let mut off = 0;
     loop {
@@ -582,7 +575,7 @@ pub async fn write_all(stream: &Stream, bufs: &[Bytes<'_>], pace: Pace) -> io::R
                         }
                     }
                 };
-                tokio::time::timeout(pace.wait(deadline)?, wait)
+                tokio::time::timeout(self::wait(&pace, deadline)?, wait)
                     .await
                     .unwrap_or_else(|_| Err(timed_out()))?
             }
@@ -591,19 +584,9 @@ pub async fn write_all(stream: &Stream, bufs: &[Bytes<'_>], pace: Pace) -> io::R
         if written == 0 {
             return Err(io::Error::new(io::ErrorKind::WriteZero, "socket closed"));
         }
-        // Advance (idx, off) by `written` bytes.
-        let mut left = written;
-        while left > 0 && idx < bufs.len() {
-            let avail = bufs[idx].len() - off;
-            if left >= avail {
-                left -= avail;
-                idx += 1;
-                off = 0;
-            } else {
-                off += left;
-                left = 0;
-            }
-        }
+        let mut p = Progress { idx, off };
+        p.advance(bufs.len(), |i| bufs[i].len(), written);
+        (idx, off) = (p.idx, p.off);
     }
 }
 
@@ -613,7 +596,7 @@ async fn flush_tls(
     stream: &Stream,
     tls: &crate::tls::conn::TlsConn,
     pace: Pace,
-    deadline: Instant,
+    deadline: Time,
 ) -> io::Result<()> {
     match tls.flush() {
         Ok(()) => return Ok(()),
@@ -629,7 +612,7 @@ async fn flush_tls(
             }
         }
     };
-    tokio::time::timeout(pace.wait(deadline)?, wait)
+    tokio::time::timeout(self::wait(&pace, deadline)?, wait)
         .await
         .unwrap_or_else(|_| Err(timed_out()))
 }
@@ -640,23 +623,13 @@ pub async fn write_all_slices(stream: &Stream, bufs: &[&[u8]], pace: Pace) -> io
     write_all(stream, &bufs, pace).await
 }
 
-/// Most bytes past a header that [`FrameReader::next_header`] reads in the
-/// same call once [`FrameReader::set_lookahead`] is on: a CWRITE / CREAD
-/// header with a segment table of up to 16 segments.
-pub const LOOKAHEAD: usize = 16 * crate::frame::CMA_SEGMENT_LEN;
+use ferry_tcp_proto::recv::{Progress, RecvCursor};
 
-/// Frame reader over one socket: a header buffer that payload reads top up
-/// opportunistically.
+/// Frame reader over one socket: the system calls and the waiting around
+/// a [`RecvCursor`], which keeps the header, the bytes read past it and
+/// the frame's deadline.
 pub struct FrameReader {
-    hdr: [u8; HEADER_LEN],
-    filled: usize,
-    /// Bytes read past the current header (see
-    /// [`FrameReader::set_lookahead`]): `ahead[pos..len]` come next on
-    /// the stream. Non-empty only while `filled` is 0 or the header is
-    /// being completed from it.
-    ahead: Option<Box<[u8; LOOKAHEAD]>>,
-    ahead_pos: usize,
-    ahead_len: usize,
+    cur: RecvCursor,
     spin: Duration,
     /// Polls longer while this says so (see [`SpinWhile`]).
     extend: Option<SpinWhile>,
@@ -664,10 +637,6 @@ pub struct FrameReader {
     hook: Option<SpinHook>,
     /// Pauses instead of sleeping while it says so (see [`Pause`]).
     pause: Option<Pause>,
-    pace: Pace,
-    /// When the payload of the current frame must have arrived (set by
-    /// [`FrameReader::begin_frame`], cleared by the next header).
-    frame_deadline: Option<Instant>,
 }
 
 /// What [`FrameReader::next_header`] found.
@@ -691,68 +660,36 @@ impl FrameReader {
     /// has its first bytes copied into its destination by the CPU rather
     /// than by `recvmsg` (same bytes, same checks before).
     pub fn set_lookahead(&mut self) {
-        if self.ahead.is_none() {
-            self.ahead = Some(Box::new([0; LOOKAHEAD]));
-        }
+        self.cur.set_lookahead();
     }
 
     /// Moves lookahead bytes into `dst` (from `off`); returns how many.
     fn take_ahead(&mut self, dst: Bytes<'_>, off: usize) -> usize {
-        let Some(ahead) = &self.ahead else { return 0 };
-        let n = (self.ahead_len - self.ahead_pos).min(dst.len().saturating_sub(off));
+        let ahead = self.cur.ahead();
+        let n = ahead.len().min(dst.len().saturating_sub(off));
         if n > 0 {
             // SAFETY: `dst` names memory valid for writes (`Bytes`
             // contract: a Rust buffer borrowed mutably, or registered
             // memory a held RegionGuard keeps valid); `off + n <= len`;
             // the source is this reader's own buffer, disjoint from it.
             unsafe {
-                std::ptr::copy_nonoverlapping(
-                    ahead.as_ptr().add(self.ahead_pos),
-                    dst.ptr.wrapping_add(off),
-                    n,
-                );
+                std::ptr::copy_nonoverlapping(ahead.as_ptr(), dst.ptr.wrapping_add(off), n);
             }
-            self.ahead_pos += n;
+            self.cur.consume_ahead(n);
         }
         n
-    }
-
-    /// Moves lookahead bytes into the header buffer.
-    fn header_from_ahead(&mut self) {
-        let Some(ahead) = &self.ahead else { return };
-        let n = (self.ahead_len - self.ahead_pos).min(HEADER_LEN - self.filled);
-        self.hdr[self.filled..self.filled + n]
-            .copy_from_slice(&ahead[self.ahead_pos..self.ahead_pos + n]);
-        self.ahead_pos += n;
-        self.filled += n;
     }
 
     /// One non-blocking read of the rest of the header and, with the
     /// lookahead on, of what follows it (only when the lookahead is
     /// drained). Accounts what it read.
     fn read_header_part(&mut self, stream: &Stream) -> io::Result<usize> {
-        let tail = Bytes::from_mut(&mut self.hdr[self.filled..]);
+        let (tail, ahead) = self.cur.header_bufs();
         let want = tail.len();
-        let n = match &mut self.ahead {
-            Some(a) if self.ahead_pos == self.ahead_len => {
-                raw_read(stream, &[tail], 0, Bytes::from_mut(&mut a[..]))?
-            }
-            _ => raw_read(stream, &[tail], 0, Bytes::empty())?,
-        };
-        self.account_header(n, want);
+        let ahead = ahead.map_or_else(Bytes::empty, Bytes::from_mut);
+        let n = raw_read(stream, &[Bytes::from_mut(tail)], 0, ahead)?;
+        self.cur.account_header(n, want);
         Ok(n)
-    }
-
-    /// Records `n` bytes read into the header tail of length `want` and
-    /// then the lookahead.
-    fn account_header(&mut self, n: usize, want: usize) {
-        if n > want {
-            self.filled += want;
-            self.ahead_pos = 0;
-            self.ahead_len = n - want;
-        } else {
-            self.filled += n;
-        }
     }
 
     /// Keeps polling past the base window while `extend` returns true.
@@ -774,17 +711,11 @@ impl FrameReader {
     /// inside a frame.
     pub fn new(spin: Duration, pace: Pace) -> Self {
         FrameReader {
-            hdr: [0; HEADER_LEN],
-            filled: 0,
-            ahead: None,
-            ahead_pos: 0,
-            ahead_len: 0,
+            cur: RecvCursor::new(pace),
             spin,
             extend: None,
             hook: None,
             pause: None,
-            pace,
-            frame_deadline: None,
         }
     }
 
@@ -792,14 +723,13 @@ impl FrameReader {
     /// header) number `bytes`: every read of the frame must finish by then,
     /// whatever pieces it is read in.
     pub fn begin_frame(&mut self, bytes: u64) {
-        self.frame_deadline = Some(self.pace.deadline(bytes));
+        self.cur.begin_frame(now(), bytes);
     }
 
     /// Tries, without waiting, to complete the next header. Returns whether
     /// one is complete.
     pub fn poll_header_now(&mut self, stream: &Stream) -> io::Result<bool> {
-        self.header_from_ahead();
-        while self.filled < HEADER_LEN {
+        while !self.cur.header_from_ahead() {
             match self.read_header_part(stream) {
                 Ok(0) => return Ok(false),
                 Ok(_) => {}
@@ -819,21 +749,19 @@ impl FrameReader {
         stream: &Stream,
         idle: Option<Duration>,
     ) -> io::Result<Next> {
-        self.frame_deadline = None;
-        self.header_from_ahead();
-        while self.filled < HEADER_LEN {
-            let timeout = if self.filled > 0 {
-                Some(self.pace.stall)
+        self.cur.end_frame();
+        while !self.cur.header_from_ahead() {
+            let started = self.cur.header_started();
+            let timeout = if started {
+                Some(self.cur.pace().stall)
             } else {
                 idle
             };
-            let tail = Bytes::from_mut(&mut self.hdr[self.filled..]);
-            let want = tail.len();
             // The lookahead is drained here (`header_from_ahead`).
-            let ahead = match &mut self.ahead {
-                Some(a) => Bytes::from_mut(&mut a[..]),
-                None => Bytes::empty(),
-            };
+            let (tail, ahead) = self.cur.header_bufs();
+            let want = tail.len();
+            let tail = Bytes::from_mut(tail);
+            let ahead = ahead.map_or_else(Bytes::empty, Bytes::from_mut);
             let r = read_with(
                 stream,
                 || raw_read(stream, &[tail], 0, ahead),
@@ -845,13 +773,11 @@ impl FrameReader {
             )
             .await;
             let n = match r {
-                Err(e) if e.kind() == io::ErrorKind::TimedOut && self.filled == 0 => {
-                    return Ok(Next::Idle)
-                }
+                Err(e) if e.kind() == io::ErrorKind::TimedOut && !started => return Ok(Next::Idle),
                 other => other?,
             };
             if n == 0 {
-                return if self.filled == 0 {
+                return if !started {
                     Ok(Next::Eof)
                 } else {
                     Err(io::Error::new(
@@ -860,10 +786,9 @@ impl FrameReader {
                     ))
                 };
             }
-            self.account_header(n, want);
+            self.cur.account_header(n, want);
         }
-        self.filled = 0;
-        Ok(Next::Header(self.hdr))
+        Ok(Next::Header(self.cur.take_header()))
     }
 
     /// Reads exactly `dst.len()` payload bytes into `dst`, topping up the
@@ -887,34 +812,28 @@ impl FrameReader {
         segs: &[Bytes<'_>],
         topup: bool,
     ) -> io::Result<()> {
-        let deadline = match self.frame_deadline {
-            Some(d) => d,
-            None => self
-                .pace
-                .deadline(segs.iter().map(|s| s.len() as u64).sum()),
-        };
-        let (mut idx, mut off) = (0usize, 0usize);
+        let deadline = self
+            .cur
+            .read_deadline(now(), segs.iter().map(|s| s.len() as u64).sum());
+        let mut p = Progress::default();
         loop {
-            while idx < segs.len() && off == segs[idx].len() {
-                idx += 1;
-                off = 0;
-            }
-            if idx == segs.len() {
+            if p.settle(segs.len(), |i| segs[i].len()) {
                 return Ok(());
             }
             // Bytes the last header read brought along come first.
-            let got = self.take_ahead(segs[idx], off);
+            let got = self.take_ahead(segs[p.idx], p.off);
             if got > 0 {
-                off += got;
+                p.off += got;
                 continue;
             }
-            let rest = &segs[idx..];
+            let wait = wait(&self.cur.pace(), deadline)?;
+            let rest = &segs[p.idx..];
             let tail = if topup {
-                Bytes::from_mut(&mut self.hdr[self.filled..])
+                Bytes::from_mut(self.cur.header_tail())
             } else {
                 Bytes::empty()
             };
-            let wait = self.pace.wait(deadline)?;
+            let off = p.off;
             let n = read_with(
                 stream,
                 || raw_read(stream, rest, off, tail),
@@ -931,19 +850,8 @@ impl FrameReader {
                     "connection closed inside a frame payload",
                 ));
             }
-            let mut left = n;
-            while left > 0 && idx < segs.len() {
-                let avail = segs[idx].len() - off;
-                if left >= avail {
-                    left -= avail;
-                    idx += 1;
-                    off = 0;
-                } else {
-                    off += left;
-                    left = 0;
-                }
-            }
-            self.filled += left;
+            let past = p.advance(segs.len(), |i| segs[i].len(), n);
+            self.cur.account_topup(past);
         }
     }
 
@@ -975,6 +883,7 @@ impl FrameReader {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ferry_tcp_proto::recv::LOOKAHEAD;
 
     /// Frames whose bodies end inside, at, or past the lookahead come out
     /// whole and in order, pipelined or not.

@@ -652,7 +652,7 @@ pub(super) async fn serve(
                         alive: &alive,
                         stall: cfg.stall_timeout,
                         // From the frame's first byte, as on the socket.
-                        deadline: Some(pace.deadline(total)),
+                        deadline: Some(crate::io::deadline(&pace, total)),
                         // Staged frames are served on the connection's own
                         // thread (`serve_on_thread`).
                         blocking: true,
