@@ -169,12 +169,13 @@ impl RecvCursor {
         self.frame_deadline = Some(self.pace.deadline(now, bytes));
     }
 
-    /// The deadline of a read of `bytes` at `now`: the frame's, or (for a
-    /// read outside a begun frame) one of its own.
+    /// The deadline of a read of `bytes` at `now()`: the frame's, or (for
+    /// a read outside a begun frame) one of its own (the only case that
+    /// asks the clock).
     #[inline]
-    pub fn read_deadline(&self, now: Time, bytes: u64) -> Time {
+    pub fn read_deadline(&self, now: impl FnOnce() -> Time, bytes: u64) -> Time {
         self.frame_deadline
-            .unwrap_or_else(|| self.pace.deadline(now, bytes))
+            .unwrap_or_else(|| self.pace.deadline(now(), bytes))
     }
 }
 
@@ -355,15 +356,15 @@ mod tests {
         let t0 = Time::from_nanos(5);
         // Outside a frame each read has its own.
         let later = t0.after(core::time::Duration::from_secs(3));
-        assert_eq!(cur.read_deadline(later, 0), pace.deadline(later, 0));
+        assert_eq!(cur.read_deadline(|| later, 0), pace.deadline(later, 0));
         cur.begin_frame(t0, 2000);
         let d = pace.deadline(t0, 2000);
         assert_eq!(
-            cur.read_deadline(later, 10),
+            cur.read_deadline(|| panic!("no clock read in a frame"), 10),
             d,
             "not restarted by a later read"
         );
         cur.end_frame();
-        assert_eq!(cur.read_deadline(later, 0), pace.deadline(later, 0));
+        assert_eq!(cur.read_deadline(|| later, 0), pace.deadline(later, 0));
     }
 }

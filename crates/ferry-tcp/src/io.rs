@@ -814,7 +814,7 @@ impl FrameReader {
     ) -> io::Result<()> {
         let deadline = self
             .cur
-            .read_deadline(now(), segs.iter().map(|s| s.len() as u64).sum());
+            .read_deadline(now, segs.iter().map(|s| s.len() as u64).sum());
         let mut p = Progress::default();
         loop {
             if p.settle(segs.len(), |i| segs[i].len()) {
