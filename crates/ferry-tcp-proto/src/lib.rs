@@ -24,7 +24,10 @@
 //! - [`time`]: points on the driver's clock and the pace a peer must keep
 //!   (deadlines computed from a `now` passed in);
 //! - [`recv`]: the receiving side of a connection without its reads: the
-//!   next header, the bytes read past it, the frame's deadline.
+//!   next header, the bytes read past it, the frame's deadline;
+//! - [`target`]: the target's side of a connection for the requests
+//!   served on the socket: region checks, what to read or send, the
+//!   answers owed.
 //!
 //! The per-frame encoders and decoders and the small lookups are
 //! `#[inline]`: inside ferry-tcp the optimiser could inline them into the
@@ -37,4 +40,5 @@ pub mod layout;
 pub mod negotiate;
 pub mod offer;
 pub mod recv;
+pub mod target;
 pub mod time;

@@ -2,7 +2,7 @@
 //! established connections and their per-source share, and the accept loop
 //! that runs each inbound connection's handshake before serving it.
 
-use super::serve::{serve, serve_on_thread, ConnState, Out, Served};
+use super::serve::{serve, serve_on_thread, ConnState, Served};
 use super::*;
 
 impl Core {
@@ -309,11 +309,7 @@ async fn serve_conn(
     );
     let first = ConnState {
         rd: FrameReader::new(cfg.spin, core.pace()),
-        out: Out {
-            acks: Vec::with_capacity(MAX_ACKS as usize),
-            frames: Vec::new(),
-            bytes: 0,
-        },
+        conn: ferry_tcp_proto::target::TargetConn::new(),
         cma_pid: None,
         stage: None,
         agreed,

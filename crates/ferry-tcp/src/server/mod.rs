@@ -29,18 +29,12 @@ use tokio::task::JoinSet;
 
 use crate::config::{SameHost, TcpConfig};
 use crate::frame::{
-    decode_cma_segments, decode_segments, encode_table, Request, Response, Segment, Status,
-    TableEntry, CMA_SEGMENT_LEN, HEADER_LEN, MAX_ACKS, MAX_SEGMENTS, MAX_TABLE_ENTRIES,
-    SEGMENT_LEN,
+    decode_cma_segments, encode_table, Request, Response, Segment, Status, TableEntry,
+    CMA_SEGMENT_LEN, MAX_TABLE_ENTRIES,
 };
 use crate::handshake;
 use crate::io::{write_all, write_all_slices, Bytes, FrameReader, Next, Pace};
 use crate::same_host::cma;
-
-/// Payload bytes received after which pending acknowledgements are sent
-/// even if more requests are already waiting (so large transfers complete
-/// progressively).
-const ACK_FLUSH_BYTES: u64 = 512 * 1024;
 
 /// Most bytes of memory the queued notifications may occupy, counted as
 /// allocated (string capacities plus a fixed per-notification overhead).

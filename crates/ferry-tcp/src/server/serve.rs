@@ -4,12 +4,16 @@
 
 use super::copy::{acquire_segments, cma_copy, failed_status, staged_copy};
 use super::*;
+use ferry_tcp_proto::target::{
+    frame_bytes, landed, overlapping, Delivered, Part, Step, TargetConn,
+};
 
 /// A connection's serving state, handed to a dedicated thread when the
 /// same-host path is agreed.
 pub(super) struct ConnState {
     pub(super) rd: FrameReader,
-    pub(super) out: Out,
+    /// The protocol's side of the connection: the answers it owes.
+    pub(super) conn: TargetConn,
     /// The initiator's process once the same-host path is agreed.
     pub(super) cma_pid: Option<Arc<cma::Initiator>>,
     /// The staging area it offered, once mapped.
@@ -95,84 +99,6 @@ pub(super) async fn serve_on_thread(
     done_rx.await.unwrap_or(Ok(()))
 }
 
-/// The bytes and the number of the non-empty segments `ok` accepts (by
-/// index): what a served request moved.
-fn landed(segs: &[Segment], ok: impl Fn(usize) -> bool) -> (u64, u64) {
-    segs.iter()
-        .enumerate()
-        .filter(|&(i, s)| s.len > 0 && ok(i))
-        .fold((0, 0), |(b, n), (_, s)| (b.saturating_add(s.len), n + 1))
-}
-
-/// Whether any two segments share a byte.
-fn overlapping(segs: &[Segment]) -> bool {
-    let mut sorted: Vec<(u64, u64)> = segs.iter().map(|s| (s.addr, s.len)).collect();
-    sorted.sort_unstable();
-    sorted
-        .windows(2)
-        .any(|w| w[0].0.saturating_add(w[0].1) > w[1].0)
-}
-
-pub(super) struct Out {
-    pub(super) acks: Vec<u64>,
-    pub(super) frames: Vec<u8>,
-    /// Payload bytes covered by the pending acknowledgements.
-    pub(super) bytes: u64,
-}
-
-impl Out {
-    fn is_empty(&self) -> bool {
-        self.acks.is_empty() && self.frames.is_empty()
-    }
-
-    fn errv(&mut self, id: u64, status: Status, failed: &[u32]) {
-        self.frames.extend_from_slice(
-            &Response::ErrV {
-                id,
-                status,
-                count: failed.len() as u32,
-            }
-            .encode(),
-        );
-        for i in failed {
-            self.frames.extend_from_slice(&i.to_le_bytes());
-        }
-    }
-
-    fn err(&mut self, id: u64, status: Status, addr: u64, len: u64) {
-        self.frames.extend_from_slice(
-            &Response::Err {
-                id,
-                status,
-                addr,
-                len,
-            }
-            .encode(),
-        );
-    }
-
-    /// Encodes the pending acknowledgements and frames into one buffer
-    /// (metadata only) and clears them.
-    fn take(&mut self) -> Vec<u8> {
-        let mut buf = Vec::with_capacity(HEADER_LEN + self.acks.len() * 8 + self.frames.len());
-        match self.acks.len() {
-            0 => {}
-            1 => buf.extend_from_slice(&Response::Ok { id: self.acks[0] }.encode()),
-            n => {
-                buf.extend_from_slice(&Response::OkMany { count: n as u32 }.encode());
-                for id in &self.acks {
-                    buf.extend_from_slice(&id.to_le_bytes());
-                }
-            }
-        }
-        buf.extend_from_slice(&self.frames);
-        self.acks.clear();
-        self.frames.clear();
-        self.bytes = 0;
-        buf
-    }
-}
-
 /// `stall`: the connection's stall timeout, the bound a timed-out read or
 /// write of a frame ran into (a payload's own bound grows with its size).
 fn io_error(peer: &str, e: std::io::Error, stall: Duration) -> Error {
@@ -190,11 +116,16 @@ fn io_error(peer: &str, e: std::io::Error, stall: Duration) -> Error {
     }
 }
 
-async fn flush(stream: &Stream, out: &mut Out, core: &Core, peer: &str) -> Result<(), Error> {
-    if out.is_empty() {
+async fn flush(
+    stream: &Stream,
+    conn: &mut TargetConn,
+    core: &Core,
+    peer: &str,
+) -> Result<(), Error> {
+    if !conn.has_answers() {
         return Ok(());
     }
-    let buf = out.take();
+    let buf = conn.take_answers();
     write_all_slices(stream, &[&buf], core.pace())
         .await
         .map_err(|e| io_error(peer, e, core.config.stall_timeout))
@@ -204,17 +135,160 @@ async fn flush(stream: &Stream, out: &mut Out, core: &Core, peer: &str) -> Resul
 /// and close (PROTOCOL.md §3).
 async fn malformed(
     stream: &Stream,
-    out: &mut Out,
+    conn: &mut TargetConn,
     core: &Core,
     peer: &str,
     id: u64,
     reason: String,
 ) -> Error {
-    out.err(id, Status::Malformed, 0, 0);
-    let _ = flush(stream, out, core, peer).await;
+    let _ = conn.malformed::<()>(id, "");
+    closed(stream, conn, core, peer, reason).await
+}
+
+/// The core found the framing lost (it queued `Malformed`): answer what
+/// was processed, and close.
+async fn closed(
+    stream: &Stream,
+    conn: &mut TargetConn,
+    core: &Core,
+    peer: &str,
+    reason: String,
+) -> Error {
+    let _ = flush(stream, conn, core, peer).await;
     Error::Protocol {
         peer: peer.to_owned(),
         reason,
+    }
+}
+
+/// The region table as the connection's core asks it.
+struct Table<'a>(&'a Core);
+
+impl ferry_tcp_proto::target::Regions for Table<'_> {
+    type Hold = RegionGuard;
+    fn acquire(&mut self, addr: u64, len: u64, gen: u32) -> Result<RegionGuard, Status> {
+        self.0.acquire(addr, len, gen)
+    }
+}
+
+/// Registered memory a guard holds, as a socket I/O range.
+fn held(g: &RegionGuard) -> Bytes<'static> {
+    // SAFETY: the guard keeps [addr, addr+len) registered and therefore
+    // valid (MemoryRegion::from_raw_parts contract) for as long as it is
+    // held, and every caller drops the range before the guard; recvmsg(2)
+    // writes straight into it (or sendmsg(2) reads it), the way a NIC's
+    // DMA does.
+    unsafe { Bytes::from_raw(g.as_ptr(), g.len() as usize) }
+}
+
+/// Executes one step of the core for a socket request, until the request
+/// is served. `Ok(false)`: the core closed the connection (answered).
+async fn run_step(
+    stream: &Stream,
+    rd: &mut FrameReader,
+    conn: &mut TargetConn,
+    core: &Core,
+    peer: &str,
+    served: &ferry_core::inbound::ServedPeer,
+    mut step: Step<RegionGuard>,
+) -> Result<(), Error> {
+    let stall = core.config.stall_timeout;
+    let io = |e| io_error(peer, e, stall);
+    loop {
+        step = match step {
+            Step::Done => return Ok(()),
+            Step::ReadBuf { len, ends_frame } => {
+                let buf = Bytes::from_mut(&mut conn.buf()[..len]);
+                if ends_frame {
+                    rd.read_payload(stream, buf).await.map_err(io)?;
+                } else {
+                    rd.read_part(stream, buf).await.map_err(io)?;
+                }
+                conn.on_buf(&mut Table(core), |name, message| {
+                    deliver(core, name, message)
+                })
+            }
+            Step::Receive {
+                parts,
+                one_call,
+                landed,
+            } => {
+                if one_call {
+                    let dsts: Vec<Bytes<'static>> = parts
+                        .iter()
+                        .filter_map(|p| match p {
+                            Part::Into(g, _) => Some(held(g)),
+                            Part::Skip(_) => None,
+                        })
+                        .collect();
+                    rd.read_v(stream, &dsts, true).await.map_err(io)?;
+                } else {
+                    // In order; only the last part ends the frame (header
+                    // top-up).
+                    let last = parts.len().saturating_sub(1);
+                    for (i, part) in parts.iter().enumerate() {
+                        match part {
+                            Part::Into(g, _) if i == last => rd.read_payload(stream, held(g)).await,
+                            Part::Into(g, _) => rd.read_part(stream, held(g)).await,
+                            Part::Skip(len) => rd.discard(stream, *len, i == last).await,
+                        }
+                        .map_err(io)?;
+                    }
+                }
+                drop(parts);
+                conn.received();
+                served.wrote(landed.0, landed.1);
+                return Ok(());
+            }
+            Step::Send {
+                meta,
+                holds,
+                landed,
+            } => {
+                let mut bufs = Vec::with_capacity(holds.len() + 1);
+                bufs.push(Bytes::from_ref(&meta));
+                bufs.extend(holds.iter().map(|(g, _)| held(g)));
+                write_all(stream, &bufs, core.pace()).await.map_err(io)?;
+                drop(bufs);
+                drop(holds);
+                served.read(landed.0, landed.1);
+                return Ok(());
+            }
+            Step::Table { meta, id } => {
+                let (count, table) = core.table_bytes();
+                let hdr = Response::Table { id, count }.encode();
+                write_all_slices(stream, &[&meta, &hdr, &table], core.pace())
+                    .await
+                    .map_err(io)?;
+                return Ok(());
+            }
+            Step::Close(reason) => return Err(closed(stream, conn, core, peer, reason).await),
+            Step::Driver(_) => return Ok(()),
+        };
+    }
+}
+
+/// Hands a notification to the engine's queue.
+fn deliver(core: &Core, name: &str, message: &str) -> Delivered {
+    let n = Notification {
+        name: name.to_owned(),
+        message: message.to_owned(),
+    };
+    if n.validate().is_err() {
+        return Delivered::Invalid;
+    }
+    let refused = core.refuse_notifications.load(Ordering::Relaxed);
+    if refused {
+        // Counted as the inbox's own refusals are.
+        core.notifications
+            .count_refused(ferry_core::raw::PushRefused::Full);
+    }
+    // Full (or the engine shutting down): the sender sees a retryable
+    // refusal.
+    if refused || core.notifications.push(n).is_err() {
+        Delivered::Full
+    } else {
+        Delivered::Queued
     }
 }
 
@@ -234,7 +308,7 @@ pub(super) async fn serve(
     let stall = cfg.stall_timeout;
     let ConnState {
         mut rd,
-        mut out,
+        mut conn,
         mut cma_pid,
         mut stage,
         agreed,
@@ -247,12 +321,12 @@ pub(super) async fn serve(
     let mut cma_table: Vec<u8> = Vec::new();
     loop {
         // Answer everything processed so far before waiting for more input.
-        if !out.is_empty()
+        if conn.has_answers()
             && !rd
                 .poll_header_now(&stream)
                 .map_err(|e| io_error(peer, e, stall))?
         {
-            flush(&stream, &mut out, core, peer).await?;
+            flush(&stream, &mut conn, core, peer).await?;
         }
         // Idle: evictable (after `evict_idle`) while waiting here.
         live.idle_since.store(core.now_ms(), Ordering::Release);
@@ -268,7 +342,7 @@ pub(super) async fn serve(
         let hdr = match next.map_err(|e| io_error(peer, e, stall))? {
             Next::Header(h) => h,
             Next::Eof => {
-                flush(&stream, &mut out, core, peer).await?;
+                flush(&stream, &mut conn, core, peer).await?;
                 return Ok(Served::Closed);
             }
             Next::Idle => {
@@ -282,206 +356,27 @@ pub(super) async fn serve(
         }
         let req = match Request::decode(&hdr) {
             Ok(r) => r,
-            Err(e) => return Err(malformed(&stream, &mut out, core, peer, 0, e.0).await),
+            Err(e) => return Err(malformed(&stream, &mut conn, core, peer, 0, e.0).await),
+        };
+        if let Some(bytes) = frame_bytes(&req) {
+            rd.begin_frame(bytes);
+        }
+        let req = match conn.on_request(req, &mut Table(core)) {
+            Step::Driver(req) => req,
+            step => {
+                run_step(&stream, &mut rd, &mut conn, core, peer, &served, step).await?;
+                if conn.wants_flush() {
+                    flush(&stream, &mut conn, core, peer).await?;
+                }
+                continue;
+            }
         };
         match req {
-            Request::Write { id, addr, len, gen } => {
-                rd.begin_frame(len);
-                match core.acquire(addr, len, gen) {
-                    Ok(guard) => {
-                        // SAFETY: the guard keeps [addr, addr+len) registered
-                        // and therefore valid (MemoryRegion::from_raw_parts
-                        // contract) until it drops below; recvmsg(2) writes
-                        // the payload straight into it, the way a NIC's DMA
-                        // writes registered memory.
-                        let dst = unsafe { Bytes::from_raw(guard.as_ptr(), guard.len() as usize) };
-                        rd.read_payload(&stream, dst)
-                            .await
-                            .map_err(|e| io_error(peer, e, stall))?;
-                        drop(guard);
-                        served.wrote(len, 1);
-                        out.acks.push(id);
-                        out.bytes += len;
-                    }
-                    Err(status) => {
-                        rd.discard(&stream, len, true)
-                            .await
-                            .map_err(|e| io_error(peer, e, stall))?;
-                        out.err(id, status, addr, len);
-                    }
-                }
-            }
-            Request::Read { id, addr, len, gen } => match core.acquire(addr, len, gen) {
-                Ok(guard) => {
-                    let meta = out.take();
-                    let hdr = Response::Data { id, len }.encode();
-                    // SAFETY: as for writes; sendmsg(2) only reads it.
-                    let src = unsafe { Bytes::from_raw(guard.as_ptr(), guard.len() as usize) };
-                    write_all(
-                        &stream,
-                        &[Bytes::from_ref(&meta), Bytes::from_ref(&hdr), src],
-                        pace,
-                    )
-                    .await
-                    .map_err(|e| io_error(peer, e, stall))?;
-                    drop(guard);
-                    served.read(len, 1);
-                }
-                Err(status) => out.err(id, status, addr, len),
-            },
-            Request::Notify {
-                id,
-                name_len,
-                msg_len,
-            } => {
-                rd.begin_frame(name_len + msg_len);
-                // Bounded by the decoder: at most 256 + 64 KiB.
-                let mut buf = vec![0u8; (name_len + msg_len) as usize];
-                rd.read_payload(&stream, Bytes::from_mut(&mut buf))
-                    .await
-                    .map_err(|e| io_error(peer, e, stall))?;
-                // Exact-size copies: the queue holds what it counts.
-                let (name, msg) = buf.split_at(name_len as usize);
-                let n = match (std::str::from_utf8(name), std::str::from_utf8(msg)) {
-                    (Ok(name), Ok(message)) => Some(Notification {
-                        name: name.to_owned(),
-                        message: message.to_owned(),
-                    }),
-                    _ => None,
-                };
-                drop(buf);
-                match n.filter(|n| n.validate().is_ok()) {
-                    None => out.err(id, Status::NotifyInvalid, name_len, msg_len),
-                    Some(n) => {
-                        let refused = core.refuse_notifications.load(Ordering::Relaxed);
-                        if refused {
-                            // Counted as the inbox's own refusals are.
-                            core.notifications
-                                .count_refused(ferry_core::raw::PushRefused::Full);
-                        }
-                        if refused || core.notifications.push(n).is_err() {
-                            // Full (or the engine shutting down): the
-                            // sender sees a retryable refusal.
-                            out.err(id, Status::NotifyQueueFull, name_len, msg_len);
-                        } else {
-                            out.acks.push(id);
-                        }
-                    }
-                }
-            }
-            Request::WriteV { id, count, total } => {
-                rd.begin_frame(count as u64 * SEGMENT_LEN as u64 + total);
-                let mut raw = [0u8; MAX_SEGMENTS as usize * SEGMENT_LEN];
-                let raw = &mut raw[..count as usize * SEGMENT_LEN];
-                rd.read_part(&stream, Bytes::from_mut(raw))
-                    .await
-                    .map_err(|e| io_error(peer, e, stall))?;
-                let segs = match decode_segments(raw, total) {
-                    Ok(s) => s,
-                    Err(e) => return Err(malformed(&stream, &mut out, core, peer, id, e.0).await),
-                };
-                let guards = acquire_segments(core, &segs);
-                if guards.iter().all(Result::is_ok) && !overlapping(&segs) {
-                    // One readv straight into every destination.
-                    let dsts: Vec<Bytes<'static>> = guards
-                        .iter()
-                        .flatten()
-                        // SAFETY: as for WRITE: each guard keeps its range
-                        // registered until `guards` drops below.
-                        .map(|g| unsafe { Bytes::from_raw(g.as_ptr(), g.len() as usize) })
-                        .collect();
-                    rd.read_v(&stream, &dsts, true)
-                        .await
-                        .map_err(|e| io_error(peer, e, stall))?;
-                    out.acks.push(id);
-                } else {
-                    // Segment by segment, in order; refused ones discarded.
-                    // Only the last segment ends the frame (header top-up).
-                    let mut failed = Vec::new();
-                    let last = segs.len() - 1;
-                    for (i, (g, s)) in guards.iter().zip(&segs).enumerate() {
-                        let r = match g {
-                            Ok(g) => {
-                                // SAFETY: as for WRITE.
-                                let dst = unsafe { Bytes::from_raw(g.as_ptr(), g.len() as usize) };
-                                if i == last {
-                                    rd.read_payload(&stream, dst).await
-                                } else {
-                                    rd.read_part(&stream, dst).await
-                                }
-                            }
-                            Err(_) => {
-                                failed.push(i as u32);
-                                rd.discard(&stream, s.len, i == last).await
-                            }
-                        };
-                        r.map_err(|e| io_error(peer, e, stall))?;
-                    }
-                    if failed.is_empty() {
-                        out.acks.push(id);
-                    } else {
-                        out.errv(id, failed_status(&guards), &failed);
-                    }
-                }
-                let (bytes, n) = landed(&segs, |i| guards[i].is_ok());
-                served.wrote(bytes, n);
-                drop(guards);
-                out.bytes += total;
-            }
-            Request::ReadV { id, count, total } => {
-                rd.begin_frame(count as u64 * SEGMENT_LEN as u64);
-                let mut raw = [0u8; MAX_SEGMENTS as usize * SEGMENT_LEN];
-                let raw = &mut raw[..count as usize * SEGMENT_LEN];
-                // The segment table ends the frame.
-                rd.read_payload(&stream, Bytes::from_mut(raw))
-                    .await
-                    .map_err(|e| io_error(peer, e, stall))?;
-                let segs = match decode_segments(raw, total) {
-                    Ok(s) => s,
-                    Err(e) => return Err(malformed(&stream, &mut out, core, peer, id, e.0).await),
-                };
-                let guards = acquire_segments(core, &segs);
-                let mut failed = Vec::new();
-                let mut valid = 0u64;
-                for (i, (g, s)) in guards.iter().zip(&segs).enumerate() {
-                    match g {
-                        Ok(_) => valid += s.len,
-                        Err(_) => failed.extend_from_slice(&(i as u32).to_le_bytes()),
-                    }
-                }
-                let meta = out.take();
-                let hdr = Response::DataV {
-                    id,
-                    status: (!failed.is_empty()).then(|| failed_status(&guards)),
-                    failed: (failed.len() / 4) as u32,
-                    len: valid,
-                }
-                .encode();
-                let mut bufs = vec![
-                    Bytes::from_ref(&meta),
-                    Bytes::from_ref(&hdr),
-                    Bytes::from_ref(&failed),
-                ];
-                for g in guards.iter().flatten() {
-                    // SAFETY: as for READ: the guard keeps the range
-                    // registered until `guards` drops below; sendmsg(2) only
-                    // reads it.
-                    bufs.push(unsafe { Bytes::from_raw(g.as_ptr(), g.len() as usize) });
-                }
-                write_all(&stream, &bufs, pace)
-                    .await
-                    .map_err(|e| io_error(peer, e, stall))?;
-                drop(bufs);
-                let (bytes, n) = landed(&segs, |i| guards[i].is_ok());
-                served.read(bytes, n);
-                drop(guards);
-            }
             Request::SameHost {
                 id,
                 channel,
                 stage: offered_stage,
             } => {
-                rd.begin_frame(cma::OFFER_LEN as u64);
                 let mut raw = [0u8; cma::OFFER_LEN];
                 rd.read_payload(&stream, Bytes::from_mut(&mut raw))
                     .await
@@ -489,7 +384,7 @@ pub(super) async fn serve(
                 let offer = cma::Offer::decode(&raw);
                 if std::mem::replace(&mut offered, true) {
                     let reason = "a second SAME_HOST offer on one connection".to_owned();
-                    return Err(malformed(&stream, &mut out, core, peer, id, reason).await);
+                    return Err(malformed(&stream, &mut conn, core, peer, id, reason).await);
                 }
                 // The offered PID is trusted only once proven (see
                 // `cma::check_offer_on`); until then the target makes no
@@ -499,7 +394,7 @@ pub(super) async fn serve(
                     _ if cfg.same_host == SameHost::Off => Err((cma::Refusal::Disabled, None)),
                     _ if !agreed.theirs.enabled(crate::negotiate::SAME_HOST) => {
                         let reason = "SAME_HOST from a peer that did not announce it".to_owned();
-                        return Err(malformed(&stream, &mut out, core, peer, id, reason).await);
+                        return Err(malformed(&stream, &mut conn, core, peer, id, reason).await);
                     }
                     s if cma_pid.is_none() && !s.is_unix() => {
                         let checked = match (cred.take(), s.tcp_addrs()) {
@@ -517,7 +412,7 @@ pub(super) async fn serve(
                     }
                     _ => {
                         let reason = "SAME_HOST on a connection that has agreed it".to_owned();
-                        return Err(malformed(&stream, &mut out, core, peer, id, reason).await);
+                        return Err(malformed(&stream, &mut conn, core, peer, id, reason).await);
                     }
                 };
                 match verdict {
@@ -574,14 +469,14 @@ pub(super) async fn serve(
                             channel: taken.as_ref().map(|_| ()).map_err(|e| *e as u32),
                             stage: staging,
                         };
-                        out.frames.extend_from_slice(&answer.encode());
+                        conn.frame(&answer.encode());
                         let stream = match taken {
                             Ok(unix) => {
                                 // Answer on the TCP connection (the initiator
                                 // sent nothing after its offer), which then
                                 // closes: the connection goes on over the
                                 // channel.
-                                flush(&stream, &mut out, core, peer).await?;
+                                flush(&stream, &mut conn, core, peer).await?;
                                 rd = FrameReader::new(cfg.spin, pace);
                                 rd.set_lookahead();
                                 Stream::Quiet(
@@ -593,7 +488,7 @@ pub(super) async fn serve(
                         };
                         let st = Box::new(ConnState {
                             rd,
-                            out,
+                            conn,
                             cma_pid,
                             stage,
                             agreed,
@@ -610,7 +505,7 @@ pub(super) async fn serve(
                             "same-host path refused"
                         );
                         // No errno, no detail: one answer for every reason.
-                        out.err(id, Status::SameHostRefused, why as u64, 0);
+                        conn.err(id, Status::SameHostRefused, why as u64, 0);
                     }
                 }
             }
@@ -621,7 +516,6 @@ pub(super) async fn serve(
                 count,
                 total,
             } => {
-                rd.begin_frame(count as u64 * CMA_SEGMENT_LEN as u64);
                 // Reused: no 12 KiB zeroed per request.
                 let n = count as usize * CMA_SEGMENT_LEN;
                 if cma_table.len() < n {
@@ -633,18 +527,18 @@ pub(super) async fn serve(
                     .map_err(|e| io_error(peer, e, stall))?;
                 let Some(initiator) = &cma_pid else {
                     let reason = "CWRITE/CREAD without an agreed same-host path".to_owned();
-                    return Err(malformed(&stream, &mut out, core, peer, id, reason).await);
+                    return Err(malformed(&stream, &mut conn, core, peer, id, reason).await);
                 };
                 let segs = match decode_cma_segments(raw, total) {
                     Ok(s) => s,
-                    Err(e) => return Err(malformed(&stream, &mut out, core, peer, id, e.0).await),
+                    Err(e) => return Err(malformed(&stream, &mut conn, core, peer, id, e.0).await),
                 };
                 let plain: Vec<Segment> = segs.iter().map(|s| s.seg).collect();
                 let guards = acquire_segments(core, &plain);
                 if staged {
                     let Some(st) = &mut stage else {
                         let reason = "SWRITE/SREAD without a staging area".to_owned();
-                        return Err(malformed(&stream, &mut out, core, peer, id, reason).await);
+                        return Err(malformed(&stream, &mut conn, core, peer, id, reason).await);
                     };
                     let alive = || initiator.alive_for(&stream);
                     let slept = std::sync::atomic::AtomicU64::new(0);
@@ -682,19 +576,19 @@ pub(super) async fn serve(
                         served.wrote(bytes, n);
                     }
                     if !failed.is_empty() {
-                        out.errv(id, status, &failed);
+                        conn.errv(id, status, &failed);
                     } else {
                         // Through the acknowledgement lane while the
                         // initiator's reader polls it (else with a WAKE);
                         // on the socket when the lane is full.
                         match st.area.acks().post(&mut st.ack_head, id) {
                             Some(true) => {}
-                            Some(false) => out.frames.extend_from_slice(&Response::Wake.encode()),
-                            None => out.acks.push(id),
+                            Some(false) => conn.frame(&Response::Wake.encode()),
+                            None => conn.ack(id, 0),
                         }
                     }
-                    out.bytes += total;
-                    flush(&stream, &mut out, core, peer).await?;
+                    conn.count_bytes(total);
+                    flush(&stream, &mut conn, core, peer).await?;
                     continue;
                 }
                 // An initiator that gave up on this connection (its batch
@@ -725,28 +619,21 @@ pub(super) async fn serve(
                     served.wrote(bytes, n);
                 }
                 match failed {
-                    None => out.acks.push(id),
-                    Some((status, idx)) => out.errv(id, status, &idx),
+                    None => conn.ack(id, total),
+                    Some((status, idx)) => {
+                        conn.errv(id, status, &idx);
+                        conn.count_bytes(total);
+                    }
                 }
-                out.bytes += total;
                 // The copy is done: answer now (the initiator is waiting
                 // for this; a pipelined next request is read right after).
-                flush(&stream, &mut out, core, peer).await?;
+                flush(&stream, &mut conn, core, peer).await?;
             }
-            Request::Table { id } => {
-                let meta = out.take();
-                let (count, table) = core.table_bytes();
-                let hdr = Response::Table { id, count }.encode();
-                write_all_slices(&stream, &[&meta, &hdr, &table], pace)
-                    .await
-                    .map_err(|e| io_error(peer, e, stall))?;
-            }
+            // Served by the core.
+            _ => {}
         }
-        if out.acks.len() >= MAX_ACKS as usize
-            || out.bytes >= ACK_FLUSH_BYTES
-            || out.frames.len() >= 16 * 1024
-        {
-            flush(&stream, &mut out, core, peer).await?;
+        if conn.wants_flush() {
+            flush(&stream, &mut conn, core, peer).await?;
         }
     }
 }
