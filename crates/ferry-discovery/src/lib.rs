@@ -40,6 +40,10 @@ mod etcd;
 #[cfg(feature = "etcd")]
 pub use etcd::{EtcdDiscovery, Publication, SegmentWatch};
 
+#[cfg(feature = "test-support")]
+#[doc(hidden)]
+pub mod test_support;
+
 #[cfg(not(feature = "etcd"))]
 mod disabled;
 #[cfg(not(feature = "etcd"))]

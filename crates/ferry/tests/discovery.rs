@@ -1,9 +1,8 @@
 //! `Engine` with segment discovery through etcd (`metadata=etcd://…`,
 //! cargo feature `etcd`) against a real etcd (Debian's `etcd-server`,
-//! binary `etcd` on `PATH` or `/usr/bin/etcd`), started the way
-//! crates/ferry-discovery/tests/etcd.rs starts it: its own process on
-//! loopback with free ports and a data directory under the target's tmp
-//! directory, killed at the end.
+//! binary `etcd` on `PATH` or `/usr/bin/etcd`), each test's own, started
+//! through `ferry_discovery::test_support` (loopback, free ports, a data
+//! directory under the target's tmp directory, killed at the end).
 //!
 //! Without the `etcd` feature or the binary each test prints
 //! `skipped: <test>: <reason>` and passes, unless `FERRY_REQUIRE_BACKENDS`
@@ -11,13 +10,12 @@
 #![cfg(feature = "tcp")]
 
 use std::net::TcpListener;
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ferry::{Engine, Error, RegisteredBuffer, TransferEngine, TransferRequest};
-use ferry_core::conformance::{backend_required, report_skip};
+use ferry_discovery::test_support::{etcd_binary, free_port, Etcd};
 use ferry_discovery::EtcdDiscovery;
 
 /// The lease TTL of the tests (etcd's minimum with default settings).
@@ -26,110 +24,17 @@ const TTL: Duration = Duration::from_secs(2);
 const WAIT: Duration = Duration::from_secs(30);
 const PREFIX: &str = "/ferry-engine-test";
 
-/// The etcd binary, or the skip (a failure when `FERRY_REQUIRE_BACKENDS`
-/// lists etcd).
-fn etcd_binary(test: &str) -> Option<PathBuf> {
-    let reason = if !cfg!(feature = "etcd") {
-        "ferry was built without its `etcd` feature (cargo test -p ferry --features etcd)"
-    } else {
-        let found = std::env::var_os("PATH")
-            .and_then(|paths| {
-                std::env::split_paths(&paths)
-                    .map(|d| d.join("etcd"))
-                    .find(|p| p.is_file())
-            })
-            .or_else(|| Some(PathBuf::from("/usr/bin/etcd")).filter(|p| p.is_file()));
-        if found.is_some() {
-            return found;
-        }
-        "etcd is not installed (apt-get install etcd-server)"
-    };
-    if backend_required("etcd") {
-        panic!("{test}: FERRY_REQUIRE_BACKENDS lists etcd, but {reason}");
-    }
-    report_skip(&format!("{test}: {reason}"));
-    None
+async fn start_etcd(test: &str) -> Option<Etcd> {
+    Etcd::start(test, Path::new(env!("CARGO_TARGET_TMPDIR"))).await
 }
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// One etcd member on loopback; killed (and its directory removed) on drop.
-struct Etcd {
-    dir: PathBuf,
-    client_port: u16,
-    child: Child,
-}
-
-impl Etcd {
-    async fn start(test: &str) -> Option<Etcd> {
-        let bin = etcd_binary(test)?;
-        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-            .join(format!("ferry-etcd-{test}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        let (client_port, peer_port) = (free_port(), free_port());
-        let client = format!("http://127.0.0.1:{client_port}");
-        let peer = format!("http://127.0.0.1:{peer_port}");
-        let log = std::fs::File::create(dir.join("etcd.log")).unwrap();
-        let child = Command::new(bin)
-            .args(["--name", "t", "--data-dir"])
-            .arg(dir.join("data"))
-            .args(["--listen-client-urls", &client])
-            .args(["--advertise-client-urls", &client])
-            .args(["--listen-peer-urls", &peer])
-            .args(["--initial-advertise-peer-urls", &peer])
-            .args(["--initial-cluster", &format!("t={peer}")])
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .expect("start etcd");
-        let etcd = Etcd {
-            dir,
-            client_port,
-            child,
-        };
-        let deadline = Instant::now() + WAIT;
-        loop {
-            let ep = [etcd.endpoint()];
-            match EtcdDiscovery::connect_with_timeout(&ep, "/x", TTL, Duration::from_millis(500))
-                .await
-            {
-                Ok(_) => return Some(etcd),
-                Err(e) if Instant::now() > deadline => panic!(
-                    "etcd did not come up within {WAIT:?}: {e}; log: {}",
-                    std::fs::read_to_string(etcd.dir.join("etcd.log")).unwrap_or_default()
-                ),
-                Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
-            }
-        }
-    }
-
-    fn endpoint(&self) -> String {
-        format!("127.0.0.1:{}", self.client_port)
-    }
-
-    /// An engine URL on `listen` publishing `name` in this etcd.
-    fn url(&self, listen: &str, name: &str) -> String {
-        format!(
-            "tcp://{listen}?metadata=etcd://{}&prefix={PREFIX}&lease_ttl_ms={}&segment_name={name}",
-            self.endpoint(),
-            TTL.as_millis()
-        )
-    }
-}
-
-impl Drop for Etcd {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
+/// An engine URL on `listen` publishing `name` in `etcd`.
+fn url(etcd: &Etcd, listen: &str, name: &str) -> String {
+    format!(
+        "tcp://{listen}?metadata=etcd://{}&prefix={PREFIX}&lease_ttl_ms={}&segment_name={name}",
+        etcd.endpoint(),
+        TTL.as_millis()
+    )
 }
 
 fn is_unavailable(r: &ferry::Result<ferry::SegmentId>, name: &str) -> bool {
@@ -139,16 +44,16 @@ fn is_unavailable(r: &ferry::Result<ferry::SegmentId>, name: &str) -> bool {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn transfer_by_logical_name_and_the_name_goes_at_shutdown() {
     let test = "transfer_by_logical_name_and_the_name_goes_at_shutdown";
-    let Some(etcd) = Etcd::start(test).await else {
+    let Some(etcd) = start_etcd(test).await else {
         return;
     };
     let prefill = Arc::new(
-        Engine::open(&etcd.url("127.0.0.1:0", "prefill-0"))
+        Engine::open(&url(&etcd, "127.0.0.1:0", "prefill-0"))
             .await
             .unwrap(),
     );
     let decode = Arc::new(
-        Engine::open(&etcd.url("127.0.0.1:0", "decode-0"))
+        Engine::open(&url(&etcd, "127.0.0.1:0", "decode-0"))
             .await
             .unwrap(),
     );
@@ -221,15 +126,15 @@ async fn transfer_by_logical_name_and_the_name_goes_at_shutdown() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_taken_name_fails_the_second_start_and_leaves_nothing_running() {
     let test = "a_taken_name_fails_the_second_start_and_leaves_nothing_running";
-    let Some(etcd) = Etcd::start(test).await else {
+    let Some(etcd) = start_etcd(test).await else {
         return;
     };
-    let first = Engine::open(&etcd.url("127.0.0.1:0", "prefill-1"))
+    let first = Engine::open(&url(&etcd, "127.0.0.1:0", "prefill-1"))
         .await
         .unwrap();
     let port = free_port();
     let listen = format!("127.0.0.1:{port}");
-    let e = Engine::open(&etcd.url(&listen, "prefill-1"))
+    let e = Engine::open(&url(&etcd, &listen, "prefill-1"))
         .await
         .unwrap_err();
     assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
@@ -250,7 +155,9 @@ async fn a_taken_name_fails_the_second_start_and_leaves_nothing_running() {
     let d = etcd_client.lookup("prefill-1").await.unwrap();
     assert_eq!(d.addresses, vec![first.segment_name().to_owned()]);
     // The same port, another name: starts.
-    let again = Engine::open(&etcd.url(&listen, "prefill-2")).await.unwrap();
+    let again = Engine::open(&url(&etcd, &listen, "prefill-2"))
+        .await
+        .unwrap();
     assert_eq!(again.segment_name(), listen);
     again.shutdown().await.unwrap();
     first.shutdown().await.unwrap();
@@ -259,7 +166,7 @@ async fn a_taken_name_fails_the_second_start_and_leaves_nothing_running() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dropping_the_engine_revokes_its_name_in_the_background() {
     let test = "dropping_the_engine_revokes_its_name_in_the_background";
-    let Some(etcd) = Etcd::start(test).await else {
+    let Some(etcd) = start_etcd(test).await else {
         return;
     };
     // A TTL far longer than the wait below: the name goes because the
@@ -287,10 +194,10 @@ async fn dropping_the_engine_revokes_its_name_in_the_background() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unspecified_listen_address_is_not_published() {
     let test = "an_unspecified_listen_address_is_not_published";
-    let Some(etcd) = Etcd::start(test).await else {
+    let Some(etcd) = start_etcd(test).await else {
         return;
     };
-    let e = Engine::open(&etcd.url("0.0.0.0:0", "anywhere"))
+    let e = Engine::open(&url(&etcd, "0.0.0.0:0", "anywhere"))
         .await
         .unwrap_err();
     assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
