@@ -163,11 +163,22 @@ impl Descriptor {
     }
 }
 
+/// A published descriptor and the etcd lease its key is bound to
+/// ([`EtcdDiscovery::resolve`], [`SegmentEvent::Registered`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Registration {
+    /// What is published.
+    pub descriptor: Descriptor,
+    /// The lease id (etcdctl prints it in hex; so do Ferry's errors).
+    pub lease: i64,
+}
+
 /// A change to a watched segment name.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum SegmentEvent {
-    /// The name was published (again), possibly at new addresses.
-    Registered(Descriptor),
+    /// The name was published (again), possibly at new addresses or under
+    /// a new lease.
+    Registered(Registration),
     /// The key was deleted: lease expired or revoked.
     Deleted {
         /// The segment name.

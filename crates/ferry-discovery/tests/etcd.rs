@@ -297,7 +297,7 @@ async fn publication_survives_an_etcd_restart() {
     // The watch saw nothing but the same descriptor until the deletion.
     loop {
         match next(&mut w).await {
-            SegmentEvent::Registered(got) => assert_eq!(got, desc),
+            SegmentEvent::Registered(got) => assert_eq!(got.descriptor, desc),
             SegmentEvent::Deleted { name } => break assert_eq!(name, "decode-2"),
         }
     }
@@ -332,7 +332,15 @@ async fn watch_sees_re_registration_at_a_new_address() {
     let other = connect(&etcd).await;
     let moved = descriptor("decode-4", "127.0.0.1:4401");
     let second = other.publish(&moved).await.unwrap();
-    assert_eq!(next(&mut w).await, SegmentEvent::Registered(moved.clone()));
+    match next(&mut w).await {
+        SegmentEvent::Registered(r) => {
+            assert_eq!(r.descriptor, moved);
+            assert_eq!(r.lease, second.lease_id());
+        }
+        e => panic!("expected the re-registration, got {e:?}"),
+    }
+    let r = d.resolve("decode-4").await.unwrap();
+    assert_eq!((r.descriptor, r.lease), (moved.clone(), second.lease_id()));
     assert_eq!(d.lookup("decode-4").await.unwrap(), moved);
     second.shutdown().await.unwrap();
     assert_eq!(
