@@ -23,7 +23,7 @@ Examples:
   ferry caps --backend 'mooncake://?lib=/opt/mooncake/libtransfer_engine.so&metadata=P2PHANDSHAKE&protocol=tcp&host=127.0.0.1'
   ferry caps --strict --require batch_transfer,notify
   ferry serve --backend tcp://10.0.0.2:7000 --size 256MiB
-  ferry metadata-server --listen 0.0.0.0:8080   # for Mooncake builds without P2PHANDSHAKE
+  ferry metadata-server --listen 127.0.0.1:8080 # single machine, Mooncake builds without P2PHANDSHAKE
 
 Errors print one line; -v adds the cause chain and info logs, -vv debug logs
 (RUST_LOG overrides the log filter).";
@@ -53,7 +53,8 @@ enum Command {
     Serve(serve::ServeArgs),
     /// Serve Mooncake Transfer Engine's HTTP metadata protocol
     /// (GET/PUT/DELETE PATH?key=K) from memory until Ctrl-C, for Mooncake
-    /// builds that need a metadata server.
+    /// builds that need a metadata server: the single-machine option (no
+    /// leases, no watches); clusters use etcd.
     MetadataServer(metadata_server::MetadataServerArgs),
 }
 

@@ -98,7 +98,13 @@ K is percent-decoded (Mooncake sends mooncake%2Fram%2F…). Other paths get 404,
 other methods 405, a missing key 400, a value over --max-value-size 413, a PUT
 past --max-keys or --max-total-size 507. Values live in memory only. The first
 SIGINT/SIGTERM lets requests in flight finish (5 s at most) and exits 0; a
-second exits at once.";
+second exits at once.
+
+This is the single-machine option, kept for tests and for Mooncake builds
+without P2PHANDSHAKE on one host: no leases (a crashed node's entry stays),
+no watches, no replication. For a cluster use etcd: Mooncake's etcd://
+metadata, and metadata=etcd://… on Ferry's tcp:// and verbs:// engines
+(feature `etcd`), whose names expire with a dead node's lease.";
 
 /// Arguments of `ferry metadata-server`.
 #[derive(clap::Args, Debug)]

@@ -858,3 +858,14 @@ fn serve_with_tls_and_caps_names_the_cipher_suite() {
     let suite = j["peers"][0]["tls"].as_str().unwrap_or_default();
     assert!(suite.starts_with("TLS13_"), "{j}");
 }
+
+/// The decision of issue 44 item 5, where users read it: `ferry
+/// metadata-server` is the single-machine option, clusters use etcd.
+#[test]
+fn metadata_server_help_says_it_is_the_single_machine_option() {
+    let (out, _) = expect_code(&["metadata-server", "--help"], 0);
+    assert!(out.contains("single-machine option"), "{out}");
+    assert!(out.contains("etcd"), "{out}");
+    let (out, _) = expect_code(&["--help"], 0);
+    assert!(out.contains("single-machine option"), "{out}");
+}

@@ -4,7 +4,7 @@
 use std::convert::Infallible;
 use std::time::Duration;
 
-use crate::{Descriptor, Error, Result, SegmentEvent, BACKEND};
+use crate::{Descriptor, Error, Registration, Result, SegmentEvent, BACKEND};
 
 fn unavailable() -> Error {
     Error::Unavailable {
@@ -65,6 +65,11 @@ impl EtcdDiscovery {
 
     /// Looks a segment up by name.
     pub async fn lookup(&self, _name: &str) -> Result<Descriptor> {
+        match self.0 {}
+    }
+
+    /// Looks a segment up, with its lease.
+    pub async fn resolve(&self, _name: &str) -> Result<Registration> {
         match self.0 {}
     }
 

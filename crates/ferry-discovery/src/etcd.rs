@@ -13,7 +13,9 @@ use etcd_client::{
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
-use crate::{segment_key, Descriptor, Error, Result, SegmentEvent, BACKEND, DEFAULT_TIMEOUT};
+use crate::{
+    segment_key, Descriptor, Error, Registration, Result, SegmentEvent, BACKEND, DEFAULT_TIMEOUT,
+};
 
 /// What every operation shares: the client, the endpoints (for messages)
 /// and the per-request timeout.
@@ -216,12 +218,17 @@ impl EtcdDiscovery {
     /// [`Error::Unavailable`] when etcd does not answer;
     /// [`Error::Protocol`] when the value is not a descriptor.
     pub async fn lookup(&self, name: &str) -> Result<Descriptor> {
+        self.resolve(name).await.map(|r| r.descriptor)
+    }
+
+    /// [`EtcdDiscovery::lookup`], with the lease the key is bound to.
+    pub async fn resolve(&self, name: &str) -> Result<Registration> {
         let key = segment_key(&self.prefix, name);
         let mut c = self.ctx.client.clone();
         let what = format!("looking up segment {name:?} ({key})");
         let resp = self.ctx.call(&what, c.get(key.as_str(), None)).await?;
         match resp.kvs().first() {
-            Some(kv) => Descriptor::from_json(&key, kv.value()),
+            Some(kv) => registration(&key, kv),
             None => Err(Error::SegmentUnavailable {
                 name: name.to_owned(),
                 reason: format!(
@@ -435,6 +442,14 @@ async fn republish(ctx: &Ctx, p: &Published, old: i64) -> Result<()> {
     }
 }
 
+/// The descriptor stored in `kv` (at `key`) and its lease.
+fn registration(key: &str, kv: &etcd_client::KeyValue) -> Result<Registration> {
+    Ok(Registration {
+        descriptor: Descriptor::from_json(key, kv.value())?,
+        lease: kv.lease(),
+    })
+}
+
 /// What a watch remembers of the key's state.
 fn seen(kv: &etcd_client::KeyValue) -> (i64, Vec<u8>) {
     (kv.mod_revision(), kv.value().to_vec())
@@ -475,9 +490,7 @@ async fn watcher(
             if now.map(seen) != last {
                 last = now.map(seen);
                 let ev = match now {
-                    Some(kv) => {
-                        Descriptor::from_json(&key, kv.value()).map(SegmentEvent::Registered)
-                    }
+                    Some(kv) => registration(&key, kv).map(SegmentEvent::Registered),
                     None => Ok(SegmentEvent::Deleted { name: name.clone() }),
                 };
                 if tx.send(ev).await.is_err() {
@@ -511,7 +524,7 @@ async fn watcher(
                 let out = match ev.event_type() {
                     EventType::Put => {
                         last = Some(seen(kv));
-                        Descriptor::from_json(&key, kv.value()).map(SegmentEvent::Registered)
+                        registration(&key, kv).map(SegmentEvent::Registered)
                     }
                     EventType::Delete => {
                         last = None;

@@ -40,6 +40,10 @@ mod etcd;
 #[cfg(feature = "etcd")]
 pub use etcd::{EtcdDiscovery, Publication, SegmentWatch};
 
+#[cfg(feature = "test-support")]
+#[doc(hidden)]
+pub mod test_support;
+
 #[cfg(not(feature = "etcd"))]
 mod disabled;
 #[cfg(not(feature = "etcd"))]
@@ -159,11 +163,22 @@ impl Descriptor {
     }
 }
 
+/// A published descriptor and the etcd lease its key is bound to
+/// ([`EtcdDiscovery::resolve`], [`SegmentEvent::Registered`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Registration {
+    /// What is published.
+    pub descriptor: Descriptor,
+    /// The lease id (etcdctl prints it in hex; so do Ferry's errors).
+    pub lease: i64,
+}
+
 /// A change to a watched segment name.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum SegmentEvent {
-    /// The name was published (again), possibly at new addresses.
-    Registered(Descriptor),
+    /// The name was published (again), possibly at new addresses or under
+    /// a new lease.
+    Registered(Registration),
     /// The key was deleted: lease expired or revoked.
     Deleted {
         /// The segment name.

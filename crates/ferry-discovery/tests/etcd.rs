@@ -1,7 +1,7 @@
 //! `ferry-discovery` against a real etcd (Debian's `etcd-server`, binary
-//! `etcd` on `PATH` or `/usr/bin/etcd`): each test starts its own etcd on
-//! loopback with free ports and a data directory under the target's tmp
-//! directory, and kills it at the end.
+//! `etcd` on `PATH` or `/usr/bin/etcd`): each test starts its own etcd
+//! through `ferry_discovery::test_support` (loopback, free ports, a data
+//! directory under the target's tmp directory, killed at the end).
 //!
 //! Without the `etcd` feature or without the binary each test prints
 //! `skipped: <test>: <reason>` and passes, unless `FERRY_REQUIRE_BACKENDS`
@@ -9,13 +9,12 @@
 //! `lease_expires_after_the_publisher_is_killed` runs in a child process.
 
 use std::io::{BufRead, BufReader};
-use std::net::TcpListener;
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
+use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use ferry_core::conformance::{backend_required, report_skip};
+use ferry_discovery::test_support::{free_port, Etcd};
 use ferry_discovery::{Descriptor, Error, EtcdDiscovery, ProtocolRange, SegmentEvent};
 
 /// The lease TTL of the tests (etcd's minimum with default settings).
@@ -29,127 +28,8 @@ const EXPIRY_SLACK: Duration = Duration::from_millis(1500);
 const WAIT: Duration = Duration::from_secs(30);
 const CHILD_ENV: &str = "FERRY_DISCOVERY_CHILD";
 
-/// The etcd binary, or the skip (a failure when `FERRY_REQUIRE_BACKENDS`
-/// lists etcd).
-fn etcd_binary(test: &str) -> Option<PathBuf> {
-    let reason = if !cfg!(feature = "etcd") {
-        "ferry-discovery was built without its `etcd` feature \
-         (cargo test -p ferry-discovery --features etcd)"
-    } else {
-        let found = std::env::var_os("PATH")
-            .and_then(|paths| {
-                std::env::split_paths(&paths)
-                    .map(|d| d.join("etcd"))
-                    .find(|p| p.is_file())
-            })
-            .or_else(|| Some(PathBuf::from("/usr/bin/etcd")).filter(|p| p.is_file()));
-        if found.is_some() {
-            return found;
-        }
-        "etcd is not installed (apt-get install etcd-server)"
-    };
-    if backend_required("etcd") {
-        panic!("{test}: FERRY_REQUIRE_BACKENDS lists etcd, but {reason}");
-    }
-    report_skip(&format!("{test}: {reason}"));
-    None
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// One etcd member on loopback; killed (and its directory removed) on drop.
-struct Etcd {
-    bin: PathBuf,
-    dir: PathBuf,
-    client_port: u16,
-    peer_port: u16,
-    child: Option<Child>,
-}
-
-impl Etcd {
-    async fn start(test: &str) -> Option<Etcd> {
-        let bin = etcd_binary(test)?;
-        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-            .join(format!("etcd-{test}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        let mut etcd = Etcd {
-            bin,
-            dir,
-            client_port: free_port(),
-            peer_port: free_port(),
-            child: None,
-        };
-        etcd.run().await;
-        Some(etcd)
-    }
-
-    fn endpoint(&self) -> String {
-        format!("127.0.0.1:{}", self.client_port)
-    }
-
-    /// Starts the process and waits until it answers.
-    async fn run(&mut self) {
-        let client = format!("http://127.0.0.1:{}", self.client_port);
-        let peer = format!("http://127.0.0.1:{}", self.peer_port);
-        let log = std::fs::File::create(self.dir.join("etcd.log")).unwrap();
-        let child = Command::new(&self.bin)
-            .args(["--name", "t", "--data-dir"])
-            .arg(self.dir.join("data"))
-            .args([
-                "--listen-client-urls",
-                &client,
-                "--advertise-client-urls",
-                &client,
-            ])
-            .args([
-                "--listen-peer-urls",
-                &peer,
-                "--initial-advertise-peer-urls",
-                &peer,
-            ])
-            .args(["--initial-cluster", &format!("t={peer}")])
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .expect("start etcd");
-        self.child = Some(child);
-        let deadline = Instant::now() + WAIT;
-        loop {
-            let ep = [self.endpoint()];
-            match EtcdDiscovery::connect_with_timeout(&ep, "/x", TTL, Duration::from_millis(500))
-                .await
-            {
-                Ok(_) => return,
-                Err(e) if Instant::now() > deadline => panic!(
-                    "etcd did not come up within {WAIT:?}: {e}; log: {}",
-                    std::fs::read_to_string(self.dir.join("etcd.log")).unwrap_or_default()
-                ),
-                Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
-            }
-        }
-    }
-
-    /// `kill -9`, waited for.
-    fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-impl Drop for Etcd {
-    fn drop(&mut self) {
-        self.kill();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
+async fn start_etcd(test: &str) -> Option<Etcd> {
+    Etcd::start(test, Path::new(env!("CARGO_TARGET_TMPDIR"))).await
 }
 
 fn descriptor(name: &str, addr: &str) -> Descriptor {
@@ -190,7 +70,7 @@ fn is_gone(r: &Result<Descriptor, Error>, name: &str) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn publish_then_lookup() {
-    let Some(etcd) = Etcd::start("publish_then_lookup").await else {
+    let Some(etcd) = start_etcd("publish_then_lookup").await else {
         return;
     };
     let d = connect(&etcd).await;
@@ -236,7 +116,7 @@ async fn unreachable_etcd_fails_typed_within_the_timeout() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_removes_the_key_at_once() {
-    let Some(etcd) = Etcd::start("shutdown_removes_the_key_at_once").await else {
+    let Some(etcd) = start_etcd("shutdown_removes_the_key_at_once").await else {
         return;
     };
     let d = connect(&etcd).await;
@@ -265,7 +145,7 @@ async fn shutdown_removes_the_key_at_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_publishers_race_for_one_name() {
-    let Some(etcd) = Etcd::start("two_publishers_race_for_one_name").await else {
+    let Some(etcd) = start_etcd("two_publishers_race_for_one_name").await else {
         return;
     };
     let a = connect(&etcd).await;
@@ -315,7 +195,7 @@ async fn child_publisher() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lease_expires_after_the_publisher_is_killed() {
     let test = "lease_expires_after_the_publisher_is_killed";
-    let Some(etcd) = Etcd::start(test).await else {
+    let Some(etcd) = start_etcd(test).await else {
         return;
     };
     let mut child = Command::new(std::env::current_exe().unwrap())
@@ -361,7 +241,7 @@ async fn lease_expires_after_the_publisher_is_killed() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn publication_survives_an_etcd_restart() {
-    let Some(mut etcd) = Etcd::start("publication_survives_an_etcd_restart").await else {
+    let Some(mut etcd) = start_etcd("publication_survives_an_etcd_restart").await else {
         return;
     };
     let d = connect(&etcd).await;
@@ -401,7 +281,7 @@ async fn publication_survives_an_etcd_restart() {
     // keeper re-publishes under a new lease.
     let old_lease = p.lease_id();
     etcd.kill();
-    std::fs::remove_dir_all(etcd.dir.join("data")).unwrap();
+    std::fs::remove_dir_all(etcd.data_dir()).unwrap();
     etcd.run().await;
     let (r, after) = poll_lookup(&d, "decode-2", WAIT, |r| r.is_ok()).await;
     assert_eq!(r.unwrap(), desc, "not re-published within {after:?}");
@@ -417,7 +297,7 @@ async fn publication_survives_an_etcd_restart() {
     // The watch saw nothing but the same descriptor until the deletion.
     loop {
         match next(&mut w).await {
-            SegmentEvent::Registered(got) => assert_eq!(got, desc),
+            SegmentEvent::Registered(got) => assert_eq!(got.descriptor, desc),
             SegmentEvent::Deleted { name } => break assert_eq!(name, "decode-2"),
         }
     }
@@ -432,7 +312,7 @@ async fn next(w: &mut ferry_discovery::SegmentWatch) -> SegmentEvent {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn watch_sees_re_registration_at_a_new_address() {
-    let Some(etcd) = Etcd::start("watch_sees_re_registration_at_a_new_address").await else {
+    let Some(etcd) = start_etcd("watch_sees_re_registration_at_a_new_address").await else {
         return;
     };
     let d = connect(&etcd).await;
@@ -452,7 +332,15 @@ async fn watch_sees_re_registration_at_a_new_address() {
     let other = connect(&etcd).await;
     let moved = descriptor("decode-4", "127.0.0.1:4401");
     let second = other.publish(&moved).await.unwrap();
-    assert_eq!(next(&mut w).await, SegmentEvent::Registered(moved.clone()));
+    match next(&mut w).await {
+        SegmentEvent::Registered(r) => {
+            assert_eq!(r.descriptor, moved);
+            assert_eq!(r.lease, second.lease_id());
+        }
+        e => panic!("expected the re-registration, got {e:?}"),
+    }
+    let r = d.resolve("decode-4").await.unwrap();
+    assert_eq!((r.descriptor, r.lease), (moved.clone(), second.lease_id()));
     assert_eq!(d.lookup("decode-4").await.unwrap(), moved);
     second.shutdown().await.unwrap();
     assert_eq!(

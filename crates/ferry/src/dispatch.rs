@@ -12,7 +12,7 @@ use ferry_core::{
 };
 
 use crate::config::{BackendConfig, BackendKind, EngineConfig};
-use crate::discovery::{Discovery, Etcd};
+use crate::discovery::{Discovery, Etcd, Target};
 
 /// The default stack over a backend `B`, outermost first: a
 /// [`TracingEngine`] (a span per batch), a [`MetricsEngine`] (counters
@@ -36,7 +36,10 @@ pub type Stack<B> = TracingEngine<MetricsEngine<CapabilityAdapter<B>>>;
 ///
 /// With segment discovery ([`EngineConfig::discovery`], `metadata=etcd://…`,
 /// cargo feature `etcd`) the engine also holds its etcd publication:
-/// `open_segment` resolves a logical name (one without `:`) through etcd,
+/// `open_segment` resolves a logical name (one without `:`) through etcd
+/// and follows it with a watch (a peer that re-registers at a new address
+/// is reconnected to at the next transfer; one whose lease ended fails
+/// transfers with `SegmentUnavailable` naming the segment and the lease),
 /// and `shutdown` revokes the lease.
 pub struct Engine {
     backend: Backend,
@@ -380,6 +383,30 @@ impl Engine {
         Ok(segment)
     }
 
+    /// The backend segment behind `segment`: itself, or where the logical
+    /// name it was opened by leads now (reconnecting after a move, closing
+    /// the segment it replaces); the route's error when the name is gone.
+    async fn backend_segment(&self, segment: SegmentId) -> Result<SegmentId> {
+        let Some(d) = &self.discovery else {
+            return Ok(segment);
+        };
+        match d.target(segment) {
+            Target::Direct => Ok(segment),
+            Target::Open(backend) => Ok(backend),
+            Target::Gone(e) => Err(e),
+            Target::Moved => {
+                let open = |address: String| async move { self.open_address(&address).await };
+                let (backend, old) = d.reconnect(segment, open).await?;
+                if let Some(old) = old {
+                    if let Err(e) = dispatch!(self, e => e.close_segment(old).await) {
+                        tracing::debug!(error = %e, "ferry: closing the segment a move replaced");
+                    }
+                }
+                Ok(backend)
+            }
+        }
+    }
+
     /// The engine as a shared trait object, for code that chooses the
     /// backend at run time.
     pub fn into_dyn(self) -> Arc<dyn DynTransferEngine> {
@@ -445,31 +472,37 @@ impl TransferEngine for Engine {
     async fn open_segment(&self, name: &str) -> Result<SegmentId> {
         match &self.discovery {
             Some(d) if crate::discovery::is_logical(name) => {
-                // Resolved here only: a transfer on the segment never
-                // asks etcd. Each published address in order; the last
-                // error if none opens.
-                let mut last = None;
-                for address in d.lookup(name).await? {
-                    match self.open_address(&address).await {
-                        Ok(segment) => return Ok(segment),
-                        Err(e) => last = Some(e),
-                    }
-                }
-                Err(last.expect("lookup returns at least one address"))
+                // Resolved here, followed by a watch: a transfer on the
+                // segment never asks etcd.
+                let open = |address: String| async move { self.open_address(&address).await };
+                d.open(name, open).await
             }
             _ => self.open_address(name).await,
         }
     }
 
     async fn close_segment(&self, segment: SegmentId) -> Result<()> {
-        dispatch!(self, e => e.close_segment(segment).await)
+        let backend = self
+            .discovery
+            .as_ref()
+            .and_then(|d| d.remove(segment))
+            .unwrap_or(segment);
+        dispatch!(self, e => e.close_segment(backend).await)
     }
 
     async fn transfer(&self, segment: SegmentId, request: TransferRequest) -> Result<()> {
+        let segment = self.backend_segment(segment).await?;
         dispatch!(self, e => e.transfer(segment, request).await)
     }
 
     fn transfer_now(&self, segment: SegmentId, request: TransferRequest) -> Option<Result<()>> {
+        let segment = match self.discovery.as_ref().map(|d| d.target(segment)) {
+            None | Some(Target::Direct) => segment,
+            Some(Target::Open(backend)) => backend,
+            Some(Target::Gone(e)) => return Some(Err(e)),
+            // Reconnecting waits: `transfer` does it.
+            Some(Target::Moved) => return None,
+        };
         dispatch!(self, e => e.transfer_now(segment, request))
     }
 
@@ -479,6 +512,7 @@ impl TransferEngine for Engine {
         requests: &[TransferRequest],
         notify: Option<&Notification>,
     ) -> Result<BatchReport> {
+        let segment = self.backend_segment(segment).await?;
         dispatch!(self, e => e.batch_transfer(segment, requests, notify).await)
     }
 
@@ -488,6 +522,7 @@ impl TransferEngine for Engine {
         requests: &[TransferRequest],
         notify: Option<&Notification>,
     ) -> Result<BatchId> {
+        let segment = self.backend_segment(segment).await?;
         dispatch!(self, e => e.submit(segment, requests, notify).await)
     }
 
