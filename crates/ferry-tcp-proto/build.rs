@@ -1,6 +1,11 @@
-//! Declares the workspace's `ferry_loom` cfg: under loom's model checker
-//! the staging area has fewer slots and lane entries
-//! (`layout::area::SLOTS`, `ACKS`), the same as in ferry-tcp's ring code.
+//! Declares the workspace's cfgs:
+//! - `ferry_loom`: under loom's model checker the staging area has fewer
+//!   slots and lane entries (`layout::area::SLOTS`, `ACKS`), the same as
+//!   in ferry-tcp's ring code;
+//! - `ferry_mutant`: a known bug planted back into the core, one at a
+//!   time, to show that the simulators find it (`grants::Unregistration`;
+//!   `RUSTFLAGS='--cfg ferry_mutant="…"'`, never in a build that ships).
 fn main() {
     println!("cargo::rustc-check-cfg=cfg(ferry_loom)");
+    println!("cargo::rustc-check-cfg=cfg(ferry_mutant, values(\"grant_outlives_region\"))");
 }

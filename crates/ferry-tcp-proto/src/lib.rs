@@ -21,6 +21,8 @@
 //! - [`offer`]: the same-host offer and the target's refusal codes;
 //! - [`layout`]: the byte layout of the same-host staging area and of its
 //!   grants page, and the verdict slot of a staged read;
+//! - [`grants`]: the target's same-host grants as bookkeeping, and the
+//!   order in which a region leaves (grant, marks, table, generation);
 //! - [`time`]: points on the driver's clock and the pace a peer must keep
 //!   (deadlines computed from a `now` passed in);
 //! - [`recv`]: the receiving side of a connection without its reads: the
@@ -36,6 +38,7 @@
 #![forbid(unsafe_code)]
 
 pub mod frame;
+pub mod grants;
 pub mod layout;
 pub mod negotiate;
 pub mod offer;

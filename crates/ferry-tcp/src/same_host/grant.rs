@@ -48,7 +48,6 @@
 //! initiator adds what it copied to four counters in the page, which the
 //! target folds into its per-peer counters when they are read.
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -169,13 +168,7 @@ impl<'a> Page<'a> {
     }
 }
 
-/// A region granted: where, and under which generation (the region's).
-#[derive(Clone, Copy, Debug)]
-struct Slot {
-    addr: u64,
-    len: u64,
-    gen: u32,
-}
+use ferry_tcp_proto::grants::{GrantTable, Slot};
 
 /// One area the target publishes grants in.
 struct Linked {
@@ -228,40 +221,13 @@ impl Revoked {
 
 #[derive(Default)]
 struct Inner {
-    slots: Vec<Option<Slot>>,
-    by_addr: HashMap<u64, usize>,
+    /// Which region each entry grants, and the revocations still waited
+    /// for (by address and generation: see `ferry_tcp_proto::grants`).
+    table: GrantTable<Revoked>,
     areas: Vec<Linked>,
-    /// Revocations whose wait has not ended yet, by region address and
-    /// generation: a stale entry of an earlier registration at the same
-    /// address never answers for a later one.
-    held: HashMap<(u64, u32), Revoked>,
-    /// The engine stopped serving: nothing is granted any more.
-    closed: bool,
 }
 
 impl Inner {
-    fn used(&self) -> usize {
-        self.slots.len()
-    }
-
-    /// The region a mark of value `v` names (0: none known).
-    fn region_of(&self, v: u64) -> u64 {
-        let by_slot = usize::try_from(v >> 32)
-            .ok()
-            .and_then(|i| i.checked_sub(1))
-            .and_then(|i| self.slots.get(i).copied().flatten())
-            .filter(|s| s.gen == v as u32)
-            .map(|s| s.addr);
-        by_slot
-            .or_else(|| {
-                self.held
-                    .iter()
-                    .find(|(_, r)| r.value == v)
-                    .map(|((addr, _), _)| *addr)
-            })
-            .unwrap_or(0)
-    }
-
     /// Drops the closed areas no copy can still be in progress in.
     fn prune(&mut self) {
         self.areas.retain_mut(|l| {
@@ -287,7 +253,7 @@ impl std::fmt::Debug for Grants {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let g = lock(&self.inner);
         f.debug_struct("Grants")
-            .field("granted", &g.by_addr.len())
+            .field("granted", &g.table.granted().count())
             .field("areas", &g.areas.len())
             .finish()
     }
@@ -326,7 +292,7 @@ impl Grants {
     ) -> Option<Link> {
         let page = area.grants()?;
         let mut g = lock(&self.inner);
-        if g.closed {
+        if g.table.is_closed() {
             return None;
         }
         g.prune();
@@ -335,12 +301,11 @@ impl Grants {
         page.word(PROBE)
             .store(&*self.probe as *const u64 as u64, Ordering::Relaxed);
         page.word(NONCE).store(*self.probe, Ordering::Relaxed);
-        for (idx, slot) in g.slots.iter().enumerate() {
-            if let Some(s) = slot {
-                page.publish(idx, s);
-            }
+        for (idx, slot) in g.table.granted() {
+            page.publish(idx, &slot);
         }
-        page.word(USED).store(g.used() as u64, Ordering::Relaxed);
+        page.word(USED)
+            .store(g.table.used() as u64, Ordering::Relaxed);
         page.bump();
         g.areas.push(Linked {
             area: Arc::clone(&area),
@@ -359,36 +324,28 @@ impl Grants {
     /// live area (none if every entry is taken: it is served as frames).
     pub fn grant(&self, addr: u64, len: u64, gen: u32) {
         let mut g = lock(&self.inner);
-        if g.closed {
+        if g.table.is_closed() {
             return;
         }
         g.prune();
-        let idx = match g.slots.iter().position(Option::is_none) {
-            Some(i) => i,
-            None if g.slots.len() < ENTRIES => {
-                g.slots.push(None);
-                g.slots.len() - 1
-            }
-            None => return,
-        };
         let slot = Slot { addr, len, gen };
-        g.slots[idx] = Some(slot);
-        if let Some(old) = g.by_addr.insert(addr, idx) {
+        let Some(granted) = g.table.grant(slot) else {
+            return;
+        };
+        if let Some(old) = granted.stale {
             // A region leaves only after its grant was revoked (see
             // `Core::unregister`): an entry still here is a bug. Revoke it
             // rather than leave it published beside the new one.
             tracing::error!(addr, "a grant outlived its region; revoked now");
-            if g.slots[old].take().is_some() {
-                for l in &g.areas {
-                    revoke(l.page().entry(old)[0]);
-                    l.page().bump();
-                }
+            for l in &g.areas {
+                revoke(l.page().entry(old)[0]);
+                l.page().bump();
             }
         }
-        let used = g.used() as u64;
+        let used = g.table.used() as u64;
         for l in g.areas.iter().filter(|l| !l.closed) {
             let page = l.page();
-            page.publish(idx, &slot);
+            page.publish(granted.idx, &slot);
             page.word(USED).store(used, Ordering::Relaxed);
             page.bump();
         }
@@ -400,31 +357,22 @@ impl Grants {
     /// [`Grants::settle`] before the region may leave its table. A grant
     /// of another generation at the same address is not touched.
     pub fn revoke(&self, addr: u64, gen: u32) -> Option<Revoked> {
-        let mut g = lock(&self.inner);
-        if let Some(r) = g.held.get(&(addr, gen)) {
-            return Some(r.clone());
-        }
-        let idx = *g.by_addr.get(&addr)?;
-        if g.slots[idx].as_ref().is_none_or(|s| s.gen != gen) {
-            return None;
-        }
-        g.by_addr.remove(&addr);
-        let slot = g.slots[idx].take()?;
-        for l in &g.areas {
-            let page = l.page();
-            revoke(page.entry(idx)[0]);
-            page.bump();
-        }
-        let r = Revoked {
-            value: mark_value(idx, slot.gen),
-            watch: g
-                .areas
-                .iter()
-                .map(|l| (Arc::clone(&l.area), Arc::clone(&l.peer)))
-                .collect(),
-        };
-        g.held.insert((addr, gen), r.clone());
-        Some(r)
+        let g = &mut *lock(&self.inner);
+        let areas = &g.areas;
+        g.table.revoke(addr, gen, |idx, value| {
+            for l in areas {
+                let page = l.page();
+                revoke(page.entry(idx)[0]);
+                page.bump();
+            }
+            Revoked {
+                value,
+                watch: areas
+                    .iter()
+                    .map(|l| (Arc::clone(&l.area), Arc::clone(&l.peer)))
+                    .collect(),
+            }
+        })
     }
 
     /// Waits until no live initiator marks a copy under the revoked grant
@@ -440,7 +388,7 @@ impl Grants {
         patience: Duration,
     ) -> Result<(), i32> {
         wait_while(patience, || r.held()).await?;
-        lock(&self.inner).held.remove(&(addr, gen));
+        lock(&self.inner).table.settled(addr, gen);
         Ok(())
     }
 
@@ -456,7 +404,7 @@ impl Grants {
                 let v = (0..MARKS)
                     .map(|m| page.mark(m).load(Ordering::Acquire))
                     .find(|&v| v != 0)?;
-                l.peer.alive().then(|| (g.region_of(v), l.peer.pid))
+                l.peer.alive().then(|| (g.table.region_of(v), l.peer.pid))
             })
         })
         .await
@@ -467,8 +415,7 @@ impl Grants {
     /// none is made any more.
     pub fn close(&self) {
         let mut g = lock(&self.inner);
-        g.closed = true;
-        let used = g.used();
+        let used = g.table.close();
         for l in &g.areas {
             let page = l.page();
             for idx in 0..used {
@@ -482,7 +429,7 @@ impl Grants {
     /// watched until its marks are clear.
     fn detach(&self, area: &Arc<Area>) {
         let mut g = lock(&self.inner);
-        let used = g.used();
+        let used = g.table.used();
         if let Some(l) = g.areas.iter_mut().find(|l| Arc::ptr_eq(&l.area, area)) {
             l.closed = true;
             let page = l.page();

@@ -228,11 +228,49 @@ impl Core {
     /// Cancelling the future at any point leaves the region registered
     /// (ungranted once step 1 has begun: served as frames).
     pub async fn unregister(&self, addr: u64) -> ferry_core::Result<()> {
+        use ferry_tcp_proto::grants::{Unfinished, UnregisterStep as Step, Unregistration};
         let gen = lock(&self.gens).by_base.get(&addr).copied();
-        if let Some(gen) = gen {
-            if let Some(revoked) = self.grants.revoke(addr, gen) {
-                let patience = self.config.stall_timeout;
-                if let Err(pid) = self.grants.settle(addr, gen, &revoked, patience).await {
+        let mut u = Unregistration::new(gen, self.config.stall_timeout);
+        let mut revoked = None;
+        let mut refused = None;
+        let mut step = u.start();
+        loop {
+            step = match step {
+                Step::Revoke { gen } => {
+                    revoked = self.grants.revoke(addr, gen);
+                    u.revoked(crate::io::now(), revoked.is_some())
+                }
+                Step::Settle { deadline } => {
+                    let r = match (&revoked, gen) {
+                        (Some(r), Some(gen)) => {
+                            let patience = crate::io::now().until(deadline);
+                            self.grants.settle(addr, gen, r, patience).await
+                        }
+                        _ => Ok(()),
+                    };
+                    u.settled(r)
+                }
+                Step::Remove => match self.regions.remove_in_steps(addr).await {
+                    Ok(steps) => {
+                        steps.finish();
+                        u.removed(true)
+                    }
+                    Err(e) => {
+                        refused = Some(e);
+                        u.removed(false)
+                    }
+                },
+                Step::Forget { gen } => {
+                    let mut g = lock(&self.gens);
+                    // A new registration at the same address may have come
+                    // in between.
+                    if g.by_base.get(&addr).copied() == Some(gen) {
+                        g.by_base.remove(&addr);
+                    }
+                    u.forgotten()
+                }
+                Step::Done(Ok(())) => return Ok(()),
+                Step::Done(Err(Unfinished::Marked { pid, patience })) => {
                     return Err(ferry_core::Error::RegionHeld {
                         addr,
                         reason: format!(
@@ -243,15 +281,11 @@ impl Core {
                         ),
                     });
                 }
-            }
+                Step::Done(Err(Unfinished::Table)) => {
+                    return Err(refused.unwrap_or(ferry_core::Error::RegionNotRegistered { addr }));
+                }
+            };
         }
-        self.regions.remove_in_steps(addr).await?.finish();
-        let mut g = lock(&self.gens);
-        // A new registration at the same address may have come in between.
-        if g.by_base.get(&addr).copied() == gen {
-            g.by_base.remove(&addr);
-        }
-        Ok(())
     }
 
     /// A region that `unregister` gave up on (`RegionHeld` from the table:
