@@ -57,7 +57,6 @@ impl Rng {
 /// by itself once the last such hold goes.
 #[derive(Debug)]
 struct Region {
-    gen: u32,
     unproven: u32,
     detached: bool,
 }
@@ -148,7 +147,6 @@ impl World {
         self.regions.insert(
             addr,
             Region {
-                gen,
                 unproven: 0,
                 detached: false,
             },
@@ -376,7 +374,6 @@ impl World {
                 }
             }
         }
-        let _ = self.regions.values().map(|r| r.gen).count();
         Ok(())
     }
 }
