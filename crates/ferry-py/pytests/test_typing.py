@@ -206,6 +206,24 @@ def test_mypy_reports_nothing(tmp_path, file):
 
 
 @main_suite_only
+def test_the_stubs_themselves_pass_mypy(tmp_path):
+    # mypy silences errors inside installed packages: check the stubs as
+    # sources of their own.
+    if importlib.util.find_spec("mypy") is None:
+        unavailable("mypy", "it is not installed in this venv (tests/pytest.rs installs it)")
+    copy = tmp_path / "ferry"
+    copy.mkdir()
+    for pyi in MODULES.values():
+        shutil.copy(PACKAGE / pyi, copy / pyi)
+    out = subprocess.run(
+        [sys.executable, "-m", "mypy", "--strict", "--show-error-codes", "--no-color-output",
+         "--cache-dir", str(tmp_path / "mypy-cache"), "ferry"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+@main_suite_only
 def test_mypy_rejects_the_misuses(tmp_path):
     text = (HERE / "misuse.py").read_text()
     expected = {
