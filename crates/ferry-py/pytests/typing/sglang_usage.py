@@ -50,12 +50,12 @@ class MooncakeTransferEngine:
     def register(self, ptr: int, length: int) -> None:
         ret_value = self.engine.register_memory(ptr, length)
         if ret_value != 0:
-            raise RuntimeError(f"Mooncake memory registration failed (ret={ret_value})")
+            raise RuntimeError(f"register_memory returned {ret_value}")
 
     def deregister(self, ptr: int) -> None:
         ret_value = self.engine.unregister_memory(ptr)
         if ret_value != 0:
-            raise RuntimeError(f"Mooncake memory deregistration failed (ret={ret_value})")
+            raise RuntimeError(f"unregister_memory returned {ret_value}")
 
     def batch_register(self, ptrs: List[int], lengths: List[int]) -> int:
         try:
@@ -63,9 +63,9 @@ class MooncakeTransferEngine:
         except Exception:
             ret_value = -1
             if not hasattr(self.engine, "batch_register_memory"):
-                raise RuntimeError("Mooncake's batch register requires a newer version")
+                raise RuntimeError("no batch_register_memory on this engine")
         if ret_value != 0:
-            logger.debug("Mooncake batch memory registration failed.")
+            logger.debug("batch_register_memory returned %s", ret_value)
         return ret_value
 
     def batch_deregister(self, ptrs: List[int]) -> int:
@@ -83,7 +83,7 @@ class MooncakeTransferEngine:
             device_name if device_name is not None else "",
         )
         if ret_value != 0:
-            raise RuntimeError("Mooncake Transfer Engine initialization failed.")
+            raise RuntimeError(f"initialize returned {ret_value}")
 
     def transfer_sync(
         self, session_id: str, buffer: int, peer_buffer_address: int, length: int
@@ -93,7 +93,7 @@ class MooncakeTransferEngine:
         except Exception:
             ret = -1
         if ret < 0:
-            logger.debug("Failed to transfer data from %s to %s", buffer, session_id)
+            logger.debug("transfer_sync_write returned %s", ret)
         return ret
 
     def batch_transfer_sync(
