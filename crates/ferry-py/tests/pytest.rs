@@ -5,13 +5,16 @@
 //!    (`<target>/tmp/ferry-py/venv`), made with `python3 -m venv`, with
 //!    maturin, pytest and numpy installed from the package registry (once);
 //! 2. `maturin build` of the abi3 wheel and `pip install` of that wheel (so
-//!    the wheel itself is what is tested), plus `cargo build -p ferry-cli`
+//!    the wheel itself is what is tested; where `FERRY_PY_WHEEL` names a
+//!    wheel built beforehand, that one: `.ci/run` passes its
+//!    `manylinux_2_28` wheel), plus `cargo build -p ferry-cli`
 //!    for `ferry serve`, the Rust peer of the interop test. Both use their own
 //!    target directory (`<target>/tmp/ferry-py/target`): the outer `cargo
 //!    test` holds the lock of the main one;
 //! 3. pytest, with the Mooncake test libraries (v0.2.0 and current) and the
 //!    `ferry` binary passed in environment variables. The test fails when
-//!    pytest fails.
+//!    pytest fails. mypy (pinned) is installed into the venvs for
+//!    `pytests/test_typing.py`, which type-checks the stubs.
 //!
 //! 4. `mooncake_wheels`: the real Mooncake wheels from the package registry
 //!    (`mooncake-transfer-engine==0.3.3`, `mooncake-transfer-engine-non-cuda
@@ -82,14 +85,15 @@ struct Built {
 }
 
 /// Builds the wheel once per test binary (both tests need it; the second
-/// waits for the first).
+/// waits for the first), or takes the one `FERRY_PY_WHEEL` names.
 fn built() -> Option<Built> {
     static BUILT: Mutex<Option<(String, PathBuf)>> = Mutex::new(None);
     let python = find_python()?;
     let work = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("ferry-py");
     let mut slot = BUILT.lock().unwrap_or_else(|p| p.into_inner());
     if slot.is_none() {
-        *slot = Some((python.clone(), build(&python, &work)));
+        let given = std::env::var_os("FERRY_PY_WHEEL").map(PathBuf::from);
+        *slot = Some((python.clone(), build(&python, &work, given)));
     }
     let (python, wheel) = slot.clone()?;
     Some(Built {
@@ -283,6 +287,7 @@ fn mooncake_wheels() {
             std::fs::write(&stamp, b"ok\n").expect("writing the venv stamp");
         }
         install_wheel(&vpython, &wheel);
+        install_mypy(&vpython);
         // The wheels link libibverbs.so.1 (Debian: libibverbs1; .ci/run
         // installs it).
         let probe = Command::new(&vpython)
@@ -300,6 +305,8 @@ fn mooncake_wheels() {
         let status = Command::new(&vpython)
             .args(["-m", "pytest", "-v", "-p", "no:cacheprovider", "-rs"])
             .arg(crate_dir.join("pytests/test_wheel.py"))
+            // The stubs against the real wheel's module, in its venv.
+            .arg(crate_dir.join("pytests/test_typing.py"))
             .current_dir(&work)
             .env("FERRY_TEST_WHEEL", requirement)
             .env("ASAN_OPTIONS", ASAN_OPTIONS)
@@ -321,8 +328,10 @@ fn mooncake_wheels() {
 /// not first in the library list); harmless for the others.
 const ASAN_OPTIONS: &str = "verify_asan_link_order=0:detect_leaks=0";
 
-/// 1-2 of the module docs: the venv with the tools, the wheel built.
-fn build(python: &str, work: &Path) -> PathBuf {
+/// 1-2 of the module docs: the venv with the tools, the wheel built (or
+/// `given`, a wheel built beforehand: `.ci/run` passes its
+/// `manylinux_2_28` wheel in `FERRY_PY_WHEEL`).
+fn build(python: &str, work: &Path, given: Option<PathBuf>) -> PathBuf {
     let crate_dir = workspace_root().join("crates/ferry-py");
     let venv = work.join("venv");
     let target = work.join("target");
@@ -361,6 +370,21 @@ fn build(python: &str, work: &Path) -> PathBuf {
         }
         std::fs::write(&stamp, b"ok\n").expect("writing the venv stamp");
     }
+    install_mypy(&vpython);
+
+    if let Some(wheel) = given {
+        assert!(
+            wheel.is_file(),
+            "FERRY_PY_WHEEL={} is not a file",
+            wheel.display()
+        );
+        check_abi3(&wheel);
+        eprintln!(
+            "ferry-py pytest: testing the given wheel {}",
+            wheel.display()
+        );
+        return wheel;
+    }
 
     // 2. The wheel, installed, and the Rust peer.
     let cargo = cargo();
@@ -397,11 +421,39 @@ fn build(python: &str, work: &Path) -> PathBuf {
         "expected one wheel in {}: {wheels:?}",
         dist.display()
     );
-    let wheel = &wheels[0];
+    check_abi3(&wheels[0]);
+    wheels[0].clone()
+}
+
+fn check_abi3(wheel: &Path) {
     let name = wheel.file_name().unwrap_or_default().to_string_lossy();
     assert!(
         name.contains("-cp39-abi3-"),
         "the wheel is not an abi3 wheel for CPython >= 3.9: {name}"
     );
-    wheel.clone()
+}
+
+/// The type checker of `pytests/test_typing.py`, pinned: its verdicts
+/// are what the test compares.
+const MYPY: &str = "mypy==2.4.1";
+
+/// mypy for `pytests/test_typing.py` (the stubs type-checked), installed
+/// once into `vpython`'s venv; without it that test skips, or fails when
+/// `FERRY_REQUIRE_BACKENDS` lists `mypy`.
+fn install_mypy(vpython: &Path) {
+    let present = Command::new(vpython)
+        .args(["-c", "import mypy"])
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if present {
+        return;
+    }
+    let out = pip_install(vpython, "mypy", &[MYPY]);
+    if !out.status.success() {
+        eprintln!(
+            "ferry-py pytest: mypy could not be installed (test_typing.py will skip): {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
 }
