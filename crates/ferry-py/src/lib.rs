@@ -33,6 +33,7 @@ use pyo3::prelude::*;
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<engine::PyEngine>()?;
+    engine::register_schemes()?;
     m.add("__version__", ferry::pep440_version())?;
     m.add_function(wrap_pyfunction!(cuda_driver_present, m)?)?;
     // See `runtime::exiting`: from interpreter exit on, no call waits for
