@@ -6,9 +6,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
+use ferry::registry::OpenOptions;
 use ferry::{
-    Engine, Notification, OpenOptions, RegisteredBuffer, SegmentId, TransferEngine, TransferOp,
-    TransferRequest,
+    Engine, Notification, RegisteredBuffer, SegmentId, TransferEngine, TransferOp, TransferRequest,
 };
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;

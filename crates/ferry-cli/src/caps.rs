@@ -1,7 +1,8 @@
 //! `ferry caps`: the capability report a person reads before deploying.
 
 use anyhow::Context;
-use ferry::{Engine, OpenOptions, Operation, Support, TransferEngine};
+use ferry::registry::OpenOptions;
+use ferry::{Engine, Operation, Support, TransferEngine};
 use serde::Serialize;
 
 use crate::util::parse_operation;

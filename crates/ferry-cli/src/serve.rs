@@ -7,7 +7,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use ferry::raw::ParsedUrl;
-use ferry::{Engine, Location, OpenOptions, RegisteredBuffer, TransferEngine};
+use ferry::registry::OpenOptions;
+use ferry::{Engine, Location, RegisteredBuffer, TransferEngine};
 
 use crate::bench::TARGET_SEED;
 use crate::rawtcp::{self, SinkStats};

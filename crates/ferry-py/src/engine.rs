@@ -6,9 +6,10 @@ use std::str::FromStr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use ferry::registry::OpenOptions;
 use ferry::{
-    BatchId, BatchReport, Engine, Location, MemoryRegion, Notification, OpenOptions, SegmentId,
-    TransferEngine, TransferOp, TransferRequest, TransferState,
+    BatchId, BatchReport, Engine, Location, MemoryRegion, Notification, SegmentId, TransferEngine,
+    TransferOp, TransferRequest, TransferState,
 };
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -151,8 +152,8 @@ struct Handle {
 /// Mooncake wheel's engine, initialized with the GIL held, in the default
 /// stack like every scheme. `MC_FORCE_TCP` (set to any value) asks the
 /// wheel for its TCP transport only, as Mooncake defines it.
-fn wheel_scheme() -> ferry::Scheme {
-    ferry::Scheme::new(crate::wheel::BACKEND, |url, _| {
+fn wheel_scheme() -> ferry::registry::Scheme {
+    ferry::registry::Scheme::new(crate::wheel::BACKEND, |url, _| {
         let force_tcp = std::env::var_os("MC_FORCE_TCP").is_some();
         let config = WheelConfig::from_parts(url, force_tcp)?;
         Ok(async move { Python::attach(|py| WheelEngine::start(py, config)) })
@@ -163,7 +164,8 @@ fn wheel_scheme() -> ferry::Scheme {
 /// registry, once per process; `Engine(url)` opens every scheme through
 /// that registry.
 pub(crate) fn register_schemes() -> PyResult<()> {
-    static DONE: std::sync::OnceLock<Result<(), ferry::RegisterError>> = std::sync::OnceLock::new();
+    static DONE: std::sync::OnceLock<Result<(), ferry::registry::RegisterError>> =
+        std::sync::OnceLock::new();
     DONE.get_or_init(|| ferry::registry::register(wheel_scheme()))
         .clone()
         .map_err(|e| PyRuntimeError::new_err(e.to_string()))

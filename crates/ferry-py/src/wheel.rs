@@ -1120,7 +1120,10 @@ mod tests {
         assert!(err("tcp://h:1").contains("not a mooncake-py:// URL"));
         let m = err("mooncake-py://?colour=blue");
         assert!(
-            m.contains("`colour`") && m.contains("known: host, metadata"),
+            // Ferry's own keys first, as for every scheme.
+            m.contains("`colour`")
+                && m.contains("known: strict, coalesce")
+                && m.contains("require, host, metadata"),
             "{m}"
         );
         assert!(err("mooncake-py://?host=a&h%6Fst=b").contains("`host` given twice"));

@@ -64,7 +64,6 @@ pub mod secret;
 
 pub use config::{BackendConfig, BackendKind, DiscoveryConfig, EngineConfig};
 pub use dispatch::{Engine, Stack};
-pub use registry::{OpenOptions, RegisterError, Registry, Scheme, SchemeContext};
 
 pub use ferry_core::{
     AdapterConfig, BackendInfo, BatchId, BatchReport, BatchStatus, BoxFuture, Capabilities,
