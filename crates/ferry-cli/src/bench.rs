@@ -6,9 +6,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
+use ferry::registry::OpenOptions;
 use ferry::{
-    Engine, EngineConfig, Notification, RegisteredBuffer, SegmentId, TransferEngine, TransferOp,
-    TransferRequest,
+    Engine, Notification, RegisteredBuffer, SegmentId, TransferEngine, TransferOp, TransferRequest,
 };
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
@@ -469,7 +469,7 @@ async fn sweep(args: &BenchArgs) -> anyhow::Result<(Vec<Point>, BTreeMap<u64, Ba
     );
     bar.enable_steady_tick(Duration::from_millis(120));
 
-    let backend = setup.engine.kind().scheme().to_owned();
+    let backend = setup.engine.scheme().to_owned();
     let mut results = Vec::new();
     let mut base_by_block = BTreeMap::new();
     for (seed, (block, points)) in plan.iter().enumerate() {
@@ -548,13 +548,12 @@ async fn setup(args: &BenchArgs, max_block: u64) -> anyhow::Result<Setup> {
         let parsed = parsed.clone();
         let layers = !args.no_layers;
         async move {
-            let config = EngineConfig::from_parts(parsed)?;
-            let config = if layers {
-                config
+            let options = if layers {
+                OpenOptions::default()
             } else {
-                config.metrics(None).tracing(false)
+                OpenOptions::default().metrics(None).tracing(false)
             };
-            Engine::start(config)
+            Engine::open_parsed(parsed, options)
                 .await
                 .with_context(|| format!("opening the {what} engine ({})", redact(&url)))
         }
@@ -905,7 +904,7 @@ fn print_table(
     results: &[Point],
     baselines: &BTreeMap<u64, Baseline>,
 ) {
-    let backend = setup.engine.kind().scheme();
+    let backend = setup.engine.scheme();
     let where_ = if args.same_host {
         "two processes on this host (a `ferry serve` child)".to_owned()
     } else if args.peer.is_some() {

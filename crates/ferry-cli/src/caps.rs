@@ -1,7 +1,8 @@
 //! `ferry caps`: the capability report a person reads before deploying.
 
 use anyhow::Context;
-use ferry::{Engine, EngineConfig, Operation, Support, TransferEngine};
+use ferry::registry::OpenOptions;
+use ferry::{Engine, Operation, Support, TransferEngine};
 use serde::Serialize;
 
 use crate::util::parse_operation;
@@ -137,8 +138,7 @@ pub async fn run(args: CapsArgs) -> anyhow::Result<()> {
     }
     args.tls.apply(&mut url)?;
     let shown = url.shown().to_owned();
-    let config = EngineConfig::from_parts(url).with_context(|| format!("opening {shown}"))?;
-    let engine = Engine::start(config)
+    let engine = Engine::open_parsed(url, OpenOptions::default())
         .await
         .with_context(|| format!("opening {shown}"))?;
     for p in &args.peer {

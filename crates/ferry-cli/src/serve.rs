@@ -7,7 +7,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use ferry::raw::ParsedUrl;
-use ferry::{Engine, EngineConfig, Location, RegisteredBuffer, TransferEngine};
+use ferry::registry::OpenOptions;
+use ferry::{Engine, Location, RegisteredBuffer, TransferEngine};
 
 use crate::bench::TARGET_SEED;
 use crate::rawtcp::{self, SinkStats};
@@ -166,7 +167,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let client = client_url(&url);
     let secured = ferry::secret::url_has_secret(&url);
     let engine = Arc::new(
-        Engine::start(EngineConfig::from_parts(url).with_context(|| format!("opening {shown}"))?)
+        Engine::open_parsed(url, OpenOptions::default())
             .await
             .with_context(|| format!("opening {shown}"))?,
     );
@@ -210,7 +211,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
 
     println!(
         "ferry serve: backend {}, segment {segment}",
-        engine.kind().scheme()
+        engine.scheme()
     );
     println!(
         "region: addr {:#x} len {} ({}) location {}",

@@ -1,18 +1,16 @@
 //! `ferry._native.Engine`: [`ferry::Engine`] for Python.
 
-use ferry::DynTransferEngine;
 use std::collections::HashMap;
 use std::future::Future;
 use std::str::FromStr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use ferry::registry::OpenOptions;
 use ferry::{
-    AdapterConfig, BatchId, BatchReport, Capabilities, CapabilityAdapter, CapabilityReport, Engine,
-    LayerExt, Location, MemoryRegion, Metrics, MetricsLayer, MetricsSnapshot, Notification,
-    Operation, SegmentId, TracingLayer, TransferEngine, TransferOp, TransferRequest, TransferState,
+    BatchId, BatchReport, Engine, Location, MemoryRegion, Notification, SegmentId, TransferEngine,
+    TransferOp, TransferRequest, TransferState,
 };
-use ferry_core::inproc::InprocEngine;
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
@@ -53,13 +51,7 @@ struct Held {
 
 impl Drop for PyEngine {
     fn drop(&mut self) {
-        let Some(Handle {
-            engine,
-            report,
-            metrics,
-            wheel,
-        }) = self.inner.take()
-        else {
+        let Some(Handle { engine, wheel }) = self.inner.take() else {
             return;
         };
         let mut regions = std::mem::take(ferry::raw::get_mut(&mut self.regions));
@@ -100,8 +92,6 @@ impl Drop for PyEngine {
                     failed
                 });
                 let _guard = rt.enter();
-                drop(report);
-                drop(metrics);
                 drop(engine);
                 failed
             });
@@ -151,109 +141,34 @@ fn log(py: Python<'_>, level: i32, message: &str) {
         .and_then(|l| l.call_method1("log", (level, message)));
 }
 
-/// A started engine: the trait object every call goes through, and its
-/// capability report (an inherent method of the adapter, not of the trait).
+/// A started engine: every call goes through it.
 struct Handle {
-    engine: Arc<dyn DynTransferEngine>,
-    report: Box<dyn Fn() -> CapabilityReport + Send + Sync>,
-    /// The engine's metrics snapshot (its metrics layer's).
-    metrics: Box<dyn Fn() -> MetricsSnapshot + Send + Sync>,
+    engine: Arc<Engine>,
     /// On `mooncake-py://`: the wheel's own engine object.
     wheel: Option<Py<PyAny>>,
 }
 
-impl Handle {
-    fn ferry(engine: Engine) -> Handle {
-        let engine = Arc::new(engine);
-        let for_report = engine.clone();
-        let for_metrics = engine.clone();
-        Handle {
-            engine,
-            report: Box::new(move || for_report.report()),
-            metrics: Box::new(move || for_metrics.metrics()),
-            wheel: None,
-        }
-    }
-
-    /// An engine outside `ferry::Engine` (the wheel's, in-process ones)
-    /// under the same default stack: tracing and metrics (into the
-    /// process-wide registry) over the adapter.
-    fn adapter<E: TransferEngine>(adapter: CapabilityAdapter<E>) -> Handle {
-        let native = adapter.report().native;
-        let engine = Arc::new(
-            adapter
-                .layer(MetricsLayer::new(Metrics::global().clone()).native(native))
-                .layer(TracingLayer::new()),
-        );
-        let for_report = engine.clone();
-        let for_metrics = engine.clone();
-        Handle {
-            engine,
-            report: Box::new(move || for_report.get_ref().get_ref().report()),
-            metrics: Box::new(move || for_metrics.get_ref().snapshot()),
-            wheel: None,
-        }
-    }
+/// The scheme `mooncake-py://` (see [`crate::wheel`]): the installed
+/// Mooncake wheel's engine, initialized with the GIL held, in the default
+/// stack like every scheme. `MC_FORCE_TCP` (set to any value) asks the
+/// wheel for its TCP transport only, as Mooncake defines it.
+fn wheel_scheme() -> ferry::registry::Scheme {
+    ferry::registry::Scheme::new(crate::wheel::BACKEND, |url, _| {
+        let force_tcp = std::env::var_os("MC_FORCE_TCP").is_some();
+        let config = WheelConfig::from_parts(url, force_tcp)?;
+        Ok(async move { Python::attach(|py| WheelEngine::start(py, config)) })
+    })
 }
 
-/// `mooncake-py://…` (see [`crate::wheel`]): the installed Mooncake wheel's
-/// engine, initialized here with the GIL held, behind the capability
-/// adapter. `MC_FORCE_TCP` (set to any value) asks the wheel for its TCP
-/// transport only, as Mooncake defines it.
-fn open_wheel(py: Python<'_>, url: &str) -> ferry::Result<Handle> {
-    let force_tcp = std::env::var_os("MC_FORCE_TCP").is_some();
-    let config = WheelConfig::from_url(url, force_tcp)?;
-    let adapter_config = config.adapter.clone();
-    let require = config.require.clone();
-    let rt = runtime().map_err(|e| ferry::Error::Unavailable {
-        backend: crate::wheel::BACKEND.to_owned(),
-        reason: e.to_string(),
-    })?;
-    let _guard = rt.enter();
-    let engine = WheelEngine::start(py, config)?;
-    let wheel = engine.wheel(py);
-    let adapter = CapabilityAdapter::with_config(engine, adapter_config);
-    adapter.require(&require)?;
-    let mut handle = Handle::adapter(adapter);
-    handle.wheel = Some(wheel);
-    Ok(handle)
-}
-
-/// `inproc://[name]?caps=none|all|op,op&pace_us=N&strict=1&require=op,op`: engines of this
-/// process only, moving real bytes, with the native capabilities listed in
-/// `caps` (default `all`): everything else the capability adapter emulates
-/// (or, with `strict=1`, refuses). For tests and for trying an
-/// application against an engine that lacks batch calls. Parsed by the one
-/// parser of Ferry's URLs; Ferry's own parameters (`strict`, `coalesce`,
-/// `max_concurrency`, `require`) are those of every backend.
-fn open_inproc(url: &str) -> ferry::Result<Handle> {
-    let bad = |m: String| ferry::Error::InvalidArgument(m);
-    let mut u = ferry::raw::ParsedUrl::parse(url)?;
-    if u.scheme() != "inproc" {
-        return Err(bad(format!("{:?} is not an inproc:// URL", u.shown())));
-    }
-    let name = u.authority().to_owned();
-    let mut caps = Capabilities::all();
-    if let Some(value) = u.take_value("caps") {
-        caps = Capabilities::default();
-        match value.as_deref().unwrap_or("") {
-            "none" | "" => {}
-            "all" => caps = Capabilities::all(),
-            list => {
-                for op in list.split(',').filter(|op| !op.trim().is_empty()) {
-                    caps.set(op.parse::<Operation>()?, true);
-                }
-            }
-        }
-    }
-    let pace = u.take_duration_us("pace_us")?;
-    let (config, require) = AdapterConfig::take_url_params(&mut u)?;
-    u.finish()?;
-    let engine = InprocEngine::new(&name, caps)?;
-    engine.set_pace(pace);
-    let adapter = CapabilityAdapter::with_config(engine, config);
-    adapter.require(&require)?;
-    Ok(Handle::adapter(adapter))
+/// Registers this crate's scheme (`mooncake-py`) in Ferry's scheme
+/// registry, once per process; `Engine(url)` opens every scheme through
+/// that registry.
+pub(crate) fn register_schemes() -> PyResult<()> {
+    static DONE: std::sync::OnceLock<Result<(), ferry::registry::RegisterError>> =
+        std::sync::OnceLock::new();
+    DONE.get_or_init(|| ferry::registry::register(wheel_scheme()))
+        .clone()
+        .map_err(|e| PyRuntimeError::new_err(e.to_string()))
 }
 
 fn parse_op(op: &str) -> PyResult<TransferOp> {
@@ -360,7 +275,7 @@ impl PyEngine {
             .ok_or_else(|| PyRuntimeError::new_err("the engine is closed"))
     }
 
-    fn engine(&self) -> PyResult<&Arc<dyn DynTransferEngine>> {
+    fn engine(&self) -> PyResult<&Arc<Engine>> {
         Ok(&self.handle()?.engine)
     }
 
@@ -469,18 +384,30 @@ impl PyEngine {
     }
 }
 
-/// Opens a Ferry engine (every scheme but `inproc://` and `mooncake-py://`)
-/// with the shared secret taken the one way every program takes it
-/// (`ferry::secret`: `FERRY_SECRET`, `FERRY_SECRET_FILE`, `secret_file=`).
-fn open_ferry(py: Python<'_>, url: &str) -> PyResult<ferry::Result<Handle>> {
-    let config = ferry::raw::ParsedUrl::parse(url).and_then(|mut u| {
+/// Opens the engine `url`'s scheme names, through Ferry's scheme
+/// registry (`tcp`, `mooncake`, `verbs`, `nixl`, `inproc`, and this
+/// crate's `mooncake-py`), with the shared secret taken the one way every
+/// program takes it (`ferry::secret`: `FERRY_SECRET`, `FERRY_SECRET_FILE`,
+/// `secret_file=`).
+fn open(py: Python<'_>, url: &str) -> PyResult<ferry::Result<Handle>> {
+    register_schemes()?;
+    let parsed = ferry::raw::ParsedUrl::parse(url).and_then(|mut u| {
         ferry::secret::from_environment(&mut u)?;
-        ferry::EngineConfig::from_parts(u)
+        Ok(u)
     });
-    match config {
-        Ok(config) => Ok(block_on(py, Engine::start(config))?.map(Handle::ferry)),
-        Err(e) => Ok(Err(e)),
-    }
+    let parsed = match parsed {
+        Ok(u) => u,
+        Err(e) => return Ok(Err(e)),
+    };
+    let engine = match block_on(py, Engine::open_parsed(parsed, OpenOptions::default()))? {
+        Ok(e) => e,
+        Err(e) => return Ok(Err(e)),
+    };
+    let wheel = engine.backend::<WheelEngine>().map(|w| w.wheel(py));
+    Ok(Ok(Handle {
+        engine: Arc::new(engine),
+        wheel,
+    }))
 }
 
 #[pymethods]
@@ -490,16 +417,7 @@ impl PyEngine {
     /// `strict=1`, `require=op,op`, …). Blocks (GIL released) until started.
     #[new]
     fn py_new(py: Python<'_>, url: &str) -> PyResult<PyEngine> {
-        let handle = if url.starts_with(crate::wheel::SCHEME) {
-            open_wheel(py, url)
-        } else if url.starts_with("inproc://") {
-            let rt = runtime()?;
-            let _guard = rt.enter();
-            open_inproc(url)
-        } else {
-            open_ferry(py, url)?
-        }
-        .map_err(|e| to_pyerr(py, &e))?;
+        let handle = open(py, url)?.map_err(|e| to_pyerr(py, &e))?;
         Ok(PyEngine {
             inner: Some(handle),
             regions: Mutex::new(HashMap::new()),
@@ -531,7 +449,7 @@ impl PyEngine {
     /// guarantee `native` / `emulated` / `unsupported` with the reason and
     /// the version that makes it native; `text` is the printed report.
     fn report<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        report_dict(py, &(self.handle()?.report)())
+        report_dict(py, &self.handle()?.engine.report())
     }
 
     /// This engine's metrics as a dict: `engine`, `bytes_total`,
@@ -546,7 +464,7 @@ impl PyEngine {
     /// cannot see it) and `notifications_dropped` (`None` where not
     /// counted) — for a serving stack to export.
     fn metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        metrics_dict(py, &(self.handle()?.metrics)())
+        metrics_dict(py, &self.handle()?.engine.metrics())
     }
 
     /// Registers memory: `register(addr, length)` or `register(obj)` for an
@@ -735,7 +653,7 @@ impl PyEngine {
         // release for both tries.
         let seg = SegmentId(segment);
         let rt = runtime()?;
-        py.detach(|| match engine.transfer_now_dyn(seg, req) {
+        py.detach(|| match engine.transfer_now(seg, req) {
             Some(r) => r,
             None => run(rt, engine.transfer(seg, req)),
         })

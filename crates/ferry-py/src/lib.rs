@@ -33,8 +33,10 @@ use pyo3::prelude::*;
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<engine::PyEngine>()?;
+    engine::register_schemes()?;
     m.add("__version__", ferry::pep440_version())?;
     m.add_function(wrap_pyfunction!(cuda_driver_present, m)?)?;
+    m.add_function(wrap_pyfunction!(parse_url, m)?)?;
     // See `runtime::exiting`: from interpreter exit on, no call waits for
     // a thread that needs the GIL.
     let at_exit = wrap_pyfunction!(runtime::_at_exit, m)?;
@@ -50,6 +52,47 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
             .collect::<Vec<_>>(),
     )?;
     Ok(())
+}
+
+/// One URL split by Ferry's one parser (`ferry::raw::ParsedUrl`: strict
+/// percent-decoding, `+` a space, a key given twice refused naming it, no
+/// fragment), for the Python code that combines a URL with settings of its
+/// own (`ferry.mooncake`): `(scheme, authority, path, [(key, value)])`,
+/// decoded, in URL order, `value` `None` for a bare key. A
+/// `user:password@` part, which no Ferry URL takes, is refused. Errors are
+/// raised as `ferry.errors` classes (`InvalidArgument`).
+#[pyfunction]
+#[pyo3(name = "_parse_url")]
+#[allow(clippy::type_complexity)]
+fn parse_url(
+    py: Python<'_>,
+    url: &str,
+) -> PyResult<(String, String, String, Vec<(String, Option<String>)>)> {
+    let parse = || -> ferry::Result<_> {
+        let mut u = ferry::raw::ParsedUrl::parse(url)?;
+        if u.take_userinfo().is_some() {
+            return Err(ferry::Error::InvalidArgument(format!(
+                "{} {:?}: no Ferry URL takes a `user:password@` part",
+                u.label(),
+                u.shown()
+            )));
+        }
+        let keys: Vec<String> = u.keys().map(str::to_owned).collect();
+        let params = keys
+            .into_iter()
+            .map(|k| {
+                let v = u.take_value(&k).flatten();
+                (k, v)
+            })
+            .collect();
+        Ok((
+            u.scheme().to_owned(),
+            u.authority().to_owned(),
+            u.path().to_owned(),
+            params,
+        ))
+    };
+    parse().map_err(|e| convert::to_pyerr(py, &e))
 }
 
 /// Whether a CUDA driver (`libcuda.so.1`, or `FERRY_CUDA_LIB`) was found:

@@ -24,9 +24,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use ferry::{
-    AdapterConfig, BackendInfo, BatchReport, Capabilities, Error, MemoryKinds, MemoryRegion,
-    MissingCapability, Notification, Operation, Result, SegmentId, TransferEngine, TransferOp,
-    TransferRequest,
+    BackendInfo, BatchReport, Capabilities, Error, MemoryKinds, MemoryRegion, MissingCapability,
+    Notification, Operation, Result, SegmentId, TransferEngine, TransferOp, TransferRequest,
 };
 use ferry_core::raw::{ParsedUrl, RegionTable};
 use ferry_core::Side;
@@ -34,8 +33,6 @@ use pyo3::prelude::*;
 
 /// The backend's name in reports and errors.
 pub(crate) const BACKEND: &str = "mooncake-py";
-/// The URL scheme.
-pub(crate) const SCHEME: &str = "mooncake-py://";
 
 /// Transport names Mooncake's `initialize` accepts (its `protocol`).
 pub(crate) const KNOWN_PROTOCOLS: [&str; 11] = [
@@ -69,7 +66,8 @@ const DISTRIBUTIONS: [&str; 3] = [
 ];
 
 /// `mooncake-py://?host=…&metadata=…&protocol=…&device=…&metadata_type=…`
-/// plus Ferry's adapter parameters.
+/// (Ferry's own parameters, `strict=` and the others, are taken by
+/// Ferry's scheme registry before these).
 #[derive(Debug, Clone, Default)]
 pub(crate) struct WheelConfig {
     /// `local_hostname` as given to `initialize` (`host` or `host:port`).
@@ -84,10 +82,6 @@ pub(crate) struct WheelConfig {
     pub device: String,
     /// Mooncake's explicit metadata type (`initialize_ext`), or empty.
     pub metadata_type: String,
-    /// The adapter around the backend.
-    pub adapter: AdapterConfig,
-    /// Operations that must be available at start-up.
-    pub require: Vec<Operation>,
 }
 
 fn bad(m: String) -> Error {
@@ -102,14 +96,25 @@ impl WheelConfig {
     /// parameter (named, with the known ones), a repeated one, a malformed
     /// percent-escape, a path, an unknown protocol, a device that does not
     /// exist.
+    #[cfg(test)]
     pub(crate) fn from_url(url: &str, force_tcp: bool) -> Result<WheelConfig> {
         // The one parser of Ferry's URLs (strict percent-decoding, `+` a
         // space, a key given twice refused; messages quote the URL
         // redacted).
         let mut u = ParsedUrl::parse(url)?;
         if u.scheme() != "mooncake-py" {
-            return Err(bad(format!("{:?} is not a {SCHEME} URL", u.shown())));
+            return Err(bad(format!("{:?} is not a mooncake-py:// URL", u.shown())));
         }
+        // Ferry's own parameters are the registry's (ferry::registry).
+        ferry::AdapterConfig::take_url_params(&mut u)?;
+        WheelConfig::from_parts(u, force_tcp)
+    }
+
+    /// [`WheelConfig::from_url`] on a URL already parsed, with Ferry's own
+    /// parameters taken out (what the scheme registry hands the
+    /// `mooncake-py` constructor): takes the wheel's parameters and refuses
+    /// what is left.
+    pub(crate) fn from_parts(mut u: ParsedUrl, force_tcp: bool) -> Result<WheelConfig> {
         let mut c = WheelConfig {
             host: u.authority().to_owned(),
             metadata: "P2PHANDSHAKE".to_owned(),
@@ -127,7 +132,6 @@ impl WheelConfig {
                 *field = v;
             }
         }
-        (c.adapter, c.require) = AdapterConfig::take_url_params(&mut u)?;
         u.finish()?;
         if c.host.is_empty() {
             c.host = "127.0.0.1".to_owned();
@@ -1102,8 +1106,6 @@ mod tests {
         assert_eq!(c.host, "10.0.0.1:7000");
         assert_eq!(c.metadata, "etcd://m:2379");
         assert_eq!(c.protocol, "tcp");
-        assert!(c.adapter.strict);
-        assert_eq!(c.require, vec![Operation::Notify]);
         let c = WheelConfig::from_url("mooncake-py://?host=h&protocol=nvlink", true).unwrap();
         assert_eq!((c.host.as_str(), c.protocol.as_str()), ("h", "tcp"));
         assert_eq!(c.forced_from.as_deref(), Some("nvlink"));
@@ -1118,7 +1120,10 @@ mod tests {
         assert!(err("tcp://h:1").contains("not a mooncake-py:// URL"));
         let m = err("mooncake-py://?colour=blue");
         assert!(
-            m.contains("`colour`") && m.contains("known: host, metadata"),
+            // Ferry's own keys first, as for every scheme.
+            m.contains("`colour`")
+                && m.contains("known: strict, coalesce")
+                && m.contains("require, host, metadata"),
             "{m}"
         );
         assert!(err("mooncake-py://?host=a&h%6Fst=b").contains("`host` given twice"));

@@ -110,14 +110,24 @@ impl Builder {
         self
     }
 
-    /// Starts the backend `url` names (see [`crate::Engine::open`], whose
-    /// trust rules apply).
+    /// Starts the backend `url` names, through the scheme registry (see
+    /// [`crate::Engine::open`], whose trust rules apply).
     pub fn open(self, url: &str) -> Result<Engine> {
-        self.start(EngineConfig::from_url(url)?)
+        let url = ferry_core::raw::ParsedUrl::parse(url)?;
+        self.run(move || crate::Engine::open_parsed(url, crate::registry::OpenOptions::default()))
     }
 
     /// Starts the backend `config` names (see [`crate::Engine::start`]).
     pub fn start(self, config: EngineConfig) -> Result<Engine> {
+        self.run(move || crate::Engine::start(config))
+    }
+
+    /// Makes the runtime and starts the engine `start` gives on it.
+    fn run<F, Fut>(self, start: F) -> Result<Engine>
+    where
+        F: FnOnce() -> Fut,
+        Fut: std::future::Future<Output = Result<crate::Engine>>,
+    {
         not_in_a_task("start")?;
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(self.worker_threads)
@@ -125,7 +135,7 @@ impl Builder {
             .enable_all()
             .build()
             .map_err(|e| Error::from_io("starting the engine's runtime", e))?;
-        let engine = crate::assist::block_on(rt.handle(), crate::Engine::start(config))?;
+        let engine = crate::assist::block_on(rt.handle(), start())?;
         Ok(Engine {
             inner: Arc::new(engine),
             rt: Runtime::Owned(Some(rt)),

@@ -177,7 +177,11 @@ impl fmt::Debug for BackendConfig {
 ///
 /// The URL is parsed once, by [`ferry_core::raw::ParsedUrl`] (strict
 /// percent-decoding, `+` is a space, a key given twice refused, no
-/// fragment, no userinfo). The scheme picks the backend; Ferry takes its own
+/// fragment, no userinfo). The scheme picks the backend (here, one of
+/// Ferry's four, into a typed [`BackendConfig`]; [`crate::Engine::open`]
+/// finds every scheme, `inproc` and those registered outside Ferry
+/// included, in the scheme [`registry`](crate::registry), by the same
+/// rules); Ferry takes its own
 /// parameters out of the parsed URL ([`AdapterConfig::take_url_params`]) and
 /// hands the rest to the backend's `from_parts`, which takes its own and
 /// rejects unknown ones by name, listing the known ones. No message quotes

@@ -7,12 +7,13 @@ use std::sync::Arc;
 use ferry_core::layer::{MetricsEngine, MetricsSnapshot, TracingEngine};
 use ferry_core::{
     AdapterConfig, BackendInfo, BatchId, BatchReport, BatchStatus, Capabilities, CapabilityAdapter,
-    CapabilityReport, Layer, MemoryRegion, Metrics, MetricsLayer, Notification, Operation, Result,
-    SegmentId, TracingLayer, TransferEngine, TransferRequest,
+    CapabilityReport, Layer, MemoryRegion, Metrics, Notification, Operation, Result, SegmentId,
+    TransferEngine, TransferRequest,
 };
 
-use crate::config::{BackendConfig, BackendKind, EngineConfig};
+use crate::config::{BackendKind, DiscoveryConfig, EngineConfig};
 use crate::discovery::{Discovery, Etcd, Target};
+use crate::registry::{Observe, Registry, Scheme, SchemeContext, Stacked, Starting};
 
 /// The default stack over a backend `B`, outermost first: a
 /// [`TracingEngine`] (a span per batch), a [`MetricsEngine`] (counters
@@ -20,19 +21,21 @@ use crate::discovery::{Discovery, Etcd, Target};
 /// coalescing over emulation over the concurrency limit of emulated
 /// batches, see [`ferry_core::adapter`]). Either
 /// observing layer may be switched off in the [`EngineConfig`]; the type
-/// stays the same.
+/// stays the same. Every scheme's backend goes into it (see
+/// [`crate::registry`]).
 pub type Stack<B> = TracingEngine<MetricsEngine<CapabilityAdapter<B>>>;
 
-/// A started engine of whichever backend the configuration named, wrapped
-/// in the default [`Stack`]: a [`CapabilityAdapter`] so that every
-/// [`TransferEngine`] operation is available (natively, emulated, or
-/// refused with a reason in strict mode), metrics ([`Engine::metrics`])
-/// and a `tracing` span per batch. [`Engine::layer`] stacks more.
+/// A started engine of whichever backend the URL's scheme (or the
+/// configuration) named, wrapped in the default [`Stack`]: a
+/// [`CapabilityAdapter`] so that every [`TransferEngine`] operation is
+/// available (natively, emulated, or refused with a reason in strict
+/// mode), metrics ([`Engine::metrics`]) and a `tracing` span per batch.
+/// [`Engine::layer`] stacks more.
 ///
-/// Dispatch is static: one variant of a private enum per backend compiled
-/// in (cargo features `tcp`, `mooncake`, `verbs`, `nixl`). Users who pick a
-/// backend at run time and prefer a trait object can use
-/// `Arc<dyn DynTransferEngine>` (see [`Engine::into_dyn`]).
+/// One type for every scheme: the stack is held as one trait object, and
+/// [`Engine::open`] finds the backend in the scheme [`Registry`], where a
+/// backend outside Ferry registers too ([`crate::registry::register`]).
+/// [`Engine::backend`] reaches the backend under the stack.
 ///
 /// With segment discovery ([`EngineConfig::discovery`], `metadata=etcd://…`,
 /// cargo feature `etcd`) the engine also holds its etcd publication:
@@ -42,69 +45,29 @@ pub type Stack<B> = TracingEngine<MetricsEngine<CapabilityAdapter<B>>>;
 /// transfers with `SegmentUnavailable` naming the segment and the lease),
 /// and `shutdown` revokes the lease.
 pub struct Engine {
-    backend: Backend,
+    /// The backend in its stack: every call goes through it.
+    inner: Arc<dyn Stacked>,
+    /// The scheme it was opened by (`tcp`, …).
+    scheme: String,
     /// The etcd publication, with `metadata=etcd://…`. Only
     /// `open_segment` of a logical name and `shutdown` use it.
     discovery: Option<Discovery>,
 }
 
-/// The backend in its [`Stack`].
-enum Backend {
-    /// The TCP backend.
-    #[cfg(feature = "tcp")]
-    Tcp(Stack<ferry_tcp::TcpEngine>),
-    /// The Mooncake backend.
-    #[cfg(feature = "mooncake")]
-    Mooncake(Stack<ferry_mooncake::MooncakeEngine>),
-    /// The verbs backend.
-    #[cfg(feature = "verbs")]
-    Verbs(Stack<ferry_verbs::VerbsEngine>),
-    /// The NIXL backend.
-    #[cfg(feature = "nixl")]
-    Nixl(Stack<ferry_nixl::NixlEngine>),
-}
-
-// Why a macro and not `enum_dispatch`: `enum_dispatch` generates the impl
-// only when it sees the trait definition, i.e. when the trait and the enum
-// live in one crate (`TransferEngine` lives in ferry-core), and our
-// trait methods are `async-trait` methods whose signatures it would have to
-// see after expansion. This macro is the whole dispatcher: one `match` arm
-// per compiled-in variant. With no backend compiled in, the enum is empty
-// and `match $self.backend {}` is exhaustive.
-macro_rules! dispatch {
-    ($self:expr, $e:ident => $body:expr) => {
-        match $self.backend {
-            #[cfg(feature = "tcp")]
-            Backend::Tcp(ref $e) => $body,
-            #[cfg(feature = "mooncake")]
-            Backend::Mooncake(ref $e) => $body,
-            #[cfg(feature = "verbs")]
-            Backend::Verbs(ref $e) => $body,
-            #[cfg(feature = "nixl")]
-            Backend::Nixl(ref $e) => $body,
-        }
-    };
-}
-
-/// The capability adapter at the bottom of the stack.
-macro_rules! adapter {
-    ($self:expr, $a:ident => $body:expr) => {
-        dispatch!($self, e => {
-            let $a = e.get_ref().get_ref();
-            $body
-        })
-    };
-}
-
 impl std::fmt::Debug for Engine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        dispatch!(self, e => f.debug_tuple("Engine").field(e).finish())
+        f.debug_struct("Engine")
+            .field("scheme", &self.scheme)
+            .field("segment", &self.inner.segment_name_dyn())
+            .field("published", &self.published_name())
+            .finish_non_exhaustive()
     }
 }
 
 impl Engine {
-    /// Parses `url` (see [`EngineConfig`] for the schemes and parameters) and
-    /// starts the engine.
+    /// Parses `url` and starts the engine its scheme names, through the
+    /// scheme registry ([`Registry::global`]; see [`EngineConfig`] for the
+    /// schemes of this build and their parameters).
     ///
     /// ```no_run
     /// # async fn demo() -> ferry::Result<()> {
@@ -113,8 +76,7 @@ impl Engine {
     /// # Ok(()) }
     /// ```
     ///
-    /// Errors: everything [`EngineConfig::from_url`] and [`Engine::start`]
-    /// return.
+    /// Errors: everything [`Registry::open_parsed`] returns.
     ///
     /// # Trust
     ///
@@ -125,10 +87,20 @@ impl Engine {
     /// `FERRY_NIXL_LIB`). Never build one from a peer's or a request's
     /// input.
     pub async fn open(url: &str) -> Result<Engine> {
-        Engine::start(EngineConfig::from_url(url)?).await
+        Registry::global().open(url).await
     }
 
-    /// Starts the backend `config` names, wraps it in the capability adapter
+    /// [`Engine::open`] on a URL already parsed (a program that adds
+    /// parameters of its own, such as the secret from the environment),
+    /// with `options` (metrics, tracing).
+    pub async fn open_parsed(
+        url: ferry_core::raw::ParsedUrl,
+        options: crate::registry::OpenOptions,
+    ) -> Result<Engine> {
+        Registry::global().open_parsed(url, options).await
+    }
+
+    /// Starts the backend `config` names, wraps it in the default stack
     /// and checks `config.require`. With [`EngineConfig::discovery`] it
     /// connects to etcd first, and publishes the segment's descriptor (the
     /// logical name, the segment name as the address, the protocol range
@@ -150,66 +122,64 @@ impl Engine {
             tracing,
             discovery,
         } = config;
-        let etcd = match &discovery {
-            Some(_) if !matches!(backend.kind(), BackendKind::Tcp | BackendKind::Verbs) => {
+        let kind = backend.kind();
+        let context = SchemeContext::new(adapter, Observe { metrics, tracing });
+        let starting = crate::builtin::start(backend, &context);
+        Engine::launch_as(
+            kind.scheme(),
+            crate::builtin::discovery(kind),
+            starting,
+            &require,
+            discovery,
+        )
+        .await
+    }
+
+    /// Awaits `starting` (the backend going into its stack), checks
+    /// `require` and publishes with `discovery`.
+    pub(crate) async fn launch(
+        scheme: &Scheme,
+        starting: Starting,
+        require: &[Operation],
+        discovery: Option<DiscoveryConfig>,
+    ) -> Result<Engine> {
+        Engine::launch_as(
+            scheme.name(),
+            scheme.discovery(),
+            starting,
+            require,
+            discovery,
+        )
+        .await
+    }
+
+    async fn launch_as(
+        scheme: &str,
+        protocol: Option<(u16, u16)>,
+        starting: Starting,
+        require: &[Operation],
+        discovery: Option<DiscoveryConfig>,
+    ) -> Result<Engine> {
+        let etcd = match (&discovery, protocol) {
+            (Some(_), None) => {
                 return Err(ferry_core::Error::InvalidArgument(format!(
-                    "etcd discovery is for Ferry's own transports (tcp://, verbs://), not {}://",
-                    backend.kind()
+                    "etcd discovery is for Ferry's own transports (tcp://, verbs://), not {scheme}://"
                 )));
             }
-            Some(d) => Some(Etcd::connect(d).await?),
-            None => None,
-        };
-        let observe = Observe { metrics, tracing };
-        let backend: Backend = match backend {
-            #[cfg(feature = "tcp")]
-            BackendConfig::Tcp(c) => Backend::Tcp(observe.stack(CapabilityAdapter::with_config(
-                ferry_tcp::TcpEngine::start(c).await?,
-                adapter,
-            ))),
-            #[cfg(feature = "mooncake")]
-            BackendConfig::Mooncake(mut c) => {
-                // Strict mode emulates nothing, including the backend's own
-                // confirmation of landed writes, unless asked for by name.
-                c.confirm_writes = c.confirm_writes.or(Some(!adapter.strict));
-                // The URL's `lib=` (or FERRY_MOONCAKE_LIB) names the library;
-                // `Engine::open` documents that the configuration chooses
-                // native code run in this process.
-                let engine = ferry_mooncake::MooncakeEngine::start_trusted(
-                    c,
-                    ferry_mooncake::LibraryTrust::OperatorConfigured,
-                )
-                .await?;
-                Backend::Mooncake(observe.stack(CapabilityAdapter::with_config(engine, adapter)))
-            }
-            #[cfg(feature = "verbs")]
-            BackendConfig::Verbs(c) => Backend::Verbs(observe.stack(
-                CapabilityAdapter::with_config(ferry_verbs::VerbsEngine::start(c).await?, adapter),
-            )),
-            // As for Mooncake: the URL's `lib=` (or FERRY_NIXL_LIB, the
-            // loader path, the active Python's wheel) is the operator's.
-            #[cfg(feature = "nixl")]
-            BackendConfig::Nixl(c) => Backend::Nixl(
-                observe.stack(CapabilityAdapter::with_config(
-                    ferry_nixl::NixlEngine::start_trusted(
-                        c,
-                        ferry_nixl::LibraryTrust::OperatorConfigured,
-                    )
-                    .await?,
-                    adapter,
-                )),
-            ),
+            (Some(d), Some(_)) => Some(Etcd::connect(d).await?),
+            (None, _) => None,
         };
         let mut engine = Engine {
-            backend,
+            inner: starting.await?,
+            scheme: scheme.to_owned(),
             discovery: None,
         };
-        engine.require(&require)?;
+        engine.require(require)?;
         if let Some(etcd) = etcd {
-            engine.publish(etcd).await?;
+            engine.publish(etcd, protocol.unwrap_or((0, 0))).await?;
         }
         tracing::debug!(
-            backend = engine.kind().scheme(),
+            backend = engine.scheme(),
             segment = engine.segment_name(),
             published = engine.published_name(),
             "ferry engine started"
@@ -219,20 +189,11 @@ impl Engine {
 
     /// Publishes this engine in etcd; on failure shuts the backend down.
     #[cfg(feature = "etcd")]
-    async fn publish(&mut self, etcd: Etcd) -> Result<()> {
+    async fn publish(&mut self, etcd: Etcd, (min, max): (u16, u16)) -> Result<()> {
         let address = self.segment_name().to_owned();
-        let protocol = match self.backend {
-            #[cfg(feature = "tcp")]
-            Backend::Tcp(_) => {
-                let ours = crate::VersionRange::OURS;
-                ferry_discovery::ProtocolRange {
-                    min: ours.min.into(),
-                    max: ours.max.into(),
-                }
-            }
-            // A backend that does not report its range publishes 0..=0.
-            #[allow(unreachable_patterns)]
-            _ => ferry_discovery::ProtocolRange { min: 0, max: 0 },
+        let protocol = ferry_discovery::ProtocolRange {
+            min: min.into(),
+            max: max.into(),
         };
         let unspecified = address
             .parse::<std::net::SocketAddr>()
@@ -253,7 +214,7 @@ impl Engine {
                 Ok(())
             }
             Err(e) => {
-                if let Err(s) = dispatch!(self, e => TransferEngine::shutdown(e).await) {
+                if let Err(s) = self.inner.shutdown_dyn().await {
                     tracing::warn!(error = %s, "ferry: shutdown after a failed etcd publication");
                 }
                 Err(e)
@@ -262,7 +223,7 @@ impl Engine {
     }
 
     #[cfg(not(feature = "etcd"))]
-    async fn publish(&mut self, etcd: Etcd) -> Result<()> {
+    async fn publish(&mut self, etcd: Etcd, _: (u16, u16)) -> Result<()> {
         match etcd {}
     }
 
@@ -273,37 +234,42 @@ impl Engine {
         self.discovery.as_ref().map(Discovery::name)
     }
 
-    /// Which backend this is.
-    pub fn kind(&self) -> BackendKind {
-        match self.backend {
-            #[cfg(feature = "tcp")]
-            Backend::Tcp(_) => BackendKind::Tcp,
-            #[cfg(feature = "mooncake")]
-            Backend::Mooncake(_) => BackendKind::Mooncake,
-            #[cfg(feature = "verbs")]
-            Backend::Verbs(_) => BackendKind::Verbs,
-            #[cfg(feature = "nixl")]
-            Backend::Nixl(_) => BackendKind::Nixl,
-        }
+    /// The scheme this engine was opened by (`tcp`, `inproc`, a scheme
+    /// registered outside Ferry…), in lower case.
+    pub fn scheme(&self) -> &str {
+        &self.scheme
+    }
+
+    /// Which of Ferry's backends this is; `None` for a scheme outside
+    /// [`BackendKind`] (`inproc`, one registered by a program).
+    pub fn kind(&self) -> Option<BackendKind> {
+        self.scheme.parse().ok()
+    }
+
+    /// The backend under the stack, if it is a `B`
+    /// (`engine.backend::<ferry::ferry_tcp::TcpEngine>()`): for what only
+    /// that backend offers.
+    pub fn backend<B: TransferEngine>(&self) -> Option<&B> {
+        self.inner.backend().downcast_ref::<B>()
     }
 
     /// The capability report: native and effective capabilities and, per
     /// optional operation, native / emulated / unsupported with the reason
     /// and the version that would make it native.
     pub fn report(&self) -> CapabilityReport {
-        adapter!(self, a => a.report())
+        self.inner.report()
     }
 
     /// Start-up check: `Ok` if every operation in `ops` is available
     /// (natively, or emulated unless strict), else
     /// [`ferry_core::Error::MissingCapabilities`] naming each missing one.
     pub fn require(&self, ops: &[Operation]) -> Result<()> {
-        adapter!(self, a => a.require(ops))
+        self.inner.require(ops)
     }
 
     /// The adapter configuration in force (strict mode, coalescing…).
     pub fn adapter_config(&self) -> &AdapterConfig {
-        adapter!(self, a => a.config())
+        self.inner.adapter_config()
     }
 
     /// What this engine negotiated with the peer segment `name` (opened
@@ -314,28 +280,20 @@ impl Engine {
     /// negotiate (Mooncake speaks the installed library's protocol).
     #[cfg(feature = "tcp")]
     pub fn peer_report(&self, name: &str) -> Option<crate::PeerReport> {
-        match self.backend {
-            #[cfg(feature = "tcp")]
-            Backend::Tcp(ref e) => e.get_ref().get_ref().get_ref().peer_report(name),
-            #[allow(unreachable_patterns)]
-            _ => {
-                let _ = name;
-                None
-            }
-        }
+        self.backend::<ferry_tcp::TcpEngine>()?.peer_report(name)
     }
 
     /// This engine's metrics now: bytes and requests per peer and outcome,
     /// batches in flight, registered bytes, notifications, emulated
     /// operations (all zero when [`EngineConfig::metrics`] was `None`).
     pub fn metrics(&self) -> MetricsSnapshot {
-        dispatch!(self, e => e.get_ref().snapshot())
+        self.inner.snapshot()
     }
 
     /// The registry this engine counts into ([`Metrics::encode`] gives
     /// the Prometheus text exposition); `None` when metrics are off.
     pub fn metrics_registry(&self) -> Option<&Metrics> {
-        dispatch!(self, e => e.get_ref().metrics())
+        self.inner.metrics()
     }
 
     /// Wraps this engine in `layer` (tower's shape): a layer of the user's
@@ -358,27 +316,24 @@ impl Engine {
     }
 
     /// The payload path to the open peer `name`, for the metrics:
-    /// what TCP negotiated (`socket`, `same-host cma`…), else the backend.
+    /// what TCP negotiated (`socket`, `same-host cma`…), else the scheme.
     fn peer_path(&self, name: &str) -> Option<String> {
-        match self.backend {
-            #[cfg(feature = "tcp")]
-            Backend::Tcp(_) => self.peer_report(name).map(|r| r.path),
-            #[allow(unreachable_patterns)]
-            _ => {
-                let _ = name;
-                Some(self.kind().scheme().to_owned())
-            }
+        #[cfg(feature = "tcp")]
+        if let Some(tcp) = self.backend::<ferry_tcp::TcpEngine>() {
+            return tcp.peer_report(name).map(|r| r.path);
         }
+        let _ = name;
+        Some(self.scheme.clone())
     }
 
     /// Opens the segment at `name` (`host:port`) on the backend.
     async fn open_address(&self, name: &str) -> Result<SegmentId> {
-        let segment = dispatch!(self, e => e.open_segment(name).await)?;
+        let segment = self.inner.open_segment_dyn(name).await?;
         if let Some(path) = self.peer_path(name) {
             // Next to the tracing layer's `ferry_connect` span (closed by
             // now): the path the connection negotiated.
             tracing::debug!(peer = name, path = %path, "ferry: segment open");
-            dispatch!(self, e => e.get_ref().set_peer_path(name, &path));
+            self.inner.set_peer_path(name, &path);
         }
         Ok(segment)
     }
@@ -398,7 +353,7 @@ impl Engine {
                 let open = |address: String| async move { self.open_address(&address).await };
                 let (backend, old) = d.reconnect(segment, open).await?;
                 if let Some(old) = old {
-                    if let Err(e) = dispatch!(self, e => e.close_segment(old).await) {
+                    if let Err(e) = self.inner.close_segment_dyn(old).await {
                         tracing::debug!(error = %e, "ferry: closing the segment a move replaced");
                     }
                 }
@@ -414,59 +369,38 @@ impl Engine {
     }
 }
 
-/// The observing layers [`Engine::start`] puts over the adapter.
-struct Observe {
-    metrics: Option<Metrics>,
-    tracing: bool,
-}
-
-impl Observe {
-    fn stack<B: TransferEngine>(&self, adapter: CapabilityAdapter<B>) -> Stack<B> {
-        let metrics = match &self.metrics {
-            Some(m) => MetricsLayer::new(m.clone()).native(adapter.report().native),
-            None => MetricsLayer::disabled(),
-        };
-        let tracing = if self.tracing {
-            TracingLayer::new()
-        } else {
-            TracingLayer::disabled()
-        };
-        tracing.layer(metrics.layer(adapter))
-    }
-}
-
 #[deny(clippy::missing_trait_methods)]
 impl TransferEngine for Engine {
     fn backend_name(&self) -> &str {
-        dispatch!(self, e => e.backend_name())
+        self.inner.backend_name_dyn()
     }
 
     fn segment_name(&self) -> &str {
-        dispatch!(self, e => e.segment_name())
+        self.inner.segment_name_dyn()
     }
 
     fn capabilities(&self) -> Capabilities {
-        dispatch!(self, e => e.capabilities())
+        self.inner.capabilities_dyn()
     }
 
     fn backend_info(&self) -> BackendInfo {
-        dispatch!(self, e => e.backend_info())
+        self.inner.backend_info_dyn()
     }
 
     async fn register(&self, region: MemoryRegion) -> Result<()> {
-        dispatch!(self, e => e.register(region).await)
+        self.inner.register_dyn(region).await
     }
 
     async fn unregister(&self, addr: u64) -> Result<()> {
-        dispatch!(self, e => e.unregister(addr).await)
+        self.inner.unregister_dyn(addr).await
     }
 
     async fn batch_register(&self, regions: Vec<MemoryRegion>) -> Result<()> {
-        dispatch!(self, e => e.batch_register(regions).await)
+        self.inner.batch_register_dyn(regions).await
     }
 
     async fn batch_unregister(&self, addrs: &[u64]) -> Result<()> {
-        dispatch!(self, e => e.batch_unregister(addrs).await)
+        self.inner.batch_unregister_dyn(addrs).await
     }
 
     async fn open_segment(&self, name: &str) -> Result<SegmentId> {
@@ -487,12 +421,12 @@ impl TransferEngine for Engine {
             .as_ref()
             .and_then(|d| d.remove(segment))
             .unwrap_or(segment);
-        dispatch!(self, e => e.close_segment(backend).await)
+        self.inner.close_segment_dyn(backend).await
     }
 
     async fn transfer(&self, segment: SegmentId, request: TransferRequest) -> Result<()> {
         let segment = self.backend_segment(segment).await?;
-        dispatch!(self, e => e.transfer(segment, request).await)
+        self.inner.transfer_dyn(segment, request).await
     }
 
     fn transfer_now(&self, segment: SegmentId, request: TransferRequest) -> Option<Result<()>> {
@@ -503,7 +437,7 @@ impl TransferEngine for Engine {
             // Reconnecting waits: `transfer` does it.
             Some(Target::Moved) => return None,
         };
-        dispatch!(self, e => e.transfer_now(segment, request))
+        self.inner.transfer_now_dyn(segment, request)
     }
 
     async fn batch_transfer(
@@ -513,7 +447,9 @@ impl TransferEngine for Engine {
         notify: Option<&Notification>,
     ) -> Result<BatchReport> {
         let segment = self.backend_segment(segment).await?;
-        dispatch!(self, e => e.batch_transfer(segment, requests, notify).await)
+        self.inner
+            .batch_transfer_dyn(segment, requests, notify)
+            .await
     }
 
     async fn submit(
@@ -523,34 +459,34 @@ impl TransferEngine for Engine {
         notify: Option<&Notification>,
     ) -> Result<BatchId> {
         let segment = self.backend_segment(segment).await?;
-        dispatch!(self, e => e.submit(segment, requests, notify).await)
+        self.inner.submit_dyn(segment, requests, notify).await
     }
 
     fn status(&self, batch: BatchId) -> Result<BatchStatus> {
-        dispatch!(self, e => e.status(batch))
+        self.inner.status_dyn(batch)
     }
 
     async fn wait(&self, batch: BatchId) -> Result<BatchReport> {
-        dispatch!(self, e => e.wait(batch).await)
+        self.inner.wait_dyn(batch).await
     }
 
     async fn release_batch(&self, batch: BatchId) -> Result<()> {
-        dispatch!(self, e => e.release_batch(batch).await)
+        self.inner.release_batch_dyn(batch).await
     }
 
     async fn take_notifications(&self) -> Result<Vec<Notification>> {
-        dispatch!(self, e => e.take_notifications().await)
+        self.inner.take_notifications_dyn().await
     }
 
     async fn next_notification(&self, name: Option<&str>) -> Result<Notification> {
-        dispatch!(self, e => e.next_notification(name).await)
+        self.inner.next_notification_dyn(name).await
     }
 
     fn live_batches(&self) -> Option<usize> {
-        dispatch!(self, e => TransferEngine::live_batches(e))
+        self.inner.live_batches_dyn()
     }
     fn inbound(&self) -> Option<ferry_core::Inbound> {
-        dispatch!(self, e => TransferEngine::inbound(e))
+        self.inner.inbound_dyn()
     }
 
     async fn shutdown(&self) -> Result<()> {
@@ -559,7 +495,7 @@ impl TransferEngine for Engine {
             Some(d) => d.shutdown().await,
             None => Ok(()),
         };
-        dispatch!(self, e => TransferEngine::shutdown(e).await)?;
+        self.inner.shutdown_dyn().await?;
         revoked
     }
 }

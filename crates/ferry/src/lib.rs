@@ -13,7 +13,10 @@
 //! | `verbs` | `verbs://mlx5_0?port=1&gid_index=3` | native RDMA verbs |
 //! | `nixl` | `nixl://?backends=UCX&host=127.0.0.1` | NVIDIA NIXL (`libnixl_capi.so`), loaded at run time |
 //!
-//! [`Engine::open`] starts the backend the URL names and wraps it in the
+//! [`Engine::open`] starts the backend the URL's scheme names (looked up
+//! in the scheme [`registry`], where a backend outside Ferry registers its
+//! own scheme too; `inproc://`, engines of this process, with the feature
+//! `inproc`) and wraps it in the
 //! [`CapabilityAdapter`]: every operation of the trait is available, either
 //! natively or emulated with the same observable semantics, and
 //! [`Engine::report`] says which. `?strict=1` turns emulation off and
@@ -52,9 +55,11 @@
 )]
 
 pub mod blocking;
+mod builtin;
 mod config;
 mod discovery;
 mod dispatch;
+pub mod registry;
 pub mod secret;
 
 pub use config::{BackendConfig, BackendKind, DiscoveryConfig, EngineConfig};

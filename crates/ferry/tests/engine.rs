@@ -13,7 +13,8 @@ use ferry::{
 #[tokio::test]
 async fn open_tcp_reports_every_optional_operation_native() {
     let e = Engine::open("tcp://127.0.0.1:0").await.unwrap();
-    assert_eq!(e.kind(), BackendKind::Tcp);
+    assert_eq!(e.kind(), Some(BackendKind::Tcp));
+    assert_eq!(e.scheme(), "tcp");
     assert_eq!(e.backend_name(), "tcp");
     assert!(e.segment_name().starts_with("127.0.0.1:"));
     let r = e.report();

@@ -36,7 +36,7 @@ async fn nixl_urls_open_engines_that_move_bytes_with_notifications() {
     let url = format!("nixl://?backends=UCX&lib={}&strict=1", lib.display());
     let decode = Arc::new(Engine::open(&url).await.expect("open decode"));
     let prefill = Arc::new(Engine::open(&url).await.expect("open prefill"));
-    assert_eq!(decode.kind(), BackendKind::Nixl);
+    assert_eq!(decode.kind(), Some(BackendKind::Nixl));
     let report = decode.report();
     for op in Operation::OPTIONAL {
         assert_eq!(report.support(op), Support::Native, "{op}");

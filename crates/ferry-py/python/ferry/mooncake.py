@@ -59,6 +59,7 @@ import threading
 import urllib.parse
 
 from . import Engine
+from ._native import _parse_url
 from .errors import AddressNotRegistered, FerryError
 
 __all__ = [
@@ -226,6 +227,16 @@ def _scheme(url):
     return url.partition("://")[0]
 
 
+def _query(pairs):
+    """The query of ``(key, value)`` pairs as Ferry's parser reads it back:
+    ``+`` for a space, everything else percent-encoded; a ``None`` value is
+    a bare key (``strict``)."""
+    return "&".join(
+        urllib.parse.quote_plus(k) if v is None else urllib.parse.urlencode([(k, v)])
+        for k, v in pairs
+    )
+
+
 class _CudaStreamMethod:
     """One of Mooncake's CUDA-stream methods, there exactly where Mooncake's
     own class has it, so that ``hasattr`` tells the truth: on an engine
@@ -355,9 +366,11 @@ class TransferEngine:
         return 0
 
     def _url(self, local_hostname, metadata_server, protocol, device_name, metadata_type):
-        scheme, _, rest = self._base_url.partition("://")
-        base_path, _, base_query = rest.partition("?")
-        params = urllib.parse.parse_qsl(base_query, keep_blank_values=True)
+        # Ferry's one URL parser (the engine's): a key given twice, a
+        # malformed escape or a fragment is refused here as it would be
+        # there (FerryError), never silently resolved.
+        scheme, base_path, path, params = _parse_url(self._base_url)
+        base_path += path
         host, port = _split_host_port(local_hostname or "")
         protocol = protocol or "tcp"
         if protocol not in KNOWN_PROTOCOLS:
@@ -373,16 +386,17 @@ class TransferEngine:
                 own.setdefault("device", device_name)
             if metadata_type:
                 own.setdefault("metadata_type", metadata_type)
-            return "mooncake-py://?" + urllib.parse.urlencode(own)
+            return "mooncake-py://?" + _query(own.items())
         if scheme == "tcp":
             # Ferry's TCP transport moves the bytes; the segment name is
             # host:port, the port Ferry's own. Anything it cannot honour is
             # refused unless the caller opted in to the fallback.
             fallback = [v for k, v in params if k == "allow_protocol_fallback"]
             params = [(k, v) for k, v in params if k != "allow_protocol_fallback"]
-            allowed = (fallback and fallback[-1].lower() in _TRUE) or os.environ.get(
-                "FERRY_ALLOW_PROTOCOL_FALLBACK", ""
-            ).lower() in _TRUE
+            # A bare `allow_protocol_fallback` (no value) is `true`.
+            allowed = (
+                bool(fallback) and (fallback[0] is None or fallback[0].lower() in _TRUE)
+            ) or os.environ.get("FERRY_ALLOW_PROTOCOL_FALLBACK", "").lower() in _TRUE
             if protocol != "tcp" and not _force_tcp():
                 if not allowed:
                     raise ValueError(
@@ -429,7 +443,7 @@ class TransferEngine:
                     host,
                 )
                 params.append(("insecure", "1"))
-            query = urllib.parse.urlencode(params)
+            query = _query(params)
             return f"tcp://{_bracket(host)}:{port}" + (f"?{query}" if query else "")
         if scheme == "mooncake":
             metadata = metadata_server or "P2PHANDSHAKE"
@@ -453,7 +467,7 @@ class TransferEngine:
                 own.setdefault("name", f"{_bracket(host)}:{port}")
             if device_name:
                 own.setdefault("device", device_name)
-            return "mooncake://?" + urllib.parse.urlencode(own)
+            return "mooncake://?" + _query(own.items())
         # Any other scheme (verbs://…) is passed through as given.
         return self._base_url
 
