@@ -8,7 +8,7 @@ BACKENDS: List[str]
 def cuda_driver_present() -> bool: ...
 def _parse_url(url: str) -> Tuple[str, str, str, List[Tuple[str, Optional[str]]]]:
     """Ferry's own URL parser (one set of rules: a repeated key is refused):
-    (scheme, host, path, query pairs; a bare key has None)."""
+    (scheme, authority, path, query pairs in URL order; a bare key has None)."""
     ...
 
 Memory = Any  # an int address, or an object exposing writable memory
