@@ -240,6 +240,28 @@ def test_host_port_name_is_the_address(etcd):
     gone(etcd, name, "peer-hp")
 
 
+def test_ip_name_and_sglang_session_id(etcd):
+    """SGLang's shape: ``initialize(<ip>, …)`` with no address in the URL
+    listens on that ip (a free port) and publishes the ip as the name; the
+    peer reaches it by the name (through etcd) and by SGLang's session id
+    ``f"{hostname}:{get_rpc_port()}"`` (directly)."""
+    target = started(etcd, "127.0.0.1", url="tcp://")
+    port = target.get_rpc_port()
+    assert ferry_key(etcd, "127.0.0.1")[0]["addresses"] == [f"127.0.0.1:{port}"]
+    peer = started(etcd, "peer-ip")
+    src = ctypes.create_string_buffer(b"s" * 4096, 4096)
+    dst = ctypes.create_string_buffer(4096)
+    assert peer.register_memory(address(src), 4096) == 0
+    assert target.register_memory(address(dst), 4096) == 0
+    for session in ("127.0.0.1", f"127.0.0.1:{port}"):
+        ctypes.memset(dst, 0, 4096)
+        assert peer.transfer_sync_write(session, address(src), address(dst), 4096) == 0
+        assert dst.raw == src.raw, session
+    assert target.unregister_memory(address(dst)) == 0
+    del target, peer
+    gone(etcd, "127.0.0.1", "peer-ip")
+
+
 def test_one_name_two_engines(etcd):
     """Two engines initialized with one local_hostname: the second gets -1
     with InvalidArgument naming it (Mooncake would overwrite silently)."""
