@@ -281,7 +281,8 @@ def test_tcp_backend_fails_loudly(caplog, monkeypatch):
         (("127.0.0.1", "P2PHANDSHAKE", "rdma", ""), "cannot be honoured"),
         (("127.0.0.1", "P2PHANDSHAKE", "rmda", ""), "unknown protocol 'rmda'"),
         (("127.0.0.1", "P2PHANDSHAKE", "tcp", "nonexistent0"), "nonexistent0"),
-        (("127.0.0.1", "etcd://10.0.0.9:2379", "tcp", ""), "metadata server"),
+        (("127.0.0.1", "redis://10.0.0.9:6379", "tcp", ""), "metadata server"),
+        (("127.0.0.1", "http://10.0.0.9:8080/metadata", "tcp", ""), "metadata server"),
     ]
     for args, why in cases:
         caplog.clear()

@@ -51,6 +51,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
             .map(|k| k.scheme())
             .collect::<Vec<_>>(),
     )?;
+    // Whether the wheel has the cargo feature `etcd` (ferry's etcd
+    // discovery): `ferry.mooncake` says so when etcd mode is asked of a
+    // wheel without it. Private: not part of the typed API.
+    m.add("_ETCD", cfg!(feature = "etcd"))?;
     Ok(())
 }
 

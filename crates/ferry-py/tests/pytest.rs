@@ -4,7 +4,8 @@
 //! 1. a virtual environment under the target directory
 //!    (`<target>/tmp/ferry-py/venv`), made with `python3 -m venv`, with
 //!    maturin, pytest and numpy installed from the package registry (once);
-//! 2. `maturin build` of the abi3 wheel and `pip install` of that wheel (so
+//! 2. `maturin build` of the abi3 wheel (with the `etcd` feature where
+//!    `protoc` is found) and `pip install` of that wheel (so
 //!    the wheel itself is what is tested; where `FERRY_PY_WHEEL` names a
 //!    wheel built beforehand, that one: `.ci/run` passes its
 //!    `manylinux_2_28` wheel), plus `cargo build -p ferry-cli`
@@ -24,6 +25,11 @@
 //!    where python3 is missing, the registry is unreachable or the wheel does
 //!    not import (libibverbs.so.1 missing); `FERRY_REQUIRE_BACKENDS` listing
 //!    `mooncake-py` turns that skip into a failure.
+//! 5. `etcd_mode`: `pytests/test_etcd.py` (`ferry.mooncake` in etcd mode
+//!    against a real etcd it starts), in the main venv and, with a
+//!    Mooncake node beside Ferry's, in the wheels' venvs. Skips (printed)
+//!    without etcd or a wheel built without `protoc`; `FERRY_REQUIRE_BACKENDS`
+//!    listing `etcd` turns that skip into a failure.
 //!
 //! Only a machine without `python3` at all skips (printed); a missing
 //! `venv` module, a failed install or build is a failure with the reason.
@@ -191,6 +197,9 @@ fn pytest_suite() {
     let status = pytest
         .args(["-m", "pytest", "-v", "-p", "no:cacheprovider", "-rs"])
         .arg(crate_dir.join("pytests"))
+        // Run by `etcd_mode`.
+        .arg("--ignore")
+        .arg(crate_dir.join("pytests/test_etcd.py"))
         .current_dir(&work)
         .env("FERRY_TEST_MOONCAKE_OLD", library_path(Generation::V0_2_0))
         .env(
@@ -266,42 +275,12 @@ fn mooncake_wheels() {
         return;
     };
     let crate_dir = workspace_root().join("crates/ferry-py");
-    let wheels = [
-        ("mc033", "mooncake-transfer-engine==0.3.3"),
-        ("mc0313", "mooncake-transfer-engine-non-cuda==0.3.13.post1"),
-    ];
-    for (name, requirement) in wheels {
-        let venv = work.join(format!("venv-{name}"));
-        make_venv(&python, &venv);
-        let vpython = venv.join("bin/python");
-        let stamp = venv.join(".ferry-wheel-installed");
-        if !stamp.exists() {
-            let out = pip_install(&vpython, requirement, &[requirement, "pytest>=7"]);
-            if !out.status.success() {
-                unavailable(&format!(
-                    "`pip install {requirement}` failed (registry unreachable?): {}",
-                    String::from_utf8_lossy(&out.stderr).trim()
-                ));
-                return;
-            }
-            std::fs::write(&stamp, b"ok\n").expect("writing the venv stamp");
-        }
-        install_wheel(&vpython, &wheel);
+    for (name, requirement) in MOONCAKE_WHEELS {
+        let vpython = match mooncake_venv(&python, &work, &wheel, name, requirement) {
+            Ok(p) => p,
+            Err(reason) => return unavailable(&reason),
+        };
         install_mypy(&vpython);
-        // The wheels link libibverbs.so.1 (Debian: libibverbs1; .ci/run
-        // installs it).
-        let probe = Command::new(&vpython)
-            .args(["-c", "import mooncake.engine"])
-            .env("ASAN_OPTIONS", ASAN_OPTIONS)
-            .output()
-            .expect("running python");
-        if !probe.status.success() {
-            unavailable(&format!(
-                "{requirement} does not import: {}",
-                String::from_utf8_lossy(&probe.stderr).trim()
-            ));
-            return;
-        }
         let status = Command::new(&vpython)
             .args(["-m", "pytest", "-v", "-p", "no:cacheprovider", "-rs"])
             .arg(crate_dir.join("pytests/test_wheel.py"))
@@ -321,6 +300,121 @@ fn mooncake_wheels() {
             status.success(),
             "test_wheel.py over {requirement} failed ({status}); its output is above"
         );
+    }
+}
+
+/// The real Mooncake wheels: the venv's name and the requirement.
+const MOONCAKE_WHEELS: [(&str, &str); 2] = [
+    ("mc033", "mooncake-transfer-engine==0.3.3"),
+    ("mc0313", "mooncake-transfer-engine-non-cuda==0.3.13.post1"),
+];
+
+/// The kept venv `<work>/venv-<name>` with `requirement` (installed
+/// once) and Ferry's `wheel`: its python, or why it cannot be had (the
+/// registry unreachable, the wheel does not import).
+fn mooncake_venv(
+    python: &str,
+    work: &Path,
+    wheel: &Path,
+    name: &str,
+    requirement: &str,
+) -> Result<PathBuf, String> {
+    let venv = work.join(format!("venv-{name}"));
+    make_venv(python, &venv);
+    let vpython = venv.join("bin/python");
+    let stamp = venv.join(".ferry-wheel-installed");
+    if !stamp.exists() {
+        let out = pip_install(&vpython, requirement, &[requirement, "pytest>=7"]);
+        if !out.status.success() {
+            return Err(format!(
+                "`pip install {requirement}` failed (registry unreachable?): {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            ));
+        }
+        std::fs::write(&stamp, b"ok\n").expect("writing the venv stamp");
+    }
+    install_wheel(&vpython, wheel);
+    // The wheels link libibverbs.so.1 (Debian: libibverbs1; .ci/run
+    // installs it).
+    let probe = Command::new(&vpython)
+        .args(["-c", "import mooncake.engine"])
+        .env("ASAN_OPTIONS", ASAN_OPTIONS)
+        .output()
+        .expect("running python");
+    if !probe.status.success() {
+        return Err(format!(
+            "{requirement} does not import: {}",
+            String::from_utf8_lossy(&probe.stderr).trim()
+        ));
+    }
+    Ok(vpython)
+}
+
+/// `pytests/test_etcd.py`: `ferry.mooncake` in etcd mode on `tcp://`
+/// against a real etcd the module starts, in the main venv (two Ferry
+/// nodes) and in each real Mooncake wheel's venv (a Mooncake node beside
+/// Ferry nodes on one etcd). The module skips where etcd is not installed
+/// or the wheel lacks the `etcd` feature (built without `protoc`), and
+/// fails instead when `FERRY_REQUIRE_BACKENDS` lists `etcd`; without the
+/// Mooncake venvs (registry unreachable) the Mooncake part skips, or
+/// fails when `etcd` or `mooncake-py` is required.
+#[test]
+fn etcd_mode() {
+    let _one = ONE_SUITE_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    let Some(Built {
+        python,
+        wheel,
+        work,
+    }) = built()
+    else {
+        assert!(
+            !required("etcd"),
+            "etcd is required (FERRY_REQUIRE_BACKENDS) but python3 was not found"
+        );
+        eprintln!("skipped: ferry-py etcd_mode: python3 not found");
+        return;
+    };
+    let module = workspace_root().join("crates/ferry-py/pytests/test_etcd.py");
+    let pytest = |vpython: &Path, requirement: Option<&str>| {
+        let mut cmd = Command::new(vpython);
+        cmd.args(["-m", "pytest", "-v", "-p", "no:cacheprovider", "-rs"])
+            .arg(&module)
+            .current_dir(&work)
+            .env("ASAN_OPTIONS", ASAN_OPTIONS)
+            .env("PYTHONDONTWRITEBYTECODE", "1")
+            .env_remove("PYTHONPATH")
+            .env_remove("FERRY_URL")
+            .env_remove("FERRY_MOONCAKE_SHIM")
+            .env_remove("FERRY_TEST_WHEEL");
+        if let Some(r) = requirement {
+            // The Ferry-only tests ran in the main venv.
+            cmd.args(["-k", "mooncake_wheel"])
+                .env("FERRY_TEST_WHEEL", r);
+        }
+        let status = cmd.status().expect("running pytest");
+        assert!(
+            status.success(),
+            "test_etcd.py ({}) failed ({status}); its output is above",
+            requirement.unwrap_or("Ferry nodes")
+        );
+    };
+    let vpython = work.join("venv/bin/python");
+    install_wheel(&vpython, &wheel);
+    pytest(&vpython, None);
+    for (name, requirement) in MOONCAKE_WHEELS {
+        match mooncake_venv(&python, &work, &wheel, name, requirement) {
+            Ok(vpython) => pytest(&vpython, Some(requirement)),
+            Err(reason) => {
+                assert!(
+                    !required("etcd") && !required("mooncake-py"),
+                    "a Mooncake node beside Ferry in etcd is required (FERRY_REQUIRE_BACKENDS) \
+                     but {reason}"
+                );
+                eprintln!("skipped: ferry-py etcd_mode with {requirement}: {reason}");
+            }
+        }
     }
 }
 
@@ -397,10 +491,27 @@ fn build(python: &str, work: &Path, given: Option<PathBuf>) -> PathBuf {
     ))
     .expect("PATH");
     let _ = std::fs::remove_dir_all(&dist);
+    // The `etcd` feature (ferry.mooncake in etcd mode) where its build can
+    // run: etcd-client's build script runs `protoc`. Without it the wheel
+    // lacks etcd and pytests/test_etcd.py skips (fails when
+    // FERRY_REQUIRE_BACKENDS lists etcd), so the README's test command
+    // needs no protoc.
+    let features: &[&str] = match protoc_found(&path) {
+        true => &["--features", "etcd"],
+        false => {
+            eprintln!(
+                "ferry-py pytest: protoc not found: building the wheel without the `etcd` \
+                 feature (apt-get install protobuf-compiler)"
+            );
+            &[]
+        }
+    };
     run(
         "building the abi3 wheel",
         Command::new(bin.join("maturin"))
-            .args(["build", "--profile", "dev", "--interpreter"])
+            .args(["build", "--profile", "dev"])
+            .args(features)
+            .arg("--interpreter")
             .arg(&vpython)
             .arg("-m")
             .arg(crate_dir.join("Cargo.toml"))
@@ -423,6 +534,15 @@ fn build(python: &str, work: &Path, given: Option<PathBuf>) -> PathBuf {
     );
     check_abi3(&wheels[0]);
     wheels[0].clone()
+}
+
+/// Whether etcd-client's build script will find `protoc`: `$PROTOC`, or
+/// `protoc` on `path`.
+fn protoc_found(path: &std::ffi::OsStr) -> bool {
+    if let Some(p) = std::env::var_os("PROTOC") {
+        return Path::new(&p).is_file();
+    }
+    std::env::split_paths(path).any(|d| d.join("protoc").is_file())
 }
 
 fn check_abi3(wheel: &Path) {

@@ -58,7 +58,8 @@ import sys
 import threading
 import urllib.parse
 
-from . import Engine
+from . import Engine, _native
+from . import errors as _errors
 from ._native import _parse_url
 from .errors import AddressNotRegistered, FerryError
 
@@ -144,6 +145,58 @@ def _split_host_port(hostname):
         return host, int(port) if port else 0
     except ValueError:
         return hostname, 0
+
+
+def _etcd_endpoints(metadata_server, metadata_type):
+    """The etcd endpoints ``h:p,h2:p2`` when ``initialize`` asks for
+    Mooncake's etcd mode (``etcd://h:p[,h2:p2]``, ``;`` also separates;
+    a bare ``h:p`` as Mooncake takes it, or ``metadata_type="etcd"``),
+    else ``None``."""
+    server = (metadata_server or "").strip()
+    if not server or server == "P2PHANDSHAKE" or metadata_type == "p2p":
+        return None
+    scheme, sep, rest = server.partition("://")
+    if sep:
+        if scheme.lower() != "etcd":
+            return None
+    elif metadata_type not in ("", None, "etcd"):
+        return None
+    else:
+        rest = server
+    return ",".join(e.strip() for e in rest.replace(";", ",").split(",") if e.strip())
+
+
+def _etcd_mode(local_hostname, base_path, params, endpoints):
+    """``tcp://`` in etcd mode: adds the discovery parameters to ``params``
+    and returns where to listen, ``(host, port)``.
+
+    The segment name is ``local_hostname``, as in Mooncake. A name without
+    ``:`` (``prefill-0``, ``10.0.0.7``) is published as a logical name: the
+    engine listens on the URL's ``host[:port]`` (``tcp://10.0.0.7:0``) or,
+    without one, on ``local_hostname`` itself with a free port. A
+    ``host:port`` name is an address: the engine listens there and
+    publishes its ``host:port`` segment name, which peers open directly."""
+    if not _native._ETCD:
+        raise _errors.Unavailable(
+            "this ferry wheel was built without etcd support (the cargo feature `etcd` of "
+            "ferry-py), so ferry.mooncake cannot use Mooncake's etcd mode on tcp://; build "
+            "the wheel with `maturin build --features etcd` (needs protoc), or use "
+            "mooncake-py:// (the Mooncake wheel's own etcd client)",
+            backend="etcd",
+            reason="built without the etcd feature",
+        )
+    if not endpoints:
+        raise ValueError("etcd metadata server without an endpoint (etcd://host:port)")
+    params.append(("metadata", f"etcd://{endpoints}"))
+    host, port = _split_host_port(local_hostname or "")
+    if ":" in (local_hostname or ""):
+        return host, port
+    if not local_hostname:
+        raise ValueError("etcd mode needs local_hostname: the segment name peers open")
+    params.append(("segment_name", local_hostname))
+    if base_path:
+        return _split_host_port(base_path)
+    return local_hostname, 0
 
 
 def _is_loopback(host):
@@ -416,12 +469,17 @@ class TransferEngine:
                         f"device {dev!r} does not exist (neither /sys/class/infiniband/{dev} "
                         f"nor /sys/class/net/{dev})"
                     )
-            if metadata_server not in ("", None, "P2PHANDSHAKE") and metadata_type != "p2p":
+            etcd = _etcd_endpoints(metadata_server, metadata_type)
+            if etcd is None and metadata_server not in ("", None, "P2PHANDSHAKE") and (
+                metadata_type != "p2p"
+            ):
                 raise ValueError(
                     f"metadata server {metadata_server!r} cannot be used by Ferry's tcp:// backend "
-                    "(its segment names are host:port, P2PHANDSHAKE only); use mooncake-py:// "
-                    "or mooncake:// with a metadata server"
+                    "(P2PHANDSHAKE or etcd only); use mooncake-py:// or mooncake:// with a "
+                    "redis or http metadata server"
                 )
+            if etcd is not None:
+                host, port = _etcd_mode(local_hostname, base_path, params, etcd)
             host = host or (base_path.rsplit(":", 1)[0] if base_path else "127.0.0.1")
             keys = {k.lower() for k, _ in params}
             # The engine takes the secret from FERRY_SECRET or
@@ -1070,6 +1128,11 @@ class TransferEngine:
         return 0
 
     def _fail(self, method, error, code):
+        # Kept and logged without its traceback: its frames hold this
+        # engine, which would otherwise live on (its registered memory, its
+        # etcd lease) after its last reference went, as long as the error
+        # or a log record of it does.
+        error = error.with_traceback(None)
         self._last_error = error
         logger.warning("%s failed: %s", method, error)
         return code
