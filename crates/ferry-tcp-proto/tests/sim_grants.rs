@@ -24,6 +24,9 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::{Duration, Instant};
 
+mod common;
+
+use common::Rng;
 use ferry_tcp_proto::grants::{GrantTable, Slot, Unfinished, UnregisterStep, Unregistration};
 use ferry_tcp_proto::time::Time;
 
@@ -32,25 +35,6 @@ const STEPS: u64 = 300;
 const SLOTS: u64 = 4;
 const INITIATORS: usize = 2;
 const PATIENCE: Duration = Duration::from_millis(20);
-
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        if n == 0 {
-            0
-        } else {
-            self.next() % n
-        }
-    }
-}
 
 /// The region table as the engine has it (`RegionTable`): a region with a
 /// payload held unproven (the CREAD fence) is refused removal and leaves

@@ -26,6 +26,9 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
+mod common;
+
+use common::Rng;
 use ferry_tcp_proto::frame::{
     decode_ids, encode_segments, encode_table, Request, Response, Segment, Status, TableEntry,
     CMA_SEGMENT_LEN, HEADER_LEN, MAX_ACKS, MAX_NOTIFY_MESSAGE, SEGMENT_LEN,
@@ -47,29 +50,6 @@ const HELD_BOUND: usize = MAX_ACKS as usize * 8 * 2
     + MAX_NOTIFY_MESSAGE as usize
     + 512 * SEGMENT_LEN
     + 512 * 4 * 2;
-
-/// SplitMix64: small, seedable, enough for schedules.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        if n == 0 {
-            0
-        } else {
-            self.next() % n
-        }
-    }
-    fn chance(&mut self, percent: u64) -> bool {
-        self.below(100) < percent
-    }
-}
 
 /// The world's region table: base → (len, generation).
 #[derive(Default)]
