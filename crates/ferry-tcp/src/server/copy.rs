@@ -127,14 +127,3 @@ pub(super) async fn staged_copy(
     let end = st.to_initiator;
     stage::wait(|| ring.drained(end), &ring.tail_waiter(), watch).await
 }
-
-/// The status a v-frame reports for its failed segments: `StaleRegion` if
-/// any failed for that reason (the initiator refreshes its table and
-/// retries them), else `AddressNotRegistered`.
-pub(super) fn failed_status(guards: &[Result<RegionGuard, Status>]) -> Status {
-    if guards.iter().any(|g| matches!(g, Err(Status::StaleRegion))) {
-        Status::StaleRegion
-    } else {
-        Status::AddressNotRegistered
-    }
-}

@@ -2,10 +2,10 @@
 //! requests and answers them (acknowledgements coalesced), and the
 //! same-host connection's own thread.
 
-use super::copy::{acquire_segments, cma_copy, failed_status, staged_copy};
+use super::copy::{acquire_segments, cma_copy, staged_copy};
 use super::*;
 use ferry_tcp_proto::target::{
-    frame_bytes, landed, overlapping, Delivered, Part, Step, TargetConn,
+    failed_status, frame_bytes, landed, overlapping, Delivered, Part, Step, TargetConn,
 };
 
 /// A connection's serving state, handed to a dedicated thread when the
@@ -263,6 +263,7 @@ async fn run_step(
                 return Ok(());
             }
             Step::Close(reason) => return Err(closed(stream, conn, core, peer, reason).await),
+            // Taken by `serve` before any step runs (never reached).
             Step::Driver(_) => return Ok(()),
         };
     }
