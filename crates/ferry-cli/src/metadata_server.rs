@@ -365,7 +365,7 @@ impl State {
     /// (every update is one map operation plus one counter), so poisoning is
     /// ignored.
     fn store(&self) -> std::sync::MutexGuard<'_, Store> {
-        ferry::raw::lock(&self.store)
+        ferry::__private::sync::lock(&self.store)
     }
 }
 

@@ -24,7 +24,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
-use ferry::ferry_mooncake::{Generation, MooncakeConfig, MooncakeEngine, MooncakeLibrary};
+use ferry::mooncake::{Generation, MooncakeConfig, MooncakeEngine, MooncakeLibrary};
 use ferry::{Result, TransferEngine};
 use ferry_core::conformance::{report_skip, run_check, EngineFactory, Outcome, CHECKS};
 

@@ -12,11 +12,11 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use ferry::ferry_tcp::test_support::frame::{
-    Hello, Request, HELLO_FIXED, NONCE_LEN, VERSION, WELCOME,
-};
-use ferry::ferry_tcp::{TcpConfig, TcpEngine};
+// The wire format from the protocol's own crate (the sans-IO core), as a
+// hostile peer speaks it by hand.
+use ferry::tcp::{TcpConfig, TcpEngine};
 use ferry::{Notification, TransferEngine};
+use ferry_tcp_proto::frame::{Hello, Request, HELLO_FIXED, NONCE_LEN, VERSION, WELCOME};
 
 /// Kills the child on drop so a failed test leaves no process behind.
 struct Serve {
@@ -447,10 +447,9 @@ fn raw_handshake(segment: &str, addr: u64) -> (TcpStream, u32) {
     s.read_exact(&mut head).unwrap();
     assert_eq!(head[0], WELCOME);
     let count = u32::from_le_bytes(head[37..41].try_into().unwrap());
-    let mut raw =
-        vec![0u8; count as usize * ferry::ferry_tcp::test_support::frame::TABLE_ENTRY_LEN];
+    let mut raw = vec![0u8; count as usize * ferry_tcp_proto::frame::TABLE_ENTRY_LEN];
     s.read_exact(&mut raw).unwrap();
-    let table = ferry::ferry_tcp::test_support::frame::decode_table(&raw).unwrap();
+    let table = ferry_tcp_proto::frame::decode_table(&raw).unwrap();
     let gen = table
         .iter()
         .find(|e| e.addr <= addr && addr < e.addr + e.len)

@@ -41,7 +41,7 @@ use std::task::{Context, Poll, Wake, Waker};
 use std::thread::Thread;
 use std::time::{Duration, Instant};
 
-use crate::raw::lock;
+use crate::__private::sync::lock;
 
 type BoxFut = Pin<Box<dyn Future<Output = ()> + Send>>;
 

@@ -31,8 +31,8 @@ use std::time::Instant;
 
 use tokio::sync::Notify;
 
+use crate::__private::sync::lock;
 use crate::error::{batches_full, Error, Result};
-use crate::raw::lock;
 use crate::types::{BatchId, BatchReport, BatchStatus, TransferState, MAX_LIVE_BATCHES};
 
 /// The batches of one engine (or adapter) that callers hold ids for.

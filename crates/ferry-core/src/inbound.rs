@@ -21,7 +21,7 @@ use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use crate::raw::lock;
+use crate::__private::sync::lock;
 
 /// Distinct peers a [`ServedTraffic`] table gives counters of their own by
 /// default; the rest share those of [`OTHER_PEER`].

@@ -21,8 +21,8 @@ use std::time::Duration;
 
 use tokio::sync::Notify;
 
+use crate::__private::sync::lock;
 use crate::inbound::NotificationsDropped;
-use crate::raw::lock;
 use crate::types::Notification;
 
 /// Bytes counted for each queued notification besides its strings (the

@@ -40,7 +40,7 @@ const BACKEND: &str = "inproc";
 /// [`Error::QueueFull`].
 pub const MAX_QUEUED_NOTIFICATIONS: usize = 1024;
 
-use crate::raw::lock;
+use crate::__private::sync::lock;
 
 /// The process-wide name → engine registry.
 fn registry() -> &'static Mutex<HashMap<String, Weak<Core>>> {

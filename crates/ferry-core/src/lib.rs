@@ -178,33 +178,38 @@ pub mod raw {
     pub mod auth {
         pub use crate::auth::{nonce, proof, verify, MAC_LEN, NONCE_LEN};
     }
-
-    use std::sync::{Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
-
-    /// Locks `m`, using the data even if a thread panicked while holding it.
-    /// For critical sections that leave the data consistent at every step
-    /// (single map or vector operations), where poisoning says nothing.
-    pub fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-        m.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// [`lock`] for readers of an `RwLock`.
-    pub fn read<T>(m: &RwLock<T>) -> RwLockReadGuard<'_, T> {
-        m.read().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// [`lock`] for writers of an `RwLock`.
-    pub fn write<T>(m: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
-        m.write().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// [`lock`] through `&mut` (no locking needed, poisoning ignored).
-    pub fn get_mut<T>(m: &mut Mutex<T>) -> &mut T {
-        m.get_mut().unwrap_or_else(|p| p.into_inner())
-    }
 }
 
+/// For Ferry's own crates only: not part of the API, not covered by semver,
+/// hidden from the documentation and from the public-API listing.
 #[doc(hidden)]
 pub mod __private {
     pub use tokio;
+
+    /// Poison-ignoring lock helpers shared by the workspace's crates.
+    pub mod sync {
+        use std::sync::{Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+        /// Locks `m`, using the data even if a thread panicked while holding it.
+        /// For critical sections that leave the data consistent at every step
+        /// (single map or vector operations), where poisoning says nothing.
+        pub fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+            m.lock().unwrap_or_else(|p| p.into_inner())
+        }
+
+        /// [`lock`] for readers of an `RwLock`.
+        pub fn read<T>(m: &RwLock<T>) -> RwLockReadGuard<'_, T> {
+            m.read().unwrap_or_else(|p| p.into_inner())
+        }
+
+        /// [`lock`] for writers of an `RwLock`.
+        pub fn write<T>(m: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
+            m.write().unwrap_or_else(|p| p.into_inner())
+        }
+
+        /// [`lock`] through `&mut` (no locking needed, poisoning ignored).
+        pub fn get_mut<T>(m: &mut Mutex<T>) -> &mut T {
+            m.get_mut().unwrap_or_else(|p| p.into_inner())
+        }
+    }
 }

@@ -94,7 +94,7 @@ impl RegionTable {
         // A panic while holding this lock cannot leave the map inconsistent
         // (every critical section is a single map operation), so poisoning is
         // ignored rather than propagated.
-        crate::raw::lock(&self.shared.entries)
+        crate::__private::sync::lock(&self.shared.entries)
     }
 
     /// Adds `region`. Fails with [`Error::InvalidArgument`] if it is empty or
@@ -183,7 +183,7 @@ impl RegionTable {
     /// runs after the table's lock is let go (it may call the table), on
     /// the thread that dropped the guard; it must not block.
     pub fn on_detached_release(&self, hook: impl Fn(&RegionTable, u64) + Send + Sync + 'static) {
-        *crate::raw::lock(&self.shared.on_detached_release) = Some(Arc::new(hook));
+        *crate::__private::sync::lock(&self.shared.on_detached_release) = Some(Arc::new(hook));
     }
 
     /// Whether `[addr, addr+len)` lies inside one live region.
@@ -333,7 +333,7 @@ impl RegionTable {
         }
         drop(map);
         if gone {
-            let hook = crate::raw::lock(&self.shared.on_detached_release).clone();
+            let hook = crate::__private::sync::lock(&self.shared.on_detached_release).clone();
             if let Some(hook) = hook {
                 hook(self, base);
             }

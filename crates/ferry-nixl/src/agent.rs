@@ -114,7 +114,7 @@ impl Agent {
     }
 
     fn lock(&self) -> MutexGuard<'_, ()> {
-        ferry_core::raw::lock(&self.calls)
+        ferry_core::__private::sync::lock(&self.calls)
     }
 
     /// The agent's name.
@@ -182,7 +182,7 @@ impl Agent {
             (api.destroy_params)(params);
         }
         check("nixl_capi_create_backend", created)?;
-        ferry_core::raw::lock(&self.backends).push((plugin.to_owned(), Raw(backend)));
+        ferry_core::__private::sync::lock(&self.backends).push((plugin.to_owned(), Raw(backend)));
         Ok(())
     }
 
@@ -495,7 +495,7 @@ impl Agent {
 impl Drop for Agent {
     fn drop(&mut self) {
         let api = &self.lib.api;
-        let backends = std::mem::take(ferry_core::raw::get_mut(&mut self.backends));
+        let backends = std::mem::take(ferry_core::__private::sync::get_mut(&mut self.backends));
         // SAFETY: called once, when nothing else holds the agent (every
         // engine task holds an Arc to it). Destroying the agent tears down
         // its backends; `nixl_capi_destroy_backend` then only deletes the

@@ -17,7 +17,8 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use ferry_core::raw::{lock, BatchDriver, BatchTable, Removal};
+use ferry_core::__private::sync::lock;
+use ferry_core::raw::{BatchDriver, BatchTable, Removal};
 use ferry_core::{
     BackendInfo, BatchId, BatchReport, BatchStatus, Capabilities, Error, Location, MemoryKinds,
     MemoryRegion, Notification, RegionGuard, RegionInfo, RegionTable, Result, SegmentId, Side,

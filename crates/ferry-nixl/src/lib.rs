@@ -10,7 +10,8 @@ mod control;
 mod engine;
 mod library;
 mod poller;
-#[doc(hidden)]
+/// For tests (feature `test-support`, off by default; not part of the API).
+#[cfg(feature = "test-support")]
 pub mod test_support;
 mod ucx_env;
 

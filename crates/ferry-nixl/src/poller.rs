@@ -24,7 +24,8 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
-use ferry_core::raw::{lock, BatchDriver};
+use ferry_core::__private::sync::lock;
+use ferry_core::raw::BatchDriver;
 use ferry_core::{Error, RegionGuard, Result};
 
 use crate::agent::{Agent, XferReq, XferState};

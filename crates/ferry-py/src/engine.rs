@@ -54,7 +54,7 @@ impl Drop for PyEngine {
         let Some(Handle { engine, wheel }) = self.inner.take() else {
             return;
         };
-        let mut regions = std::mem::take(ferry::raw::get_mut(&mut self.regions));
+        let mut regions = std::mem::take(ferry::__private::sync::get_mut(&mut self.regions));
         let Ok(rt) = runtime() else {
             // No runtime, so no engine was ever started; kept all the same.
             leak(regions.drain().map(|(_, h)| h));
@@ -283,7 +283,7 @@ impl PyEngine {
         // A poisoned lock only means another thread panicked while holding
         // it; the map itself is still consistent (inserts and removes are
         // single operations).
-        ferry::raw::lock(&self.regions)
+        ferry::__private::sync::lock(&self.regions)
     }
 
     /// Keeps `keep` for the registration just made at `addr`. A holder
@@ -299,7 +299,7 @@ impl PyEngine {
 
     /// Calls the `after_unregister` test hook, if one is set.
     fn run_test_hook(&self, py: Python<'_>) -> PyResult<()> {
-        let hook = ferry::raw::lock(&self.after_unregister)
+        let hook = ferry::__private::sync::lock(&self.after_unregister)
             .as_ref()
             .map(|f| f.clone_ref(py));
         match hook {
@@ -939,7 +939,7 @@ impl PyEngine {
     fn _set_test_hook(&self, name: &str, hook: Option<Py<PyAny>>) -> PyResult<()> {
         match name {
             "after_unregister" => {
-                *ferry::raw::lock(&self.after_unregister) = hook;
+                *ferry::__private::sync::lock(&self.after_unregister) = hook;
                 Ok(())
             }
             _ => Err(PyValueError::new_err(format!("unknown test hook {name:?}"))),

@@ -500,7 +500,7 @@ impl Inner {
     }
 
     fn peer(&self, segment: SegmentId) -> Result<String> {
-        ferry::raw::lock(&self.segments)
+        ferry::__private::sync::lock(&self.segments)
             .get(&segment.0)
             .cloned()
             .ok_or(Error::UnknownSegment(segment))
@@ -945,7 +945,7 @@ impl TransferEngine for WheelEngine {
         if name.is_empty() {
             return Err(bad("an empty segment name".to_owned()));
         }
-        let mut segs = ferry::raw::lock(&self.inner.segments);
+        let mut segs = ferry::__private::sync::lock(&self.inner.segments);
         if let Some((id, _)) = segs.iter().find(|(_, n)| n.as_str() == name) {
             return Ok(SegmentId(*id));
         }
@@ -955,7 +955,7 @@ impl TransferEngine for WheelEngine {
     }
 
     async fn close_segment(&self, segment: SegmentId) -> Result<()> {
-        ferry::raw::lock(&self.inner.segments)
+        ferry::__private::sync::lock(&self.inner.segments)
             .remove(&segment.0)
             .map(|_| ())
             .ok_or(Error::UnknownSegment(segment))

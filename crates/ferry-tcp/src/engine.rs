@@ -4,7 +4,8 @@ use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
-use ferry_core::raw::{lock, BatchDriver, BatchTable};
+use ferry_core::__private::sync::lock;
+use ferry_core::raw::{BatchDriver, BatchTable};
 use ferry_core::{
     BackendInfo, BatchId, BatchReport, BatchStatus, Capabilities, Error, MemoryKinds, MemoryRegion,
     Notification, Result, SegmentId, TransferEngine, TransferRequest,

@@ -95,9 +95,10 @@ pub use server::{MAX_QUEUED_NOTIFICATIONS, MAX_QUEUED_NOTIFICATION_BYTES};
 pub use tls::TlsMode;
 
 /// The wire format, the staging area and the same-host checks, for this
-/// workspace's own tests (raw and hostile peers speak the protocol by
-/// hand). Not part of the API: nothing here is covered by semver.
-#[doc(hidden)]
+/// crate's own tests (raw and hostile peers speak the protocol by hand).
+/// Feature `test-support`, off by default; not part of the API. Other
+/// crates' hostile tests take the frames from `ferry_tcp_proto::frame`.
+#[cfg(feature = "test-support")]
 pub mod test_support {
     /// The frames (see PROTOCOL.md).
     pub mod frame {

@@ -222,7 +222,7 @@ impl fmt::Debug for BackendConfig {
 /// ```
 /// # #[cfg(feature = "tcp")]
 /// # fn main() -> ferry::Result<()> {
-/// use ferry::ferry_tcp::TcpConfig;
+/// use ferry::tcp::TcpConfig;
 /// use ferry::{AdapterConfig, BackendConfig, EngineConfig, Operation, Secret};
 ///
 /// let tcp = TcpConfig::builder()

@@ -247,7 +247,7 @@ impl Engine {
     }
 
     /// The backend under the stack, if it is a `B`
-    /// (`engine.backend::<ferry::ferry_tcp::TcpEngine>()`): for what only
+    /// (`engine.backend::<ferry::tcp::TcpEngine>()`): for what only
     /// that backend offers.
     pub fn backend<B: TransferEngine>(&self) -> Option<&B> {
         self.inner.backend().downcast_ref::<B>()

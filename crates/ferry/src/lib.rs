@@ -101,9 +101,16 @@ pub use ferry_core::Secret;
 /// by a runtime worker.
 pub use ferry_core::assist;
 
-/// The TCP backend crate (feature `tcp`).
+/// The TCP backend (feature `tcp`): its configuration, its engine and what
+/// it reports about a peer. Reach the engine behind an [`Engine`] with
+/// `engine.backend::<ferry::tcp::TcpEngine>()`.
 #[cfg(feature = "tcp")]
-pub use ferry_tcp;
+pub mod tcp {
+    pub use ferry_tcp::{
+        FeatureOff, FeatureState, PeerReport, SameHost, TcpConfig, TcpConfigBuilder, TcpEngine,
+        TlsMode, VersionRange, MAX_QUEUED_NOTIFICATIONS, MAX_QUEUED_NOTIFICATION_BYTES,
+    };
+}
 
 /// What a TCP engine negotiated with a peer ([`Engine::peer_report`]).
 #[cfg(feature = "tcp")]
@@ -174,17 +181,42 @@ pub fn pep440_version() -> String {
     }
 }
 
-/// The Mooncake backend crate (feature `mooncake`).
+/// The Mooncake Transfer Engine backend (feature `mooncake`): its
+/// configuration, its engine and the loaded library with its generation.
 #[cfg(feature = "mooncake")]
-pub use ferry_mooncake;
+pub mod mooncake {
+    pub use ferry_mooncake::{
+        code_name, Generation, LibrarySource, LibraryTrust, MooncakeConfig, MooncakeConfigBuilder,
+        MooncakeEngine, MooncakeErrorCode, MooncakeLibrary, DEFAULT_LIBRARY, LIBRARY_ENV,
+    };
+}
 
-/// The verbs backend crate (feature `verbs`).
+/// The RDMA verbs backend (feature `verbs`): its configuration, its engine
+/// and what it negotiated with a peer.
 #[cfg(feature = "verbs")]
-pub use ferry_verbs;
+pub mod verbs {
+    pub use ferry_verbs::{
+        Feature, FeatureState, PeerProtocol, VerbsConfig, VerbsConfigBuilder, VerbsEngine,
+        VersionRange,
+    };
+}
 
-/// The NIXL backend crate (feature `nixl`).
+/// The NVIDIA NIXL backend (feature `nixl`): its configuration, its engine
+/// and the loaded library with its generation.
 #[cfg(feature = "nixl")]
-pub use ferry_nixl;
+pub mod nixl {
+    pub use ferry_nixl::{
+        active_python_wheel_library, Generation, LibrarySource, LibraryTrust, NixlConfig,
+        NixlConfigBuilder, NixlEngine, NixlLibrary, DEFAULT_LIBRARY, LIBRARY_ENV,
+    };
+}
+
+/// For Ferry's own crates only (the CLI, the Python package): not part of
+/// the API, not covered by semver, hidden from the documentation.
+#[doc(hidden)]
+pub mod __private {
+    pub use ferry_core::__private::sync;
+}
 
 /// The repository README's examples, compiled as doc tests so that they stay
 /// true to the API.

@@ -6,12 +6,12 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use ferry::ferry_nixl::test_support::install_pinned_wheel;
 use ferry::{
     BackendKind, Engine, Error, Notification, Operation, RegisteredBuffer, Support, TransferEngine,
     TransferRequest,
 };
 use ferry_core::conformance::skip_unavailable;
+use ferry_nixl::test_support::install_pinned_wheel;
 
 fn library() -> Option<PathBuf> {
     let venv = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))

@@ -68,7 +68,7 @@ fn parsers_never_quote_a_secret() {
 #[test]
 fn the_tcp_parser_never_quotes_a_secret_directly() {
     for url in bad_urls() {
-        if let Err(e) = ferry::ferry_tcp::TcpConfig::from_url(&url) {
+        if let Err(e) = ferry::tcp::TcpConfig::from_url(&url) {
             let text = format!("{e} {e:?}");
             assert!(!text.contains(SECRET), "{url:?} -> {text}");
         }

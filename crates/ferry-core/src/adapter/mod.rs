@@ -437,7 +437,8 @@ impl<E: TransferEngine + ?Sized> std::fmt::Debug for EmulationEngine<E> {
     }
 }
 
-use crate::raw::{lock, Drain};
+use crate::__private::sync::lock;
+use crate::raw::Drain;
 
 impl<E: TransferEngine + ?Sized> EmulationEngine<E> {
     /// Wraps a shared engine with `config` (its coalescing fields are for

@@ -4,7 +4,7 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, RwLock};
 
-use crate::raw::{lock, read, write};
+use crate::__private::sync::{lock, read, write};
 use crate::types::{SegmentId, TransferOp, TransferRequest};
 
 /// The label of peers beyond the limit.

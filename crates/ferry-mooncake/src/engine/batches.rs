@@ -9,7 +9,8 @@ use std::ffi::c_void;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ferry_core::raw::{lock, BatchDriver};
+use ferry_core::__private::sync::lock;
+use ferry_core::raw::BatchDriver;
 use ferry_core::{
     Error, Notification, RegionTable, Result, SegmentId, Side, TransferOp, TransferRequest,
 };

@@ -44,7 +44,7 @@ use segments::{Segments, PEERS};
 
 const BACKEND: &str = "mooncake";
 
-use ferry_core::raw::lock;
+use ferry_core::__private::sync::lock;
 
 /// The C engine handle. Mooncake's engine is used from many threads at once
 /// by its own Python and C++ callers; every call Ferry makes is one of its

@@ -8,7 +8,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
-use ferry_core::raw::{lock, BatchDriver};
+use ferry_core::__private::sync::lock;
+use ferry_core::raw::BatchDriver;
 use ferry_core::{Error, RegionGuard, Result};
 use tokio::sync::{watch, OwnedRwLockReadGuard};
 

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, LazyLock, Mutex};
 
-use ferry_core::raw::lock;
+use ferry_core::__private::sync::lock;
 use ferry_core::{Error, RegionTable, Result, SegmentId};
 use tokio::sync::RwLock;
 

@@ -6,7 +6,8 @@ use std::ffi::{c_char, c_void, CStr};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock, Mutex};
 
-use ferry_core::raw::{lock, BatchTable};
+use ferry_core::__private::sync::lock;
+use ferry_core::raw::BatchTable;
 use ferry_core::{Error, RegionTable, Result};
 
 use super::landed::Scratch;

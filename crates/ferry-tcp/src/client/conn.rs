@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use crate::stream::Stream;
-use ferry_core::raw::lock;
+use ferry_core::__private::sync::lock;
 use ferry_core::{Error, RegionGuard, Result, Side};
 use socket2::SockRef;
 use tokio::task::AbortHandle;

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use ferry_core::raw::lock;
+use ferry_core::__private::sync::lock;
 use ferry_core::{Error, Result};
 
 use super::conn::{ClientStage, Conn, ConnShared, PendingMap};
@@ -115,7 +115,7 @@ impl Peer {
     pub(crate) async fn connect(&self) -> Result<Conn> {
         let cfg = &self.core.config;
         let (stream, welcome) = self.dial_and_greet().await?;
-        *ferry_core::raw::write(&self.table) = Arc::new(welcome.table);
+        *ferry_core::__private::sync::write(&self.table) = Arc::new(welcome.table);
         let agreed = welcome.agreement;
         // Whether to offer the same-host path at all: both sides have it
         // on, and the peer is on this host (both sent the same host token,

@@ -5,7 +5,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
-use ferry_core::raw::lock;
+use ferry_core::__private::sync::lock;
 use ferry_core::{Error, Notification, Result};
 
 use super::conn::{Conn, ConnShared, TableCache};
@@ -83,12 +83,12 @@ impl Peer {
     /// Closes every connection (pending requests fail with `Canceled`).
     pub(crate) fn close(&self) {
         for s in &self.slots {
-            ferry_core::raw::write(&s.cur).take();
+            ferry_core::__private::sync::write(&s.cur).take();
         }
     }
 
     pub(crate) fn table(&self) -> Arc<Vec<TableEntry>> {
-        Arc::clone(&ferry_core::raw::read(&self.table))
+        Arc::clone(&ferry_core::__private::sync::read(&self.table))
     }
 
     /// The live connection of slot `i`, connecting (and handshaking) if it
@@ -111,7 +111,7 @@ impl Peer {
                 after: cfg.connect_timeout,
             })??;
         let shared = Arc::clone(&conn.shared);
-        let old = ferry_core::raw::write(&slot.cur).replace(Arc::new(conn));
+        let old = ferry_core::__private::sync::write(&slot.cur).replace(Arc::new(conn));
         drop(old);
         Ok(shared)
     }
@@ -300,7 +300,7 @@ impl Peer {
 
 /// The slot's connection, if it has one that is not dead.
 fn live(slot: &SlotState) -> Option<Arc<ConnShared>> {
-    ferry_core::raw::read(&slot.cur)
+    ferry_core::__private::sync::read(&slot.cur)
         .as_ref()
         .filter(|c| !c.shared.dead.load(Ordering::Acquire))
         .map(|c| Arc::clone(&c.shared))

@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use ferry_core::raw::lock;
+use ferry_core::__private::sync::lock;
 use ferry_core::{Error, Result};
 
 use super::conn::{ConnShared, PendingKind};
@@ -326,7 +326,7 @@ pub(crate) async fn reader_loop(
                 };
                 match &op.kind {
                     PendingKind::Table(cache) => {
-                        *ferry_core::raw::write(cache) = Arc::new(table);
+                        *ferry_core::__private::sync::write(cache) = Arc::new(table);
                         op.complete(Ok(()));
                     }
                     _ => {

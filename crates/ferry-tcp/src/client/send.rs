@@ -6,7 +6,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use ferry_core::raw::lock;
+use ferry_core::__private::sync::lock;
 use ferry_core::{Error, RegionGuard};
 
 use super::conn::{ClientStage, ConnShared, PendingKind, PendingOp, TableCache};

@@ -5,7 +5,8 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use ferry_core::raw::{lock, BatchDriver};
+use ferry_core::__private::sync::lock;
+use ferry_core::raw::BatchDriver;
 use ferry_core::{Error, Result};
 use tokio::sync::Notify;
 

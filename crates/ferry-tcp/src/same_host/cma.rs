@@ -802,7 +802,7 @@ fn pool() -> &'static Pool {
 fn helper(rx: &std::sync::Mutex<std::sync::mpsc::Receiver<Job>>) {
     loop {
         let job = {
-            let rx = ferry_core::raw::lock(rx);
+            let rx = ferry_core::__private::sync::lock(rx);
             // Spin briefly for the next part of a stream of copies.
             let spin_until = std::time::Instant::now() + std::time::Duration::from_micros(50);
             let mut got = None;
@@ -902,7 +902,7 @@ pub unsafe fn copy_split(
             parts: part,
             done,
         };
-        let sent = ferry_core::raw::lock(&pool.jobs).send(job);
+        let sent = ferry_core::__private::sync::lock(&pool.jobs).send(job);
         match sent {
             Ok(()) => waits.push(wait),
             // No helper left: do it here.

@@ -26,7 +26,7 @@ use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use ferry_core::raw::lock;
+use ferry_core::__private::sync::lock;
 use ferry_core::RegionGuard;
 
 use crate::stream::Stream;

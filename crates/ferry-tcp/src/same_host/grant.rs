@@ -57,7 +57,7 @@ use loom::sync::atomic::{fence, AtomicU64};
 use std::sync::atomic::{fence, AtomicU64};
 use std::sync::atomic::{AtomicU32, Ordering};
 
-use ferry_core::raw::lock;
+use ferry_core::__private::sync::lock;
 
 use super::cma::Initiator;
 use super::stage::Area;

@@ -769,7 +769,7 @@ pub async unsafe fn get(
             if !p.ptr.is_null() {
                 let _held = match gate {
                     Some(g) => {
-                        let held = ferry_core::raw::lock(g.lock);
+                        let held = ferry_core::__private::sync::lock(g.lock);
                         if g.closed.load(Ordering::Acquire) {
                             return Err(Stop::Gone);
                         }

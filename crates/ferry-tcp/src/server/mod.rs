@@ -22,7 +22,7 @@ use tokio::net::{TcpListener, TcpStream};
 
 use crate::same_host::grant::Grants;
 use crate::stream::Stream;
-use ferry_core::raw::lock;
+use ferry_core::__private::sync::lock;
 use ferry_core::{Error, MemoryRegion, Notification, RegionGuard, RegionTable, Side};
 use tokio::sync::{oneshot, Notify};
 use tokio::task::JoinSet;

@@ -121,7 +121,7 @@ pub(crate) struct Conn {
     me: std::sync::OnceLock<std::sync::Weak<Conn>>,
 }
 
-use ferry_core::raw::lock;
+use ferry_core::__private::sync::lock;
 
 fn unavailable(name: &str, reason: impl Into<String>) -> Error {
     Error::SegmentUnavailable {
@@ -815,7 +815,7 @@ impl Drop for Conn {
         }
         let err = self.lost("the connection was closed");
         let (qp, outstanding) = {
-            let sq = ferry_core::raw::get_mut(&mut self.sq);
+            let sq = ferry_core::__private::sync::get_mut(&mut self.sq);
             (sq.qp.take(), sq.outstanding.drain(..).collect::<Vec<_>>())
         };
         self.fail_notes(&err);

@@ -71,7 +71,7 @@ pub(crate) struct Inner {
     next_sub: AtomicU64,
 }
 
-use ferry_core::raw::lock;
+use ferry_core::__private::sync::lock;
 
 impl Inner {
     pub(crate) async fn start(cfg: VerbsConfig) -> Result<Arc<Inner>> {

@@ -42,7 +42,7 @@ pub(crate) struct Poller {
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
-use ferry_core::raw::lock;
+use ferry_core::__private::sync::lock;
 
 impl Poller {
     pub(crate) fn start(

@@ -9,7 +9,8 @@
 
 use std::sync::Mutex;
 
-use ferry_core::raw::{lock, BatchDriver, RegionGuard};
+use ferry_core::__private::sync::lock;
+use ferry_core::raw::{BatchDriver, RegionGuard};
 use ferry_core::Error;
 use tokio::sync::Notify;
 

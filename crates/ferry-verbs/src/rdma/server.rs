@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use ferry_core::raw::lock;
+use ferry_core::__private::sync::lock;
 use ferry_core::{Error, Result};
 use rdma_mummy_sys as sys;
 use sideway::ibverbs::completion::{BasicCompletionQueue, CompletionQueue};

@@ -64,12 +64,12 @@ use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::ConstCounter;
 
 use super::peers::{op_label, Peers, OTHER, UNKNOWN};
+use crate::__private::sync::{lock, read, write};
 use crate::caps::{Capabilities, Operation};
 use crate::engine::TransferEngine;
 use crate::error::{Error, ErrorKind, Result};
 use crate::inbound::{Inbound, InboundSnapshot, ServedCounts};
 use crate::layer::Layer;
-use crate::raw::{lock, read, write};
 use crate::types::{
     BatchId, BatchReport, MemoryRegion, Notification, SegmentId, TransferOp, TransferRequest,
 };
@@ -1036,7 +1036,7 @@ impl Drop for EngineState {
                 peer: peer.clone(),
             });
         }
-        for (peer, path) in crate::raw::get_mut(&mut self.paths).drain() {
+        for (peer, path) in crate::__private::sync::get_mut(&mut self.paths).drain() {
             self.metrics.families().paths.remove(&PathLabels {
                 engine: engine.clone(),
                 peer: peer.to_string(),

@@ -288,7 +288,7 @@ mod tests {
 
     impl Write for Sink {
         fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-            crate::raw::lock(&self.0).extend_from_slice(buf);
+            crate::__private::sync::lock(&self.0).extend_from_slice(buf);
             Ok(buf.len())
         }
         fn flush(&mut self) -> std::io::Result<()> {
@@ -317,7 +317,7 @@ mod tests {
         ];
         let report = a.batch_transfer(peer, &requests, None).await.unwrap();
         assert_eq!(report.failures().count(), 1);
-        let text = String::from_utf8_lossy(&crate::raw::lock(&out.0)).into_owned();
+        let text = String::from_utf8_lossy(&crate::__private::sync::lock(&out.0)).into_owned();
         text
     }
 
