@@ -129,13 +129,13 @@ pub struct VerbsConfig {
     /// **Test only** (for cross-version tests): the newest control-channel
     /// protocol version this engine announces; `Some(3)` makes it speak
     /// exactly as a build of protocol 3 (7c3e5e6: no negotiated hello).
-    /// Values are clamped to the versions this build speaks.
-    #[doc(hidden)]
-    pub test_protocol_max: Option<u16>,
+    /// Values are clamped to the versions this build speaks. Set only
+    /// through the URL key of the same name: not part of the API.
+    pub(crate) test_protocol_max: Option<u16>,
     /// **Test only**: optional features this engine does not announce, so
-    /// that no connection uses them.
-    #[doc(hidden)]
-    pub test_features_off: Vec<crate::Feature>,
+    /// that no connection uses them. Set only through the URL key of the
+    /// same name: not part of the API.
+    pub(crate) test_features_off: Vec<crate::Feature>,
 }
 
 impl Default for VerbsConfig {
