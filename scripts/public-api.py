@@ -33,6 +33,8 @@ CRATES = [
     "ferry-verbs",
     "ferry-discovery",
 ]
+# Features listed beyond the defaults: public surface other crates build on.
+FEATURES = {"ferry-core": ["dlopen"]}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(ROOT, "docs", "public-api")
 
@@ -40,8 +42,9 @@ OUT = os.path.join(ROOT, "docs", "public-api")
 def rustdoc_json(crate, target):
     env = dict(os.environ, RUSTC_BOOTSTRAP="1", CARGO_TERM_COLOR="never")
     subprocess.run(
-        ["cargo", "rustdoc", "-q", "-p", crate, "--lib", "--target-dir", target,
-         "--", "-Z", "unstable-options", "--output-format", "json", "--cap-lints", "allow"],
+        ["cargo", "rustdoc", "-q", "-p", crate, "--lib", "--target-dir", target]
+        + (["--features", ",".join(FEATURES[crate])] if crate in FEATURES else [])
+        + ["--", "-Z", "unstable-options", "--output-format", "json", "--cap-lints", "allow"],
         cwd=ROOT, env=env, check=True)
     path = os.path.join(target, "doc", crate.replace("-", "_") + ".json")
     with open(path) as f:

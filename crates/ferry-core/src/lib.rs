@@ -113,6 +113,8 @@ pub mod batch;
 pub mod buffer;
 mod builder;
 pub mod caps;
+#[cfg(feature = "dlopen")]
+mod dl;
 mod drain;
 pub mod engine;
 pub mod error;
@@ -172,6 +174,14 @@ pub mod raw {
     pub use crate::redact::{is_secret_key, redact_url};
     pub use crate::region_table::{RegionGuard, RegionTable, Removal};
     pub use crate::url::ParsedUrl;
+
+    /// Loading a backend's C library at run time (feature `dlopen`): the
+    /// path's source, the open with the flags every C-API backend needs,
+    /// the symbol checks.
+    #[cfg(feature = "dlopen")]
+    pub mod dl {
+        pub use crate::dl::{c_string, choose, loaded_from, CLibrary, LibrarySource};
+    }
 
     /// HMAC-SHA256 challenge–response primitives for the backends'
     /// shared-secret handshakes.

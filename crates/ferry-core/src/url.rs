@@ -594,6 +594,26 @@ impl ParsedUrl {
         }
     }
 
+    /// For a backend whose URL carries everything in parameters
+    /// (`mooncake://?…`, `nixl://?…`): refuses another scheme, and an
+    /// address or a path, with a message quoting the URL (secrets hidden)
+    /// and `example`, a URL of the right shape.
+    pub fn expect_params_only(&self, scheme: &str, example: &str) -> Result<()> {
+        let shown = &self.shown;
+        if self.scheme != scheme {
+            return Err(invalid(format!(
+                "URL {shown:?} is not a {scheme}:// URL (scheme {:?})",
+                self.scheme
+            )));
+        }
+        if !self.authority.is_empty() || !(self.path.is_empty() || self.path == "/") {
+            return Err(invalid(format!(
+                "{scheme} URL {shown:?}: give everything as parameters, e.g. {example}"
+            )));
+        }
+        Ok(())
+    }
+
     /// Ends parsing: refuses a userinfo or a path (other than `/`) that was
     /// not taken, and the first key that was not taken, naming it and
     /// listing every key a getter asked for (the keys this backend knows).

@@ -158,20 +158,7 @@ impl MooncakeConfig {
     /// [`URL_PARAMETERS`], then refuses what is left.
     pub fn from_parts(mut url: ParsedUrl) -> Result<MooncakeConfig> {
         let bad = |m: String| Error::InvalidArgument(m);
-        // Messages quote the URL with its secrets hidden.
-        let shown = url.shown().to_owned();
-        if url.scheme() != "mooncake" {
-            return Err(bad(format!(
-                "URL {shown:?} is not a mooncake:// URL (scheme {:?})",
-                url.scheme()
-            )));
-        }
-        if !url.authority().is_empty() || !(url.path().is_empty() || url.path() == "/") {
-            return Err(bad(format!(
-                "mooncake URL {shown:?}: give everything as parameters, \
-                 e.g. mooncake://?host=10.0.0.1&port=12345"
-            )));
-        }
+        url.expect_params_only("mooncake", "mooncake://?host=10.0.0.1&port=12345")?;
         let mut cfg = MooncakeConfig::default();
         if let Some(v) = url.take_str("lib")? {
             cfg.library = Some(PathBuf::from(v));

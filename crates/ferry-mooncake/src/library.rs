@@ -9,6 +9,7 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use ferry_core::raw::dl::{self, CLibrary};
 use ferry_core::{Error, Result};
 
 use crate::config::MooncakeConfig;
@@ -212,46 +213,8 @@ pub const OPTIONAL_SYMBOLS: [(&str, Generation); 13] = [
     ("syncSegmentCache", Generation::V0_2_0),
 ];
 
-/// glibc's `RTLD_NODELETE` (the same value on x86-64 and AArch64, the only
-/// targets this crate builds for); libloading does not export it.
-const RTLD_NODELETE: c_int = 0x1000;
-
 /// Symbols only the pre-v0.2.0 C API had.
 const PRE_V0_2_0_MARKERS: [&str; 2] = ["initTransferEngine", "installOrGetTransport"];
-
-/// glibc's `Dl_info` (identical on x86-64 and AArch64).
-#[repr(C)]
-struct DlInfo {
-    dli_fname: *const c_char,
-    dli_fbase: *mut c_void,
-    dli_sname: *const c_char,
-    dli_saddr: *mut c_void,
-}
-
-extern "C" {
-    fn dladdr(addr: *const c_void, info: *mut DlInfo) -> c_int;
-}
-
-/// The file the object containing `addr` was loaded from.
-fn loaded_from(addr: *const c_void) -> Option<PathBuf> {
-    let mut info = DlInfo {
-        dli_fname: std::ptr::null(),
-        dli_fbase: std::ptr::null_mut(),
-        dli_sname: std::ptr::null(),
-        dli_saddr: std::ptr::null_mut(),
-    };
-    // SAFETY: `addr` is a function address inside a loaded object; dladdr
-    // only fills `info`, whose strings belong to the loader and live as long
-    // as the object (which is never unloaded: RTLD_NODELETE).
-    let ok = unsafe { dladdr(addr, &mut info) };
-    if ok == 0 || info.dli_fname.is_null() {
-        return None;
-    }
-    // SAFETY: a NUL-terminated string owned by the loader (see above).
-    let name = unsafe { std::ffi::CStr::from_ptr(info.dli_fname) };
-    use std::os::unix::ffi::OsStrExt;
-    Some(PathBuf::from(std::ffi::OsStr::from_bytes(name.to_bytes())))
-}
 
 // ------------------------------------------------------------------ generations
 
@@ -330,26 +293,10 @@ impl fmt::Display for Generation {
 
 // ------------------------------------------------------------------ library
 
-/// Where the library path came from.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum LibrarySource {
-    /// `MooncakeConfig::library` (`lib=` in the URL).
-    Config,
-    /// The [`LIBRARY_ENV`] environment variable.
-    Environment,
-    /// [`DEFAULT_LIBRARY`] through the dynamic loader's search path.
-    LoaderSearch,
-}
-
-impl fmt::Display for LibrarySource {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            LibrarySource::Config => f.write_str("engine config (lib=)"),
-            LibrarySource::Environment => write!(f, "environment variable {LIBRARY_ENV}"),
-            LibrarySource::LoaderSearch => f.write_str("dynamic loader search path"),
-        }
-    }
-}
+/// Where the library path came from ([`LibrarySource::PythonWheel`] is
+/// never the source of a Mooncake library: `mooncake-py://` loads the wheel
+/// through Python).
+pub use ferry_core::raw::dl::LibrarySource;
 
 /// A loaded Mooncake Transfer Engine library. Every engine (and every batch
 /// reaper) made from it holds an `Arc` to it, so the code stays mapped while
@@ -362,7 +309,7 @@ pub struct MooncakeLibrary {
     present: Vec<&'static str>,
     pub(crate) api: Api,
     // Declared last: dropped after everything above (plain data anyway).
-    _lib: libloading::Library,
+    _lib: CLibrary,
 }
 
 impl fmt::Debug for MooncakeLibrary {
@@ -403,13 +350,7 @@ impl MooncakeLibrary {
     /// picks: `lib=` and `FERRY_MOONCAKE_LIB` choose native code that runs
     /// in this process, so they must come from the operator.
     pub unsafe fn resolve(config: &MooncakeConfig) -> Result<Arc<MooncakeLibrary>> {
-        let (path, source) = if let Some(p) = &config.library {
-            (p.clone(), LibrarySource::Config)
-        } else if let Some(p) = std::env::var_os(LIBRARY_ENV).filter(|v| !v.is_empty()) {
-            (PathBuf::from(p), LibrarySource::Environment)
-        } else {
-            (PathBuf::from(DEFAULT_LIBRARY), LibrarySource::LoaderSearch)
-        };
+        let (path, source) = dl::choose(config.library.as_deref(), LIBRARY_ENV, DEFAULT_LIBRARY);
         tracing::debug!(path = %path.display(), source = %source, "ferry: loading the Mooncake library");
         // SAFETY: forwarded to the caller; `load_from` checks that the
         // library exports Mooncake's C API before any of its functions runs.
@@ -439,24 +380,14 @@ impl MooncakeLibrary {
 
     unsafe fn load_from(path: &Path, source: LibrarySource) -> Result<Arc<MooncakeLibrary>> {
         let shown = path.display().to_string();
-        use libloading::os::unix::{Library as UnixLibrary, RTLD_LOCAL, RTLD_NOW};
-        // SAFETY: see the function contract. RTLD_NODELETE keeps the code
-        // mapped after the last handle is closed: Mooncake runs background
-        // threads (handshake daemon, transport workers) that may still be
-        // returning through library code after destroyTransferEngine, and
-        // unmapping it under them would crash the process.
-        let lib = unsafe { UnixLibrary::open(Some(path), RTLD_NOW | RTLD_LOCAL | RTLD_NODELETE) }
-            .map(libloading::Library::from)
-            .map_err(|e| {
-                unavailable(format!(
-                    "cannot load {shown} (from the {source}): {e}; set `lib=` in the URL or \
+        // SAFETY: see the function contract; the flags: see ferry_core::raw::dl.
+        let lib = unsafe { CLibrary::open(path) }.map_err(|e| {
+            unavailable(format!(
+                "cannot load {shown} (from the {source}): {e}; set `lib=` in the URL or \
                  {LIBRARY_ENV} to the path of libtransfer_engine.so (Mooncake ≥ v0.2.0)"
-                ))
-            })?;
-        let has = |name: &str| {
-            // SAFETY: only the address is looked up; nothing is called.
-            unsafe { lib.get::<*const c_void>(name.as_bytes()) }.is_ok()
-        };
+            ))
+        })?;
+        let has = |name: &str| lib.has(name);
         if PRE_V0_2_0_MARKERS.iter().any(|s| has(s)) {
             return Err(unavailable(format!(
                 "{shown} is a Mooncake Transfer Engine from before v0.2.0 (it exports \
@@ -475,15 +406,8 @@ impl MooncakeLibrary {
                  Mooncake's C API"
             )));
         }
-        for sym in REQUIRED_SYMBOLS {
-            if !has(sym) {
-                return Err(Error::MissingSymbol {
-                    library: shown,
-                    symbol: sym.to_owned(),
-                    min_version: Some(Generation::V0_2_0.mooncake_version()),
-                });
-            }
-        }
+        let oldest = Generation::V0_2_0.mooncake_version();
+        lib.require_all(&REQUIRED_SYMBOLS, &oldest)?;
         let present: Vec<&'static str> = OPTIONAL_SYMBOLS
             .iter()
             .map(|(s, _)| *s)
@@ -492,22 +416,17 @@ impl MooncakeLibrary {
         let generation = Generation::detect(has);
 
         macro_rules! req {
-            ($name:literal) => {{
-                // SAFETY: the symbol exists (checked above) and the declared
-                // type is the C API's signature (see the module docs).
-                let s = unsafe { lib.get($name.as_bytes()) }.map_err(|e| Error::MissingSymbol {
-                    library: shown.clone(),
-                    symbol: format!("{} ({e})", $name),
-                    min_version: Some(Generation::V0_2_0.mooncake_version()),
-                })?;
-                *s
-            }};
+            ($name:literal) => {
+                // SAFETY: the declared type is the C API's signature (see the
+                // module docs).
+                unsafe { lib.required($name, &oldest) }?
+            };
         }
         macro_rules! opt {
-            ($name:literal) => {{
+            ($name:literal) => {
                 // SAFETY: as above; absence is an ordinary `None`.
-                unsafe { lib.get($name.as_bytes()) }.ok().map(|s| *s)
-            }};
+                unsafe { lib.optional($name) }
+            };
         }
         let api = Api {
             create: req!("createTransferEngine"),
@@ -534,7 +453,7 @@ impl MooncakeLibrary {
             free_notifs: opt!("freeNotifsMsgBuf"),
         };
         let resolved =
-            loaded_from(api.create as *const c_void).unwrap_or_else(|| path.to_path_buf());
+            dl::loaded_from(api.create as *const c_void).unwrap_or_else(|| path.to_path_buf());
         Ok(Arc::new(MooncakeLibrary {
             path: resolved,
             requested: path.to_path_buf(),

@@ -148,20 +148,7 @@ impl NixlConfig {
     /// [`URL_PARAMETERS`], then refuses what is left.
     pub fn from_parts(mut url: ParsedUrl) -> Result<NixlConfig> {
         let bad = |m: String| Error::InvalidArgument(m);
-        // Messages quote the URL with its secrets hidden.
-        let shown = url.shown().to_owned();
-        if url.scheme() != "nixl" {
-            return Err(bad(format!(
-                "URL {shown:?} is not a nixl:// URL (scheme {:?})",
-                url.scheme()
-            )));
-        }
-        if !url.authority().is_empty() || !(url.path().is_empty() || url.path() == "/") {
-            return Err(bad(format!(
-                "nixl URL {shown:?}: give everything as parameters, \
-                 e.g. nixl://?backends=UCX&host=10.0.0.1&port=7000"
-            )));
-        }
+        url.expect_params_only("nixl", "nixl://?backends=UCX&host=10.0.0.1&port=7000")?;
         let mut cfg = NixlConfig::default();
         if let Some(v) = url.take_str("lib")? {
             cfg.library = Some(PathBuf::from(v));

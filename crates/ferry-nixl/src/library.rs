@@ -7,11 +7,12 @@
 //! 0.9.0 (the first release with `nixl_capi_create_params` and
 //! `nixl_capi_is_stub`) to 1.5.1, the release the tests run.
 
-use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
+use std::ffi::{c_char, c_int, c_uint, c_void};
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use ferry_core::raw::dl::CLibrary;
 use ferry_core::{Error, Result};
 
 use crate::config::NixlConfig;
@@ -237,11 +238,6 @@ pub const OPTIONAL_SYMBOLS: [(&str, Generation); 5] = [
     ("nixl_capi_opt_args_set_custom_param", Generation::V1_5),
 ];
 
-/// glibc's `RTLD_NODELETE`: NIXL and UCX run threads (progress, listener)
-/// that may still be returning through library code after
-/// `nixl_capi_destroy_agent`; the code stays mapped for the process's life.
-const RTLD_NODELETE: c_int = 0x1000;
-
 extern "C" {
     /// The C library's `free`, for the buffers the C API allocates with
     /// `malloc` / `strdup` (`nixl_capi_get_local_md`,
@@ -291,30 +287,7 @@ impl fmt::Display for Generation {
 
 // ------------------------------------------------------------------ library
 
-/// Where the library path came from.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum LibrarySource {
-    /// `NixlConfig::library` (`lib=` in the URL).
-    Config,
-    /// The [`LIBRARY_ENV`] environment variable.
-    Environment,
-    /// [`DEFAULT_LIBRARY`] through the dynamic loader's search path.
-    LoaderSearch,
-    /// The `nixl` wheel of the active Python environment (`VIRTUAL_ENV`, or
-    /// the `python3` on `PATH`).
-    PythonWheel,
-}
-
-impl fmt::Display for LibrarySource {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            LibrarySource::Config => f.write_str("engine config (lib=)"),
-            LibrarySource::Environment => write!(f, "environment variable {LIBRARY_ENV}"),
-            LibrarySource::LoaderSearch => f.write_str("dynamic loader search path"),
-            LibrarySource::PythonWheel => f.write_str("nixl wheel of the active Python"),
-        }
-    }
-}
+pub use ferry_core::raw::dl::LibrarySource;
 
 /// A loaded `libnixl_capi.so`. Every engine made from it holds an `Arc` to
 /// it, so the code stays mapped while anything can still call into it.
@@ -324,7 +297,7 @@ pub struct NixlLibrary {
     generation: Generation,
     present: Vec<&'static str>,
     pub(crate) api: Api,
-    _lib: libloading::Library,
+    _lib: CLibrary,
 }
 
 impl fmt::Debug for NixlLibrary {
@@ -420,7 +393,9 @@ impl NixlLibrary {
         }
         if let Some(p) = std::env::var_os(LIBRARY_ENV).filter(|v| !v.is_empty()) {
             // SAFETY: forwarded to the caller.
-            return unsafe { Self::load_from(Path::new(&p), LibrarySource::Environment) };
+            return unsafe {
+                Self::load_from(Path::new(&p), LibrarySource::Environment(LIBRARY_ENV))
+            };
         }
         // SAFETY: forwarded to the caller.
         let first = match unsafe {
@@ -464,42 +439,29 @@ impl NixlLibrary {
     }
 
     unsafe fn load_from(path: &Path, source: LibrarySource) -> Result<Arc<NixlLibrary>> {
-        use libloading::os::unix::{Library as UnixLibrary, RTLD_LOCAL, RTLD_NOW};
         let shown = path.display().to_string();
         tracing::debug!(path = %shown, source = %source, "ferry: loading the NIXL C API library");
         // SAFETY: this function's contract (loading native code, which runs
         // its initialisers) covers the environment write `apply` may make;
         // see crate::ucx_env for why it is made.
         unsafe { crate::ucx_env::apply() };
-        // SAFETY: see the function contract; RTLD_NODELETE: see its docs.
-        let lib = unsafe { UnixLibrary::open(Some(path), RTLD_NOW | RTLD_LOCAL | RTLD_NODELETE) }
-            .map(libloading::Library::from)
-            .map_err(|e| {
-                unavailable(format!(
-                    "cannot load {shown} (from the {source}): {e}; set `lib=` in the URL or \
-                     {LIBRARY_ENV} to the path of libnixl_capi.so (NIXL ≥ 0.9.0, e.g. from \
-                     `pip install --no-deps nixl-cu12`)"
-                ))
-            })?;
-        let has = |name: &str| {
-            // SAFETY: only the address is looked up; nothing is called.
-            unsafe { lib.get::<*const c_void>(name.as_bytes()) }.is_ok()
-        };
+        // SAFETY: see the function contract; the flags: see ferry_core::raw::dl.
+        let lib = unsafe { CLibrary::open(path) }.map_err(|e| {
+            unavailable(format!(
+                "cannot load {shown} (from the {source}): {e}; set `lib=` in the URL or \
+                 {LIBRARY_ENV} to the path of libnixl_capi.so (NIXL ≥ 0.9.0, e.g. from \
+                 `pip install --no-deps nixl-cu12`)"
+            ))
+        })?;
+        let has = |name: &str| lib.has(name);
         if !REQUIRED_SYMBOLS.iter().any(|s| has(s)) {
             return Err(unavailable(format!(
                 "{shown} is not NIXL's C API library: it exports none of nixl_capi_create_agent, \
                  nixl_capi_create_xfer_req or any other symbol Ferry uses"
             )));
         }
-        for sym in REQUIRED_SYMBOLS {
-            if !has(sym) {
-                return Err(Error::MissingSymbol {
-                    library: shown,
-                    symbol: sym.to_owned(),
-                    min_version: Some(Generation::V0_9.version().to_owned()),
-                });
-            }
-        }
+        let oldest = Generation::V0_9.version();
+        lib.require_all(&REQUIRED_SYMBOLS, oldest)?;
         let present: Vec<&'static str> = OPTIONAL_SYMBOLS
             .iter()
             .map(|(s, _)| *s)
@@ -507,16 +469,11 @@ impl NixlLibrary {
             .collect();
         let generation = Generation::detect(has);
         macro_rules! req {
-            ($name:literal) => {{
-                // SAFETY: the symbol exists (checked above) and the declared
-                // type is the C API's signature (see the module docs).
-                let s = unsafe { lib.get($name.as_bytes()) }.map_err(|e| Error::MissingSymbol {
-                    library: shown.clone(),
-                    symbol: format!("{} ({e})", $name),
-                    min_version: Some(Generation::V0_9.version().to_owned()),
-                })?;
-                *s
-            }};
+            ($name:literal) => {
+                // SAFETY: the declared type is the C API's signature (see the
+                // module docs).
+                unsafe { lib.required($name, oldest) }?
+            };
         }
         let api = Api {
             create_configured_agent: req!("nixl_capi_create_configured_agent"),
@@ -562,9 +519,7 @@ impl NixlLibrary {
             notif_map_get_notif: req!("nixl_capi_notif_map_get_notif"),
             gen_notif: req!("nixl_capi_gen_notif"),
             // SAFETY: as in `req!`; absence is an ordinary `None`.
-            is_stub: unsafe { lib.get::<IsStubFn>(b"nixl_capi_is_stub") }
-                .ok()
-                .map(|s| *s),
+            is_stub: unsafe { lib.optional::<IsStubFn>("nixl_capi_is_stub") },
         };
         if let Some(is_stub) = api.is_stub {
             // SAFETY: a function of no arguments that returns a constant.
@@ -605,20 +560,7 @@ impl NixlLibrary {
     }
 }
 
-/// A C string the library owns (valid until the call that produced it says
-/// otherwise), copied out; `None` for a null pointer.
-///
-/// # Safety
-///
-/// `p` is null or points to a NUL-terminated string that stays valid for
-/// the duration of the call.
-pub(crate) unsafe fn c_string(p: *const c_char) -> Option<String> {
-    if p.is_null() {
-        return None;
-    }
-    // SAFETY: per the contract.
-    Some(unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
-}
+pub(crate) use ferry_core::raw::dl::c_string;
 
 #[cfg(test)]
 mod tests {
