@@ -2,9 +2,12 @@
 //! `serve` driven by `bench --peer`, all on loopback.
 
 use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Output, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
+
+mod common;
+use common::{ferry, Proc};
 
 /// Prints a skip notice past the test harness's output capture (which hides
 /// `println!` of passing tests), so a skip never looks like a silent pass.
@@ -13,12 +16,6 @@ macro_rules! skip_line {
         use std::io::Write as _;
         let _ = writeln!(std::io::stderr().lock(), $($arg)*);
     }};
-}
-
-fn ferry() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_ferry"));
-    c.env_remove("RUST_LOG");
-    c
 }
 
 fn run(args: &[&str]) -> Output {
@@ -417,52 +414,18 @@ mod tcp {
         assert!(err.contains("no point fits"), "{err}");
     }
 
-    /// Kills the child on drop so a failed test leaves no process behind.
-    struct Server(Child);
-    impl Drop for Server {
-        fn drop(&mut self) {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
-
-    /// `ferry serve ARGS…` with its stdout lines on a channel.
-    fn spawn_serve(args: &[&str]) -> (Server, mpsc::Receiver<String>) {
-        let child = ferry()
-            .arg("serve")
-            .args(args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn ferry serve");
-        let mut server = Server(child);
-        let stdout = server.0.stdout.take().expect("stdout");
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        (server, rx)
+    /// `ferry serve ARGS…`, killed on drop, its stdout as lines.
+    fn spawn_serve(args: &[&str]) -> Proc {
+        let mut c = ferry();
+        c.arg("serve").args(args);
+        Proc::spawn(c)
     }
 
     #[test]
     fn serve_and_bench_peer_on_loopback() {
-        let (mut server, rx) = spawn_serve(&["--size", "2MiB", "--raw-listen", "127.0.0.1:0"]);
-        // Guard against a server that never starts (not a timing assertion).
-        let mut banner = Vec::new();
-        let command = loop {
-            let line = rx
-                .recv_timeout(Duration::from_secs(60))
-                .unwrap_or_else(|e| panic!("serve printed no command ({e}); got {banner:?}"));
-            banner.push(line.clone());
-            if let Some(cmd) = line.strip_prefix("drive it with: ") {
-                break cmd.to_owned();
-            }
-        };
+        let mut server = spawn_serve(&["--size", "2MiB", "--raw-listen", "127.0.0.1:0"]);
+        let command = server.line_after("drive it with: ");
+        let banner = server.seen().to_vec();
         assert!(
             banner[0].starts_with("ferry serve: backend tcp, segment 127.0.0.1:"),
             "{banner:?}"
@@ -486,13 +449,13 @@ mod tcp {
         assert!(points.iter().all(|p| p["target"] == peer), "{out}");
 
         // Interrupt it like Ctrl-C and read its report.
-        let pid = nix::unistd::Pid::from_raw(i32::try_from(server.0.id()).expect("pid"));
+        let pid = nix::unistd::Pid::from_raw(i32::try_from(server.child.id()).expect("pid"));
         nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT).expect("SIGINT");
         let mut rest = Vec::new();
-        while let Ok(line) = rx.recv_timeout(Duration::from_secs(60)) {
+        while let Ok(line) = server.next_line() {
             rest.push(line);
         }
-        let exit = server.0.wait().expect("wait");
+        let exit = server.child.wait().expect("wait");
         assert!(exit.success(), "serve exited with {exit}; output {rest:?}");
         let notes: Vec<&String> = rest
             .iter()
@@ -541,25 +504,18 @@ mod tcp {
 
     #[test]
     fn serve_metrics_listen_counts_what_the_target_sees() {
-        let (_server, rx) = spawn_serve(&["--size", "2MiB", "--metrics-listen", "127.0.0.1:0"]);
-        let (mut segment, mut metrics) = (None, None);
-        let command = loop {
-            // Guard against a server that never starts (not a timing assertion).
-            let line = rx
-                .recv_timeout(Duration::from_secs(60))
-                .expect("serve prints its banner");
-            if let Some(rest) = line.strip_prefix("ferry serve: backend tcp, segment ") {
-                segment = Some(rest.to_owned());
-            }
-            if let Some(url) = line.strip_prefix("metrics: http://") {
-                metrics = url.strip_suffix("/metrics").map(str::to_owned);
-            }
-            if let Some(cmd) = line.strip_prefix("drive it with: ") {
-                break cmd.to_owned();
-            }
+        let mut server = spawn_serve(&["--size", "2MiB", "--metrics-listen", "127.0.0.1:0"]);
+        let command = server.line_after("drive it with: ");
+        let banner = |prefix: &str| {
+            server
+                .seen()
+                .iter()
+                .find_map(|l| l.strip_prefix(prefix).map(str::to_owned))
         };
-        let segment = segment.expect("segment line");
-        let metrics = metrics.expect("metrics line");
+        let segment = banner("ferry serve: backend tcp, segment ").expect("segment line");
+        let metrics = banner("metrics: http://")
+            .and_then(|url| url.strip_suffix("/metrics").map(str::to_owned))
+            .expect("metrics line");
         let before = scrape(&metrics);
         assert_eq!(
             value(&before, "ferry_registered_bytes", &segment),
@@ -575,9 +531,7 @@ mod tcp {
         // after taking it (and counting it).
         let mut seen = 0;
         while seen < 8 {
-            let line = rx
-                .recv_timeout(Duration::from_secs(60))
-                .expect("serve prints the notifications");
+            let line = server.next_line().expect("serve prints the notifications");
             if line.starts_with("notification from ferry-bench: ") {
                 seen += 1;
             }

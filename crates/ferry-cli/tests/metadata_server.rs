@@ -6,17 +6,14 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{Shutdown, TcpStream};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Child, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 /// Guards against a hung server or client; never a timing assertion.
 const GUARD: Duration = Duration::from_secs(60);
 
-fn ferry() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_ferry"));
-    c.env_remove("RUST_LOG");
-    c
-}
+mod common;
+use common::ferry;
 
 /// A running `ferry metadata-server`, killed on drop so a failed test leaves
 /// no process behind.

@@ -17,11 +17,10 @@
 //! CI cannot build Mooncake, so it does not set the variable.
 
 use ferry_core::DynTransferEngine;
-use std::io::{BufRead, BufReader};
 use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::{mpsc, Arc};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
 use std::time::Duration;
 
 use ferry::mooncake::{Generation, MooncakeConfig, MooncakeEngine, MooncakeLibrary};
@@ -31,6 +30,9 @@ use ferry_core::conformance::{report_skip, run_check, EngineFactory, Outcome, CH
 #[allow(dead_code)]
 #[path = "../../ferry/examples/kv_handoff.rs"]
 mod kv_handoff;
+
+mod common;
+use common::Proc;
 
 /// The variable naming the real libraries.
 const REAL_LIBS_ENV: &str = "FERRY_MOONCAKE_REAL_LIBS";
@@ -66,74 +68,18 @@ fn generation(lib: &Path) -> Generation {
 }
 
 fn ferry() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_ferry"));
+    let mut c = common::ferry();
     // Metadata-server mode on ≥ v0.3.0 announces MC_TCP_BIND_ADDRESS (else
     // the first LAN address): keep every byte on loopback.
     c.env("MC_TCP_BIND_ADDRESS", "127.0.0.1");
     c
 }
 
-/// A child process killed (and reaped) on drop, with its stdout as lines.
-struct Proc {
-    child: Child,
-    lines: mpsc::Receiver<String>,
-}
-
-impl Proc {
-    fn spawn(mut cmd: Command) -> Proc {
-        // FERRY_REAL_PEER_LOGS=1 shows the children's logs (Mooncake's too).
-        let stderr = if std::env::var_os("FERRY_REAL_PEER_LOGS").is_some() {
-            Stdio::inherit()
-        } else {
-            Stdio::null()
-        };
-        let mut child = cmd
-            .stdout(Stdio::piped())
-            .stderr(stderr)
-            .spawn()
-            .expect("spawn ferry");
-        let stdout = child.stdout.take().expect("stdout");
-        let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        Proc { child, lines }
-    }
-
-    /// The rest of the first line starting with `prefix` (liveness bound of
-    /// a minute: not a timing assertion).
-    fn line_after(&self, prefix: &str) -> String {
-        let mut seen = Vec::new();
-        loop {
-            let line = self
-                .lines
-                .recv_timeout(Duration::from_secs(60))
-                .unwrap_or_else(|e| panic!("no line starting {prefix:?} ({e}); got {seen:?}"));
-            if let Some(rest) = line.strip_prefix(prefix) {
-                return rest.to_owned();
-            }
-            seen.push(line);
-        }
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 /// `ferry metadata-server` on a free loopback port; its URL.
 fn metadata_server() -> (Proc, String) {
     let mut cmd = ferry();
     cmd.args(["metadata-server", "--listen", "127.0.0.1:0"]);
-    let p = Proc::spawn(cmd);
+    let mut p = Proc::spawn(cmd);
     let url = p.line_after("metadata server listening on ");
     (p, url)
 }
@@ -260,7 +206,7 @@ fn serve_and_bench_peer_across_processes_on_every_real_build() {
         let url = url_for(lib, server.as_ref().map(|(_, u)| u.as_str()));
         let mut cmd = ferry();
         cmd.args(["serve", "--size", "8MiB", "--backend", &url]);
-        let serve = Proc::spawn(cmd);
+        let mut serve = Proc::spawn(cmd);
         let drive = serve.line_after("drive it with: ");
         let words: Vec<String> = drive
             .split_whitespace()
@@ -383,7 +329,7 @@ fn serve_peer(url: &str, size: &str) -> ServedPeer {
         "--backend",
         url,
     ]);
-    let proc = Proc::spawn(cmd);
+    let mut proc = Proc::spawn(cmd);
     let drive = proc.line_after("drive it with: ");
     let words: Vec<&str> = drive.split_whitespace().collect();
     let after = |flag: &str| {

@@ -51,11 +51,8 @@ fn python_or_skip(test: &str) -> Option<String> {
     None
 }
 
-fn ferry() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_ferry"));
-    c.env_remove("RUST_LOG");
-    c
-}
+mod common;
+use common::ferry;
 
 #[test]
 fn ferry_names_a_mooncake_handshake_port() {

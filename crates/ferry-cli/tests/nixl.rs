@@ -4,12 +4,12 @@
 //! command it prints moves verified bytes, with a notification per point.
 #![cfg(feature = "nixl")]
 
-use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::sync::{mpsc, OnceLock};
-use std::time::Duration;
+use std::process::Command;
+use std::sync::OnceLock;
 
+mod common;
+use common::Proc;
 use ferry_core::conformance::skip_unavailable;
 use ferry_core::Error;
 use ferry_nixl::test_support::install_pinned_wheel;
@@ -36,18 +36,9 @@ fn library(test: &str) -> Option<PathBuf> {
 }
 
 fn ferry(lib: &PathBuf) -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_ferry"));
-    c.env_remove("RUST_LOG").env("FERRY_NIXL_LIB", lib);
+    let mut c = common::ferry();
+    c.env("FERRY_NIXL_LIB", lib);
     c
-}
-
-/// Kills the child on drop so a failed test leaves no process behind.
-struct Server(Child);
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 #[test]
@@ -89,40 +80,17 @@ fn serve_and_bench_peer_over_nixl() {
     let Some(lib) = library("serve_and_bench_peer_over_nixl") else {
         return;
     };
-    let child = ferry(&lib)
-        .args([
-            "serve",
-            "--backend",
-            "nixl://?backends=UCX",
-            "--size",
-            "4MiB",
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn ferry serve");
-    let mut server = Server(child);
-    let stdout = server.0.stdout.take().expect("stdout");
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines() {
-            let Ok(line) = line else { break };
-            if tx.send(line).is_err() {
-                break;
-            }
-        }
-    });
-    // Guard against a server that never starts (not a timing assertion).
-    let mut banner = Vec::new();
-    let command = loop {
-        let line = rx
-            .recv_timeout(Duration::from_secs(60))
-            .unwrap_or_else(|e| panic!("serve printed no command ({e}); got {banner:?}"));
-        banner.push(line.clone());
-        if let Some(cmd) = line.strip_prefix("drive it with: ") {
-            break cmd.to_owned();
-        }
-    };
+    let mut serve = ferry(&lib);
+    serve.args([
+        "serve",
+        "--backend",
+        "nixl://?backends=UCX",
+        "--size",
+        "4MiB",
+    ]);
+    let mut server = Proc::spawn(serve);
+    let command = server.line_after("drive it with: ");
+    let banner = server.seen().to_vec();
     assert!(
         banner[0].starts_with("ferry serve: backend nixl, segment 127.0.0.1:"),
         "{banner:?}"
@@ -163,13 +131,13 @@ fn serve_and_bench_peer_over_nixl() {
         assert!(p["bytes"].as_u64().is_some_and(|b| b > 0), "{p}");
     }
 
-    let pid = nix::unistd::Pid::from_raw(i32::try_from(server.0.id()).expect("pid"));
+    let pid = nix::unistd::Pid::from_raw(i32::try_from(server.child.id()).expect("pid"));
     nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT).expect("SIGINT");
     let mut rest = Vec::new();
-    while let Ok(line) = rx.recv_timeout(Duration::from_secs(60)) {
+    while let Ok(line) = server.next_line() {
         rest.push(line);
     }
-    let exit = server.0.wait().expect("wait");
+    let exit = server.child.wait().expect("wait");
     assert!(exit.success(), "serve exited with {exit}; output {rest:?}");
     let summary = rest
         .iter()

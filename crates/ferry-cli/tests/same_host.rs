@@ -3,13 +3,10 @@
 #![cfg(all(feature = "tcp", target_os = "linux"))]
 
 use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 
-fn ferry() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_ferry"));
-    c.env_remove("RUST_LOG");
-    c
-}
+mod common;
+use common::ferry;
 
 #[test]
 fn bench_same_host_rows_carry_both_paths() {

@@ -104,6 +104,7 @@ impl Stream {
     }
 
     /// Whether this runs under TLS.
+    #[cfg_attr(not(feature = "test-support"), allow(dead_code))]
     pub fn is_tls(&self) -> bool {
         matches!(self, Stream::Tls(..))
     }

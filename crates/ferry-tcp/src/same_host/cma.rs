@@ -98,7 +98,9 @@ pub fn make_offer() -> Result<(Box<[u8; 16]>, Offer), String> {
 /// Target side: whether the initiator behind `stream`, whose credentials
 /// `proof` carries, may be reached by cross-memory attach; `Err(detail)`
 /// otherwise (for this process's log only: the peer is told nothing but
-/// "refused", [`Refusal::Refused`]). See [`check_offer_on`].
+/// "refused", [`Refusal::Refused`]). See [`check_offer_on`]. Used by the
+/// tests (through `test_support`).
+#[cfg_attr(not(feature = "test-support"), allow(dead_code))]
 pub fn check_offer(
     stream: &TcpStream,
     offer: &Offer,
@@ -545,6 +547,7 @@ struct Watch<'a> {
 impl Remote<'static> {
     /// A process named by its PID only (nothing to poll): for benchmarks
     /// and tests that copy with this very process.
+    #[cfg_attr(not(feature = "test-support"), allow(dead_code))]
     pub fn unpinned(pid: i32) -> Remote<'static> {
         Remote {
             pid,
