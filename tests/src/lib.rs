@@ -94,10 +94,6 @@ impl TransferEngine for Masked {
     async fn transfer(&self, segment: SegmentId, request: TransferRequest) -> Result<()> {
         self.inner.transfer(segment, request).await
     }
-    fn transfer_now(&self, segment: SegmentId, request: TransferRequest) -> Option<Result<()>> {
-        // `transfer` is no optional operation: never masked.
-        self.inner.transfer_now(segment, request)
-    }
     async fn batch_transfer(
         &self,
         segment: SegmentId,

@@ -140,24 +140,6 @@ pub trait TransferEngine: Send + Sync + 'static {
         request: TransferRequest,
     ) -> impl Future<Output = Result<()>> + Send;
 
-    /// Performs one request on the calling thread, now, if the engine can
-    /// finish it there without waiting for anything (a peer, a queue, a
-    /// permit): `Some` with its outcome, as [`TransferEngine::transfer`]
-    /// would give it. `None` if it cannot; then nothing was done and the
-    /// caller goes on with `transfer`. Never blocks and never waits; the
-    /// layers count and trace what it does as a `transfer`.
-    ///
-    /// For callers that pay to wait: a thread outside the runtime (Python's,
-    /// a C caller's, [`crate::assist::block_on`]'s) skips building and
-    /// driving a future for a call that needs none — on the TCP backend's
-    /// same-host path, a small request the peer granted is one
-    /// `process_vm_writev` (`process_vm_readv`) by the caller. Default:
-    /// `None`.
-    fn transfer_now(&self, segment: SegmentId, request: TransferRequest) -> Option<Result<()>> {
-        let _ = (segment, request);
-        None
-    }
-
     /// Performs every request and waits for all of them. `Err` means the
     /// batch as a whole was refused (unknown segment, too many requests,
     /// notification unsupported) and nothing was moved; otherwise the report
@@ -343,7 +325,6 @@ pub trait DynTransferEngine: Send + Sync + 'static {
         segment: SegmentId,
         request: TransferRequest,
     ) -> BoxFuture<'_, Result<()>>;
-    fn transfer_now_dyn(&self, segment: SegmentId, request: TransferRequest) -> Option<Result<()>>;
     fn batch_transfer_dyn<'a>(
         &'a self,
         segment: SegmentId,
@@ -406,9 +387,6 @@ impl<T: TransferEngine> DynTransferEngine for T {
         request: TransferRequest,
     ) -> BoxFuture<'_, Result<()>> {
         Box::pin(self.transfer(segment, request))
-    }
-    fn transfer_now_dyn(&self, segment: SegmentId, request: TransferRequest) -> Option<Result<()>> {
-        self.transfer_now(segment, request)
     }
     fn batch_transfer_dyn<'a>(
         &'a self,
@@ -497,9 +475,6 @@ impl TransferEngine for dyn DynTransferEngine {
         request: TransferRequest,
     ) -> impl Future<Output = Result<()>> + Send {
         self.transfer_dyn(segment, request)
-    }
-    fn transfer_now(&self, segment: SegmentId, request: TransferRequest) -> Option<Result<()>> {
-        self.transfer_now_dyn(segment, request)
     }
     async fn batch_transfer(
         &self,

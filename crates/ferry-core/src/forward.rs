@@ -103,15 +103,6 @@ macro_rules! forward {
             self.inner.transfer(segment, request)
         }
     };
-    (@ transfer_now) => {
-        fn transfer_now(
-            &self,
-            segment: $crate::types::SegmentId,
-            request: $crate::types::TransferRequest,
-        ) -> Option<$crate::error::Result<()>> {
-            self.inner.transfer_now(segment, request)
-        }
-    };
     (@ batch_transfer) => {
         fn batch_transfer(
             &self,

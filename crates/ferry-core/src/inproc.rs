@@ -262,21 +262,6 @@ async fn copy(local: &Core, segment: &Segment, request: TransferRequest) -> Resu
     Ok(())
 }
 
-/// [`copy`] at once, for a request of one chunk on an engine that is not
-/// paced, while the segment's gate is free: `None` otherwise.
-fn copy_now(local: &Core, segment: &Segment, request: TransferRequest) -> Option<Result<()>> {
-    if request.len > InprocEngine::CHUNK as u64 || local.pace_us.load(Ordering::Relaxed) != 0 {
-        return None;
-    }
-    let open = segment.gate.try_read().ok()?;
-    Some(Checked::new(local, segment, request, *open).map(|c| {
-        if let Some(c) = c {
-            c.copy(0, c.len);
-            c.served();
-        }
-    }))
-}
-
 /// A request checked against both engines' regions, their guards held.
 struct Checked {
     lg: crate::RegionGuard,
@@ -517,11 +502,6 @@ impl TransferEngine for InprocEngine {
     async fn transfer(&self, segment: SegmentId, request: TransferRequest) -> Result<()> {
         let seg = self.segment(segment)?;
         copy(&self.core, &seg, request).await
-    }
-
-    fn transfer_now(&self, segment: SegmentId, request: TransferRequest) -> Option<Result<()>> {
-        let seg = self.segment(segment).ok()?;
-        copy_now(&self.core, &seg, request)
     }
 
     async fn batch_transfer(

@@ -78,13 +78,6 @@ impl TransferEngine for Probe {
         self.in_flight.fetch_sub(1, Ordering::SeqCst);
         r
     }
-    fn transfer_now(&self, segment: SegmentId, request: TransferRequest) -> Option<Result<()>> {
-        // Counted as the transfers are when done: the adapter's tests see
-        // every call once.
-        let r = self.inner.transfer_now(segment, request)?;
-        self.transfers.fetch_add(1, Ordering::SeqCst);
-        Some(r)
-    }
     async fn batch_transfer(
         &self,
         segment: SegmentId,

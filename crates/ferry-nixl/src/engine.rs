@@ -1504,12 +1504,6 @@ impl TransferEngine for NixlEngine {
         report.results.into_iter().next().unwrap_or(Ok(()))
     }
 
-    fn transfer_now(&self, segment: SegmentId, request: TransferRequest) -> Option<Result<()>> {
-        // Every request is a NIXL transfer request polled to its end: none finishes on the caller's thread.
-        let _ = (segment, request);
-        None
-    }
-
     async fn batch_transfer(
         &self,
         segment: SegmentId,

@@ -646,18 +646,14 @@ impl PyEngine {
             remote_addr,
             len: length,
         };
-        // A call the engine finishes at once (a granted same-host copy)
-        // needs no future and no waiting: tried first, with the GIL
-        // released as for any call (holding it through the copy starved
-        // threads waiting for the GIL: docs/benchmarks/ferry-py.md); one
-        // release for both tries.
+        // With the GIL released as for any call (holding it through a copy
+        // starved threads waiting for the GIL: docs/benchmarks/ferry-py.md).
+        // A call finished on its first poll (a granted same-host copy: one
+        // copy by this thread) wakes no other thread (assist::block_on).
         let seg = SegmentId(segment);
         let rt = runtime()?;
-        py.detach(|| match engine.transfer_now(seg, req) {
-            Some(r) => r,
-            None => run(rt, engine.transfer(seg, req)),
-        })
-        .map_err(|e| to_pyerr(py, &e))
+        py.detach(|| run(rt, engine.transfer(seg, req)))
+            .map_err(|e| to_pyerr(py, &e))
     }
 
     /// A batch, waited on. Returns one entry per request: `None` or the

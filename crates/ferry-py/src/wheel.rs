@@ -965,13 +965,6 @@ impl TransferEngine for WheelEngine {
         detached(self.inner.clone().transfer(segment, request)).await
     }
 
-    fn transfer_now(&self, segment: SegmentId, request: TransferRequest) -> Option<Result<()>> {
-        // Every request is a call into the wheel's Python API on a thread
-        // of its own: none finishes on the caller's thread.
-        let _ = (segment, request);
-        None
-    }
-
     async fn batch_transfer(
         &self,
         segment: SegmentId,

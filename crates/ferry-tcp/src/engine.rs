@@ -508,11 +508,6 @@ impl TransferEngine for TcpEngine {
         .await
     }
 
-    fn transfer_now(&self, segment: SegmentId, request: TransferRequest) -> Option<Result<()>> {
-        let handle = self.handle(segment).ok()?;
-        granted_now(&handle, &request).then_some(Ok(()))
-    }
-
     async fn batch_transfer(
         &self,
         segment: SegmentId,

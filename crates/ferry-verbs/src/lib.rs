@@ -302,12 +302,6 @@ impl TransferEngine for VerbsEngine {
         forward!(self, i => i.until_stopped(i.transfer(segment, request)).await)
     }
 
-    fn transfer_now(&self, segment: SegmentId, request: TransferRequest) -> Option<Result<()>> {
-        // Every request waits for its work completion: none finishes on the caller's thread.
-        let _ = (segment, request);
-        None
-    }
-
     async fn batch_transfer(
         &self,
         segment: SegmentId,

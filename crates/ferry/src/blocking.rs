@@ -276,14 +276,12 @@ impl Engine {
 
     /// One request, waited for ([`TransferEngine::transfer`]).
     ///
-    /// A call the engine can finish on this thread at once
-    /// ([`TransferEngine::transfer_now`]: on the TCP backend's same-host
-    /// path, a small request the peer granted) builds no future.
+    /// A call whose future finishes on its first poll (on the TCP backend's
+    /// same-host path, a small request the peer granted: one copy by this
+    /// thread) returns without waking any other thread
+    /// ([`ferry_core::assist::block_on`]).
     pub fn transfer(&self, segment: SegmentId, request: TransferRequest) -> Result<()> {
         not_in_a_task("transfer")?;
-        if let Some(r) = self.inner.transfer_now(segment, request) {
-            return r;
-        }
         self.run("transfer", self.inner.transfer(segment, request))
     }
 

@@ -429,17 +429,6 @@ impl TransferEngine for Engine {
         self.inner.transfer_dyn(segment, request).await
     }
 
-    fn transfer_now(&self, segment: SegmentId, request: TransferRequest) -> Option<Result<()>> {
-        let segment = match self.discovery.as_ref().map(|d| d.target(segment)) {
-            None | Some(Target::Direct) => segment,
-            Some(Target::Open(backend)) => backend,
-            Some(Target::Gone(e)) => return Some(Err(e)),
-            // Reconnecting waits: `transfer` does it.
-            Some(Target::Moved) => return None,
-        };
-        self.inner.transfer_now_dyn(segment, request)
-    }
-
     async fn batch_transfer(
         &self,
         segment: SegmentId,

@@ -368,9 +368,15 @@ async fn a_killed_peer_fails_open_and_transfers_typed_naming_the_lease() {
     // Every entry point says the same, at once.
     let r = engine.batch_transfer(seg, &[write], None).await;
     assert!(gone_naming_lease(&r, "node-9", lease), "{r:?}");
-    let r = engine
-        .transfer_now(seg, write)
-        .expect("refused on the spot");
+    // Refused on the spot: on the future's first poll.
+    let mut fut = std::pin::pin!(engine.transfer(seg, write));
+    let first = std::future::Future::poll(
+        fut.as_mut(),
+        &mut std::task::Context::from_waker(std::task::Waker::noop()),
+    );
+    let std::task::Poll::Ready(r) = first else {
+        panic!("a transfer to a gone peer waited")
+    };
     assert!(gone_naming_lease(&r, "node-9", lease), "{r:?}");
     let r = engine.open_segment("node-9").await;
     assert!(gone_naming_lease(&r, "node-9", lease), "{r:?}");

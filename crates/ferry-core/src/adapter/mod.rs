@@ -386,7 +386,6 @@ impl<E: TransferEngine + ?Sized> TransferEngine for CapabilityAdapter<E> {
         open_segment,
         close_segment,
         transfer,
-        transfer_now,
         batch_transfer,
         submit,
         status,
@@ -865,12 +864,6 @@ impl<E: TransferEngine + ?Sized> TransferEngine for EmulationEngine<E> {
     async fn transfer(&self, segment: SegmentId, request: TransferRequest) -> Result<()> {
         let _active = self.shared.drain.enter("transfer")?;
         self.inner.transfer(segment, request).await
-    }
-
-    fn transfer_now(&self, segment: SegmentId, request: TransferRequest) -> Option<Result<()>> {
-        // Refused while draining: `transfer` says so.
-        let _active = self.shared.drain.enter("transfer").ok()?;
-        self.inner.transfer_now(segment, request)
     }
 
     async fn batch_transfer(

@@ -149,7 +149,7 @@ pub const CHECKS: &[&str] = &[
     "zero_length",
     "unaligned",
     "unregister_in_flight",
-    "transfer_now",
+    "first_poll",
     "batch_one",
     "batch_many",
     "batch_thousands",
@@ -187,7 +187,7 @@ pub async fn run_check(name: &str, factory: Arc<dyn EngineFactory>, adapted: boo
         "zero_length" => check_zero_length(f, a).await,
         "unaligned" => check_unaligned(f, a).await,
         "unregister_in_flight" => check_unregister_in_flight(f, a).await,
-        "transfer_now" => check_transfer_now(f, a).await,
+        "first_poll" => check_first_poll(f, a).await,
         "batch_one" => check_batch_one(f, a).await,
         "batch_many" => check_batch_many(f, a).await,
         "batch_thousands" => check_batch_thousands(f, a).await,
@@ -400,7 +400,7 @@ macro_rules! __conformance_mode {
                 zero_length,
                 unaligned,
                 unregister_in_flight,
-                transfer_now,
+                first_poll,
                 batch_one,
                 batch_many,
                 batch_thousands,
@@ -463,6 +463,6 @@ pub use segments::{
 };
 pub use shutdown::check_shutdown;
 pub use transfers::{
-    check_local_unregistered, check_remote_out_of_bounds, check_transfer_now, check_unaligned,
+    check_first_poll, check_local_unregistered, check_remote_out_of_bounds, check_unaligned,
     check_unregister_in_flight, check_zero_length,
 };

@@ -466,14 +466,29 @@ pub(super) async fn unregister_round(p: &Pair, remote_side: bool, n: usize) -> b
     in_flight
 }
 
-/// `transfer_now` either does nothing (`None`) or does what `transfer`
-/// does: the bytes of a write or a read land, an unregistered local range
-/// and a remote range outside the peer's regions fail typed with no byte
-/// changed, an unknown segment is `UnknownSegment`, an empty request
-/// succeeds. Each request is tried after the same request went through
-/// `transfer` once (tables and connections are warm: where the engine can
-/// finish a call at once, it does here).
-pub async fn check_transfer_now(factory: Arc<dyn EngineFactory>, adapted: bool) -> Outcome {
+/// Polls `fut` once with a waker that never wakes (as a blocked caller's
+/// first look does, [`crate::assist::block_on`]), then, if it is not done,
+/// drives the same future to its end: a future must take the waker of its
+/// latest poll, so the first look never loses a wake-up, and what it did
+/// counts once. Whether it finished at the first look, and its outcome.
+async fn first_look<T>(fut: impl std::future::Future<Output = T>) -> (bool, T) {
+    let mut fut = std::pin::pin!(fut);
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    match fut.as_mut().poll(&mut cx) {
+        std::task::Poll::Ready(out) => (true, out),
+        std::task::Poll::Pending => (false, fut.await),
+    }
+}
+
+/// A transfer looked at once and then driven (see [`first_look`]) does what
+/// `transfer` does: the bytes of a write or a read land, an unregistered
+/// local range and a remote range outside the peer's regions fail typed
+/// with no byte changed, an unknown segment is `UnknownSegment`, an empty
+/// request succeeds. Each request is made after the same request went
+/// through `transfer` once (tables and connections are warm: where the
+/// engine can finish a call on its first poll, it does here; the count is
+/// printed).
+pub async fn check_first_poll(factory: Arc<dyn EngineFactory>, adapted: bool) -> Outcome {
     let p = match pair(&factory, adapted).await {
         Ok(p) => p,
         Err(o) => return o,
@@ -490,42 +505,22 @@ pub async fn check_transfer_now(factory: Arc<dyn EngineFactory>, adapted: bool) 
     )
     .await
     .unwrap_or_else(|e| panic!("write of {N} bytes failed: {e}"));
-    let mut done_now = 0;
-    // The second half at once, or not at all.
+    let mut at_once = 0;
     let w = TransferRequest::write(src.at(N), dst.at(N), N as u64);
-    let before = dst.bytes();
-    match p.a.transfer_now(p.seg, w) {
-        Some(Ok(())) => done_now += 1,
-        Some(Err(e)) => panic!("transfer_now of a valid write failed: {e}"),
-        None => {
-            assert_bytes(&dst.bytes(), &before, "peer memory after a declined write");
-            p.a.transfer(p.seg, w)
-                .await
-                .unwrap_or_else(|e| panic!("write after a declined transfer_now failed: {e}"));
-        }
-    }
+    let (now, r) = first_look(p.a.transfer(p.seg, w)).await;
+    r.unwrap_or_else(|e| panic!("write looked at once failed: {e}"));
+    at_once += usize::from(now);
     assert_bytes(&dst.bytes(), &src.bytes(), "peer memory after the writes");
     let r = TransferRequest::read(back.addr(), dst.at(N), N as u64);
-    match p.a.transfer_now(p.seg, r) {
-        Some(Ok(())) => done_now += 1,
-        Some(Err(e)) => panic!("transfer_now of a valid read failed: {e}"),
-        None => {
-            assert_bytes(
-                &back.bytes(),
-                &[0u8; N],
-                "local memory after a declined read",
-            );
-            p.a.transfer(p.seg, r)
-                .await
-                .unwrap_or_else(|e| panic!("read after a declined transfer_now failed: {e}"));
-        }
-    }
+    let (now, res) = first_look(p.a.transfer(p.seg, r)).await;
+    res.unwrap_or_else(|e| panic!("read looked at once failed: {e}"));
+    at_once += usize::from(now);
     assert_bytes(
         &back.bytes(),
         &src.bytes()[N..],
         "local memory after the read",
     );
-    // Refusals: typed, or declined; no byte changes either way.
+    // Refusals: typed; no byte changes.
     let (src_before, dst_before, stray_before) = (src.bytes(), dst.bytes(), stray.bytes());
     let bad: [(TransferRequest, Option<Side>, &str); 3] = [
         (
@@ -545,28 +540,23 @@ pub async fn check_transfer_now(factory: Arc<dyn EngineFactory>, adapted: bool) 
         ),
     ];
     for (req, side, what) in bad {
-        if let Some(r) = p.a.transfer_now(p.seg, req) {
-            expect_addr_err(r, side, &format!("transfer_now of {what}"));
-        }
+        let (_, r) = first_look(p.a.transfer(p.seg, req)).await;
+        expect_addr_err(r, side, &format!("{what}, looked at once"));
         assert_bytes(&src.bytes(), &src_before, "local memory");
         assert_bytes(&dst.bytes(), &dst_before, "peer memory");
         assert_bytes(&stray.bytes(), &stray_before, "unregistered local memory");
     }
     let unknown = SegmentId(p.seg.0.wrapping_add(1 << 40));
-    match p
-        .a
-        .transfer_now(unknown, TransferRequest::write(src.addr(), dst.addr(), 8))
-    {
-        None | Some(Err(Error::UnknownSegment(_))) => {}
-        Some(other) => panic!("transfer_now on an unknown segment: {other:?}"),
+    let req = TransferRequest::write(src.addr(), dst.addr(), 8);
+    match first_look(p.a.transfer(unknown, req)).await.1 {
+        Err(Error::UnknownSegment(_)) => {}
+        other => panic!("a transfer on an unknown segment, looked at once: {other:?}"),
     }
-    match p.a.transfer_now(p.seg, TransferRequest::write(0, 0, 0)) {
-        None | Some(Ok(())) => {}
-        Some(Err(e)) => panic!("transfer_now of an empty request failed: {e}"),
-    }
+    let (_, r) = first_look(p.a.transfer(p.seg, TransferRequest::write(0, 0, 0))).await;
+    r.unwrap_or_else(|e| panic!("an empty request looked at once failed: {e}"));
     assert_bytes(&dst.bytes(), &dst_before, "peer memory");
     println!(
-        "transfer_now: {done_now} of 2 valid calls finished at once ({})",
+        "first_poll: {at_once} of 2 valid calls finished on their first poll ({})",
         p.a.backend_name()
     );
     src.release().await;

@@ -242,7 +242,6 @@ impl<E: TransferEngine> TransferEngine for CoalesceEngine<E> {
         open_segment,
         close_segment,
         transfer,
-        transfer_now,
         take_notifications,
         next_notification
     );

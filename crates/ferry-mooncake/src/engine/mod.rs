@@ -249,12 +249,6 @@ impl TransferEngine for MooncakeEngine {
         report.results.into_iter().next().unwrap_or(Ok(()))
     }
 
-    fn transfer_now(&self, segment: SegmentId, request: TransferRequest) -> Option<Result<()>> {
-        // Every request is a batch Mooncake's engine completes on its own threads: none finishes on the caller's.
-        let _ = (segment, request);
-        None
-    }
-
     async fn batch_transfer(
         &self,
         segment: SegmentId,

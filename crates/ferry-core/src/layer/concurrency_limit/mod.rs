@@ -244,16 +244,6 @@ impl<E: TransferEngine + ?Sized> TransferEngine for ConcurrencyLimitEngine<E> {
         };
         self.inner.transfer(segment, request).await
     }
-
-    fn transfer_now(&self, segment: SegmentId, request: TransferRequest) -> Option<Result<()>> {
-        // Inside `limited`, only with a permit free now (no waiting).
-        let _permit = if is_limited() {
-            Some(self.permits.try_acquire().ok()?)
-        } else {
-            None
-        };
-        self.inner.transfer_now(segment, request)
-    }
 }
 
 #[cfg(test)]

@@ -316,38 +316,3 @@ async fn the_adapter_leaves_a_callers_transfers_and_native_batches_alone() {
         assert!(b.await.unwrap().unwrap().is_success());
     }
 }
-
-/// `transfer_now` inside `limited` takes a permit only if one is free now
-/// (declining rather than waiting), and gives it back; outside it needs
-/// none.
-#[tokio::test]
-async fn a_call_finished_at_once_needs_a_free_permit_inside_limited() {
-    let caps = Capabilities::default();
-    let a = std::sync::Arc::new(ConcurrencyLimitLayer::new(1).layer(InprocEngine::auto(caps)));
-    let b = std::sync::Arc::new(InprocEngine::auto(caps));
-    let src = crate::RegisteredBuffer::new(std::sync::Arc::clone(&a), 4096)
-        .await
-        .unwrap();
-    let dst = crate::RegisteredBuffer::new(std::sync::Arc::clone(&b), 4096)
-        .await
-        .unwrap();
-    let seg = a.open_segment(b.segment_name()).await.unwrap();
-    let w = TransferRequest::write(src.addr(), dst.addr(), 64);
-    let held = a.permits.try_acquire().expect("a free permit");
-    assert!(
-        matches!(a.transfer_now(seg, w), Some(Ok(()))),
-        "outside `limited`"
-    );
-    limited(async {
-        assert!(a.transfer_now(seg, w).is_none(), "no permit free: declined");
-    })
-    .await;
-    drop(held);
-    limited(async {
-        assert!(matches!(a.transfer_now(seg, w), Some(Ok(()))));
-    })
-    .await;
-    assert_eq!(a.in_flight(), 0, "the permit is back");
-    src.release().await.unwrap();
-    dst.release().await.unwrap();
-}

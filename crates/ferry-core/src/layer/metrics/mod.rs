@@ -726,7 +726,7 @@ impl EngineState {
         self.series_of(Arc::from(UNKNOWN))
     }
 
-    /// Records one `transfer` (or `transfer_now`) that ended with `r`, and
+    /// Records one `transfer` that ended with `r`, and
     /// hands `r` back.
     fn transfer_done(
         &self,
@@ -1244,17 +1244,6 @@ impl<E: TransferEngine> TransferEngine for MetricsEngine<E> {
             self.inner.transfer(segment, request).await,
             started,
         )
-    }
-
-    fn transfer_now(&self, segment: SegmentId, request: TransferRequest) -> Option<Result<()>> {
-        let Some(s) = &self.state else {
-            return self.inner.transfer_now(segment, request);
-        };
-        let _flight = s.in_flight();
-        let started = Instant::now();
-        // Not done: not counted (the `transfer` that follows is).
-        let r = self.inner.transfer_now(segment, request)?;
-        Some(s.transfer_done(segment, request, r, started))
     }
 
     async fn batch_transfer(

@@ -70,7 +70,6 @@ impl<E> TimeoutEngine<E> {
 #[deny(clippy::missing_trait_methods)]
 impl<E: TransferEngine> TransferEngine for TimeoutEngine<E> {
     forward!(
-        transfer_now,
         backend_name,
         segment_name,
         capabilities,

@@ -237,16 +237,6 @@ impl<E: TransferEngine> TransferEngine for TracingEngine<E> {
         traced(span, self.inner.transfer(segment, request), |_| 0).await
     }
 
-    fn transfer_now(&self, segment: SegmentId, request: TransferRequest) -> Option<Result<()>> {
-        // While `ferry_batch` spans may be recorded, calls go the traced
-        // way: an attempt that finds it cannot finish would leave a span
-        // of its own beside the call's.
-        if self.enabled && tracing::level_enabled!(tracing::Level::DEBUG) {
-            return None;
-        }
-        self.inner.transfer_now(segment, request)
-    }
-
     async fn batch_transfer(
         &self,
         segment: SegmentId,
@@ -342,31 +332,5 @@ mod tests {
         assert!(text.contains("ferry_connect"), "{text}");
         let off = one_batch(TracingLayer::disabled()).await;
         assert!(!off.contains("ferry_batch"), "{off}");
-    }
-
-    /// While `ferry_batch` spans may be recorded a call is not finished
-    /// at once (it would have no span); without a listener at debug it is.
-    #[tokio::test(flavor = "current_thread")]
-    async fn calls_finish_at_once_only_untraced() {
-        let a = Arc::new(TracingLayer::new().layer(InprocEngine::auto(Capabilities::all())));
-        let b: Arc<dyn DynTransferEngine> = Arc::new(InprocEngine::auto(Capabilities::all()));
-        let src = RegisteredBuffer::new(Arc::clone(&a), 256).await.unwrap();
-        let dst = RegisteredBuffer::new(Arc::clone(&b), 256).await.unwrap();
-        let peer = a.open_segment(b.segment_name()).await.unwrap();
-        let w = TransferRequest::write(src.addr(), dst.addr(), 100);
-        {
-            let subscriber = tracing_subscriber::fmt()
-                .with_max_level(tracing::Level::DEBUG)
-                .with_writer(std::io::sink)
-                .finish();
-            let _guard = tracing::subscriber::set_default(subscriber);
-            assert!(a.transfer_now(peer, w).is_none(), "traced: declined");
-        }
-        // (The level is process-wide: another test of this binary may be
-        // listening at debug right now.)
-        let r = a.transfer_now(peer, w);
-        if !tracing::level_enabled!(tracing::Level::DEBUG) {
-            assert!(matches!(r, Some(Ok(()))), "{r:?}");
-        }
     }
 }
