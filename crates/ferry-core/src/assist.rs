@@ -880,11 +880,29 @@ mod tests {
             recording_task(&rt, || (std::thread::current().id(), quiet(), driven()));
         let me = std::thread::current().id();
         let before = lock(&polls).len();
-        block_on(rt.handle(), async {
-            handle.offer();
-            tokio::task::yield_now().await;
-            tokio::task::yield_now().await;
-        });
+        // The call ends once the caller has driven the task (not after a
+        // fixed number of yields: on a loaded machine the runtime may hold
+        // the task through them), with a liveness bound.
+        let bound = Instant::now() + Duration::from_secs(20);
+        let mut offered = false;
+        block_on(
+            rt.handle(),
+            std::future::poll_fn(|cx| {
+                if !offered {
+                    handle.offer();
+                    offered = true;
+                }
+                let drove = lock(&polls)[before..]
+                    .iter()
+                    .any(|&(t, q, d)| t == me && d && !q);
+                if drove || Instant::now() > bound {
+                    Poll::Ready(())
+                } else {
+                    cx.waker().wake_by_ref();
+                    Poll::Pending
+                }
+            }),
+        );
         let after = lock(&polls).clone();
         let mine = &after[before..];
         assert!(
@@ -898,7 +916,8 @@ mod tests {
         );
         // Nothing woke the pump: no poll follows on the runtime.
         std::thread::sleep(Duration::from_millis(50));
-        assert_eq!(lock(&polls).len(), after.len(), "{:?}", lock(&polls));
+        let later = lock(&polls).clone();
+        assert_eq!(later.len(), after.len(), "{later:?}");
         join.abort();
     }
 
