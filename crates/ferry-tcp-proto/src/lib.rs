@@ -15,6 +15,9 @@
 //! It grows step by step (issue 42: the protocol as state machines driven
 //! by events, checked by deterministic simulation). Today it holds:
 //!
+//! - [`batch`]: the initiator's batch: planning into frames, each
+//!   request's answers, the deadline, the stale retry, the notification
+//!   after the data;
 //! - [`frame`]: the wire format, every frame's encoder and decoder;
 //! - [`negotiate`]: versions, features and the extension blocks of the
 //!   handshake, and the same-host token;
@@ -37,6 +40,7 @@
 //! small leaf) allows it, and moving them must not add a call per frame.
 #![forbid(unsafe_code)]
 
+pub mod batch;
 pub mod frame;
 pub mod grants;
 pub mod layout;

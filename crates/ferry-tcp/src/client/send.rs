@@ -110,22 +110,11 @@ pub(crate) enum OutKind {
     ReadV(Vec<Part>),
 }
 
-/// One segment of a WRITEV/READV (or of a CWRITE/CREAD).
-#[derive(Clone)]
-pub(crate) struct Part {
-    /// The request of the batch it belongs to.
-    pub(crate) index: usize,
-    /// The local region, held registered while the segment is in flight.
-    pub(crate) guard: Arc<RegionGuard>,
-    /// Where the segment starts in the guard's region.
-    pub(crate) off: u64,
-    /// Its length.
-    pub(crate) len: u64,
-    /// The peer's address.
-    pub(crate) remote: u64,
-    /// The generation of the peer's region there (from its table).
-    pub(crate) gen: u32,
-}
+/// One segment of a WRITEV/READV (or of a CWRITE/CREAD), as the core
+/// plans it: its request, the guard that keeps its local range registered
+/// while in flight (`hold`), where it starts there, its length, the peer's
+/// address and the generation of the peer's region.
+pub(crate) type Part = ferry_tcp_proto::batch::Part<Arc<RegionGuard>>;
 
 /// The segment table of a WRITEV/READV frame and the segments' total
 /// length.
@@ -150,6 +139,41 @@ pub(crate) struct OutOp {
 }
 
 impl OutOp {
+    /// A frame as the core planned it.
+    pub(crate) fn from_frame(f: ferry_tcp_proto::batch::Frame<Arc<RegionGuard>>) -> OutOp {
+        use ferry_tcp_proto::batch::Frame;
+        match f {
+            Frame::Write(p) => OutOp {
+                index: p.index,
+                kind: OutKind::Write {
+                    guard: p.hold,
+                    off: p.off,
+                    len: p.len,
+                    remote: p.remote,
+                    gen: p.gen,
+                },
+            },
+            Frame::Read(p) => OutOp {
+                index: p.index,
+                kind: OutKind::Read {
+                    guard: p.hold,
+                    off: p.off,
+                    len: p.len,
+                    remote: p.remote,
+                    gen: p.gen,
+                },
+            },
+            Frame::WriteV(parts) => OutOp {
+                index: parts.first().map_or(0, |p| p.index),
+                kind: OutKind::WriteV(parts),
+            },
+            Frame::ReadV(parts) => OutOp {
+                index: parts.first().map_or(0, |p| p.index),
+                kind: OutKind::ReadV(parts),
+            },
+        }
+    }
+
     /// Whether it moves payload (WRITE, READ, WRITEV, READV).
     pub(crate) fn is_transfer(&self) -> bool {
         matches!(
@@ -181,7 +205,7 @@ impl OutOp {
                 false,
                 vec![Part {
                     index: self.index,
-                    guard: Arc::clone(guard),
+                    hold: Arc::clone(guard),
                     off: *off,
                     len: *len,
                     remote: *remote,
@@ -198,7 +222,7 @@ impl OutOp {
                 true,
                 vec![Part {
                     index: self.index,
-                    guard: Arc::clone(guard),
+                    hold: Arc::clone(guard),
                     off: *off,
                     len: *len,
                     remote: *remote,
@@ -295,7 +319,7 @@ pub(crate) async fn send_ops(
                             parts
                                 .iter()
                                 .map(|p| stage::Piece {
-                                    ptr: p.guard.as_ptr().wrapping_add(p.off as usize),
+                                    ptr: p.hold.as_ptr().wrapping_add(p.off as usize),
                                     len: p.len as usize,
                                 })
                                 .collect(),
@@ -314,7 +338,7 @@ pub(crate) async fn send_ops(
                             local: if staged {
                                 0
                             } else {
-                                p.guard.as_ptr() as u64 + p.off
+                                p.hold.as_ptr() as u64 + p.off
                             },
                         })
                         .collect();
@@ -334,7 +358,7 @@ pub(crate) async fn send_ops(
                             index: op.index,
                             kind: PendingKind::Cma {
                                 parts: parts.iter().map(|p| (p.index, p.remote, p.len)).collect(),
-                                guards: parts.iter().map(|p| Arc::clone(&p.guard)).collect(),
+                                guards: parts.iter().map(|p| Arc::clone(&p.hold)).collect(),
                                 // Staged reads are copied by this side.
                                 target_writes: read && !staged,
                             },
@@ -404,13 +428,13 @@ pub(crate) async fn send_ops(
                                 .map(|p| {
                                     (
                                         p.index,
-                                        p.guard.as_ptr() as usize + p.off as usize,
+                                        p.hold.as_ptr() as usize + p.off as usize,
                                         p.remote,
                                         p.len,
                                     )
                                 })
                                 .collect(),
-                            _guards: parts.iter().map(|p| Arc::clone(&p.guard)).collect(),
+                            _guards: parts.iter().map(|p| Arc::clone(&p.hold)).collect(),
                         },
                     )
                 }
@@ -425,7 +449,7 @@ pub(crate) async fn send_ops(
                         },
                         PendingKind::WriteV {
                             parts: parts.iter().map(|p| (p.index, p.remote, p.len)).collect(),
-                            _guards: parts.iter().map(|p| Arc::clone(&p.guard)).collect(),
+                            _guards: parts.iter().map(|p| Arc::clone(&p.hold)).collect(),
                         },
                     )
                 }
@@ -468,7 +492,7 @@ pub(crate) async fn send_ops(
                     bufs.push(Bytes::from_ref(t));
                 }
                 for p in parts {
-                    bufs.push(source(&p.guard, p.off, p.len));
+                    bufs.push(source(&p.hold, p.off, p.len));
                 }
             }
             OutKind::ReadV(_) => {
@@ -875,7 +899,7 @@ async fn copy_one(
     let all: Vec<Part> = parts
         .iter()
         .flat_map(|p| {
-            let (local, remote) = (p.guard.as_ptr() as usize + p.off as usize, p.remote);
+            let (local, remote) = (p.hold.as_ptr() as usize + p.off as usize, p.remote);
             (0..p.len.div_ceil(GRANTED_PIECE).max(1)).map(move |i| {
                 let off = i * GRANTED_PIECE;
                 Part {
