@@ -24,6 +24,8 @@
 //! - [`offer`]: the same-host offer and the target's refusal codes;
 //! - [`layout`]: the byte layout of the same-host staging area and of its
 //!   grants page, and the verdict slot of a staged read;
+//! - [`initiator`]: the initiator's side of a connection: operations in
+//!   flight by id, the checks of every answer, the send window;
 //! - [`grants`]: the target's same-host grants as bookkeeping, and the
 //!   order in which a region leaves (grant, marks, table, generation);
 //! - [`time`]: points on the driver's clock and the pace a peer must keep
@@ -43,6 +45,7 @@
 pub mod batch;
 pub mod frame;
 pub mod grants;
+pub mod initiator;
 pub mod layout;
 pub mod negotiate;
 pub mod offer;

@@ -14,26 +14,16 @@ use super::wire_ops::WireOps;
 use crate::frame::{encode_cma_segments, encode_segments, CmaSegment, Request, Segment};
 use crate::io::{write_all, Bytes};
 use crate::same_host::stage;
+use ferry_tcp_proto::initiator::{window_until, Slicing};
 
-/// Payload bytes a sender on the socket path writes before it lets go of
-/// the connection's write lock at the next frame boundary: a small call
-/// issued beside a 16 MiB batch waits for one slice (and what the socket
-/// buffers hold), not for the whole batch. The same-host path keeps its
-/// frames together (the staging area's streams follow the frame order).
-const FAIR_SLICE: u64 = 1 << 20;
-
-/// Slices of a long send that may be written and not yet answered: before
-/// slice `k` goes, every operation of slice `k - FAIR_WINDOW` and before
-/// has its answer. Without it the kernel's socket buffers held several
-/// MiB of the send, and a small call written at a slice boundary queued
-/// behind all of it. Four, not two: two served the small calls a little
-/// better but made the batch, waiting for a wake-up per slice on a busy
-/// host, take twice as long; four keeps most of the small calls' gain and
-/// costs a lone send nothing (figures: crates/ferry-tcp/BENCHMARKS.md).
-/// It also bounds one connection's long send to 4 MiB per round trip of
-/// the answers; across a long-haul link, `connections=N` spreads long
-/// requests over N connections, each with its own window.
-const FAIR_WINDOW: usize = 4;
+// The long sends' slices and window (`FAIR_SLICE`, `FAIR_WINDOW`) are the
+// core's (`ferry_tcp_proto::initiator`): a small call issued beside a
+// 16 MiB batch waits for one 1 MiB slice (and what the socket buffers
+// hold), not for the whole batch; four slices may be unanswered (two
+// served the small calls a little better but made the batch, waiting for a
+// wake-up per slice on a busy host, take twice as long: figures in
+// crates/ferry-tcp/BENCHMARKS.md). The same-host path keeps its frames
+// together (the staging area's streams follow the frame order).
 
 /// If a send is abandoned before it started writing (its caller was
 /// dropped while waiting for the write lock), withdraws its operations so
@@ -52,7 +42,7 @@ impl Drop for Unsent<'_> {
         let Some(ids) = self.ids.take() else { return };
         let ops: Vec<PendingOp> = {
             let mut map = lock(&self.conn.pending);
-            ids.iter().filter_map(|id| map.ops.remove(id)).collect()
+            map.withdraw(ids)
         };
         for op in ops {
             op.complete(Err(Error::Canceled(
@@ -291,7 +281,7 @@ pub(crate) async fn send_ops(
     // the area now (`crate::same_host::choice`): all or none of them.
     {
         let mut map = lock(&conn.pending);
-        if let Some(e) = map.closed.clone() {
+        if let Some(e) = map.closed().cloned() {
             drop(map);
             if conn.retired.load(Ordering::Acquire) {
                 return Err(ops);
@@ -351,7 +341,7 @@ pub(crate) async fn send_ops(
                         total,
                     };
                     hdrs.push(req.encode());
-                    map.ops.insert(
+                    let put = map.insert(
                         id,
                         PendingOp {
                             batch: Arc::clone(batch),
@@ -364,6 +354,8 @@ pub(crate) async fn send_ops(
                             },
                         },
                     );
+                    // Open: looked at above, under this lock.
+                    debug_assert!(put.is_ok());
                     continue;
                 }
             }
@@ -455,7 +447,7 @@ pub(crate) async fn send_ops(
                 }
             };
             hdrs.push(req.encode());
-            map.ops.insert(
+            let put = map.insert(
                 id,
                 PendingOp {
                     batch: Arc::clone(batch),
@@ -463,6 +455,7 @@ pub(crate) async fn send_ops(
                     kind,
                 },
             );
+            debug_assert!(put.is_ok());
         }
     }
     let mut bufs: Vec<Bytes<'_>> = Vec::with_capacity(ops.len() * 2);
@@ -472,12 +465,19 @@ pub(crate) async fn send_ops(
     // FAIR_SLICE). The last cut is the end.
     let mut cuts: Vec<(usize, usize)> = Vec::new();
     let mut since_cut = 0u64;
-    for (i, (hdr, op)) in hdrs.iter().zip(&ops).enumerate() {
-        if since_cut >= FAIR_SLICE && !conn.cma {
-            cuts.push((bufs.len(), i));
-            since_cut = 0;
+    // The same-host path keeps its frames together.
+    let slicing = if conn.cma {
+        Slicing {
+            slice: u64::MAX,
+            ..Slicing::default()
         }
-        since_cut += op.payload_len();
+    } else {
+        Slicing::default()
+    };
+    for (i, (hdr, op)) in hdrs.iter().zip(&ops).enumerate() {
+        if slicing.cut_before(&mut since_cut, op.payload_len()) {
+            cuts.push((bufs.len(), i));
+        }
         bufs.push(Bytes::from_ref(hdr));
         if conn.cma && op.is_transfer() {
             // Segment table only: the target copies the payload.
@@ -541,14 +541,16 @@ pub(crate) async fn send_ops(
             // once instead of after the last slice); a runtime worker
             // runs the tasks those answers woke.
             tokio::task::yield_now().await;
-            if k >= FAIR_WINDOW {
+            if let Some(gate) = slicing.gate(k) {
                 // Never past the batch's deadline: a target that reads and
                 // does not answer is then timed out by the batch's wait, as
                 // without the window (the rest is sent meanwhile).
-                let until = batch
-                    .deadline()
-                    .unwrap_or_else(|| std::time::Instant::now() + conn.pace.stall);
-                let answered = wait_answered(conn, &ids[..cuts[k - FAIR_WINDOW].1]);
+                let until = crate::io::instant(window_until(
+                    batch.deadline_time(),
+                    crate::io::now(),
+                    conn.pace.stall,
+                ));
+                let answered = wait_answered(conn, &ids[..cuts[gate].1]);
                 let _ = tokio::time::timeout_at(until.into(), answered).await;
             }
             w = conn.write_lock.lock().await;
@@ -623,7 +625,7 @@ async fn wait_answered(conn: &ConnShared, ids: &[u64]) {
         notified.as_mut().enable();
         let waiting = {
             let map = lock(&conn.pending);
-            map.closed.is_none() && ids.iter().rev().any(|id| map.ops.contains_key(id))
+            map.closed().is_none() && ids.iter().rev().any(|id| map.contains(*id))
         };
         if !waiting || conn.dead.load(Ordering::Acquire) {
             return;

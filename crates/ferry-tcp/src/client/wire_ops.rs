@@ -56,7 +56,12 @@ impl WireOps {
 
     /// When the pass expires, once its clock has started.
     pub(crate) fn deadline(&self) -> Option<std::time::Instant> {
-        lock(&self.state).deadline().map(crate::io::instant)
+        self.deadline_time().map(crate::io::instant)
+    }
+
+    /// [`WireOps::deadline`] on the core's clock.
+    pub(crate) fn deadline_time(&self) -> Option<ferry_tcp_proto::time::Time> {
+        lock(&self.state).deadline()
     }
 
     /// Bookkeeping for `n` requests reported nowhere (control requests:
