@@ -1530,6 +1530,9 @@ impl World {
             }
             _ => {}
         }
+        // Checked as time reached (a timer fired late is a miss even if
+        // the pass ends in this step), then after what fired.
+        self.check();
         self.timers();
         self.passes_step();
         self.check();
