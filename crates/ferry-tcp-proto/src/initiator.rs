@@ -14,11 +14,12 @@
 //! only if its length is the one that operation expects.
 //!
 //! States of an operation ([`OpState`]): `InFlight` (sent, in
-//! [`Pending`]) → `Answered` (taken by its answer) | `Abandoned` (its
-//! batch expired: the id is remembered, at most [`MAX_ABANDONED`], so its
-//! late answer is skipped; beyond that the connection is dropped) |
-//! `Failed` (the connection closed: [`Pending::close`] drains them all and
-//! every later send fails with the close reason).
+//! [`Pending`]) → out of the core, completed by its answer
+//! ([`Reply::Op`]) or failed with the connection ([`Pending::close`]
+//! drains them all; every later send fails with the close reason) | →
+//! `Abandoned` (its batch expired: the id is remembered, at most
+//! [`MAX_ABANDONED`], so its late answer is skipped, [`Reply::Skip`];
+//! beyond that the connection is dropped).
 //!
 //! The send window ([`Slicing`]): a long send on the socket path is cut
 //! into slices of [`FAIR_SLICE`] payload bytes; before slice `k` goes out,
@@ -51,18 +52,14 @@ pub const FAIR_SLICE: u64 = 1 << 20;
 /// Slices of a long send that may be written and not yet answered.
 pub const FAIR_WINDOW: usize = 4;
 
-/// The states of an operation of the initiator (see the module; named in
+/// The states of an id the core keeps (see the module; named in
 /// PROTOCOL.md §3.2).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum OpState {
     /// Sent and waiting for its answer.
     InFlight,
-    /// Its answer came and completed it.
-    Answered,
     /// Its batch expired: its late answer will be skipped.
     Abandoned,
-    /// The connection closed under it: failed with the close reason.
-    Failed,
 }
 
 /// What an answer's id names.
