@@ -42,7 +42,8 @@
 //! Under a planted mutant (`RUSTFLAGS='--cfg ferry_mutant="…"'`:
 //! `notify_before_data`, `deadline_per_slot`, `window_waits_forever`) the
 //! test expects the simulator to find it within the default seeds, and
-//! prints the first seed and step that did.
+//! prints the first seed and step that did (`FERRY_SIM_MUTANT_ALL=1`: and
+//! how many of the seeds find it).
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -213,6 +214,25 @@ struct TConn {
     stopped_until: Time,
     /// Reads and serves, never answers.
     mute: bool,
+    /// Answers are held back until then (a target late to answer).
+    late_until: Time,
+    held: Vec<u8>,
+}
+
+impl Conn {
+    /// The target sends answer bytes (or holds them back, or, mute, drops
+    /// them).
+    fn emit(&mut self, now: Time, bytes: &[u8]) {
+        if self.t.mute {
+            return;
+        }
+        if now < self.t.late_until {
+            self.t.held.extend_from_slice(bytes);
+            return;
+        }
+        self.t2c.extend(self.t.held.drain(..));
+        self.t2c.extend(bytes);
+    }
 }
 
 struct Conn {
@@ -381,6 +401,8 @@ impl World {
                 input: Vec::new(),
                 stopped_until: Time::ZERO,
                 mute,
+                late_until: Time::ZERO,
+                held: Vec::new(),
             },
             c2t: VecDeque::new(),
             t2c: VecDeque::new(),
@@ -915,13 +937,8 @@ impl World {
                 Some(true) => continue,
                 Some(false) => break,
                 None => {
-                    // Closed (Malformed): flush, then the initiator sees
-                    // the end of the stream after the answers.
-                    let conn = &mut self.conns[c];
-                    let a = conn.t.core.take_answers();
-                    if !conn.t.mute {
-                        conn.t2c.extend(a);
-                    }
+                    // Closed (Malformed): the connection ends (the answers
+                    // before it are lost with it here).
                     self.fail_conn(c, Failure::PeerLost);
                     return;
                 }
@@ -929,12 +946,8 @@ impl World {
         }
         // Nothing complete buffered: the answers go out before the wait.
         let conn = &mut self.conns[c];
-        if conn.t.core.has_answers() {
-            let a = conn.t.core.take_answers();
-            if !conn.t.mute {
-                conn.t2c.extend(a);
-            }
-        }
+        let a = conn.t.core.take_answers();
+        conn.emit(now, &a);
     }
 
     /// Serves the request at the front of the input if all of it is there:
@@ -1003,15 +1016,15 @@ impl World {
                     self.conns[c].t.core.received();
                     return Some(true);
                 }
-                Step::Send { meta, holds, .. } => {
-                    let conn = &mut self.conns[c];
-                    if !conn.t.mute {
-                        conn.t2c.extend(meta);
-                        for (h, len) in &holds {
-                            let o = (h.addr - TBASE) as usize;
-                            conn.t2c.extend(&self.tmem[o..o + *len as usize]);
-                        }
+                Step::Send {
+                    mut meta, holds, ..
+                } => {
+                    for (h, len) in &holds {
+                        let o = (h.addr - TBASE) as usize;
+                        meta.extend_from_slice(&self.tmem[o..o + *len as usize]);
                     }
+                    let now = self.now;
+                    self.conns[c].emit(now, &meta);
                     break Some(true);
                 }
                 Step::Table { meta, id } => {
@@ -1019,18 +1032,17 @@ impl World {
                         .iter()
                         .map(|(&addr, &(len, gen))| TableEntry { addr, len, gen })
                         .collect();
-                    let conn = &mut self.conns[c];
-                    if !conn.t.mute {
-                        conn.t2c.extend(meta);
-                        conn.t2c.extend(
-                            Response::Table {
-                                id,
-                                count: t.len() as u32,
-                            }
-                            .encode(),
-                        );
-                        conn.t2c.extend(encode_table(&t));
-                    }
+                    let mut bytes = meta;
+                    bytes.extend(
+                        Response::Table {
+                            id,
+                            count: t.len() as u32,
+                        }
+                        .encode(),
+                    );
+                    bytes.extend(encode_table(&t));
+                    let now = self.now;
+                    self.conns[c].emit(now, &bytes);
                     break Some(true);
                 }
                 Step::Close(_) => break None,
@@ -1430,7 +1442,9 @@ impl World {
                 continue;
             }
             let t2c = !conn.t2c.is_empty() && conn.i.discard == 0;
-            let c2t = !conn.c2t.is_empty() && now >= conn.t.stopped_until;
+            let running = now >= conn.t.stopped_until;
+            let c2t = running
+                && (!conn.c2t.is_empty() || (!conn.t.held.is_empty() && now >= conn.t.late_until));
             if t2c || c2t || (self.may_write(c) && self.conns[c].c2t.len() < CAP) {
                 return false;
             }
@@ -1454,6 +1468,9 @@ impl World {
         }
         for c in self.conns.iter().filter(|c| c.alive) {
             see(c.t.stopped_until);
+            if !c.t.held.is_empty() {
+                see(c.t.late_until);
+            }
             for task in &c.i.tasks {
                 if let Some(w) = task.window_until.filter(|&w| w != Time::NEVER) {
                     see(w);
@@ -1497,8 +1514,8 @@ impl World {
                 self.resumed = self.now;
             }
             94 | 98 => self.churn(),
-            95 if self.rng.chance(30) => self.fail_conn(c, Failure::PeerLost),
-            96 => {
+            95 if self.rng.chance(10) => self.fail_conn(c, Failure::PeerLost),
+            96 if self.rng.chance(50) => {
                 let d = Duration::from_micros(self.rng.below(1_500));
                 self.conns[c].t.stopped_until = self.now.after(d);
             }
@@ -1527,6 +1544,11 @@ impl World {
                 for (k, byte) in junk.into_iter().enumerate() {
                     t2c.insert(at + k, byte);
                 }
+            }
+            99 => {
+                // The target answers late: past the deadline at times.
+                let d = Duration::from_micros(self.rng.below(80_000));
+                self.conns[c].t.late_until = self.now.after(d);
             }
             _ => {}
         }
@@ -1774,19 +1796,30 @@ fn initiator_and_target_cores_keep_memory_deadlines_and_notifications() {
         // A planted bug: the simulator must find it.
         let quiet = std::panic::take_hook();
         std::panic::set_hook(Box::new(|_| {}));
+        // FERRY_SIM_MUTANT_ALL=1: every seed, to count those that find it.
+        let all = std::env::var_os("FERRY_SIM_MUTANT_ALL").is_some();
         let mut found = None;
+        let mut finders = 0u64;
         for seed in 0..seeds {
             match std::panic::catch_unwind(|| run_seed(seed)) {
                 Ok(n) => steps += n,
                 Err(e) => {
-                    let msg = e
-                        .downcast_ref::<String>()
-                        .cloned()
-                        .unwrap_or_else(|| "a panic".into());
-                    found = Some((seed, msg));
-                    break;
+                    finders += 1;
+                    if found.is_none() {
+                        let msg = e
+                            .downcast_ref::<String>()
+                            .cloned()
+                            .unwrap_or_else(|| "a panic".into());
+                        found = Some((seed, msg));
+                    }
+                    if !all {
+                        break;
+                    }
                 }
             }
+        }
+        if all {
+            eprintln!("sim pair: mutant {m} found by {finders} of {seeds} seeds");
         }
         std::panic::set_hook(quiet);
         match found {
