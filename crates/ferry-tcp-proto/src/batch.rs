@@ -226,14 +226,14 @@ pub fn plan<H: Clone>(
 
 /// One request's state in a pass.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Slot<E> {
+struct Slot<E> {
     /// Parts still unanswered.
-    pub left: u32,
+    left: u32,
     /// Its first error.
-    pub err: Option<E>,
+    err: Option<E>,
     /// The target refused part of it because the region was registered
     /// again since the table used (`StaleRegion`): retried once.
-    pub stale: bool,
+    stale: bool,
 }
 
 /// One pass over a batch (or one control request): see the module.
