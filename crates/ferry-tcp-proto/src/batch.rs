@@ -101,34 +101,33 @@ impl<H> Frame<H> {
     }
 }
 
-/// A batch planned: frames per connection, each request's number of
-/// parts, the bytes moved.
+/// What [`plan`] counted: each request's parts and the bytes planned.
 #[derive(Debug)]
-pub struct Plan<H> {
-    /// Frames per connection, in sending order (index 0: the home one).
-    pub per_conn: Vec<Vec<Frame<H>>>,
-    /// Parts per request (0: nothing to send: empty, or failed before).
+pub struct Plan {
+    /// Parts per request (0: nothing to send: empty, or left out).
     pub counts: Vec<u32>,
     /// Payload bytes planned.
     pub bytes: u64,
 }
 
-/// Plans `reqs` into frames over `conns` connections (at least one).
-/// `holds[i]` is request `i`'s local memory, `None` to leave it out (empty,
-/// or refused before the wire). `chunk`: the largest part of a large
-/// request; `next_rr` names the connection of its next chunk (the driver's
-/// round-robin counter, shared by its batches).
+/// Plans `reqs` (by index; `None`: left out — refused before the wire)
+/// into frames over `conns` connections (at least one), handing each to
+/// `emit(connection, frame)` in sending order (connection 0: the home
+/// one). `chunk`: the largest part of a large request; `next_rr` names
+/// the connection of its next chunk (the driver's round-robin counter,
+/// shared by its batches). A request's hold is the driver's guard of its
+/// local memory, cloned into each of its parts.
 pub fn plan<H: Clone>(
-    reqs: &[Req],
-    holds: &[Option<H>],
+    reqs: impl IntoIterator<Item = Option<(Req, H)>>,
     chunk: u64,
     conns: usize,
     mut next_rr: impl FnMut() -> usize,
-) -> Plan<H> {
+    mut emit: impl FnMut(usize, Frame<H>),
+) -> Plan {
     let conns = conns.max(1);
     let chunk = chunk.max(1);
-    let mut per_conn: Vec<Vec<Frame<H>>> = (0..conns).map(|_| Vec::new()).collect();
-    let mut counts = vec![0u32; reqs.len()];
+    let reqs = reqs.into_iter();
+    let mut counts = Vec::with_capacity(reqs.size_hint().0);
     let mut bytes = 0u64;
     // Requests that fit in one chunk all go to connection 0: in order,
     // pipelined, and the other connections stay idle unless large requests
@@ -136,31 +135,38 @@ pub fn plan<H: Clone>(
     let home = 0;
     // Gathered small writes (reads): parts and bytes.
     let mut groups: [(Vec<Part<H>>, u64); 2] = [(Vec::new(), 0), (Vec::new(), 0)];
-    fn flush<H>(g: &mut (Vec<Part<H>>, u64), read: bool, out: &mut Vec<Frame<H>>) {
+    fn flush<H>(g: &mut (Vec<Part<H>>, u64), read: bool, emit: &mut impl FnMut(usize, Frame<H>)) {
         g.1 = 0;
         match g.0.len() {
             0 => {}
             1 => {
                 if let Some(p) = g.0.pop() {
-                    out.push(if read {
-                        Frame::Read(p)
-                    } else {
-                        Frame::Write(p)
-                    });
+                    emit(
+                        0,
+                        if read {
+                            Frame::Read(p)
+                        } else {
+                            Frame::Write(p)
+                        },
+                    );
                 }
             }
             _ => {
                 let parts = core::mem::take(&mut g.0);
-                out.push(if read {
-                    Frame::ReadV(parts)
-                } else {
-                    Frame::WriteV(parts)
-                });
+                emit(
+                    0,
+                    if read {
+                        Frame::ReadV(parts)
+                    } else {
+                        Frame::WriteV(parts)
+                    },
+                );
             }
         }
     }
-    for (i, (r, h)) in reqs.iter().zip(holds).enumerate() {
-        let Some(h) = h else { continue };
+    for (i, r) in reqs.enumerate() {
+        counts.push(0u32);
+        let Some((r, h)) = r else { continue };
         if r.len == 0 {
             continue;
         }
@@ -168,11 +174,11 @@ pub fn plan<H: Clone>(
         if r.len <= GATHER_MAX_SEGMENT.min(chunk) {
             let grp = &mut groups[r.read as usize];
             if grp.0.len() == MAX_SEGMENTS as usize || grp.1 + r.len > GATHER_MAX_BYTES {
-                flush(grp, r.read, &mut per_conn[home]);
+                flush(grp, r.read, &mut emit);
             }
             grp.0.push(Part {
                 index: i,
-                hold: h.clone(),
+                hold: h,
                 off: 0,
                 len: r.len,
                 remote: r.remote,
@@ -202,26 +208,25 @@ pub fn plan<H: Clone>(
             if c == home {
                 // Keep the order of requests on the home connection.
                 let [w, rd] = &mut groups;
-                flush(w, false, &mut per_conn[home]);
-                flush(rd, true, &mut per_conn[home]);
+                flush(w, false, &mut emit);
+                flush(rd, true, &mut emit);
             }
-            per_conn[c].push(if r.read {
-                Frame::Read(part)
-            } else {
-                Frame::Write(part)
-            });
+            emit(
+                c,
+                if r.read {
+                    Frame::Read(part)
+                } else {
+                    Frame::Write(part)
+                },
+            );
             counts[i] += 1;
             off += len;
         }
     }
     let [w, rd] = &mut groups;
-    flush(w, false, &mut per_conn[home]);
-    flush(rd, true, &mut per_conn[home]);
-    Plan {
-        per_conn,
-        counts,
-        bytes,
-    }
+    flush(w, false, &mut emit);
+    flush(rd, true, &mut emit);
+    Plan { counts, bytes }
 }
 
 /// One request's state in a pass.
@@ -457,6 +462,23 @@ mod tests {
         }
     }
 
+    /// Plans into frames per connection.
+    fn planned(reqs: &[Req], chunk: u64, conns: usize) -> (Plan, Vec<Vec<Frame<()>>>) {
+        let mut per_conn = vec![Vec::new(); conns];
+        let mut rr = 0;
+        let p = plan(
+            reqs.iter().map(|r| Some((*r, ()))),
+            chunk,
+            conns,
+            || {
+                rr += 1;
+                rr
+            },
+            |c, f| per_conn[c].push(f),
+        );
+        (p, per_conn)
+    }
+
     #[test]
     fn small_requests_are_gathered_and_large_ones_spread() {
         let reqs = [
@@ -465,30 +487,24 @@ mod tests {
             req(true, 5),
             req(false, 300),
         ];
-        let holds = vec![Some(()); 4];
-        let mut rr = 0;
-        let p = plan(&reqs, &holds, 100, 2, || {
-            rr += 1;
-            rr
-        });
+        let (p, per_conn) = planned(&reqs, 100, 2);
         assert_eq!(p.counts, vec![1, 1, 1, 3]);
         assert_eq!(p.bytes, 335);
-        let home: Vec<bool> = p.per_conn[0].iter().map(Frame::read).collect();
+        let home: Vec<bool> = per_conn[0].iter().map(Frame::read).collect();
         // The gathered writes and the read are flushed before a chunk on
         // the home connection; the chunks alternate 1, 0, 1.
-        assert!(matches!(p.per_conn[0][0], Frame::WriteV(ref ps) if ps.len() == 2));
+        assert!(matches!(per_conn[0][0], Frame::WriteV(ref ps) if ps.len() == 2));
         assert_eq!(home, vec![false, true, false]);
-        assert_eq!(p.per_conn[1].len(), 2);
-        let total: u64 = p.per_conn.iter().flatten().map(Frame::payload_len).sum();
+        assert_eq!(per_conn[1].len(), 2);
+        let total: u64 = per_conn.iter().flatten().map(Frame::payload_len).sum();
         assert_eq!(total, 335);
     }
 
     #[test]
     fn a_gathered_frame_holds_at_most_512_segments() {
         let reqs = vec![req(false, 1); 1000];
-        let holds = vec![Some(()); 1000];
-        let p = plan(&reqs, &holds, 1 << 20, 1, || 0);
-        let sizes: Vec<usize> = p.per_conn[0].iter().map(|f| f.parts().len()).collect();
+        let (_, per_conn) = planned(&reqs, 1 << 20, 1);
+        let sizes: Vec<usize> = per_conn[0].iter().map(|f| f.parts().len()).collect();
         assert_eq!(sizes, vec![512, 488]);
     }
 

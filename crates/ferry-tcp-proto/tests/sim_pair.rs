@@ -1132,7 +1132,6 @@ impl World {
     fn data_pass(&mut self, b: usize, indices: Vec<usize>, hold_stale: bool) {
         let id = self.new_pass(b, indices.len(), hold_stale, PassKind::Data);
         let mut reqs = Vec::new();
-        let mut holds = Vec::new();
         for (k, &i) in indices.iter().enumerate() {
             let r = self.batches[b].reqs[i];
             let gen = if r.len == 0 {
@@ -1145,20 +1144,29 @@ impl World {
                     .reqs
                     .fail_unsent(k, Failure::NotRegistered);
             }
-            reqs.push(Req {
-                read: r.read,
-                len: r.len,
-                remote: r.remote,
-                gen: gen.unwrap_or(0),
-            });
-            holds.push(gen.map(|_| r.local));
+            reqs.push(gen.map(|gen| {
+                let req = Req {
+                    read: r.read,
+                    len: r.len,
+                    remote: r.remote,
+                    gen,
+                };
+                (req, r.local)
+            }));
         }
         let conns = self.conns.len();
         let mut rr = self.rr;
-        let plan = batch::plan(&reqs, &holds, CHUNK, conns, || {
-            rr += 1;
-            rr
-        });
+        let mut per_conn: Vec<Vec<Frame<u64>>> = (0..conns).map(|_| Vec::new()).collect();
+        let plan = batch::plan(
+            reqs,
+            CHUNK,
+            conns,
+            || {
+                rr += 1;
+                rr
+            },
+            |c, f| per_conn[c].push(f),
+        );
         self.rr = rr;
         self.pass_mut(id).map = Some(indices);
         let mut out = Vec::new();
@@ -1171,7 +1179,7 @@ impl World {
             self.batches[b].results[m[i]] = Some(r);
         }
         self.start_clock(id, plan.bytes);
-        for (c, frames) in plan.per_conn.into_iter().enumerate() {
+        for (c, frames) in per_conn.into_iter().enumerate() {
             if frames.is_empty() {
                 continue;
             }

@@ -131,48 +131,40 @@ impl Peer {
         // table as it is now (frames carry it; the target refuses a frame
         // whose region was registered again since).
         let table = self.table();
-        let mut reqs = Vec::with_capacity(requests.len());
-        for (i, r) in requests.iter().enumerate() {
-            let gen = match &guards[i] {
-                None => 0,
-                Some(_) => match table_lookup(&table, r.remote_addr, r.len) {
-                    Some(gen) => gen,
-                    None => {
-                        // The table changed under a concurrent refresh.
-                        state.fail_unsent(
-                            i,
-                            Error::AddressNotRegistered {
-                                side: Side::Remote,
-                                addr: r.remote_addr,
-                                len: r.len,
-                                peer: Some(self.name.clone()),
-                            },
-                        );
-                        guards[i] = None;
-                        0
-                    }
-                },
+        // Plan the wire operations (the core's planner), each request with
+        // the generation of its remote range.
+        let n_conns = self.slots.len();
+        let mut per_conn: Vec<Vec<OutOp>> = (0..n_conns).map(|_| Vec::new()).collect();
+        let reqs = requests.iter().zip(&guards).enumerate().map(|(i, (r, g))| {
+            let g = g.as_ref()?;
+            let Some(gen) = table_lookup(&table, r.remote_addr, r.len) else {
+                // The table changed under a concurrent refresh.
+                state.fail_unsent(
+                    i,
+                    Error::AddressNotRegistered {
+                        side: Side::Remote,
+                        addr: r.remote_addr,
+                        len: r.len,
+                        peer: Some(self.name.clone()),
+                    },
+                );
+                return None;
             };
-            reqs.push(Req {
+            let req = Req {
                 read: r.op == TransferOp::Read,
                 len: r.len,
                 remote: r.remote_addr,
                 gen,
-            });
-        }
-        // Plan the wire operations (the core's planner).
-        let n_conns = self.slots.len();
-        let Plan {
-            per_conn,
-            counts,
-            bytes,
-        } = plan(&reqs, &guards, chunk, n_conns, || {
-            self.rr.fetch_add(1, Ordering::Relaxed)
+            };
+            Some((req, Arc::clone(g)))
         });
-        let mut per_conn: Vec<Vec<OutOp>> = per_conn
-            .into_iter()
-            .map(|frames| frames.into_iter().map(OutOp::from_frame).collect())
-            .collect();
+        let Plan { counts, bytes } = plan(
+            reqs,
+            chunk,
+            n_conns,
+            || self.rr.fetch_add(1, Ordering::Relaxed),
+            |c, f| per_conn[c].push(OutOp::from_frame(f)),
+        );
         drop(guards);
         state.arm(&counts);
         self.start_clock(state, bytes);
