@@ -2,8 +2,12 @@
 //! the checks every answer passes before it completes one, and the send
 //! window of a long send.
 //!
-//! The driver sends frames and reads answers; for each answer header it
-//! asks [`Pending::answer`] what the id names ([`Reply`]): an operation in
+//! The driver sends frames and reads answers. For an OK, ERR, DATA or
+//! DATAV header, [`on_header`] says what to do ([`Recv`]: complete the
+//! operation, read the payload into its destination, read the failed
+//! indices, throw the rest of the frame away, or fail); for the others the
+//! driver reads the ids, indices or table first. Either way an id is
+//! looked up by [`Pending::answer`] ([`Reply`]): an operation in
 //! flight (taken out: the driver completes it), the late answer of an
 //! operation whose batch expired ([`Reply::Skip`]: the driver reads and
 //! throws away the rest of the frame), or nothing it sent
@@ -37,7 +41,7 @@
 use core::time::Duration;
 use std::collections::{HashMap, HashSet};
 
-use crate::frame::{Response, TABLE_ENTRY_LEN};
+use crate::frame::{Response, Status, TABLE_ENTRY_LEN};
 use crate::time::Time;
 
 /// Most request ids of expired batches a connection remembers (their late
@@ -216,6 +220,108 @@ impl<T, E: Clone> Pending<T, E> {
     }
 }
 
+/// What an operation in flight takes as its answer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Expect {
+    /// OK or ERR (WRITE, NOTIFY).
+    Ack,
+    /// OK, ERR, or ERRV over its segments (WRITEV; CWRITE, CREAD, SWRITE,
+    /// SREAD).
+    AckV,
+    /// DATA of this many bytes, or ERR (READ).
+    Data(u64),
+    /// DATAV over its segments, or ERR (READV).
+    DataV,
+    /// TABLE_REPLY, or ERR (TABLE).
+    Table,
+}
+
+/// An operation in flight names the answer it takes.
+pub trait Answered {
+    /// See [`Expect`].
+    fn expect(&self) -> Expect;
+}
+
+/// What the reader does with an answer header (the reader's states, named
+/// in PROTOCOL.md §3.2). The payload never passes through the core: `Into`
+/// names the operation whose destination the driver reads into.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Recv<T> {
+    /// Complete the operation (every part) with an acknowledgement.
+    Ack(T),
+    /// Complete the operation (every part) with the ERR's status, address
+    /// and length.
+    Refused(T, Status, u64, u64),
+    /// Read the DATA's payload (this many bytes) into the operation's
+    /// destination, then complete it.
+    Into(T, u64),
+    /// Read the DATAV's failed indices (this many, 4 bytes each) for the
+    /// operation; [`failed_segments`] and [`check_datav`] check them, then
+    /// the payload goes into the segments not failed.
+    Indices(T, u32),
+    /// The answer of an operation whose batch expired: read and throw away
+    /// this many bytes (the rest of the frame).
+    Discard(u64),
+    /// Not an answer to anything in flight, or not the answer the
+    /// operation takes: fail the operation (if any) and the connection
+    /// with this protocol error.
+    Fail(Option<T>, String),
+}
+
+/// Decides an OK, ERR, DATA or DATAV header (`None` for the others, which
+/// the driver reads first: OKS ids, ERRV indices, a table; then each id
+/// goes through [`Pending::answer`]). Takes the operation out of flight.
+#[inline]
+pub fn on_header<T: Answered, E: Clone>(
+    pending: &mut Pending<T, E>,
+    resp: &Response,
+) -> Option<Recv<T>> {
+    let (id, what, skip) = match *resp {
+        Response::Ok { id } | Response::Err { id, .. } => (id, "response", 0),
+        Response::Data { id, len } => (id, "DATA", len),
+        Response::DataV { id, .. } => (id, "DATAV", frame_bytes(resp)),
+        _ => return None,
+    };
+    let op = match pending.answer(id) {
+        Reply::Op(op) => op,
+        Reply::Skip => return Some(Recv::Discard(skip)),
+        Reply::Unknown => {
+            return Some(Recv::Fail(
+                None,
+                format!("{what} for unknown request id {id}"),
+            ))
+        }
+    };
+    let expect = op.expect();
+    Some(match *resp {
+        Response::Ok { id } => {
+            let needs_data = matches!(expect, Expect::Data(_) | Expect::DataV | Expect::Table);
+            match check_ack(id, needs_data) {
+                Ok(()) => Recv::Ack(op),
+                Err(reason) => Recv::Fail(Some(op), reason),
+            }
+        }
+        Response::Err {
+            status, addr, len, ..
+        } => Recv::Refused(op, status, addr, len),
+        Response::Data { id, len } => {
+            let want = match expect {
+                Expect::Data(w) => Some(w),
+                _ => None,
+            };
+            match check_data(id, want, len) {
+                Ok(()) => Recv::Into(op, len),
+                Err(reason) => Recv::Fail(Some(op), reason),
+            }
+        }
+        Response::DataV { id, failed, .. } => match expect {
+            Expect::DataV => Recv::Indices(op, failed),
+            _ => Recv::Fail(Some(op), format!("DATAV for request {id}, not a READV")),
+        },
+        _ => return None,
+    })
+}
+
 /// The payload bytes of a response frame after its header: due by one
 /// deadline.
 #[inline]
@@ -363,6 +469,64 @@ mod tests {
         assert_eq!(p.close("closed"), vec![30]);
         assert_eq!(p.insert(4, 40), Err(40));
         assert_eq!(p.closed(), Some(&"closed"));
+    }
+
+    impl Answered for Expect {
+        fn expect(&self) -> Expect {
+            *self
+        }
+    }
+
+    #[test]
+    fn answer_headers_become_what_the_reader_does() {
+        let mut p: Pending<Expect, ()> = Pending::new();
+        for (id, e) in [
+            (1, Expect::Ack),
+            (2, Expect::Data(8)),
+            (3, Expect::Data(8)),
+            (4, Expect::DataV),
+            (5, Expect::Ack),
+            (6, Expect::Table),
+        ] {
+            p.insert(id, e).unwrap();
+        }
+        assert_eq!(
+            on_header(&mut p, &Response::Ok { id: 1 }),
+            Some(Recv::Ack(Expect::Ack))
+        );
+        assert_eq!(
+            on_header(&mut p, &Response::Data { id: 2, len: 8 }),
+            Some(Recv::Into(Expect::Data(8), 8))
+        );
+        assert!(matches!(
+            on_header(&mut p, &Response::Data { id: 3, len: 9 }),
+            Some(Recv::Fail(Some(_), _))
+        ));
+        let dv = Response::DataV {
+            id: 4,
+            status: None,
+            failed: 2,
+            len: 5,
+        };
+        assert_eq!(
+            on_header(&mut p, &dv),
+            Some(Recv::Indices(Expect::DataV, 2))
+        );
+        assert!(matches!(
+            on_header(&mut p, &Response::Ok { id: 6 }),
+            Some(Recv::Fail(Some(Expect::Table), _))
+        ));
+        let (gone, _) = p.abandon(|_| true);
+        assert_eq!(gone, vec![Expect::Ack]);
+        assert_eq!(
+            on_header(&mut p, &Response::Data { id: 5, len: 77 }),
+            Some(Recv::Discard(77))
+        );
+        assert!(matches!(
+            on_header(&mut p, &Response::Ok { id: 5 }),
+            Some(Recv::Fail(None, _))
+        ));
+        assert_eq!(on_header(&mut p, &Response::OkMany { count: 2 }), None);
     }
 
     #[test]

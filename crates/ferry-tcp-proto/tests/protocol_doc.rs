@@ -1,14 +1,14 @@
 //! PROTOCOL.md (in ferry-tcp) names the states of the cores as the code
 //! has them (issue 42, item 7): every variant of the target's `Step`,
 //! `UnregisterStep`, `Unfinished` and `Delivered` appears in its section
-//! 3.1, every variant of the initiator's `Frame`, `Then`, `OpState` and
-//! `Reply` in its section 3.2. The matches below are exhaustive, so a new variant does not
+//! 3.1, every variant of the initiator's `Frame`, `Then`, `OpState`,
+//! `Reply`, `Expect` and `Recv` in its section 3.2. The matches below are exhaustive, so a new variant does not
 //! compile here until it is named in the list, and the list is checked
 //! against the text.
 
 use ferry_tcp_proto::batch::{Frame, Part, Then};
 use ferry_tcp_proto::grants::{Unfinished, UnregisterStep};
-use ferry_tcp_proto::initiator::{OpState, Reply};
+use ferry_tcp_proto::initiator::{Expect, OpState, Recv, Reply};
 use ferry_tcp_proto::target::{Delivered, Step};
 
 fn step_name(s: &Step<()>) -> &'static str {
@@ -80,6 +80,27 @@ fn reply_name(r: &Reply<()>) -> &'static str {
     }
 }
 
+fn expect_name(e: &Expect) -> &'static str {
+    match e {
+        Expect::Ack => "Ack",
+        Expect::AckV => "AckV",
+        Expect::Data(_) => "Data",
+        Expect::DataV => "DataV",
+        Expect::Table => "Table",
+    }
+}
+
+fn recv_name(r: &Recv<()>) -> &'static str {
+    match r {
+        Recv::Ack(_) => "Ack",
+        Recv::Refused(..) => "Refused",
+        Recv::Into(..) => "Into",
+        Recv::Indices(..) => "Indices",
+        Recv::Discard(_) => "Discard",
+        Recv::Fail(..) => "Fail",
+    }
+}
+
 /// The text of PROTOCOL.md's section `heading`, up to the next section
 /// (`None` when the file is not beside this crate: a packaged copy).
 fn section(heading: &str) -> Option<String> {
@@ -117,12 +138,29 @@ fn protocol_md_names_every_state_of_the_initiator_core() {
     let thens = [Then::Retry(Vec::new()), Then::Notify, Then::Finish];
     let states = [OpState::InFlight, OpState::Abandoned];
     let replies = [Reply::Op(()), Reply::Skip, Reply::Unknown];
+    let expects = [
+        Expect::Ack,
+        Expect::AckV,
+        Expect::Data(1),
+        Expect::DataV,
+        Expect::Table,
+    ];
+    let recvs = [
+        Recv::Ack(()),
+        Recv::Refused((), ferry_tcp_proto::frame::Status::StaleRegion, 0, 0),
+        Recv::Into((), 1),
+        Recv::Indices((), 1),
+        Recv::Discard(1),
+        Recv::Fail(None, String::new()),
+    ];
     let names = frames
         .iter()
         .map(frame_name)
         .chain(thens.iter().map(then_name))
         .chain(states.iter().map(op_state_name))
-        .chain(replies.iter().map(reply_name));
+        .chain(replies.iter().map(reply_name))
+        .chain(expects.iter().map(expect_name))
+        .chain(recvs.iter().map(recv_name));
     for name in names {
         assert!(
             section.contains(&format!("`{name}`")),

@@ -61,7 +61,7 @@ use ferry_tcp_proto::frame::{
     Segment, Status, TableEntry, HEADER_LEN, MAX_ACKS, MAX_NOTIFY_MESSAGE, SEGMENT_LEN,
 };
 use ferry_tcp_proto::initiator::{
-    self, check_ack, check_data, check_datav, failed_segments, Pending, Reply, Slicing,
+    self, check_datav, failed_segments, Answered, Expect, Pending, Recv, Reply, Slicing,
     MAX_ABANDONED,
 };
 use ferry_tcp_proto::target::{frame_bytes, Delivered, Part, Regions, Step, TargetConn};
@@ -153,8 +153,9 @@ struct Op {
 
 #[derive(Debug)]
 enum OpKind {
-    /// Parts of a WRITE / WRITEV: (request index, length).
-    Write(Vec<(usize, u64)>),
+    /// Parts of a WRITE / WRITEV: (request index, length); whether a
+    /// WRITEV.
+    Write(Vec<(usize, u64)>, bool),
     /// Parts of a READ: (request index, local destination, length).
     Read(usize, u64, u64),
     ReadV(Vec<(usize, u64, u64)>),
@@ -162,10 +163,22 @@ enum OpKind {
     Table,
 }
 
+impl Answered for Op {
+    fn expect(&self) -> Expect {
+        match self.kind {
+            OpKind::Write(_, false) | OpKind::Notify => Expect::Ack,
+            OpKind::Write(_, true) => Expect::AckV,
+            OpKind::Read(_, _, len) => Expect::Data(len),
+            OpKind::ReadV(_) => Expect::DataV,
+            OpKind::Table => Expect::Table,
+        }
+    }
+}
+
 impl Op {
     fn indices(&self) -> Vec<usize> {
         match &self.kind {
-            OpKind::Write(p) => p.iter().map(|x| x.0).collect(),
+            OpKind::Write(p, _) => p.iter().map(|x| x.0).collect(),
             OpKind::Read(i, ..) => vec![*i],
             OpKind::ReadV(p) => p.iter().map(|x| x.0).collect(),
             OpKind::Notify | OpKind::Table => vec![0],
@@ -532,7 +545,7 @@ impl World {
             let req = with_id(req, id);
             let mut bytes = req.encode().to_vec();
             bytes.extend(body);
-            if let (Some(b), OpKind::Write(parts)) = (batch, &kind) {
+            if let (Some(b), OpKind::Write(parts, _)) = (batch, &kind) {
                 // By the batch's index of each request.
                 let map = self
                     .passes
@@ -775,72 +788,16 @@ impl World {
         }
     }
 
-    /// One answer, as ferry-tcp's reader handles it.
+    /// One answer, as ferry-tcp's reader handles it: the core decides
+    /// OK, ERR, DATA and DATAV headers ([`initiator::on_header`]).
     fn answer(&mut self, c: usize, resp: Response, body: &[u8]) -> Result<(), Failure> {
+        if let Some(recv) = initiator::on_header(&mut self.conns[c].i.pending, &resp) {
+            return self.execute(recv, resp, body);
+        }
         match resp {
-            Response::Ok { id } => self.ack(c, id, Ok(())),
             Response::OkMany { .. } => {
                 for id in decode_ids(body) {
                     self.ack(c, id, Ok(()))?;
-                }
-                Ok(())
-            }
-            Response::Err { id, status, .. } => self.ack(c, id, Err(status)),
-            Response::Data { id, len } => {
-                let Some(op) = self.reply(c, id, "DATA")? else {
-                    return Ok(());
-                };
-                let want = match op.kind {
-                    OpKind::Read(_, _, l) => Some(l),
-                    _ => None,
-                };
-                if let Err(r) = check_data(id, want, len) {
-                    self.complete_op(op, Err(Failure::Protocol(r.clone())));
-                    return Err(Failure::Protocol(r));
-                }
-                if let OpKind::Read(index, dst, _) = op.kind {
-                    self.write_local(dst, body);
-                    self.land(op.pass, index, len);
-                }
-                self.complete_op(op, Ok(()));
-                Ok(())
-            }
-            Response::DataV {
-                id,
-                status,
-                failed,
-                len,
-            } => {
-                let Some(op) = self.reply(c, id, "DATAV")? else {
-                    return Ok(());
-                };
-                let OpKind::ReadV(parts) = &op.kind else {
-                    let e = Failure::Protocol(format!("DATAV for request {id}, not a READV"));
-                    self.complete_op(op, Err(e.clone()));
-                    return Err(e);
-                };
-                let (idx, data) = body.split_at(failed as usize * 4);
-                let bad = failed_segments(idx, parts.len(), "DATAV")
-                    .and_then(|b| check_datav(&b, parts.iter().map(|p| p.2), len).map(|()| b));
-                let bad = match bad {
-                    Ok(b) => b,
-                    Err(r) => {
-                        self.complete_op(op, Err(Failure::Protocol(r.clone())));
-                        return Err(Failure::Protocol(r));
-                    }
-                };
-                let status = status.unwrap_or(Status::AddressNotRegistered);
-                let mut at = 0usize;
-                let parts = parts.clone();
-                for ((index, dst, n), b) in parts.into_iter().zip(bad) {
-                    if b {
-                        self.complete(op.pass, index, Err(Failure::Status(status)));
-                    } else {
-                        self.write_local(dst, &data[at..at + n as usize]);
-                        at += n as usize;
-                        self.land(op.pass, index, n);
-                        self.complete(op.pass, index, Ok(()));
-                    }
                 }
                 Ok(())
             }
@@ -848,7 +805,7 @@ impl World {
                 let Some(op) = self.reply(c, id, "ERRV")? else {
                     return Ok(());
                 };
-                let OpKind::Write(parts) = &op.kind else {
+                let OpKind::Write(parts, true) = &op.kind else {
                     let e = Failure::Protocol(format!("ERRV for request {id}, not a WRITEV"));
                     self.complete_op(op, Err(e.clone()));
                     return Err(e);
@@ -897,22 +854,84 @@ impl World {
                 "SAME_HOST_OK for request {id}, not offered"
             ))),
             Response::Wake => Err(Failure::Protocol("WAKE without a staging area".into())),
+            Response::Ok { .. }
+            | Response::Err { .. }
+            | Response::Data { .. }
+            | Response::DataV { .. } => self.fail("an answer the core decides, not decided"),
         }
     }
 
     /// An OK or ERR (ferry-tcp's `ConnShared::ack`).
     fn ack(&mut self, c: usize, id: u64, r: Result<(), Status>) -> Result<(), Failure> {
-        let Some(op) = self.reply(c, id, "response")? else {
-            return Ok(());
+        let resp = match r {
+            Ok(()) => Response::Ok { id },
+            Err(status) => Response::Err {
+                id,
+                status,
+                addr: 0,
+                len: 0,
+            },
         };
-        if r.is_ok() {
-            let needs = matches!(op.kind, OpKind::Read(..) | OpKind::ReadV(_) | OpKind::Table);
-            if let Err(reason) = check_ack(id, needs) {
-                self.complete_op(op, Err(Failure::Protocol(reason.clone())));
+        match initiator::on_header(&mut self.conns[c].i.pending, &resp) {
+            Some(recv) => self.execute(recv, resp, &[]),
+            None => Ok(()),
+        }
+    }
+
+    /// Executes what the core decided for an answer whose frame (after
+    /// its header) is `body`.
+    fn execute(&mut self, recv: Recv<Op>, resp: Response, body: &[u8]) -> Result<(), Failure> {
+        match recv {
+            Recv::Ack(op) => self.complete_op(op, Ok(())),
+            Recv::Refused(op, status, ..) => self.complete_op(op, Err(Failure::Status(status))),
+            Recv::Into(op, len) => {
+                let OpKind::Read(index, dst, _) = op.kind else {
+                    self.fail("DATA into an operation that is not a READ");
+                };
+                self.write_local(dst, body);
+                self.land(op.pass, index, len);
+                self.complete_op(op, Ok(()));
+            }
+            Recv::Indices(op, failed) => {
+                let Response::DataV { status, len, .. } = resp else {
+                    self.fail("indices of a frame that is not a DATAV");
+                };
+                let OpKind::ReadV(parts) = &op.kind else {
+                    self.fail("DATAV for an operation that is not a READV");
+                };
+                let (idx, data) = body.split_at(failed as usize * 4);
+                let bad = failed_segments(idx, parts.len(), "DATAV")
+                    .and_then(|b| check_datav(&b, parts.iter().map(|p| p.2), len).map(|()| b));
+                let bad = match bad {
+                    Ok(b) => b,
+                    Err(r) => {
+                        self.complete_op(op, Err(Failure::Protocol(r.clone())));
+                        return Err(Failure::Protocol(r));
+                    }
+                };
+                let status = status.unwrap_or(Status::AddressNotRegistered);
+                let mut at = 0usize;
+                let parts = parts.clone();
+                for ((index, dst, n), b) in parts.into_iter().zip(bad) {
+                    if b {
+                        self.complete(op.pass, index, Err(Failure::Status(status)));
+                    } else {
+                        self.write_local(dst, &data[at..at + n as usize]);
+                        at += n as usize;
+                        self.land(op.pass, index, n);
+                        self.complete(op.pass, index, Ok(()));
+                    }
+                }
+            }
+            // The frame is thrown away with the body.
+            Recv::Discard(_) => count(4),
+            Recv::Fail(op, reason) => {
+                if let Some(op) = op {
+                    self.complete_op(op, Err(Failure::Protocol(reason.clone())));
+                }
                 return Err(Failure::Protocol(reason));
             }
         }
-        self.complete_op(op, r.map_err(Failure::Status));
         Ok(())
     }
 
@@ -1218,7 +1237,7 @@ impl World {
                     gen: p.gen,
                 },
                 local(&p).to_vec(),
-                OpKind::Write(vec![(p.index, p.len)]),
+                OpKind::Write(vec![(p.index, p.len)], false),
                 payload,
             ),
             Frame::Read(p) => (
@@ -1244,7 +1263,7 @@ impl World {
                         total: payload,
                     },
                     body,
-                    OpKind::Write(ps.iter().map(|p| (p.index, p.len)).collect()),
+                    OpKind::Write(ps.iter().map(|p| (p.index, p.len)).collect(), true),
                     payload,
                 )
             }

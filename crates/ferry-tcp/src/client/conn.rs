@@ -12,9 +12,10 @@ use socket2::SockRef;
 use tokio::task::AbortHandle;
 
 use super::wire_ops::WireOps;
+use crate::frame::Response;
 use crate::frame::{Status, TableEntry};
 use crate::io::Pace;
-use ferry_tcp_proto::initiator::{check_ack, Pending, Reply};
+use ferry_tcp_proto::initiator::{self, Answered, Expect, Pending, Recv, Reply};
 
 /// The cached region table of a peer.
 pub(crate) type TableCache = RwLock<Arc<Vec<TableEntry>>>;
@@ -98,6 +99,30 @@ impl PendingOp {
                 }
             }
             _ => self.batch.complete(self.index, r),
+        }
+    }
+}
+
+impl Answered for PendingOp {
+    #[inline]
+    fn expect(&self) -> Expect {
+        match &self.kind {
+            PendingKind::Write(_) | PendingKind::Notify => Expect::Ack,
+            PendingKind::Read { len, .. } => Expect::Data(*len),
+            PendingKind::Table(_) => Expect::Table,
+            PendingKind::WriteV { .. } | PendingKind::Cma { .. } => Expect::AckV,
+            PendingKind::ReadV { .. } => Expect::DataV,
+        }
+    }
+}
+
+impl PendingOp {
+    /// Where a READ's payload goes.
+    #[inline]
+    pub(crate) fn destination(&self) -> Option<usize> {
+        match &self.kind {
+            PendingKind::Read { dst, .. } => Some(*dst),
+            _ => None,
         }
     }
 }
@@ -298,6 +323,56 @@ impl ConnShared {
         tail != start
     }
 
+    /// What the core makes of an OK, ERR, DATA or DATAV header (the
+    /// operation it answers taken out of flight); `None` for the others.
+    pub(crate) fn on_header(&self, resp: &Response) -> Option<Recv<PendingOp>> {
+        if !matches!(
+            resp,
+            Response::Ok { .. }
+                | Response::Err { .. }
+                | Response::Data { .. }
+                | Response::DataV { .. }
+        ) {
+            // Not the core's to decide from the header: no lock taken.
+            return None;
+        }
+        let r = initiator::on_header(&mut lock(&self.pending), resp);
+        // As in `reply`.
+        if self.window_waiters.load(Ordering::SeqCst) > 0 {
+            self.answered.notify_waiters();
+        }
+        r
+    }
+
+    /// Executes what the core decided for an answer header, as far as no
+    /// payload bytes are involved; hands back what needs reading (`Into`,
+    /// `Indices`, a `Discard` of some bytes).
+    pub(crate) fn settle(&self, recv: Recv<PendingOp>) -> Result<Option<Recv<PendingOp>>> {
+        match recv {
+            Recv::Ack(op) => {
+                op.complete(Ok(()));
+                Ok(None)
+            }
+            Recv::Refused(op, status, addr, len) => {
+                if status == Status::StaleRegion {
+                    op.batch.mark_stale(op.index);
+                }
+                let e = self.status_error(status, addr, len);
+                op.complete(Err(e));
+                Ok(None)
+            }
+            Recv::Fail(op, reason) => {
+                let err = self.protocol(reason);
+                if let Some(op) = op {
+                    op.complete(Err(err.clone()));
+                }
+                Err(err)
+            }
+            Recv::Discard(0) => Ok(None),
+            other => Ok(Some(other)),
+        }
+    }
+
     /// What the answer to `id` completes: the operation (taken out), the
     /// late answer of an expired batch's operation, or nothing sent here.
     pub(crate) fn reply(&self, id: u64) -> Reply<PendingOp> {
@@ -450,35 +525,19 @@ impl ConnShared {
         id: u64,
         r: std::result::Result<(), (Status, u64, u64)>,
     ) -> Result<()> {
-        let op = match self.reply(id) {
-            Reply::Op(op) => op,
-            Reply::Skip => return Ok(()),
-            Reply::Unknown => {
-                return Err(self.protocol(format!("response for unknown request id {id}")))
-            }
+        let resp = match r {
+            Ok(()) => Response::Ok { id },
+            Err((status, addr, len)) => Response::Err {
+                id,
+                status,
+                addr,
+                len,
+            },
         };
-        if r.is_ok() {
-            let needs_data = matches!(
-                op.kind,
-                PendingKind::Read { .. } | PendingKind::ReadV { .. } | PendingKind::Table(_)
-            );
-            if let Err(reason) = check_ack(id, needs_data) {
-                let err = self.protocol(reason);
-                op.complete(Err(err.clone()));
-                return Err(err);
-            }
+        match self.on_header(&resp) {
+            Some(recv) => self.settle(recv).map(drop),
+            None => Ok(()),
         }
-        match r {
-            Ok(()) => op.complete(Ok(())),
-            Err((status, addr, len)) => {
-                if status == Status::StaleRegion {
-                    op.batch.mark_stale(op.index);
-                }
-                let e = self.status_error(status, addr, len);
-                op.complete(Err(e));
-            }
-        }
-        Ok(())
     }
 }
 

@@ -12,7 +12,7 @@ use ferry_core::{Error, Result};
 use super::conn::{ConnShared, PendingKind};
 use crate::frame::{decode_ids, decode_table, Response, Status, MAX_ACKS, TABLE_ENTRY_LEN};
 use crate::io::{Bytes, FrameReader, Next};
-use ferry_tcp_proto::initiator::{check_data, check_datav, failed_segments, frame_bytes, Reply};
+use ferry_tcp_proto::initiator::{check_datav, failed_segments, frame_bytes, Recv, Reply};
 
 /// The reader task of `conn`: reads responses until the connection ends,
 /// then fails what is still pending on it.
@@ -99,52 +99,27 @@ pub(crate) async fn reader_loop(
         let resp = Response::decode(&hdr).map_err(|e| conn.protocol(e.0))?;
         // The whole frame must arrive at the minimum rate.
         rd.begin_frame(frame_bytes(&resp));
-        match resp {
-            Response::Ok { id } => conn.ack(id, Ok(()))?,
-            // Acknowledgements wait in the staging area's lane.
-            Response::Wake if conn.stage.is_some() => {
-                conn.take_lane(true);
-            }
-            Response::Wake => return Err(conn.protocol("WAKE without a staging area")),
-            Response::OkMany { count } => {
-                let buf = &mut ids[..count as usize * 8];
-                rd.read_payload(stream, Bytes::from_mut(buf))
+        // OK, ERR, DATA, DATAV: the core decides what the header means.
+        let header = match conn.on_header(&resp) {
+            Some(recv) => conn.settle(recv)?,
+            None => None,
+        };
+        match (header, resp) {
+            (Some(Recv::Discard(n)), _) => {
+                // The late answer of an expired batch's operation.
+                rd.discard(stream, n, true)
                     .await
                     .map_err(|e| conn.lost(&e))?;
-                for id in decode_ids(buf) {
-                    conn.ack(id, Ok(()))?;
-                }
             }
-            Response::Err {
-                id,
-                status,
-                addr,
-                len,
-            } => conn.ack(id, Err((status, addr, len)))?,
-            Response::Data { id, len } => {
-                let op = match conn.reply(id) {
-                    Reply::Op(op) => op,
-                    Reply::Skip => {
-                        rd.discard(stream, len, true)
-                            .await
-                            .map_err(|e| conn.lost(&e))?;
-                        continue;
-                    }
-                    Reply::Unknown => {
-                        return Err(conn.protocol(format!("DATA for unknown request id {id}")))
-                    }
-                };
-                let (dst, want) = match &op.kind {
-                    PendingKind::Read { dst, len, .. } => (*dst, Some(*len)),
-                    _ => (0, None),
-                };
-                if let Err(reason) = check_data(id, want, len) {
-                    let err = conn.protocol(reason);
+            (Some(Recv::Into(op, len)), _) => {
+                let Some(dst) = op.destination() else {
+                    let err = conn.protocol("DATA for an operation without a destination");
                     op.complete(Err(err.clone()));
                     return Err(err);
-                }
+                };
                 // SAFETY: `dst..dst+len` was bounds-checked against a local
-                // registered region when the request was issued, and the
+                // registered region when the request was issued (the core
+                // checked that `len` is the READ's length), and the
                 // RegionGuard held in `op` keeps that region registered (so
                 // the memory valid) until `op` is dropped below. Only
                 // recvmsg(2) writes it.
@@ -158,39 +133,19 @@ pub(crate) async fn reader_loop(
                     }
                 }
             }
-            Response::DataV {
-                id,
-                status,
-                failed,
-                len,
-            } => {
+            (
+                Some(Recv::Indices(op, failed)),
+                Response::DataV {
+                    id, status, len, ..
+                },
+            ) => {
                 let buf = &mut ids[..failed as usize * 4];
-                // The indices end the frame only if no data follows.
-                let op = match conn.reply(id) {
-                    Reply::Op(op) => op,
-                    Reply::Skip => {
-                        let r = if len == 0 {
-                            rd.read_payload(stream, Bytes::from_mut(buf)).await
-                        } else {
-                            rd.read_part(stream, Bytes::from_mut(buf)).await
-                        };
-                        r.map_err(|e| conn.lost(&e))?;
-                        if len > 0 {
-                            rd.discard(stream, len, true)
-                                .await
-                                .map_err(|e| conn.lost(&e))?;
-                        }
-                        continue;
-                    }
-                    Reply::Unknown => {
-                        return Err(conn.protocol(format!("DATAV for unknown request id {id}")))
-                    }
-                };
                 let PendingKind::ReadV { parts, .. } = &op.kind else {
                     let err = conn.protocol(format!("DATAV for request {id}, not a READV"));
                     op.complete(Err(err.clone()));
                     return Err(err);
                 };
+                // The indices end the frame only if no data follows.
                 let r = if len == 0 {
                     rd.read_payload(stream, Bytes::from_mut(buf)).await
                 } else {
@@ -241,7 +196,21 @@ pub(crate) async fn reader_loop(
                     op.batch.complete(*index, r);
                 }
             }
-            Response::ErrV { id, status, count } => {
+            // Acknowledgements wait in the staging area's lane.
+            (_, Response::Wake) if conn.stage.is_some() => {
+                conn.take_lane(true);
+            }
+            (_, Response::Wake) => return Err(conn.protocol("WAKE without a staging area")),
+            (_, Response::OkMany { count }) => {
+                let buf = &mut ids[..count as usize * 8];
+                rd.read_payload(stream, Bytes::from_mut(buf))
+                    .await
+                    .map_err(|e| conn.lost(&e))?;
+                for id in decode_ids(buf) {
+                    conn.ack(id, Ok(()))?;
+                }
+            }
+            (_, Response::ErrV { id, status, count }) => {
                 let buf = &mut ids[..count as usize * 4];
                 rd.read_payload(stream, Bytes::from_mut(buf))
                     .await
@@ -279,10 +248,10 @@ pub(crate) async fn reader_loop(
                     op.batch.complete(*index, r);
                 }
             }
-            Response::SameHostOk { id, .. } => {
+            (_, Response::SameHostOk { id, .. }) => {
                 return Err(conn.protocol(format!("SAME_HOST_OK for request {id}, not offered")));
             }
-            Response::Table { id, count } => {
+            (_, Response::Table { id, count }) => {
                 // Bounded by the decoder (≤ 65,536 entries, 1.5 MiB).
                 let mut raw = vec![0u8; count as usize * TABLE_ENTRY_LEN];
                 rd.read_payload(stream, Bytes::from_mut(&mut raw))
@@ -315,6 +284,9 @@ pub(crate) async fn reader_loop(
                     }
                 }
             }
+            // Settled by the core above (an acknowledgement, a refusal).
+            (_, Response::Ok { .. } | Response::Err { .. })
+            | (_, Response::Data { .. } | Response::DataV { .. }) => {}
         }
     }
 }
