@@ -277,6 +277,8 @@ pub(crate) async fn send_ops(
     let mut tables: Vec<Vec<u8>> = Vec::new();
     // Streams of the staged frames, in frame order: (read, pieces).
     let mut staging: Vec<(bool, Vec<stage::Piece>)> = Vec::new();
+    // Operations the pending map refused (none: it is open, see below).
+    let mut refused: Vec<PendingOp> = Vec::new();
     // Whether this call's frames below the kernel-copy size may go through
     // the area now (`crate::same_host::choice`): all or none of them.
     {
@@ -341,7 +343,7 @@ pub(crate) async fn send_ops(
                         total,
                     };
                     hdrs.push(req.encode());
-                    let put = map.insert(
+                    if let Err(op) = map.insert(
                         id,
                         PendingOp {
                             batch: Arc::clone(batch),
@@ -353,9 +355,11 @@ pub(crate) async fn send_ops(
                                 target_writes: read && !staged,
                             },
                         },
-                    );
-                    // Open: looked at above, under this lock.
-                    debug_assert!(put.is_ok());
+                    ) {
+                        // Never: the connection was open above, under this
+                        // lock. Failed, not dropped, if it were not.
+                        refused.push(op);
+                    }
                     continue;
                 }
             }
@@ -447,16 +451,23 @@ pub(crate) async fn send_ops(
                 }
             };
             hdrs.push(req.encode());
-            let put = map.insert(
+            if let Err(op) = map.insert(
                 id,
                 PendingOp {
                     batch: Arc::clone(batch),
                     index: op.index,
                     kind,
                 },
-            );
-            debug_assert!(put.is_ok());
+            ) {
+                refused.push(op);
+            }
         }
+    }
+    for op in refused {
+        op.complete(Err(Error::Canceled(format!(
+            "connection to {} closed",
+            conn.peer
+        ))));
     }
     let mut bufs: Vec<Bytes<'_>> = Vec::with_capacity(ops.len() * 2);
     let mut tables = tables.iter();
