@@ -296,7 +296,7 @@ impl<E: Clone> Requests<E> {
                 }
             }
         }
-        self.remaining = self.remaining + total - 1;
+        self.remaining = self.remaining.saturating_add(total).saturating_sub(1);
         self.remaining == 0
     }
 

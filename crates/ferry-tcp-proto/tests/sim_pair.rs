@@ -1,11 +1,13 @@
 //! Deterministic simulation of both sides of Ferry's TCP connections
 //! (issue 42): the initiator's real cores ([`batch::plan`],
-//! [`batch::Requests`], [`batch::Flow`], [`initiator::Pending`] with its
-//! answer checks, [`initiator::Slicing`] and [`initiator::window_until`])
+//! [`batch::Requests`], [`batch::Flow`], [`initiator::Pending`],
+//! [`initiator::on_header`] and the answer checks, [`initiator::Slicing`]
+//! and [`initiator::window_until`])
 //! against the target's real core ([`TargetConn`]), in a simulated world:
 //! byte queues per connection (bounded like socket buffers) moved in
 //! pieces of random size, a target that stops reading for a while, one
-//! that reads and never answers, connections reset, the clock advancing
+//! that reads and never answers, one late to answer (past the deadline:
+//! late answers of abandoned operations), connections reset, the clock advancing
 //! in small steps or jumping, hostile bytes in the answers, and the
 //! target's regions unregistered and registered again (new generations)
 //! while batches run. One seed is one schedule.
@@ -15,27 +17,27 @@
 //! decision is the cores'. Simplifications, stated: a side acts on a frame
 //! once all of it has arrived (`sim_target` cuts frames anywhere against
 //! the target's receive cursor); at most a few batches, of one initiator
-//! process, run at a time; a remote range
-//! missing from the cached table fails before the wire (ferry-tcp fetches
-//! the table first).
+//! process, run at a time (now and then two at once); the initiator's
+//! regions stay registered (its guards hold them during a transfer); a
+//! remote range missing from the cached table fails before the wire
+//! (ferry-tcp fetches the table first).
 //!
 //! Checked after every step:
 //! - **(b)** every byte written (payload into the target's memory, answer
 //!   into the initiator's) lands in a range registered at that moment on
-//!   that side: `World::write` asserts it, and memory is only written
+//!   that side: `World::write_target` and `World::write_local` assert it, and memory is only written
 //!   there;
 //! - **(c)** every pass of a batch (data, table refresh, notification)
-//!   completes, or fails typed, by its deadline plus [`SLACK`] — the
+//!   completes, or fails typed, by its deadline plus [`slack`] — the
 //!   deadline as the test computes it from the first frame's time, not the
 //!   core's (after a clock jump, the slack counts from the jump: a process
 //!   stopped past a deadline answers when it runs again);
 //! - **(d)** a notification reaches the target only after every byte of
-//!   every request of its batch landed (unless forged answers were
-//!   injected: a forged OK completes a write never served), at most once,
-//!   and is never lost
+//!   every request of its batch landed, at most once, and is never lost
 //!   (a batch that finished with every request and its notification
-//!   successful was delivered exactly once, unless forged answers were
-//!   injected into the connection);
+//!   successful was delivered exactly once); order and loss are checked
+//!   for honest answer streams only (a forged OK, injected as hostile
+//!   bytes, completes a write the target never served);
 //! - **(e)** what each side keeps per connection is bounded: the target
 //!   core's [`TargetConn::held_bytes`], the initiator's operations in
 //!   flight and abandoned ids, the bytes of a frame being received.
