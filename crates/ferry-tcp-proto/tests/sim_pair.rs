@@ -7,10 +7,10 @@
 //! byte queues per connection (bounded like socket buffers) moved in
 //! pieces of random size, a target that stops reading for a while, one
 //! that reads and never answers, one late to answer (past the deadline:
-//! late answers of abandoned operations), connections reset, the clock advancing
-//! in small steps or jumping, hostile bytes in the answers, and the
-//! target's regions unregistered and registered again (new generations)
-//! while batches run. One seed is one schedule.
+//! late answers of abandoned operations), connections reset, the clock
+//! advancing in small steps or jumping, hostile bytes in the answers, and
+//! the target's regions unregistered and registered again (new
+//! generations) while batches run. One seed is one schedule.
 //!
 //! What the test plays is the driver (ferry-tcp's `client/` and
 //! `server/serve.rs`, reduced): it executes the cores' decisions; every
@@ -25,8 +25,8 @@
 //! Checked after every step:
 //! - **(b)** every byte written (payload into the target's memory, answer
 //!   into the initiator's) lands in a range registered at that moment on
-//!   that side: `World::write_target` and `World::write_local` assert it, and memory is only written
-//!   there;
+//!   that side: `World::write_target` and `World::write_local` assert it,
+//!   and memory is only written there;
 //! - **(c)** every pass of a batch (data, table refresh, notification)
 //!   completes, or fails typed, by its deadline plus [`slack`] — the
 //!   deadline as the test computes it from the first frame's time, not the
