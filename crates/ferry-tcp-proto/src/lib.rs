@@ -15,12 +15,17 @@
 //! It grows step by step (issue 42: the protocol as state machines driven
 //! by events, checked by deterministic simulation). Today it holds:
 //!
+//! - [`batch`]: the initiator's batch: planning into frames, each
+//!   request's answers, the deadline, the stale retry, the notification
+//!   after the data;
 //! - [`frame`]: the wire format, every frame's encoder and decoder;
 //! - [`negotiate`]: versions, features and the extension blocks of the
 //!   handshake, and the same-host token;
 //! - [`offer`]: the same-host offer and the target's refusal codes;
 //! - [`layout`]: the byte layout of the same-host staging area and of its
 //!   grants page, and the verdict slot of a staged read;
+//! - [`initiator`]: the initiator's side of a connection: operations in
+//!   flight by id, the checks of every answer, the send window;
 //! - [`grants`]: the target's same-host grants as bookkeeping, and the
 //!   order in which a region leaves (grant, marks, table, generation);
 //! - [`time`]: points on the driver's clock and the pace a peer must keep
@@ -37,8 +42,10 @@
 //! small leaf) allows it, and moving them must not add a call per frame.
 #![forbid(unsafe_code)]
 
+pub mod batch;
 pub mod frame;
 pub mod grants;
+pub mod initiator;
 pub mod layout;
 pub mod negotiate;
 pub mod offer;

@@ -1,11 +1,14 @@
-//! PROTOCOL.md (in ferry-tcp) names the states of the target's core as
-//! the code has them (issue 42, item 7): every variant of `Step`,
+//! PROTOCOL.md (in ferry-tcp) names the states of the cores as the code
+//! has them (issue 42, item 7): every variant of the target's `Step`,
 //! `UnregisterStep`, `Unfinished` and `Delivered` appears in its section
-//! 3.1. The matches below are exhaustive, so a new variant does not
+//! 3.1, every variant of the initiator's `Frame`, `Then`, `OpState`,
+//! `Reply`, `Expect` and `Recv` in its section 3.2. The matches below are exhaustive, so a new variant does not
 //! compile here until it is named in the list, and the list is checked
 //! against the text.
 
+use ferry_tcp_proto::batch::{Frame, Part, Then};
 use ferry_tcp_proto::grants::{Unfinished, UnregisterStep};
+use ferry_tcp_proto::initiator::{Expect, OpState, Recv, Reply};
 use ferry_tcp_proto::target::{Delivered, Step};
 
 fn step_name(s: &Step<()>) -> &'static str {
@@ -45,20 +48,132 @@ fn delivered_name(d: &Delivered) -> &'static str {
     }
 }
 
-#[test]
-fn protocol_md_names_every_state_of_the_target_core() {
+fn frame_name(f: &Frame<()>) -> &'static str {
+    match f {
+        Frame::Write(_) => "Write",
+        Frame::Read(_) => "Read",
+        Frame::WriteV(_) => "WriteV",
+        Frame::ReadV(_) => "ReadV",
+    }
+}
+
+fn then_name(t: &Then) -> &'static str {
+    match t {
+        Then::Retry(_) => "Retry",
+        Then::Notify => "Notify",
+        Then::Finish => "Finish",
+    }
+}
+
+fn op_state_name(s: &OpState) -> &'static str {
+    match s {
+        OpState::InFlight => "InFlight",
+        OpState::Abandoned => "Abandoned",
+    }
+}
+
+fn reply_name(r: &Reply<()>) -> &'static str {
+    match r {
+        Reply::Op(_) => "Op",
+        Reply::Skip => "Skip",
+        Reply::Unknown => "Unknown",
+    }
+}
+
+fn expect_name(e: &Expect) -> &'static str {
+    match e {
+        Expect::Ack => "Ack",
+        Expect::AckV => "AckV",
+        Expect::Data(_) => "Data",
+        Expect::DataV => "DataV",
+        Expect::Table => "Table",
+    }
+}
+
+fn recv_name(r: &Recv<()>) -> &'static str {
+    match r {
+        Recv::Ack(_) => "Ack",
+        Recv::Refused(..) => "Refused",
+        Recv::Into(..) => "Into",
+        Recv::Indices(..) => "Indices",
+        Recv::Discard(_) => "Discard",
+        Recv::Fail(..) => "Fail",
+    }
+}
+
+/// The text of PROTOCOL.md's section `heading`, up to the next section
+/// (`None` when the file is not beside this crate: a packaged copy).
+fn section(heading: &str) -> Option<String> {
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../ferry-tcp/PROTOCOL.md");
     let Ok(text) = std::fs::read_to_string(path) else {
         eprintln!("skipped: {path} is not beside this crate (a packaged copy)");
+        return None;
+    };
+    let start = text.find(heading).expect("the section");
+    let end = text[start + heading.len()..]
+        .find("\n## ")
+        .map_or(text.len(), |e| start + heading.len() + e);
+    Some(text[start..end].to_owned())
+}
+
+#[test]
+fn protocol_md_names_every_state_of_the_initiator_core() {
+    let Some(section) = section("## 3.2 The initiator's side as the code has it") else {
         return;
     };
-    let start = text
-        .find("## 3.1 The target's side as the code has it")
-        .expect("the section");
-    let end = text[start..]
-        .find("\n## 4.")
-        .map_or(text.len(), |e| start + e);
-    let section = &text[start..end];
+    let part = Part {
+        index: 0,
+        hold: (),
+        off: 0,
+        len: 1,
+        remote: 0,
+        gen: 1,
+    };
+    let frames = [
+        Frame::Write(part.clone()),
+        Frame::Read(part.clone()),
+        Frame::WriteV(vec![part.clone()]),
+        Frame::ReadV(vec![part]),
+    ];
+    let thens = [Then::Retry(Vec::new()), Then::Notify, Then::Finish];
+    let states = [OpState::InFlight, OpState::Abandoned];
+    let replies = [Reply::Op(()), Reply::Skip, Reply::Unknown];
+    let expects = [
+        Expect::Ack,
+        Expect::AckV,
+        Expect::Data(1),
+        Expect::DataV,
+        Expect::Table,
+    ];
+    let recvs = [
+        Recv::Ack(()),
+        Recv::Refused((), ferry_tcp_proto::frame::Status::StaleRegion, 0, 0),
+        Recv::Into((), 1),
+        Recv::Indices((), 1),
+        Recv::Discard(1),
+        Recv::Fail(None, String::new()),
+    ];
+    let names = frames
+        .iter()
+        .map(frame_name)
+        .chain(thens.iter().map(then_name))
+        .chain(states.iter().map(op_state_name))
+        .chain(replies.iter().map(reply_name))
+        .chain(expects.iter().map(expect_name))
+        .chain(recvs.iter().map(recv_name));
+    for name in names {
+        assert!(
+            section.contains(&format!("`{name}`")),
+            "PROTOCOL.md section 3.2 does not name `{name}`"
+        );
+    }
+}
+
+#[test]
+fn protocol_md_names_every_state_of_the_target_core() {
+    let Some(section) = section("## 3.1 The target's side as the code has it") else {
+        return;
+    };
     let req = ferry_tcp_proto::frame::Request::Table { id: 1 };
     let steps: Vec<Step<()>> = vec![
         Step::Done,

@@ -11,14 +11,10 @@ use ferry_core::raw::BatchDriver;
 use ferry_core::{Error, Notification, RegionGuard, Result, Side, TransferOp, TransferRequest};
 
 use super::peer::Peer;
-use super::send::{OutKind, OutOp, Part};
+use super::send::OutOp;
 use super::wire_ops::WireOps;
-use crate::frame::{table_lookup, MAX_SEGMENTS};
-
-/// Requests up to this size are gathered into WRITEV / READV frames.
-pub(crate) const GATHER_MAX_SEGMENT: u64 = 64 * 1024;
-/// Most payload bytes per WRITEV / READV frame.
-pub(crate) const GATHER_MAX_BYTES: u64 = 4 << 20;
+use crate::frame::table_lookup;
+use ferry_tcp_proto::batch::{plan, Flow, Plan, Req, Then};
 
 impl Peer {
     /// Runs a batch: validates every request locally and against the
@@ -39,10 +35,15 @@ impl Peer {
         notify: Option<&Notification>,
         driver: &BatchDriver,
     ) -> Result<ferry_core::BatchReport> {
+        let mut flow = Flow::new(notify.is_some());
+        let mut notified = None;
+        if let (true, Some(n)) = (flow.notify_at_submit(), notify) {
+            notified = Some(self.notify(n).await);
+        }
         let ops = WireOps::reporting(driver);
         self.transfer_all(requests, &ops).await;
-        let stale = ops.stale();
-        if !stale.is_empty() {
+        let mut then = flow.after_pass(ops.stale(), notify.is_some() && driver.all_ok());
+        if let Then::Retry(stale) = then {
             match self.refresh_table().await {
                 Ok(()) => {
                     let retry: Vec<TransferRequest> = stale.iter().map(|&i| requests[i]).collect();
@@ -55,11 +56,11 @@ impl Peer {
                     }
                 }
             }
+            then = flow.after_pass(Vec::new(), notify.is_some() && driver.all_ok());
         }
-        let notified = match notify {
-            Some(n) if driver.all_ok() => Some(self.notify(n).await),
-            _ => None,
-        };
+        if let (Then::Notify, Some(n)) = (then, notify) {
+            notified = Some(self.notify(n).await);
+        }
         driver.finish(notified)
     }
 
@@ -130,66 +131,12 @@ impl Peer {
         // table as it is now (frames carry it; the target refuses a frame
         // whose region was registered again since).
         let table = self.table();
-        // Plan the wire operations.
+        // Plan the wire operations (the core's planner), each request with
+        // the generation of its remote range.
         let n_conns = self.slots.len();
         let mut per_conn: Vec<Vec<OutOp>> = (0..n_conns).map(|_| Vec::new()).collect();
-        let mut counts = vec![0u32; requests.len()];
-        let mut bytes = 0u64;
-        // Requests that fit in one chunk all go to connection 0: in order,
-        // pipelined, and the other connections stay idle (and do not poll)
-        // unless large requests are split over them.
-        let home = 0;
-        // Small writes (reads) are gathered into WRITEV (READV) frames: one
-        // system call on the target for all of them.
-        let mut groups: [(Vec<Part>, u64); 2] = [(Vec::new(), 0), (Vec::new(), 0)];
-        let flush = |g: &mut (Vec<Part>, u64), read: bool, out: &mut Vec<OutOp>| {
-            g.1 = 0;
-            match g.0.len() {
-                0 => {}
-                1 => {
-                    if let Some(Part {
-                        index,
-                        guard,
-                        off,
-                        len,
-                        remote,
-                        gen,
-                    }) = g.0.pop()
-                    {
-                        let kind = if read {
-                            OutKind::Read {
-                                guard,
-                                off,
-                                len,
-                                remote,
-                                gen,
-                            }
-                        } else {
-                            OutKind::Write {
-                                guard,
-                                off,
-                                len,
-                                remote,
-                                gen,
-                            }
-                        };
-                        out.push(OutOp { index, kind });
-                    }
-                }
-                _ => {
-                    let parts = std::mem::take(&mut g.0);
-                    let index = parts[0].index;
-                    let kind = if read {
-                        OutKind::ReadV(parts)
-                    } else {
-                        OutKind::WriteV(parts)
-                    };
-                    out.push(OutOp { index, kind });
-                }
-            }
-        };
-        for (i, (r, g)) in requests.iter().zip(&guards).enumerate() {
-            let Some(g) = g else { continue };
+        let reqs = requests.iter().zip(&guards).enumerate().map(|(i, (r, g))| {
+            let g = g.as_ref()?;
             let Some(gen) = table_lookup(&table, r.remote_addr, r.len) else {
                 // The table changed under a concurrent refresh.
                 state.fail_unsent(
@@ -201,68 +148,23 @@ impl Peer {
                         peer: Some(self.name.clone()),
                     },
                 );
-                continue;
+                return None;
             };
-            bytes += r.len;
-            if r.len <= GATHER_MAX_SEGMENT.min(chunk) {
-                let read = r.op == TransferOp::Read;
-                let grp = &mut groups[read as usize];
-                if grp.0.len() == MAX_SEGMENTS as usize || grp.1 + r.len > GATHER_MAX_BYTES {
-                    flush(grp, read, &mut per_conn[home]);
-                }
-                grp.0.push(Part {
-                    index: i,
-                    guard: Arc::clone(g),
-                    off: 0,
-                    len: r.len,
-                    remote: r.remote_addr,
-                    gen,
-                });
-                grp.1 += r.len;
-                counts[i] += 1;
-                continue;
-            }
-            let mut off = 0;
-            while off < r.len {
-                let len = chunk.min(r.len - off);
-                let kind = match r.op {
-                    TransferOp::Write => OutKind::Write {
-                        guard: Arc::clone(g),
-                        off,
-                        len,
-                        remote: r.remote_addr + off,
-                        gen,
-                    },
-                    TransferOp::Read => OutKind::Read {
-                        guard: Arc::clone(g),
-                        off,
-                        len,
-                        remote: r.remote_addr + off,
-                        gen,
-                    },
-                };
-                // Chunks of requests larger than one chunk are spread.
-                let c = if n_conns == 1 || r.len <= chunk {
-                    home
-                } else {
-                    self.rr.fetch_add(1, Ordering::Relaxed) % n_conns
-                };
-                if c == home {
-                    // Keep the order of requests on the home connection.
-                    let [w, rd] = &mut groups;
-                    flush(w, false, &mut per_conn[home]);
-                    flush(rd, true, &mut per_conn[home]);
-                }
-                per_conn[c].push(OutOp { index: i, kind });
-                counts[i] += 1;
-                off += len;
-            }
-        }
-        {
-            let [w, rd] = &mut groups;
-            flush(w, false, &mut per_conn[home]);
-            flush(rd, true, &mut per_conn[home]);
-        }
+            let req = Req {
+                read: r.op == TransferOp::Read,
+                len: r.len,
+                remote: r.remote_addr,
+                gen,
+            };
+            Some((req, Arc::clone(g)))
+        });
+        let Plan { counts, bytes } = plan(
+            reqs,
+            chunk,
+            n_conns,
+            || self.rr.fetch_add(1, Ordering::Relaxed),
+            |c, f| per_conn[c].push(OutOp::from_frame(f)),
+        );
         drop(guards);
         state.arm(&counts);
         self.start_clock(state, bytes);

@@ -1,7 +1,6 @@
 //! One connection to a peer: its operations in flight, how responses and
 //! failures complete them, and expiry of a batch's operations.
 
-use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
@@ -13,12 +12,10 @@ use socket2::SockRef;
 use tokio::task::AbortHandle;
 
 use super::wire_ops::WireOps;
+use crate::frame::Response;
 use crate::frame::{Status, TableEntry};
 use crate::io::Pace;
-
-/// Most request ids of expired batches a connection remembers (their late
-/// responses are skipped); beyond it the connection is dropped.
-pub(crate) const MAX_ABANDONED: usize = 65_536;
+use ferry_tcp_proto::initiator::{self, Answered, Expect, Pending, Recv, Reply};
 
 /// The cached region table of a peer.
 pub(crate) type TableCache = RwLock<Arc<Vec<TableEntry>>>;
@@ -106,16 +103,35 @@ impl PendingOp {
     }
 }
 
-#[derive(Default)]
-/// The operations in flight on a connection.
-pub(crate) struct PendingMap {
-    /// By request id.
-    pub(crate) ops: HashMap<u64, PendingOp>,
-    /// Ids of operations whose batch expired: their responses are skipped.
-    pub(crate) abandoned: HashSet<u64>,
-    /// Why the connection is closed, once it is: later sends fail with it.
-    pub(crate) closed: Option<Error>,
+impl Answered for PendingOp {
+    #[inline]
+    fn expect(&self) -> Expect {
+        match &self.kind {
+            PendingKind::Write(_) | PendingKind::Notify => Expect::Ack,
+            PendingKind::Read { len, .. } => Expect::Data(*len),
+            PendingKind::Table(_) => Expect::Table,
+            PendingKind::WriteV { .. } | PendingKind::Cma { .. } => Expect::AckV,
+            PendingKind::ReadV { .. } => Expect::DataV,
+        }
+    }
 }
+
+impl PendingOp {
+    /// Where a READ's payload goes.
+    #[inline]
+    pub(crate) fn destination(&self) -> Option<usize> {
+        match &self.kind {
+            PendingKind::Read { dst, .. } => Some(*dst),
+            _ => None,
+        }
+    }
+}
+
+/// The operations in flight on a connection (by request id), the ids of
+/// those whose batch expired (their responses are skipped), and why the
+/// connection is closed, once it is (later sends fail with it): the core's
+/// bookkeeping.
+pub(crate) type PendingMap = Pending<PendingOp, Error>;
 
 /// One connection to a peer, shared by callers and its reader task.
 pub(crate) struct ConnShared {
@@ -256,8 +272,7 @@ impl ConnShared {
         }
         {
             let mut map = lock(&self.pending);
-            map.closed.get_or_insert_with(|| err.clone());
-            taken.extend(map.ops.drain().map(|(_, op)| op));
+            taken.extend(map.close(err.clone()));
         }
         // Their operations are failed with the rest: never sent.
         lock(&self.outbox).clear();
@@ -308,19 +323,66 @@ impl ConnShared {
         tail != start
     }
 
-    pub(crate) fn take(&self, id: u64) -> Option<PendingOp> {
-        let op = lock(&self.pending).ops.remove(&id);
+    /// What the core makes of an OK, ERR, DATA or DATAV header (the
+    /// operation it answers taken out of flight); `None` for the others.
+    pub(crate) fn on_header(&self, resp: &Response) -> Option<Recv<PendingOp>> {
+        if !matches!(
+            resp,
+            Response::Ok { .. }
+                | Response::Err { .. }
+                | Response::Data { .. }
+                | Response::DataV { .. }
+        ) {
+            // Not the core's to decide from the header: no lock taken.
+            return None;
+        }
+        let r = initiator::on_header(&mut lock(&self.pending), resp);
+        // As in `reply`.
+        if self.window_waiters.load(Ordering::SeqCst) > 0 {
+            self.answered.notify_waiters();
+        }
+        r
+    }
+
+    /// Executes what the core decided for an answer header, as far as no
+    /// payload bytes are involved; hands back what needs reading (`Into`,
+    /// `Indices`, a `Discard` of some bytes).
+    pub(crate) fn settle(&self, recv: Recv<PendingOp>) -> Result<Option<Recv<PendingOp>>> {
+        match recv {
+            Recv::Ack(op) => {
+                op.complete(Ok(()));
+                Ok(None)
+            }
+            Recv::Refused(op, status, addr, len) => {
+                if status == Status::StaleRegion {
+                    op.batch.mark_stale(op.index);
+                }
+                let e = self.status_error(status, addr, len);
+                op.complete(Err(e));
+                Ok(None)
+            }
+            Recv::Fail(op, reason) => {
+                let err = self.protocol(reason);
+                if let Some(op) = op {
+                    op.complete(Err(err.clone()));
+                }
+                Err(err)
+            }
+            Recv::Discard(0) => Ok(None),
+            other => Ok(Some(other)),
+        }
+    }
+
+    /// What the answer to `id` completes: the operation (taken out), the
+    /// late answer of an expired batch's operation, or nothing sent here.
+    pub(crate) fn reply(&self, id: u64) -> Reply<PendingOp> {
+        let r = lock(&self.pending).answer(id);
         // SeqCst with the waiter's increment: it counts itself before it
         // looks at `pending`, so either it sees this removal or this sees it.
         if self.window_waiters.load(Ordering::SeqCst) > 0 {
             self.answered.notify_waiters();
         }
-        op
-    }
-
-    /// Whether `id` belonged to an expired batch (and forgets it).
-    pub(crate) fn forget(&self, id: u64) -> bool {
-        lock(&self.pending).abandoned.remove(&id)
+        r
     }
 
     pub(crate) fn mark_rx(&self) {
@@ -361,7 +423,7 @@ impl ConnShared {
         }
         let last = self.activity_us.load(Ordering::Relaxed);
         let now = self.born.elapsed().as_micros() as u64;
-        now.saturating_sub(last) < window.as_micros() as u64 && !lock(&self.pending).ops.is_empty()
+        now.saturating_sub(last) < window.as_micros() as u64 && !lock(&self.pending).is_empty()
     }
 
     /// How long ago the last response header arrived.
@@ -375,23 +437,7 @@ impl ConnShared {
     /// is dropped only if the peer has sent nothing for `quiet` (it is
     /// stuck for every batch) or too many ids are abandoned.
     pub(crate) fn abandon(&self, batch: &Arc<WireOps>, err: &Error, quiet: Duration) {
-        let (ops, too_many) = {
-            let mut map = lock(&self.pending);
-            let ids: Vec<u64> = map
-                .ops
-                .iter()
-                .filter(|(_, op)| Arc::ptr_eq(&op.batch, batch))
-                .map(|(id, _)| *id)
-                .collect();
-            let mut ops = Vec::with_capacity(ids.len());
-            for id in ids {
-                if let Some(op) = map.ops.remove(&id) {
-                    map.abandoned.insert(id);
-                    ops.push(op);
-                }
-            }
-            (ops, map.abandoned.len() > MAX_ABANDONED)
-        };
+        let (ops, too_many) = lock(&self.pending).abandon(|op| Arc::ptr_eq(&op.batch, batch));
         if self.cma && !ops.is_empty() {
             // The target copies into (out of) memory these operations
             // name: close the connection, so that the target (which checks
@@ -479,33 +525,19 @@ impl ConnShared {
         id: u64,
         r: std::result::Result<(), (Status, u64, u64)>,
     ) -> Result<()> {
-        let Some(op) = self.take(id) else {
-            if self.forget(id) {
-                return Ok(());
-            }
-            return Err(self.protocol(format!("response for unknown request id {id}")));
+        let resp = match r {
+            Ok(()) => Response::Ok { id },
+            Err((status, addr, len)) => Response::Err {
+                id,
+                status,
+                addr,
+                len,
+            },
         };
-        if r.is_ok()
-            && matches!(
-                op.kind,
-                PendingKind::Read { .. } | PendingKind::ReadV { .. } | PendingKind::Table(_)
-            )
-        {
-            let err = self.protocol(format!("plain OK for request {id}, which needs data"));
-            op.complete(Err(err.clone()));
-            return Err(err);
+        match self.on_header(&resp) {
+            Some(recv) => self.settle(recv).map(drop),
+            None => Ok(()),
         }
-        match r {
-            Ok(()) => op.complete(Ok(())),
-            Err((status, addr, len)) => {
-                if status == Status::StaleRegion {
-                    op.batch.mark_stale(op.index);
-                }
-                let e = self.status_error(status, addr, len);
-                op.complete(Err(e));
-            }
-        }
-        Ok(())
     }
 }
 

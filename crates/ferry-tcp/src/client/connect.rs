@@ -339,7 +339,7 @@ impl Peer {
             window_waiters: std::sync::atomic::AtomicUsize::new(0),
             stream,
             peer: self.name.clone(),
-            pending: Mutex::new(PendingMap::default()),
+            pending: Mutex::new(PendingMap::new()),
             write_lock: tokio::sync::Mutex::new(()),
             outbox: Mutex::new(Vec::new()),
             next_id: AtomicU64::new(1),

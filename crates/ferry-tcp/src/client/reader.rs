@@ -12,6 +12,7 @@ use ferry_core::{Error, Result};
 use super::conn::{ConnShared, PendingKind};
 use crate::frame::{decode_ids, decode_table, Response, Status, MAX_ACKS, TABLE_ENTRY_LEN};
 use crate::io::{Bytes, FrameReader, Next};
+use ferry_tcp_proto::initiator::{check_datav, failed_segments, frame_bytes, Recv, Reply};
 
 /// The reader task of `conn`: reads responses until the connection ends,
 /// then fails what is still pending on it.
@@ -72,7 +73,7 @@ pub(crate) async fn reader_loop(
         if ferry_core::assist::should_yield() {
             tokio::task::yield_now().await;
         }
-        let busy = !lock(&conn.pending).ops.is_empty();
+        let busy = !lock(&conn.pending).is_empty();
         let hdr = match rd
             .next_header(stream, if busy { None } else { idle })
             .await
@@ -82,13 +83,13 @@ pub(crate) async fn reader_loop(
             Next::Eof => return Ok(()),
             Next::Idle => {
                 let mut map = lock(&conn.pending);
-                if map.ops.is_empty() {
-                    // Retire it: sends that race with this go elsewhere.
+                // Retire it if nothing is in flight: sends that race with
+                // this go elsewhere.
+                if map
+                    .retire(|| Error::Canceled(format!("idle connection to {} retired", conn.peer)))
+                {
                     conn.retired.store(true, Ordering::Release);
                     conn.dead.store(true, Ordering::Release);
-                    map.closed.get_or_insert_with(|| {
-                        Error::Canceled(format!("idle connection to {} retired", conn.peer))
-                    });
                     return Ok(());
                 }
                 continue;
@@ -97,60 +98,28 @@ pub(crate) async fn reader_loop(
         conn.mark_rx();
         let resp = Response::decode(&hdr).map_err(|e| conn.protocol(e.0))?;
         // The whole frame must arrive at the minimum rate.
-        rd.begin_frame(match resp {
-            Response::Ok { .. } | Response::Err { .. } => 0,
-            Response::OkMany { count } => count as u64 * 8,
-            Response::Data { len, .. } => len,
-            Response::DataV { failed, len, .. } => failed as u64 * 4 + len,
-            Response::ErrV { count, .. } => count as u64 * 4,
-            Response::Table { count, .. } => count as u64 * TABLE_ENTRY_LEN as u64,
-            Response::SameHostOk { .. } | Response::Wake => 0,
-        });
-        match resp {
-            Response::Ok { id } => conn.ack(id, Ok(()))?,
-            // Acknowledgements wait in the staging area's lane.
-            Response::Wake if conn.stage.is_some() => {
-                conn.take_lane(true);
-            }
-            Response::Wake => return Err(conn.protocol("WAKE without a staging area")),
-            Response::OkMany { count } => {
-                let buf = &mut ids[..count as usize * 8];
-                rd.read_payload(stream, Bytes::from_mut(buf))
+        rd.begin_frame(frame_bytes(&resp));
+        // OK, ERR, DATA, DATAV: the core decides what the header means.
+        let header = match conn.on_header(&resp) {
+            Some(recv) => conn.settle(recv)?,
+            None => None,
+        };
+        match (header, resp) {
+            (Some(Recv::Discard(n)), _) => {
+                // The late answer of an expired batch's operation.
+                rd.discard(stream, n, true)
                     .await
                     .map_err(|e| conn.lost(&e))?;
-                for id in decode_ids(buf) {
-                    conn.ack(id, Ok(()))?;
-                }
             }
-            Response::Err {
-                id,
-                status,
-                addr,
-                len,
-            } => conn.ack(id, Err((status, addr, len)))?,
-            Response::Data { id, len } => {
-                let Some(op) = conn.take(id) else {
-                    if conn.forget(id) {
-                        rd.discard(stream, len, true)
-                            .await
-                            .map_err(|e| conn.lost(&e))?;
-                        continue;
-                    }
-                    return Err(conn.protocol(format!("DATA for unknown request id {id}")));
-                };
-                let (dst, want) = match &op.kind {
-                    PendingKind::Read { dst, len, .. } => (*dst, *len),
-                    _ => (0, u64::MAX),
-                };
-                if want != len {
-                    let err = conn.protocol(format!(
-                        "DATA of {len} bytes for request {id}, which expects {want}"
-                    ));
+            (Some(Recv::Into(op, len)), _) => {
+                let Some(dst) = op.destination() else {
+                    let err = conn.protocol("DATA for an operation without a destination");
                     op.complete(Err(err.clone()));
                     return Err(err);
-                }
+                };
                 // SAFETY: `dst..dst+len` was bounds-checked against a local
-                // registered region when the request was issued, and the
+                // registered region when the request was issued (the core
+                // checked that `len` is the READ's length), and the
                 // RegionGuard held in `op` keeps that region registered (so
                 // the memory valid) until `op` is dropped below. Only
                 // recvmsg(2) writes it.
@@ -164,36 +133,19 @@ pub(crate) async fn reader_loop(
                     }
                 }
             }
-            Response::DataV {
-                id,
-                status,
-                failed,
-                len,
-            } => {
+            (
+                Some(Recv::Indices(op, failed)),
+                Response::DataV {
+                    id, status, len, ..
+                },
+            ) => {
                 let buf = &mut ids[..failed as usize * 4];
-                // The indices end the frame only if no data follows.
-                let Some(op) = conn.take(id) else {
-                    if conn.forget(id) {
-                        let r = if len == 0 {
-                            rd.read_payload(stream, Bytes::from_mut(buf)).await
-                        } else {
-                            rd.read_part(stream, Bytes::from_mut(buf)).await
-                        };
-                        r.map_err(|e| conn.lost(&e))?;
-                        if len > 0 {
-                            rd.discard(stream, len, true)
-                                .await
-                                .map_err(|e| conn.lost(&e))?;
-                        }
-                        continue;
-                    }
-                    return Err(conn.protocol(format!("DATAV for unknown request id {id}")));
-                };
                 let PendingKind::ReadV { parts, .. } = &op.kind else {
                     let err = conn.protocol(format!("DATAV for request {id}, not a READV"));
                     op.complete(Err(err.clone()));
                     return Err(err);
                 };
+                // The indices end the frame only if no data follows.
                 let r = if len == 0 {
                     rd.read_payload(stream, Bytes::from_mut(buf)).await
                 } else {
@@ -204,31 +156,16 @@ pub(crate) async fn reader_loop(
                     op.complete(Err(err.clone()));
                     return Err(err);
                 }
-                let mut bad = vec![false; parts.len()];
-                let mut wrong = None;
-                for c in buf.chunks_exact(4) {
-                    let i = u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as usize;
-                    match bad.get_mut(i) {
-                        Some(b) => *b = true,
-                        None => wrong = Some(format!("DATAV names segment {i} of {}", parts.len())),
+                let bad = match failed_segments(buf, parts.len(), "DATAV")
+                    .and_then(|bad| check_datav(&bad, parts.iter().map(|p| p.3), len).map(|()| bad))
+                {
+                    Ok(bad) => bad,
+                    Err(w) => {
+                        let err = conn.protocol(w);
+                        op.complete(Err(err.clone()));
+                        return Err(err);
                     }
-                }
-                let valid: u64 = parts
-                    .iter()
-                    .zip(&bad)
-                    .filter(|(_, b)| !**b)
-                    .map(|(p, _)| p.3)
-                    .sum();
-                if wrong.is_none() && valid != len {
-                    wrong = Some(format!(
-                        "DATAV carries {len} bytes, the segments need {valid}"
-                    ));
-                }
-                if let Some(w) = wrong {
-                    let err = conn.protocol(w);
-                    op.complete(Err(err.clone()));
-                    return Err(err);
-                }
+                };
                 let dsts: Vec<Bytes<'static>> = parts
                     .iter()
                     .zip(&bad)
@@ -259,16 +196,31 @@ pub(crate) async fn reader_loop(
                     op.batch.complete(*index, r);
                 }
             }
-            Response::ErrV { id, status, count } => {
+            // Acknowledgements wait in the staging area's lane.
+            (_, Response::Wake) if conn.stage.is_some() => {
+                conn.take_lane(true);
+            }
+            (_, Response::Wake) => return Err(conn.protocol("WAKE without a staging area")),
+            (_, Response::OkMany { count }) => {
+                let buf = &mut ids[..count as usize * 8];
+                rd.read_payload(stream, Bytes::from_mut(buf))
+                    .await
+                    .map_err(|e| conn.lost(&e))?;
+                for id in decode_ids(buf) {
+                    conn.ack(id, Ok(()))?;
+                }
+            }
+            (_, Response::ErrV { id, status, count }) => {
                 let buf = &mut ids[..count as usize * 4];
                 rd.read_payload(stream, Bytes::from_mut(buf))
                     .await
                     .map_err(|e| conn.lost(&e))?;
-                let Some(op) = conn.take(id) else {
-                    if conn.forget(id) {
-                        continue;
+                let op = match conn.reply(id) {
+                    Reply::Op(op) => op,
+                    Reply::Skip => continue,
+                    Reply::Unknown => {
+                        return Err(conn.protocol(format!("ERRV for unknown request id {id}")))
                     }
-                    return Err(conn.protocol(format!("ERRV for unknown request id {id}")));
                 };
                 let (PendingKind::WriteV { parts, .. } | PendingKind::Cma { parts, .. }) = &op.kind
                 else {
@@ -276,19 +228,14 @@ pub(crate) async fn reader_loop(
                     op.complete(Err(err.clone()));
                     return Err(err);
                 };
-                let mut failed = vec![false; parts.len()];
-                for c in buf.chunks_exact(4) {
-                    let i = u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as usize;
-                    match failed.get_mut(i) {
-                        Some(f) => *f = true,
-                        None => {
-                            let err =
-                                conn.protocol(format!("ERRV names segment {i} of {}", parts.len()));
-                            op.complete(Err(err.clone()));
-                            return Err(err);
-                        }
+                let failed = match failed_segments(buf, parts.len(), "ERRV") {
+                    Ok(f) => f,
+                    Err(w) => {
+                        let err = conn.protocol(w);
+                        op.complete(Err(err.clone()));
+                        return Err(err);
                     }
-                }
+                };
                 for ((index, addr, len), bad) in parts.iter().zip(failed) {
                     let r = if bad {
                         if status == Status::StaleRegion {
@@ -301,20 +248,21 @@ pub(crate) async fn reader_loop(
                     op.batch.complete(*index, r);
                 }
             }
-            Response::SameHostOk { id, .. } => {
+            (_, Response::SameHostOk { id, .. }) => {
                 return Err(conn.protocol(format!("SAME_HOST_OK for request {id}, not offered")));
             }
-            Response::Table { id, count } => {
+            (_, Response::Table { id, count }) => {
                 // Bounded by the decoder (≤ 65,536 entries, 1.5 MiB).
                 let mut raw = vec![0u8; count as usize * TABLE_ENTRY_LEN];
                 rd.read_payload(stream, Bytes::from_mut(&mut raw))
                     .await
                     .map_err(|e| conn.lost(&e))?;
-                let Some(op) = conn.take(id) else {
-                    if conn.forget(id) {
-                        continue;
+                let op = match conn.reply(id) {
+                    Reply::Op(op) => op,
+                    Reply::Skip => continue,
+                    Reply::Unknown => {
+                        return Err(conn.protocol(format!("TABLE for unknown request id {id}")))
                     }
-                    return Err(conn.protocol(format!("TABLE for unknown request id {id}")));
                 };
                 let table = match decode_table(&raw) {
                     Ok(t) => t,
@@ -336,6 +284,9 @@ pub(crate) async fn reader_loop(
                     }
                 }
             }
+            // Settled by the core above (an acknowledgement, a refusal).
+            (_, Response::Ok { .. } | Response::Err { .. })
+            | (_, Response::Data { .. } | Response::DataV { .. }) => {}
         }
     }
 }

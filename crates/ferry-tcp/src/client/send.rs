@@ -14,26 +14,16 @@ use super::wire_ops::WireOps;
 use crate::frame::{encode_cma_segments, encode_segments, CmaSegment, Request, Segment};
 use crate::io::{write_all, Bytes};
 use crate::same_host::stage;
+use ferry_tcp_proto::initiator::{window_until, Slicing};
 
-/// Payload bytes a sender on the socket path writes before it lets go of
-/// the connection's write lock at the next frame boundary: a small call
-/// issued beside a 16 MiB batch waits for one slice (and what the socket
-/// buffers hold), not for the whole batch. The same-host path keeps its
-/// frames together (the staging area's streams follow the frame order).
-const FAIR_SLICE: u64 = 1 << 20;
-
-/// Slices of a long send that may be written and not yet answered: before
-/// slice `k` goes, every operation of slice `k - FAIR_WINDOW` and before
-/// has its answer. Without it the kernel's socket buffers held several
-/// MiB of the send, and a small call written at a slice boundary queued
-/// behind all of it. Four, not two: two served the small calls a little
-/// better but made the batch, waiting for a wake-up per slice on a busy
-/// host, take twice as long; four keeps most of the small calls' gain and
-/// costs a lone send nothing (figures: crates/ferry-tcp/BENCHMARKS.md).
-/// It also bounds one connection's long send to 4 MiB per round trip of
-/// the answers; across a long-haul link, `connections=N` spreads long
-/// requests over N connections, each with its own window.
-const FAIR_WINDOW: usize = 4;
+// The long sends' slices and window (`FAIR_SLICE`, `FAIR_WINDOW`) are the
+// core's (`ferry_tcp_proto::initiator`): a small call issued beside a
+// 16 MiB batch waits for one 1 MiB slice (and what the socket buffers
+// hold), not for the whole batch; four slices may be unanswered (two
+// served the small calls a little better but made the batch, waiting for a
+// wake-up per slice on a busy host, take twice as long: figures in
+// crates/ferry-tcp/BENCHMARKS.md). The same-host path keeps its frames
+// together (the staging area's streams follow the frame order).
 
 /// If a send is abandoned before it started writing (its caller was
 /// dropped while waiting for the write lock), withdraws its operations so
@@ -52,7 +42,7 @@ impl Drop for Unsent<'_> {
         let Some(ids) = self.ids.take() else { return };
         let ops: Vec<PendingOp> = {
             let mut map = lock(&self.conn.pending);
-            ids.iter().filter_map(|id| map.ops.remove(id)).collect()
+            map.withdraw(ids)
         };
         for op in ops {
             op.complete(Err(Error::Canceled(
@@ -110,22 +100,11 @@ pub(crate) enum OutKind {
     ReadV(Vec<Part>),
 }
 
-/// One segment of a WRITEV/READV (or of a CWRITE/CREAD).
-#[derive(Clone)]
-pub(crate) struct Part {
-    /// The request of the batch it belongs to.
-    pub(crate) index: usize,
-    /// The local region, held registered while the segment is in flight.
-    pub(crate) guard: Arc<RegionGuard>,
-    /// Where the segment starts in the guard's region.
-    pub(crate) off: u64,
-    /// Its length.
-    pub(crate) len: u64,
-    /// The peer's address.
-    pub(crate) remote: u64,
-    /// The generation of the peer's region there (from its table).
-    pub(crate) gen: u32,
-}
+/// One segment of a WRITEV/READV (or of a CWRITE/CREAD), as the core
+/// plans it: its request, the guard that keeps its local range registered
+/// while in flight (`hold`), where it starts there, its length, the peer's
+/// address and the generation of the peer's region.
+pub(crate) type Part = ferry_tcp_proto::batch::Part<Arc<RegionGuard>>;
 
 /// The segment table of a WRITEV/READV frame and the segments' total
 /// length.
@@ -150,6 +129,41 @@ pub(crate) struct OutOp {
 }
 
 impl OutOp {
+    /// A frame as the core planned it.
+    pub(crate) fn from_frame(f: ferry_tcp_proto::batch::Frame<Arc<RegionGuard>>) -> OutOp {
+        use ferry_tcp_proto::batch::Frame;
+        match f {
+            Frame::Write(p) => OutOp {
+                index: p.index,
+                kind: OutKind::Write {
+                    guard: p.hold,
+                    off: p.off,
+                    len: p.len,
+                    remote: p.remote,
+                    gen: p.gen,
+                },
+            },
+            Frame::Read(p) => OutOp {
+                index: p.index,
+                kind: OutKind::Read {
+                    guard: p.hold,
+                    off: p.off,
+                    len: p.len,
+                    remote: p.remote,
+                    gen: p.gen,
+                },
+            },
+            Frame::WriteV(parts) => OutOp {
+                index: parts.first().map_or(0, |p| p.index),
+                kind: OutKind::WriteV(parts),
+            },
+            Frame::ReadV(parts) => OutOp {
+                index: parts.first().map_or(0, |p| p.index),
+                kind: OutKind::ReadV(parts),
+            },
+        }
+    }
+
     /// Whether it moves payload (WRITE, READ, WRITEV, READV).
     pub(crate) fn is_transfer(&self) -> bool {
         matches!(
@@ -181,7 +195,7 @@ impl OutOp {
                 false,
                 vec![Part {
                     index: self.index,
-                    guard: Arc::clone(guard),
+                    hold: Arc::clone(guard),
                     off: *off,
                     len: *len,
                     remote: *remote,
@@ -198,7 +212,7 @@ impl OutOp {
                 true,
                 vec![Part {
                     index: self.index,
-                    guard: Arc::clone(guard),
+                    hold: Arc::clone(guard),
                     off: *off,
                     len: *len,
                     remote: *remote,
@@ -263,11 +277,13 @@ pub(crate) async fn send_ops(
     let mut tables: Vec<Vec<u8>> = Vec::new();
     // Streams of the staged frames, in frame order: (read, pieces).
     let mut staging: Vec<(bool, Vec<stage::Piece>)> = Vec::new();
+    // Operations the pending map refused (none: it is open, see below).
+    let mut refused: Vec<PendingOp> = Vec::new();
     // Whether this call's frames below the kernel-copy size may go through
     // the area now (`crate::same_host::choice`): all or none of them.
     {
         let mut map = lock(&conn.pending);
-        if let Some(e) = map.closed.clone() {
+        if let Some(e) = map.closed().cloned() {
             drop(map);
             if conn.retired.load(Ordering::Acquire) {
                 return Err(ops);
@@ -295,7 +311,7 @@ pub(crate) async fn send_ops(
                             parts
                                 .iter()
                                 .map(|p| stage::Piece {
-                                    ptr: p.guard.as_ptr().wrapping_add(p.off as usize),
+                                    ptr: p.hold.as_ptr().wrapping_add(p.off as usize),
                                     len: p.len as usize,
                                 })
                                 .collect(),
@@ -314,7 +330,7 @@ pub(crate) async fn send_ops(
                             local: if staged {
                                 0
                             } else {
-                                p.guard.as_ptr() as u64 + p.off
+                                p.hold.as_ptr() as u64 + p.off
                             },
                         })
                         .collect();
@@ -327,19 +343,23 @@ pub(crate) async fn send_ops(
                         total,
                     };
                     hdrs.push(req.encode());
-                    map.ops.insert(
+                    if let Err(op) = map.insert(
                         id,
                         PendingOp {
                             batch: Arc::clone(batch),
                             index: op.index,
                             kind: PendingKind::Cma {
                                 parts: parts.iter().map(|p| (p.index, p.remote, p.len)).collect(),
-                                guards: parts.iter().map(|p| Arc::clone(&p.guard)).collect(),
+                                guards: parts.iter().map(|p| Arc::clone(&p.hold)).collect(),
                                 // Staged reads are copied by this side.
                                 target_writes: read && !staged,
                             },
                         },
-                    );
+                    ) {
+                        // Never: the connection was open above, under this
+                        // lock. Failed, not dropped, if it were not.
+                        refused.push(op);
+                    }
                     continue;
                 }
             }
@@ -404,13 +424,13 @@ pub(crate) async fn send_ops(
                                 .map(|p| {
                                     (
                                         p.index,
-                                        p.guard.as_ptr() as usize + p.off as usize,
+                                        p.hold.as_ptr() as usize + p.off as usize,
                                         p.remote,
                                         p.len,
                                     )
                                 })
                                 .collect(),
-                            _guards: parts.iter().map(|p| Arc::clone(&p.guard)).collect(),
+                            _guards: parts.iter().map(|p| Arc::clone(&p.hold)).collect(),
                         },
                     )
                 }
@@ -425,21 +445,29 @@ pub(crate) async fn send_ops(
                         },
                         PendingKind::WriteV {
                             parts: parts.iter().map(|p| (p.index, p.remote, p.len)).collect(),
-                            _guards: parts.iter().map(|p| Arc::clone(&p.guard)).collect(),
+                            _guards: parts.iter().map(|p| Arc::clone(&p.hold)).collect(),
                         },
                     )
                 }
             };
             hdrs.push(req.encode());
-            map.ops.insert(
+            if let Err(op) = map.insert(
                 id,
                 PendingOp {
                     batch: Arc::clone(batch),
                     index: op.index,
                     kind,
                 },
-            );
+            ) {
+                refused.push(op);
+            }
         }
+    }
+    for op in refused {
+        op.complete(Err(Error::Canceled(format!(
+            "connection to {} closed",
+            conn.peer
+        ))));
     }
     let mut bufs: Vec<Bytes<'_>> = Vec::with_capacity(ops.len() * 2);
     let mut tables = tables.iter();
@@ -448,12 +476,19 @@ pub(crate) async fn send_ops(
     // FAIR_SLICE). The last cut is the end.
     let mut cuts: Vec<(usize, usize)> = Vec::new();
     let mut since_cut = 0u64;
-    for (i, (hdr, op)) in hdrs.iter().zip(&ops).enumerate() {
-        if since_cut >= FAIR_SLICE && !conn.cma {
-            cuts.push((bufs.len(), i));
-            since_cut = 0;
+    // The same-host path keeps its frames together.
+    let slicing = if conn.cma {
+        Slicing {
+            slice: u64::MAX,
+            ..Slicing::default()
         }
-        since_cut += op.payload_len();
+    } else {
+        Slicing::default()
+    };
+    for (i, (hdr, op)) in hdrs.iter().zip(&ops).enumerate() {
+        if slicing.cut_before(&mut since_cut, op.payload_len()) {
+            cuts.push((bufs.len(), i));
+        }
         bufs.push(Bytes::from_ref(hdr));
         if conn.cma && op.is_transfer() {
             // Segment table only: the target copies the payload.
@@ -468,7 +503,7 @@ pub(crate) async fn send_ops(
                     bufs.push(Bytes::from_ref(t));
                 }
                 for p in parts {
-                    bufs.push(source(&p.guard, p.off, p.len));
+                    bufs.push(source(&p.hold, p.off, p.len));
                 }
             }
             OutKind::ReadV(_) => {
@@ -517,14 +552,16 @@ pub(crate) async fn send_ops(
             // once instead of after the last slice); a runtime worker
             // runs the tasks those answers woke.
             tokio::task::yield_now().await;
-            if k >= FAIR_WINDOW {
+            if let Some(gate) = slicing.gate(k) {
                 // Never past the batch's deadline: a target that reads and
                 // does not answer is then timed out by the batch's wait, as
                 // without the window (the rest is sent meanwhile).
-                let until = batch
-                    .deadline()
-                    .unwrap_or_else(|| std::time::Instant::now() + conn.pace.stall);
-                let answered = wait_answered(conn, &ids[..cuts[k - FAIR_WINDOW].1]);
+                let until = crate::io::instant(window_until(
+                    batch.deadline_time(),
+                    crate::io::now(),
+                    conn.pace.stall,
+                ));
+                let answered = wait_answered(conn, &ids[..cuts[gate].1]);
                 let _ = tokio::time::timeout_at(until.into(), answered).await;
             }
             w = conn.write_lock.lock().await;
@@ -599,7 +636,7 @@ async fn wait_answered(conn: &ConnShared, ids: &[u64]) {
         notified.as_mut().enable();
         let waiting = {
             let map = lock(&conn.pending);
-            map.closed.is_none() && ids.iter().rev().any(|id| map.ops.contains_key(id))
+            map.closed().is_none() && ids.iter().rev().any(|id| map.contains(*id))
         };
         if !waiting || conn.dead.load(Ordering::Acquire) {
             return;
@@ -875,7 +912,7 @@ async fn copy_one(
     let all: Vec<Part> = parts
         .iter()
         .flat_map(|p| {
-            let (local, remote) = (p.guard.as_ptr() as usize + p.off as usize, p.remote);
+            let (local, remote) = (p.hold.as_ptr() as usize + p.off as usize, p.remote);
             (0..p.len.div_ceil(GRANTED_PIECE).max(1)).map(move |i| {
                 let off = i * GRANTED_PIECE;
                 Part {

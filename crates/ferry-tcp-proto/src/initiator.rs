@@ -1,0 +1,582 @@
+//! The initiator's side of a connection: the operations in flight by id,
+//! the checks every answer passes before it completes one, and the send
+//! window of a long send.
+//!
+//! The driver sends frames and reads answers. For an OK, ERR, DATA or
+//! DATAV header, [`on_header`] says what to do ([`Recv`]: complete the
+//! operation, read the payload into its destination, read the failed
+//! indices, throw the rest of the frame away, or fail); for the others the
+//! driver reads the ids, indices or table first. Either way an id is
+//! looked up by [`Pending::answer`] ([`Reply`]): an operation in
+//! flight (taken out: the driver completes it), the late answer of an
+//! operation whose batch expired ([`Reply::Skip`]: the driver reads and
+//! throws away the rest of the frame), or nothing it sent
+//! ([`Reply::Unknown`]: the connection fails with a protocol error). The
+//! payload checks ([`check_data`], [`failed_segments`], [`check_datav`],
+//! [`check_ack`]) decide before a byte is written to local memory: a
+//! payload lands only in the destination of the operation it answers, and
+//! only if its length is the one that operation expects.
+//!
+//! States of an operation ([`OpState`]): `InFlight` (sent, in
+//! [`Pending`]) → out of the core, completed by its answer
+//! ([`Reply::Op`]) or failed with the connection ([`Pending::close`]
+//! drains them all; every later send fails with the close reason) | →
+//! `Abandoned` (its batch expired: the id is remembered, at most
+//! [`MAX_ABANDONED`], so its late answer is skipped, [`Reply::Skip`];
+//! beyond that the connection is dropped).
+//!
+//! The send window ([`Slicing`]): a long send on the socket path is cut
+//! into slices of [`FAIR_SLICE`] payload bytes; before slice `k` goes out,
+//! the operations of slice `k - FAIR_WINDOW` must be answered — but never
+//! past the batch's deadline ([`window_until`]): a target that reads and
+//! never answers is then timed out by the batch, not waited for.
+//!
+//! Invariants:
+//! - an id is in flight at most once and answered at most once;
+//! - the memory kept per connection is bounded: the operations in flight
+//!   (each holds what the caller gave) and [`MAX_ABANDONED`] ids;
+//! - a window wait ends by the batch's deadline (or `stall` from now when
+//!   the batch has none).
+
+use core::time::Duration;
+use std::collections::{HashMap, HashSet};
+
+use crate::frame::{Response, Status, TABLE_ENTRY_LEN};
+use crate::time::Time;
+
+/// Most request ids of expired batches a connection remembers (their late
+/// answers are skipped); beyond it the connection is dropped.
+pub const MAX_ABANDONED: usize = 65_536;
+
+/// Payload bytes a sender on the socket path writes before it lets go of
+/// the connection at the next frame boundary (other callers' frames go in
+/// between).
+pub const FAIR_SLICE: u64 = 1 << 20;
+
+/// Slices of a long send that may be written and not yet answered.
+pub const FAIR_WINDOW: usize = 4;
+
+/// The states of an id the core keeps (see the module; named in
+/// PROTOCOL.md §3.2).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OpState {
+    /// Sent and waiting for its answer.
+    InFlight,
+    /// Its batch expired: its late answer will be skipped.
+    Abandoned,
+}
+
+/// What an answer's id names.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Reply<T> {
+    /// An operation in flight, taken out: the answer completes it.
+    Op(T),
+    /// An operation of an expired batch: skip the rest of the frame.
+    Skip,
+    /// Nothing this side sent: a protocol error.
+    Unknown,
+}
+
+/// The operations in flight on a connection, the ids of abandoned ones,
+/// and the reason it closed, once it did.
+#[derive(Debug)]
+pub struct Pending<T, E> {
+    ops: HashMap<u64, T>,
+    abandoned: HashSet<u64>,
+    closed: Option<E>,
+}
+
+impl<T, E> Default for Pending<T, E> {
+    fn default() -> Self {
+        Pending {
+            ops: HashMap::new(),
+            abandoned: HashSet::new(),
+            closed: None,
+        }
+    }
+}
+
+impl<T, E: Clone> Pending<T, E> {
+    /// Nothing in flight.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Why the connection closed, once it did: a send fails with it.
+    #[inline]
+    pub fn closed(&self) -> Option<&E> {
+        self.closed.as_ref()
+    }
+
+    /// Puts `op` in flight under `id` (`Err(op)` if the connection is
+    /// closed: fail it with [`Pending::closed`]).
+    #[inline]
+    pub fn insert(&mut self, id: u64, op: T) -> Result<(), T> {
+        if self.closed.is_some() {
+            return Err(op);
+        }
+        self.ops.insert(id, op);
+        Ok(())
+    }
+
+    /// Takes `id` out of flight, if it is in.
+    #[inline]
+    pub fn take(&mut self, id: u64) -> Option<T> {
+        self.ops.remove(&id)
+    }
+
+    /// Whether `id` belonged to an expired batch (and forgets it).
+    #[inline]
+    pub fn forget(&mut self, id: u64) -> bool {
+        self.abandoned.remove(&id)
+    }
+
+    /// What the answer to `id` completes (see [`Reply`]).
+    #[inline]
+    pub fn answer(&mut self, id: u64) -> Reply<T> {
+        match self.ops.remove(&id) {
+            Some(op) => Reply::Op(op),
+            None if self.abandoned.remove(&id) => Reply::Skip,
+            None => Reply::Unknown,
+        }
+    }
+
+    /// Whether `id` is in flight.
+    #[inline]
+    pub fn contains(&self, id: u64) -> bool {
+        self.ops.contains_key(&id)
+    }
+
+    /// Whether nothing is in flight.
+    #[inline]
+    pub fn is_empty(&self) -> bool {
+        self.ops.is_empty()
+    }
+
+    /// Operations in flight.
+    #[inline]
+    pub fn len(&self) -> usize {
+        self.ops.len()
+    }
+
+    /// Abandoned ids remembered.
+    #[inline]
+    pub fn abandoned(&self) -> usize {
+        self.abandoned.len()
+    }
+
+    /// The state of `id`: in flight, abandoned, or neither (`None`).
+    pub fn state(&self, id: u64) -> Option<OpState> {
+        if self.ops.contains_key(&id) {
+            Some(OpState::InFlight)
+        } else if self.abandoned.contains(&id) {
+            Some(OpState::Abandoned)
+        } else {
+            None
+        }
+    }
+
+    /// Abandons the operations `of` picks (their batch expired): they are
+    /// taken out, their ids remembered. The second value: more ids are
+    /// remembered than [`MAX_ABANDONED`] (drop the connection).
+    pub fn abandon(&mut self, of: impl Fn(&T) -> bool) -> (Vec<T>, bool) {
+        let ids: Vec<u64> = self
+            .ops
+            .iter()
+            .filter(|(_, op)| of(op))
+            .map(|(id, _)| *id)
+            .collect();
+        let mut out = Vec::with_capacity(ids.len());
+        for id in ids {
+            if let Some(op) = self.ops.remove(&id) {
+                self.abandoned.insert(id);
+                out.push(op);
+            }
+        }
+        (out, self.abandoned.len() > MAX_ABANDONED)
+    }
+
+    /// Takes the operations `ids` out without remembering them (sends
+    /// withdrawn before a byte of them was written).
+    pub fn withdraw(&mut self, ids: &[u64]) -> Vec<T> {
+        ids.iter().filter_map(|id| self.ops.remove(id)).collect()
+    }
+
+    /// The connection closed with `err` (the first reason stays): every
+    /// operation in flight is returned, to fail.
+    pub fn close(&mut self, err: E) -> Vec<T> {
+        self.closed.get_or_insert(err);
+        self.ops.drain().map(|(_, op)| op).collect()
+    }
+
+    /// Marks the connection closed with `err` if nothing is in flight
+    /// (retired for idleness); returns whether it did.
+    pub fn retire(&mut self, err: impl FnOnce() -> E) -> bool {
+        if !self.ops.is_empty() {
+            return false;
+        }
+        self.closed.get_or_insert_with(err);
+        true
+    }
+}
+
+/// What an operation in flight takes as its answer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Expect {
+    /// OK or ERR (WRITE, NOTIFY).
+    Ack,
+    /// OK, ERR, or ERRV over its segments (WRITEV; CWRITE, CREAD, SWRITE,
+    /// SREAD).
+    AckV,
+    /// DATA of this many bytes, or ERR (READ).
+    Data(u64),
+    /// DATAV over its segments, or ERR (READV).
+    DataV,
+    /// TABLE_REPLY, or ERR (TABLE).
+    Table,
+}
+
+/// An operation in flight names the answer it takes.
+pub trait Answered {
+    /// See [`Expect`].
+    fn expect(&self) -> Expect;
+}
+
+/// What the reader does with an answer header (the reader's states, named
+/// in PROTOCOL.md §3.2). The payload never passes through the core: `Into`
+/// names the operation whose destination the driver reads into.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Recv<T> {
+    /// Complete the operation (every part) with an acknowledgement.
+    Ack(T),
+    /// Complete the operation (every part) with the ERR's status, address
+    /// and length.
+    Refused(T, Status, u64, u64),
+    /// Read the DATA's payload (this many bytes) into the operation's
+    /// destination, then complete it.
+    Into(T, u64),
+    /// Read the DATAV's failed indices (this many, 4 bytes each) for the
+    /// operation; [`failed_segments`] and [`check_datav`] check them, then
+    /// the payload goes into the segments not failed.
+    Indices(T, u32),
+    /// The answer of an operation whose batch expired: read and throw away
+    /// this many bytes (the rest of the frame).
+    Discard(u64),
+    /// Not an answer to anything in flight, or not the answer the
+    /// operation takes: fail the operation (if any) and the connection
+    /// with this protocol error.
+    Fail(Option<T>, String),
+}
+
+/// Decides an OK, ERR, DATA or DATAV header (`None` for the others, which
+/// the driver reads first: OKS ids, ERRV indices, a table; then each id
+/// goes through [`Pending::answer`]). Takes the operation out of flight.
+#[inline]
+pub fn on_header<T: Answered, E: Clone>(
+    pending: &mut Pending<T, E>,
+    resp: &Response,
+) -> Option<Recv<T>> {
+    let (id, what, skip) = match *resp {
+        Response::Ok { id } | Response::Err { id, .. } => (id, "response", 0),
+        Response::Data { id, len } => (id, "DATA", len),
+        Response::DataV { id, .. } => (id, "DATAV", frame_bytes(resp)),
+        _ => return None,
+    };
+    let op = match pending.answer(id) {
+        Reply::Op(op) => op,
+        Reply::Skip => return Some(Recv::Discard(skip)),
+        Reply::Unknown => {
+            return Some(Recv::Fail(
+                None,
+                format!("{what} for unknown request id {id}"),
+            ))
+        }
+    };
+    let expect = op.expect();
+    Some(match *resp {
+        Response::Ok { id } => {
+            let needs_data = matches!(expect, Expect::Data(_) | Expect::DataV | Expect::Table);
+            match check_ack(id, needs_data) {
+                Ok(()) => Recv::Ack(op),
+                Err(reason) => Recv::Fail(Some(op), reason),
+            }
+        }
+        Response::Err {
+            status, addr, len, ..
+        } => Recv::Refused(op, status, addr, len),
+        Response::Data { id, len } => {
+            let want = match expect {
+                Expect::Data(w) => Some(w),
+                _ => None,
+            };
+            match check_data(id, want, len) {
+                Ok(()) => Recv::Into(op, len),
+                Err(reason) => Recv::Fail(Some(op), reason),
+            }
+        }
+        Response::DataV { id, failed, .. } => match expect {
+            Expect::DataV => Recv::Indices(op, failed),
+            _ => Recv::Fail(Some(op), format!("DATAV for request {id}, not a READV")),
+        },
+        _ => return None,
+    })
+}
+
+/// The payload bytes of a response frame after its header: due by one
+/// deadline.
+#[inline]
+pub fn frame_bytes(resp: &Response) -> u64 {
+    match *resp {
+        Response::Ok { .. } | Response::Err { .. } => 0,
+        Response::OkMany { count } => u64::from(count) * 8,
+        Response::Data { len, .. } => len,
+        Response::DataV { failed, len, .. } => (u64::from(failed) * 4).saturating_add(len),
+        Response::ErrV { count, .. } => u64::from(count) * 4,
+        Response::Table { count, .. } => u64::from(count) * TABLE_ENTRY_LEN as u64,
+        Response::SameHostOk { .. } | Response::Wake => 0,
+    }
+}
+
+/// A plain OK for an operation that needs data back (`needs_data`: a
+/// READ, READV or TABLE) is a protocol error.
+#[inline]
+pub fn check_ack(id: u64, needs_data: bool) -> Result<(), String> {
+    if needs_data {
+        Err(format!("plain OK for request {id}, which needs data"))
+    } else {
+        Ok(())
+    }
+}
+
+/// A DATA of `len` bytes for request `id`, which expects `want` (`None`:
+/// not a READ).
+#[inline]
+pub fn check_data(id: u64, want: Option<u64>, len: u64) -> Result<(), String> {
+    match want {
+        Some(w) if w == len => Ok(()),
+        Some(w) => Err(format!(
+            "DATA of {len} bytes for request {id}, which expects {w}"
+        )),
+        None => Err(format!(
+            "DATA of {len} bytes for request {id}, which expects {}",
+            u64::MAX
+        )),
+    }
+}
+
+/// The failed segments a DATAV or ERRV names (`indices`: 4 bytes each)
+/// among `segments`: a flag per segment, or the error for an index out of
+/// range (`what`: the frame's name).
+pub fn failed_segments(indices: &[u8], segments: usize, what: &str) -> Result<Vec<bool>, String> {
+    let mut bad = vec![false; segments];
+    for c in indices.chunks_exact(4) {
+        let i = u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as usize;
+        match bad.get_mut(i) {
+            Some(b) => *b = true,
+            None => return Err(format!("{what} names segment {i} of {segments}")),
+        }
+    }
+    Ok(bad)
+}
+
+/// A DATAV carries `len` bytes: exactly the segments not failed.
+pub fn check_datav(
+    failed: &[bool],
+    lens: impl Iterator<Item = u64>,
+    len: u64,
+) -> Result<(), String> {
+    let valid: u64 = lens
+        .zip(failed)
+        .filter(|(_, b)| !**b)
+        .fold(0u64, |a, (l, _)| a.saturating_add(l));
+    if valid == len {
+        Ok(())
+    } else {
+        Err(format!(
+            "DATAV carries {len} bytes, the segments need {valid}"
+        ))
+    }
+}
+
+/// How a long send is cut and how far it runs ahead of its answers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Slicing {
+    /// Payload bytes per slice.
+    pub slice: u64,
+    /// Slices written and not yet answered.
+    pub window: usize,
+}
+
+impl Default for Slicing {
+    fn default() -> Self {
+        Slicing {
+            slice: FAIR_SLICE,
+            window: FAIR_WINDOW,
+        }
+    }
+}
+
+impl Slicing {
+    /// Frame by frame: whether a new slice starts before a frame of
+    /// `payload` bytes; `since` counts the payload of the slice so far.
+    #[inline]
+    pub fn cut_before(&self, since: &mut u64, payload: u64) -> bool {
+        let cut = *since >= self.slice;
+        if cut {
+            *since = 0;
+        }
+        *since = since.saturating_add(payload);
+        cut
+    }
+
+    /// Before slice `k` (0-based) goes out: the slice whose operations
+    /// must be answered first, if any (its operations end at
+    /// `cuts[slice]`).
+    #[inline]
+    pub fn gate(&self, k: usize) -> Option<usize> {
+        k.checked_sub(self.window.max(1))
+    }
+}
+
+/// How long a window wait may last: until the batch's deadline, or
+/// `stall` from `now` if its clock has not started.
+#[inline]
+pub fn window_until(deadline: Option<Time>, now: Time, stall: Duration) -> Time {
+    if cfg!(ferry_mutant = "window_waits_forever") {
+        // The planted bug of 888a448: the window ignores the deadline.
+        return Time::NEVER;
+    }
+    deadline.unwrap_or_else(|| now.after(stall))
+}
+
+#[cfg(all(test, not(ferry_mutant = "window_waits_forever")))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn answers_name_an_operation_an_abandoned_id_or_nothing() {
+        let mut p: Pending<u32, &str> = Pending::new();
+        p.insert(1, 10).unwrap();
+        p.insert(2, 20).unwrap();
+        p.insert(3, 30).unwrap();
+        let (gone, too_many) = p.abandon(|op| *op == 20);
+        assert_eq!((gone, too_many), (vec![20], false));
+        assert_eq!(p.state(2), Some(OpState::Abandoned));
+        assert_eq!(p.answer(1), Reply::Op(10));
+        assert_eq!(p.answer(2), Reply::Skip);
+        assert_eq!(p.answer(2), Reply::Unknown);
+        assert_eq!(p.answer(1), Reply::Unknown);
+        assert_eq!(p.close("closed"), vec![30]);
+        assert_eq!(p.insert(4, 40), Err(40));
+        assert_eq!(p.closed(), Some(&"closed"));
+    }
+
+    impl Answered for Expect {
+        fn expect(&self) -> Expect {
+            *self
+        }
+    }
+
+    #[test]
+    fn answer_headers_become_what_the_reader_does() {
+        let mut p: Pending<Expect, ()> = Pending::new();
+        for (id, e) in [
+            (1, Expect::Ack),
+            (2, Expect::Data(8)),
+            (3, Expect::Data(8)),
+            (4, Expect::DataV),
+            (5, Expect::Ack),
+            (6, Expect::Table),
+        ] {
+            p.insert(id, e).unwrap();
+        }
+        assert_eq!(
+            on_header(&mut p, &Response::Ok { id: 1 }),
+            Some(Recv::Ack(Expect::Ack))
+        );
+        assert_eq!(
+            on_header(&mut p, &Response::Data { id: 2, len: 8 }),
+            Some(Recv::Into(Expect::Data(8), 8))
+        );
+        assert!(matches!(
+            on_header(&mut p, &Response::Data { id: 3, len: 9 }),
+            Some(Recv::Fail(Some(_), _))
+        ));
+        let dv = Response::DataV {
+            id: 4,
+            status: None,
+            failed: 2,
+            len: 5,
+        };
+        assert_eq!(
+            on_header(&mut p, &dv),
+            Some(Recv::Indices(Expect::DataV, 2))
+        );
+        assert!(matches!(
+            on_header(&mut p, &Response::Ok { id: 6 }),
+            Some(Recv::Fail(Some(Expect::Table), _))
+        ));
+        let (gone, _) = p.abandon(|_| true);
+        assert_eq!(gone, vec![Expect::Ack]);
+        assert_eq!(
+            on_header(&mut p, &Response::Data { id: 5, len: 77 }),
+            Some(Recv::Discard(77))
+        );
+        assert!(matches!(
+            on_header(&mut p, &Response::Ok { id: 5 }),
+            Some(Recv::Fail(None, _))
+        ));
+        assert_eq!(on_header(&mut p, &Response::OkMany { count: 2 }), None);
+    }
+
+    #[test]
+    fn too_many_abandoned_ids_drop_the_connection() {
+        let mut p: Pending<u64, ()> = Pending::new();
+        for id in 0..=MAX_ABANDONED as u64 {
+            p.insert(id, id).unwrap();
+        }
+        let (gone, too_many) = p.abandon(|_| true);
+        assert_eq!(gone.len(), MAX_ABANDONED + 1);
+        assert!(too_many);
+    }
+
+    #[test]
+    fn payload_checks() {
+        assert!(check_data(1, Some(5), 5).is_ok());
+        assert!(check_data(1, Some(5), 6).is_err());
+        assert!(check_data(1, None, 0).is_err());
+        assert!(check_ack(1, true).is_err());
+        let idx: Vec<u8> = [1u32, 2].iter().flat_map(|i| i.to_le_bytes()).collect();
+        let bad = failed_segments(&idx, 3, "DATAV").unwrap();
+        assert_eq!(bad, vec![false, true, true]);
+        assert!(failed_segments(&idx, 2, "DATAV").is_err());
+        assert!(check_datav(&bad, [4, 5, 6].into_iter(), 4).is_ok());
+        assert!(check_datav(&bad, [4, 5, 6].into_iter(), 5).is_err());
+    }
+
+    #[test]
+    fn slices_and_the_window() {
+        let s = Slicing {
+            slice: 10,
+            window: 2,
+        };
+        let mut since = 0;
+        let cuts: Vec<usize> = [6, 6, 6, 12, 1]
+            .iter()
+            .enumerate()
+            .filter(|&(_, &p)| s.cut_before(&mut since, p))
+            .map(|(i, _)| i)
+            .collect();
+        assert_eq!(cuts, vec![2, 4]);
+        assert_eq!((s.gate(1), s.gate(2), s.gate(3)), (None, Some(0), Some(1)));
+        let now = Time::from_nanos(5);
+        assert_eq!(
+            window_until(Some(Time::from_nanos(9)), now, Duration::from_nanos(100)),
+            Time::from_nanos(9)
+        );
+        assert_eq!(
+            window_until(None, now, Duration::from_nanos(100)),
+            Time::from_nanos(105)
+        );
+    }
+}
