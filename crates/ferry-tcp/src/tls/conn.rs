@@ -189,6 +189,8 @@ struct Rx {
     /// Whether we are the TLS client (which may receive session tickets).
     client: bool,
     failed: Option<RecordError>,
+    /// Key updates received.
+    updates: u64,
 }
 
 /// The sending direction: records sealed in `buf[sent..len]` wait for the
@@ -199,6 +201,8 @@ struct Tx {
     buf: Box<[u8]>,
     len: usize,
     sent: usize,
+    /// Key updates sent.
+    updates: u64,
 }
 
 /// A TLS connection over a TCP socket registered with the current runtime.
@@ -252,6 +256,7 @@ impl TlsConn {
             keys: s.rx.0,
             client: s.client,
             failed: None,
+            updates: 0,
         };
         let tx = Tx {
             writer: Writer::new(s.tx.0.iv, s.tx.1),
@@ -259,6 +264,7 @@ impl TlsConn {
             buf: vec![0u8; SEND_BUFFER + 2 * record::MAX_RECORD].into_boxed_slice(),
             len: 0,
             sent: 0,
+            updates: 0,
         };
         TlsConn {
             tcp,
@@ -283,6 +289,11 @@ impl TlsConn {
     #[doc(hidden)]
     pub fn set_key_update_after(&self, records: u64) {
         self.lock_tx().writer.limit = records.max(1);
+    }
+
+    /// Key updates (sent, received) so far.
+    pub fn key_updates(&self) -> (u64, u64) {
+        (self.lock_tx().updates, self.lock_rx().updates)
     }
 
     /// The TCP socket.
@@ -377,6 +388,7 @@ impl TlsConn {
             Some(Message::KeyUpdate { requested }) => {
                 rx.keys = rx.keys.next();
                 rx.reader.set_key(rx.keys.iv);
+                rx.updates += 1;
                 if requested {
                     self.owed.store(true, Ordering::Release);
                 }
@@ -405,10 +417,12 @@ impl TlsConn {
             keys,
             buf,
             len,
+            updates,
             ..
         } = &mut *tx;
         if self.owed.swap(false, Ordering::AcqRel) || writer.key_update_due() {
             key_update(writer, keys, buf, len)?;
+            *updates += 1;
         }
         let (mut i, mut off, mut taken) = (0, 0, 0);
         while *len < SEND_BUFFER {
@@ -446,6 +460,7 @@ impl TlsConn {
             taken += l;
             if writer.key_update_due() {
                 key_update(writer, keys, buf, len)?;
+                *updates += 1;
             }
         }
         match flush_tx(&mut tx, &self.tcp) {

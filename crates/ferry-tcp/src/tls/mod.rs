@@ -28,6 +28,8 @@
 //! plain rustls (an older Ferry) talks to it unchanged.
 
 pub(crate) mod conn;
+#[cfg(test)]
+mod tests;
 
 use std::net::SocketAddr;
 use std::path::Path;
