@@ -78,6 +78,9 @@ pub const SHORT_TAIL: usize = 32;
 /// updates at 2^23; this leaves a wide margin).
 pub const KEY_UPDATE_AFTER: u64 = 1 << 22;
 
+/// Most stream bytes one bulk read takes into the destination (what
+/// follows is decrypted while the kernel's copy is still in cache).
+pub const BULK_MAX: usize = 256 << 10;
 /// The bounce buffer (two largest records and room to spare).
 const BOUNCE: usize = 64 << 10;
 /// A read with nothing known about what comes takes up to this much.
@@ -318,6 +321,8 @@ pub struct Reader {
     hs: Vec<u8>,
     msgs: VecDeque<Message>,
     closed: bool,
+    /// Most stream bytes one bulk read takes into the destination.
+    pub bulk_max: usize,
 }
 
 impl fmt::Debug for Reader {
@@ -350,6 +355,7 @@ impl Reader {
             hs: Vec::new(),
             msgs: VecDeque::new(),
             closed: false,
+            bulk_max: BULK_MAX,
         }
     }
 
@@ -510,7 +516,7 @@ impl Reader {
         let n = dst.len();
         let end = run.c + run.have;
         // Any record whose header starts before `bulk` ends inside `dst`.
-        let bulk = n.saturating_sub(MAX_RECORD);
+        let bulk = n.saturating_sub(MAX_RECORD).min(end + self.bulk_max);
         let plan = match self.hdr {
             Some((len, _)) if run.c + len <= n => {
                 let e = run.c + len;
@@ -726,10 +732,13 @@ pub fn record_len<I: IntoIterator<Item = usize>>(lens: I) -> usize {
         return 0;
     };
     if first >= BIG {
-        return if first - SHORT_TAIL > MAX_PLAINTEXT {
+        // What is left stays large (records of its own) until the tail.
+        return if first - SHORT_TAIL <= MAX_PLAINTEXT {
+            first - SHORT_TAIL
+        } else if first - MAX_PLAINTEXT >= BIG {
             MAX_PLAINTEXT
         } else {
-            first - SHORT_TAIL
+            first - BIG
         };
     }
     let mut total = first;

@@ -61,7 +61,9 @@ fn cuts(len: usize, sizes: &[usize], seed: u64) -> Vec<usize> {
     let mut out = Vec::new();
     let (mut left, mut i) = (len, 0);
     while left > 0 {
-        let s = sizes[usize::from(r[i % r.len()]) % sizes.len()].min(left).max(1);
+        let s = sizes[usize::from(r[i % r.len()]) % sizes.len()]
+            .min(left)
+            .max(1);
         out.push(s);
         left -= s;
         i += 1;
@@ -149,7 +151,10 @@ async fn a_long_transfer_crosses_several_key_updates_both_ways() {
     assert!(recv(&a, len, 9).await == down);
     w1.await.unwrap();
     w2.await.unwrap();
-    let (ua, ub) = (a.tls().unwrap().key_updates(), b.tls().unwrap().key_updates());
+    let (ua, ub) = (
+        a.tls().unwrap().key_updates(),
+        b.tls().unwrap().key_updates(),
+    );
     eprintln!("key updates (sent, received): initiator {ua:?}, target {ub:?}");
     assert!(ua.0 >= 5 && ua.1 >= 5, "{ua:?}");
     assert!(ub.0 >= 5 && ub.1 >= 5, "{ub:?}");
@@ -224,7 +229,9 @@ async fn with_rustls_peer(ours_is_client: bool) {
     assert!(plain.await.unwrap() == up, "ours → rustls differs");
     // close_notify from rustls reads as the end of the stream.
     let mut one = [0u8; 1];
-    let n = crate::io::read_some(&ours, &mut one, Some(T)).await.unwrap();
+    let n = crate::io::read_some(&ours, &mut one, Some(T))
+        .await
+        .unwrap();
     assert_eq!(n, 0);
     let (sent, received) = ours.tls().unwrap().key_updates();
     eprintln!("ours (client: {ours_is_client}): key updates sent {sent}, received {received}");
