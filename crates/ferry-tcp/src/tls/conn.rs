@@ -45,9 +45,11 @@ use ring::aead::{self as raead, LessSafeKey, UnboundKey};
 use ring::hkdf;
 use tokio::net::TcpStream;
 
-/// Records a connection seals before writing them out in one `sendmsg`
-/// (larger batches mean fewer system calls per MiB).
-const SEND_BUFFER: usize = 256 << 10;
+/// Records a connection seals before writing them out in one `sendmsg`:
+/// larger batches mean fewer system calls and wake-ups of the receiver per
+/// MiB (measured: 256 KiB cost about 8 % more CPU per GB than 1 MiB, both
+/// sides together; 2 and 4 MiB no less than 1 MiB).
+const SEND_BUFFER: usize = 1 << 20;
 
 /// A TLS 1.3 suite's AEAD and hash.
 #[derive(Clone, Copy)]
