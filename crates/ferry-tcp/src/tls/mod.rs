@@ -438,31 +438,46 @@ async fn drive(
         }
         let mut h = [0u8; 5];
         tcp.read_exact(&mut h).await?;
+        // rustls judges the header first (type, version, length): bytes
+        // that are no TLS record get its alert at once, not a wait for a
+        // body that never comes.
+        feed(conn, tcp, &h, &mut out).await?;
         let len = usize::from(u16::from_be_bytes([h[3], h[4]]));
-        // Handshake records are at most 2^14 + 256 bytes (TLS 1.3); the
-        // slack covers anything rustls itself would reject with a reason.
+        // (rustls refuses longer records above; this bounds the buffer
+        // whatever it accepts.)
         if len > (1 << 14) + 2048 {
             return Err(std::io::Error::new(
                 std::io::ErrorKind::InvalidData,
                 rustls::Error::InvalidMessage(rustls::InvalidMessage::MessageTooLarge),
             ));
         }
-        let mut rec = vec![0u8; 5 + len];
-        rec[..5].copy_from_slice(&h);
-        tcp.read_exact(&mut rec[5..]).await?;
-        let mut s = &rec[..];
-        while !s.is_empty() {
-            conn.read_tls(&mut s)?;
-        }
-        if let Err(e) = conn.process_new_packets() {
-            // The alert rustls queued goes out (best effort).
-            out.clear();
-            if conn.write_tls(&mut out).is_ok() {
-                let _ = tcp.write_all(&out).await;
-            }
-            return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, e));
-        }
+        let mut body = vec![0u8; len];
+        tcp.read_exact(&mut body).await?;
+        feed(conn, tcp, &body, &mut out).await?;
     }
+}
+
+/// Gives `bytes` to rustls; on a TLS error its alert goes out (best
+/// effort) and the error is returned.
+async fn feed(
+    conn: &mut rustls::Connection,
+    tcp: &mut tokio::net::TcpStream,
+    bytes: &[u8],
+    out: &mut Vec<u8>,
+) -> std::io::Result<()> {
+    use tokio::io::AsyncWriteExt;
+    let mut s = bytes;
+    while !s.is_empty() {
+        conn.read_tls(&mut s)?;
+    }
+    if let Err(e) = conn.process_new_packets() {
+        out.clear();
+        if conn.write_tls(out).is_ok() {
+            let _ = tcp.write_all(out).await;
+        }
+        return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, e));
+    }
+    Ok(())
 }
 
 /// After a failed handshake on the target: the alert is written; the
