@@ -152,7 +152,7 @@ impl fmt::Display for RecordError {
                 write!(f, "TLS record of unexpected content type {t}")
             }
             RecordError::BadAlert => f.write_str("malformed TLS alert"),
-            RecordError::Alert(d) => write!(f, "the peer sent TLS alert {d}"),
+            RecordError::Alert(d) => write!(f, "the peer sent TLS alert {d} ({})", alert_name(*d)),
             RecordError::BadHandshake(w) => write!(f, "TLS post-handshake message: {w}"),
             RecordError::WrongDestination => f.write_str(
                 "a TLS record was half received into one destination and the next read passed another",
@@ -164,6 +164,35 @@ impl fmt::Display for RecordError {
 }
 
 impl std::error::Error for RecordError {}
+
+/// The name of an alert description (RFC 8446 §6).
+pub fn alert_name(d: u8) -> &'static str {
+    match d {
+        0 => "close_notify",
+        10 => "unexpected_message",
+        20 => "bad_record_mac",
+        22 => "record_overflow",
+        40 => "handshake_failure",
+        42 => "bad_certificate",
+        43 => "unsupported_certificate",
+        44 => "certificate_revoked",
+        45 => "certificate_expired",
+        46 => "certificate_unknown",
+        47 => "illegal_parameter",
+        48 => "unknown_ca",
+        49 => "access_denied",
+        50 => "decode_error",
+        51 => "decrypt_error",
+        70 => "protocol_version",
+        71 => "insufficient_security",
+        80 => "internal_error",
+        90 => "user_canceled",
+        109 => "missing_extension",
+        110 => "unsupported_extension",
+        116 => "certificate_required",
+        _ => "unknown alert",
+    }
+}
 
 /// The AEAD of one direction's current key (the driver's).
 pub trait Aead {
