@@ -23,7 +23,7 @@ for r in range(rounds):
         for tls in (False,True):
             port+=1
             p,addr=serve(b,port,tls)
-            be='tcp://127.0.0.1:0?secret=tls-bench&same_host=off'+('&tls=require' if tls else '')
+            be='tcp://127.0.0.1:0?same_host=off'+('&tls=require' if tls else '')
             out=subprocess.run([b,'bench','--backend',be,'--peer',f'127.0.0.1:{port}','--remote-addr',addr,'--remote-len','256MiB','--ops',os.environ.get('OPS','write,read'),'--blocks',os.environ.get('BLOCKS','4KiB,64KiB,1MiB'),'--batches','1,16','--duration',os.environ.get('DUR','500ms'),'--no-baselines','--json'],capture_output=True,text=True,env=env,timeout=600)
             p.kill(); p.wait()
             try: data=json.loads(out.stdout)

@@ -31,6 +31,10 @@ use ferry_core::conformance::{backend_required, report_skip};
 const PINNED: &str = "7c3e5e6";
 /// See [`PINNED`].
 const PINNED_V4: &str = "4b6cd43";
+/// The last build whose TLS records were rustls's own (after it, Ferry
+/// moves TLS 1.3 records itself once rustls's handshake is done): with
+/// `tls=require` both ways, the proof that the wire did not change.
+const PINNED_TLS: &str = "6c4d298";
 
 fn workspace_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -48,8 +52,13 @@ fn target_dir() -> PathBuf {
 
 /// The pinned `ferry`, built if not cached; `Err(reason)` to skip.
 fn pinned_ferry(commit: &'static str) -> Result<PathBuf, String> {
-    static BUILT: [OnceLock<Result<PathBuf, String>>; 2] = [OnceLock::new(), OnceLock::new()];
-    let slot = usize::from(commit == PINNED_V4);
+    static BUILT: [OnceLock<Result<PathBuf, String>>; 3] =
+        [OnceLock::new(), OnceLock::new(), OnceLock::new()];
+    let slot = match commit {
+        PINNED_V4 => 1,
+        PINNED_TLS => 2,
+        _ => 0,
+    };
     BUILT[slot].get_or_init(|| build_pinned(commit)).clone()
 }
 
@@ -415,6 +424,28 @@ fn authenticated_pairs_prove_themselves_across_versions() {
             !out.status.success() && err.contains("authentication"),
             "a wrong secret is refused: {err}"
         );
+        stop(s);
+    }
+}
+
+#[test]
+fn tls_records_interoperate_with_the_rustls_build_both_ways() {
+    let Some(old) = old_or_skip("tls_records_interoperate", PINNED_TLS) else {
+        return;
+    };
+    let new = new_ferry();
+    let tls = "tcp://127.0.0.1:0?secret=s3cret&same_host=off&tls=require";
+    for (server, client) in [(&old, &new), (&new, &old)] {
+        let s = serve_with(
+            server,
+            "tcp://127.0.0.1:0?same_host=off&tls=require",
+            Some("s3cret"),
+        );
+        // Every point is read back and compared (4 KiB and 1 MiB, writes
+        // and reads: records cut by either side's rules).
+        bench(client, &s, tls);
+        let report = caps(client, &s, tls);
+        assert!(report.contains("on: TLS13_"), "TLS ran: {report}");
         stop(s);
     }
 }

@@ -34,7 +34,10 @@
 //!   next header, the bytes read past it, the frame's deadline;
 //! - [`target`]: the target's side of a connection for the requests
 //!   served on the socket: region checks, what to read or send, the
-//!   answers owed.
+//!   answers owed;
+//! - [`record`]: TLS 1.3 records after the handshake: header limits,
+//!   nonces, content types, key updates, where each record's ciphertext
+//!   lands, how plaintext is cut into records (the AEAD comes in).
 //!
 //! The per-frame encoders and decoders and the small lookups are
 //! `#[inline]`: inside ferry-tcp the optimiser could inline them into the
@@ -49,6 +52,7 @@ pub mod initiator;
 pub mod layout;
 pub mod negotiate;
 pub mod offer;
+pub mod record;
 pub mod recv;
 pub mod target;
 pub mod time;

@@ -17,13 +17,19 @@
 //!   secret can compute. The initiator is then authenticated by the HMAC
 //!   proof, which runs inside TLS and is bound to the TLS exporter.
 //!
-//! Once the handshake is done (tokio-rustls drives it), the session and
-//! the TCP socket move into a [`conn::TlsConn`], which the connection's own
-//! non-blocking reads and writes drive ([`crate::io`]): frames, pacing,
-//! deadlines and fences run unchanged on it, and a byte costs the
-//! encryption and rustls's copies, nothing more.
+//! rustls runs the handshake (read one record at a time, so that it never
+//! holds a byte of what follows); then its traffic secrets move with the
+//! TCP socket into a [`conn::TlsConn`], Ferry's own TLS 1.3 record layer
+//! ([`ferry_tcp_proto::record`] decides, ring seals and opens), which the
+//! connection's non-blocking reads and writes drive ([`crate::io`]):
+//! frames, pacing, deadlines and fences run unchanged on it, and a byte
+//! costs its encryption, nothing more (records that fit the destination
+//! are decrypted in place). The wire is standard TLS 1.3: a peer running
+//! plain rustls (an older Ferry) talks to it unchanged.
 
 pub(crate) mod conn;
+#[cfg(test)]
+mod tests;
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -319,8 +325,15 @@ impl TlsContext {
                 ))
             }
         };
-        let mut client = client;
+        let (mut client, mut server) = (client, server);
         client.enable_sni = identity == Identity::Certificates;
+        // The record layer after the handshake is ours (conn.rs): rustls
+        // hands over the traffic keys.
+        client.enable_secret_extraction = true;
+        server.enable_secret_extraction = true;
+        // No session tickets: they would be records after the handshake,
+        // and Ferry resumes no sessions (every handshake is a full one).
+        server.send_tls13_tickets = 0;
         Ok(Some(Arc::new(TlsContext {
             mode: cfg.tls,
             identity,
@@ -338,7 +351,7 @@ impl TlsContext {
         peer: &str,
         timeout: Duration,
     ) -> Result<Session> {
-        let (tcp, addrs) = take_tcp(stream, peer)?;
+        let (mut tcp, addrs) = take_tcp(stream, peer)?;
         let name = match self.identity {
             Identity::Secret => ServerName::try_from("ferry-tcp").map(|n| n.to_owned()),
             Identity::Certificates => {
@@ -348,11 +361,16 @@ impl TlsContext {
             }
         }
         .map_err(|e| Error::InvalidArgument(format!("TLS server name of {peer}: {e}")))?;
-        let connector = tokio_rustls::TlsConnector::from(Arc::clone(&self.client));
-        let tls = handshake(connector.connect(name, tcp), timeout, peer, "the target").await?;
-        let session = session_of(&**tls.get_ref().1, peer)?;
-        let (tcp, state) = tls.into_inner();
-        adopt(stream, tcp, addrs, state.into());
+        let capture = Arc::new(Capture::default());
+        let mut config = (*self.client).clone();
+        config.key_log = capture.clone();
+        let conn = rustls::ClientConnection::new(Arc::new(config), name)
+            .map_err(|e| rustls_error(peer, "the target", &e))?;
+        let mut conn = rustls::Connection::from(conn);
+        handshake(drive(&mut conn, &mut tcp), timeout, peer, "the target").await?;
+        let session = session_of(&conn, peer)?;
+        let start = hand_over(conn, &capture, true, peer)?;
+        *stream = Stream::Tls(Box::new(conn::TlsConn::new(tcp, addrs, start)));
         Ok(session)
     }
 
@@ -363,14 +381,169 @@ impl TlsContext {
         peer: &str,
         timeout: Duration,
     ) -> Result<Session> {
-        let (tcp, addrs) = take_tcp(stream, peer)?;
-        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::clone(&self.server));
-        let tls = handshake(acceptor.accept(tcp), timeout, peer, "the initiator").await?;
-        let session = session_of(&**tls.get_ref().1, peer)?;
-        let (tcp, state) = tls.into_inner();
-        adopt(stream, tcp, addrs, state.into());
+        let (mut tcp, addrs) = take_tcp(stream, peer)?;
+        let capture = Arc::new(Capture::default());
+        let mut config = (*self.server).clone();
+        config.key_log = capture.clone();
+        let conn = rustls::ServerConnection::new(Arc::new(config))
+            .map_err(|e| rustls_error(peer, "the initiator", &e))?;
+        let mut conn = rustls::Connection::from(conn);
+        let r = handshake(drive(&mut conn, &mut tcp), timeout, peer, "the initiator").await;
+        if let Err(e) = r {
+            linger(tcp);
+            return Err(e);
+        }
+        let session = session_of(&conn, peer)?;
+        let start = hand_over(conn, &capture, false, peer)?;
+        *stream = Stream::Tls(Box::new(conn::TlsConn::new(tcp, addrs, start)));
         Ok(session)
     }
+}
+
+/// The traffic secrets of one handshake, as rustls logs them.
+#[derive(Debug, Default)]
+struct Capture(std::sync::Mutex<[Option<Vec<u8>>; 2]>);
+
+const TRAFFIC_LABELS: [&str; 2] = ["CLIENT_TRAFFIC_SECRET_0", "SERVER_TRAFFIC_SECRET_0"];
+
+impl rustls::KeyLog for Capture {
+    fn log(&self, label: &str, _client_random: &[u8], secret: &[u8]) {
+        if let Some(i) = TRAFFIC_LABELS.iter().position(|l| *l == label) {
+            self.0.lock().unwrap_or_else(|p| p.into_inner())[i] = Some(secret.to_vec());
+        }
+    }
+
+    fn will_log(&self, label: &str) -> bool {
+        TRAFFIC_LABELS.contains(&label)
+    }
+}
+
+/// Drives rustls through the handshake on `tcp`, giving it one record at
+/// a time: when the handshake is done, rustls holds no byte of the
+/// records that follow (they are the record layer's).
+async fn drive(
+    conn: &mut rustls::Connection,
+    tcp: &mut tokio::net::TcpStream,
+) -> std::io::Result<()> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut out = Vec::new();
+    loop {
+        while conn.wants_write() {
+            out.clear();
+            conn.write_tls(&mut out)?;
+            tcp.write_all(&out).await?;
+        }
+        if !conn.is_handshaking() {
+            return Ok(());
+        }
+        let mut h = [0u8; 5];
+        tcp.read_exact(&mut h).await?;
+        // rustls judges the header first (type, version, length): bytes
+        // that are no TLS record get its alert at once, not a wait for a
+        // body that never comes.
+        feed(conn, tcp, &h, &mut out).await?;
+        let len = usize::from(u16::from_be_bytes([h[3], h[4]]));
+        // (rustls refuses longer records above; this bounds the buffer
+        // whatever it accepts.)
+        if len > (1 << 14) + 2048 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                rustls::Error::InvalidMessage(rustls::InvalidMessage::MessageTooLarge),
+            ));
+        }
+        let mut body = vec![0u8; len];
+        tcp.read_exact(&mut body).await?;
+        feed(conn, tcp, &body, &mut out).await?;
+    }
+}
+
+/// Gives `bytes` to rustls; on a TLS error its alert goes out (best
+/// effort) and the error is returned.
+async fn feed(
+    conn: &mut rustls::Connection,
+    tcp: &mut tokio::net::TcpStream,
+    bytes: &[u8],
+    out: &mut Vec<u8>,
+) -> std::io::Result<()> {
+    use tokio::io::AsyncWriteExt;
+    let mut s = bytes;
+    while !s.is_empty() {
+        conn.read_tls(&mut s)?;
+    }
+    if let Err(e) = conn.process_new_packets() {
+        out.clear();
+        if conn.write_tls(out).is_ok() {
+            let _ = tcp.write_all(out).await;
+        }
+        return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, e));
+    }
+    Ok(())
+}
+
+/// After a failed handshake on the target: the alert is written; the
+/// socket stays open (reading and dropping what the initiator still
+/// sends) for a short while, so that closing it does not reset the
+/// connection before the initiator has read the alert (a reset discards
+/// it, and the initiator would see a lost peer instead of a refusal).
+fn linger(mut tcp: tokio::net::TcpStream) {
+    let Ok(rt) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    rt.spawn(async move {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let _ = tcp.shutdown().await;
+        let mut scratch = [0u8; 4096];
+        let _ = tokio::time::timeout(Duration::from_secs(2), async {
+            while matches!(tcp.read(&mut scratch).await, Ok(n) if n > 0) {}
+        })
+        .await;
+    });
+}
+
+/// Takes the keys out of a connection whose handshake `drive` completed.
+fn hand_over(
+    mut conn: rustls::Connection,
+    capture: &Capture,
+    client: bool,
+    peer: &str,
+) -> Result<conn::Start> {
+    let protocol = |reason: String| Error::Protocol {
+        peer: peer.to_owned(),
+        reason,
+    };
+    // Plaintext rustls decrypted already (none is expected: it was given
+    // the handshake's records only) is delivered first.
+    let mut pending = Vec::new();
+    let mut chunk = [0u8; 4096];
+    loop {
+        match std::io::Read::read(&mut conn.reader(), &mut chunk) {
+            Ok(0) => break,
+            Ok(n) => pending.extend_from_slice(&chunk[..n]),
+            Err(_) => break,
+        }
+    }
+    let suite = conn
+        .negotiated_cipher_suite()
+        .and_then(|s| conn::Suite::of(s.suite()))
+        .ok_or_else(|| protocol("TLS suite without a record layer here".to_owned()))?;
+    let secrets = conn
+        .dangerous_extract_secrets()
+        .map_err(|e| protocol(format!("TLS keys: {e}")))?;
+    let [c, s] = std::mem::take(&mut *capture.0.lock().unwrap_or_else(|p| p.into_inner()));
+    let (Some(c), Some(s)) = (c, s) else {
+        return Err(protocol("TLS traffic secrets were not logged".to_owned()));
+    };
+    let (tx, rx) = if client { (c, s) } else { (s, c) };
+    let (tx, rx) = (conn::Keys::new(suite, tx), conn::Keys::new(suite, rx));
+    if !tx.matches(&secrets.tx.1) || !rx.matches(&secrets.rx.1) {
+        return Err(protocol("TLS key schedule mismatch".to_owned()));
+    }
+    Ok(conn::Start {
+        client,
+        tx: (tx, secrets.tx.0),
+        rx: (rx, secrets.rx.0),
+        pending,
+    })
 }
 
 /// Runs a TLS handshake within `timeout`, its failure named as [`tls_error`]
@@ -385,16 +558,6 @@ async fn handshake<T>(
         .await
         .map_err(|_| tls_timeout(peer, timeout))?
         .map_err(|e| tls_error(peer, who, e))
-}
-
-/// Puts the session and its socket in place of `stream`'s placeholder.
-fn adopt(
-    stream: &mut Stream,
-    tcp: tokio::net::TcpStream,
-    addrs: (SocketAddr, SocketAddr),
-    state: rustls::Connection,
-) {
-    *stream = Stream::Tls(Box::new(conn::TlsConn::new(tcp, addrs, state)));
 }
 
 fn tls_timeout(peer: &str, after: Duration) -> Error {
@@ -453,14 +616,31 @@ pub(crate) fn rustls_error(peer: &str, who: &str, r: &rustls::Error) -> Error {
 }
 
 /// The TLS error an I/O error of a TLS connection carries, if any (see
-/// [`conn`]).
+/// [`conn`]): a record-layer error, or a peer's alert (a refused
+/// certificate is [`Error::Authentication`]).
 pub(crate) fn io_error_tls(peer: &str, who: &str, e: &std::io::Error) -> Option<Error> {
-    e.get_ref()
-        .and_then(|i| i.downcast_ref::<rustls::Error>())
-        .map(|r| rustls_error(peer, who, r))
+    let inner = e.get_ref()?;
+    if let Some(r) = inner.downcast_ref::<rustls::Error>() {
+        return Some(rustls_error(peer, who, r));
+    }
+    let r = inner.downcast_ref::<ferry_tcp_proto::record::RecordError>()?;
+    use ferry_tcp_proto::record::RecordError;
+    Some(match r {
+        // The alerts of a certificate one side could not prove (RFC 8446
+        // §6.2: bad_certificate, unknown_ca, certificate_unknown,
+        // decrypt_error, certificate_required).
+        RecordError::Alert(42 | 46 | 48 | 51 | 116) => Error::Authentication {
+            peer: peer.to_owned(),
+            reason: format!("TLS: {r} ({who} could not be authenticated, or refused us)"),
+        },
+        r => Error::Protocol {
+            peer: peer.to_owned(),
+            reason: format!("TLS: {r}"),
+        },
+    })
 }
 
-fn session_of<D>(conn: &rustls::ConnectionCommon<D>, peer: &str) -> Result<Session> {
+fn session_of(conn: &rustls::Connection, peer: &str) -> Result<Session> {
     if conn.protocol_version() != Some(rustls::ProtocolVersion::TLSv1_3) {
         return Err(Error::Protocol {
             peer: peer.to_owned(),
