@@ -6,30 +6,25 @@
 //! can still be unregistered, and a second `shutdown` returns at once.
 #![cfg(feature = "tcp")]
 
-use std::sync::Arc;
+mod common;
+use common::{tcp_pair, Pair};
+
 use std::time::Duration;
 
-use ferry::{Engine, Error, RegisteredBuffer, TransferEngine, TransferRequest};
+use ferry::{Error, TransferEngine};
 
 const LEN: usize = 64 << 20;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_waits_for_calls_in_flight_and_refuses_new_ones() {
-    let a = Arc::new(
-        Engine::open("tcp://127.0.0.1:0?same_host=off")
-            .await
-            .unwrap(),
-    );
-    let b = Arc::new(
-        Engine::open("tcp://127.0.0.1:0?same_host=off")
-            .await
-            .unwrap(),
-    );
-    let src = RegisteredBuffer::new(a.clone(), LEN).await.unwrap();
-    let dst = RegisteredBuffer::new(b.clone(), LEN).await.unwrap();
-    src.memory().fill(0x5a);
-    let seg = a.open_segment(b.segment_name()).await.unwrap();
-    let whole = TransferRequest::write_span(src.span(), &dst.descriptor()).unwrap();
+    let Pair {
+        a,
+        b,
+        src,
+        dst,
+        seg,
+        whole,
+    } = tcp_pair(LEN, 0x5a).await;
 
     // A waiter on b's notifications ends with Canceled when b shuts down.
     let waiter = tokio::spawn({
@@ -95,21 +90,14 @@ async fn shutdown_waits_for_calls_in_flight_and_refuses_new_ones() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_runs_a_submitted_batch_to_its_end() {
-    let a = Arc::new(
-        Engine::open("tcp://127.0.0.1:0?same_host=off")
-            .await
-            .unwrap(),
-    );
-    let b = Arc::new(
-        Engine::open("tcp://127.0.0.1:0?same_host=off")
-            .await
-            .unwrap(),
-    );
-    let src = RegisteredBuffer::new(a.clone(), LEN).await.unwrap();
-    let dst = RegisteredBuffer::new(b.clone(), LEN).await.unwrap();
-    src.memory().fill(0xa5);
-    let seg = a.open_segment(b.segment_name()).await.unwrap();
-    let whole = TransferRequest::write_span(src.span(), &dst.descriptor()).unwrap();
+    let Pair {
+        a,
+        b: _b,
+        src,
+        dst,
+        seg,
+        whole,
+    } = tcp_pair(LEN, 0xa5).await;
     // Submitted and never waited for.
     let batch = a.submit(seg, &[whole], None).await.unwrap();
     tokio::time::timeout(Duration::from_secs(60), a.shutdown())

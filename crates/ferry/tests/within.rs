@@ -4,33 +4,25 @@
 //! that does not come is `None` and takes nothing.
 #![cfg(feature = "tcp")]
 
-use std::sync::Arc;
+mod common;
+use common::{tcp_pair, Pair};
+
 use std::time::{Duration, Instant};
 
-use ferry::{
-    Engine, Error, ErrorKind, Notification, RegisteredBuffer, Retry, TransferEngine,
-    TransferEngineExt, TransferRequest,
-};
+use ferry::{Error, ErrorKind, Notification, Retry, TransferEngine, TransferEngineExt};
 
 const LEN: usize = 64 << 20;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_call_past_its_deadline_times_out_and_leaves_nothing_behind() {
-    let a = Arc::new(
-        Engine::open("tcp://127.0.0.1:0?same_host=off")
-            .await
-            .unwrap(),
-    );
-    let b = Arc::new(
-        Engine::open("tcp://127.0.0.1:0?same_host=off")
-            .await
-            .unwrap(),
-    );
-    let src = RegisteredBuffer::new(a.clone(), LEN).await.unwrap();
-    let dst = RegisteredBuffer::new(b.clone(), LEN).await.unwrap();
-    src.memory().fill(0x3c);
-    let seg = a.open_segment(b.segment_name()).await.unwrap();
-    let whole = TransferRequest::write_span(src.span(), &dst.descriptor()).unwrap();
+    let Pair {
+        a,
+        b,
+        src,
+        dst,
+        seg,
+        whole,
+    } = tcp_pair(LEN, 0x3c).await;
 
     // 64 MiB over loopback cannot land within 1 ms.
     let within = Duration::from_millis(1);

@@ -288,12 +288,13 @@ impl TlsConn {
 
     /// Lowers the number of records sealed under one key before a
     /// `KeyUpdate` (tests: a short transfer crosses several).
-    #[doc(hidden)]
+    #[cfg(test)]
     pub fn set_key_update_after(&self, records: u64) {
         self.lock_tx().writer.limit = records.max(1);
     }
 
     /// Key updates (sent, received) so far.
+    #[cfg(test)]
     pub fn key_updates(&self) -> (u64, u64) {
         (self.lock_tx().updates, self.lock_rx().updates)
     }

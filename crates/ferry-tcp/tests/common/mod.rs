@@ -76,12 +76,16 @@ pub struct TlsFiles {
     pub ca: std::path::PathBuf,
 }
 
-/// Makes a fresh CA and leaf under a new directory named after `tag`.
+/// Makes a fresh CA and leaf under a new directory named after `tag`
+/// (in cargo's `CARGO_TARGET_TMPDIR`).
 pub fn make_tls_files(tag: &str) -> TlsFiles {
     use rcgen::{
         BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair,
     };
-    let dir = std::env::temp_dir().join(format!("ferry-tls-{tag}-{}", std::process::id()));
+    // Under the target directory (cargo's scratch space for integration
+    // tests), not /tmp: the files are not removed after the run.
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("ferry-tls-{tag}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
     let ca_key = KeyPair::generate().expect("CA key");
     let mut ca_params = CertificateParams::new(Vec::<String>::new()).expect("CA params");
