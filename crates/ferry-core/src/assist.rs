@@ -602,9 +602,19 @@ fn take_offers() -> Vec<Weak<Slot>> {
 /// For threads outside the runtime (Python threads, C callers). Called on
 /// a runtime worker it would block that worker like any blocking call:
 /// don't.
+///
+/// The first poll uses a waker that never wakes, and costs nothing else: a
+/// call whose future is done at once (a same-host copy the peer granted)
+/// returns without building this caller's signal. A future that is not
+/// done is polled again at once with the real waker (a future answers to
+/// the waker of its latest poll), so no wake-up is lost.
 pub fn block_on<F: Future>(rt: &tokio::runtime::Handle, fut: F) -> F::Output {
     let _enter = rt.enter();
     let _scope = OfferScope(OFFERED.with(|o| o.borrow_mut().replace(Vec::new())));
+    let mut fut = pin!(fut);
+    if let Poll::Ready(out) = fut.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
+        return out;
+    }
     let signal = Arc::new(Signal {
         woken: AtomicBool::new(false),
         active: AtomicBool::new(true),
@@ -613,7 +623,6 @@ pub fn block_on<F: Future>(rt: &tokio::runtime::Handle, fut: F) -> F::Output {
     let _returned = Returned(&signal);
     let me = Waker::from(Arc::clone(&signal));
     let mut cx = Context::from_waker(&me);
-    let mut fut = pin!(fut);
     // Tasks offered but busy elsewhere when we looked: tried again.
     let mut wanted: Vec<Weak<Slot>> = Vec::new();
     let mut held: Vec<Held> = Vec::new();
@@ -639,13 +648,20 @@ pub fn block_on<F: Future>(rt: &tokio::runtime::Handle, fut: F) -> F::Output {
         });
         (held.len() > before, on_pump)
     };
+    // The future's waker is still the one that never wakes: until it was
+    // polled with ours, the loop must not sleep.
+    let mut noop_waker = true;
     loop {
-        signal.woken.store(false, Ordering::Relaxed);
-        if let Poll::Ready(out) = fut.as_mut().poll(&mut cx) {
-            // Not a caller to choose for the tasks handed back from here
-            // on (`held` hands its tasks back as it drops).
-            signal.active.store(false, Ordering::Release);
-            return out;
+        // The first round: polled already (above), its offers are taken
+        // first, as after any poll.
+        if !noop_waker {
+            signal.woken.store(false, Ordering::Relaxed);
+            if let Poll::Ready(out) = fut.as_mut().poll(&mut cx) {
+                // Not a caller to choose for the tasks handed back from
+                // here on (`held` hands its tasks back as it drops).
+                signal.active.store(false, Ordering::Release);
+                return out;
+            }
         }
         for w in take_offers() {
             let known = wanted.iter().any(|x| x.ptr_eq(&w))
@@ -662,7 +678,10 @@ pub fn block_on<F: Future>(rt: &tokio::runtime::Handle, fut: F) -> F::Output {
             again |= h.poll();
         }
         held.retain(|h| h.fut.is_some());
-        if again {
+        // (Not `again || take(..)`: the flag must clear even when a held
+        // task asks for another round, or the future is never polled again.)
+        let first_round = std::mem::take(&mut noop_waker);
+        if again || first_round {
             continue;
         }
         // Nothing to poll at once: wait for a wake-up (ours, or a held
@@ -766,6 +785,50 @@ mod tests {
 
     /// Without an offer the caller only waits: the task runs on the
     /// runtime, and a wake-up from there ends the wait.
+    /// The first poll's waker never wakes (a call done at once skips the
+    /// caller's signal): a future that is not done must be polled again
+    /// with the real waker before the caller sleeps, or a wake-up sent to
+    /// the waker of its latest poll is lost and the caller sleeps for ever.
+    #[test]
+    fn a_wake_up_after_the_first_poll_reaches_the_caller() {
+        let rt = runtime();
+        let waker: Arc<Mutex<Option<Waker>>> = Arc::default();
+        let done = Arc::new(AtomicBool::new(false));
+        let polls = Arc::new(AtomicUsize::new(0));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let caller = std::thread::spawn({
+            let (waker, done, polls) = (waker.clone(), done.clone(), polls.clone());
+            let handle = rt.handle().clone();
+            move || {
+                block_on(
+                    &handle,
+                    std::future::poll_fn(|cx| {
+                        polls.fetch_add(1, Ordering::SeqCst);
+                        if done.load(Ordering::SeqCst) {
+                            return Poll::Ready(());
+                        }
+                        *lock(&waker) = Some(cx.waker().clone());
+                        Poll::Pending
+                    }),
+                );
+                tx.send(()).unwrap();
+            }
+        });
+        // Once the caller sleeps (its future polled at least twice: the
+        // quiet poll, then with its own waker), the wake-up comes from here.
+        let bound = Instant::now() + Duration::from_secs(10);
+        while polls.load(Ordering::SeqCst) < 2 && Instant::now() < bound {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+        done.store(true, Ordering::SeqCst);
+        let w = lock(&waker).take().expect("the future left a waker");
+        w.wake();
+        rx.recv_timeout(Duration::from_secs(10))
+            .expect("the caller was woken and returned");
+        caller.join().unwrap();
+    }
+
     #[test]
     fn without_an_offer_the_task_stays_on_the_runtime() {
         let rt = runtime();
