@@ -1006,6 +1006,15 @@ mod tests {
                 Poll::<()>::Pending
             }))
         };
+        // Rests only once the runtime polled it the first time: before
+        // that its slot looks parked, yet the runtime's first poll is
+        // still to come (on a loaded machine, after the test's own polls:
+        // the hand-back test saw it as a pump poll after the hand-back,
+        // 7 times in 30 runs beside two busy loops).
+        let bound = Instant::now() + Duration::from_secs(5);
+        while lock(&polls).is_empty() && Instant::now() < bound {
+            std::thread::sleep(Duration::from_micros(100));
+        }
         handle.wait_parked(Duration::from_secs(5));
         (polls, handle, join)
     }
