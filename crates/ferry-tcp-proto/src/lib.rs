@@ -19,6 +19,10 @@
 //!   request's answers, the deadline, the stale retry, the notification
 //!   after the data;
 //! - [`frame`]: the wire format, every frame's encoder and decoder;
+//! - [`handshake`]: the handshake of both sides as state machines
+//!   (hellos, extension blocks, the TLS decision, the proofs, the
+//!   welcome's table, rejections), the driver doing the reads, writes and
+//!   TLS;
 //! - [`negotiate`]: versions, features and the extension blocks of the
 //!   handshake, and the same-host token;
 //! - [`offer`]: the same-host offer and the target's refusal codes;
@@ -48,6 +52,7 @@
 pub mod batch;
 pub mod frame;
 pub mod grants;
+pub mod handshake;
 pub mod initiator;
 pub mod layout;
 pub mod negotiate;
