@@ -270,6 +270,8 @@ pub fn labels(exts: Option<(&[u8], &[u8])>, exporter: Option<&[u8; 32]>) -> (Vec
     match exts {
         None => (CLIENT_LABEL.to_vec(), SERVER_LABEL.to_vec()),
         Some((ei, et)) => {
+            // Mutant: the proofs no longer bound to the TLS session.
+            let exporter = exporter.filter(|_| !cfg!(ferry_mutant = "proof_unbound_from_tls"));
             let x: &[u8] = exporter.map_or(&[], |x| x.as_slice());
             let tail: Vec<u8> = [ei, et, x].concat();
             (
@@ -573,7 +575,8 @@ impl<'a> Initiator<'a> {
             let peer = self.s.peer.to_owned();
             return self.fail(Failure::Authentication { peer, reason });
         }
-        if negotiate::is_marked_legacy(&ns) {
+        // Mutant: the downgrade sentinel ignored.
+        if negotiate::is_marked_legacy(&ns) && !cfg!(ferry_mutant = "downgrade_unchecked") {
             return self.protocol(
                 "the target negotiates but did not see our negotiation flag: the handshake was \
                  altered on the way (downgrade refused)",

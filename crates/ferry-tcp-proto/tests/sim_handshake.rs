@@ -34,7 +34,11 @@
 //! `cargo test -p ferry-tcp-proto --test sim_handshake` runs
 //! [`DEFAULT_SEEDS`] seeds and prints what it ran; `FERRY_SIM_SEEDS=N`
 //! runs N; a failure prints its seed and `FERRY_SIM_SEED=<s>`, which
-//! replays it.
+//! replays it. Under a planted mutant (`RUSTFLAGS='--cfg
+//! ferry_mutant="…"'`: `downgrade_unchecked`, the sentinel ignored;
+//! `proof_unbound_from_tls`, the exporter left out of the proofs' labels)
+//! the test expects the simulator to find it and prints the first seed
+//! that did.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -1288,6 +1292,16 @@ fn run_seed(seed: u64) -> u64 {
     steps
 }
 
+fn mutant() -> Option<&'static str> {
+    if cfg!(ferry_mutant = "downgrade_unchecked") {
+        Some("downgrade_unchecked")
+    } else if cfg!(ferry_mutant = "proof_unbound_from_tls") {
+        Some("proof_unbound_from_tls")
+    } else {
+        None
+    }
+}
+
 #[test]
 fn handshake_cores_agree_or_fail_typed_under_faults() {
     if let Some(seed) = std::env::var("FERRY_SIM_SEED")
@@ -1304,6 +1318,35 @@ fn handshake_cores_agree_or_fail_typed_under_faults() {
         .unwrap_or(DEFAULT_SEEDS);
     let start = Instant::now();
     let mut steps = 0;
+    if let Some(m) = mutant() {
+        // A planted bug: the simulator must find it.
+        let quiet = std::panic::take_hook();
+        std::panic::set_hook(Box::new(|_| {}));
+        let mut found = None;
+        for seed in 0..seeds {
+            match std::panic::catch_unwind(|| run_seed(seed)) {
+                Ok(n) => steps += n,
+                Err(e) => {
+                    let msg = e
+                        .downcast_ref::<String>()
+                        .cloned()
+                        .unwrap_or_else(|| "a panic".into());
+                    found = Some((seed, msg));
+                    break;
+                }
+            }
+        }
+        std::panic::set_hook(quiet);
+        match found {
+            Some((seed, msg)) => eprintln!(
+                "sim handshake: mutant {m} found at seed {seed} (after {steps} steps of the \
+                 seeds before it, {:.2} s): {msg}",
+                start.elapsed().as_secs_f64()
+            ),
+            None => panic!("sim handshake: mutant {m} not found in {seeds} seeds"),
+        }
+        return;
+    }
     for seed in 0..seeds {
         match std::panic::catch_unwind(|| run_seed(seed)) {
             Ok(n) => steps += n,
