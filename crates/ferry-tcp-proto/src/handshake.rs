@@ -21,6 +21,7 @@ use std::time::Duration;
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
+use crate::foreign::{self, Foreign};
 use crate::frame::{
     decode_table, Hello, Status, TableEntry, FLAG_AUTH, FLAG_EXT, HELLO_FIXED, MAGIC,
     MAX_REJECT_MSG, MAX_TABLE_ENTRIES, NONCE_LEN, REJECT, TABLE_ENTRY_LEN, WELCOME,
@@ -167,11 +168,17 @@ pub enum Failure {
         /// Before the target's first byte.
         unanswered: bool,
     },
-    /// Initiator: the target's first bytes (shown) are not a hello.
-    NotFerry(Vec<u8>),
+    /// Initiator: the target's first bytes are not a hello (the reason
+    /// shows them and names the peer where [`foreign`] recognises it).
+    NotFerry(String),
     /// Target: the initiator's first [`HELLO_FIXED`] bytes are not a
-    /// hello; the driver recognises the peer and answers it where it can.
-    Foreign(Vec<u8>),
+    /// hello (a Mooncake handshake was answered in its framing).
+    Foreign {
+        /// What the bytes look like.
+        reason: String,
+        /// [`foreign::recognise`] knew them (the driver logs it louder).
+        recognised: bool,
+    },
     /// Initiator: the target rejected the connection (`status` as sent,
     /// `reason` printable).
     Rejected {
@@ -389,6 +396,12 @@ fn hello_name(mut hello: Hello, bytes: &[u8]) -> Result<Hello, String> {
     Ok(hello)
 }
 
+/// The initiator's failure for a target whose first bytes are `first`.
+fn not_ferry(first: &[u8]) -> Failure {
+    let what = foreign::describe(first).unwrap_or_else(|| "not a ferry-tcp target".to_owned());
+    Failure::NotFerry(format!("the peer answered with {first:02x?}: {what}"))
+}
+
 /// Where an initiator's handshake is (PROTOCOL.md §3.3).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum InitiatorState {
@@ -544,7 +557,8 @@ impl<'a> Initiator<'a> {
     fn on_hello(&mut self, bytes: &[u8]) -> Instr<ClientOutcome> {
         self.fixed[1..].copy_from_slice(bytes);
         if self.fixed[..4] != MAGIC {
-            return self.fail(Failure::NotFerry(self.fixed[..8].to_vec()));
+            let first = self.fixed;
+            return self.fail(not_ferry(&first[..8]));
         }
         match Hello::decode_fixed(&self.fixed) {
             Ok((hello, name_len)) => {
@@ -798,7 +812,7 @@ impl Handshake for Initiator<'_> {
                         self.fixed[0] = b;
                         self.read(S::ReadHello, HELLO_FIXED - 1, "hello")
                     }
-                    (S::AwaitFirst, b) => self.fail(Failure::NotFerry(vec![b])),
+                    (S::AwaitFirst, b) => self.fail(not_ferry(&[b])),
                     (_, WELCOME) => self.read(S::ReadProof, PROOF_LEN, "target proof"),
                     (_, other) => {
                         self.protocol(format!("unexpected handshake status byte {other}"))
@@ -1007,12 +1021,34 @@ impl<'a> Target<'a> {
         }
     }
 
+    /// Refuses a peer that is not Ferry: a Mooncake handshake is answered
+    /// in its framing (best effort) first.
+    fn foreign(&mut self, first: &[u8]) -> Instr<Verified> {
+        let what = foreign::recognise(first);
+        let reason = foreign::describe(first)
+            .unwrap_or_else(|| "not a ferry-tcp peer (bad magic)".to_owned());
+        let f = Failure::Foreign {
+            reason,
+            recognised: what.is_some(),
+        };
+        let Some(Foreign::Mooncake(t)) = what else {
+            return self.fail(f);
+        };
+        self.state = TargetState::Refusing;
+        self.failure = Some(f);
+        Instr::Write {
+            bytes: foreign::mooncake_refusal(t, foreign::MOONCAKE_REASON),
+            what: "answering a Mooncake handshake",
+            best_effort: true,
+        }
+    }
+
     fn on_hello(&mut self, fixed: &[u8]) -> Instr<Verified> {
         let Ok(fixed) = <[u8; HELLO_FIXED]>::try_from(fixed) else {
             return self.protocol("handshake driven out of order");
         };
         if fixed[..4] != MAGIC {
-            return self.fail(Failure::Foreign(fixed.to_vec()));
+            return self.foreign(&fixed);
         }
         match Hello::decode_fixed(&fixed) {
             Ok((hello, name_len)) => {
@@ -1300,5 +1336,77 @@ impl Handshake for Target<'_> {
             kind,
             unanswered: false,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings() -> Settings<'static> {
+        Settings {
+            name: "t",
+            peer: "10.0.0.1:5",
+            secret: None,
+            features: FeatureSet::default(),
+            host_key: None,
+            tls: None,
+            versions: VersionRange::OURS,
+        }
+    }
+
+    #[test]
+    fn a_mooncake_dialer_is_answered_in_its_framing() {
+        let hello = foreign::mooncake_refusal(Some(0), "{\"local_nic_path\":\"x\",\"peer\":1}");
+        let mut t = Target::new(settings(), [1; NONCE_LEN]);
+        assert!(matches!(
+            t.start(),
+            Instr::Read {
+                len: HELLO_FIXED,
+                ..
+            }
+        ));
+        let Instr::Write {
+            bytes, best_effort, ..
+        } = t.received(&hello[..HELLO_FIXED])
+        else {
+            panic!("no answer");
+        };
+        assert!(best_effort);
+        assert_eq!(foreign::recognise(&bytes), Some(Foreign::Mooncake(Some(0))));
+        assert_eq!(t.state(), TargetState::Refusing);
+        let Instr::Fail(Failure::Foreign { reason, recognised }) = t.written() else {
+            panic!("not refused");
+        };
+        assert!(recognised && reason.contains("Mooncake"), "{reason}");
+        // Garbage is refused without an answer.
+        let mut t = Target::new(settings(), [1; NONCE_LEN]);
+        t.start();
+        let r = t.received(&[0x55; HELLO_FIXED]);
+        assert!(
+            matches!(
+                r,
+                Instr::Fail(Failure::Foreign {
+                    recognised: false,
+                    ..
+                })
+            ),
+            "{r:?}"
+        );
+    }
+
+    #[test]
+    fn an_initiator_names_what_answered() {
+        let mut i = Initiator::new(settings(), LEGACY_VERSION, [2; NONCE_LEN]);
+        assert!(matches!(i.start(), Instr::Write { .. }));
+        assert!(matches!(i.written(), Instr::Read { len: 1, .. }));
+        let Instr::Fail(Failure::NotFerry(reason)) = i.received(b"H") else {
+            panic!("not refused");
+        };
+        assert_eq!(
+            reason,
+            "the peer answered with [48]: not a ferry-tcp target"
+        );
+        assert_eq!(i.state(), InitiatorState::Failed);
     }
 }

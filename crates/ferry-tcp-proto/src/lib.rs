@@ -18,6 +18,8 @@
 //! - [`batch`]: the initiator's batch: planning into frames, each
 //!   request's answers, the deadline, the stale retry, the notification
 //!   after the data;
+//! - [`foreign`]: peers that are not Ferry, recognised from their first
+//!   bytes, and the answer in Mooncake's framing;
 //! - [`frame`]: the wire format, every frame's encoder and decoder;
 //! - [`handshake`]: the handshake of both sides as state machines
 //!   (hellos, extension blocks, the TLS decision, the proofs, the
@@ -50,6 +52,7 @@
 #![forbid(unsafe_code)]
 
 pub mod batch;
+pub mod foreign;
 pub mod frame;
 pub mod grants;
 pub mod handshake;

@@ -289,7 +289,7 @@ fn failure_name(f: &Failure) -> &'static str {
     match f {
         Failure::Transport { .. } => "Transport",
         Failure::NotFerry(_) => "NotFerry",
-        Failure::Foreign(_) => "Foreign",
+        Failure::Foreign { .. } => "Foreign",
         Failure::Rejected { .. } => "Rejected",
         Failure::Protocol { .. } => "Protocol",
         Failure::Authentication { .. } => "Authentication",
@@ -350,7 +350,7 @@ fn protocol_md_names_every_state_of_the_handshake_cores() {
         Instr::Tls { client: true },
         Instr::BindCred,
         Instr::Done(()),
-        Instr::Fail(Failure::NotFerry(Vec::new())),
+        Instr::Fail(Failure::NotFerry(String::new())),
     ];
     let failures = [
         Failure::Transport {
@@ -358,8 +358,11 @@ fn protocol_md_names_every_state_of_the_handshake_cores() {
             kind: Transport::Closed,
             unanswered: false,
         },
-        Failure::NotFerry(Vec::new()),
-        Failure::Foreign(Vec::new()),
+        Failure::NotFerry(String::new()),
+        Failure::Foreign {
+            reason: String::new(),
+            recognised: false,
+        },
         Failure::Rejected {
             status: None,
             reason: String::new(),

@@ -1161,7 +1161,7 @@ fn count(o: &Out) {
             add(5);
             add(6);
         }
-        Out::Failed(Failure::NotFerry(_) | Failure::Foreign(_)) => add(7),
+        Out::Failed(Failure::NotFerry(_) | Failure::Foreign { .. }) => add(7),
         o => match kind_of(o) {
             "Protocol" => add(3),
             "Authentication" => add(4),

@@ -107,16 +107,6 @@ fn not_ferry_target(peer: &str, e: &Error) -> Error {
     }
 }
 
-/// The error for a target whose first bytes are not a ferry-tcp hello.
-fn not_ferry_bytes(peer: &str, first: &[u8]) -> Error {
-    let what =
-        crate::foreign::describe(first).unwrap_or_else(|| "not a ferry-tcp target".to_owned());
-    Error::Protocol {
-        peer: peer.to_owned(),
-        reason: format!("the peer answered with {:02x?}: {what}", first),
-    }
-}
-
 /// The error of an I/O failure `e` under the core's current step.
 fn transport_error<H: Handshake>(
     hs: &mut H,
@@ -145,14 +135,27 @@ fn transport_error<H: Handshake>(
 }
 
 /// The error of a failure the core decided.
-async fn failure_error(f: Failure, stream: &Stream, peer: &str, timeout: Duration) -> Error {
+fn failure_error(f: Failure, peer: &str) -> Error {
     match f {
         Failure::Transport { what, .. } => Error::PeerLost {
             peer: peer.to_owned(),
             reason: format!("during handshake ({what})"),
         },
-        Failure::NotFerry(first) => not_ferry_bytes(peer, &first),
-        Failure::Foreign(first) => crate::foreign::refuse(stream, peer, &first, timeout).await,
+        Failure::NotFerry(reason) => Error::Protocol {
+            peer: peer.to_owned(),
+            reason,
+        },
+        Failure::Foreign { reason, recognised } => {
+            if recognised {
+                tracing::warn!(%peer, "refused a connection: {reason}");
+            } else {
+                tracing::debug!(%peer, "refused a connection: {reason}");
+            }
+            Error::Protocol {
+                peer: peer.to_owned(),
+                reason,
+            }
+        }
         Failure::Rejected { status, reason } => rejected(peer, status, reason),
         Failure::Protocol { peer, reason } => Error::Protocol { peer, reason },
         Failure::Authentication { peer, reason } => Error::Authentication { peer, reason },
@@ -216,7 +219,7 @@ async fn drive<H: Handshake>(
                 }
             },
             Instr::Done(d) => return Ok(d),
-            Instr::Fail(f) => return Err(failure_error(f, stream, peer, timeout).await),
+            Instr::Fail(f) => return Err(failure_error(f, peer)),
         }
     }
 }
@@ -285,7 +288,7 @@ pub struct Verified {
 /// Target side, up to the verdict. Refuses (and sends a rejection) on a bad
 /// magic, version or proof, before touching memory. A peer that is not
 /// Ferry (recognised from its first bytes where possible, see
-/// [`crate::foreign`]) is answered in its own framing where that framing
+/// [`ferry_tcp_proto::foreign`]) is answered in its own framing where that framing
 /// can carry a refusal, and refused with an error that names it.
 ///
 /// With `tls` and an initiator that has TLS on, the TLS handshake runs
