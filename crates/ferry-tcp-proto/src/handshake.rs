@@ -26,10 +26,12 @@ use crate::frame::{
     decode_table, Hello, Status, TableEntry, FLAG_AUTH, FLAG_EXT, HELLO_FIXED, MAGIC,
     MAX_REJECT_MSG, MAX_TABLE_ENTRIES, NONCE_LEN, REJECT, TABLE_ENTRY_LEN, WELCOME,
 };
+use crate::frame::{Request, Response, HEADER_LEN};
 use crate::negotiate::{
     self, Agreement, CredInvite, Extensions, FeatureSet, HostKey, VersionRange, LEGACY_VERSION,
     MAX_EXT_LEN,
 };
+use crate::offer::Offer;
 
 /// Bytes of a proof (an HMAC-SHA256 tag).
 pub const PROOF_LEN: usize = 32;
@@ -1339,6 +1341,67 @@ impl Handshake for Target<'_> {
     }
 }
 
+/// The target's answer to an initiator's same-host offer (PROTOCOL.md §5),
+/// sent after the WELCOME.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum OfferAnswer {
+    /// The path is on (SAME_HOST_OK): the control channel and the staging
+    /// area taken, or the errno why not (0: not offered).
+    Taken {
+        /// The control channel.
+        channel: Result<(), u32>,
+        /// The staging area.
+        stage: Result<(), u32>,
+    },
+    /// Refused (ERR `SameHostRefused`): an [`crate::offer::Refusal`] code
+    /// and the errno it carries.
+    Refused {
+        /// The refusal's code.
+        code: u64,
+        /// Its errno (0: none).
+        errno: u64,
+    },
+}
+
+/// The bytes of an initiator's same-host offer: the SAME_HOST header
+/// naming the descriptors offered as control channel and staging area,
+/// then the offer.
+pub fn offer_bytes(channel: Option<u32>, stage: Option<u32>, offer: &Offer) -> Vec<u8> {
+    let mut out = Request::SameHost {
+        id: 0,
+        channel,
+        stage,
+    }
+    .encode()
+    .to_vec();
+    out.extend_from_slice(&offer.encode());
+    out
+}
+
+/// The target's answer to a same-host offer, from its one header; any
+/// other frame is a protocol error (the reason names it).
+pub fn offer_answer(header: &[u8; HEADER_LEN]) -> Result<OfferAnswer, String> {
+    match Response::decode(header) {
+        Ok(Response::SameHostOk {
+            id: 0,
+            channel,
+            stage,
+        }) => Ok(OfferAnswer::Taken { channel, stage }),
+        Ok(Response::Err {
+            id: 0,
+            status: Status::SameHostRefused,
+            addr,
+            len,
+        }) => Ok(OfferAnswer::Refused {
+            code: addr,
+            errno: len,
+        }),
+        other => Err(format!(
+            "unexpected answer to the same-host offer: {other:?}"
+        )),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1392,6 +1455,40 @@ mod tests {
                 })
             ),
             "{r:?}"
+        );
+    }
+
+    #[test]
+    fn the_offers_answer_is_read_from_one_header() {
+        let ok = Response::SameHostOk {
+            id: 0,
+            channel: Ok(()),
+            stage: Err(13),
+        }
+        .encode();
+        assert_eq!(
+            offer_answer(&ok),
+            Ok(OfferAnswer::Taken {
+                channel: Ok(()),
+                stage: Err(13)
+            })
+        );
+        let refused = Response::Err {
+            id: 0,
+            status: Status::SameHostRefused,
+            addr: 1,
+            len: 0,
+        }
+        .encode();
+        assert_eq!(
+            offer_answer(&refused),
+            Ok(OfferAnswer::Refused { code: 1, errno: 0 })
+        );
+        let other = Response::Ok { id: 0 }.encode();
+        let why = offer_answer(&other).unwrap_err();
+        assert!(
+            why.starts_with("unexpected answer to the same-host offer: Ok(Ok"),
+            "{why}"
         );
     }
 

@@ -388,13 +388,12 @@ pub async fn offer_same_host(
         Ok(p) => p,
         Err(reason) => return Ok(SameHostVerdict::Refused(reason)),
     };
-    let hdr = crate::frame::Request::SameHost {
-        id: 0,
-        channel: channel.and_then(|fd| u32::try_from(fd).ok()),
-        stage: stage.and_then(|fd| u32::try_from(fd).ok()),
-    }
-    .encode();
-    write_all(stream, &[&hdr, &offer.encode()], timeout)
+    let bytes = core::offer_bytes(
+        channel.and_then(|fd| u32::try_from(fd).ok()),
+        stage.and_then(|fd| u32::try_from(fd).ok()),
+        &offer,
+    );
+    write_all(stream, &[&bytes], timeout)
         .await
         .map_err(|e| io_err(peer, "same-host offer", timeout, e))?;
     let mut resp = [0u8; crate::frame::HEADER_LEN];
@@ -406,39 +405,23 @@ pub async fn offer_same_host(
     drop(probe);
     let target = proof.as_ref().map(crate::same_host::cma::attested_target);
     drop(proof);
-    match crate::frame::Response::decode(&resp) {
-        Ok(crate::frame::Response::SameHostOk {
-            id: 0,
-            channel,
-            stage,
-        }) => Ok(SameHostVerdict::Cma {
-            channel: channel.map_err(|errno| match errno {
-                0 => "no channel offered".to_owned(),
-                e => format!(
-                    "pidfd_getfd: {}",
-                    crate::same_host::cma::errno_name(e as i32)
-                ),
-            }),
-            stage: stage.map_err(|errno| match errno {
-                0 => "no staging area offered".to_owned(),
-                e => format!(
-                    "staging area: {}",
-                    crate::same_host::cma::errno_name(e as i32)
-                ),
-            }),
+    let errno_name = crate::same_host::cma::errno_name;
+    let why = |errno: u32, none: &str, what: &str| match errno {
+        0 => none.to_owned(),
+        e => format!("{what}: {}", errno_name(e as i32)),
+    };
+    match core::offer_answer(&resp) {
+        Ok(core::OfferAnswer::Taken { channel, stage }) => Ok(SameHostVerdict::Cma {
+            channel: channel.map_err(|e| why(e, "no channel offered", "pidfd_getfd")),
+            stage: stage.map_err(|e| why(e, "no staging area offered", "staging area")),
             target,
         }),
-        Ok(crate::frame::Response::Err {
-            id: 0,
-            status: Status::SameHostRefused,
-            addr,
-            len,
-        }) => Ok(SameHostVerdict::Refused(
-            crate::same_host::cma::Refusal::describe(addr, len, crate::same_host::cma::errno_name),
+        Ok(core::OfferAnswer::Refused { code, errno }) => Ok(SameHostVerdict::Refused(
+            crate::same_host::cma::Refusal::describe(code, errno, errno_name),
         )),
-        other => Err(Error::Protocol {
+        Err(reason) => Err(Error::Protocol {
             peer: peer.to_owned(),
-            reason: format!("unexpected answer to the same-host offer: {other:?}"),
+            reason,
         }),
     }
 }
