@@ -18,7 +18,13 @@
 //! - [`batch`]: the initiator's batch: planning into frames, each
 //!   request's answers, the deadline, the stale retry, the notification
 //!   after the data;
+//! - [`foreign`]: peers that are not Ferry, recognised from their first
+//!   bytes, and the answer in Mooncake's framing;
 //! - [`frame`]: the wire format, every frame's encoder and decoder;
+//! - [`handshake`]: the handshake of both sides as state machines
+//!   (hellos, extension blocks, the TLS decision, the proofs, the
+//!   welcome's table, rejections), the driver doing the reads, writes and
+//!   TLS;
 //! - [`negotiate`]: versions, features and the extension blocks of the
 //!   handshake, and the same-host token;
 //! - [`offer`]: the same-host offer and the target's refusal codes;
@@ -46,8 +52,10 @@
 #![forbid(unsafe_code)]
 
 pub mod batch;
+pub mod foreign;
 pub mod frame;
 pub mod grants;
+pub mod handshake;
 pub mod initiator;
 pub mod layout;
 pub mod negotiate;

@@ -552,6 +552,113 @@ pub struct FeatureState {
     pub off: Option<FeatureOff>,
 }
 
+/// The per-feature states of an initiator's connection, filled in as the
+/// same-host negotiation goes (its [`PeerReport::features`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FeatureReport {
+    /// Every optional feature, on or off and why.
+    pub states: Vec<FeatureState>,
+}
+
+impl FeatureReport {
+    /// Every feature off for the reason the handshake gives (on if both
+    /// have it on, until the same-host answer says otherwise).
+    pub fn new(agreed: &Agreement) -> FeatureReport {
+        FeatureReport {
+            states: FEATURES
+                .iter()
+                .map(|f| FeatureState {
+                    name: f.name,
+                    off: agreed.why_off(*f),
+                })
+                .collect(),
+        }
+    }
+
+    /// Sets `f` on (`None`) or off.
+    pub fn set(&mut self, f: Feature, off: Option<FeatureOff>) {
+        if let Some(s) = self.states.iter_mut().find(|s| s.name == f.name) {
+            s.off = off;
+        }
+    }
+
+    /// The same-host path is not used, for `why`: every feature that the
+    /// handshake left on depends on it.
+    pub fn off_all(&mut self, why: FeatureOff) {
+        for s in &mut self.states {
+            if s.off.is_none() {
+                s.off = Some(if s.name == SAME_HOST.name {
+                    why.clone()
+                } else {
+                    FeatureOff::Needs(SAME_HOST.name)
+                });
+            } else if s.name == SAME_HOST.name {
+                s.off = Some(why.clone());
+            }
+        }
+    }
+
+    /// The target took the same-host path; the control channel is off
+    /// for `channel` (`None`: on), the staging area for `stage` (see
+    /// [`offered`]); granted copies and the acknowledgement lane need the
+    /// area.
+    pub fn same_host_on(
+        &mut self,
+        agreed: &Agreement,
+        channel: Option<FeatureOff>,
+        stage: Option<FeatureOff>,
+    ) {
+        self.set(SAME_HOST, None);
+        self.set(CONTROL_CHANNEL, channel);
+        self.set(STAGING, stage.clone());
+        if stage.is_some() {
+            self.set(
+                GRANTS,
+                agreed
+                    .why_off(GRANTS)
+                    .or(Some(FeatureOff::Needs(STAGING.name))),
+            );
+        }
+        self.set(
+            ACK_LANE,
+            match stage {
+                None => None,
+                Some(FeatureOff::Refused(_)) => Some(FeatureOff::Needs(STAGING.name)),
+                Some(_) => agreed
+                    .why_off(ACK_LANE)
+                    .or(Some(FeatureOff::Needs(STAGING.name))),
+            },
+        );
+    }
+}
+
+/// What became of a part of the same-host offer (the control channel,
+/// the staging area): off for the reason the handshake gave (`agreed`),
+/// not made here (`made`: why not), refused by the target (`answer`), or
+/// on (`None`).
+pub fn offered(
+    agreed: &Option<FeatureOff>,
+    made: Result<(), &String>,
+    answer: Result<(), &String>,
+) -> Option<FeatureOff> {
+    match (agreed, made, answer) {
+        (Some(why), _, _) => Some(why.clone()),
+        (None, Err(e), _) | (None, Ok(()), Err(e)) => Some(FeatureOff::Refused(e.clone())),
+        (None, Ok(()), Ok(())) => None,
+    }
+}
+
+/// Whether an initiator offers the same-host path: both sides have it on
+/// and the peer is on this host (`local`: both sent the same host token,
+/// or, for a peer that does not negotiate, its address is local).
+pub fn same_host_plan(agreed: &Agreement, local: bool) -> Result<(), FeatureOff> {
+    match agreed.why_off(SAME_HOST) {
+        Some(why) => Err(why),
+        None if !local => Err(FeatureOff::NotSameHost),
+        None => Ok(()),
+    }
+}
+
 /// What an initiator negotiated with one peer on its latest connection
 /// (ferry-tcp's `TcpEngine::peer_report`).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -754,6 +861,62 @@ mod tests {
         assert_ne!(t, host_token(&HostKey::new(b"b-1", 8), &ni, &nt));
         assert_ne!(t, host_token(&HostKey::new(b"b-2", 7), &ni, &nt));
         assert_ne!(t, host_token(&key, &nt, &ni));
+    }
+
+    #[test]
+    fn the_report_follows_the_same_host_answer() {
+        // A version-5 peer: everything agreed but grants and credentials.
+        let a = Agreement {
+            peer_versions: VersionRange { min: 5, max: 5 },
+            peer_negotiates: false,
+            version: 5,
+            ours: our_features(
+                FeatureSettings {
+                    same_host_on: true,
+                    tls_on: false,
+                    unix: true,
+                    stage: true,
+                    grant: true,
+                },
+                true,
+            ),
+            theirs: FeatureSet::implied_by(5),
+            same_host_token: None,
+            tls: None,
+            cred: None,
+        };
+        assert_eq!(same_host_plan(&a, false), Err(FeatureOff::NotSameHost));
+        assert_eq!(same_host_plan(&a, true), Ok(()));
+        let state = |r: &FeatureReport, f: Feature| {
+            r.states
+                .iter()
+                .find(|s| s.name == f.name)
+                .and_then(|s| s.off.clone())
+        };
+        let refused = "EPERM".to_owned();
+        // The channel taken, the area refused by the target.
+        let mut r = FeatureReport::new(&a);
+        let channel = offered(&None, Ok(()), Ok(()));
+        let stage = offered(&None, Ok(()), Err(&refused));
+        assert_eq!(stage, Some(FeatureOff::Refused(refused.clone())));
+        r.same_host_on(&a, channel, stage);
+        assert_eq!(state(&r, SAME_HOST), None);
+        assert_eq!(state(&r, CONTROL_CHANNEL), None);
+        assert_eq!(state(&r, STAGING), Some(FeatureOff::Refused(refused)));
+        assert_eq!(state(&r, ACK_LANE), Some(FeatureOff::Needs(STAGING.name)));
+        assert_eq!(state(&r, GRANTS), Some(FeatureOff::PeerLacks));
+        // The path refused: what the handshake left on needs it.
+        let mut r = FeatureReport::new(&a);
+        r.off_all(FeatureOff::Refused("no".into()));
+        assert_eq!(state(&r, SAME_HOST), Some(FeatureOff::Refused("no".into())));
+        assert_eq!(
+            state(&r, CONTROL_CHANNEL),
+            Some(FeatureOff::Needs(SAME_HOST.name))
+        );
+        assert_eq!(state(&r, GRANTS), Some(FeatureOff::PeerLacks));
+        // Not agreed: the handshake's reason wins over what was made.
+        let why = Some(FeatureOff::DisabledHere("same_host_stage=off"));
+        assert_eq!(offered(&why, Err(&"x".to_owned()), Ok(())), why);
     }
 
     #[test]

@@ -2,12 +2,15 @@
 //! has them (issue 42, item 7): every variant of the target's `Step`,
 //! `UnregisterStep`, `Unfinished` and `Delivered` appears in its section
 //! 3.1, every variant of the initiator's `Frame`, `Then`, `OpState`,
-//! `Reply`, `Expect` and `Recv` in its section 3.2. The matches below are exhaustive, so a new variant does not
+//! `Reply`, `Expect` and `Recv` in its section 3.2, every variant of the
+//! handshake's `InitiatorState`, `TargetState`, `Instr` and `Failure` in
+//! its section 3.3. The matches below are exhaustive, so a new variant does not
 //! compile here until it is named in the list, and the list is checked
 //! against the text.
 
 use ferry_tcp_proto::batch::{Frame, Part, Then};
 use ferry_tcp_proto::grants::{Unfinished, UnregisterStep};
+use ferry_tcp_proto::handshake::{Failure, InitiatorState, Instr, TargetState, Transport};
 use ferry_tcp_proto::initiator::{Expect, OpState, Recv, Reply};
 use ferry_tcp_proto::target::{Delivered, Step};
 
@@ -226,6 +229,179 @@ fn protocol_md_names_every_state_of_the_target_core() {
             section.contains(&format!("`{name}`"))
                 || section.contains(&format!("`Unfinished::{name}`")),
             "PROTOCOL.md section 3.1 does not name `{name}`"
+        );
+    }
+}
+
+fn initiator_state_name(s: InitiatorState) -> &'static str {
+    use InitiatorState as S;
+    match s {
+        S::SendHello => "SendHello",
+        S::AwaitFirst => "AwaitFirst",
+        S::ReadHello => "ReadHello",
+        S::ReadName => "ReadName",
+        S::ReadExtLen => "ReadExtLen",
+        S::ReadExt => "ReadExt",
+        S::SendExt => "SendExt",
+        S::Tls => "Tls",
+        S::SendProof => "SendProof",
+        S::AwaitWelcome => "AwaitWelcome",
+        S::ReadProof => "ReadProof",
+        S::ReadTableHead => "ReadTableHead",
+        S::ReadTable => "ReadTable",
+        S::ReadReject => "ReadReject",
+        S::ReadRejectMsg => "ReadRejectMsg",
+        S::Refusing => "Refusing",
+        S::Done => "Done",
+        S::Failed => "Failed",
+    }
+}
+
+fn target_state_name(s: TargetState) -> &'static str {
+    use TargetState as S;
+    match s {
+        S::ReadHello => "ReadHello",
+        S::ReadName => "ReadName",
+        S::BindCred => "BindCred",
+        S::SendHello => "SendHello",
+        S::ReadExtLen => "ReadExtLen",
+        S::ReadExt => "ReadExt",
+        S::Tls => "Tls",
+        S::ReadProof => "ReadProof",
+        S::Refusing => "Refusing",
+        S::Done => "Done",
+        S::Failed => "Failed",
+    }
+}
+
+fn instr_name(i: &Instr<()>) -> &'static str {
+    match i {
+        Instr::Write { .. } => "Write",
+        Instr::Read { .. } => "Read",
+        Instr::Tls { .. } => "Tls",
+        Instr::BindCred => "BindCred",
+        Instr::Done(_) => "Done",
+        Instr::Fail(_) => "Fail",
+    }
+}
+
+fn failure_name(f: &Failure) -> &'static str {
+    match f {
+        Failure::Transport { .. } => "Transport",
+        Failure::NotFerry(_) => "NotFerry",
+        Failure::Foreign { .. } => "Foreign",
+        Failure::Rejected { .. } => "Rejected",
+        Failure::Protocol { .. } => "Protocol",
+        Failure::Authentication { .. } => "Authentication",
+    }
+}
+
+#[test]
+fn protocol_md_names_every_state_of_the_handshake_cores() {
+    let Some(section) = section("## 3.3 The handshake as the code has it") else {
+        return;
+    };
+    use InitiatorState as I;
+    use TargetState as T;
+    let initiator = [
+        I::SendHello,
+        I::AwaitFirst,
+        I::ReadHello,
+        I::ReadName,
+        I::ReadExtLen,
+        I::ReadExt,
+        I::SendExt,
+        I::Tls,
+        I::SendProof,
+        I::AwaitWelcome,
+        I::ReadProof,
+        I::ReadTableHead,
+        I::ReadTable,
+        I::ReadReject,
+        I::ReadRejectMsg,
+        I::Refusing,
+        I::Done,
+        I::Failed,
+    ];
+    let target = [
+        T::ReadHello,
+        T::ReadName,
+        T::BindCred,
+        T::SendHello,
+        T::ReadExtLen,
+        T::ReadExt,
+        T::Tls,
+        T::ReadProof,
+        T::Refusing,
+        T::Done,
+        T::Failed,
+    ];
+    let instrs: [Instr<()>; 6] = [
+        Instr::Write {
+            bytes: Vec::new(),
+            what: "",
+            best_effort: false,
+        },
+        Instr::Read {
+            len: 0,
+            what: "",
+            best_effort: false,
+        },
+        Instr::Tls { client: true },
+        Instr::BindCred,
+        Instr::Done(()),
+        Instr::Fail(Failure::NotFerry(String::new())),
+    ];
+    let failures = [
+        Failure::Transport {
+            what: "",
+            kind: Transport::Closed,
+            unanswered: false,
+        },
+        Failure::NotFerry(String::new()),
+        Failure::Foreign {
+            reason: String::new(),
+            recognised: false,
+        },
+        Failure::Rejected {
+            status: None,
+            reason: String::new(),
+        },
+        Failure::Protocol {
+            peer: String::new(),
+            reason: String::new(),
+        },
+        Failure::Authentication {
+            peer: String::new(),
+            reason: String::new(),
+        },
+    ];
+    let names = initiator
+        .into_iter()
+        .map(initiator_state_name)
+        .chain(target.into_iter().map(target_state_name))
+        .chain(instrs.iter().map(instr_name))
+        .chain(failures.iter().map(failure_name));
+    for name in names {
+        assert!(
+            section.contains(&format!("`{name}`")),
+            "PROTOCOL.md section 3.3 does not name `{name}`"
+        );
+    }
+    // The state tables name each state in a row of their own side.
+    let (ini, tgt) = section.split_at(section.find("Target (`TargetState`)").expect("tables"));
+    for s in initiator {
+        let n = initiator_state_name(s);
+        assert!(
+            ini.contains(&format!("| `{n}`")) || ini.contains(&format!(", `{n}`")),
+            "initiator table lacks `{n}`"
+        );
+    }
+    for s in target {
+        let n = target_state_name(s);
+        assert!(
+            tgt.contains(&format!("| `{n}`")) || tgt.contains(&format!(", `{n}`")),
+            "target table lacks `{n}`"
         );
     }
 }

@@ -67,7 +67,6 @@
 mod client;
 mod config;
 mod engine;
-mod foreign;
 mod handshake;
 mod io;
 mod quiet;

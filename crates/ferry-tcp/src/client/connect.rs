@@ -16,7 +16,7 @@ use super::reader::reader_task;
 use crate::config::SameHost;
 use crate::handshake;
 use crate::io::Pace;
-use crate::negotiate::{self, Agreement, Feature, FeatureOff, FeatureState, PeerReport};
+use crate::negotiate::{self, Agreement, FeatureOff, FeatureReport, PeerReport};
 use crate::stream::Stream;
 
 /// The error for a peer that cannot be reached.
@@ -125,14 +125,9 @@ impl Peer {
         let local = agreed
             .same_host_token
             .unwrap_or_else(|| peer_may_be_local(&stream));
-        let plan = match agreed.why_off(negotiate::SAME_HOST) {
-            Some(why) => Err(why),
-            None if !local => Err(FeatureOff::NotSameHost),
-            None => Ok(()),
-        };
+        let plan = negotiate::same_host_plan(&agreed, local);
         let mut report = FeatureReport::new(&agreed);
-        let mut staged = None;
-        let (stream, cma) = match plan {
+        let (stream, cma, staged) = match plan {
             Err(why) => {
                 let text = match &why {
                     FeatureOff::DisabledHere(s) => s.to_string(),
@@ -147,158 +142,9 @@ impl Peer {
                     });
                 }
                 report.off_all(why);
-                (stream, false)
+                (stream, false, None)
             }
-            Ok(()) => {
-                let mode = cfg.same_host;
-                let channel_agreed = agreed.why_off(negotiate::CONTROL_CHANNEL);
-                let stage_agreed = agreed
-                    .why_off(negotiate::STAGING)
-                    .or_else(|| agreed.why_off(negotiate::ACK_LANE));
-                // Grants ride on the area (a page after its rings).
-                let grants_agreed = agreed.why_off(negotiate::GRANTS);
-                let with_grants = stage_agreed.is_none() && grants_agreed.is_none();
-                // The control channel offered to the target: a Unix socket
-                // pair whose other end it takes over (see `cma`). Without
-                // one the connection stays on TCP.
-                let pair = match &channel_agreed {
-                    None => std::os::unix::net::UnixStream::pair()
-                        .map_err(|e| format!("socketpair: {e}")),
-                    Some(FeatureOff::DisabledHere(s)) => Err(s.to_string()),
-                    Some(why) => Err(why.to_string()),
-                };
-                let offered = pair.as_ref().ok().map(|(_, theirs)| theirs.as_raw_fd());
-                // The staging area offered with it (see `stage`).
-                let area = match (&stage_agreed, cfg.same_host_stage) {
-                    (None, Some(min)) => {
-                        crate::same_host::stage::Area::create(with_grants).map(|a| (a, min))
-                    }
-                    (Some(FeatureOff::DisabledHere(s)), _) => Err(s.to_string()),
-                    (Some(why), _) => Err(why.to_string()),
-                    (None, None) => Err("same_host_stage=off".to_owned()),
-                };
-                let verdict = handshake::offer_same_host(
-                    &stream,
-                    &self.name,
-                    offered,
-                    area.as_ref().ok().map(|(a, _)| a.raw_fd()),
-                    agreed.cred.as_ref(),
-                    cfg.connect_timeout,
-                )
-                .await?;
-                // The target holds its own copy of its end now (or never
-                // will): ours of it goes.
-                let ours = pair.map(|(ours, _theirs)| ours);
-                match verdict {
-                    handshake::SameHostVerdict::Cma {
-                        channel,
-                        stage,
-                        target,
-                    } => {
-                        report.set(negotiate::SAME_HOST, None);
-                        report.set(
-                            negotiate::CONTROL_CHANNEL,
-                            match (&channel_agreed, &ours, &channel) {
-                                (Some(why), _, _) => Some(why.clone()),
-                                (None, Err(e), _) => Some(FeatureOff::Refused(e.clone())),
-                                (None, Ok(_), Err(e)) => Some(FeatureOff::Refused(e.clone())),
-                                (None, Ok(_), Ok(())) => None,
-                            },
-                        );
-                        // Not offered: why not; not taken: the target's reason.
-                        let unix = ours.and_then(|u| channel.map(|()| u));
-                        let mut notes = Vec::new();
-                        let stream = match unix.and_then(|u| {
-                            u.set_nonblocking(true)
-                                .and_then(|()| tokio::net::UnixStream::from_std(u))
-                                .map_err(|e| format!("the channel: {e}"))
-                        }) {
-                            // The target closes the TCP connection.
-                            Ok(u) => Stream::Unix(u),
-                            Err(why) => {
-                                tracing::debug!(peer = %self.name, %why, "same-host control on TCP");
-                                notes.push(format!("control on the tcp socket: {why}"));
-                                stream
-                            }
-                        };
-                        let stage_off = match (&stage_agreed, &area, &stage) {
-                            (Some(why), _, _) => Some(why.clone()),
-                            (None, Err(e), _) => Some(FeatureOff::Refused(e.clone())),
-                            (None, Ok(_), Err(e)) => Some(FeatureOff::Refused(e.clone())),
-                            (None, Ok(_), Ok(())) => None,
-                        };
-                        report.set(negotiate::STAGING, stage_off.clone());
-                        if stage_off.is_some() {
-                            report.set(
-                                negotiate::GRANTS,
-                                agreed
-                                    .why_off(negotiate::GRANTS)
-                                    .or(Some(FeatureOff::Needs(negotiate::STAGING.name))),
-                            );
-                        }
-                        report.set(
-                            negotiate::ACK_LANE,
-                            match stage_off {
-                                None => None,
-                                Some(FeatureOff::Refused(_)) => {
-                                    Some(FeatureOff::Needs(negotiate::STAGING.name))
-                                }
-                                Some(_) => agreed
-                                    .why_off(negotiate::ACK_LANE)
-                                    .or(Some(FeatureOff::Needs(negotiate::STAGING.name))),
-                            },
-                        );
-                        staged = match (area, stage) {
-                            (Ok((area, min)), Ok(())) => {
-                                let area = Arc::new(area);
-                                let grants = match &grants_agreed {
-                                    Some(why) => Err(why.clone()),
-                                    None => crate::same_host::grant::ClientGrants::open(
-                                        Arc::clone(&area),
-                                        target,
-                                    )
-                                    .map_err(FeatureOff::Refused),
-                                };
-                                if let Err(why) = &grants {
-                                    tracing::debug!(peer = %self.name, %why, "no granted copies");
-                                }
-                                report.set(negotiate::GRANTS, grants.as_ref().err().cloned());
-                                Some(ClientStage::new(
-                                    area,
-                                    grants.ok().map(Arc::new),
-                                    min,
-                                    cfg.stall_timeout.min(cfg.request_timeout),
-                                ))
-                            }
-                            (Err(why), _) | (Ok(_), Err(why)) => {
-                                if cfg.same_host_stage.is_some() {
-                                    tracing::debug!(peer = %self.name, %why, "no staging area");
-                                    notes.push(format!("no staging: {why}"));
-                                }
-                                None
-                            }
-                        };
-                        *lock(&self.path) = Some(if notes.is_empty() {
-                            "cma".to_owned()
-                        } else {
-                            format!("cma ({})", notes.join("; "))
-                        });
-                        (stream, true)
-                    }
-                    handshake::SameHostVerdict::Refused(reason) => {
-                        tracing::debug!(peer = %self.name, %reason, "same-host path not used");
-                        *lock(&self.path) = Some(format!("tcp ({reason})"));
-                        if mode == SameHost::Cma {
-                            return Err(Error::SegmentUnavailable {
-                                name: self.name.clone(),
-                                reason: format!("same_host=cma, but the path is refused: {reason}"),
-                            });
-                        }
-                        report.off_all(FeatureOff::Refused(reason));
-                        (stream, false)
-                    }
-                }
-            }
+            Ok(()) => self.offer_path(stream, &agreed, &mut report).await?,
         };
         let path = match (cma, staged.as_ref().map(|s| s.grants.is_some())) {
             (false, _) => "socket",
@@ -367,47 +213,140 @@ impl Peer {
             .abort_handle();
         Ok(Conn { shared, reader })
     }
-}
 
-/// The per-feature states of a connection's report, filled in as the
-/// same-host negotiation goes.
-struct FeatureReport {
-    states: Vec<FeatureState>,
-}
-
-impl FeatureReport {
-    /// Every feature off for the reason the handshake gives (on if both
-    /// have it on, until the same-host answer says otherwise).
-    fn new(agreed: &Agreement) -> FeatureReport {
-        FeatureReport {
-            states: negotiate::FEATURES
-                .iter()
-                .map(|f| FeatureState {
-                    name: f.name,
-                    off: agreed.why_off(*f),
-                })
-                .collect(),
-        }
-    }
-
-    fn set(&mut self, f: Feature, off: Option<FeatureOff>) {
-        if let Some(s) = self.states.iter_mut().find(|s| s.name == f.name) {
-            s.off = off;
-        }
-    }
-
-    /// The same-host path is not used, for `why`: every feature that the
-    /// handshake left on depends on it.
-    fn off_all(&mut self, why: FeatureOff) {
-        for s in &mut self.states {
-            if s.off.is_none() {
-                s.off = Some(if s.name == negotiate::SAME_HOST.name {
-                    why.clone()
+    /// Offers the same-host path on a connection that may take it (see
+    /// `handshake::offer_same_host`): the control channel and staging
+    /// area the agreement allows; returns the stream to use, whether the
+    /// path is on, and the staging area with its grants; `report` says
+    /// what became of each feature.
+    async fn offer_path(
+        &self,
+        stream: Stream,
+        agreed: &Agreement,
+        report: &mut FeatureReport,
+    ) -> Result<(Stream, bool, Option<ClientStage>)> {
+        let cfg = &self.core.config;
+        let mode = cfg.same_host;
+        let channel_agreed = agreed.why_off(negotiate::CONTROL_CHANNEL);
+        let stage_agreed = agreed
+            .why_off(negotiate::STAGING)
+            .or_else(|| agreed.why_off(negotiate::ACK_LANE));
+        // Grants ride on the area (a page after its rings).
+        let grants_agreed = agreed.why_off(negotiate::GRANTS);
+        let with_grants = stage_agreed.is_none() && grants_agreed.is_none();
+        // The control channel offered to the target: a Unix socket
+        // pair whose other end it takes over (see `cma`). Without
+        // one the connection stays on TCP.
+        let pair = match &channel_agreed {
+            None => std::os::unix::net::UnixStream::pair().map_err(|e| format!("socketpair: {e}")),
+            Some(FeatureOff::DisabledHere(s)) => Err(s.to_string()),
+            Some(why) => Err(why.to_string()),
+        };
+        let offered = pair.as_ref().ok().map(|(_, theirs)| theirs.as_raw_fd());
+        // The staging area offered with it (see `stage`).
+        let area = match (&stage_agreed, cfg.same_host_stage) {
+            (None, Some(min)) => {
+                crate::same_host::stage::Area::create(with_grants).map(|a| (a, min))
+            }
+            (Some(FeatureOff::DisabledHere(s)), _) => Err(s.to_string()),
+            (Some(why), _) => Err(why.to_string()),
+            (None, None) => Err("same_host_stage=off".to_owned()),
+        };
+        let verdict = handshake::offer_same_host(
+            &stream,
+            &self.name,
+            offered,
+            area.as_ref().ok().map(|(a, _)| a.raw_fd()),
+            agreed.cred.as_ref(),
+            cfg.connect_timeout,
+        )
+        .await?;
+        // The target holds its own copy of its end now (or never
+        // will): ours of it goes.
+        let ours = pair.map(|(ours, _theirs)| ours);
+        match verdict {
+            handshake::SameHostVerdict::Cma {
+                channel,
+                stage,
+                target,
+            } => {
+                // Not offered: why not; not taken: the target's reason.
+                report.same_host_on(
+                    agreed,
+                    negotiate::offered(
+                        &channel_agreed,
+                        ours.as_ref().map(|_| ()),
+                        channel.as_ref().copied(),
+                    ),
+                    negotiate::offered(
+                        &stage_agreed,
+                        area.as_ref().map(|_| ()),
+                        stage.as_ref().copied(),
+                    ),
+                );
+                let unix = ours.and_then(|u| channel.map(|()| u));
+                let mut notes = Vec::new();
+                let stream = match unix.and_then(|u| {
+                    u.set_nonblocking(true)
+                        .and_then(|()| tokio::net::UnixStream::from_std(u))
+                        .map_err(|e| format!("the channel: {e}"))
+                }) {
+                    // The target closes the TCP connection.
+                    Ok(u) => Stream::Unix(u),
+                    Err(why) => {
+                        tracing::debug!(peer = %self.name, %why, "same-host control on TCP");
+                        notes.push(format!("control on the tcp socket: {why}"));
+                        stream
+                    }
+                };
+                let staged = match (area, stage) {
+                    (Ok((area, min)), Ok(())) => {
+                        let area = Arc::new(area);
+                        let grants = match &grants_agreed {
+                            Some(why) => Err(why.clone()),
+                            None => crate::same_host::grant::ClientGrants::open(
+                                Arc::clone(&area),
+                                target,
+                            )
+                            .map_err(FeatureOff::Refused),
+                        };
+                        if let Err(why) = &grants {
+                            tracing::debug!(peer = %self.name, %why, "no granted copies");
+                        }
+                        report.set(negotiate::GRANTS, grants.as_ref().err().cloned());
+                        Some(ClientStage::new(
+                            area,
+                            grants.ok().map(Arc::new),
+                            min,
+                            cfg.stall_timeout.min(cfg.request_timeout),
+                        ))
+                    }
+                    (Err(why), _) | (Ok(_), Err(why)) => {
+                        if cfg.same_host_stage.is_some() {
+                            tracing::debug!(peer = %self.name, %why, "no staging area");
+                            notes.push(format!("no staging: {why}"));
+                        }
+                        None
+                    }
+                };
+                *lock(&self.path) = Some(if notes.is_empty() {
+                    "cma".to_owned()
                 } else {
-                    FeatureOff::Needs(negotiate::SAME_HOST.name)
+                    format!("cma ({})", notes.join("; "))
                 });
-            } else if s.name == negotiate::SAME_HOST.name {
-                s.off = Some(why.clone());
+                Ok((stream, true, staged))
+            }
+            handshake::SameHostVerdict::Refused(reason) => {
+                tracing::debug!(peer = %self.name, %reason, "same-host path not used");
+                *lock(&self.path) = Some(format!("tcp ({reason})"));
+                if mode == SameHost::Cma {
+                    return Err(Error::SegmentUnavailable {
+                        name: self.name.clone(),
+                        reason: format!("same_host=cma, but the path is refused: {reason}"),
+                    });
+                }
+                report.off_all(FeatureOff::Refused(reason));
+                Ok((stream, false, None))
             }
         }
     }

@@ -68,33 +68,9 @@ impl TlsMode {
     }
 }
 
-/// How a side names itself in TLS (the value of the TLS extension).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Identity {
-    /// An Ed25519 key derived from the shared secret.
-    Secret = 1,
-    /// Certificate files and a CA.
-    Certificates = 2,
-}
-
-impl Identity {
-    /// From the extension's byte.
-    pub fn from_u8(v: u8) -> Option<Identity> {
-        match v {
-            1 => Some(Identity::Secret),
-            2 => Some(Identity::Certificates),
-            _ => None,
-        }
-    }
-
-    /// For reports.
-    pub fn describe(self) -> &'static str {
-        match self {
-            Identity::Secret => "identity derived from the shared secret",
-            Identity::Certificates => "certificates",
-        }
-    }
-}
+/// How a side names itself in TLS (the value of the TLS extension): the
+/// core's, where the handshake decides with it.
+pub use ferry_tcp_proto::handshake::TlsIdentity as Identity;
 
 /// An engine's TLS configurations, built once at start.
 pub struct TlsContext {

@@ -16,13 +16,14 @@
 //! when it cannot use the segment descriptor a metadata request returned:
 //! `Unsupported segment descriptor, name … protocol ferry-tcp: …`). A Ferry initiator that reaches a Mooncake listener sends
 //! its hello, which the listener reads as an over-long length and closes on
-//! without answering: see [`crate::handshake`]'s error for that case.
+//! without answering: see [`crate::handshake`]'s `NotFerry` for that case.
+//!
+//! Pure: the handshake core ([`crate::handshake::Target`]) recognises the
+//! peer and writes the answer; the driver logs it.
 
-use std::time::Duration;
-
-use ferry_core::Error;
-
-use crate::stream::Stream;
+/// The reason a Mooncake dialer is told.
+pub const MOONCAKE_REASON: &str =
+    "ferry-tcp: this port is a Ferry target, not a Mooncake Transfer Engine";
 
 /// Mooncake's largest handshake message (`readString`'s `kMaxLength`).
 const MOONCAKE_MAX_LEN: u64 = 1 << 20;
@@ -112,33 +113,6 @@ pub fn mooncake_refusal(t: Option<u8>, reason: &str) -> Vec<u8> {
     }
     out.extend_from_slice(json.as_bytes());
     out
-}
-
-/// Target side: `first` (a hello's worth of bytes) is not a ferry-tcp
-/// hello. Logs what it is, answers a Mooncake handshake in its framing
-/// (best effort), and returns the error for the connection.
-pub async fn refuse(stream: &Stream, peer: &str, first: &[u8], timeout: Duration) -> Error {
-    let what = recognise(first);
-    let text = describe(first).unwrap_or_else(|| "not a ferry-tcp peer (bad magic)".to_owned());
-    match &what {
-        Some(Foreign::Mooncake(t)) => {
-            tracing::warn!(%peer, "refused a connection: {text}");
-            let reason = "ferry-tcp: this port is a Ferry target, not a Mooncake Transfer Engine";
-            let bytes = mooncake_refusal(*t, reason);
-            let _ = crate::io::write_all_slices(
-                stream,
-                &[&bytes],
-                crate::io::Pace::stall_only(timeout),
-            )
-            .await;
-        }
-        Some(_) => tracing::warn!(%peer, "refused a connection: {text}"),
-        None => tracing::debug!(%peer, "refused a connection: {text}"),
-    }
-    Error::Protocol {
-        peer: peer.to_owned(),
-        reason: text,
-    }
 }
 
 #[cfg(test)]
