@@ -43,7 +43,6 @@
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
-use std::time::Instant;
 
 mod common;
 
@@ -1304,69 +1303,19 @@ fn mutant() -> Option<&'static str> {
 
 #[test]
 fn handshake_cores_agree_or_fail_typed_under_faults() {
-    if let Some(seed) = std::env::var("FERRY_SIM_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-    {
-        let steps = run_seed(seed);
-        eprintln!("sim handshake: seed {seed} passed, {steps} steps");
-        return;
-    }
-    let seeds: u64 = std::env::var("FERRY_SIM_SEEDS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(DEFAULT_SEEDS);
-    let start = Instant::now();
-    let mut steps = 0;
-    if let Some(m) = mutant() {
-        // A planted bug: the simulator must find it.
-        let quiet = std::panic::take_hook();
-        std::panic::set_hook(Box::new(|_| {}));
-        let mut found = None;
-        for seed in 0..seeds {
-            match std::panic::catch_unwind(|| run_seed(seed)) {
-                Ok(n) => steps += n,
-                Err(e) => {
-                    let msg = e
-                        .downcast_ref::<String>()
-                        .cloned()
-                        .unwrap_or_else(|| "a panic".into());
-                    found = Some((seed, msg));
-                    break;
-                }
-            }
-        }
-        std::panic::set_hook(quiet);
-        match found {
-            Some((seed, msg)) => eprintln!(
-                "sim handshake: mutant {m} found at seed {seed} (after {steps} steps of the \
-                 seeds before it, {:.2} s): {msg}",
-                start.elapsed().as_secs_f64()
-            ),
-            None => panic!("sim handshake: mutant {m} not found in {seeds} seeds"),
-        }
-        return;
-    }
-    for seed in 0..seeds {
-        match std::panic::catch_unwind(|| run_seed(seed)) {
-            Ok(n) => steps += n,
-            Err(e) => {
-                eprintln!(
-                    "sim handshake: seed {seed} failed; replay with \
-                     FERRY_SIM_SEED={seed} cargo test -p ferry-tcp-proto --test sim_handshake"
-                );
-                std::panic::resume_unwind(e);
-            }
-        }
-    }
-    eprintln!(
-        "sim handshake: {seeds} seeds, {steps} steps in {:.1} s",
-        start.elapsed().as_secs_f64()
+    let steps = common::run_seeds(
+        "handshake",
+        "sim_handshake",
+        DEFAULT_SEEDS,
+        mutant(),
+        run_seed,
     );
-    let stats: Vec<String> = STAT_NAMES
-        .iter()
-        .zip(&STATS)
-        .map(|(n, v)| format!("{n} {}", v.load(Ordering::Relaxed)))
-        .collect();
-    eprintln!("sim handshake (sides): {}", stats.join(", "));
+    if steps > 0 {
+        let stats: Vec<String> = STAT_NAMES
+            .iter()
+            .zip(&STATS)
+            .map(|(n, v)| format!("{n} {}", v.load(Ordering::Relaxed)))
+            .collect();
+        eprintln!("sim handshake (sides): {}", stats.join(", "));
+    }
 }

@@ -53,7 +53,7 @@
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 mod common;
 
@@ -1834,80 +1834,13 @@ fn mutant() -> Option<&'static str> {
 
 #[test]
 fn initiator_and_target_cores_keep_memory_deadlines_and_notifications() {
-    if let Some(seed) = std::env::var("FERRY_SIM_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-    {
-        let steps = run_seed(seed);
-        eprintln!("sim pair: seed {seed} passed, {steps} steps");
-        return;
+    let steps = common::run_seeds("pair", "sim_pair", DEFAULT_SEEDS, mutant(), run_seed);
+    if steps > 0 {
+        let stats: Vec<String> = STAT_NAMES
+            .iter()
+            .zip(&STATS)
+            .map(|(n, v)| format!("{n} {}", v.load(Ordering::Relaxed)))
+            .collect();
+        eprintln!("sim pair: {}", stats.join(", "));
     }
-    let seeds: u64 = std::env::var("FERRY_SIM_SEEDS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(DEFAULT_SEEDS);
-    let start = Instant::now();
-    let mut steps = 0;
-    if let Some(m) = mutant() {
-        // A planted bug: the simulator must find it.
-        let quiet = std::panic::take_hook();
-        std::panic::set_hook(Box::new(|_| {}));
-        // FERRY_SIM_MUTANT_ALL=1: every seed, to count those that find it.
-        let all = std::env::var_os("FERRY_SIM_MUTANT_ALL").is_some();
-        let mut found = None;
-        let mut finders = 0u64;
-        for seed in 0..seeds {
-            match std::panic::catch_unwind(|| run_seed(seed)) {
-                Ok(n) => steps += n,
-                Err(e) => {
-                    finders += 1;
-                    if found.is_none() {
-                        let msg = e
-                            .downcast_ref::<String>()
-                            .cloned()
-                            .unwrap_or_else(|| "a panic".into());
-                        found = Some((seed, msg, steps, start.elapsed()));
-                    }
-                    if !all {
-                        break;
-                    }
-                }
-            }
-        }
-        if all {
-            eprintln!("sim pair: mutant {m} found by {finders} of {seeds} seeds");
-        }
-        std::panic::set_hook(quiet);
-        match found {
-            Some((seed, msg, before, t)) => eprintln!(
-                "sim pair: mutant {m} found at seed {seed} (after {before} steps of the seeds \
-                 before it, {:.1} s): {msg}",
-                t.as_secs_f64()
-            ),
-            None => panic!("sim pair: mutant {m} not found in {seeds} seeds"),
-        }
-        return;
-    }
-    for seed in 0..seeds {
-        match std::panic::catch_unwind(|| run_seed(seed)) {
-            Ok(n) => steps += n,
-            Err(e) => {
-                eprintln!(
-                    "sim pair: seed {seed} failed; replay with \
-                     FERRY_SIM_SEED={seed} cargo test -p ferry-tcp-proto --test sim_pair"
-                );
-                std::panic::resume_unwind(e);
-            }
-        }
-    }
-    eprintln!(
-        "sim pair: {seeds} seeds, {steps} steps in {:.1} s",
-        start.elapsed().as_secs_f64()
-    );
-    let stats: Vec<String> = STAT_NAMES
-        .iter()
-        .zip(&STATS)
-        .map(|(n, v)| format!("{n} {}", v.load(Ordering::Relaxed)))
-        .collect();
-    eprintln!("sim pair: {}", stats.join(", "));
 }

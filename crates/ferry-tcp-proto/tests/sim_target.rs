@@ -24,7 +24,7 @@
 //! runs N; a failure prints its seed and `FERRY_SIM_SEED=<s>` replays it.
 
 use std::collections::BTreeMap;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 mod common;
 
@@ -745,35 +745,5 @@ fn churn_step(churn: &mut Rng, w: &mut World) -> bool {
 
 #[test]
 fn target_cores_keep_memory_and_answers_exact_under_any_schedule() {
-    if let Some(seed) = std::env::var("FERRY_SIM_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-    {
-        let steps = run_seed(seed);
-        eprintln!("sim target: seed {seed} passed, {steps} steps");
-        return;
-    }
-    let seeds: u64 = std::env::var("FERRY_SIM_SEEDS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(DEFAULT_SEEDS);
-    let start = Instant::now();
-    let mut steps = 0;
-    for seed in 0..seeds {
-        let r = std::panic::catch_unwind(|| run_seed(seed));
-        match r {
-            Ok(n) => steps += n,
-            Err(e) => {
-                eprintln!(
-                    "sim target: seed {seed} failed; replay with \
-                     FERRY_SIM_SEED={seed} cargo test -p ferry-tcp-proto --test sim_target"
-                );
-                std::panic::resume_unwind(e);
-            }
-        }
-    }
-    eprintln!(
-        "sim target: {seeds} seeds, {steps} steps in {:.1} s",
-        start.elapsed().as_secs_f64()
-    );
+    common::run_seeds("target", "sim_target", DEFAULT_SEEDS, None, run_seed);
 }
