@@ -109,7 +109,8 @@ def etcd():
         unavailable(
             "etcd",
             "this wheel was built without the `etcd` feature (tests/pytest.rs adds it "
-            "only where protoc is found: apt-get install protobuf-compiler)",
+            "only where protoc compiles protobuf's well-known types: apt-get install "
+            "protobuf-compiler libprotobuf-dev)",
         )
     if binary is None:
         unavailable("etcd", "etcd is not installed (apt-get install etcd-server)")

@@ -4,11 +4,11 @@
 //! 1. a virtual environment under the target directory
 //!    (`<target>/tmp/ferry-py/venv`), made with `python3 -m venv`, with
 //!    maturin, pytest and numpy installed from the package registry (once);
-//! 2. `maturin build` of the abi3 wheel (with the `etcd` feature where
-//!    `protoc` is found) and `pip install` of that wheel (so
-//!    the wheel itself is what is tested; where `FERRY_PY_WHEEL` names a
-//!    wheel built beforehand, that one: `.ci/run` passes its
-//!    `manylinux_2_28` wheel), plus `cargo build -p ferry-cli`
+//! 2. `maturin build` of the abi3 wheel (with the `etcd` feature where a
+//!    `protoc` that compiles protobuf's well-known types is found) and
+//!    `pip install` of that wheel (so the wheel itself is what is tested;
+//!    where `FERRY_PY_WHEEL` names a wheel built beforehand, that one:
+//!    `.ci/run` passes its `manylinux_2_28` wheel), plus `cargo build -p ferry-cli`
 //!    for `ferry serve`, the Rust peer of the interop test. Both use their own
 //!    target directory (`<target>/tmp/ferry-py/target`): the outer `cargo
 //!    test` holds the lock of the main one;
@@ -492,16 +492,16 @@ fn build(python: &str, work: &Path, given: Option<PathBuf>) -> PathBuf {
     .expect("PATH");
     let _ = std::fs::remove_dir_all(&dist);
     // The `etcd` feature (ferry.mooncake in etcd mode) where its build can
-    // run: etcd-client's build script runs `protoc`. Without it the wheel
-    // lacks etcd and pytests/test_etcd.py skips (fails when
-    // FERRY_REQUIRE_BACKENDS lists etcd), so the README's test command
-    // needs no protoc.
-    let features: &[&str] = match protoc_found(&path) {
-        true => &["--features", "etcd"],
-        false => {
+    // run: etcd-client's build script runs `protoc` on protos that import
+    // protobuf's well-known types. Without them the wheel lacks etcd and
+    // pytests/test_etcd.py skips (fails when FERRY_REQUIRE_BACKENDS lists
+    // etcd), so the README's test command needs no protoc.
+    let features: &[&str] = match protoc_builds_etcd(&path) {
+        Ok(()) => &["--features", "etcd"],
+        Err(why) => {
             eprintln!(
-                "ferry-py pytest: protoc not found: building the wheel without the `etcd` \
-                 feature (apt-get install protobuf-compiler)"
+                "ferry-py pytest: {why}: building the wheel without the `etcd` feature \
+                 (apt-get install protobuf-compiler libprotobuf-dev)"
             );
             &[]
         }
@@ -536,13 +536,47 @@ fn build(python: &str, work: &Path, given: Option<PathBuf>) -> PathBuf {
     wheels[0].clone()
 }
 
-/// Whether etcd-client's build script will find `protoc`: `$PROTOC`, or
-/// `protoc` on `path`.
-fn protoc_found(path: &std::ffi::OsStr) -> bool {
-    if let Some(p) = std::env::var_os("PROTOC") {
-        return Path::new(&p).is_file();
+/// Whether etcd-client's build script can run: a `protoc` (`$PROTOC`, or
+/// on `path`) that compiles a file importing protobuf's well-known types,
+/// as etcd's protos do. Debian's `protobuf-compiler` ships those in
+/// `libprotobuf-dev`, only recommended: a `protoc` without them failed the
+/// wheel's build here (`google/protobuf/descriptor.proto: File not found`).
+fn protoc_builds_etcd(path: &std::ffi::OsStr) -> Result<(), String> {
+    let protoc = match std::env::var_os("PROTOC") {
+        Some(p) => PathBuf::from(p),
+        None => std::env::split_paths(path)
+            .map(|d| d.join("protoc"))
+            .find(|p| p.is_file())
+            .ok_or("protoc not found")?,
+    };
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("protoc-probe");
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    std::fs::write(
+        dir.join("probe.proto"),
+        "syntax = \"proto3\";\nimport \"google/protobuf/descriptor.proto\";\n",
+    )
+    .map_err(|e| format!("the probe file: {e}"))?;
+    let mut cmd = Command::new(&protoc);
+    cmd.arg("-I").arg(&dir);
+    if let Some(inc) = std::env::var_os("PROTOC_INCLUDE") {
+        cmd.arg("-I").arg(inc);
     }
-    std::env::split_paths(path).any(|d| d.join("protoc").is_file())
+    let out = cmd
+        .arg("--descriptor_set_out")
+        .arg(dir.join("probe.bin"))
+        .arg(dir.join("probe.proto"))
+        .output()
+        .map_err(|e| format!("{}: {e}", protoc.display()))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "{} cannot compile protobuf's well-known types ({}; apt-get install \
+             libprotobuf-dev)",
+            protoc.display(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
 }
 
 fn check_abi3(wheel: &Path) {
