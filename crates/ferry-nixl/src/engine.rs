@@ -733,7 +733,17 @@ async fn serve_peer(inner: std::sync::Weak<Inner>, stream: TcpStream) {
             // sees `ended` (see `revoke_and_deregister`).
             let mut rev = lock(&self.pending);
             if let Some(engine) = self.inner.upgrade() {
-                lock(&engine.peers).remove(&self.id);
+                // The peer leaves the table, and the regions advertised to
+                // it go into `doubt`, under one hold of `peers`, as a
+                // revocation unadvertises a region and lists the peers
+                // (`revoke_and_deregister`): either that list has this
+                // peer (and the revocation meets `ended` below), or the
+                // region is in `doubt` before the revocation looks there
+                // last. Taken apart, a revocation could fall between them
+                // and miss both: an `unregister` after a reset answered
+                // Ok (tests/control_loss.rs, 2 runs in 40).
+                let mut peers = lock(&engine.peers);
+                peers.remove(&self.id);
                 if let Some(why) = &self.abnormal {
                     let mut addrs: Vec<u64> = lock(&engine.advertised).keys().copied().collect();
                     addrs.extend(rev.waiting.values().map(|(a, _)| *a));
@@ -744,6 +754,7 @@ async fn serve_peer(inner: std::sync::Weak<Inner>, stream: TcpStream) {
                             .or_insert_with(|| lost_peer_reason(&self.who, why));
                     }
                 }
+                drop(peers);
             }
             rev.ended = Some(self.abnormal.clone());
             rev.waiting.clear();
@@ -1171,13 +1182,19 @@ impl Inner {
         }
         let waits = {
             let mut order = self.order.lock().await;
-            lock(&self.advertised).remove(&region.addr());
             *order += 1;
             let seq = *order;
-            let peers: Vec<(String, Writer, Revocations)> = lock(&self.peers)
-                .values()
-                .map(|p| (p.who.clone(), Arc::clone(&p.writer), Arc::clone(&p.pending)))
-                .collect();
+            // Unadvertised and the peers listed under one hold of `peers`
+            // (see `Gone` in `serve_peer`): a peer whose connection ends
+            // meanwhile is in this list, or put this region in `doubt`.
+            let peers: Vec<(String, Writer, Revocations)> = {
+                let peers = lock(&self.peers);
+                lock(&self.advertised).remove(&region.addr());
+                peers
+                    .values()
+                    .map(|p| (p.who.clone(), Arc::clone(&p.writer), Arc::clone(&p.pending)))
+                    .collect()
+            };
             let mut waits = Vec::new();
             for (who, w, pending) in peers {
                 let (tx, rx) = oneshot::channel();
