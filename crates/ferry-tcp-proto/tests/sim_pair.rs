@@ -61,7 +61,7 @@ use common::Rng;
 use ferry_tcp_proto::batch::{self, Flow, Frame, Req, Requests, Then};
 use ferry_tcp_proto::frame::{
     decode_ids, decode_table, encode_segments, encode_table, table_lookup, Request, Response,
-    Segment, Status, TableEntry, HEADER_LEN, MAX_ACKS, MAX_NOTIFY_MESSAGE, SEGMENT_LEN,
+    Segment, Status, TableEntry, HEADER_LEN, SEGMENT_LEN,
 };
 use ferry_tcp_proto::initiator::{
     self, check_datav, failed_segments, Answered, Expect, Pending, Recv, Reply, Slicing,
@@ -109,14 +109,7 @@ fn pace_of(n: u64) -> Duration {
 /// Steps before a seed gives up (a stuck schedule fails invariant (c)
 /// long before).
 const MAX_STEPS: u64 = 40_000;
-/// The target core's memory bound (as in `sim_target`).
-const HELD_BOUND: usize = MAX_ACKS as usize * 8 * 2
-    + 16 * 1024
-    + 2 * (HEADER_LEN + 512 * 4)
-    + 256
-    + MAX_NOTIFY_MESSAGE as usize
-    + 512 * SEGMENT_LEN
-    + 512 * 4 * 2;
+use common::HELD_BOUND;
 
 /// What the seeds went through (printed with the figures): that the
 /// schedules reach the paths the invariants are about.

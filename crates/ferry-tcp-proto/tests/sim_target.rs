@@ -31,7 +31,7 @@ mod common;
 use common::Rng;
 use ferry_tcp_proto::frame::{
     decode_ids, encode_segments, encode_table, Request, Response, Segment, Status, TableEntry,
-    CMA_SEGMENT_LEN, HEADER_LEN, MAX_ACKS, MAX_NOTIFY_MESSAGE, SEGMENT_LEN,
+    CMA_SEGMENT_LEN, HEADER_LEN, SEGMENT_LEN,
 };
 use ferry_tcp_proto::recv::{Progress, RecvCursor};
 use ferry_tcp_proto::target::{Delivered, Part, Regions, Step, TargetConn};
@@ -40,16 +40,7 @@ use ferry_tcp_proto::time::{Pace, Time};
 const DEFAULT_SEEDS: u64 = 10_000;
 const BASE: u64 = 0x7f00_0000_0000;
 const SPACE: usize = 64 * 1024;
-/// The core's memory bound: the answers between flushes (ids, frames up
-/// to the flush threshold plus one frame with 512 indices) and one buffer
-/// (a notification or a segment table).
-const HELD_BOUND: usize = MAX_ACKS as usize * 8 * 2
-    + 16 * 1024
-    + 2 * (HEADER_LEN + 512 * 4)
-    + 256
-    + MAX_NOTIFY_MESSAGE as usize
-    + 512 * SEGMENT_LEN
-    + 512 * 4 * 2;
+use common::HELD_BOUND;
 
 /// The world's region table: base → (len, generation).
 #[derive(Default)]

@@ -118,3 +118,19 @@ pub fn run_seeds(
     );
     steps
 }
+
+/// The target core's memory bound (invariant (e) of `sim_target` and
+/// `sim_pair`): the answers between flushes (ids, frames up to the flush
+/// threshold plus one frame with 512 indices) and one buffer (a
+/// notification or a segment table).
+#[allow(dead_code)] // sim_grants and sim_handshake do not check it
+pub const HELD_BOUND: usize = {
+    use ferry_tcp_proto::frame::{HEADER_LEN, MAX_ACKS, MAX_NOTIFY_MESSAGE, SEGMENT_LEN};
+    MAX_ACKS as usize * 8 * 2
+        + 16 * 1024
+        + 2 * (HEADER_LEN + 512 * 4)
+        + 256
+        + MAX_NOTIFY_MESSAGE as usize
+        + 512 * SEGMENT_LEN
+        + 512 * 4 * 2
+};
