@@ -517,3 +517,60 @@ impl TransferEngine for dyn DynTransferEngine {
         self.shutdown_dyn()
     }
 }
+
+/// For an engine made of several engines (`ferry::multi`, one inner engine
+/// per transport): registers `region` in each of `engines`, in order, the
+/// same bounds in every one, and stops at the first that fails. Returns
+/// how many engines registered it (a prefix of `engines`) and the result.
+/// The caller unregisters it from that prefix to undo a failure.
+///
+/// The region is copied for each engine inside this call and nowhere else:
+/// no copy outlives it except as a registration. So the promise of
+/// [`MemoryRegion::from_raw_parts`] (the memory stays valid until the
+/// `unregister` of every engine it was registered with returns) covers
+/// each of them, and the composed engine keeps it by returning from its
+/// own `unregister` only once every inner one has.
+pub async fn register_in_each(
+    engines: &[std::sync::Arc<dyn DynTransferEngine>],
+    region: MemoryRegion,
+) -> (usize, Result<()>) {
+    for (i, engine) in engines.iter().enumerate() {
+        let copy = copy_region(&region);
+        if let Err(e) = engine.register_dyn(copy).await {
+            return (i, Err(e));
+        }
+    }
+    (engines.len(), Ok(()))
+}
+
+/// [`register_in_each`] for a batch: `batch_register` of `regions` in each
+/// engine, in order, stopping at the first that fails (each engine's own
+/// call is all or nothing). Returns how many engines registered them all.
+pub async fn batch_register_in_each(
+    engines: &[std::sync::Arc<dyn DynTransferEngine>],
+    regions: Vec<MemoryRegion>,
+) -> (usize, Result<()>) {
+    for (i, engine) in engines.iter().enumerate() {
+        let copies = regions.iter().map(copy_region).collect();
+        if let Err(e) = engine.batch_register_dyn(copies).await {
+            return (i, Err(e));
+        }
+    }
+    (engines.len(), Ok(()))
+}
+
+/// A second registration of the memory `region` describes, handed to one
+/// engine at once by the two functions above.
+fn copy_region(region: &MemoryRegion) -> MemoryRegion {
+    // SAFETY: the caller of `from_raw_parts` for `region` promised that the
+    // memory stays valid until the unregister of every engine it is
+    // registered with returns; this copy goes straight into one engine's
+    // registration (see `register_in_each`), so that promise covers it.
+    unsafe {
+        MemoryRegion::from_raw_parts(
+            region.addr() as usize as *mut u8,
+            region.len() as usize,
+            region.location().clone(),
+        )
+    }
+}

@@ -102,6 +102,9 @@ pub(crate) fn schemes() -> Vec<Scheme> {
     ));
     #[cfg(feature = "inproc")]
     schemes.push(Scheme::new("inproc", inproc));
+    schemes.push(Scheme::new(crate::multi::SCHEME, |url, _| {
+        crate::multi::from_url(url)
+    }));
     schemes
 }
 

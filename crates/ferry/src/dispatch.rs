@@ -100,6 +100,40 @@ impl Engine {
         Registry::global().open_parsed(url, options).await
     }
 
+    /// A [`crate::multi::MultiEngine`] over one engine per URL, best first
+    /// (`&["verbs://rxe0", "tcp://0.0.0.0:7000"]`), in the default stack:
+    /// the Rust form of `multi://?transports=…` (see [`crate::multi`]).
+    /// Each URL is opened through [`Registry::global`]; Ferry's own
+    /// parameters in them (`strict`, `require`…) apply to that inner
+    /// engine only.
+    ///
+    /// Errors: [`ferry_core::Error::InvalidArgument`] for an empty list or
+    /// a `multi://` URL in it; every error of [`Engine::open`] for each URL
+    /// (the engines opened before are shut down again).
+    pub async fn open_multi(urls: &[&str]) -> Result<Engine> {
+        let urls: Vec<String> = urls.iter().map(|u| (*u).to_owned()).collect();
+        let context = SchemeContext::new(
+            AdapterConfig::default(),
+            crate::registry::OpenOptions::default().into(),
+        );
+        let starting = crate::registry::stacking(
+            async move {
+                let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+                crate::multi::MultiEngine::start(&urls).await
+            },
+            &context,
+        );
+        Engine::launch_as(crate::multi::SCHEME, None, starting, &[], None).await
+    }
+
+    /// For a multi engine ([`crate::multi`]): the transport chosen for the
+    /// peer opened as `name`, and why. `None` for another engine, or a
+    /// peer not open.
+    pub fn transport_choice(&self, name: &str) -> Option<crate::multi::Choice> {
+        self.backend::<crate::multi::MultiEngine>()?
+            .choice_for(name)
+    }
+
     /// Starts the backend `config` names, wraps it in the default stack
     /// and checks `config.require`. With [`EngineConfig::discovery`] it
     /// connects to etcd first, and publishes the segment's descriptor (the
@@ -278,8 +312,16 @@ impl Engine {
     /// the payload path — for a serving stack to log at connection time.
     /// `None` if the segment is not open, or for a backend that does not
     /// negotiate (Mooncake speaks the installed library's protocol).
+    ///
+    /// On a multi engine, the report of the transport chosen for `name`
+    /// when that transport is TCP.
     #[cfg(feature = "tcp")]
     pub fn peer_report(&self, name: &str) -> Option<crate::PeerReport> {
+        if let Some(multi) = self.backend::<crate::multi::MultiEngine>() {
+            let choice = multi.choice_for(name)?;
+            let (_, inner) = multi.transports().nth(choice.index)?;
+            return inner.peer_report(&choice.address);
+        }
         self.backend::<ferry_tcp::TcpEngine>()?.peer_report(name)
     }
 
@@ -318,6 +360,16 @@ impl Engine {
     /// The payload path to the open peer `name`, for the metrics:
     /// what TCP negotiated (`socket`, `same-host cma`…), else the scheme.
     fn peer_path(&self, name: &str) -> Option<String> {
+        if let Some(multi) = self.backend::<crate::multi::MultiEngine>() {
+            let choice = multi.choice_for(name)?;
+            let (_, inner) = multi.transports().nth(choice.index)?;
+            let path = inner.peer_path(&choice.address)?;
+            return Some(if path == choice.transport {
+                path
+            } else {
+                format!("{} {path}", choice.transport)
+            });
+        }
         #[cfg(feature = "tcp")]
         if let Some(tcp) = self.backend::<ferry_tcp::TcpEngine>() {
             return tcp.peer_report(name).map(|r| r.path);

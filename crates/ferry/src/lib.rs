@@ -59,6 +59,7 @@ mod builtin;
 mod config;
 mod discovery;
 mod dispatch;
+pub mod multi;
 pub mod registry;
 pub mod secret;
 

@@ -32,8 +32,14 @@ pub const SECRET_FILE_ENV: &str = "FERRY_SECRET_FILE";
 /// The URL parameter that names a file holding the secret.
 pub const SECRET_FILE_KEY: &str = "secret_file";
 
-/// The schemes whose backends take `secret=`.
-const TAKES_SECRET: &[&str] = &["tcp", "verbs"];
+/// The schemes whose backends take `secret=` (`multi` passes it to its
+/// transports that take one).
+const TAKES_SECRET: &[&str] = &["tcp", "verbs", "multi"];
+
+/// Whether the backend of `scheme` takes `secret=`.
+pub(crate) fn takes_secret(scheme: &str) -> bool {
+    TAKES_SECRET.contains(&scheme)
+}
 
 /// Reads a secret file: its first line (a trailing `\r` dropped). An
 /// empty first line, or a file that cannot be read, is an error naming

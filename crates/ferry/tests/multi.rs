@@ -1,0 +1,474 @@
+//! `multi://` (issue 45, item 1): one engine over several TCP engines on
+//! loopback, against another multi engine and a plain TCP engine; the
+//! choice and its report; registration in every transport; the
+//! conformance suite on the multi engine, raw and adapted.
+#![cfg(feature = "tcp")]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use ferry::multi::{MultiEngine, SEGMENT_PREFIX};
+use ferry::{Engine, Error, HostBuffer, Location, Notification, RegisteredBuffer, TransferEngine};
+use ferry::{MemoryRegion, TransferRequest};
+
+/// Two TCP transports on loopback (socket path: every byte crosses the wire).
+const TWO_TCP: [&str; 2] = [
+    "tcp://127.0.0.1:0?same_host=off",
+    "tcp://127.0.0.1:0?same_host=off",
+];
+
+fn multi(e: &Engine) -> &MultiEngine {
+    e.backend::<MultiEngine>().expect("a multi engine")
+}
+
+/// The inner engines' segment names, best first.
+fn inner_names(e: &Engine) -> Vec<String> {
+    multi(e)
+        .transports()
+        .map(|(_, t)| t.segment_name().to_owned())
+        .collect()
+}
+
+fn data(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 9) as u8)
+        .collect()
+}
+
+async fn within<T>(what: &str, f: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(Duration::from_secs(60), f)
+        .await
+        .unwrap_or_else(|_| panic!("{what} took more than 60 s"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_multi_engines_choose_their_first_common_transport_and_move_bytes() {
+    // The URL form and the Rust form give the same engine.
+    let url = format!(
+        "multi://?transports=tcp,second&tcp.url={}&second.url={}",
+        "tcp%3A%2F%2F127.0.0.1%3A0%3Fsame_host%3Doff",
+        "tcp%3A%2F%2F127.0.0.1%3A0%3Fsame_host%3Doff"
+    );
+    let a = Arc::new(Engine::open(&url).await.unwrap());
+    let b = Arc::new(Engine::open_multi(&TWO_TCP).await.unwrap());
+    assert_eq!(a.scheme(), "multi");
+    assert_eq!(a.backend_name(), "multi");
+    let names = inner_names(&b);
+    assert_eq!(
+        b.segment_name(),
+        format!("{SEGMENT_PREFIX}tcp={};tcp={}", names[0], names[1])
+    );
+
+    const LEN: usize = 1 << 20;
+    let src = RegisteredBuffer::new(a.clone(), LEN).await.unwrap();
+    let back = RegisteredBuffer::new(a.clone(), LEN).await.unwrap();
+    let dst = RegisteredBuffer::new(b.clone(), LEN).await.unwrap();
+    let bytes = data(LEN, 7);
+    src.memory().write(0, &bytes).unwrap();
+
+    let seg = a.open_segment(b.segment_name()).await.unwrap();
+    let choice = a.transport_choice(b.segment_name()).expect("a choice");
+    assert_eq!(choice, multi(&a).choice(seg).unwrap());
+    assert_eq!((choice.transport.as_str(), choice.index), ("tcp", 0));
+    assert_eq!(choice.address, names[0], "the peer's first TCP transport");
+    assert_eq!(choice.ours, ["tcp", "tcp"]);
+    assert_eq!(choice.theirs, ["tcp", "tcp"]);
+    assert!(!choice.single_transport_peer);
+    assert!(choice.failed.is_empty());
+    assert!(
+        choice.reason.contains("both sides have it"),
+        "{}",
+        choice.reason
+    );
+    let report = a
+        .peer_report(b.segment_name())
+        .expect("the TCP transport's report");
+    assert_eq!(report.path, "socket");
+
+    a.transfer(
+        seg,
+        TransferRequest::write(src.addr(), dst.addr(), LEN as u64),
+    )
+    .await
+    .unwrap();
+    assert!(
+        dst.memory().to_vec() == bytes,
+        "bytes written over the multi engine"
+    );
+    a.transfer(
+        seg,
+        TransferRequest::read(back.addr(), dst.addr(), LEN as u64),
+    )
+    .await
+    .unwrap();
+    assert!(back.memory().to_vec() == bytes, "bytes read back");
+
+    // A batch with a notification: delivered once, to the multi engine.
+    dst.memory().fill(0);
+    let half = (LEN / 2) as u64;
+    let reqs = [
+        TransferRequest::write(src.addr(), dst.addr() + half, half),
+        TransferRequest::write(src.addr() + half, dst.addr(), half),
+    ];
+    let note = Notification::new("kv-ready", "batch 1");
+    a.batch_transfer(seg, &reqs, Some(&note))
+        .await
+        .unwrap()
+        .into_result()
+        .unwrap();
+    let got = within("the notification", b.next_notification(Some("kv-ready")))
+        .await
+        .unwrap();
+    assert_eq!(got.message, "batch 1");
+    let moved = dst.memory().to_vec();
+    assert!(moved[..LEN / 2] == bytes[LEN / 2..] && moved[LEN / 2..] == bytes[..LEN / 2]);
+    assert!(b.take_notifications().await.unwrap().is_empty(), "once");
+
+    // submit / status / wait through the multi engine's own batch ids.
+    let id = a.submit(seg, &reqs, None).await.unwrap();
+    let report = a.wait(id).await.unwrap();
+    assert!(report.is_success());
+    assert!(matches!(a.status(id), Err(Error::UnknownBatch(i)) if i == id));
+    assert_eq!(a.live_batches(), Some(0));
+
+    // The memory is registered in every inner engine: a plain TCP engine
+    // writes into it through the second transport.
+    let c = Arc::new(
+        Engine::open("tcp://127.0.0.1:0?same_host=off")
+            .await
+            .unwrap(),
+    );
+    let csrc = RegisteredBuffer::new(c.clone(), 4096).await.unwrap();
+    csrc.memory().fill(0xC3);
+    let cseg = c.open_segment(&names[1]).await.unwrap();
+    c.transfer(cseg, TransferRequest::write(csrc.addr(), dst.addr(), 4096))
+        .await
+        .unwrap();
+    assert!(dst.memory().to_vec()[..4096].iter().all(|&x| x == 0xC3));
+
+    a.close_segment(seg).await.unwrap();
+    assert!(matches!(
+        a.transfer(seg, TransferRequest::write(src.addr(), dst.addr(), 8)).await,
+        Err(Error::UnknownSegment(s)) if s == seg
+    ));
+    for buf in [src, back] {
+        buf.release().await.unwrap();
+    }
+    dst.release().await.unwrap();
+    csrc.release().await.unwrap();
+    a.shutdown().await.unwrap();
+    b.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plain_tcp_peer_is_reached_over_tcp_and_reported_as_single_transport() {
+    let a = Arc::new(Engine::open_multi(&TWO_TCP).await.unwrap());
+    let p = Arc::new(
+        Engine::open("tcp://127.0.0.1:0?same_host=off")
+            .await
+            .unwrap(),
+    );
+    let src = RegisteredBuffer::new(a.clone(), 65536).await.unwrap();
+    let dst = RegisteredBuffer::new(p.clone(), 65536).await.unwrap();
+    let bytes = data(65536, 3);
+    src.memory().write(0, &bytes).unwrap();
+    let seg = a.open_segment(p.segment_name()).await.unwrap();
+    let choice = a.transport_choice(p.segment_name()).unwrap();
+    assert!(choice.single_transport_peer);
+    assert_eq!(choice.transport, "tcp");
+    assert_eq!(choice.address, p.segment_name());
+    assert_eq!(choice.theirs, ["tcp"]);
+    assert!(
+        choice.reason.contains("single-transport peer"),
+        "{}",
+        choice.reason
+    );
+    assert!(choice.to_string().starts_with("tcp to "), "{choice}");
+    a.batch_transfer(
+        seg,
+        &[TransferRequest::write(src.addr(), dst.addr(), 65536)],
+        Some(&Notification::new("plain", "")),
+    )
+    .await
+    .unwrap()
+    .into_result()
+    .unwrap();
+    assert!(dst.memory().to_vec() == bytes);
+    within(
+        "the plain peer's notification",
+        p.next_notification(Some("plain")),
+    )
+    .await
+    .unwrap();
+
+    // The other way: the plain engine reaches the multi engine through one
+    // of its transports, and the multi engine receives its notification.
+    let pseg = p.open_segment(&inner_names(&a)[1]).await.unwrap();
+    p.batch_transfer(
+        pseg,
+        &[TransferRequest::read(dst.addr(), src.addr(), 65536)],
+        Some(&Notification::new("from-plain", "x")),
+    )
+    .await
+    .unwrap()
+    .into_result()
+    .unwrap();
+    let n = within(
+        "a notification over the second transport",
+        a.next_notification(None),
+    )
+    .await
+    .unwrap();
+    assert_eq!(n.name, "from-plain");
+    src.release().await.unwrap();
+    dst.release().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_common_transport_is_a_typed_error_naming_both_lists() {
+    let a = Engine::open_multi(&TWO_TCP).await.unwrap();
+    let e = a
+        .open_segment(&format!("{SEGMENT_PREFIX}nixl=agent-7;verbs=rxe0%3B1"))
+        .await
+        .unwrap_err();
+    match &e {
+        Error::Unavailable { backend, reason } => {
+            assert_eq!(backend, "multi");
+            assert!(reason.contains("ours: tcp, tcp"), "{reason}");
+            assert!(reason.contains("the peer's: nixl, verbs"), "{reason}");
+        }
+        other => panic!("expected Unavailable, got {other:?}"),
+    }
+    assert_eq!(e.kind(), ferry::ErrorKind::Unavailable);
+    let e = a.open_segment("not-an-address").await.unwrap_err();
+    assert!(
+        matches!(&e, Error::Unavailable { reason, .. } if reason.contains("the peer's: none")),
+        "{e:?}"
+    );
+    // A malformed list is an argument error, not a transport's.
+    assert!(matches!(
+        a.open_segment(&format!("{SEGMENT_PREFIX}tcp")).await,
+        Err(Error::InvalidArgument(_))
+    ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_transport_falls_to_the_next_and_the_report_says_so() {
+    let a = Arc::new(Engine::open_multi(&TWO_TCP).await.unwrap());
+    let b = Arc::new(Engine::open_multi(&TWO_TCP).await.unwrap());
+    let names = inner_names(&b);
+    let src = RegisteredBuffer::new(a.clone(), 8192).await.unwrap();
+    let dst = RegisteredBuffer::new(b.clone(), 8192).await.unwrap();
+    // The peer's first transport stops: its listener and connections go
+    // (a register would now be refused: it registers in every transport).
+    let (_, first) = multi(&b).transports().next().unwrap();
+    first.shutdown().await.unwrap();
+    src.memory().fill(0x5A);
+    let seg = a.open_segment(b.segment_name()).await.unwrap();
+    let choice = multi(&a).choice(seg).unwrap();
+    assert_eq!(choice.address, names[1], "{choice}");
+    assert_eq!(choice.failed.len(), 1, "{choice:?}");
+    assert!(choice.failed[0].0.contains(&names[0]), "{choice:?}");
+    assert!(choice.reason.contains("failed first"), "{}", choice.reason);
+    a.transfer(seg, TransferRequest::write(src.addr(), dst.addr(), 8192))
+        .await
+        .unwrap();
+    assert!(dst.memory().to_vec().iter().all(|&x| x == 0x5A));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn registration_is_all_or_nothing_and_unregister_covers_every_transport() {
+    let a = Arc::new(Engine::open_multi(&TWO_TCP).await.unwrap());
+    let inner: Vec<Arc<Engine>> = multi(&a).transports().map(|(_, e)| e.clone()).collect();
+    let mem = HostBuffer::new(8192).unwrap();
+    let region = |off: usize, len: usize| -> MemoryRegion {
+        // SAFETY: `mem` outlives every engine here, and every registration
+        // is undone (or the engines shut down) before the test ends.
+        unsafe { MemoryRegion::from_raw_parts(mem.as_ptr().add(off), len, Location::cpu(0)) }
+    };
+    // The second transport holds part of it already: the multi register
+    // fails and leaves nothing in the first.
+    inner[1].register(region(4096, 4096)).await.unwrap();
+    let e = a.register(region(0, 8192)).await.unwrap_err();
+    assert!(matches!(e, Error::RegionOverlap { .. }), "{e:?}");
+    inner[0]
+        .register(region(0, 8192))
+        .await
+        .expect("undone in the first");
+    inner[0].unregister(mem.addr()).await.unwrap();
+    inner[1].unregister(mem.addr() + 4096).await.unwrap();
+
+    // Registered through the multi engine: in both; unregistered: in none.
+    a.register(region(0, 8192)).await.unwrap();
+    for e in &inner {
+        assert!(matches!(
+            e.register(region(0, 8192)).await,
+            Err(Error::RegionOverlap { .. })
+        ));
+    }
+    a.unregister(mem.addr()).await.unwrap();
+    for e in &inner {
+        assert!(matches!(
+            e.unregister(mem.addr()).await,
+            Err(Error::RegionNotRegistered { .. })
+        ));
+    }
+    assert!(matches!(
+        a.unregister(mem.addr()).await,
+        Err(Error::RegionNotRegistered { .. })
+    ));
+
+    // A batch: all or nothing in every transport too.
+    inner[1].register(region(4096, 4096)).await.unwrap();
+    let e = a
+        .batch_register(vec![region(0, 4096), region(4096, 4096)])
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(e.kind(), ferry::ErrorKind::AlreadyRegistered),
+        "{e:?}"
+    );
+    inner[0]
+        .register(region(0, 8192))
+        .await
+        .expect("undone in the first");
+    inner[0].unregister(mem.addr()).await.unwrap();
+    inner[1].unregister(mem.addr() + 4096).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn multi_urls_are_checked() {
+    for (url, says) in [
+        ("multi://", "transports="),
+        ("multi://?transports=tcp,tcp", "listed twice"),
+        ("multi://host?transports=tcp", "parameters"),
+        ("multi://?transports=tcp&colour=blue", "colour"),
+        (
+            "multi://?transports=t&t.url=tcp%3A%2F%2F127.0.0.1%3A0%3Fsecret%3Dx",
+            "give the secret to the multi URL",
+        ),
+        (
+            "multi://?transports=m&m.url=multi%3A%2F%2F",
+            "cannot be a multi",
+        ),
+    ] {
+        let e = Engine::open(url).await.unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument(_)), "{url}: {e:?}");
+        assert!(e.to_string().contains(says), "{url}: {e}");
+        assert!(!e.to_string().contains("secret%3Dx"), "{url}: {e}");
+    }
+    // The secret given once reaches every transport: two multi engines
+    // with it talk, one without it is refused.
+    let s = "multi://?transports=tcp,t2&tcp.url=tcp%3A%2F%2F127.0.0.1%3A0&t2.url=tcp%3A%2F%2F127.0.0.1%3A0&secret=s3";
+    let (a, b) = (
+        Engine::open(s).await.unwrap(),
+        Engine::open(s).await.unwrap(),
+    );
+    a.open_segment(b.segment_name()).await.unwrap();
+    let c = Engine::open_multi(&["tcp://127.0.0.1:0"]).await.unwrap();
+    let e = c.open_segment(b.segment_name()).await.unwrap_err();
+    assert_eq!(e.kind(), ferry::ErrorKind::Authentication, "{e:?}");
+}
+
+/// The conformance suite on the multi engine: through the facade (raw: the
+/// `Engine`; adapted: under every layer again) and bare (`MultiEngine`
+/// without its stack).
+mod conformance {
+    use super::*;
+    use ferry::DynTransferEngine;
+    use ferry_core::conformance::EngineFactory;
+    use std::collections::HashMap;
+    use std::sync::Mutex;
+
+    fn dead_address() -> String {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = l.local_addr().expect("addr");
+        drop(l);
+        addr.to_string()
+    }
+
+    /// The inner engines of every engine made, by segment name: what
+    /// `refuse_notifications` reaches.
+    #[derive(Default)]
+    struct Made(Mutex<HashMap<String, Vec<Arc<Engine>>>>);
+
+    impl Made {
+        fn keep(&self, m: &MultiEngine) {
+            let inner = m.transports().map(|(_, e)| Arc::clone(e)).collect();
+            self.0
+                .lock()
+                .unwrap()
+                .insert(m.segment_name().to_owned(), inner);
+        }
+
+        fn refuse(&self, engine: &Arc<dyn DynTransferEngine>) -> bool {
+            let made = self.0.lock().unwrap();
+            let Some(inner) = made.get(engine.segment_name()) else {
+                return false;
+            };
+            for e in inner {
+                let tcp = e
+                    .backend::<ferry::tcp::TcpEngine>()
+                    .expect("a TCP transport");
+                tcp.set_refuse_notifications(true);
+            }
+            true
+        }
+    }
+
+    #[derive(Default)]
+    struct Facade(Made);
+
+    #[async_trait::async_trait]
+    impl EngineFactory for Facade {
+        async fn create(&self) -> ferry::Result<Arc<dyn DynTransferEngine>> {
+            let e = Engine::open_multi(&["tcp://127.0.0.1:0", "tcp://127.0.0.1:0"]).await?;
+            self.0.keep(multi(&e));
+            Ok(e.into_dyn())
+        }
+        fn unknown_segment_name(&self) -> String {
+            format!(
+                "{SEGMENT_PREFIX}tcp={};tcp={}",
+                dead_address(),
+                dead_address()
+            )
+        }
+        async fn refuse_notifications(
+            &self,
+            engine: &Arc<dyn DynTransferEngine>,
+        ) -> ferry::Result<bool> {
+            Ok(self.0.refuse(engine))
+        }
+    }
+
+    #[derive(Default)]
+    struct Bare(Made);
+
+    #[async_trait::async_trait]
+    impl EngineFactory for Bare {
+        async fn create(&self) -> ferry::Result<Arc<dyn DynTransferEngine>> {
+            let e = MultiEngine::start(&["tcp://127.0.0.1:0", "tcp://127.0.0.1:0"]).await?;
+            self.0.keep(&e);
+            Ok(Arc::new(e))
+        }
+        fn unknown_segment_name(&self) -> String {
+            dead_address()
+        }
+        async fn refuse_notifications(
+            &self,
+            engine: &Arc<dyn DynTransferEngine>,
+        ) -> ferry::Result<bool> {
+            Ok(self.0.refuse(engine))
+        }
+    }
+
+    mod facade {
+        use super::*;
+        ferry_core::conformance_tests!(Facade::default());
+    }
+
+    mod bare {
+        use super::*;
+        ferry_core::conformance_tests!(Bare::default());
+    }
+}
