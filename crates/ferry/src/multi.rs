@@ -23,13 +23,22 @@
 //!   None in common is [`Error::Unavailable`] naming both lists. Which
 //!   transport was chosen, to which address and why is
 //!   [`MultiEngine::choice`] ([`Engine::transport_choice`] by name).
-//! - **Transfers** on a segment go over the transport chosen for it; a
-//!   batch id is the multi engine's own, mapped to the inner engine's.
+//! - **Transfers** on a segment go over the transport chosen for it. When
+//!   that transport fails under them (the same errors), the requests not
+//!   confirmed go again, as one batch, over the next transport both sides
+//!   have (`transfer`, `batch_transfer`, `submit` alike); every outcome is
+//!   reported once, and a request confirmed is never sent again. The
+//!   failed transport backs off for that segment (1 s, doubling to 30 s)
+//!   and is tried again by the first call after it. A batch's
+//!   notification, where the peer can be reached over more than one
+//!   transport, is sent alone once every request succeeded, over the
+//!   transport that carried the end, and again over another only when the
+//!   failure says it was not sent (`Retry::Temporary`): never twice. The
+//!   caller's deadline (`TransferEngineExt`, `TimeoutLayer`) bounds it all.
+//!   After a failover the bytes of every request that succeeded are the
+//!   source's; a request that failed may have written some, all or none
+//!   of its destination (as for any `MaybeApplied` error).
 //! - **Notifications** received are the union of the inner engines'.
-//!
-//! Failover of a batch whose transport dies under it (the design's §4) is
-//! not built yet: a transfer fails with the inner engine's error, and a
-//! later `open_segment` chooses again.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fmt;
@@ -37,14 +46,15 @@ use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::Poll;
+use std::time::{Duration, Instant};
 
 use ferry_core::__private::sync::lock;
 use ferry_core::inbound::InboundSource;
-use ferry_core::raw::ParsedUrl;
+use ferry_core::raw::{BatchDriver, BatchTable, ParsedUrl};
 use ferry_core::{
     BackendInfo, BatchId, BatchReport, BatchStatus, Capabilities, DynTransferEngine, Error,
     ErrorKind, Inbound, InboundSnapshot, MemoryRegion, MissingCapability, Notification,
-    NotificationsDropped, Operation, Result, SegmentId, TransferEngine, TransferRequest,
+    NotificationsDropped, Operation, Result, Retry, SegmentId, TransferEngine, TransferRequest,
 };
 
 use crate::registry::{OpenOptions, Registry};
@@ -65,17 +75,18 @@ const BACKEND: &str = "multi";
 /// [`MultiEngine::start`].
 pub struct MultiEngine {
     /// The inner engines, best first.
-    transports: Vec<Transport>,
+    transports: Arc<Vec<Transport>>,
     /// `ferry-multi:scheme=name;…`.
     name: String,
     /// What every inner engine does natively.
     caps: Capabilities,
-    segments: Mutex<HashMap<SegmentId, Route>>,
-    batches: Mutex<HashMap<BatchId, (usize, BatchId)>>,
+    segments: Mutex<HashMap<SegmentId, Arc<Route>>>,
+    /// Submitted batches (each run by a task of its own, failing over).
+    table: BatchTable,
     /// Notifications taken from an inner engine by a call that was dropped
     /// before it returned them: the next call returns them first.
     pending: Mutex<VecDeque<Notification>>,
-    stopping: AtomicBool,
+    stopping: Arc<AtomicBool>,
 }
 
 struct Transport {
@@ -83,15 +94,49 @@ struct Transport {
     engine: Arc<Engine>,
 }
 
-/// A segment: the inner engine and its segment, and why.
+/// First back-off of a transport that failed to a peer; it doubles at
+/// each failure in a row, up to [`MAX_BACKOFF`].
+const FIRST_BACKOFF: Duration = Duration::from_secs(1);
+/// Longest back-off.
+const MAX_BACKOFF: Duration = Duration::from_secs(30);
+/// Failures a [`Choice`] keeps (the latest).
+const MAX_FAILED_KEPT: usize = 16;
+
+/// A segment: the transports both sides have, in order (the candidates),
+/// what was opened on each, how each fared, and the report.
 struct Route {
+    id: SegmentId,
+    candidates: Vec<Candidate>,
+    state: Mutex<RouteState>,
+}
+
+struct Candidate {
     transport: usize,
-    segment: SegmentId,
-    choice: Arc<Choice>,
+    address: String,
+}
+
+struct RouteState {
+    /// The inner segment opened on each candidate.
+    open: Vec<Option<SegmentId>>,
+    /// Inner segments opened twice by calls that raced: closed with the
+    /// segment.
+    spare: Vec<(usize, SegmentId)>,
+    /// The candidates backing off after a failure.
+    down: Vec<Option<Down>>,
+    /// The candidate that carried the latest transfer.
+    current: usize,
+    choice: Choice,
+}
+
+#[derive(Clone, Copy)]
+struct Down {
+    until: Instant,
+    backoff: Duration,
 }
 
 /// Which transport [`MultiEngine`]'s `open_segment` chose for a peer, and
-/// why: the segment's report.
+/// why: the segment's report. After a failover it names the transport
+/// that carries the segment now.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Choice {
@@ -111,8 +156,11 @@ pub struct Choice {
     pub theirs: Vec<String>,
     /// Whether the peer is a single-transport peer (a plain segment name).
     pub single_transport_peer: bool,
-    /// The transports tried first that failed, with their errors.
+    /// The transports that failed (when opening, or under a transfer),
+    /// with their errors: the latest 16.
     pub failed: Vec<(String, Error)>,
+    /// How many times transfers on the segment moved to another transport.
+    pub failovers: u64,
     /// Why this transport, in words.
     pub reason: String,
 }
@@ -195,13 +243,13 @@ impl MultiEngine {
         );
         let caps = common_capabilities(&transports);
         Ok(MultiEngine {
-            transports,
+            transports: Arc::new(transports),
             name,
             caps,
             segments: Mutex::new(HashMap::new()),
-            batches: Mutex::new(HashMap::new()),
+            table: BatchTable::new(BACKEND),
             pending: Mutex::new(VecDeque::new()),
-            stopping: AtomicBool::new(false),
+            stopping: Arc::new(AtomicBool::new(false)),
         })
     }
 
@@ -214,21 +262,25 @@ impl MultiEngine {
             .map(|t| (t.scheme.as_str(), &t.engine))
     }
 
-    /// The transport chosen for `segment` (a handle of this engine) and why.
+    /// The transport carrying `segment` (a handle of this engine) and why.
     pub fn choice(&self, segment: SegmentId) -> Option<Choice> {
-        lock(&self.segments)
-            .get(&segment)
-            .map(|r| Choice::clone(&r.choice))
+        let route = Arc::clone(lock(&self.segments).get(&segment)?);
+        let choice = lock(&route.state).choice.clone();
+        Some(choice)
     }
 
-    /// The transport chosen for the peer opened as `name` (the latest open
+    /// The transport carrying the peer opened as `name` (the latest open
     /// segment to it) and why.
     pub fn choice_for(&self, name: &str) -> Option<Choice> {
-        lock(&self.segments)
-            .iter()
-            .filter(|(_, r)| r.choice.peer == name)
-            .max_by_key(|(id, _)| **id)
-            .map(|(_, r)| Choice::clone(&r.choice))
+        let routes: Vec<Arc<Route>> = lock(&self.segments).values().cloned().collect();
+        routes
+            .into_iter()
+            .filter_map(|r| {
+                let choice = lock(&r.state).choice.clone();
+                (choice.peer == name).then_some((r.id, choice))
+            })
+            .max_by_key(|(id, _)| *id)
+            .map(|(_, c)| c)
     }
 
     fn schemes(&self) -> Vec<String> {
@@ -252,51 +304,330 @@ impl MultiEngine {
         }
     }
 
-    fn route(&self, segment: SegmentId) -> Result<(Arc<Engine>, SegmentId)> {
-        let segments = lock(&self.segments);
-        let r = segments
+    /// What a call on `segment` works with.
+    fn ctx(&self, segment: SegmentId) -> Result<Ctx> {
+        let route = lock(&self.segments)
             .get(&segment)
+            .cloned()
             .ok_or(Error::UnknownSegment(segment))?;
-        Ok((Arc::clone(&self.transports[r.transport].engine), r.segment))
+        Ok(Ctx {
+            transports: Arc::clone(&self.transports),
+            route,
+            stopping: Arc::clone(&self.stopping),
+        })
+    }
+}
+
+/// What a transfer on one segment needs, shared with the task of a
+/// submitted batch: the transports, the segment's route, the stop flag.
+#[derive(Clone)]
+struct Ctx {
+    transports: Arc<Vec<Transport>>,
+    route: Arc<Route>,
+    stopping: Arc<AtomicBool>,
+}
+
+/// Whether `e` means "the transport failed, try the next": the peer
+/// unreachable or lost, a timeout, an I/O, protocol or backend error, a
+/// transport unavailable, or one shut down (`Canceled`) while the multi
+/// engine runs. Not: addresses, registrations, arguments, authentication,
+/// full queues (those are the request's, on every transport).
+fn transport_failed(e: &Error, stopping: &AtomicBool) -> bool {
+    !stopping.load(Ordering::Acquire)
+        && matches!(
+            e.kind(),
+            ErrorKind::PeerUnreachable
+                | ErrorKind::PeerLost
+                | ErrorKind::Timeout
+                | ErrorKind::Protocol
+                | ErrorKind::Io
+                | ErrorKind::Unavailable
+                | ErrorKind::Backend
+                | ErrorKind::Canceled
+        )
+}
+
+impl Ctx {
+    fn fails_over(&self, e: &Error) -> bool {
+        transport_failed(e, &self.stopping)
     }
 
-    fn batch(&self, batch: BatchId) -> Result<(Arc<Engine>, BatchId)> {
-        let (i, inner) = *lock(&self.batches)
-            .get(&batch)
-            .ok_or(Error::UnknownBatch(batch))?;
-        Ok((Arc::clone(&self.transports[i].engine), inner))
+    fn describe(&self, c: usize) -> String {
+        let cand = &self.route.candidates[c];
+        format!(
+            "{} to {}",
+            self.transports[cand.transport].scheme, cand.address
+        )
     }
 
-    /// Whether `e`, from an inner engine opening a segment, means "try the
-    /// next transport": the transport failed, not the request.
-    fn falls_through(&self, e: &Error) -> bool {
-        !self.stopping.load(Ordering::Acquire)
-            && matches!(
-                e.kind(),
-                ErrorKind::PeerUnreachable
-                    | ErrorKind::PeerLost
-                    | ErrorKind::Timeout
-                    | ErrorKind::Protocol
-                    | ErrorKind::Io
-                    | ErrorKind::Unavailable
-                    | ErrorKind::Backend
-                    | ErrorKind::Canceled
-            )
+    /// The candidates for a new call: those not backing off, best first,
+    /// then those backing off (a last resort), best first.
+    fn order(&self) -> Vec<usize> {
+        let now = Instant::now();
+        let state = lock(&self.route.state);
+        let (up, down): (Vec<usize>, Vec<usize>) = (0..self.route.candidates.len())
+            .partition(|&c| state.down[c].is_none_or(|d| d.until <= now));
+        up.into_iter().chain(down).collect()
     }
+
+    /// The inner engine and segment of candidate `c`, opened on first use.
+    async fn segment(&self, c: usize) -> Result<(Arc<Engine>, SegmentId)> {
+        let cand = &self.route.candidates[c];
+        let engine = Arc::clone(&self.transports[cand.transport].engine);
+        if let Some(s) = lock(&self.route.state).open[c] {
+            return Ok((engine, s));
+        }
+        let opened = engine.open_segment(&cand.address).await?;
+        let mut state = lock(&self.route.state);
+        match state.open[c] {
+            Some(first) => {
+                state.spare.push((c, opened));
+                Ok((engine, first))
+            }
+            None => {
+                state.open[c] = Some(opened);
+                Ok((engine, opened))
+            }
+        }
+    }
+
+    /// Candidate `c` failed with `e`: it backs off.
+    fn failed(&self, c: usize, e: &Error) {
+        let what = self.describe(c);
+        tracing::warn!(peer = %lock(&self.route.state).choice.peer, transport = %what, error = %e,
+            "ferry multi: a transport failed; its requests go over the next");
+        let mut state = lock(&self.route.state);
+        let backoff = match state.down[c] {
+            Some(d) => (d.backoff * 2).min(MAX_BACKOFF),
+            None => FIRST_BACKOFF,
+        };
+        state.down[c] = Some(Down {
+            until: Instant::now() + backoff,
+            backoff,
+        });
+        let failed = &mut state.choice.failed;
+        if failed.len() == MAX_FAILED_KEPT {
+            failed.remove(0);
+        }
+        failed.push((what, e.clone()));
+    }
+
+    /// Candidate `c` carried a transfer: its back-off ends, and it is the
+    /// segment's transport now.
+    fn worked(&self, c: usize) {
+        let mut state = lock(&self.route.state);
+        state.down[c] = None;
+        if state.current == c {
+            return;
+        }
+        let cand = &self.route.candidates[c];
+        let scheme = self.transports[cand.transport].scheme.clone();
+        let before = self.describe(state.current);
+        state.current = c;
+        let choice = &mut state.choice;
+        choice.failovers += 1;
+        choice.reason = match choice.failed.last() {
+            Some((what, e)) if *what == before => {
+                format!("{scheme}: failed over from {what}: {e}")
+            }
+            _ => format!("{scheme}: {before} was backing off"),
+        };
+        choice.transport = scheme;
+        choice.index = cand.transport;
+        choice.address = cand.address.clone();
+    }
+
+    /// One request, failing over.
+    async fn transfer(&self, request: TransferRequest) -> Result<()> {
+        let mut last = None;
+        for c in self.order() {
+            let (engine, inner) = match self.segment(c).await {
+                Ok(x) => x,
+                Err(e) if self.fails_over(&e) => {
+                    self.failed(c, &e);
+                    last = Some(e);
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
+            match engine.transfer(inner, request).await {
+                Ok(()) => {
+                    self.worked(c);
+                    return Ok(());
+                }
+                Err(e) if self.fails_over(&e) => {
+                    self.failed(c, &e);
+                    last = Some(e);
+                }
+                Err(e) => return Err(seg_err(e, inner, self.route.id)),
+            }
+        }
+        Err(last.unwrap_or_else(no_transport))
+    }
+
+    /// A batch, failing over (the design's §4): the requests not confirmed
+    /// (failed with a transport's error) go again, as one batch, over the
+    /// next candidate; each outcome is reported to `driver` once. The
+    /// notification, where the segment has more than one candidate, is sent
+    /// alone once every request succeeded, over the transport that carried
+    /// the end (again over the next only where the failure says nothing
+    /// was sent). `Err`: the batch was refused as a whole, nothing moved.
+    /// `Ok`: the notification's outcome, for `BatchDriver::finish`.
+    async fn batch(
+        &self,
+        requests: &[TransferRequest],
+        notify: Option<&Notification>,
+        driver: &BatchDriver,
+    ) -> Result<Option<Result<()>>> {
+        let together = self.route.candidates.len() == 1;
+        let mut pending: Vec<usize> = (0..requests.len()).collect();
+        let mut last: Option<Error> = None;
+        let mut moved = false;
+        let mut carried = None;
+        for c in self.order() {
+            if pending.is_empty() {
+                break;
+            }
+            let (engine, inner) = match self.segment(c).await {
+                Ok(x) => x,
+                Err(e) if self.fails_over(&e) => {
+                    self.failed(c, &e);
+                    last = Some(e);
+                    continue;
+                }
+                Err(e) if !moved => return Err(e),
+                Err(e) => {
+                    driver.fail_unreported(&e);
+                    return Ok(None);
+                }
+            };
+            let reqs: Vec<TransferRequest> = pending.iter().map(|&i| requests[i]).collect();
+            let note = if together { notify } else { None };
+            match engine.batch_transfer(inner, &reqs, note).await {
+                Ok(report) => {
+                    moved = true;
+                    carried = Some(c);
+                    let mut again = Vec::new();
+                    let mut failure = None;
+                    for (&i, r) in pending.iter().zip(report.results) {
+                        match r {
+                            Err(e) if self.fails_over(&e) => {
+                                again.push(i);
+                                failure.get_or_insert(e);
+                            }
+                            r => driver.complete(i, r),
+                        }
+                    }
+                    match failure {
+                        Some(e) => {
+                            self.failed(c, &e);
+                            last = Some(e);
+                        }
+                        None => self.worked(c),
+                    }
+                    pending = again;
+                }
+                Err(e) if self.fails_over(&e) => {
+                    self.failed(c, &e);
+                    last = Some(e);
+                }
+                Err(e) if !moved => return Err(seg_err(e, inner, self.route.id)),
+                Err(e) => {
+                    driver.fail_unreported(&e);
+                    return Ok(None);
+                }
+            }
+        }
+        if !pending.is_empty() {
+            let e = last.unwrap_or_else(no_transport);
+            if !moved {
+                return Err(e);
+            }
+            driver.fail_unreported(&e);
+            return Ok(None);
+        }
+        let Some(note) = notify else {
+            return Ok(None);
+        };
+        if (together && !requests.is_empty()) || !driver.all_ok() {
+            // Sent with the data, or not to be sent.
+            return Ok(None);
+        }
+        // The notification alone: first over the transport that carried
+        // the end, then over the others, but only after a failure that
+        // says it was not sent (a second delivery is worse than none).
+        let mut order = self.order();
+        if let Some(c) = carried {
+            order.retain(|&o| o != c);
+            order.insert(0, c);
+        }
+        let mut last = None;
+        for c in order {
+            let (engine, inner) = match self.segment(c).await {
+                Ok(x) => x,
+                Err(e) if self.fails_over(&e) => {
+                    self.failed(c, &e);
+                    last = Some(e);
+                    continue;
+                }
+                Err(e) => return Ok(Some(Err(e))),
+            };
+            match engine.batch_transfer(inner, &[], Some(note)).await {
+                Ok(_) => {
+                    self.worked(c);
+                    return Ok(Some(Ok(())));
+                }
+                Err(e) if self.fails_over(&e) && e.retry() == Retry::Temporary => {
+                    self.failed(c, &e);
+                    last = Some(e);
+                }
+                Err(e) => {
+                    if self.fails_over(&e) {
+                        self.failed(c, &e);
+                    }
+                    return Ok(Some(Err(seg_err(e, inner, self.route.id))));
+                }
+            }
+        }
+        Ok(Some(Err(last.unwrap_or_else(no_transport))))
+    }
+
+    /// Closes every inner segment opened for the route; the first error
+    /// other than a segment closed already.
+    async fn close(&self) -> Result<()> {
+        let opened: Vec<(usize, SegmentId)> = {
+            let state = lock(&self.route.state);
+            let open = state
+                .open
+                .iter()
+                .enumerate()
+                .filter_map(|(c, s)| s.map(|s| (c, s)));
+            open.chain(state.spare.iter().copied()).collect()
+        };
+        let mut first = Ok(());
+        for (c, inner) in opened {
+            let engine = &self.transports[self.route.candidates[c].transport].engine;
+            match engine.close_segment(inner).await {
+                Ok(()) | Err(Error::UnknownSegment(_)) => {}
+                Err(e) => {
+                    if first.is_ok() {
+                        first = Err(e);
+                    }
+                }
+            }
+        }
+        first
+    }
+}
+
+fn no_transport() -> Error {
+    Error::Canceled("no transport of the multi engine is left for this peer".to_owned())
 }
 
 /// An inner engine's error about its own handle, about ours.
 fn seg_err(e: Error, inner: SegmentId, ours: SegmentId) -> Error {
     match e {
         Error::UnknownSegment(s) if s == inner => Error::UnknownSegment(ours),
-        other => other,
-    }
-}
-
-fn batch_err(e: Error, inner: BatchId, ours: BatchId) -> Error {
-    match e {
-        Error::UnknownBatch(b) if b == inner => Error::UnknownBatch(ours),
-        Error::BatchBusy(b) if b == inner => Error::BatchBusy(ours),
         other => other,
     }
 }
@@ -535,7 +866,7 @@ impl TransferEngine for MultiEngine {
 
     fn backend_info(&self) -> BackendInfo {
         let mut details = vec![("transports".to_owned(), self.schemes().join(", "))];
-        for t in &self.transports {
+        for t in self.transports.iter() {
             details.push((t.scheme.clone(), t.engine.segment_name().to_owned()));
         }
         let not_native = Operation::OPTIONAL
@@ -627,15 +958,17 @@ impl TransferEngine for MultiEngine {
         let peer = Peer::parse(name)?;
         let ours = self.schemes();
         let theirs = peer.schemes();
-        let candidates: Vec<(usize, usize)> = ours
+        let candidates: Vec<Candidate> = ours
             .iter()
             .enumerate()
             .flat_map(|(i, s)| {
                 peer.entries
                     .iter()
-                    .enumerate()
-                    .filter(move |(_, (t, _))| t == s)
-                    .map(move |(j, _)| (i, j))
+                    .filter(move |(t, _)| t == s)
+                    .map(move |(_, address)| Candidate {
+                        transport: i,
+                        address: address.clone(),
+                    })
             })
             .collect();
         if candidates.is_empty() {
@@ -648,87 +981,98 @@ impl TransferEngine for MultiEngine {
                 ),
             });
         }
-        let mut failed: Vec<(String, Error)> = Vec::new();
-        for (i, j) in candidates {
-            let t = &self.transports[i];
-            let address = &peer.entries[j].1;
-            match t.engine.open_segment(address).await {
-                Ok(inner) => {
+        let n = candidates.len();
+        let first = &self.transports[candidates[0].transport];
+        let route = Arc::new(Route {
+            id: SegmentId::fresh(),
+            state: Mutex::new(RouteState {
+                open: vec![None; n],
+                spare: Vec::new(),
+                down: vec![None; n],
+                current: 0,
+                choice: Choice {
+                    peer: name.to_owned(),
+                    transport: first.scheme.clone(),
+                    index: candidates[0].transport,
+                    address: candidates[0].address.clone(),
+                    ours,
+                    theirs,
+                    single_transport_peer: peer.single,
+                    failed: Vec::new(),
+                    failovers: 0,
+                    reason: String::new(),
+                },
+            }),
+            candidates,
+        });
+        let ctx = Ctx {
+            transports: Arc::clone(&self.transports),
+            route: Arc::clone(&route),
+            stopping: Arc::clone(&self.stopping),
+        };
+        let mut failed: Vec<Error> = Vec::new();
+        for c in 0..n {
+            match ctx.segment(c).await {
+                Ok(_) => {
+                    let scheme = &self.transports[route.candidates[c].transport].scheme;
                     let mut reason = if peer.single {
                         format!(
-                            "{}: the peer is a single-transport peer ({name} is host:port)",
-                            t.scheme
+                            "{scheme}: the peer is a single-transport peer ({name} is host:port)"
                         )
                     } else {
-                        format!("{}: both sides have it", t.scheme)
+                        format!("{scheme}: both sides have it")
                     };
                     match failed.last() {
                         None if !peer.single => reason.push_str("; the first of ours in common"),
                         None => {}
-                        Some((what, e)) => {
+                        Some(e) => {
+                            let what = ctx.describe(c - 1);
                             reason.push_str(&format!("; {what} failed first: {e}"));
                         }
                     }
-                    let choice = Choice {
-                        peer: name.to_owned(),
-                        transport: t.scheme.clone(),
-                        index: i,
-                        address: address.clone(),
-                        ours,
-                        theirs,
-                        single_transport_peer: peer.single,
-                        failed,
-                        reason,
-                    };
-                    tracing::debug!(peer = name, choice = %choice, "ferry multi: segment open");
-                    let id = SegmentId::fresh();
-                    lock(&self.segments).insert(
-                        id,
-                        Route {
-                            transport: i,
-                            segment: inner,
-                            choice: Arc::new(choice),
-                        },
-                    );
-                    return Ok(id);
+                    {
+                        let mut state = lock(&route.state);
+                        let cand = &route.candidates[c];
+                        state.current = c;
+                        state.choice.transport = scheme.clone();
+                        state.choice.index = cand.transport;
+                        state.choice.address = cand.address.clone();
+                        state.choice.reason = reason;
+                        tracing::debug!(peer = name, choice = %state.choice, "ferry multi: segment open");
+                    }
+                    lock(&self.segments).insert(route.id, Arc::clone(&route));
+                    return Ok(route.id);
                 }
-                Err(e) if self.falls_through(&e) => {
-                    failed.push((format!("{} to {address}", t.scheme), e));
+                Err(e) if transport_failed(&e, &self.stopping) => {
+                    ctx.failed(c, &e);
+                    failed.push(e);
                 }
                 Err(e) => return Err(e),
             }
         }
         if failed.len() == 1 {
-            return Err(failed.remove(0).1);
+            return Err(failed.remove(0));
         }
         Err(Error::SegmentUnavailable {
             name: name.to_owned(),
             reason: failed
                 .iter()
-                .map(|(what, e)| format!("{what}: {e}"))
+                .enumerate()
+                .map(|(c, e)| format!("{}: {e}", ctx.describe(c)))
                 .collect::<Vec<_>>()
                 .join("; "),
         })
     }
 
     async fn close_segment(&self, segment: SegmentId) -> Result<()> {
-        let (engine, inner) = self.route(segment)?;
-        match engine.close_segment(inner).await {
-            // Closed before (a close dropped after the inner one ended).
-            Ok(()) | Err(Error::UnknownSegment(_)) => {
-                lock(&self.segments).remove(&segment);
-                Ok(())
-            }
-            Err(e) => Err(seg_err(e, inner, segment)),
-        }
+        let ctx = self.ctx(segment)?;
+        ctx.close().await?;
+        lock(&self.segments).remove(&segment);
+        Ok(())
     }
 
     async fn transfer(&self, segment: SegmentId, request: TransferRequest) -> Result<()> {
-        let (engine, inner) = self.route(segment)?;
-        engine
-            .transfer(inner, request)
-            .await
-            .map_err(|e| seg_err(e, inner, segment))
+        self.ctx(segment)?.transfer(request).await
     }
 
     async fn batch_transfer(
@@ -737,11 +1081,13 @@ impl TransferEngine for MultiEngine {
         requests: &[TransferRequest],
         notify: Option<&Notification>,
     ) -> Result<BatchReport> {
-        let (engine, inner) = self.route(segment)?;
-        engine
-            .batch_transfer(inner, requests, notify)
-            .await
-            .map_err(|e| seg_err(e, inner, segment))
+        let ctx = self.ctx(segment)?;
+        if let Some(n) = notify {
+            n.validate()?;
+        }
+        let driver = BatchDriver::detached(requests.len());
+        let notified = ctx.batch(requests, notify, &driver).await?;
+        driver.finish(notified)
     }
 
     async fn submit(
@@ -750,50 +1096,52 @@ impl TransferEngine for MultiEngine {
         requests: &[TransferRequest],
         notify: Option<&Notification>,
     ) -> Result<BatchId> {
-        let (index, inner) = {
-            let segments = lock(&self.segments);
-            let r = segments
-                .get(&segment)
-                .ok_or(Error::UnknownSegment(segment))?;
-            (r.transport, r.segment)
-        };
-        let engine = Arc::clone(&self.transports[index].engine);
-        let batch = engine
-            .submit(inner, requests, notify)
-            .await
-            .map_err(|e| seg_err(e, inner, segment))?;
-        let id = BatchId::fresh();
-        lock(&self.batches).insert(id, (index, batch));
-        Ok(id)
+        let ctx = self.ctx(segment)?;
+        self.running()?;
+        if let Some(n) = notify {
+            n.validate()?;
+        }
+        let admission = self.table.admit(requests.len())?;
+        let driver = admission.driver().clone();
+        if requests.is_empty() {
+            // Only a notification: sent before the id is handed out (a
+            // batch of no requests has no state to show it pending).
+            let notified = ctx.batch(requests, notify, &driver).await?;
+            driver.finish(notified)?;
+            return Ok(admission.claim());
+        }
+        let requests = requests.to_vec();
+        let notify = notify.cloned();
+        tokio::spawn(async move {
+            match ctx.batch(&requests, notify.as_ref(), &driver).await {
+                Ok(notified) => {
+                    let _ = driver.finish(notified);
+                }
+                Err(e) => {
+                    driver.fail_unreported(&e);
+                    let _ = driver.finish(requests.is_empty().then_some(Err(e)));
+                }
+            }
+        });
+        Ok(admission.claim())
     }
 
     fn status(&self, batch: BatchId) -> Result<BatchStatus> {
-        let (engine, inner) = self.batch(batch)?;
-        engine.status(inner).map_err(|e| batch_err(e, inner, batch))
+        self.table.status(batch)
     }
 
     async fn wait(&self, batch: BatchId) -> Result<BatchReport> {
-        let (engine, inner) = self.batch(batch)?;
-        let r = engine.wait(inner).await;
-        if matches!(r, Ok(_) | Err(Error::UnknownBatch(_))) {
-            lock(&self.batches).remove(&batch);
-        }
-        r.map_err(|e| batch_err(e, inner, batch))
+        self.table.wait(batch).await
     }
 
     async fn release_batch(&self, batch: BatchId) -> Result<()> {
-        let (engine, inner) = self.batch(batch)?;
-        let r = engine.release_batch(inner).await;
-        if matches!(r, Ok(()) | Err(Error::UnknownBatch(_))) {
-            lock(&self.batches).remove(&batch);
-        }
-        r.map_err(|e| batch_err(e, inner, batch))
+        self.table.release(batch)
     }
 
     async fn take_notifications(&self) -> Result<Vec<Notification>> {
         let mut first_err = None;
         let mut any = false;
-        for t in &self.transports {
+        for t in self.transports.iter() {
             match t.engine.take_notifications().await {
                 Ok(v) => {
                     any = true;
@@ -860,10 +1208,12 @@ impl TransferEngine for MultiEngine {
     }
 
     fn live_batches(&self) -> Option<usize> {
-        self.transports
+        let inner: Option<usize> = self
+            .transports
             .iter()
             .map(|t| t.engine.live_batches())
-            .sum()
+            .sum();
+        inner.map(|n| n + self.table.len())
     }
 
     fn inbound(&self) -> Option<Inbound> {
@@ -878,7 +1228,7 @@ impl TransferEngine for MultiEngine {
     async fn shutdown(&self) -> Result<()> {
         self.stopping.store(true, Ordering::Release);
         let mut first = Ok(());
-        for t in &self.transports {
+        for t in self.transports.iter() {
             if let Err(e) = t.engine.shutdown().await {
                 if first.is_ok() {
                     first = Err(e);

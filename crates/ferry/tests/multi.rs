@@ -370,6 +370,219 @@ async fn multi_urls_are_checked() {
     assert_eq!(e.kind(), ferry::ErrorKind::Authentication, "{e:?}");
 }
 
+/// The TCP backend under transport `i` of the multi engine `e`.
+fn tcp_of(e: &Engine, i: usize) -> &ferry::tcp::TcpEngine {
+    let (_, inner) = multi(e).transports().nth(i).expect("transport");
+    inner
+        .backend::<ferry::tcp::TcpEngine>()
+        .expect("a TCP transport")
+}
+
+/// Issue 45 §6 on the host: a batch of 256 × 1 MiB with a notification,
+/// over the first of the peer's two TCP transports; once bytes land, that
+/// transport's backend stops at once (listener and connections gone). The
+/// batch finishes over the other, every byte checked, the notification
+/// delivered once; while the failed transport backs off, later transfers go
+/// straight over the other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_finishes_over_the_next_transport_when_its_transport_dies() {
+    const N: usize = 256;
+    const MIB: usize = 1 << 20;
+    let a = Arc::new(Engine::open_multi(&TWO_TCP).await.unwrap());
+    let b = Arc::new(Engine::open_multi(&TWO_TCP).await.unwrap());
+    let names = inner_names(&b);
+    let src = RegisteredBuffer::new(a.clone(), N * MIB).await.unwrap();
+    let dst = RegisteredBuffer::new(b.clone(), N * MIB).await.unwrap();
+    let bytes = data(N * MIB, 11);
+    src.memory().write(0, &bytes).unwrap();
+    let seg = a.open_segment(b.segment_name()).await.unwrap();
+    assert_eq!(multi(&a).choice(seg).unwrap().address, names[0]);
+    // Block i to block N-1-i: a misplaced block shows.
+    let reqs: Vec<TransferRequest> = (0..N)
+        .map(|i| {
+            TransferRequest::write(
+                src.addr() + (i * MIB) as u64,
+                dst.addr() + ((N - 1 - i) * MIB) as u64,
+                MIB as u64,
+            )
+        })
+        .collect();
+    let note = Notification::new("failover", "256 x 1 MiB");
+    let batch = tokio::spawn({
+        let (a, reqs, note) = (a.clone(), reqs.clone(), note.clone());
+        async move { a.batch_transfer(seg, &reqs, Some(&note)).await }
+    });
+    let served = multi(&b)
+        .transports()
+        .next()
+        .unwrap()
+        .1
+        .inbound()
+        .expect("TCP counts what it serves");
+    within("the first bytes landing", async {
+        while served.snapshot().served_bytes() == 0 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    })
+    .await;
+    tcp_of(&b, 0).shutdown_now();
+    let report = within("the batch", batch).await.unwrap().unwrap();
+    assert!(report.is_success(), "{:?}", report.failures().next());
+    let carried_first = served.snapshot().served_bytes();
+    assert!(
+        carried_first < (N * MIB) as u64,
+        "the first transport carried all {carried_first} bytes: nothing failed over"
+    );
+    let got = dst.memory().to_vec();
+    for i in 0..N {
+        let at = (N - 1 - i) * MIB;
+        assert!(
+            got[at..at + MIB] == bytes[i * MIB..(i + 1) * MIB],
+            "block {i} differs"
+        );
+    }
+    let choice = multi(&a).choice(seg).unwrap();
+    assert!(choice.failovers >= 1, "{choice:?}");
+    assert_eq!(choice.address, names[1], "{choice}");
+    assert!(
+        choice.reason.contains("failed over from"),
+        "{}",
+        choice.reason
+    );
+    assert!(
+        choice
+            .failed
+            .iter()
+            .any(|(what, _)| what.contains(&names[0])),
+        "{choice:?}"
+    );
+    let n = within("the notification", b.next_notification(Some("failover")))
+        .await
+        .unwrap();
+    assert_eq!(n, note);
+    assert!(
+        b.take_notifications().await.unwrap().is_empty(),
+        "the notification came twice"
+    );
+
+    // The next transfers go over the second transport, by transfer and by
+    // submit; the dead one is tried again only once its back-off (1 s) is
+    // over, and fails again: every failure names it, none the other.
+    dst.memory().fill(0);
+    a.transfer(
+        seg,
+        TransferRequest::write(src.addr(), dst.addr(), MIB as u64),
+    )
+    .await
+    .unwrap();
+    let id = a.submit(seg, &reqs[..8], None).await.unwrap();
+    assert!(a.wait(id).await.unwrap().is_success());
+    let after = multi(&a).choice(seg).unwrap();
+    assert_eq!(after.address, names[1], "{after}");
+    assert!(
+        after
+            .failed
+            .iter()
+            .all(|(what, _)| what.contains(&names[0])),
+        "{after:?}"
+    );
+    assert!(dst.memory().to_vec()[..MIB] == bytes[..MIB]);
+    src.release().await.unwrap();
+    dst.release().await.unwrap();
+}
+
+/// `submit` and `transfer` fail over too: the peer's first transport is
+/// gone before they start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn submit_and_transfer_fail_over() {
+    const N: usize = 16;
+    const MIB: usize = 1 << 20;
+    let a = Arc::new(Engine::open_multi(&TWO_TCP).await.unwrap());
+    let b = Arc::new(Engine::open_multi(&TWO_TCP).await.unwrap());
+    let src = RegisteredBuffer::new(a.clone(), N * MIB).await.unwrap();
+    let dst = RegisteredBuffer::new(b.clone(), N * MIB).await.unwrap();
+    let bytes = data(N * MIB, 5);
+    src.memory().write(0, &bytes).unwrap();
+    let seg = a.open_segment(b.segment_name()).await.unwrap();
+    tcp_of(&b, 0).shutdown_now();
+    let reqs: Vec<TransferRequest> = (0..N)
+        .map(|i| {
+            let at = (i * MIB) as u64;
+            TransferRequest::write(src.addr() + at, dst.addr() + at, MIB as u64)
+        })
+        .collect();
+    let note = Notification::new("submitted", "");
+    let id = a.submit(seg, &reqs, Some(&note)).await.unwrap();
+    let report = within("the submitted batch", a.wait(id)).await.unwrap();
+    assert!(report.is_success(), "{:?}", report.failures().next());
+    assert!(dst.memory().to_vec() == bytes);
+    within("its notification", b.next_notification(Some("submitted")))
+        .await
+        .unwrap();
+    assert!(b.take_notifications().await.unwrap().is_empty());
+    assert_eq!(a.live_batches(), Some(0));
+    assert_eq!(multi(&a).choice(seg).unwrap().failovers, 1);
+
+    // A fresh segment's first transfer fails over by itself.
+    let seg2 = a.open_segment(b.segment_name()).await.unwrap();
+    let c2 = multi(&a).choice(seg2).unwrap();
+    dst.memory().fill(0);
+    a.transfer(seg2, reqs[3]).await.unwrap();
+    assert!(dst.memory().to_vec()[3 * MIB..4 * MIB] == bytes[3 * MIB..4 * MIB]);
+    assert_ne!(multi(&a).choice(seg2).unwrap().address, c2.address);
+}
+
+/// A deadline shorter than the failover (the next transport is a listener
+/// that never answers, so its handshake waits): a typed `Timeout`, and
+/// once `unregister` returned no byte of either memory changes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deadline_shorter_than_the_failover_is_a_timeout() {
+    use ferry::TransferEngineExt;
+    const LEN: usize = 8 << 20;
+    let a = Arc::new(Engine::open_multi(&TWO_TCP).await.unwrap());
+    let b = Arc::new(Engine::open_multi(&TWO_TCP[..1]).await.unwrap());
+    let hole = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let peer = format!(
+        "{SEGMENT_PREFIX}tcp={};tcp={}",
+        inner_names(&b)[0],
+        hole.local_addr().unwrap()
+    );
+    let (src, dst) = (HostBuffer::new(LEN).unwrap(), HostBuffer::new(LEN).unwrap());
+    src.write(0, &data(LEN, 9)).unwrap();
+    // SAFETY: both buffers outlive the engines' use of them: they are
+    // unregistered (and the engines shut down) before the test ends.
+    let region = |m: &HostBuffer| unsafe {
+        MemoryRegion::from_raw_parts(m.as_ptr(), m.len(), Location::cpu(0))
+    };
+    a.register(region(&src)).await.unwrap();
+    b.register(region(&dst)).await.unwrap();
+    let seg = a.open_segment(&peer).await.unwrap();
+    tcp_of(&b, 0).shutdown_now();
+    let reqs = [
+        TransferRequest::write(src.addr(), dst.addr(), LEN as u64),
+        TransferRequest::read(src.addr(), dst.addr(), LEN as u64),
+    ];
+    let r = a
+        .batch_transfer_within(seg, &reqs[..1], None, Duration::from_millis(300))
+        .await;
+    assert!(matches!(r, Err(Error::Timeout { .. })), "{r:?}");
+    let r = a
+        .transfer_within(seg, reqs[1], Duration::from_millis(300))
+        .await;
+    assert!(matches!(r, Err(Error::Timeout { .. })), "{r:?}");
+    a.unregister(src.addr()).await.unwrap();
+    b.unregister(dst.addr()).await.unwrap();
+    let (s0, d0) = (src.to_vec(), dst.to_vec());
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(
+        src.to_vec() == s0 && dst.to_vec() == d0,
+        "a byte changed after unregister"
+    );
+    a.shutdown().await.unwrap();
+    b.shutdown().await.unwrap();
+    drop(hole);
+}
+
 /// The conformance suite on the multi engine: through the facade (raw: the
 /// `Engine`; adapted: under every layer again) and bare (`MultiEngine`
 /// without its stack).
