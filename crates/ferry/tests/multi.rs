@@ -684,4 +684,33 @@ mod conformance {
         use super::*;
         ferry_core::conformance_tests!(Bare::default());
     }
+
+    /// One transport on each side: one candidate, so a notification goes
+    /// with its data (nothing to fail over to).
+    #[derive(Default)]
+    struct One(Made);
+
+    #[async_trait::async_trait]
+    impl EngineFactory for One {
+        async fn create(&self) -> ferry::Result<Arc<dyn DynTransferEngine>> {
+            let e =
+                Engine::open("multi://?transports=tcp&tcp.url=tcp%3A%2F%2F127.0.0.1%3A0").await?;
+            self.0.keep(multi(&e));
+            Ok(e.into_dyn())
+        }
+        fn unknown_segment_name(&self) -> String {
+            dead_address()
+        }
+        async fn refuse_notifications(
+            &self,
+            engine: &Arc<dyn DynTransferEngine>,
+        ) -> ferry::Result<bool> {
+            Ok(self.0.refuse(engine))
+        }
+    }
+
+    mod one {
+        use super::*;
+        ferry_core::conformance_tests!(One::default());
+    }
 }
