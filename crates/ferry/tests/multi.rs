@@ -583,6 +583,106 @@ async fn a_deadline_shorter_than_the_failover_is_a_timeout() {
     drop(hole);
 }
 
+/// A TCP forwarder standing for a link: stopping it resets every
+/// connection through it and refuses new ones; it can start again on the
+/// same port.
+struct Link {
+    accept: tokio::task::JoinHandle<()>,
+    conns: Arc<std::sync::Mutex<Vec<tokio::task::JoinHandle<()>>>>,
+}
+
+impl Link {
+    async fn up(at: std::net::SocketAddr, to: String) -> Link {
+        let l = tokio::net::TcpListener::bind(at)
+            .await
+            .expect("bind the link");
+        let conns = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let accept = tokio::spawn({
+            let conns = Arc::clone(&conns);
+            async move {
+                while let Ok((mut near, _)) = l.accept().await {
+                    let to = to.clone();
+                    let h = tokio::spawn(async move {
+                        if let Ok(mut far) = tokio::net::TcpStream::connect(&to).await {
+                            let _ = tokio::io::copy_bidirectional(&mut near, &mut far).await;
+                        }
+                    });
+                    conns.lock().unwrap().push(h);
+                }
+            }
+        });
+        Link { accept, conns }
+    }
+
+    async fn down(self) {
+        self.accept.abort();
+        let _ = self.accept.await;
+        let conns: Vec<_> = std::mem::take(&mut *self.conns.lock().unwrap());
+        for h in conns {
+            h.abort();
+            let _ = h.await;
+        }
+    }
+}
+
+/// The link under the preferred transport goes down: transfers fail over
+/// to the other; it comes back: after its back-off (1 s) the next
+/// transfer goes over it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_transport_is_used_again_once_it_works_after_its_back_off() {
+    const LEN: usize = 1 << 20;
+    let a = Arc::new(Engine::open_multi(&TWO_TCP[..1]).await.unwrap());
+    let b = Arc::new(Engine::open_multi(&TWO_TCP).await.unwrap());
+    let names = inner_names(&b);
+    let at = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+    };
+    let link = Link::up(at, names[0].clone()).await;
+    let peer = format!("{SEGMENT_PREFIX}tcp={at};tcp={}", names[1]);
+    let src = RegisteredBuffer::new(a.clone(), LEN).await.unwrap();
+    let dst = RegisteredBuffer::new(b.clone(), LEN).await.unwrap();
+    let bytes = data(LEN, 21);
+    src.memory().write(0, &bytes).unwrap();
+    let whole = TransferRequest::write(src.addr(), dst.addr(), LEN as u64);
+    let seg = a.open_segment(&peer).await.unwrap();
+    a.transfer(seg, whole).await.unwrap();
+    assert_eq!(multi(&a).choice(seg).unwrap().address, at.to_string());
+
+    link.down().await;
+    dst.memory().fill(0);
+    a.transfer(seg, whole).await.unwrap();
+    assert!(dst.memory().to_vec() == bytes);
+    let c = multi(&a).choice(seg).unwrap();
+    assert_eq!(
+        (c.address.as_str(), c.failovers),
+        (names[1].as_str(), 1),
+        "{c}"
+    );
+
+    let link = Link::up(at, names[0].clone()).await;
+    // The back-off is a time: wait it out.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    dst.memory().fill(0);
+    let note = Notification::new("back", "");
+    a.batch_transfer(seg, &[whole], Some(&note))
+        .await
+        .unwrap()
+        .into_result()
+        .unwrap();
+    assert!(dst.memory().to_vec() == bytes);
+    let c = multi(&a).choice(seg).unwrap();
+    assert_eq!(
+        (c.address.as_str(), c.failovers),
+        (at.to_string().as_str(), 2),
+        "{c}"
+    );
+    within("the notification", b.next_notification(Some("back")))
+        .await
+        .unwrap();
+    link.down().await;
+}
+
 /// The conformance suite on the multi engine: through the facade (raw: the
 /// `Engine`; adapted: under every layer again) and bare (`MultiEngine`
 /// without its stack).
