@@ -24,7 +24,8 @@
 //!   transport was chosen, to which address and why is
 //!   [`MultiEngine::choice`] ([`Engine::transport_choice`] by name).
 //! - **Transfers** on a segment go over the transport chosen for it. When
-//!   that transport fails under them (the same errors), the requests not
+//!   that transport fails under them (the same errors, but a timeout: a
+//!   transport may still land a timed-out request's bytes), the requests not
 //!   confirmed go again, as one batch, over the next transport both sides
 //!   have (`transfer`, `batch_transfer`, `submit` alike); every outcome is
 //!   reported once, and a request confirmed is never sent again. The
@@ -348,7 +349,17 @@ fn transport_failed(e: &Error, stopping: &AtomicBool) -> bool {
 }
 
 impl Ctx {
+    /// Whether a transfer that failed with `e` goes again over the next
+    /// transport: [`transport_failed`], but not a `Timeout`, after which
+    /// a transport may keep the connection and still land the request's
+    /// bytes late (TCP does), after the batch succeeded elsewhere.
     fn fails_over(&self, e: &Error) -> bool {
+        transport_failed(e, &self.stopping) && e.kind() != ErrorKind::Timeout
+    }
+
+    /// Whether opening candidate `c` failed so that the next is tried (no
+    /// request was sent: a timeout too).
+    fn open_fails_over(&self, e: &Error) -> bool {
         transport_failed(e, &self.stopping)
     }
 
@@ -443,7 +454,7 @@ impl Ctx {
         for c in self.order() {
             let (engine, inner) = match self.segment(c).await {
                 Ok(x) => x,
-                Err(e) if self.fails_over(&e) => {
+                Err(e) if self.open_fails_over(&e) => {
                     self.failed(c, &e);
                     last = Some(e);
                     continue;
@@ -490,7 +501,7 @@ impl Ctx {
             }
             let (engine, inner) = match self.segment(c).await {
                 Ok(x) => x,
-                Err(e) if self.fails_over(&e) => {
+                Err(e) if self.open_fails_over(&e) => {
                     self.failed(c, &e);
                     last = Some(e);
                     continue;
@@ -565,7 +576,7 @@ impl Ctx {
         for c in order {
             let (engine, inner) = match self.segment(c).await {
                 Ok(x) => x,
-                Err(e) if self.fails_over(&e) => {
+                Err(e) if self.open_fails_over(&e) => {
                     self.failed(c, &e);
                     last = Some(e);
                     continue;
