@@ -1,7 +1,8 @@
 //! Deterministic simulation of both sides of Ferry's TCP connections
 //! (issue 42): the initiator's real cores ([`batch::plan`],
 //! [`batch::Requests`], [`batch::Flow`], [`initiator::Pending`],
-//! [`initiator::on_header`] and the answer checks, [`initiator::Slicing`]
+//! [`initiator::on_header`] for every answer header, the segments'
+//! [`initiator::Verdicts`] and [`initiator::retried`], [`initiator::Slicing`]
 //! and [`initiator::window_until`])
 //! against the target's real core ([`TargetConn`]), in a simulated world:
 //! byte queues per connection (bounded like socket buffers) moved in
@@ -64,8 +65,7 @@ use ferry_tcp_proto::frame::{
     Segment, Status, TableEntry, HEADER_LEN, SEGMENT_LEN,
 };
 use ferry_tcp_proto::initiator::{
-    self, check_datav, failed_segments, Answered, Expect, Pending, Recv, Reply, Slicing,
-    MAX_ABANDONED,
+    self, Answered, Expect, Pending, Recv, Slicing, Verdicts, MAX_ABANDONED,
 };
 use ferry_tcp_proto::target::{frame_bytes, Delivered, Part, Regions, Step, TargetConn};
 use ferry_tcp_proto::time::Time;
@@ -353,6 +353,9 @@ struct World {
     /// an operation the target never served.
     forged: bool,
     mute_chance: u64,
+    /// How the segments of the last ERRV or DATAV end (kept, as the
+    /// reader keeps it).
+    verdicts: Verdicts,
 }
 
 /// The target's region table as the core sees it.
@@ -469,8 +472,10 @@ impl World {
             return;
         };
         let mut out = None;
-        if let Err(Failure::Status(Status::StaleRegion)) = &r {
-            p.reqs.mark_stale(index);
+        if let Err(Failure::Status(status)) = &r {
+            if initiator::retried(*status) {
+                p.reqs.mark_stale(index);
+            }
         }
         p.reqs.complete(index, r, |i, r| out = Some((i, r)));
         if let Some((i, r)) = out {
@@ -772,90 +777,12 @@ impl World {
         Ok(true)
     }
 
-    fn reply(&mut self, c: usize, id: u64, what: &str) -> Result<Option<Op>, Failure> {
-        match self.conns[c].i.pending.answer(id) {
-            Reply::Op(op) => Ok(Some(op)),
-            Reply::Skip => {
-                count(4);
-                Ok(None)
-            }
-            Reply::Unknown => Err(Failure::Protocol(format!(
-                "{what} for unknown request id {id}"
-            ))),
-        }
-    }
-
     /// One answer, as ferry-tcp's reader handles it: the core decides
-    /// OK, ERR, DATA and DATAV headers ([`initiator::on_header`]).
+    /// every header ([`initiator::on_header`]; no staging area here), the
+    /// test executes the decision with the frame's body.
     fn answer(&mut self, c: usize, resp: Response, body: &[u8]) -> Result<(), Failure> {
-        if let Some(recv) = initiator::on_header(&mut self.conns[c].i.pending, &resp) {
-            return self.execute(recv, resp, body);
-        }
-        match resp {
-            Response::OkMany { .. } => {
-                for id in decode_ids(body) {
-                    self.ack(c, id, Ok(()))?;
-                }
-                Ok(())
-            }
-            Response::ErrV { id, status, count } => {
-                let Some(op) = self.reply(c, id, "ERRV")? else {
-                    return Ok(());
-                };
-                let OpKind::Write(parts, true) = &op.kind else {
-                    let e = Failure::Protocol(format!("ERRV for request {id}, not a WRITEV"));
-                    self.complete_op(op, Err(e.clone()));
-                    return Err(e);
-                };
-                let failed = match failed_segments(&body[..count as usize * 4], parts.len(), "ERRV")
-                {
-                    Ok(f) => f,
-                    Err(r) => {
-                        self.complete_op(op, Err(Failure::Protocol(r.clone())));
-                        return Err(Failure::Protocol(r));
-                    }
-                };
-                let parts = parts.clone();
-                for ((index, _), bad) in parts.into_iter().zip(failed) {
-                    let r = if bad {
-                        Err(Failure::Status(status))
-                    } else {
-                        Ok(())
-                    };
-                    self.complete(op.pass, index, r);
-                }
-                Ok(())
-            }
-            Response::Table { id, .. } => {
-                let Some(op) = self.reply(c, id, "TABLE")? else {
-                    return Ok(());
-                };
-                let table = match decode_table(body) {
-                    Ok(t) => t,
-                    Err(e) => {
-                        let e = Failure::Protocol(e.0);
-                        self.complete_op(op, Err(e.clone()));
-                        return Err(e);
-                    }
-                };
-                if !matches!(op.kind, OpKind::Table) {
-                    let e = Failure::Protocol(format!("TABLE reply to request {id}"));
-                    self.complete_op(op, Err(e.clone()));
-                    return Err(e);
-                }
-                self.table = table;
-                self.complete_op(op, Ok(()));
-                Ok(())
-            }
-            Response::SameHostOk { id, .. } => Err(Failure::Protocol(format!(
-                "SAME_HOST_OK for request {id}, not offered"
-            ))),
-            Response::Wake => Err(Failure::Protocol("WAKE without a staging area".into())),
-            Response::Ok { .. }
-            | Response::Err { .. }
-            | Response::Data { .. }
-            | Response::DataV { .. } => self.fail("an answer the core decides, not decided"),
-        }
+        let recv = initiator::on_header(&mut self.conns[c].i.pending, &resp, false);
+        self.execute(c, recv, body)
     }
 
     /// An OK or ERR (ferry-tcp's `ConnShared::ack`).
@@ -869,15 +796,13 @@ impl World {
                 len: 0,
             },
         };
-        match initiator::on_header(&mut self.conns[c].i.pending, &resp) {
-            Some(recv) => self.execute(recv, resp, &[]),
-            None => Ok(()),
-        }
+        let recv = initiator::on_header(&mut self.conns[c].i.pending, &resp, false);
+        self.execute(c, recv, &[])
     }
 
     /// Executes what the core decided for an answer whose frame (after
-    /// its header) is `body`.
-    fn execute(&mut self, recv: Recv<Op>, resp: Response, body: &[u8]) -> Result<(), Failure> {
+    /// its header) is `body` (ferry-tcp's `reader::execute`).
+    fn execute(&mut self, c: usize, recv: Recv<Op>, body: &[u8]) -> Result<(), Failure> {
         match recv {
             Recv::Ack(op) => self.complete_op(op, Ok(())),
             Recv::Refused(op, status, ..) => self.complete_op(op, Err(Failure::Status(status))),
@@ -889,37 +814,70 @@ impl World {
                 self.land(op.pass, index, len);
                 self.complete_op(op, Ok(()));
             }
-            Recv::Indices(op, failed) => {
-                let Response::DataV { status, len, .. } = resp else {
-                    self.fail("indices of a frame that is not a DATAV");
-                };
+            Recv::Indices {
+                op,
+                failed,
+                len,
+                status,
+            } => {
                 let OpKind::ReadV(parts) = &op.kind else {
                     self.fail("DATAV for an operation that is not a READV");
                 };
                 let (idx, data) = body.split_at(failed as usize * 4);
-                let bad = failed_segments(idx, parts.len(), "DATAV")
-                    .and_then(|b| check_datav(&b, parts.iter().map(|p| p.2), len).map(|()| b));
-                let bad = match bad {
-                    Ok(b) => b,
-                    Err(r) => {
-                        self.complete_op(op, Err(Failure::Protocol(r.clone())));
-                        return Err(Failure::Protocol(r));
-                    }
-                };
-                let status = status.unwrap_or(Status::AddressNotRegistered);
+                let lens = parts.iter().map(|p| p.2);
+                if let Err(r) = self.verdicts.datav(idx, lens, status, len) {
+                    self.complete_op(op, Err(Failure::Protocol(r.clone())));
+                    return Err(Failure::Protocol(r));
+                }
                 let mut at = 0usize;
                 let parts = parts.clone();
-                for ((index, dst, n), b) in parts.into_iter().zip(bad) {
-                    if b {
-                        self.complete(op.pass, index, Err(Failure::Status(status)));
-                    } else {
+                for (i, (index, dst, n)) in parts.into_iter().enumerate() {
+                    if self.verdicts.lands(i) {
                         self.write_local(dst, &data[at..at + n as usize]);
                         at += n as usize;
                         self.land(op.pass, index, n);
-                        self.complete(op.pass, index, Ok(()));
+                    }
+                    let r = self.verdicts.of(i).map_err(Failure::Status);
+                    self.complete(op.pass, index, r);
+                }
+            }
+            Recv::Refusals { op, status, count } => {
+                let OpKind::Write(parts, true) = &op.kind else {
+                    self.fail("ERRV for an operation that is not a WRITEV");
+                };
+                let idx = &body[..count as usize * 4];
+                if let Err(r) = self.verdicts.errv(idx, parts.len(), status) {
+                    self.complete_op(op, Err(Failure::Protocol(r.clone())));
+                    return Err(Failure::Protocol(r));
+                }
+                let parts = parts.clone();
+                for (i, (index, _)) in parts.into_iter().enumerate() {
+                    let r = self.verdicts.of(i).map_err(Failure::Status);
+                    self.complete(op.pass, index, r);
+                }
+            }
+            Recv::Acks(_) => {
+                for id in decode_ids(body) {
+                    self.ack(c, id, Ok(()))?;
+                }
+            }
+            Recv::Table(op, _) => {
+                if !matches!(op.kind, OpKind::Table) {
+                    self.fail("TABLE for an operation that is not a TABLE");
+                }
+                match decode_table(body) {
+                    Ok(table) => {
+                        self.table = table;
+                        self.complete_op(op, Ok(()));
+                    }
+                    Err(e) => {
+                        let e = Failure::Protocol(e.0);
+                        self.complete_op(op, Err(e.clone()));
+                        return Err(e);
                     }
                 }
             }
+            Recv::Lane => self.fail("a staging area's lane on a connection without one"),
             // The frame is thrown away with the body.
             Recv::Discard(_) => count(4),
             Recv::Fail(op, reason) => {
@@ -1748,6 +1706,7 @@ fn run_seed(seed: u64) -> u64 {
         hostile,
         forged: false,
         mute_chance,
+        verdicts: Verdicts::new(),
     };
     for _ in 0..n_conns {
         let c = w.new_conn();

@@ -15,7 +15,7 @@ use super::wire_ops::WireOps;
 use crate::frame::Response;
 use crate::frame::{Status, TableEntry};
 use crate::io::Pace;
-use ferry_tcp_proto::initiator::{self, Answered, Expect, Pending, Recv, Reply};
+use ferry_tcp_proto::initiator::{self, Answered, Expect, Pending, Recv};
 
 /// The cached region table of a peer.
 pub(crate) type TableCache = RwLock<Arc<Vec<TableEntry>>>;
@@ -323,21 +323,18 @@ impl ConnShared {
         tail != start
     }
 
-    /// What the core makes of an OK, ERR, DATA or DATAV header (the
-    /// operation it answers taken out of flight); `None` for the others.
-    pub(crate) fn on_header(&self, resp: &Response) -> Option<Recv<PendingOp>> {
-        if !matches!(
-            resp,
-            Response::Ok { .. }
-                | Response::Err { .. }
-                | Response::Data { .. }
-                | Response::DataV { .. }
-        ) {
-            // Not the core's to decide from the header: no lock taken.
-            return None;
+    /// What the core makes of an answer header (the operation it answers
+    /// taken out of flight, when it names one).
+    #[inline]
+    pub(crate) fn on_header(&self, resp: &Response) -> Recv<PendingOp> {
+        let staged = self.stage.is_some();
+        if let Some(r) = initiator::header_alone(resp, staged) {
+            // Names no operation: no lock taken.
+            return r;
         }
-        let r = initiator::on_header(&mut lock(&self.pending), resp);
-        // As in `reply`.
+        let r = initiator::on_header(&mut lock(&self.pending), resp, staged);
+        // SeqCst with the waiter's increment: it counts itself before it
+        // looks at `pending`, so either it sees this removal or this sees it.
         if self.window_waiters.load(Ordering::SeqCst) > 0 {
             self.answered.notify_waiters();
         }
@@ -346,7 +343,8 @@ impl ConnShared {
 
     /// Executes what the core decided for an answer header, as far as no
     /// payload bytes are involved; hands back what needs reading (`Into`,
-    /// `Indices`, a `Discard` of some bytes).
+    /// `Indices`, `Refusals`, `Acks`, `Table`, a `Discard` of some bytes)
+    /// or the staging area's lane.
     pub(crate) fn settle(&self, recv: Recv<PendingOp>) -> Result<Option<Recv<PendingOp>>> {
         match recv {
             Recv::Ack(op) => {
@@ -354,11 +352,10 @@ impl ConnShared {
                 Ok(None)
             }
             Recv::Refused(op, status, addr, len) => {
-                if status == Status::StaleRegion {
+                if initiator::retried(status) {
                     op.batch.mark_stale(op.index);
                 }
-                let e = self.status_error(status, addr, len);
-                op.complete(Err(e));
+                op.complete(Err(self.status_error(status, addr, len)));
                 Ok(None)
             }
             Recv::Fail(op, reason) => {
@@ -373,16 +370,26 @@ impl ConnShared {
         }
     }
 
-    /// What the answer to `id` completes: the operation (taken out), the
-    /// late answer of an expired batch's operation, or nothing sent here.
-    pub(crate) fn reply(&self, id: u64) -> Reply<PendingOp> {
-        let r = lock(&self.pending).answer(id);
-        // SeqCst with the waiter's increment: it counts itself before it
-        // looks at `pending`, so either it sees this removal or this sees it.
-        if self.window_waiters.load(Ordering::SeqCst) > 0 {
-            self.answered.notify_waiters();
-        }
-        r
+    /// Completes part `index` of `batch` as the core judged it
+    /// ([`initiator::Verdicts::of`]): landed, or refused with `status`
+    /// (marked for the retry where [`initiator::retried`] says so; `addr`
+    /// and `len` name the range in the error).
+    #[inline]
+    pub(crate) fn complete_part(
+        &self,
+        batch: &WireOps,
+        index: usize,
+        verdict: std::result::Result<(), Status>,
+        addr: u64,
+        len: u64,
+    ) {
+        let r = verdict.map_err(|status| {
+            if initiator::retried(status) {
+                batch.mark_stale(index);
+            }
+            self.status_error(status, addr, len)
+        });
+        batch.complete(index, r);
     }
 
     pub(crate) fn mark_rx(&self) {
@@ -534,10 +541,7 @@ impl ConnShared {
                 len,
             },
         };
-        match self.on_header(&resp) {
-            Some(recv) => self.settle(recv).map(drop),
-            None => Ok(()),
-        }
+        self.settle(self.on_header(&resp)).map(drop)
     }
 }
 

@@ -226,25 +226,172 @@ impl Peer {
         report: &mut FeatureReport,
     ) -> Result<(Stream, bool, Option<ClientStage>)> {
         let cfg = &self.core.config;
-        let mode = cfg.same_host;
-        let channel_agreed = agreed.why_off(negotiate::CONTROL_CHANNEL);
-        let stage_agreed = agreed
+        let offer = Offer::new(agreed, cfg.same_host_stage);
+        let verdict = handshake::offer_same_host(
+            &stream,
+            &self.name,
+            offer
+                .pair
+                .as_ref()
+                .ok()
+                .map(|(_, theirs)| theirs.as_raw_fd()),
+            offer.area.as_ref().ok().map(|(a, _)| a.raw_fd()),
+            agreed.cred.as_ref(),
+            cfg.connect_timeout,
+        )
+        .await?;
+        let (channel, stage, target) = match verdict {
+            handshake::SameHostVerdict::Cma {
+                channel,
+                stage,
+                target,
+            } => (channel, stage, target),
+            handshake::SameHostVerdict::Refused(reason) => {
+                tracing::debug!(peer = %self.name, %reason, "same-host path not used");
+                *lock(&self.path) = Some(format!("tcp ({reason})"));
+                if cfg.same_host == SameHost::Cma {
+                    return Err(Error::SegmentUnavailable {
+                        name: self.name.clone(),
+                        reason: format!("same_host=cma, but the path is refused: {reason}"),
+                    });
+                }
+                report.off_all(FeatureOff::Refused(reason));
+                return Ok((stream, false, None));
+            }
+        };
+        // The target holds its own copy of its end now (or never will):
+        // ours of it goes.
+        let ours = offer.pair.map(|(ours, _theirs)| ours);
+        // Not offered: why not; not taken: the target's reason.
+        report.same_host_on(
+            agreed,
+            negotiate::offered(
+                &offer.channel,
+                ours.as_ref().map(|_| ()),
+                channel.as_ref().copied(),
+            ),
+            negotiate::offered(
+                &offer.stage,
+                offer.area.as_ref().map(|_| ()),
+                stage.as_ref().copied(),
+            ),
+        );
+        let mut notes = Vec::new();
+        let stream =
+            self.control_stream(ours.and_then(|u| channel.map(|()| u)), stream, &mut notes);
+        let staged = match (offer.area, stage) {
+            (Ok((area, min)), Ok(())) => {
+                Some(self.client_stage(area, min, offer.grants, target, report))
+            }
+            (Err(why), _) | (Ok(_), Err(why)) => {
+                if cfg.same_host_stage.is_some() {
+                    tracing::debug!(peer = %self.name, %why, "no staging area");
+                    notes.push(format!("no staging: {why}"));
+                }
+                None
+            }
+        };
+        *lock(&self.path) = Some(if notes.is_empty() {
+            "cma".to_owned()
+        } else {
+            format!("cma ({})", notes.join("; "))
+        });
+        Ok((stream, true, staged))
+    }
+
+    /// The stream the connection continues on: the control channel the
+    /// target took (`unix`: ours of it; the target closes the TCP
+    /// connection), or `stream` if there is none to use (why: in `notes`).
+    fn control_stream(
+        &self,
+        unix: std::result::Result<std::os::unix::net::UnixStream, String>,
+        stream: Stream,
+        notes: &mut Vec<String>,
+    ) -> Stream {
+        let unix = unix.and_then(|u| {
+            u.set_nonblocking(true)
+                .and_then(|()| tokio::net::UnixStream::from_std(u))
+                .map_err(|e| format!("the channel: {e}"))
+        });
+        match unix {
+            Ok(u) => Stream::Unix(u),
+            Err(why) => {
+                tracing::debug!(peer = %self.name, %why, "same-host control on TCP");
+                notes.push(format!("control on the tcp socket: {why}"));
+                stream
+            }
+        }
+    }
+
+    /// The staging area the target mapped (frames of at least `min`
+    /// bytes go through it), with the target's grants if they are agreed
+    /// (`grants`: why not) and open (`target`: the process they reach).
+    fn client_stage(
+        &self,
+        area: crate::same_host::stage::Area,
+        min: usize,
+        grants: Option<FeatureOff>,
+        target: Option<std::result::Result<crate::same_host::cma::Initiator, String>>,
+        report: &mut FeatureReport,
+    ) -> ClientStage {
+        let cfg = &self.core.config;
+        let area = Arc::new(area);
+        let grants = match grants {
+            Some(why) => Err(why),
+            None => crate::same_host::grant::ClientGrants::open(Arc::clone(&area), target)
+                .map_err(FeatureOff::Refused),
+        };
+        if let Err(why) = &grants {
+            tracing::debug!(peer = %self.name, %why, "no granted copies");
+        }
+        report.set(negotiate::GRANTS, grants.as_ref().err().cloned());
+        ClientStage::new(
+            area,
+            grants.ok().map(Arc::new),
+            min,
+            cfg.stall_timeout.min(cfg.request_timeout),
+        )
+    }
+}
+
+/// What this side offers with the same-host path, as far as the
+/// agreement allows (each feature: `None`, agreed, or why not): the
+/// control channel, a Unix socket pair whose other end the target takes
+/// over (see `cma`; without one the connection stays on TCP); the staging
+/// area (see `stage`); and the grants, which ride on the area (a page
+/// after its rings).
+struct Offer {
+    channel: Option<FeatureOff>,
+    stage: Option<FeatureOff>,
+    grants: Option<FeatureOff>,
+    /// Ours and the target's end of the channel, or why none.
+    pair: std::result::Result<
+        (
+            std::os::unix::net::UnixStream,
+            std::os::unix::net::UnixStream,
+        ),
+        String,
+    >,
+    /// The area and the least frame that goes through it, or why none.
+    area: std::result::Result<(crate::same_host::stage::Area, usize), String>,
+}
+
+impl Offer {
+    /// Makes what `agreed` allows (`stage_min`: the `same_host_stage`
+    /// setting).
+    fn new(agreed: &Agreement, stage_min: Option<usize>) -> Offer {
+        let channel = agreed.why_off(negotiate::CONTROL_CHANNEL);
+        let stage = agreed
             .why_off(negotiate::STAGING)
             .or_else(|| agreed.why_off(negotiate::ACK_LANE));
-        // Grants ride on the area (a page after its rings).
-        let grants_agreed = agreed.why_off(negotiate::GRANTS);
-        let with_grants = stage_agreed.is_none() && grants_agreed.is_none();
-        // The control channel offered to the target: a Unix socket
-        // pair whose other end it takes over (see `cma`). Without
-        // one the connection stays on TCP.
-        let pair = match &channel_agreed {
+        let grants = agreed.why_off(negotiate::GRANTS);
+        let with_grants = stage.is_none() && grants.is_none();
+        let pair = match &channel {
             None => std::os::unix::net::UnixStream::pair().map_err(|e| format!("socketpair: {e}")),
             Some(FeatureOff::DisabledHere(s)) => Err(s.to_string()),
             Some(why) => Err(why.to_string()),
         };
-        let offered = pair.as_ref().ok().map(|(_, theirs)| theirs.as_raw_fd());
-        // The staging area offered with it (see `stage`).
-        let area = match (&stage_agreed, cfg.same_host_stage) {
+        let area = match (&stage, stage_min) {
             (None, Some(min)) => {
                 crate::same_host::stage::Area::create(with_grants).map(|a| (a, min))
             }
@@ -252,102 +399,12 @@ impl Peer {
             (Some(why), _) => Err(why.to_string()),
             (None, None) => Err("same_host_stage=off".to_owned()),
         };
-        let verdict = handshake::offer_same_host(
-            &stream,
-            &self.name,
-            offered,
-            area.as_ref().ok().map(|(a, _)| a.raw_fd()),
-            agreed.cred.as_ref(),
-            cfg.connect_timeout,
-        )
-        .await?;
-        // The target holds its own copy of its end now (or never
-        // will): ours of it goes.
-        let ours = pair.map(|(ours, _theirs)| ours);
-        match verdict {
-            handshake::SameHostVerdict::Cma {
-                channel,
-                stage,
-                target,
-            } => {
-                // Not offered: why not; not taken: the target's reason.
-                report.same_host_on(
-                    agreed,
-                    negotiate::offered(
-                        &channel_agreed,
-                        ours.as_ref().map(|_| ()),
-                        channel.as_ref().copied(),
-                    ),
-                    negotiate::offered(
-                        &stage_agreed,
-                        area.as_ref().map(|_| ()),
-                        stage.as_ref().copied(),
-                    ),
-                );
-                let unix = ours.and_then(|u| channel.map(|()| u));
-                let mut notes = Vec::new();
-                let stream = match unix.and_then(|u| {
-                    u.set_nonblocking(true)
-                        .and_then(|()| tokio::net::UnixStream::from_std(u))
-                        .map_err(|e| format!("the channel: {e}"))
-                }) {
-                    // The target closes the TCP connection.
-                    Ok(u) => Stream::Unix(u),
-                    Err(why) => {
-                        tracing::debug!(peer = %self.name, %why, "same-host control on TCP");
-                        notes.push(format!("control on the tcp socket: {why}"));
-                        stream
-                    }
-                };
-                let staged = match (area, stage) {
-                    (Ok((area, min)), Ok(())) => {
-                        let area = Arc::new(area);
-                        let grants = match &grants_agreed {
-                            Some(why) => Err(why.clone()),
-                            None => crate::same_host::grant::ClientGrants::open(
-                                Arc::clone(&area),
-                                target,
-                            )
-                            .map_err(FeatureOff::Refused),
-                        };
-                        if let Err(why) = &grants {
-                            tracing::debug!(peer = %self.name, %why, "no granted copies");
-                        }
-                        report.set(negotiate::GRANTS, grants.as_ref().err().cloned());
-                        Some(ClientStage::new(
-                            area,
-                            grants.ok().map(Arc::new),
-                            min,
-                            cfg.stall_timeout.min(cfg.request_timeout),
-                        ))
-                    }
-                    (Err(why), _) | (Ok(_), Err(why)) => {
-                        if cfg.same_host_stage.is_some() {
-                            tracing::debug!(peer = %self.name, %why, "no staging area");
-                            notes.push(format!("no staging: {why}"));
-                        }
-                        None
-                    }
-                };
-                *lock(&self.path) = Some(if notes.is_empty() {
-                    "cma".to_owned()
-                } else {
-                    format!("cma ({})", notes.join("; "))
-                });
-                Ok((stream, true, staged))
-            }
-            handshake::SameHostVerdict::Refused(reason) => {
-                tracing::debug!(peer = %self.name, %reason, "same-host path not used");
-                *lock(&self.path) = Some(format!("tcp ({reason})"));
-                if mode == SameHost::Cma {
-                    return Err(Error::SegmentUnavailable {
-                        name: self.name.clone(),
-                        reason: format!("same_host=cma, but the path is refused: {reason}"),
-                    });
-                }
-                report.off_all(FeatureOff::Refused(reason));
-                Ok((stream, false, None))
-            }
+        Offer {
+            channel,
+            stage,
+            grants,
+            pair,
+            area,
         }
     }
 }

@@ -1,6 +1,10 @@
 //! The reader task of a connection: reads responses, moves READ payloads
 //! from the socket straight into their destination regions, and completes
-//! the operations they answer.
+//! the operations they answer. What each answer header means, what to read
+//! next and into which destination, and how each part of an operation
+//! ends are the core's decisions ([`ferry_tcp_proto::initiator::on_header`],
+//! [`Verdicts`]); this task makes the reads and completes the
+//! operations.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -9,10 +13,10 @@ use std::time::Duration;
 use ferry_core::__private::sync::lock;
 use ferry_core::{Error, Result};
 
-use super::conn::{ConnShared, PendingKind};
-use crate::frame::{decode_ids, decode_table, Response, Status, MAX_ACKS, TABLE_ENTRY_LEN};
+use super::conn::{ConnShared, PendingKind, PendingOp};
+use crate::frame::{decode_ids, decode_table, Response, Status};
 use crate::io::{Bytes, FrameReader, Next};
-use ferry_tcp_proto::initiator::{check_datav, failed_segments, frame_bytes, Recv, Reply};
+use ferry_tcp_proto::initiator::{frame_bytes, Recv, Verdicts, SCRATCH};
 
 /// The reader task of `conn`: reads responses until the connection ends,
 /// then fails what is still pending on it.
@@ -49,6 +53,42 @@ pub(crate) async fn reader_loop(
     spin_pending: Duration,
     idle: Option<Duration>,
 ) -> Result<()> {
+    let mut rd = frame_reader(conn, spin, spin_pending);
+    let mut scratch = Scratch::new();
+    while let Some(resp) = next_answer(conn, &mut rd, idle).await? {
+        // The whole frame must arrive at the minimum rate.
+        rd.begin_frame(frame_bytes(&resp));
+        let recv = conn.on_header(&resp);
+        execute(conn, &mut rd, &mut scratch, recv).await?;
+    }
+    Ok(())
+}
+
+/// What the reader keeps from one answer to the next, so that no answer
+/// allocates (but a table).
+struct Scratch {
+    /// The ids of an OKS, the failed indices of an ERRV or a DATAV
+    /// ([`SCRATCH`] bytes: the core asks for no more).
+    buf: Box<[u8; SCRATCH]>,
+    /// How each segment of the last ERRV or DATAV ends.
+    verdicts: Verdicts,
+    /// The destinations of a DATAV's segments that land (empty between
+    /// answers).
+    dsts: Vec<Bytes<'static>>,
+}
+
+impl Scratch {
+    fn new() -> Scratch {
+        Scratch {
+            buf: Box::new([0; SCRATCH]),
+            verdicts: Verdicts::new(),
+            dsts: Vec::new(),
+        }
+    }
+}
+
+/// The connection's frame reader, polling as [`reader_loop`] says.
+fn frame_reader(conn: &Arc<ConnShared>, spin: Duration, spin_pending: Duration) -> FrameReader {
     let mut rd = FrameReader::new(spin, conn.pace);
     if !spin_pending.is_zero() {
         let c = Arc::clone(conn);
@@ -63,8 +103,17 @@ pub(crate) async fn reader_loop(
             nudge: Arc::clone(&st.nudge),
         });
     }
-    let mut ids = vec![0u8; MAX_ACKS as usize * 8];
-    let stream = &conn.stream;
+    rd
+}
+
+/// The next answer header, decoded; `None` once the connection ends
+/// between frames (the peer closed it, or it was idle for `idle` and this
+/// side retired it).
+async fn next_answer(
+    conn: &ConnShared,
+    rd: &mut FrameReader,
+    idle: Option<Duration>,
+) -> Result<Option<Response>> {
     loop {
         // Between frames: a blocked caller driving this task whose own
         // call completed returns now (else it kept reading the answers of
@@ -74,219 +123,229 @@ pub(crate) async fn reader_loop(
             tokio::task::yield_now().await;
         }
         let busy = !lock(&conn.pending).is_empty();
-        let hdr = match rd
-            .next_header(stream, if busy { None } else { idle })
+        let next = rd
+            .next_header(&conn.stream, if busy { None } else { idle })
             .await
-            .map_err(|e| conn.lost(&e))?
-        {
-            Next::Header(h) => h,
-            Next::Eof => return Ok(()),
-            Next::Idle => {
-                let mut map = lock(&conn.pending);
-                // Retire it if nothing is in flight: sends that race with
-                // this go elsewhere.
-                if map
-                    .retire(|| Error::Canceled(format!("idle connection to {} retired", conn.peer)))
-                {
-                    conn.retired.store(true, Ordering::Release);
-                    conn.dead.store(true, Ordering::Release);
-                    return Ok(());
-                }
-                continue;
+            .map_err(|e| conn.lost(&e))?;
+        match next {
+            Next::Header(h) => {
+                conn.mark_rx();
+                return Response::decode(&h)
+                    .map(Some)
+                    .map_err(|e| conn.protocol(e.0));
             }
-        };
-        conn.mark_rx();
-        let resp = Response::decode(&hdr).map_err(|e| conn.protocol(e.0))?;
-        // The whole frame must arrive at the minimum rate.
-        rd.begin_frame(frame_bytes(&resp));
-        // OK, ERR, DATA, DATAV: the core decides what the header means.
-        let header = match conn.on_header(&resp) {
-            Some(recv) => conn.settle(recv)?,
-            None => None,
-        };
-        match (header, resp) {
-            (Some(Recv::Discard(n)), _) => {
-                // The late answer of an expired batch's operation.
-                rd.discard(stream, n, true)
-                    .await
-                    .map_err(|e| conn.lost(&e))?;
-            }
-            (Some(Recv::Into(op, len)), _) => {
-                let Some(dst) = op.destination() else {
-                    let err = conn.protocol("DATA for an operation without a destination");
-                    op.complete(Err(err.clone()));
-                    return Err(err);
-                };
-                // SAFETY: `dst..dst+len` was bounds-checked against a local
-                // registered region when the request was issued (the core
-                // checked that `len` is the READ's length), and the
-                // RegionGuard held in `op` keeps that region registered (so
-                // the memory valid) until `op` is dropped below. Only
-                // recvmsg(2) writes it.
-                let slice = unsafe { Bytes::from_raw(dst as *mut u8, len as usize) };
-                match rd.read_payload(stream, slice).await {
-                    Ok(()) => op.complete(Ok(())),
-                    Err(e) => {
-                        let err = conn.lost(&e);
-                        op.complete(Err(err.clone()));
-                        return Err(err);
-                    }
-                }
-            }
-            (
-                Some(Recv::Indices(op, failed)),
-                Response::DataV {
-                    id, status, len, ..
-                },
-            ) => {
-                let buf = &mut ids[..failed as usize * 4];
-                let PendingKind::ReadV { parts, .. } = &op.kind else {
-                    let err = conn.protocol(format!("DATAV for request {id}, not a READV"));
-                    op.complete(Err(err.clone()));
-                    return Err(err);
-                };
-                // The indices end the frame only if no data follows.
-                let r = if len == 0 {
-                    rd.read_payload(stream, Bytes::from_mut(buf)).await
-                } else {
-                    rd.read_part(stream, Bytes::from_mut(buf)).await
-                };
-                if let Err(e) = r {
-                    let err = conn.lost(&e);
-                    op.complete(Err(err.clone()));
-                    return Err(err);
-                }
-                let bad = match failed_segments(buf, parts.len(), "DATAV")
-                    .and_then(|bad| check_datav(&bad, parts.iter().map(|p| p.3), len).map(|()| bad))
-                {
-                    Ok(bad) => bad,
-                    Err(w) => {
-                        let err = conn.protocol(w);
-                        op.complete(Err(err.clone()));
-                        return Err(err);
-                    }
-                };
-                let dsts: Vec<Bytes<'static>> = parts
-                    .iter()
-                    .zip(&bad)
-                    .filter(|(_, b)| !**b)
-                    // SAFETY: each destination was bounds-checked against a
-                    // local registered region when the request was issued;
-                    // the guards held in `op` keep those regions registered
-                    // until `op` is dropped. Only recvmsg(2) writes them.
-                    .map(|(p, _)| unsafe { Bytes::from_raw(p.1 as *mut u8, p.3 as usize) })
-                    .collect();
-                if len > 0 {
-                    if let Err(e) = rd.read_v(stream, &dsts, true).await {
-                        let err = conn.lost(&e);
-                        op.complete(Err(err.clone()));
-                        return Err(err);
-                    }
-                }
-                let status = status.unwrap_or(Status::AddressNotRegistered);
-                for ((index, _, remote, n), b) in parts.iter().zip(bad) {
-                    let r = if b {
-                        if status == Status::StaleRegion {
-                            op.batch.mark_stale(*index);
-                        }
-                        Err(conn.status_error(status, *remote, *n))
-                    } else {
-                        Ok(())
-                    };
-                    op.batch.complete(*index, r);
-                }
-            }
-            // Acknowledgements wait in the staging area's lane.
-            (_, Response::Wake) if conn.stage.is_some() => {
-                conn.take_lane(true);
-            }
-            (_, Response::Wake) => return Err(conn.protocol("WAKE without a staging area")),
-            (_, Response::OkMany { count }) => {
-                let buf = &mut ids[..count as usize * 8];
-                rd.read_payload(stream, Bytes::from_mut(buf))
-                    .await
-                    .map_err(|e| conn.lost(&e))?;
-                for id in decode_ids(buf) {
-                    conn.ack(id, Ok(()))?;
-                }
-            }
-            (_, Response::ErrV { id, status, count }) => {
-                let buf = &mut ids[..count as usize * 4];
-                rd.read_payload(stream, Bytes::from_mut(buf))
-                    .await
-                    .map_err(|e| conn.lost(&e))?;
-                let op = match conn.reply(id) {
-                    Reply::Op(op) => op,
-                    Reply::Skip => continue,
-                    Reply::Unknown => {
-                        return Err(conn.protocol(format!("ERRV for unknown request id {id}")))
-                    }
-                };
-                let (PendingKind::WriteV { parts, .. } | PendingKind::Cma { parts, .. }) = &op.kind
-                else {
-                    let err = conn.protocol(format!("ERRV for request {id}, not a WRITEV"));
-                    op.complete(Err(err.clone()));
-                    return Err(err);
-                };
-                let failed = match failed_segments(buf, parts.len(), "ERRV") {
-                    Ok(f) => f,
-                    Err(w) => {
-                        let err = conn.protocol(w);
-                        op.complete(Err(err.clone()));
-                        return Err(err);
-                    }
-                };
-                for ((index, addr, len), bad) in parts.iter().zip(failed) {
-                    let r = if bad {
-                        if status == Status::StaleRegion {
-                            op.batch.mark_stale(*index);
-                        }
-                        Err(conn.status_error(status, *addr, *len))
-                    } else {
-                        Ok(())
-                    };
-                    op.batch.complete(*index, r);
-                }
-            }
-            (_, Response::SameHostOk { id, .. }) => {
-                return Err(conn.protocol(format!("SAME_HOST_OK for request {id}, not offered")));
-            }
-            (_, Response::Table { id, count }) => {
-                // Bounded by the decoder (≤ 65,536 entries, 1.5 MiB).
-                let mut raw = vec![0u8; count as usize * TABLE_ENTRY_LEN];
-                rd.read_payload(stream, Bytes::from_mut(&mut raw))
-                    .await
-                    .map_err(|e| conn.lost(&e))?;
-                let op = match conn.reply(id) {
-                    Reply::Op(op) => op,
-                    Reply::Skip => continue,
-                    Reply::Unknown => {
-                        return Err(conn.protocol(format!("TABLE for unknown request id {id}")))
-                    }
-                };
-                let table = match decode_table(&raw) {
-                    Ok(t) => t,
-                    Err(e) => {
-                        let err = conn.protocol(e.0);
-                        op.complete(Err(err.clone()));
-                        return Err(err);
-                    }
-                };
-                match &op.kind {
-                    PendingKind::Table(cache) => {
-                        *ferry_core::__private::sync::write(cache) = Arc::new(table);
-                        op.complete(Ok(()));
-                    }
-                    _ => {
-                        let err = conn.protocol(format!("TABLE reply to request {id}"));
-                        op.complete(Err(err.clone()));
-                        return Err(err);
-                    }
-                }
-            }
-            // Settled by the core above (an acknowledgement, a refusal).
-            (_, Response::Ok { .. } | Response::Err { .. })
-            | (_, Response::Data { .. } | Response::DataV { .. }) => {}
+            Next::Eof => return Ok(None),
+            Next::Idle if retire(conn) => return Ok(None),
+            Next::Idle => {}
         }
+    }
+}
+
+/// Retires the idle connection if nothing is in flight (sends that race
+/// with this go elsewhere); returns whether it did.
+fn retire(conn: &ConnShared) -> bool {
+    let mut map = lock(&conn.pending);
+    let retired =
+        map.retire(|| Error::Canceled(format!("idle connection to {} retired", conn.peer)));
+    if retired {
+        conn.retired.store(true, Ordering::Release);
+        conn.dead.store(true, Ordering::Release);
+    }
+    retired
+}
+
+/// Executes the core's decision on an answer header: reads what it says
+/// to read, where it says, and completes the operation answered.
+async fn execute(
+    conn: &ConnShared,
+    rd: &mut FrameReader,
+    scratch: &mut Scratch,
+    recv: Recv<PendingOp>,
+) -> Result<()> {
+    match recv {
+        Recv::Into(op, len) => read_into(conn, rd, op, len).await,
+        Recv::Indices {
+            op,
+            failed,
+            len,
+            status,
+        } => read_datav(conn, rd, scratch, op, (failed, len, status)).await,
+        Recv::Refusals { op, status, count } => {
+            read_errv(conn, rd, scratch, op, status, count).await
+        }
+        Recv::Acks(count) => {
+            let ids = &mut scratch.buf[..count as usize * 8];
+            read_rest(conn, rd, &mut *ids).await?;
+            for id in decode_ids(ids) {
+                conn.ack(id, Ok(()))?;
+            }
+            Ok(())
+        }
+        Recv::Table(op, bytes) => read_table(conn, rd, op, bytes).await,
+        // Acknowledgements wait in the staging area's lane.
+        Recv::Lane => {
+            conn.take_lane(true);
+            Ok(())
+        }
+        // The late answer of an expired batch's operation.
+        Recv::Discard(n) if n > 0 => rd
+            .discard(&conn.stream, n, true)
+            .await
+            .map_err(|e| conn.lost(&e)),
+        // Nothing to read: an acknowledgement, a refusal, a protocol error.
+        Recv::Ack(_) | Recv::Refused(..) | Recv::Fail(..) | Recv::Discard(_) => {
+            conn.settle(recv).map(drop)
+        }
+    }
+}
+
+/// Reads the rest of the frame into `buf`.
+async fn read_rest(conn: &ConnShared, rd: &mut FrameReader, buf: &mut [u8]) -> Result<()> {
+    rd.read_payload(&conn.stream, Bytes::from_mut(buf))
+        .await
+        .map_err(|e| conn.lost(&e))
+}
+
+/// Fails `op` with `err`, which ends the connection too.
+fn fail(op: PendingOp, err: Error) -> Error {
+    op.complete(Err(err.clone()));
+    err
+}
+
+/// Reads a DATA's payload into its READ's destination and completes it.
+async fn read_into(conn: &ConnShared, rd: &mut FrameReader, op: PendingOp, len: u64) -> Result<()> {
+    let Some(dst) = op.destination() else {
+        return Err(fail(
+            op,
+            conn.protocol("DATA for an operation without a destination"),
+        ));
+    };
+    // SAFETY: `dst..dst+len` was bounds-checked against a local registered
+    // region when the request was issued (the core checked that `len` is
+    // the READ's length), and the RegionGuard held in `op` keeps that
+    // region registered (so the memory valid) until `op` is dropped below.
+    // Only recvmsg(2) writes it.
+    let slice = unsafe { Bytes::from_raw(dst as *mut u8, len as usize) };
+    match rd.read_payload(&conn.stream, slice).await {
+        Ok(()) => {
+            op.complete(Ok(()));
+            Ok(())
+        }
+        Err(e) => Err(fail(op, conn.lost(&e))),
+    }
+}
+
+/// Reads a DATAV (`failed` indices, then `len` payload bytes; `status`:
+/// why those failed): the indices, judged by the core, then the payload
+/// into the READV's segments that land; completes each segment.
+async fn read_datav(
+    conn: &ConnShared,
+    rd: &mut FrameReader,
+    sc: &mut Scratch,
+    op: PendingOp,
+    (failed, len, status): (u32, u64, Option<Status>),
+) -> Result<()> {
+    let PendingKind::ReadV { parts, .. } = &op.kind else {
+        return Err(fail(
+            op,
+            conn.protocol("DATAV for an operation not a READV"),
+        ));
+    };
+    let idx = &mut sc.buf[..failed as usize * 4];
+    // The indices end the frame only if no data follows.
+    let r = rd
+        .read_v(&conn.stream, &[Bytes::from_mut(&mut *idx)], len == 0)
+        .await;
+    if let Err(e) = r {
+        return Err(fail(op, conn.lost(&e)));
+    }
+    if let Err(why) = sc
+        .verdicts
+        .datav(idx, parts.iter().map(|p| p.3), status, len)
+    {
+        return Err(fail(op, conn.protocol(why)));
+    }
+    let v = &sc.verdicts;
+    sc.dsts.clear();
+    sc.dsts.extend(
+        parts
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| v.lands(*i))
+            // SAFETY: each destination was bounds-checked against a local
+            // registered region when the request was issued; the guards
+            // held in `op` keep those regions registered until `op` is
+            // dropped. Only recvmsg(2) writes them.
+            .map(|(_, p)| unsafe { Bytes::from_raw(p.1 as *mut u8, p.3 as usize) }),
+    );
+    let r = if len > 0 {
+        rd.read_v(&conn.stream, &sc.dsts, true).await
+    } else {
+        Ok(())
+    };
+    sc.dsts.clear();
+    if let Err(e) = r {
+        return Err(fail(op, conn.lost(&e)));
+    }
+    for (i, &(index, _, remote, n)) in parts.iter().enumerate() {
+        conn.complete_part(&op.batch, index, sc.verdicts.of(i), remote, n);
+    }
+    Ok(())
+}
+
+/// Reads an ERRV's `count` failed indices, judged by the core, and
+/// completes each segment of the WRITEV (or same-host frame) `op`.
+async fn read_errv(
+    conn: &ConnShared,
+    rd: &mut FrameReader,
+    sc: &mut Scratch,
+    op: PendingOp,
+    status: Status,
+    count: u32,
+) -> Result<()> {
+    let (PendingKind::WriteV { parts, .. } | PendingKind::Cma { parts, .. }) = &op.kind else {
+        return Err(fail(
+            op,
+            conn.protocol("ERRV for an operation not a WRITEV"),
+        ));
+    };
+    let idx = &mut sc.buf[..count as usize * 4];
+    if let Err(e) = read_rest(conn, rd, &mut *idx).await {
+        return Err(fail(op, e));
+    }
+    if let Err(why) = sc.verdicts.errv(idx, parts.len(), status) {
+        return Err(fail(op, conn.protocol(why)));
+    }
+    for (i, &(index, addr, len)) in parts.iter().enumerate() {
+        conn.complete_part(&op.batch, index, sc.verdicts.of(i), addr, len);
+    }
+    Ok(())
+}
+
+/// Reads a TABLE reply (`bytes`: bounded by the core, at most 65,536
+/// entries, 1.5 MiB) into the cache of the TABLE `op`.
+async fn read_table(
+    conn: &ConnShared,
+    rd: &mut FrameReader,
+    op: PendingOp,
+    bytes: u64,
+) -> Result<()> {
+    let PendingKind::Table(cache) = &op.kind else {
+        return Err(fail(
+            op,
+            conn.protocol("TABLE reply to an operation not a TABLE"),
+        ));
+    };
+    let mut raw = vec![0u8; bytes as usize];
+    if let Err(e) = read_rest(conn, rd, &mut raw).await {
+        return Err(fail(op, e));
+    }
+    match decode_table(&raw) {
+        Ok(table) => {
+            *ferry_core::__private::sync::write(cache) = Arc::new(table);
+            op.complete(Ok(()));
+            Ok(())
+        }
+        Err(e) => Err(fail(op, conn.protocol(e.0))),
     }
 }
