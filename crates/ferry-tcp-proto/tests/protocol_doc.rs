@@ -2,7 +2,7 @@
 //! has them (issue 42, item 7): every variant of the target's `Step`,
 //! `UnregisterStep`, `Unfinished` and `Delivered` appears in its section
 //! 3.1 (with `SameHost` and `Take`), every variant of the initiator's `Frame`, `Then`, `OpState`,
-//! `Reply`, `Expect` and `Recv` in its section 3.2, every variant of the
+//! `Reply`, `Expect`, `Recv` and `FenceState` in its section 3.2, every variant of the
 //! handshake's `InitiatorState`, `TargetState`, `Instr` and `Failure` in
 //! its section 3.3. The matches below are exhaustive, so a new variant does not
 //! compile here until it is named in the list, and the list is checked
@@ -11,7 +11,7 @@
 use ferry_tcp_proto::batch::{Frame, Part, Then};
 use ferry_tcp_proto::grants::{Unfinished, UnregisterStep};
 use ferry_tcp_proto::handshake::{Failure, InitiatorState, Instr, TargetState, Transport};
-use ferry_tcp_proto::initiator::{Expect, OpState, Recv, Reply};
+use ferry_tcp_proto::initiator::{Expect, FenceState, OpState, Recv, Reply};
 use ferry_tcp_proto::target::{Copy, Delivered, SameHost, Step, Take};
 
 fn step_name(s: &Step<()>) -> &'static str {
@@ -112,6 +112,14 @@ fn expect_name(e: &Expect) -> &'static str {
     }
 }
 
+fn fence_name(f: &FenceState) -> &'static str {
+    match f {
+        FenceState::Holding => "Holding",
+        FenceState::Unproven => "Unproven",
+        FenceState::Released => "Released",
+    }
+}
+
 fn recv_name(r: &Recv<()>) -> &'static str {
     match r {
         Recv::Ack(_) => "Ack",
@@ -175,6 +183,11 @@ fn protocol_md_names_every_state_of_the_initiator_core() {
         Recv::Discard(1),
         Recv::Fail(None, String::new()),
     ];
+    let fences = [
+        FenceState::Holding,
+        FenceState::Unproven,
+        FenceState::Released,
+    ];
     let names = frames
         .iter()
         .map(frame_name)
@@ -182,7 +195,8 @@ fn protocol_md_names_every_state_of_the_initiator_core() {
         .chain(states.iter().map(op_state_name))
         .chain(replies.iter().map(reply_name))
         .chain(expects.iter().map(expect_name))
-        .chain(recvs.iter().map(recv_name));
+        .chain(recvs.iter().map(recv_name))
+        .chain(fences.iter().map(fence_name));
     for name in names {
         assert!(
             section.contains(&format!("`{name}`")),

@@ -352,7 +352,9 @@ pub(crate) async fn send_ops(
                                 parts: parts.iter().map(|p| (p.index, p.remote, p.len)).collect(),
                                 guards: parts.iter().map(|p| Arc::clone(&p.hold)).collect(),
                                 // Staged reads are copied by this side.
-                                target_writes: read && !staged,
+                                target_writes: ferry_tcp_proto::initiator::target_writes(
+                                    read, staged,
+                                ),
                             },
                         },
                     ) {
