@@ -4,7 +4,9 @@
 
 use super::copy::{cma_copy, staged_copy};
 use super::*;
-use ferry_tcp_proto::target::{frame_bytes, Copy, Delivered, Moved, Part, Step, Take, TargetConn};
+use ferry_tcp_proto::target::{
+    frame_bytes, Copy, Delivered, Moved, Part, SameHost as SameHostPath, Step, Take, TargetConn,
+};
 
 /// A connection's serving state, handed to a dedicated thread when the
 /// same-host path is agreed.
@@ -490,6 +492,7 @@ pub(super) async fn serve(
         if let Some(bytes) = frame_bytes(&req) {
             rd.begin_frame(bytes);
         }
+        let offered = conn.same_host() != SameHostPath::Unoffered;
         let step = conn.on_request(req, &mut Table(core));
         let side = Side {
             served: &served,
@@ -519,6 +522,9 @@ pub(super) async fn serve(
                     conn.refused(offer.id, cma::Refusal::Refused);
                 }
             }
+        } else if !offered && conn.same_host() == SameHostPath::Refused {
+            // Refused by the core, no system call made: `same_host=off`.
+            tracing::info!(%peer, detail = "same_host=off", "same-host path refused");
         }
         if conn.wants_flush() {
             flush(&stream, &mut conn, core, peer).await?;
