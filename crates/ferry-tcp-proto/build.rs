@@ -8,5 +8,5 @@
 //!   `RUSTFLAGS='--cfg ferry_mutant="…"'`, never in a build that ships).
 fn main() {
     println!("cargo::rustc-check-cfg=cfg(ferry_loom)");
-    println!("cargo::rustc-check-cfg=cfg(ferry_mutant, values(\"grant_outlives_region\", \"notify_before_data\", \"deadline_per_slot\", \"window_waits_forever\", \"downgrade_unchecked\", \"proof_unbound_from_tls\"))");
+    println!("cargo::rustc-check-cfg=cfg(ferry_mutant, values(\"grant_outlives_region\", \"notify_before_data\", \"deadline_per_slot\", \"window_waits_forever\", \"downgrade_unchecked\", \"proof_unbound_from_tls\", \"cread_unfenced\"))");
 }

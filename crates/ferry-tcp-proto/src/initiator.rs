@@ -37,8 +37,20 @@
 //! past the batch's deadline ([`window_until`]): a target that reads and
 //! never answers is then timed out by the batch, not waited for.
 //!
+//! The CREAD fence ([`target_writes`], [`Fence`]): on the same-host path
+//! the target copies into this side's memory itself (a CREAD), after a
+//! check that this side still wants the copy, and nothing makes the check
+//! and the copy one step. So an operation of that kind that ends without
+//! its answer keeps its destination registered until the target's side
+//! of the connection has ended (its copies return before it closes), or,
+//! past the patience, marks it unproven (`unregister` then fails with
+//! `RegionHeld`) and keeps waiting.
+//!
 //! Invariants:
 //! - an id is in flight at most once and answered at most once;
+//! - no memory the target may still write goes back to the application:
+//!   the destination of a CREAD ended without its answer is released only
+//!   by [`Fence::on_peer_end`];
 //! - the memory kept per connection is bounded: the operations in flight
 //!   (each holds what the caller gave) and [`MAX_ABANDONED`] ids;
 //! - a window wait ends by the batch's deadline (or `stall` from now when
@@ -650,7 +662,89 @@ pub fn window_until(deadline: Option<Time>, now: Time, stall: Duration) -> Time 
     deadline.unwrap_or_else(|| now.after(stall))
 }
 
-#[cfg(all(test, not(ferry_mutant = "window_waits_forever")))]
+/// Whether the target writes this side's memory itself for a same-host
+/// operation (a CREAD: `process_vm_writev` into the destination; an SREAD
+/// is copied out of the staging area by this side): such an operation
+/// that ends without its answer leaves its memory to a [`Fence`].
+#[inline]
+pub fn target_writes(read: bool, staged: bool) -> bool {
+    if cfg!(ferry_mutant = "cread_unfenced") {
+        // The planted bug of 7c3e5e6: no CREAD fence, the destination goes
+        // back to the application when the operation is given up.
+        return false;
+    }
+    read && !staged
+}
+
+/// The states of a [`Fence`] (named in PROTOCOL.md §3.2).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FenceState {
+    /// Holding the memory, within the patience.
+    Holding,
+    /// Past the patience without proof: the memory is marked unproven
+    /// (`unregister` fails with `RegionHeld`) and still held.
+    Unproven,
+    /// The target's side has ended: the memory may go.
+    Released,
+}
+
+/// Memory the target may still write, held until the target's side of
+/// the connection has ended (see the module). The driver shuts its
+/// writing half (the target reads the end and stops), watches for the end
+/// of the stream, and calls [`Fence::on_timeout`] at
+/// [`Fence::poll_timeout`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Fence {
+    until: Time,
+    state: FenceState,
+}
+
+impl Fence {
+    /// A fence raised at `now`, patient for `patience`.
+    #[inline]
+    pub fn new(now: Time, patience: Duration) -> Fence {
+        Fence {
+            until: now.after(patience),
+            state: FenceState::Holding,
+        }
+    }
+
+    /// Its state.
+    #[inline]
+    pub fn state(&self) -> FenceState {
+        self.state
+    }
+
+    /// When [`Fence::on_timeout`] is due (`None`: no more timeouts).
+    #[inline]
+    pub fn poll_timeout(&self) -> Option<Time> {
+        (self.state == FenceState::Holding).then_some(self.until)
+    }
+
+    /// Time has come to `now`: `true` once, when the patience is over
+    /// without proof (mark the memory unproven now).
+    #[inline]
+    pub fn on_timeout(&mut self, now: Time) -> bool {
+        if self.state == FenceState::Holding && now >= self.until {
+            self.state = FenceState::Unproven;
+            return true;
+        }
+        false
+    }
+
+    /// The target's side of the connection has ended (the stream's end,
+    /// a reset, the process gone): the memory may go back.
+    #[inline]
+    pub fn on_peer_end(&mut self) {
+        self.state = FenceState::Released;
+    }
+}
+
+#[cfg(all(
+    test,
+    not(ferry_mutant = "window_waits_forever"),
+    not(ferry_mutant = "cread_unfenced")
+))]
 mod tests {
     use super::*;
 
@@ -997,6 +1091,20 @@ mod tests {
         assert!(failed_segments(&idx, 2, "DATAV").is_err());
         assert!(check_datav(&bad, [4, 5, 6].into_iter(), 4).is_ok());
         assert!(check_datav(&bad, [4, 5, 6].into_iter(), 5).is_err());
+    }
+
+    #[test]
+    fn the_fence_holds_until_the_peer_ends() {
+        assert!(target_writes(true, false));
+        assert!(!target_writes(true, true) && !target_writes(false, false));
+        let mut f = Fence::new(Time::from_nanos(10), Duration::from_nanos(5));
+        assert_eq!(f.poll_timeout(), Some(Time::from_nanos(15)));
+        assert!(!f.on_timeout(Time::from_nanos(14)));
+        assert!(f.on_timeout(Time::from_nanos(15)));
+        assert!(!f.on_timeout(Time::from_nanos(99)));
+        assert_eq!((f.state(), f.poll_timeout()), (FenceState::Unproven, None));
+        f.on_peer_end();
+        assert_eq!(f.state(), FenceState::Released);
     }
 
     #[test]

@@ -1,7 +1,8 @@
-//! The target's side of a connection, for the requests served on the
-//! socket (WRITE, READ, WRITEV, READV, NOTIFY, TABLE): what each request
-//! means for the region table, what the driver must read or send for it,
-//! and the answers it owes.
+//! The target's side of a connection: for the requests served on the
+//! socket (WRITE, READ, WRITEV, READV, NOTIFY, TABLE) and the same-host
+//! ones (SAME_HOST, CWRITE / CREAD, SWRITE / SREAD), what each request
+//! means for the region table, what the driver must read, send or copy
+//! for it, and the answers it owes.
 //!
 //! The driver reads a header, decodes it ([`Request::decode`]), starts the
 //! frame's deadline for [`frame_bytes`] and hands the request to
@@ -23,16 +24,23 @@
 //!   for input, or once [`TargetConn::wants_flush`] says so;
 //! - a request that breaks the framing ([`Step::Close`]) is answered with
 //!   `Malformed` after every answer before it, and ends the connection;
+//! - a same-host copy ([`Step::Copy`], [`Step::Staged`]) names only
+//!   ranges the region table granted for this request, with the
+//!   initiator's own addresses; one SAME_HOST per connection, CWRITE /
+//!   CREAD only once the path is agreed, SWRITE / SREAD only with a
+//!   staging area (else `Malformed`);
 //! - the memory the core keeps per connection is bounded: the answers
 //!   until the next flush (at most [`MAX_ACKS`] ids, [`ACK_FLUSH_FRAMES`]
 //!   bytes of other frames plus one), and one table or notification buffer
 //!   ([`TargetConn::held_bytes`]).
 
 use crate::frame::{
-    decode_segments, Request, Response, Segment, Status, CMA_SEGMENT_LEN, HEADER_LEN, MAX_ACKS,
-    MAX_NOTIFY_MESSAGE, MAX_NOTIFY_NAME, MAX_SEGMENTS, SEGMENT_LEN,
+    decode_cma_segments, decode_segments, CmaSegment, Request, Response, Segment, Status,
+    CMA_SEGMENT_LEN, HEADER_LEN, MAX_ACKS, MAX_NOTIFY_MESSAGE, MAX_NOTIFY_NAME, MAX_SEGMENTS,
+    SEGMENT_LEN,
 };
-use crate::offer::OFFER_LEN;
+use crate::negotiate::{Agreement, ACK_LANE, CONTROL_CHANNEL, GRANTS, SAME_HOST, STAGING};
+use crate::offer::{Refusal, OFFER_LEN};
 
 /// Acknowledged payload bytes after which the answers are flushed.
 pub const ACK_FLUSH_BYTES: u64 = 512 * 1024;
@@ -128,10 +136,125 @@ pub enum Step<H> {
     /// Framing is lost: flush the answers (the last is `Malformed`) and
     /// close the connection, with this reason in the local log.
     Close(String),
-    /// A same-host request: the driver serves it (its answers through
-    /// [`TargetConn::ack`], [`TargetConn::err`], [`TargetConn::errv`],
-    /// [`TargetConn::frame`]).
-    Driver(Request),
+    /// A SAME_HOST offer the core has nothing against; its bytes are in
+    /// [`TargetConn::buf`] (`OFFER_LEN`). The driver proves it against
+    /// the system (PROTOCOL.md §5; whatever fails, the peer is told only
+    /// "refused") and calls [`TargetConn::refused`], or takes the
+    /// descriptors as `channel` and `stage` say (the area with its grants
+    /// page if `grants`) and calls [`TargetConn::agreed`].
+    Prove {
+        /// Request id.
+        id: u64,
+        /// The control channel.
+        channel: Take,
+        /// The staging area.
+        stage: Take,
+        /// Whether the area carries the grants page.
+        grants: bool,
+    },
+    /// CWRITE / CREAD: check that the initiator has not given up on the
+    /// connection (else close it and copy nothing: it may reuse the memory
+    /// it named), then copy each held range (see [`Copy`]); then
+    /// [`TargetConn::copied`], drop the holds and flush the answers.
+    Copy(Copy<H>),
+    /// SWRITE / SREAD: move the held ranges through the staging area (an
+    /// SREAD's verdict first, naming the refused segments); then
+    /// [`TargetConn::staged`], drop the holds and flush the answers.
+    Staged(Copy<H>),
+}
+
+/// Whether the driver takes a descriptor a SAME_HOST offer names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Take {
+    /// None offered (answered as errno 0).
+    NotOffered,
+    /// Offered, but the handshake did not agree the feature (answered
+    /// `EOPNOTSUPP`).
+    NotAgreed,
+    /// Take this descriptor of the initiator's.
+    Fd(u32),
+}
+
+/// The copies of a same-host request, as instructions: the bytes never
+/// pass through the core. Segment `i` is `segs[i]` (the target range, its
+/// generation, and the initiator's address `local`: 0 when staged) and
+/// `holds[i]` (the target range held, or the status it was refused with:
+/// nothing of it is copied).
+#[derive(Debug)]
+pub struct Copy<H> {
+    /// Request id.
+    pub id: u64,
+    /// A CREAD / SREAD: the target's ranges go to the initiator.
+    pub read: bool,
+    /// The segments.
+    pub segs: Vec<CmaSegment>,
+    /// Their holds.
+    pub holds: Vec<Result<H, Status>>,
+    /// Every segment is held and none overlaps another: one system call
+    /// may copy them all.
+    pub one_call: bool,
+}
+
+/// What a same-host request moved (for the served counters).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Moved {
+    /// From the target to the initiator.
+    pub read: bool,
+    /// Bytes.
+    pub bytes: u64,
+    /// Non-empty ranges.
+    pub ranges: u64,
+}
+
+/// What a connection may agree for the same-host path, from the engine's
+/// setting and the handshake.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SameHostTerms {
+    /// The engine has the path on (`same_host` is not `off`).
+    pub on: bool,
+    /// The peer announced the path (feature SAME_HOST).
+    pub announced: bool,
+    /// The connection can carry an offer (TCP: its peer proves its process
+    /// through the credential socket); else an offer is `Malformed`.
+    pub provable: bool,
+    /// Both agreed the control channel.
+    pub channel: bool,
+    /// Both agreed the staging area and its acknowledgement lane.
+    pub staging: bool,
+    /// Both agreed the grants page too.
+    pub grants: bool,
+}
+
+impl SameHostTerms {
+    /// The terms of a connection whose handshake settled `agreed`.
+    pub fn new(on: bool, agreed: &Agreement, provable: bool) -> SameHostTerms {
+        let staging = agreed.both(STAGING) && agreed.both(ACK_LANE);
+        SameHostTerms {
+            on,
+            announced: agreed.theirs.enabled(SAME_HOST),
+            provable,
+            channel: agreed.both(CONTROL_CHANNEL),
+            staging,
+            grants: staging && agreed.both(GRANTS),
+        }
+    }
+}
+
+/// The same-host path of a connection as its core has it (PROTOCOL.md
+/// §3.1).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SameHost {
+    /// No offer yet: CWRITE / CREAD are `Malformed`.
+    Unoffered,
+    /// An offer being proven by the driver.
+    Proving,
+    /// The offer was refused (a second one is `Malformed`).
+    Refused,
+    /// Agreed, with a staging area or not.
+    Agreed {
+        /// SWRITE / SREAD allowed.
+        staging: bool,
+    },
 }
 
 /// What the engine made of a delivered notification.
@@ -167,6 +290,28 @@ enum Awaiting {
         bytes: u64,
         failed: Option<Status>,
     },
+    /// The offer of a SAME_HOST.
+    Offer {
+        id: u64,
+        channel: Option<u32>,
+        stage: Option<u32>,
+    },
+    /// The segment table of a CWRITE / CREAD / SWRITE / SREAD.
+    CmaTable {
+        id: u64,
+        read: bool,
+        staged: bool,
+        total: u64,
+        len: usize,
+    },
+    /// The copies of a same-host request; `failed`: the status of its
+    /// refused segments, if any (their indices in `TargetConn::failed`).
+    Copied {
+        id: u64,
+        read: bool,
+        total: u64,
+        failed: Option<Status>,
+    },
 }
 
 /// See the module.
@@ -178,8 +323,11 @@ pub struct TargetConn {
     bytes: u64,
     buf: Vec<u8>,
     awaiting: Awaiting,
-    /// The indices of the failed segments of the WRITEV being received.
+    /// The indices of the failed segments of the WRITEV being received
+    /// (or of the same-host request being copied).
     failed: Vec<u32>,
+    terms: SameHostTerms,
+    same_host: SameHost,
 }
 
 impl Default for TargetConn {
@@ -198,7 +346,24 @@ impl TargetConn {
             buf: Vec::new(),
             awaiting: Awaiting::Nothing,
             failed: Vec::new(),
+            terms: SameHostTerms::default(),
+            same_host: SameHost::Unoffered,
         }
+    }
+
+    /// A connection with nothing owed, whose same-host offer is judged by
+    /// `terms` (without them the path is off: an offer is refused).
+    pub fn with_same_host(terms: SameHostTerms) -> TargetConn {
+        TargetConn {
+            terms,
+            ..TargetConn::new()
+        }
+    }
+
+    /// The same-host path of the connection.
+    #[inline]
+    pub fn same_host(&self) -> SameHost {
+        self.same_host
     }
 
     /// Whether answers are queued.
@@ -407,7 +572,222 @@ impl TargetConn {
                 meta: self.take_answers(),
                 id,
             },
-            Request::SameHost { .. } | Request::Cma { .. } => Step::Driver(req),
+            Request::SameHost { id, channel, stage } => {
+                self.read_buf(OFFER_LEN, true, Awaiting::Offer { id, channel, stage })
+            }
+            Request::Cma { id, count, .. } if count > MAX_SEGMENTS => {
+                self.malformed(id, "more segments than the protocol allows")
+            }
+            Request::Cma {
+                id,
+                read,
+                staged,
+                count,
+                total,
+            } => {
+                // The buffer only grows: no table zeroed per request.
+                let len = count as usize * CMA_SEGMENT_LEN;
+                if self.buf.len() < len {
+                    self.buf.resize(len, 0);
+                }
+                self.awaiting = Awaiting::CmaTable {
+                    id,
+                    read,
+                    staged,
+                    total,
+                    len,
+                };
+                Step::ReadBuf {
+                    len,
+                    ends_frame: true,
+                }
+            }
+        }
+    }
+
+    /// Decides a SAME_HOST offer whose bytes are in the buffer.
+    fn on_offer<H>(&mut self, id: u64, channel: Option<u32>, stage: Option<u32>) -> Step<H> {
+        if self.same_host != SameHost::Unoffered {
+            return self.malformed(id, "a second SAME_HOST offer on one connection");
+        }
+        self.same_host = SameHost::Proving;
+        let t = self.terms;
+        if !t.on {
+            self.refused(id, Refusal::Disabled);
+            return Step::Done;
+        }
+        if !t.announced {
+            return self.malformed(id, "SAME_HOST from a peer that did not announce it");
+        }
+        if !t.provable {
+            return self.malformed(id, "SAME_HOST on a connection that has agreed it");
+        }
+        let take = |fd: Option<u32>, agreed: bool| match fd {
+            None => Take::NotOffered,
+            Some(_) if !agreed => Take::NotAgreed,
+            Some(fd) => Take::Fd(fd),
+        };
+        Step::Prove {
+            id,
+            channel: take(channel, t.channel),
+            stage: take(stage, t.staging),
+            grants: t.grants,
+        }
+    }
+
+    /// The offer of [`Step::Prove`] was refused (`why`: the code the peer
+    /// is told, no errno).
+    pub fn refused(&mut self, id: u64, why: Refusal) {
+        self.same_host = SameHost::Refused;
+        self.err(id, Status::SameHostRefused, why as u64, 0);
+    }
+
+    /// The offer of [`Step::Prove`] was proven: the path is agreed, with
+    /// the control channel and the staging area taken or not (the errno
+    /// the peer is told). SAME_HOST_OK is queued; a channel taken carries
+    /// the rest of the connection, after the answer is flushed.
+    pub fn agreed(&mut self, id: u64, channel: Result<(), u32>, stage: Result<(), u32>) {
+        self.same_host = SameHost::Agreed {
+            staging: stage.is_ok(),
+        };
+        self.frame(&Response::SameHostOk { id, channel, stage }.encode());
+    }
+
+    /// Decides a same-host request whose segment table is in the buffer.
+    fn on_cma_table<R: Regions>(
+        &mut self,
+        regions: &mut R,
+        (id, read, staged, total, len): (u64, bool, bool, u64, usize),
+    ) -> Step<R::Hold> {
+        let staging = match self.same_host {
+            SameHost::Agreed { staging } => staging,
+            _ => return self.malformed(id, "CWRITE/CREAD without an agreed same-host path"),
+        };
+        let segs = match decode_cma_segments(&self.buf[..len], total) {
+            Ok(s) => s,
+            Err(e) => return self.malformed(id, e.0),
+        };
+        if staged && !staging {
+            return self.malformed(id, "SWRITE/SREAD without a staging area");
+        }
+        let holds: Vec<Result<R::Hold, Status>> = segs
+            .iter()
+            .map(|s| regions.acquire(s.seg.addr, s.seg.len, s.seg.gen))
+            .collect();
+        self.failed.clear();
+        self.failed.extend(
+            holds
+                .iter()
+                .enumerate()
+                .filter(|(_, h)| h.is_err())
+                .map(|(i, _)| i as u32),
+        );
+        let failed = (!self.failed.is_empty()).then(|| failed_status(&holds));
+        let one_call = failed.is_none() && !overlapping_ranges(segs.iter().map(|s| &s.seg));
+        self.awaiting = Awaiting::Copied {
+            id,
+            read,
+            total,
+            failed,
+        };
+        let copy = Copy {
+            id,
+            read,
+            segs,
+            holds,
+            one_call,
+        };
+        if staged {
+            Step::Staged(copy)
+        } else {
+            Step::Copy(copy)
+        }
+    }
+
+    /// The copies of a [`Step::Copy`] are done; those of the segments
+    /// `copy_failed` (indices, in order) failed. The answer is queued: OK,
+    /// or ERRV naming every segment not copied (`StaleRegion` if one was
+    /// stale, else `AddressNotRegistered` if one was outside the regions,
+    /// else `CopyFailed`).
+    pub fn copied(&mut self, segs: &[CmaSegment], copy_failed: &[u32]) -> Moved {
+        let Awaiting::Copied {
+            id,
+            read,
+            total,
+            failed,
+        } = std::mem::replace(&mut self.awaiting, Awaiting::Nothing)
+        else {
+            return Moved {
+                read: false,
+                bytes: 0,
+                ranges: 0,
+            };
+        };
+        if failed.is_none() && copy_failed.is_empty() {
+            self.ack(id, total);
+            let (bytes, ranges) = landed_cma(segs, |_| true);
+            return Moved {
+                read,
+                bytes,
+                ranges,
+            };
+        }
+        let mut all: Vec<u32> = self.failed.iter().chain(copy_failed).copied().collect();
+        all.sort_unstable();
+        all.dedup();
+        let status = failed.unwrap_or(Status::CopyFailed);
+        let (bytes, ranges) = landed_cma(segs, |i| all.binary_search(&(i as u32)).is_err());
+        self.errv(id, status, &all);
+        self.count_bytes(total);
+        Moved {
+            read,
+            bytes,
+            ranges,
+        }
+    }
+
+    /// The streams of a [`Step::Staged`] have moved (the target emptied or
+    /// the initiator drained every slot). Its answer is queued: ERRV for
+    /// refused segments (always on the socket), else the acknowledgement
+    /// `post` puts in the area's lane (`Some(true)`: the initiator's reader
+    /// polls it; `Some(false)`: it sleeps, a WAKE is queued; `None`: the
+    /// lane is full, an OK is queued).
+    pub fn staged(&mut self, segs: &[CmaSegment], post: impl FnOnce(u64) -> Option<bool>) -> Moved {
+        let Awaiting::Copied {
+            id,
+            read,
+            total,
+            failed,
+        } = std::mem::replace(&mut self.awaiting, Awaiting::Nothing)
+        else {
+            return Moved {
+                read: false,
+                bytes: 0,
+                ranges: 0,
+            };
+        };
+        let (bytes, ranges) = match failed {
+            None => {
+                match post(id) {
+                    Some(true) => {}
+                    Some(false) => self.frame(&Response::Wake.encode()),
+                    None => self.ack(id, 0),
+                }
+                landed_cma(segs, |_| true)
+            }
+            Some(status) => {
+                let failed = std::mem::take(&mut self.failed);
+                self.errv(id, status, &failed);
+                let moved = landed_cma(segs, |i| failed.binary_search(&(i as u32)).is_err());
+                self.failed = failed;
+                moved
+            }
+        };
+        self.count_bytes(total);
+        Moved {
+            read,
+            bytes,
+            ranges,
         }
     }
 
@@ -508,6 +888,14 @@ impl TargetConn {
                     landed,
                 }
             }
+            Awaiting::Offer { id, channel, stage } => self.on_offer(id, channel, stage),
+            Awaiting::CmaTable {
+                id,
+                read,
+                staged,
+                total,
+                len,
+            } => self.on_cma_table(regions, (id, read, staged, total, len)),
             other => {
                 self.awaiting = other;
                 Step::Close("a table read the core did not ask for".into())
@@ -559,9 +947,27 @@ pub fn landed(segs: &[Segment], ok: impl Fn(usize) -> bool) -> (u64, u64) {
         .fold((0, 0), |(b, n), (_, s)| (b.saturating_add(s.len), n + 1))
 }
 
+/// [`landed`] for same-host segments.
+fn landed_cma(segs: &[CmaSegment], ok: impl Fn(usize) -> bool) -> (u64, u64) {
+    segs.iter()
+        .enumerate()
+        .filter(|&(i, s)| s.seg.len > 0 && ok(i))
+        .fold((0, 0), |(b, n), (_, s)| {
+            (b.saturating_add(s.seg.len), n + 1)
+        })
+}
+
 /// Whether any two segments share a byte.
 pub fn overlapping(segs: &[Segment]) -> bool {
-    let mut sorted: Vec<(u64, u64)> = segs.iter().map(|s| (s.addr, s.len)).collect();
+    overlapping_ranges(segs.iter())
+}
+
+/// Whether any two segments share a byte (one segment allocates nothing).
+fn overlapping_ranges<'a>(segs: impl ExactSizeIterator<Item = &'a Segment>) -> bool {
+    if segs.len() < 2 {
+        return false;
+    }
+    let mut sorted: Vec<(u64, u64)> = segs.map(|s| (s.addr, s.len)).collect();
     sorted.sort_unstable();
     sorted
         .windows(2)

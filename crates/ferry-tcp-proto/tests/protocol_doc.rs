@@ -1,8 +1,8 @@
 //! PROTOCOL.md (in ferry-tcp) names the states of the cores as the code
 //! has them (issue 42, item 7): every variant of the target's `Step`,
 //! `UnregisterStep`, `Unfinished` and `Delivered` appears in its section
-//! 3.1, every variant of the initiator's `Frame`, `Then`, `OpState`,
-//! `Reply`, `Expect` and `Recv` in its section 3.2, every variant of the
+//! 3.1 (with `SameHost` and `Take`), every variant of the initiator's `Frame`, `Then`, `OpState`,
+//! `Reply`, `Expect`, `Recv` and `FenceState` in its section 3.2, every variant of the
 //! handshake's `InitiatorState`, `TargetState`, `Instr` and `Failure` in
 //! its section 3.3. The matches below are exhaustive, so a new variant does not
 //! compile here until it is named in the list, and the list is checked
@@ -11,8 +11,8 @@
 use ferry_tcp_proto::batch::{Frame, Part, Then};
 use ferry_tcp_proto::grants::{Unfinished, UnregisterStep};
 use ferry_tcp_proto::handshake::{Failure, InitiatorState, Instr, TargetState, Transport};
-use ferry_tcp_proto::initiator::{Expect, OpState, Recv, Reply};
-use ferry_tcp_proto::target::{Delivered, Step};
+use ferry_tcp_proto::initiator::{Expect, FenceState, OpState, Recv, Reply};
+use ferry_tcp_proto::target::{Copy, Delivered, SameHost, Step, Take};
 
 fn step_name(s: &Step<()>) -> &'static str {
     match s {
@@ -22,7 +22,26 @@ fn step_name(s: &Step<()>) -> &'static str {
         Step::Send { .. } => "Send",
         Step::Table { .. } => "Table",
         Step::Close(_) => "Close",
-        Step::Driver(_) => "Driver",
+        Step::Prove { .. } => "Prove",
+        Step::Copy(_) => "Copy",
+        Step::Staged(_) => "Staged",
+    }
+}
+
+fn same_host_name(s: &SameHost) -> &'static str {
+    match s {
+        SameHost::Unoffered => "Unoffered",
+        SameHost::Proving => "Proving",
+        SameHost::Refused => "Refused",
+        SameHost::Agreed { .. } => "Agreed",
+    }
+}
+
+fn take_name(t: &Take) -> &'static str {
+    match t {
+        Take::NotOffered => "NotOffered",
+        Take::NotAgreed => "NotAgreed",
+        Take::Fd(_) => "Fd",
     }
 }
 
@@ -90,6 +109,14 @@ fn expect_name(e: &Expect) -> &'static str {
         Expect::Data(_) => "Data",
         Expect::DataV => "DataV",
         Expect::Table => "Table",
+    }
+}
+
+fn fence_name(f: &FenceState) -> &'static str {
+    match f {
+        FenceState::Holding => "Holding",
+        FenceState::Unproven => "Unproven",
+        FenceState::Released => "Released",
     }
 }
 
@@ -173,6 +200,11 @@ fn protocol_md_names_every_state_of_the_initiator_core() {
         Recv::Discard(1),
         Recv::Fail(None, String::new()),
     ];
+    let fences = [
+        FenceState::Holding,
+        FenceState::Unproven,
+        FenceState::Released,
+    ];
     let names = frames
         .iter()
         .map(frame_name)
@@ -180,7 +212,8 @@ fn protocol_md_names_every_state_of_the_initiator_core() {
         .chain(states.iter().map(op_state_name))
         .chain(replies.iter().map(reply_name))
         .chain(expects.iter().map(expect_name))
-        .chain(recvs.iter().map(recv_name));
+        .chain(recvs.iter().map(recv_name))
+        .chain(fences.iter().map(fence_name));
     for name in names {
         assert!(
             section.contains(&format!("`{name}`")),
@@ -194,7 +227,13 @@ fn protocol_md_names_every_state_of_the_target_core() {
     let Some(section) = section("## 3.1 The target's side as the code has it") else {
         return;
     };
-    let req = ferry_tcp_proto::frame::Request::Table { id: 1 };
+    let copy = || Copy {
+        id: 1,
+        read: true,
+        segs: Vec::new(),
+        holds: Vec::new(),
+        one_call: true,
+    };
     let steps: Vec<Step<()>> = vec![
         Step::Done,
         Step::ReadBuf {
@@ -216,8 +255,22 @@ fn protocol_md_names_every_state_of_the_target_core() {
             id: 1,
         },
         Step::Close(String::new()),
-        Step::Driver(req),
+        Step::Prove {
+            id: 0,
+            channel: Take::NotOffered,
+            stage: Take::Fd(3),
+            grants: false,
+        },
+        Step::Copy(copy()),
+        Step::Staged(copy()),
     ];
+    let same_host = [
+        SameHost::Unoffered,
+        SameHost::Proving,
+        SameHost::Refused,
+        SameHost::Agreed { staging: true },
+    ];
+    let takes = [Take::NotOffered, Take::NotAgreed, Take::Fd(3)];
     let unregister = [
         UnregisterStep::Revoke { gen: 1 },
         UnregisterStep::Settle {
@@ -240,7 +293,9 @@ fn protocol_md_names_every_state_of_the_target_core() {
         .map(step_name)
         .chain(unregister.iter().map(unregister_name))
         .chain(unfinished.iter().map(unfinished_name))
-        .chain(delivered.iter().map(delivered_name));
+        .chain(delivered.iter().map(delivered_name))
+        .chain(same_host.iter().map(same_host_name))
+        .chain(takes.iter().map(take_name));
     for name in names {
         assert!(
             section.contains(&format!("`{name}`"))

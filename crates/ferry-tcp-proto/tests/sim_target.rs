@@ -31,7 +31,7 @@ mod common;
 use common::Rng;
 use ferry_tcp_proto::frame::{
     decode_ids, encode_segments, encode_table, Request, Response, Segment, Status, TableEntry,
-    CMA_SEGMENT_LEN, HEADER_LEN, SEGMENT_LEN,
+    HEADER_LEN, SEGMENT_LEN,
 };
 use ferry_tcp_proto::recv::{Progress, RecvCursor};
 use ferry_tcp_proto::target::{Delivered, Part, Regions, Step, TargetConn};
@@ -374,28 +374,12 @@ impl Sim {
                         self.answers.extend(conn.take_answers());
                         return true;
                     }
-                    // Only hostile bytes decode as these here: served as
-                    // ferry-tcp's driver does on a connection without the
-                    // same-host path (`same_host=off`): an offer is read
-                    // and refused, a CWRITE / CREAD closes the connection.
-                    Step::Driver(Request::SameHost { id, .. }) => {
-                        let mut offer = vec![0u8; ferry_tcp_proto::offer::OFFER_LEN];
-                        if !self.read_exact(&mut cur, &mut offer, true) {
-                            self.answers.extend(conn.take_answers());
-                            return false;
-                        }
-                        conn.err(id, Status::SameHostRefused, 1, 0);
-                        break;
+                    // Only hostile bytes decode as same-host requests
+                    // here, on a connection with the path off: the core
+                    // refuses an offer and closes on a CWRITE / CREAD.
+                    Step::Prove { .. } | Step::Copy(_) | Step::Staged(_) => {
+                        panic!("same-host steps with the path off")
                     }
-                    Step::Driver(Request::Cma { id, count, .. }) => {
-                        let mut table = vec![0u8; count as usize * CMA_SEGMENT_LEN];
-                        if !self.read_exact(&mut cur, &mut table, true) {
-                            self.answers.extend(conn.take_answers());
-                            return false;
-                        }
-                        conn.malformed::<Hold>(id, "CWRITE/CREAD without the same-host path")
-                    }
-                    Step::Driver(other) => panic!("served by the core, not the driver: {other:?}"),
                 };
             }
             if conn.wants_flush() {

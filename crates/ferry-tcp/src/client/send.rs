@@ -255,7 +255,63 @@ pub(crate) async fn send_ops(
     batch: &Arc<WireOps>,
     ops: Vec<OutOp>,
 ) -> std::result::Result<(), Vec<OutOp>> {
-    let stage_now = conn.stage.as_ref().is_some_and(|st| {
+    // Whether this call's frames below the kernel-copy size may go through
+    // the area now (`crate::same_host::choice`): all or none of them.
+    let stage_now = stage_now(conn, &ops);
+    // Small calls, and long ones while the area is avoided, as granted
+    // copies where the target granted them.
+    let ops = copy_granted(conn, batch, ops, stage_now).await;
+    if ops.is_empty() {
+        return Ok(());
+    }
+    let mut framed = {
+        let mut map = lock(&conn.pending);
+        if let Some(e) = map.closed().cloned() {
+            drop(map);
+            if conn.retired.load(Ordering::Acquire) {
+                return Err(ops);
+            }
+            fail_ops(batch, &ops, &e);
+            return Ok(());
+        }
+        frame_ops(conn, batch, &ops, stage_now, &mut map)
+    };
+    for op in std::mem::take(&mut framed.refused) {
+        op.complete(Err(Error::Canceled(format!(
+            "connection to {} closed",
+            conn.peer
+        ))));
+    }
+    let (bufs, cuts, slicing) = frame_bufs(conn, &framed, &ops);
+    let frame_bytes: usize = bufs.iter().map(Bytes::len).sum();
+    if cuts.len() == 1 && framed.staging.is_empty() && frame_bytes <= COMBINE_MAX && !conn.cma {
+        send_combined(conn, &bufs, frame_bytes).await;
+        return Ok(());
+    }
+    let Some((w, mut poison)) = write_slices(conn, batch, &framed.ids, &bufs, &cuts, slicing).await
+    else {
+        return Ok(());
+    };
+    if let (false, Some(st)) = (framed.staging.is_empty(), &conn.stage) {
+        // In frame order: the next sender waits for this cursor after us.
+        let mut cursor = st.cursor.lock().await;
+        drop(w);
+        move_after_frames(conn, batch, st, &mut cursor, &framed.staging).await;
+    } else {
+        poison.0 = None;
+        // Frames queued while we wrote go now (none are queued on a
+        // same-host connection, the only kind with staged bytes).
+        write_queued(conn, w, &[]).await;
+        return Ok(());
+    }
+    poison.0 = None;
+    Ok(())
+}
+
+/// Whether this call's frames below the kernel-copy size may go through
+/// the staging area now (`crate::same_host::choice`).
+fn stage_now(conn: &ConnShared, ops: &[OutOp]) -> bool {
+    conn.stage.as_ref().is_some_and(|st| {
         let parallel = crate::same_host::cma::PARALLEL_MIN as u64;
         let bytes = ops
             .iter()
@@ -264,213 +320,225 @@ pub(crate) async fn send_ops(
             .sum();
         let peer_slept = st.area.target_slept().load(Ordering::Relaxed);
         st.choice.stage(bytes, peer_slept)
+    })
+}
+
+/// The frames of one call, registered as pending.
+struct Framed {
+    hdrs: Vec<[u8; crate::frame::HEADER_LEN]>,
+    ids: Vec<u64>,
+    /// Segment tables of the frames that have one, in frame order.
+    tables: Vec<Vec<u8>>,
+    /// Streams of the staged frames, in frame order: (read, pieces).
+    staging: Vec<(bool, Vec<stage::Piece>)>,
+    /// Operations the pending map refused (none: it is open, see
+    /// [`frame_ops`]).
+    refused: Vec<PendingOp>,
+}
+
+/// Registers `ops` as pending in `map` (the connection is open: checked
+/// under this lock) and encodes their headers and tables.
+fn frame_ops(
+    conn: &ConnShared,
+    batch: &Arc<WireOps>,
+    ops: &[OutOp],
+    stage_now: bool,
+    map: &mut super::conn::PendingMap,
+) -> Framed {
+    let mut f = Framed {
+        hdrs: Vec::with_capacity(ops.len()),
+        ids: Vec::with_capacity(ops.len()),
+        tables: Vec::new(),
+        staging: Vec::new(),
+        refused: Vec::new(),
+    };
+    for op in ops {
+        let id = conn.next_id.fetch_add(1, Ordering::Relaxed);
+        f.ids.push(id);
+        // Transfers go as CWRITE / CREAD (or staged) on the same-host path.
+        let cma = if conn.cma { op.cma_parts() } else { None };
+        let (req, kind) = match cma {
+            Some((read, parts)) => cma_frame(conn, id, read, &parts, stage_now, &mut f),
+            None => socket_frame(op, id, &mut f.tables),
+        };
+        f.hdrs.push(req.encode());
+        let pending = PendingOp {
+            batch: Arc::clone(batch),
+            index: op.index,
+            kind,
+        };
+        if let Err(op) = map.insert(id, pending) {
+            // Never: the connection was open, under this lock. Failed, not
+            // dropped, if it were not.
+            f.refused.push(op);
+        }
+    }
+    f
+}
+
+/// A transfer on the same-host path: CWRITE / CREAD, or SWRITE / SREAD
+/// (its stream added to `f.staging`) if the area takes its size now.
+fn cma_frame(
+    conn: &ConnShared,
+    id: u64,
+    read: bool,
+    parts: &[Part],
+    stage_now: bool,
+    f: &mut Framed,
+) -> (Request, PendingKind) {
+    let total: u64 = parts.iter().map(|p| p.len).sum();
+    let staged = conn.stage.as_ref().is_some_and(|st| {
+        total >= st.min as u64
+            && (total < crate::same_host::cma::PARALLEL_MIN as u64
+                || crate::same_host::cma::helpers() == 0)
+            && stage_now
     });
-    // Small calls, and long ones while the area is avoided, as granted
-    // copies where the target granted them.
-    let ops = copy_granted(conn, batch, ops, stage_now).await;
-    if ops.is_empty() {
-        return Ok(());
+    if staged {
+        f.staging.push((
+            read,
+            parts
+                .iter()
+                .map(|p| stage::Piece {
+                    ptr: p.hold.as_ptr().wrapping_add(p.off as usize),
+                    len: p.len as usize,
+                })
+                .collect(),
+        ));
     }
-    let mut hdrs = Vec::with_capacity(ops.len());
-    let mut ids = Vec::with_capacity(ops.len());
-    // Segment tables of WRITEV frames, in frame order.
-    let mut tables: Vec<Vec<u8>> = Vec::new();
-    // Streams of the staged frames, in frame order: (read, pieces).
-    let mut staging: Vec<(bool, Vec<stage::Piece>)> = Vec::new();
-    // Operations the pending map refused (none: it is open, see below).
-    let mut refused: Vec<PendingOp> = Vec::new();
-    // Whether this call's frames below the kernel-copy size may go through
-    // the area now (`crate::same_host::choice`): all or none of them.
-    {
-        let mut map = lock(&conn.pending);
-        if let Some(e) = map.closed().cloned() {
-            drop(map);
-            if conn.retired.load(Ordering::Acquire) {
-                return Err(ops);
-            }
-            for op in &ops {
-                op.fail(batch, &e);
-            }
-            return Ok(());
-        }
-        for op in &ops {
-            let id = conn.next_id.fetch_add(1, Ordering::Relaxed);
-            ids.push(id);
-            if conn.cma {
-                if let Some((read, parts)) = op.cma_parts() {
-                    let total: u64 = parts.iter().map(|p| p.len).sum();
-                    let staged = conn.stage.as_ref().is_some_and(|st| {
-                        total >= st.min as u64
-                            && (total < crate::same_host::cma::PARALLEL_MIN as u64
-                                || crate::same_host::cma::helpers() == 0)
-                            && stage_now
-                    });
-                    if staged {
-                        staging.push((
-                            read,
-                            parts
-                                .iter()
-                                .map(|p| stage::Piece {
-                                    ptr: p.hold.as_ptr().wrapping_add(p.off as usize),
-                                    len: p.len as usize,
-                                })
-                                .collect(),
-                        ));
-                    }
-                    let segs: Vec<CmaSegment> = parts
-                        .iter()
-                        .map(|p| CmaSegment {
-                            seg: Segment {
-                                addr: p.remote,
-                                len: p.len,
-                                gen: p.gen,
-                            },
-                            // The target copies through the area: no
-                            // address of ours.
-                            local: if staged {
-                                0
-                            } else {
-                                p.hold.as_ptr() as u64 + p.off
-                            },
-                        })
-                        .collect();
-                    tables.push(encode_cma_segments(&segs));
-                    let req = Request::Cma {
-                        id,
-                        read,
-                        staged,
-                        count: parts.len() as u32,
-                        total,
-                    };
-                    hdrs.push(req.encode());
-                    if let Err(op) = map.insert(
-                        id,
-                        PendingOp {
-                            batch: Arc::clone(batch),
-                            index: op.index,
-                            kind: PendingKind::Cma {
-                                parts: parts.iter().map(|p| (p.index, p.remote, p.len)).collect(),
-                                guards: parts.iter().map(|p| Arc::clone(&p.hold)).collect(),
-                                // Staged reads are copied by this side.
-                                target_writes: read && !staged,
-                            },
-                        },
-                    ) {
-                        // Never: the connection was open above, under this
-                        // lock. Failed, not dropped, if it were not.
-                        refused.push(op);
-                    }
-                    continue;
-                }
-            }
-            let (req, kind) = match &op.kind {
-                OutKind::Write {
-                    guard,
-                    len,
-                    remote: addr,
-                    gen,
-                    ..
-                } => (
-                    Request::Write {
-                        id,
-                        addr: *addr,
-                        len: *len,
-                        gen: *gen,
-                    },
-                    PendingKind::Write(Arc::clone(guard)),
-                ),
-                OutKind::Read {
-                    guard,
-                    off,
-                    len,
-                    remote,
-                    gen,
-                } => (
-                    Request::Read {
-                        id,
-                        addr: *remote,
-                        len: *len,
-                        gen: *gen,
-                    },
-                    PendingKind::Read {
-                        dst: guard.as_ptr() as usize + *off as usize,
-                        len: *len,
-                        _guard: Arc::clone(guard),
-                    },
-                ),
-                OutKind::Notify { bytes, name_len } => (
-                    Request::Notify {
-                        id,
-                        name_len: *name_len,
-                        msg_len: bytes.len() as u64 - name_len,
-                    },
-                    PendingKind::Notify,
-                ),
-                OutKind::Table(cache) => {
-                    (Request::Table { id }, PendingKind::Table(Arc::clone(cache)))
-                }
-                OutKind::ReadV(parts) => {
-                    let (table, total) = segment_table(parts);
-                    tables.push(table);
-                    (
-                        Request::ReadV {
-                            id,
-                            count: parts.len() as u32,
-                            total,
-                        },
-                        PendingKind::ReadV {
-                            parts: parts
-                                .iter()
-                                .map(|p| {
-                                    (
-                                        p.index,
-                                        p.hold.as_ptr() as usize + p.off as usize,
-                                        p.remote,
-                                        p.len,
-                                    )
-                                })
-                                .collect(),
-                            _guards: parts.iter().map(|p| Arc::clone(&p.hold)).collect(),
-                        },
-                    )
-                }
-                OutKind::WriteV(parts) => {
-                    let (table, total) = segment_table(parts);
-                    tables.push(table);
-                    (
-                        Request::WriteV {
-                            id,
-                            count: parts.len() as u32,
-                            total,
-                        },
-                        PendingKind::WriteV {
-                            parts: parts.iter().map(|p| (p.index, p.remote, p.len)).collect(),
-                            _guards: parts.iter().map(|p| Arc::clone(&p.hold)).collect(),
-                        },
-                    )
-                }
-            };
-            hdrs.push(req.encode());
-            if let Err(op) = map.insert(
+    let segs: Vec<CmaSegment> = parts
+        .iter()
+        .map(|p| CmaSegment {
+            seg: Segment {
+                addr: p.remote,
+                len: p.len,
+                gen: p.gen,
+            },
+            // The target copies through the area: no address of ours.
+            local: if staged {
+                0
+            } else {
+                p.hold.as_ptr() as u64 + p.off
+            },
+        })
+        .collect();
+    f.tables.push(encode_cma_segments(&segs));
+    let req = Request::Cma {
+        id,
+        read,
+        staged,
+        count: parts.len() as u32,
+        total,
+    };
+    let kind = PendingKind::Cma {
+        parts: parts.iter().map(|p| (p.index, p.remote, p.len)).collect(),
+        guards: parts.iter().map(|p| Arc::clone(&p.hold)).collect(),
+        // Staged reads are copied by this side.
+        target_writes: ferry_tcp_proto::initiator::target_writes(read, staged),
+    };
+    (req, kind)
+}
+
+/// A frame on the socket path (or a control frame): its request and what
+/// it holds while pending; WRITEV / READV add their table to `tables`.
+fn socket_frame(op: &OutOp, id: u64, tables: &mut Vec<Vec<u8>>) -> (Request, PendingKind) {
+    match &op.kind {
+        OutKind::Write {
+            guard,
+            len,
+            remote: addr,
+            gen,
+            ..
+        } => (
+            Request::Write {
                 id,
-                PendingOp {
-                    batch: Arc::clone(batch),
-                    index: op.index,
-                    kind,
+                addr: *addr,
+                len: *len,
+                gen: *gen,
+            },
+            PendingKind::Write(Arc::clone(guard)),
+        ),
+        OutKind::Read {
+            guard,
+            off,
+            len,
+            remote,
+            gen,
+        } => (
+            Request::Read {
+                id,
+                addr: *remote,
+                len: *len,
+                gen: *gen,
+            },
+            PendingKind::Read {
+                dst: guard.as_ptr() as usize + *off as usize,
+                len: *len,
+                _guard: Arc::clone(guard),
+            },
+        ),
+        OutKind::Notify { bytes, name_len } => (
+            Request::Notify {
+                id,
+                name_len: *name_len,
+                msg_len: bytes.len() as u64 - name_len,
+            },
+            PendingKind::Notify,
+        ),
+        OutKind::Table(cache) => (Request::Table { id }, PendingKind::Table(Arc::clone(cache))),
+        OutKind::ReadV(parts) => {
+            let (table, total) = segment_table(parts);
+            tables.push(table);
+            (
+                Request::ReadV {
+                    id,
+                    count: parts.len() as u32,
+                    total,
                 },
-            ) {
-                refused.push(op);
-            }
+                PendingKind::ReadV {
+                    parts: parts
+                        .iter()
+                        .map(|p| {
+                            (
+                                p.index,
+                                p.hold.as_ptr() as usize + p.off as usize,
+                                p.remote,
+                                p.len,
+                            )
+                        })
+                        .collect(),
+                    _guards: parts.iter().map(|p| Arc::clone(&p.hold)).collect(),
+                },
+            )
+        }
+        OutKind::WriteV(parts) => {
+            let (table, total) = segment_table(parts);
+            tables.push(table);
+            (
+                Request::WriteV {
+                    id,
+                    count: parts.len() as u32,
+                    total,
+                },
+                PendingKind::WriteV {
+                    parts: parts.iter().map(|p| (p.index, p.remote, p.len)).collect(),
+                    _guards: parts.iter().map(|p| Arc::clone(&p.hold)).collect(),
+                },
+            )
         }
     }
-    for op in refused {
-        op.complete(Err(Error::Canceled(format!(
-            "connection to {} closed",
-            conn.peer
-        ))));
-    }
-    let mut bufs: Vec<Bytes<'_>> = Vec::with_capacity(ops.len() * 2);
-    let mut tables = tables.iter();
+}
+
+/// The buffers of the frames in order (headers, tables, payloads from
+/// registered memory), and where the write lock is let go between frames
+/// (buffers and ops up to there; the last cut is the end), so that other
+/// callers' frames go in between (see FAIR_SLICE).
+fn frame_bufs<'a>(
+    conn: &ConnShared,
+    f: &'a Framed,
+    ops: &'a [OutOp],
+) -> (Vec<Bytes<'a>>, Vec<(usize, usize)>, Slicing) {
+    let mut bufs: Vec<Bytes<'a>> = Vec::with_capacity(ops.len() * 2);
+    let mut tables = f.tables.iter();
     // Where the write lock is let go between frames (buffers and ops up
     // to there), so that other callers' frames go in between (see
     // FAIR_SLICE). The last cut is the end.
@@ -485,7 +553,7 @@ pub(crate) async fn send_ops(
     } else {
         Slicing::default()
     };
-    for (i, (hdr, op)) in hdrs.iter().zip(&ops).enumerate() {
+    for (i, (hdr, op)) in f.hdrs.iter().zip(ops).enumerate() {
         if slicing.cut_before(&mut since_cut, op.payload_len()) {
             cuts.push((bufs.len(), i));
         }
@@ -519,14 +587,25 @@ pub(crate) async fn send_ops(
         }
     }
     cuts.push((bufs.len(), ops.len()));
-    let frame_bytes: usize = bufs.iter().map(Bytes::len).sum();
-    if cuts.len() == 1 && staging.is_empty() && frame_bytes <= COMBINE_MAX && !conn.cma {
-        send_combined(conn, &bufs, frame_bytes).await;
-        return Ok(());
-    }
+    (bufs, cuts, slicing)
+}
+
+/// Writes the frames under the write lock, letting go of it at each cut
+/// and keeping the send window (the earlier slices answered, never past
+/// the batch's deadline). `None`: the connection failed meanwhile (the
+/// operations completed with its error); else the lock, and the poison
+/// armed until the caller is done with the stream.
+async fn write_slices<'a>(
+    conn: &'a Arc<ConnShared>,
+    batch: &WireOps,
+    ids: &'a [u64],
+    bufs: &[Bytes<'_>],
+    cuts: &[(usize, usize)],
+    slicing: Slicing,
+) -> Option<(tokio::sync::MutexGuard<'a, ()>, PoisonOnDrop<'a>)> {
     let mut unsent = Unsent {
         conn,
-        ids: Some(&ids),
+        ids: Some(ids),
     };
     let mut w = conn.write_lock.lock().await;
     unsent.ids = None;
@@ -540,7 +619,7 @@ pub(crate) async fn send_ops(
             // Small calls queued meanwhile go in between too.
             if !write_outbox(conn).await {
                 poison.0 = None;
-                return Ok(());
+                return None;
             }
             poison.0 = None;
             unsent.ids = Some(&ids[from_op..]);
@@ -569,7 +648,7 @@ pub(crate) async fn send_ops(
             if conn.dead.load(Ordering::Acquire) {
                 // Failed meanwhile: every pending operation, these too,
                 // was completed with the connection's error.
-                return Ok(());
+                return None;
             }
             poison.0 = Some(conn);
         }
@@ -580,42 +659,41 @@ pub(crate) async fn send_ops(
         if let Err(e) = res {
             poison.0 = None;
             conn.fail_all(conn.lost(&e));
-            return Ok(());
+            return None;
         }
         (from_buf, from_op) = (to_buf, to_op);
     }
-    if let (false, Some(st)) = (staging.is_empty(), &conn.stage) {
-        // In frame order: the next sender waits for this cursor after us.
-        let mut cursor = st.cursor.lock().await;
-        drop(w);
-        let bytes: usize = staging
-            .iter()
-            .flat_map(|(_, pieces)| pieces.iter().map(|p| p.len))
-            .sum();
-        let moving = super::conn::Moving::new(st, bytes > stage::RING_BYTES);
-        let start = std::time::Instant::now();
-        let moved = move_staged(conn, batch, st, &mut cursor, &staging).await;
-        if moved.is_ok() {
-            st.choice.moved(false, bytes as u64, start.elapsed());
-        }
-        drop(moving);
-        if let Err(stop) = moved {
-            conn.fail_all(stop.error(
-                &conn.peer,
-                st.patience,
-                "the connection closed while a payload moved through the staging area",
-            ));
-        }
-        conn.touch();
-    } else {
-        poison.0 = None;
-        // Frames queued while we wrote go now (none are queued on a
-        // same-host connection, the only kind with staged bytes).
-        write_queued(conn, w, &[]).await;
-        return Ok(());
+    Some((w, poison))
+}
+
+/// With the rings' cursor taken (in frame order): moves the staged
+/// frames' streams; the connection fails if they do not go through.
+async fn move_after_frames(
+    conn: &ConnShared,
+    batch: &WireOps,
+    st: &ClientStage,
+    cursor: &mut (u64, u64),
+    staging: &[(bool, Vec<stage::Piece>)],
+) {
+    let bytes: usize = staging
+        .iter()
+        .flat_map(|(_, pieces)| pieces.iter().map(|p| p.len))
+        .sum();
+    let moving = super::conn::Moving::new(st, bytes > stage::RING_BYTES);
+    let start = std::time::Instant::now();
+    let moved = move_staged(conn, batch, st, cursor, staging).await;
+    if moved.is_ok() {
+        st.choice.moved(false, bytes as u64, start.elapsed());
     }
-    poison.0 = None;
-    Ok(())
+    drop(moving);
+    if let Err(stop) = moved {
+        conn.fail_all(stop.error(
+            &conn.peer,
+            st.patience,
+            "the connection closed while a payload moved through the staging area",
+        ));
+    }
+    conn.touch();
 }
 
 /// Waits until none of `ids` is pending on `conn` any more (answered,

@@ -24,12 +24,14 @@
 
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use ferry_core::__private::sync::lock;
 use ferry_core::RegionGuard;
 
 use crate::stream::Stream;
+use ferry_tcp_proto::initiator::Fence;
+use ferry_tcp_proto::time::Time;
 
 /// Holds `guards` until the peer's side of `stream` has ended (see the
 /// module's comment); after `patience` without that, marks them unproven
@@ -83,15 +85,16 @@ fn keep_forever(guards: Vec<Arc<RegionGuard>>, reason: &str) {
 }
 
 /// Reads `fd` (discarding what arrives) until the stream ends or fails;
-/// calls `late` once if that takes longer than `patience`.
+/// calls `late` once if that takes longer than `patience` (the core's
+/// [`Fence`] decides both).
 fn wait_for_end(fd: &OwnedFd, patience: Duration, late: impl FnOnce()) {
-    let start = Instant::now();
+    let mut fence = Fence::new(crate::io::now(), patience);
     let mut late = Some(late);
     let mut scratch = [0u8; 4096];
     loop {
-        let timeout = match late {
-            Some(_) => {
-                let left = patience.saturating_sub(start.elapsed());
+        let timeout = match fence.poll_timeout() {
+            Some(until) => {
+                let left = crate::io::now().until(until);
                 // Rounded up: never report late before the patience is over.
                 left.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32
             }
@@ -109,15 +112,19 @@ fn wait_for_end(fd: &OwnedFd, patience: Duration, late: impl FnOnce()) {
                 continue;
             }
             // Cannot watch: treated as no proof, forever.
-            if let Some(f) = late.take() {
-                f();
+            if fence.on_timeout(Time::NEVER) {
+                if let Some(f) = late.take() {
+                    f();
+                }
             }
             std::thread::sleep(Duration::from_secs(1));
             continue;
         }
         if n == 0 {
-            if let Some(f) = late.take() {
-                f();
+            if fence.on_timeout(crate::io::now()) {
+                if let Some(f) = late.take() {
+                    f();
+                }
             }
             continue;
         }
@@ -132,15 +139,19 @@ fn wait_for_end(fd: &OwnedFd, patience: Duration, late: impl FnOnce()) {
                 libc::MSG_DONTWAIT,
             )
         };
-        match r {
-            0 => return,
-            n if n > 0 => continue,
-            _ => match std::io::Error::last_os_error().kind() {
-                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted => continue,
-                // Reset, or any other failure of the stream: the peer's
-                // side is gone.
-                _ => return,
-            },
+        let ended = match r {
+            0 => true,
+            n if n > 0 => false,
+            _ => !matches!(
+                std::io::Error::last_os_error().kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
+            ),
+        };
+        // The stream's end, a reset, or any other failure of the stream:
+        // the peer's side is gone.
+        if ended {
+            fence.on_peer_end();
+            return;
         }
     }
 }

@@ -307,20 +307,25 @@ async fn serve_conn(
         negotiated = agreed.peer_negotiates,
         "peer connected"
     );
+    // From here on the runtime hears of the socket only while a task waits
+    // on it (see crate::quiet).
+    let stream = stream
+        .quiet()
+        .map_err(|e| Error::io("setting the connection up", &e))?;
+    let terms = ferry_tcp_proto::target::SameHostTerms::new(
+        cfg.same_host != SameHost::Off,
+        &agreed,
+        !stream.is_unix(),
+    );
     let first = ConnState {
         rd: FrameReader::new(cfg.spin, core.pace()),
-        conn: ferry_tcp_proto::target::TargetConn::new(),
+        conn: ferry_tcp_proto::target::TargetConn::with_same_host(terms),
         cma_pid: None,
         stage: None,
         agreed,
         cred,
         served,
     };
-    // From here on the runtime hears of the socket only while a task waits
-    // on it (see crate::quiet).
-    let stream = stream
-        .quiet()
-        .map_err(|e| Error::io("setting the connection up", &e))?;
     match serve(stream, &peer, core, &admitted.live, first).await? {
         Served::Closed => Ok(()),
         Served::ToThread(stream, st) => {

@@ -4,29 +4,18 @@
 
 use super::serve::TargetStage;
 use super::*;
-
-/// Holds every segment of a WRITEV/READV that lies in a live region of its
-/// generation (`Err(status)` for the others, which fail individually).
-pub(super) fn acquire_segments(core: &Core, segs: &[Segment]) -> Vec<Result<RegionGuard, Status>> {
-    segs.iter()
-        .map(|s| core.acquire(s.addr, s.len, s.gen))
-        .collect()
-}
+use crate::frame::CmaSegment;
+use ferry_tcp_proto::target::Copy;
 
 /// Performs the copies of a CWRITE (`read` false: from the initiator into
-/// the guarded target ranges) or CREAD (from them into the initiator) for
-/// the segments whose guard was acquired; `None` if every segment moved,
-/// else the status and indices of those that did not. `one_call`: the
-/// segments do not overlap, so all of them may go in one system call.
-pub(super) fn cma_copy(
-    to: cma::Remote<'_>,
-    read: bool,
-    segs: &[crate::frame::CmaSegment],
-    guards: &[Result<RegionGuard, Status>],
-    one_call: bool,
-) -> Option<(Status, Vec<u32>)> {
+/// the held target ranges) or CREAD (from them into the initiator) for
+/// the segments the core held; returns the indices of those whose copy
+/// failed (nothing allocated when every one moved). `one_call`: every
+/// segment is held and none overlaps, so all may go in one system call.
+pub(super) fn cma_copy(to: cma::Remote<'_>, c: &Copy<RegionGuard>) -> Vec<u32> {
+    let (read, segs, guards) = (c.read, &c.segs, &c.holds);
     let total: u64 = segs.iter().map(|s| s.seg.len).sum();
-    if one_call && guards.iter().all(Result::is_ok) {
+    if c.one_call {
         let ok = if total as usize >= cma::PARALLEL_MIN && cma::helpers() > 0 {
             let pairs: Vec<(usize, u64, usize)> = guards
                 .iter()
@@ -53,48 +42,33 @@ pub(super) fn cma_copy(
             (unsafe { cma::copy(to, read, &local, &remote) }) == Ok(total as usize)
         };
         if ok {
-            return None;
+            return Vec::new();
         }
         // A short or refused call: redo segment by segment to find which.
     }
     let mut failed = Vec::new();
-    let mut status = None;
     for (i, (g, s)) in guards.iter().zip(segs).enumerate() {
-        let st = match g {
-            Ok(g) => {
-                // SAFETY: as above, for this guard's range.
-                let r = unsafe { cma::copy_all(to, read, g.as_ptr(), s.local, g.len() as usize) };
-                match r {
-                    Ok(()) => continue,
-                    Err(_) => Status::CopyFailed,
-                }
+        if let Ok(g) = g {
+            // SAFETY: as above, for this guard's range.
+            let r = unsafe { cma::copy_all(to, read, g.as_ptr(), s.local, g.len() as usize) };
+            if r.is_err() {
+                failed.push(i as u32);
             }
-            Err(st) => *st,
-        };
-        failed.push(i as u32);
-        // StaleRegion first (the initiator retries), then unregistered.
-        status = Some(match (status, st) {
-            (Some(Status::StaleRegion), _) | (_, Status::StaleRegion) => Status::StaleRegion,
-            (Some(Status::AddressNotRegistered), _) | (_, Status::AddressNotRegistered) => {
-                Status::AddressNotRegistered
-            }
-            _ => st,
-        });
+        }
     }
-    status.map(|st| (st, failed))
+    failed
 }
 
 /// Moves an SWRITE's stream out of the staging area into the guarded
 /// ranges (the bytes of refused segments are dropped), or an SREAD's
-/// verdict (naming the `refused` segments) and accepted ranges into it —
+/// verdict (naming the refused segments) and accepted ranges into it —
 /// then waits until the initiator has emptied the ring, so that the
 /// acknowledgement follows the data.
 pub(super) async fn staged_copy(
     st: &mut TargetStage,
     read: bool,
     guards: &[Result<RegionGuard, Status>],
-    segs: &[Segment],
-    refused: &[u32],
+    segs: &[CmaSegment],
     watch: &crate::same_host::stage::Watch<'_>,
 ) -> Result<(), crate::same_host::stage::Stop> {
     use crate::same_host::stage::{self, Dir, Piece};
@@ -102,7 +76,7 @@ pub(super) async fn staged_copy(
         // Refused (null): its bytes are dropped (SWRITE) or never sent
         // (SREAD).
         ptr: g.as_ref().map_or(std::ptr::null_mut(), |g| g.as_ptr()),
-        len: s.len as usize,
+        len: s.seg.len as usize,
     });
     if !read {
         let ring = st.area.ring(Dir::ToTarget);
@@ -114,7 +88,8 @@ pub(super) async fn staged_copy(
         return unsafe { stage::get(&ring, &mut st.from_initiator, &pieces, watch, None) }.await;
     }
     let ring = st.area.ring(Dir::ToInitiator);
-    let mut verdict = stage::verdict(refused.iter().map(|&i| i as usize));
+    let refused = guards.iter().enumerate().filter(|(_, g)| g.is_err());
+    let mut verdict = stage::verdict(refused.map(|(i, _)| i));
     let v = [Piece {
         ptr: verdict.as_mut_ptr(),
         len: verdict.len(),

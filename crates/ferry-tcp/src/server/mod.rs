@@ -28,10 +28,7 @@ use tokio::sync::{oneshot, Notify};
 use tokio::task::JoinSet;
 
 use crate::config::{SameHost, TcpConfig};
-use crate::frame::{
-    decode_cma_segments, encode_table, Request, Response, Segment, Status, TableEntry,
-    CMA_SEGMENT_LEN, MAX_TABLE_ENTRIES,
-};
+use crate::frame::{encode_table, Request, Response, Status, TableEntry, MAX_TABLE_ENTRIES};
 use crate::handshake;
 use crate::io::{write_all, write_all_slices, Bytes, FrameReader, Next, Pace};
 use crate::same_host::cma;

@@ -2,10 +2,10 @@
 //! requests and answers them (acknowledgements coalesced), and the
 //! same-host connection's own thread.
 
-use super::copy::{acquire_segments, cma_copy, staged_copy};
+use super::copy::{cma_copy, staged_copy};
 use super::*;
 use ferry_tcp_proto::target::{
-    failed_status, frame_bytes, landed, overlapping, Delivered, Part, Step, TargetConn,
+    frame_bytes, Copy, Delivered, Moved, Part, SameHost as SameHostPath, Step, Take, TargetConn,
 };
 
 /// A connection's serving state, handed to a dedicated thread when the
@@ -181,22 +181,39 @@ fn held(g: &RegionGuard) -> Bytes<'static> {
     unsafe { Bytes::from_raw(g.as_ptr(), g.len() as usize) }
 }
 
-/// Executes one step of the core for a socket request, until the request
-/// is served. `Ok(false)`: the core closed the connection (answered).
+/// What the same-host steps of a connection use.
+struct Side<'a> {
+    served: &'a ferry_core::inbound::ServedPeer,
+    /// The initiator's process, once the path is agreed.
+    initiator: Option<&'a Arc<cma::Initiator>>,
+    /// The staging area, once mapped.
+    stage: Option<&'a mut TargetStage>,
+}
+
+/// A SAME_HOST offer for the driver to prove ([`Step::Prove`]).
+struct ToProve {
+    id: u64,
+    channel: Take,
+    stage: Take,
+    grants: bool,
+}
+
+/// Executes the core's steps for one request until it is served;
+/// `Some`: an offer to prove (the bytes are in the core's buffer).
 async fn run_step(
     stream: &Stream,
     rd: &mut FrameReader,
     conn: &mut TargetConn,
     core: &Core,
     peer: &str,
-    served: &ferry_core::inbound::ServedPeer,
+    side: Side<'_>,
     mut step: Step<RegionGuard>,
-) -> Result<(), Error> {
+) -> Result<Option<ToProve>, Error> {
     let stall = core.config.stall_timeout;
     let io = |e| io_error(peer, e, stall);
     loop {
         step = match step {
-            Step::Done => return Ok(()),
+            Step::Done => return Ok(None),
             Step::ReadBuf { len, ends_frame } => {
                 let buf = Bytes::from_mut(&mut conn.buf()[..len]);
                 if ends_frame {
@@ -213,32 +230,11 @@ async fn run_step(
                 one_call,
                 landed,
             } => {
-                if one_call {
-                    let dsts: Vec<Bytes<'static>> = parts
-                        .iter()
-                        .filter_map(|p| match p {
-                            Part::Into(g, _) => Some(held(g)),
-                            Part::Skip(_) => None,
-                        })
-                        .collect();
-                    rd.read_v(stream, &dsts, true).await.map_err(io)?;
-                } else {
-                    // In order; only the last part ends the frame (header
-                    // top-up).
-                    let last = parts.len().saturating_sub(1);
-                    for (i, part) in parts.iter().enumerate() {
-                        match part {
-                            Part::Into(g, _) if i == last => rd.read_payload(stream, held(g)).await,
-                            Part::Into(g, _) => rd.read_part(stream, held(g)).await,
-                            Part::Skip(len) => rd.discard(stream, *len, i == last).await,
-                        }
-                        .map_err(io)?;
-                    }
-                }
+                receive(stream, rd, &parts, one_call).await.map_err(io)?;
                 drop(parts);
                 conn.received();
-                served.wrote(landed.0, landed.1);
-                return Ok(());
+                side.served.wrote(landed.0, landed.1);
+                return Ok(None);
             }
             Step::Send {
                 meta,
@@ -251,8 +247,8 @@ async fn run_step(
                 write_all(stream, &bufs, core.pace()).await.map_err(io)?;
                 drop(bufs);
                 drop(holds);
-                served.read(landed.0, landed.1);
-                return Ok(());
+                side.served.read(landed.0, landed.1);
+                return Ok(None);
             }
             Step::Table { meta, id } => {
                 let (count, table) = core.table_bytes();
@@ -260,13 +256,152 @@ async fn run_step(
                 write_all_slices(stream, &[&meta, &hdr, &table], core.pace())
                     .await
                     .map_err(io)?;
-                return Ok(());
+                return Ok(None);
             }
             Step::Close(reason) => return Err(closed(stream, conn, core, peer, reason).await),
-            // Taken by `serve` before any step runs (never reached).
-            Step::Driver(_) => return Ok(()),
+            Step::Prove {
+                id,
+                channel,
+                stage,
+                grants,
+            } => {
+                return Ok(Some(ToProve {
+                    id,
+                    channel,
+                    stage,
+                    grants,
+                }))
+            }
+            Step::Copy(c) => {
+                let moved = copy(stream, conn, peer, side.initiator, c)?;
+                count(side.served, moved);
+                flush(stream, conn, core, peer).await?;
+                return Ok(None);
+            }
+            Step::Staged(c) => {
+                let moved = staged(stream, conn, core, peer, side.initiator, side.stage, c).await?;
+                count(side.served, moved);
+                flush(stream, conn, core, peer).await?;
+                return Ok(None);
+            }
         };
     }
+}
+
+/// Reads a payload into the parts of a [`Step::Receive`].
+async fn receive(
+    stream: &Stream,
+    rd: &mut FrameReader,
+    parts: &[Part<RegionGuard>],
+    one_call: bool,
+) -> std::io::Result<()> {
+    if one_call {
+        let dsts: Vec<Bytes<'static>> = parts
+            .iter()
+            .filter_map(|p| match p {
+                Part::Into(g, _) => Some(held(g)),
+                Part::Skip(_) => None,
+            })
+            .collect();
+        return rd.read_v(stream, &dsts, true).await;
+    }
+    // In order; only the last part ends the frame (header top-up).
+    let last = parts.len().saturating_sub(1);
+    for (i, part) in parts.iter().enumerate() {
+        match part {
+            Part::Into(g, _) if i == last => rd.read_payload(stream, held(g)).await,
+            Part::Into(g, _) => rd.read_part(stream, held(g)).await,
+            Part::Skip(len) => rd.discard(stream, *len, i == last).await,
+        }?;
+    }
+    Ok(())
+}
+
+/// Adds what a same-host request moved to the peer's counters.
+fn count(served: &ferry_core::inbound::ServedPeer, m: Moved) {
+    if m.read {
+        served.read(m.bytes, m.ranges);
+    } else {
+        served.wrote(m.bytes, m.ranges);
+    }
+}
+
+/// The initiator gave up on this connection, or its process exited.
+fn gone(peer: &str) -> Error {
+    Error::PeerLost {
+        peer: peer.to_owned(),
+        reason: "closed by the initiator, or its process exited".to_owned(),
+    }
+}
+
+/// Executes a [`Step::Copy`]: the initiator's check, then the kernel
+/// copies.
+fn copy(
+    stream: &Stream,
+    conn: &mut TargetConn,
+    peer: &str,
+    initiator: Option<&Arc<cma::Initiator>>,
+    c: Copy<RegionGuard>,
+) -> Result<Moved, Error> {
+    // The core asks for copies only once the path is agreed.
+    let Some(initiator) = initiator else {
+        return Err(gone(peer));
+    };
+    // An initiator that gave up on this connection (its batch expired) may
+    // reuse the memory it named: copy nothing.
+    if !initiator.alive_for(stream) {
+        return Err(gone(peer));
+    }
+    #[cfg(feature = "test-hooks")]
+    crate::test_hooks::between_check_and_copy(c.read);
+    let failed = cma_copy(initiator.remote(), &c);
+    let Copy { segs, holds, .. } = c;
+    drop(holds);
+    Ok(conn.copied(&segs, &failed))
+}
+
+/// Executes a [`Step::Staged`] through the connection's staging area.
+async fn staged(
+    stream: &Stream,
+    conn: &mut TargetConn,
+    core: &Core,
+    peer: &str,
+    initiator: Option<&Arc<cma::Initiator>>,
+    stage: Option<&mut TargetStage>,
+    c: Copy<RegionGuard>,
+) -> Result<Moved, Error> {
+    let (Some(initiator), Some(st)) = (initiator, stage) else {
+        return Err(gone(peer));
+    };
+    let cfg = &core.config;
+    let alive = || initiator.alive_for(stream);
+    let slept = std::sync::atomic::AtomicU64::new(0);
+    let total = c.segs.iter().map(|s| s.seg.len).sum();
+    let watch = crate::same_host::stage::Watch {
+        alive: &alive,
+        stall: cfg.stall_timeout,
+        // From the frame's first byte, as on the socket.
+        deadline: Some(crate::io::deadline(&core.pace(), total)),
+        // Staged frames are served on the connection's own thread
+        // (`serve_on_thread`).
+        blocking: true,
+        // Told to the initiator below: it chooses the path.
+        slept: Some(&slept),
+    };
+    let moved = staged_copy(st, c.read, &c.holds, &c.segs, &watch).await;
+    let slept = slept.into_inner();
+    if slept > 0 {
+        st.area.target_slept().fetch_add(slept, Ordering::Relaxed);
+    }
+    let Copy { segs, holds, .. } = c;
+    drop(holds);
+    moved.map_err(|stop| {
+        let gone = "closed by the initiator, or its process exited";
+        stop.error(peer, cfg.stall_timeout, gone)
+    })?;
+    // Through the acknowledgement lane while the initiator's reader polls
+    // it (else with a WAKE); on the socket when the lane is full.
+    Ok(conn.staged(&segs, |id| st.area.acks().post(&mut st.ack_head, id)))
 }
 
 /// Hands a notification to the engine's queue.
@@ -305,21 +440,16 @@ pub(super) async fn serve(
     st: ConnState,
 ) -> Result<Served, Error> {
     let cfg = &core.config;
-    let pace = core.pace();
     let stall = cfg.stall_timeout;
     let ConnState {
         mut rd,
         mut conn,
-        mut cma_pid,
+        cma_pid,
         mut stage,
         agreed,
         mut cred,
         served,
     } = st;
-    // One SAME_HOST offer per connection: a second one closes it.
-    let mut offered = false;
-    // The segment table of the current CWRITE / CREAD.
-    let mut cma_table: Vec<u8> = Vec::new();
     loop {
         // Answer everything processed so far before waiting for more input.
         if conn.has_answers()
@@ -362,279 +492,137 @@ pub(super) async fn serve(
         if let Some(bytes) = frame_bytes(&req) {
             rd.begin_frame(bytes);
         }
-        let req = match conn.on_request(req, &mut Table(core)) {
-            Step::Driver(req) => req,
-            step => {
-                run_step(&stream, &mut rd, &mut conn, core, peer, &served, step).await?;
-                if conn.wants_flush() {
-                    flush(&stream, &mut conn, core, peer).await?;
-                }
-                continue;
-            }
+        let offered = conn.same_host() != SameHostPath::Unoffered;
+        let step = conn.on_request(req, &mut Table(core));
+        let side = Side {
+            served: &served,
+            initiator: cma_pid.as_ref(),
+            stage: stage.as_mut(),
         };
-        match req {
-            Request::SameHost {
-                id,
-                channel,
-                stage: offered_stage,
-            } => {
-                let mut raw = [0u8; cma::OFFER_LEN];
-                rd.read_payload(&stream, Bytes::from_mut(&mut raw))
-                    .await
-                    .map_err(|e| io_error(peer, e, stall))?;
-                let offer = cma::Offer::decode(&raw);
-                if std::mem::replace(&mut offered, true) {
-                    let reason = "a second SAME_HOST offer on one connection".to_owned();
-                    return Err(malformed(&stream, &mut conn, core, peer, id, reason).await);
+        if let Some(offer) = run_step(&stream, &mut rd, &mut conn, core, peer, side, step).await? {
+            let mut raw = [0u8; cma::OFFER_LEN];
+            raw.copy_from_slice(&conn.buf()[..cma::OFFER_LEN]);
+            let offer_bytes = cma::Offer::decode(&raw);
+            match prove(&stream, cred.take(), &offer_bytes, cfg) {
+                Ok(initiator) => {
+                    let st = ConnState {
+                        rd,
+                        conn,
+                        cma_pid: None,
+                        stage: None,
+                        agreed,
+                        cred: None,
+                        served,
+                    };
+                    return agree(stream, peer, core, st, initiator, offer).await;
                 }
-                // The offered PID is trusted only once proven (see
-                // `cma::check_offer_on`); until then the target makes no
-                // system call on it, and whatever fails, the peer is told
-                // only "refused" (the detail goes to this log).
-                let verdict = match &stream {
-                    _ if cfg.same_host == SameHost::Off => Err((cma::Refusal::Disabled, None)),
-                    _ if !agreed.theirs.enabled(crate::negotiate::SAME_HOST) => {
-                        let reason = "SAME_HOST from a peer that did not announce it".to_owned();
-                        return Err(malformed(&stream, &mut conn, core, peer, id, reason).await);
-                    }
-                    s if cma_pid.is_none() && !s.is_unix() => {
-                        let checked = match (cred.take(), s.tcp_addrs()) {
-                            (None, _) => Err(
-                                "the peer did not prove its credentials (same-host-cred: a Ferry \
-                                 build without it, or not on this host)"
-                                    .to_owned(),
-                            ),
-                            (Some(_), None) => Err("no TCP addresses".to_owned()),
-                            (Some(l), Some(addrs)) => l.prove().and_then(|proof| {
-                                cma::check_offer_on(addrs, &offer, proof, &cfg.same_host_uids)
-                            }),
-                        };
-                        checked.map_err(|why| (cma::Refusal::Refused, Some(why)))
-                    }
-                    _ => {
-                        let reason = "SAME_HOST on a connection that has agreed it".to_owned();
-                        return Err(malformed(&stream, &mut conn, core, peer, id, reason).await);
-                    }
-                };
-                match verdict {
-                    Ok(initiator) => {
-                        let pid = initiator.pid;
-                        // Only what the handshake agreed (a peer of an
-                        // older version never offers more).
-                        let taken = match channel {
-                            None => Err(0),
-                            Some(_) if !agreed.both(crate::negotiate::CONTROL_CHANNEL) => {
-                                Err(libc::EOPNOTSUPP)
-                            }
-                            Some(fd) => initiator.take_channel(fd),
-                        };
-                        let staging_agreed = agreed.both(crate::negotiate::STAGING)
-                            && agreed.both(crate::negotiate::ACK_LANE);
-                        // With grants agreed the area carries their page.
-                        let grants = staging_agreed && agreed.both(crate::negotiate::GRANTS);
-                        let mapped = match offered_stage {
-                            None => Err(0),
-                            Some(_) if !staging_agreed => Err(libc::EOPNOTSUPP),
-                            Some(fd) => initiator.take_stage(fd, grants),
-                        };
-                        let initiator = Arc::new(initiator);
-                        let staging = mapped.as_ref().map(|_| ()).map_err(|e| *e as u32);
-                        tracing::debug!(%peer, pid, ?taken, ?staging, "same-host path agreed");
-                        stage = mapped.ok().map(|area| {
-                            let area = Arc::new(area);
-                            // Published before the answer: the initiator
-                            // reads the page once it has it.
-                            let link = grants
-                                .then(|| {
-                                    core.grants.attach(
-                                        Arc::clone(&area),
-                                        Arc::clone(&initiator),
-                                        served.clone(),
-                                    )
-                                })
-                                .flatten();
-                            TargetStage {
-                                area,
-                                _grants: link,
-                                from_initiator: 0,
-                                to_initiator: 0,
-                                ack_head: 0,
-                            }
-                        });
-                        cma_pid = Some(initiator);
-                        // Its requests are headers with short segment
-                        // tables: one `recvmsg` each.
-                        rd.set_lookahead();
-                        let answer = Response::SameHostOk {
-                            id,
-                            channel: taken.as_ref().map(|_| ()).map_err(|e| *e as u32),
-                            stage: staging,
-                        };
-                        conn.frame(&answer.encode());
-                        let stream = match taken {
-                            Ok(unix) => {
-                                // Answer on the TCP connection (the initiator
-                                // sent nothing after its offer), which then
-                                // closes: the connection goes on over the
-                                // channel.
-                                flush(&stream, &mut conn, core, peer).await?;
-                                rd = FrameReader::new(cfg.spin, pace);
-                                rd.set_lookahead();
-                                Stream::Quiet(
-                                    crate::quiet::Quiet::new(unix.into(), true)
-                                        .map_err(|e| io_error(peer, e, stall))?,
-                                )
-                            }
-                            Err(_) => stream,
-                        };
-                        let st = Box::new(ConnState {
-                            rd,
-                            conn,
-                            cma_pid,
-                            stage,
-                            agreed,
-                            cred: None,
-                            served,
-                        });
-                        return Ok(Served::ToThread(stream, st));
-                    }
-                    Err((why, detail)) => {
-                        tracing::info!(
-                            %peer,
-                            pid = offer.pid,
-                            detail = detail.as_deref().unwrap_or("same_host=off"),
-                            "same-host path refused"
-                        );
-                        // No errno, no detail: one answer for every reason.
-                        conn.err(id, Status::SameHostRefused, why as u64, 0);
-                    }
+                Err(detail) => {
+                    tracing::info!(%peer, pid = offer_bytes.pid, %detail, "same-host path refused");
+                    // No errno, no detail: one answer for every reason.
+                    conn.refused(offer.id, cma::Refusal::Refused);
                 }
             }
-            Request::Cma {
-                id,
-                read,
-                staged,
-                count,
-                total,
-            } => {
-                // Reused: no 12 KiB zeroed per request.
-                let n = count as usize * CMA_SEGMENT_LEN;
-                if cma_table.len() < n {
-                    cma_table.resize(n, 0);
-                }
-                let raw = &mut cma_table[..n];
-                rd.read_payload(&stream, Bytes::from_mut(raw))
-                    .await
-                    .map_err(|e| io_error(peer, e, stall))?;
-                let Some(initiator) = &cma_pid else {
-                    let reason = "CWRITE/CREAD without an agreed same-host path".to_owned();
-                    return Err(malformed(&stream, &mut conn, core, peer, id, reason).await);
-                };
-                let segs = match decode_cma_segments(raw, total) {
-                    Ok(s) => s,
-                    Err(e) => return Err(malformed(&stream, &mut conn, core, peer, id, e.0).await),
-                };
-                let plain: Vec<Segment> = segs.iter().map(|s| s.seg).collect();
-                let guards = acquire_segments(core, &plain);
-                if staged {
-                    let Some(st) = &mut stage else {
-                        let reason = "SWRITE/SREAD without a staging area".to_owned();
-                        return Err(malformed(&stream, &mut conn, core, peer, id, reason).await);
-                    };
-                    let alive = || initiator.alive_for(&stream);
-                    let slept = std::sync::atomic::AtomicU64::new(0);
-                    let watch = crate::same_host::stage::Watch {
-                        alive: &alive,
-                        stall: cfg.stall_timeout,
-                        // From the frame's first byte, as on the socket.
-                        deadline: Some(crate::io::deadline(&pace, total)),
-                        // Staged frames are served on the connection's own
-                        // thread (`serve_on_thread`).
-                        blocking: true,
-                        // Told to the initiator below: it chooses the path.
-                        slept: Some(&slept),
-                    };
-                    let failed: Vec<u32> = (0..guards.len() as u32)
-                        .filter(|&i| guards[i as usize].is_err())
-                        .collect();
-                    let moved = staged_copy(st, read, &guards, &plain, &failed, &watch).await;
-                    let slept = slept.into_inner();
-                    if slept > 0 {
-                        st.area
-                            .target_slept()
-                            .fetch_add(slept, std::sync::atomic::Ordering::Relaxed);
-                    }
-                    let status = failed_status(&guards);
-                    drop(guards);
-                    moved.map_err(|stop| {
-                        let gone = "closed by the initiator, or its process exited";
-                        stop.error(peer, cfg.stall_timeout, gone)
-                    })?;
-                    let (bytes, n) = landed(&plain, |i| !failed.contains(&(i as u32)));
-                    if read {
-                        served.read(bytes, n);
-                    } else {
-                        served.wrote(bytes, n);
-                    }
-                    if !failed.is_empty() {
-                        conn.errv(id, status, &failed);
-                    } else {
-                        // Through the acknowledgement lane while the
-                        // initiator's reader polls it (else with a WAKE);
-                        // on the socket when the lane is full.
-                        match st.area.acks().post(&mut st.ack_head, id) {
-                            Some(true) => {}
-                            Some(false) => conn.frame(&Response::Wake.encode()),
-                            None => conn.ack(id, 0),
-                        }
-                    }
-                    conn.count_bytes(total);
-                    flush(&stream, &mut conn, core, peer).await?;
-                    continue;
-                }
-                // An initiator that gave up on this connection (its batch
-                // expired) may reuse the memory it named: copy nothing.
-                if !initiator.alive_for(&stream) {
-                    return Err(Error::PeerLost {
-                        peer: peer.to_owned(),
-                        reason: "closed by the initiator, or its process exited".to_owned(),
-                    });
-                }
-                #[cfg(feature = "test-hooks")]
-                crate::test_hooks::between_check_and_copy(read);
-                let failed = cma_copy(
-                    initiator.remote(),
-                    read,
-                    &segs,
-                    &guards,
-                    !overlapping(&plain),
-                );
-                drop(guards);
-                let (bytes, n) = match &failed {
-                    None => landed(&plain, |_| true),
-                    Some((_, idx)) => landed(&plain, |i| !idx.contains(&(i as u32))),
-                };
-                if read {
-                    served.read(bytes, n);
-                } else {
-                    served.wrote(bytes, n);
-                }
-                match failed {
-                    None => conn.ack(id, total),
-                    Some((status, idx)) => {
-                        conn.errv(id, status, &idx);
-                        conn.count_bytes(total);
-                    }
-                }
-                // The copy is done: answer now (the initiator is waiting
-                // for this; a pipelined next request is read right after).
-                flush(&stream, &mut conn, core, peer).await?;
-            }
-            // Served by the core.
-            _ => {}
+        } else if !offered && conn.same_host() == SameHostPath::Refused {
+            // Refused by the core, no system call made: `same_host=off`.
+            tracing::info!(%peer, detail = "same_host=off", "same-host path refused");
         }
         if conn.wants_flush() {
             flush(&stream, &mut conn, core, peer).await?;
         }
+    }
+}
+
+/// Proves a SAME_HOST offer: the offered PID is trusted only once proven
+/// (see `cma::check_offer_on`); until then the target makes no system call
+/// on it. The error is for this log only.
+fn prove(
+    stream: &Stream,
+    cred: Option<cma::CredListener>,
+    offer: &cma::Offer,
+    cfg: &TcpConfig,
+) -> Result<cma::Initiator, String> {
+    match (cred, stream.tcp_addrs()) {
+        (None, _) => Err(
+            "the peer did not prove its credentials (same-host-cred: a Ferry build without it, \
+             or not on this host)"
+                .to_owned(),
+        ),
+        (Some(_), None) => Err("no TCP addresses".to_owned()),
+        (Some(l), Some(addrs)) => l
+            .prove()
+            .and_then(|proof| cma::check_offer_on(addrs, offer, proof, &cfg.same_host_uids)),
+    }
+}
+
+/// Takes what a proven offer names as the core decided ([`Take`]), queues
+/// SAME_HOST_OK and hands the connection to its own thread (over the
+/// control channel if taken).
+async fn agree(
+    stream: Stream,
+    peer: &str,
+    core: &Core,
+    mut st: ConnState,
+    initiator: cma::Initiator,
+    offer: ToProve,
+) -> Result<Served, Error> {
+    let cfg = &core.config;
+    let channel = take(offer.channel, |fd| initiator.take_channel(fd));
+    let area = take(offer.stage, |fd| initiator.take_stage(fd, offer.grants));
+    let staging = area.as_ref().map(|_| ()).map_err(|e| *e);
+    let initiator = Arc::new(initiator);
+    tracing::debug!(%peer, pid = initiator.pid, ?channel, ?staging, "same-host path agreed");
+    st.stage = area.ok().map(|area| {
+        let area = Arc::new(area);
+        // Published before the answer: the initiator reads the page once
+        // it has it.
+        let link = offer
+            .grants
+            .then(|| {
+                core.grants
+                    .attach(Arc::clone(&area), Arc::clone(&initiator), st.served.clone())
+            })
+            .flatten();
+        TargetStage {
+            area,
+            _grants: link,
+            from_initiator: 0,
+            to_initiator: 0,
+            ack_head: 0,
+        }
+    });
+    st.cma_pid = Some(initiator);
+    // Its requests are headers with short segment tables: one `recvmsg`
+    // each.
+    st.rd.set_lookahead();
+    st.conn.agreed(
+        offer.id,
+        channel.as_ref().map(|_| ()).map_err(|e| *e),
+        staging,
+    );
+    let stream = match channel {
+        Ok(unix) => {
+            // Answer on the TCP connection (the initiator sent nothing
+            // after its offer), which then closes: the connection goes on
+            // over the channel.
+            flush(&stream, &mut st.conn, core, peer).await?;
+            st.rd = FrameReader::new(cfg.spin, core.pace());
+            st.rd.set_lookahead();
+            Stream::Quiet(
+                crate::quiet::Quiet::new(unix.into(), true)
+                    .map_err(|e| io_error(peer, e, cfg.stall_timeout))?,
+            )
+        }
+        Err(_) => stream,
+    };
+    Ok(Served::ToThread(stream, Box::new(st)))
+}
+
+/// Takes a descriptor of the initiator's as the core decided: the errno
+/// the peer is told if not (0: none offered).
+fn take<T>(t: Take, f: impl FnOnce(u32) -> Result<T, i32>) -> Result<T, u32> {
+    match t {
+        Take::NotOffered => Err(0),
+        Take::NotAgreed => Err(libc::EOPNOTSUPP as u32),
+        Take::Fd(fd) => f(fd).map_err(|e| e as u32),
     }
 }
