@@ -58,12 +58,13 @@ const SEND_BUFFER: usize = 1 << 20;
 /// Sends of at least this much plaintext are sealed with the helpers'
 /// help ([`super::seal`]), in runs of [`RUN`] bytes, each written as soon
 /// as it and those before it are sealed; smaller ones are sealed here and
-/// written at once. A 64 KiB payload (a target's answer to a 64 KiB read
-/// is one send) is shared. Measured (1 MiB x 16 and 64 KiB x 16, both
-/// directions, 3 interleaved rounds): runs of 32 KiB sent as sealed beat
-/// 16 KiB and 64 KiB runs, and shares from 40 KiB beat shares from
-/// 128 KiB (64 KiB answers then went unshared).
-const PARALLEL_MIN: usize = 40 << 10;
+/// written at once. Measured (64 KiB and 1 MiB x 1 and x 16, both
+/// directions, interleaved rounds): runs of 32 KiB beat 16 and 64 KiB;
+/// sharing from 40 KiB (a target's 64 KiB answers, one send each) gained
+/// nothing at 64 KiB x 16 on a quiet machine and cost 64 KiB x 1 a third
+/// (the helper's wake-up beside a lone transfer), so 64 KiB sends stay on
+/// their thread.
+const PARALLEL_MIN: usize = 128 << 10;
 /// See [`PARALLEL_MIN`].
 const RUN: usize = 32 << 10;
 
