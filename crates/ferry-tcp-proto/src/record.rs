@@ -42,6 +42,11 @@
 //! copies only the short one; small ranges (headers) share records.
 //! [`Writer::seal`] numbers, seals and frames a record the driver copied
 //! the plaintext into (the source memory is never modified).
+//! [`Writer::plan`] does the same cutting and numbering for a whole send
+//! at once: each [`Planned`] record says where its plaintext comes from,
+//! where it lands in the send buffer and its nonce, so that the driver can
+//! seal the records of a send on several threads ([`seal_planned`], in
+//! runs cut by [`runs`]) and write each run once it is sealed.
 
 use std::collections::VecDeque;
 use std::fmt;
@@ -780,6 +785,83 @@ pub fn record_len<I: IntoIterator<Item = usize>>(lens: I) -> usize {
     total.min(MAX_PLAINTEXT)
 }
 
+/// A record of a planned batch ([`Writer::plan`]): where its plaintext
+/// comes from, where it is sealed, and under which nonce. Sealing one
+/// needs nothing but this and the key ([`seal_planned`]), so the records
+/// of a batch can be sealed on several threads, in any order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Planned {
+    /// Where its plaintext starts, counted in the concatenated ranges the
+    /// plan was made for.
+    pub src: usize,
+    /// Its plaintext length (at most [`MAX_PLAINTEXT`]).
+    pub len: usize,
+    /// Where the record (its header) starts in the send buffer.
+    pub at: usize,
+    /// Its nonce.
+    pub nonce: [u8; NONCE_LEN],
+}
+
+impl Planned {
+    /// The buffer offset just past the record.
+    pub fn end(&self) -> usize {
+        self.at + self.len + OVERHEAD
+    }
+}
+
+/// Seals planned record `p` in `rec` (the send buffer from `p.at`, at
+/// least `p.len + OVERHEAD` long), whose `rec[HEADER_LEN..][..p.len]` holds
+/// the plaintext the driver copied there. Returns the record's length.
+pub fn seal_planned<A: Aead>(
+    rec: &mut [u8],
+    p: &Planned,
+    aead: &mut A,
+) -> Result<usize, RecordError> {
+    seal_record(rec, p.len, CONTENT_APPLICATION_DATA, p.nonce, aead)
+}
+
+/// Cuts the records of a plan into runs of consecutive records of at least
+/// `bytes` plaintext each (the last may be shorter): the units a driver
+/// hands out to its sealing threads and writes to the socket in order.
+/// Returns ranges of indices into `recs`, covering all of them in order.
+pub fn runs(recs: &[Planned], bytes: usize) -> Vec<Range<usize>> {
+    let mut out = Vec::new();
+    let (mut start, mut sum) = (0, 0);
+    for (i, r) in recs.iter().enumerate() {
+        sum += r.len;
+        if sum >= bytes.max(1) {
+            out.push(start..i + 1);
+            (start, sum) = (i + 1, 0);
+        }
+    }
+    if start < recs.len() {
+        out.push(start..recs.len());
+    }
+    out
+}
+
+fn seal_record<A: Aead>(
+    rec: &mut [u8],
+    len: usize,
+    typ: u8,
+    nonce: [u8; NONCE_LEN],
+    aead: &mut A,
+) -> Result<usize, RecordError> {
+    let body = len + 1 + TAG_LEN;
+    let total = HEADER_LEN + body;
+    if len > MAX_PLAINTEXT || rec.len() < total {
+        return Err(RecordError::BadLength(len));
+    }
+    let h = header(body);
+    rec[..HEADER_LEN].copy_from_slice(&h);
+    rec[HEADER_LEN + len] = typ;
+    let tag = aead
+        .seal(nonce, h, &mut rec[HEADER_LEN..HEADER_LEN + len + 1])
+        .ok_or(RecordError::Seal)?;
+    rec[HEADER_LEN + len + 1..total].copy_from_slice(&tag);
+    Ok(total)
+}
+
 /// The sending direction: numbers and seals records.
 #[derive(Debug)]
 pub struct Writer {
@@ -822,21 +904,68 @@ impl Writer {
         typ: u8,
         aead: &mut A,
     ) -> Result<usize, RecordError> {
-        let body = len + 1 + TAG_LEN;
-        let total = HEADER_LEN + body;
-        if len > MAX_PLAINTEXT || rec.len() < total {
+        if len > MAX_PLAINTEXT || rec.len() < len + OVERHEAD {
             return Err(RecordError::BadLength(len));
         }
-        let h = header(body);
-        rec[..HEADER_LEN].copy_from_slice(&h);
-        rec[HEADER_LEN + len] = typ;
         let nonce = self.seq.next()?;
-        let tag = aead
-            .seal(nonce, h, &mut rec[HEADER_LEN..HEADER_LEN + len + 1])
-            .ok_or(RecordError::Seal)?;
-        rec[HEADER_LEN + len + 1..total].copy_from_slice(&tag);
+        let total = seal_record(rec, len, typ, nonce, aead)?;
         self.sealed += 1;
         Ok(total)
+    }
+
+    /// Plans the application-data records of the plaintext ranges of
+    /// lengths `lens` (cut as [`record_len`] says), laid one after another
+    /// in a send buffer from offset `at`, a record starting only before
+    /// offset `until` (the buffer needs [`MAX_RECORD`] bytes past it).
+    /// Appends them to `out` and returns the plaintext they take (a prefix
+    /// of the ranges). Stops where the key must change
+    /// ([`Writer::key_update_due`]).
+    ///
+    /// The records are numbered now: the driver seals every one of them
+    /// ([`seal_planned`]) before it seals anything else with this writer.
+    pub fn plan(
+        &mut self,
+        lens: &[usize],
+        mut at: usize,
+        until: usize,
+        out: &mut Vec<Planned>,
+    ) -> Result<usize, RecordError> {
+        let (mut i, mut off, mut src) = (0, 0, 0);
+        while at < until && !self.key_update_due() {
+            while i < lens.len() && off == lens[i] {
+                (i, off) = (i + 1, 0);
+            }
+            let rest =
+                lens[i.min(lens.len())..]
+                    .iter()
+                    .enumerate()
+                    .map(|(k, &l)| if k == 0 { l - off } else { l });
+            let len = record_len(rest);
+            if len == 0 {
+                break;
+            }
+            let nonce = self.seq.next()?;
+            self.sealed += 1;
+            out.push(Planned {
+                src,
+                len,
+                at,
+                nonce,
+            });
+            at += len + OVERHEAD;
+            src += len;
+            // Advance (i, off) by `len`.
+            let mut left = len;
+            while left > 0 {
+                let k = left.min(lens[i] - off);
+                off += k;
+                left -= k;
+                if left > 0 {
+                    (i, off) = (i + 1, 0);
+                }
+            }
+        }
+        Ok(src)
     }
 
     /// Seals our `KeyUpdate` (`update_not_requested`, or `requested`) into

@@ -11,8 +11,8 @@
 //! header, and that a changed byte is refused.
 
 use ferry_tcp_proto::record::{
-    header, record_len, Aead, Message, Reader, RecordError, Step, Writer, BIG, HEADER_LEN,
-    MAX_PLAINTEXT, NONCE_LEN, OVERHEAD, SHORT_TAIL, TAG_LEN,
+    header, record_len, runs, seal_planned, Aead, Message, Planned, Reader, RecordError, Step,
+    Writer, BIG, HEADER_LEN, MAX_PLAINTEXT, MAX_RECORD, NONCE_LEN, OVERHEAD, SHORT_TAIL, TAG_LEN,
 };
 use proptest::prelude::*;
 
@@ -441,4 +441,147 @@ fn a_half_received_record_must_be_finished_in_the_same_destination() {
         r.step(&mut a[..100], &mut aead),
         Err(RecordError::WrongDestination)
     );
+}
+
+/// [`seal_stream`] without the ticket, the way the driver sends: each
+/// write planned ([`Writer::plan`]) into a send buffer of `room` bytes
+/// (a record starts before `room`), the records of each plan sealed in the
+/// order `order` permutes them (as several threads would), the buffer
+/// emptied between plans.
+fn seal_stream_planned(
+    writes: &[Vec<Vec<u8>>],
+    update_every: u64,
+    room: usize,
+    order: &[usize],
+) -> Vec<u8> {
+    let mut w = Writer::new(iv(0), 0);
+    w.limit = update_every;
+    let mut aead = ToyAead { key: 0 };
+    let mut gen = 0;
+    let mut wire = Vec::new();
+    let mut buf = vec![0u8; room + MAX_RECORD];
+    for bufs in writes {
+        let all: Vec<u8> = bufs.concat();
+        let mut taken = 0;
+        loop {
+            // What is left of the write's ranges.
+            let mut lens = Vec::new();
+            let mut skip = taken;
+            for b in bufs {
+                let k = skip.min(b.len());
+                skip -= k;
+                if b.len() > k {
+                    lens.push(b.len() - k);
+                }
+            }
+            let mut recs: Vec<Planned> = Vec::new();
+            let start = order.first().map_or(0, |&o| o % 7).min(room - 1);
+            let got = w.plan(&lens, start, room, &mut recs).unwrap();
+            // Laid one after another from `start`, each starting before
+            // `room`, taking the plaintext in order.
+            let (mut at, mut src) = (start, 0);
+            for r in &recs {
+                assert_eq!((r.at, r.src), (at, src), "{recs:?}");
+                assert!(r.at < room && r.len > 0 && r.len <= MAX_PLAINTEXT);
+                (at, src) = (r.end(), src + r.len);
+            }
+            assert_eq!(src, got);
+            // Sealed in any order, each from its own plaintext.
+            let mut idx: Vec<usize> = (0..recs.len()).collect();
+            for (k, &o) in order.iter().enumerate() {
+                if idx.len() > 1 {
+                    let a = k % idx.len();
+                    let b = o % idx.len();
+                    idx.swap(a, b);
+                }
+            }
+            for &k in &idx {
+                let r = recs[k];
+                let p = taken + r.src;
+                buf[r.at + HEADER_LEN..r.at + HEADER_LEN + r.len]
+                    .copy_from_slice(&all[p..p + r.len]);
+                let n = seal_planned(&mut buf[r.at..], &r, &mut aead).unwrap();
+                assert_eq!(n, r.end() - r.at);
+            }
+            wire.extend_from_slice(&buf[start..at]);
+            taken += got;
+            if w.key_update_due() {
+                let n = w
+                    .seal_key_update(&mut buf, gen % 2 == 0, &mut aead)
+                    .unwrap();
+                wire.extend_from_slice(&buf[..n]);
+                gen += 1;
+                aead = ToyAead { key: gen };
+                w.set_key(iv(gen));
+            } else if got == 0 || taken == all.len() {
+                assert_eq!(taken, all.len(), "a plan stopped early");
+                break;
+            }
+        }
+    }
+    let n = w.seal_close_notify(&mut buf, &mut aead).unwrap();
+    wire.extend_from_slice(&buf[..n]);
+    wire
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    /// Planned records sealed in any order make the same bytes as the
+    /// records sealed one by one: the same cutting, numbers and keys.
+    #[test]
+    fn planned_records_seal_to_the_same_stream(
+        lens in prop::collection::vec(prop::sample::select(SIZES), 1..12),
+        every in 1u64..12,
+        room in prop_oneof![1usize..40, 16_000usize..70_000, Just(1usize << 20)],
+        order in prop::collection::vec(any::<usize>(), 1..8),
+        seed in any::<u64>(),
+    ) {
+        let (writes, all) = writes_of(&lens, seed);
+        let planned = seal_stream_planned(&writes, every, room, &order);
+        prop_assert!(planned == seal_stream(&writes, every, false));
+        let (got, _) = read_stream(&planned, all.len(), &[70_000], &[1 << 20]).unwrap();
+        prop_assert!(got == all);
+    }
+
+    /// Runs cover the records in order, each but the last at least the
+    /// asked plaintext.
+    #[test]
+    fn runs_cover_the_plan(
+        lens in prop::collection::vec(prop::sample::select(SIZES), 0..12),
+        bytes in prop_oneof![0usize..100, 10_000usize..200_000],
+    ) {
+        let mut recs = Vec::new();
+        Writer::new(iv(0), 0).plan(&lens, 0, 1 << 30, &mut recs).unwrap();
+        let rs = runs(&recs, bytes);
+        let mut next = 0;
+        for (k, r) in rs.iter().enumerate() {
+            prop_assert_eq!(r.start, next);
+            prop_assert!(r.end > r.start);
+            let sum: usize = recs[r.clone()].iter().map(|p| p.len).sum();
+            if k + 1 < rs.len() {
+                prop_assert!(sum >= bytes);
+                // Minimal: without its last record the run is short.
+                let less: usize = recs[r.start..r.end - 1].iter().map(|p| p.len).sum();
+                prop_assert!(less < bytes.max(1));
+            }
+            next = r.end;
+        }
+        prop_assert_eq!(next, recs.len());
+    }
+}
+
+#[test]
+fn a_plan_stops_where_the_key_must_change() {
+    let mut w = Writer::new(iv(0), 0);
+    w.limit = 3;
+    let mut recs = Vec::new();
+    let got = w.plan(&[100_000], 0, 1 << 20, &mut recs).unwrap();
+    assert_eq!(recs.len(), 3);
+    assert_eq!(got, 3 * MAX_PLAINTEXT);
+    assert!(w.key_update_due());
+    // Nothing more until the key changed.
+    let mut more = Vec::new();
+    assert_eq!(w.plan(&[100_000 - got], 0, 1 << 20, &mut more).unwrap(), 0);
+    assert!(more.is_empty());
 }

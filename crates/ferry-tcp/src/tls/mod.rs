@@ -28,6 +28,7 @@
 //! plain rustls (an older Ferry) talks to it unchanged.
 
 pub(crate) mod conn;
+mod seal;
 #[cfg(test)]
 mod tests;
 
