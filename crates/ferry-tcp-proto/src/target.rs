@@ -704,19 +704,28 @@ impl TargetConn {
         }
     }
 
+    /// The same-host request whose copies the driver was executing (its
+    /// id, direction, payload bytes and the status of its refused
+    /// segments); `None` if none was. Either way nothing is awaited after.
+    fn take_copied(&mut self) -> Option<(u64, bool, u64, Option<Status>)> {
+        match std::mem::replace(&mut self.awaiting, Awaiting::Nothing) {
+            Awaiting::Copied {
+                id,
+                read,
+                total,
+                failed,
+            } => Some((id, read, total, failed)),
+            _ => None,
+        }
+    }
+
     /// The copies of a [`Step::Copy`] are done; those of the segments
     /// `copy_failed` (indices, in order) failed. The answer is queued: OK,
     /// or ERRV naming every segment not copied (`StaleRegion` if one was
     /// stale, else `AddressNotRegistered` if one was outside the regions,
     /// else `CopyFailed`).
     pub fn copied(&mut self, segs: &[CmaSegment], copy_failed: &[u32]) -> Moved {
-        let Awaiting::Copied {
-            id,
-            read,
-            total,
-            failed,
-        } = std::mem::replace(&mut self.awaiting, Awaiting::Nothing)
-        else {
+        let Some((id, read, total, failed)) = self.take_copied() else {
             return Moved {
                 read: false,
                 bytes: 0,
@@ -753,13 +762,7 @@ impl TargetConn {
     /// polls it; `Some(false)`: it sleeps, a WAKE is queued; `None`: the
     /// lane is full, an OK is queued).
     pub fn staged(&mut self, segs: &[CmaSegment], post: impl FnOnce(u64) -> Option<bool>) -> Moved {
-        let Awaiting::Copied {
-            id,
-            read,
-            total,
-            failed,
-        } = std::mem::replace(&mut self.awaiting, Awaiting::Nothing)
-        else {
+        let Some((id, read, total, failed)) = self.take_copied() else {
             return Moved {
                 read: false,
                 bytes: 0,
