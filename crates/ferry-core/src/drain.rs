@@ -67,9 +67,11 @@ impl Drain {
         self.active.load(Ordering::SeqCst)
     }
 
-    /// Waits until no admitted call is left (at once if none is). After
-    /// [`Drain::close`] the count only falls, so this ends once the calls
-    /// in flight have; before it, it may end and the count rise again.
+    /// After [`Drain::close`]: waits until no admitted call is left (at
+    /// once if none is); the count only falls then, so this ends once the
+    /// calls in flight have. Before the close, only the count at the
+    /// moment is looked at: a call ending later wakes no one (its guard
+    /// skips the notification while the drain is open).
     pub async fn idle(&self) {
         loop {
             let notified = self.idle.notified();
@@ -87,7 +89,14 @@ impl Drain {
 
 impl Drop for Active {
     fn drop(&mut self) {
-        if self.drain.active.fetch_sub(1, Ordering::SeqCst) == 1 {
+        // Only a closed drain has waiters ([`Drain::idle`] is awaited
+        // after [`Drain::close`]), so an open one skips the notification
+        // (a lock) on every call. Both sides are SeqCst: either this
+        // load sees the close, or the waiter's look at `active`, which
+        // comes after its close, sees this decrement.
+        if self.drain.active.fetch_sub(1, Ordering::SeqCst) == 1
+            && self.drain.closed.load(Ordering::SeqCst)
+        {
             self.drain.idle.notify_waiters();
         }
     }

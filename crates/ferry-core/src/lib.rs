@@ -118,6 +118,7 @@ mod dl;
 mod drain;
 pub mod engine;
 pub mod error;
+mod fast;
 mod ids;
 pub mod inbound;
 mod inbox;
@@ -145,6 +146,7 @@ pub use caps::{
 };
 pub use engine::{BoxFuture, DynTransferEngine, TransferEngine};
 pub use error::{live_batches_full, Error, ErrorKind, IoSource, Queue, Result, Retry, Side};
+pub use fast::FastPath;
 pub use inbound::{Inbound, InboundSnapshot, NotificationsDropped, ServedCounts};
 pub use layer::{
     ConcurrencyLimitLayer, Metrics, MetricsLayer, MetricsSnapshot, TimeoutLayer, TracingLayer,

@@ -442,6 +442,36 @@ def test_metrics_count_the_bytes_moved(pair):
     a.close_segment(seg)
 
 
+def test_single_transfers_land_count_once_and_stop_at_close(pair):
+    """One request at a time (on TCP, the segment's fast path: a granted
+    same-host copy done by the calling thread): every write lands, each is
+    counted once, and a closed segment refuses the next one, typed."""
+    a, b = pair
+    src = bytearray(8 * 4096)
+    dst = bytearray(8 * 4096)
+    sa, _ = a.register(src)
+    da, _ = b.register(dst)
+    seg = a.open_segment(b.segment_name)
+    before = a.metrics()
+    old = before["peers"].get(b.segment_name, {"bytes_written": 0, "requests_ok": 0})
+    n = 200
+    for i in range(n):
+        slot = (i % 8) * 4096
+        src[slot : slot + 4096] = pattern(4096, seed=i)
+        a.transfer(seg, "write", sa + slot, da + slot, 4096)
+        assert dst[slot : slot + 4096] == src[slot : slot + 4096], i
+    peer = a.metrics()["peers"][b.segment_name]
+    assert peer["requests_ok"] - old["requests_ok"] == n
+    assert peer["bytes_written"] - old["bytes_written"] == n * 4096
+    assert a.metrics()["batches_in_flight"] == 0
+    a.close_segment(seg)
+    snapshot = bytes(dst)
+    src[:4096] = pattern(4096, seed=99)
+    with pytest.raises(ferry.UnknownSegment):
+        a.transfer(seg, "write", sa, da, 4096)
+    assert bytes(dst) == snapshot, "a write after close_segment changed bytes"
+
+
 def test_mooncake_compatible_engine_exposes_ferry_metrics():
     from ferry.mooncake import TransferEngine
 

@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::str::FromStr;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
 use ferry::registry::OpenOptions;
 use ferry::{
@@ -37,6 +37,10 @@ pub(crate) struct PyEngine {
     /// GIL after the engine's `unregister` returned `Ok` and before the
     /// holder is released, to interleave a re-`register` deterministically.
     after_unregister: Mutex<Option<Py<PyAny>>>,
+    /// The fast path of each segment this object opened that has one
+    /// ([`Engine::fast_path`]), tried by `transfer` before the engine's
+    /// `transfer`. A path left for a closed segment declines everything.
+    fast: RwLock<HashMap<u64, ferry::FastPath>>,
 }
 
 /// One registration made from Python: what keeps its memory valid.
@@ -55,6 +59,12 @@ impl Drop for PyEngine {
             return;
         };
         let mut regions = std::mem::take(ferry::__private::sync::get_mut(&mut self.regions));
+        // The fast paths hold the backend's segments: they go with it.
+        let fast = std::mem::take(
+            self.fast
+                .get_mut()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        );
         let Ok(rt) = runtime() else {
             // No runtime, so no engine was ever started; kept all the same.
             leak(regions.drain().map(|(_, h)| h));
@@ -92,6 +102,7 @@ impl Drop for PyEngine {
                     failed
                 });
                 let _guard = rt.enter();
+                drop(fast);
                 drop(engine);
                 failed
             });
@@ -423,6 +434,7 @@ impl PyEngine {
             regions: Mutex::new(HashMap::new()),
             next_token: AtomicU64::new(1),
             after_unregister: Mutex::new(None),
+            fast: RwLock::new(HashMap::new()),
         })
     }
 
@@ -619,12 +631,16 @@ impl PyEngine {
     fn open_segment(&self, py: Python<'_>, name: &str) -> PyResult<u64> {
         let engine = self.engine()?;
         let seg = block_on(py, engine.open_segment(name))?.map_err(|e| to_pyerr(py, &e))?;
+        if let Some(fast) = engine.fast_path(seg) {
+            ferry::__private::sync::write(&self.fast).insert(seg.0, fast);
+        }
         Ok(seg.0)
     }
 
     /// Closes a segment handle.
     fn close_segment(&self, py: Python<'_>, segment: u64) -> PyResult<()> {
         let engine = self.engine()?;
+        ferry::__private::sync::write(&self.fast).remove(&segment);
         block_on(py, engine.close_segment(SegmentId(segment)))?.map_err(|e| to_pyerr(py, &e))
     }
 
@@ -648,12 +664,21 @@ impl PyEngine {
         };
         // With the GIL released as for any call (holding it through a copy
         // starved threads waiting for the GIL: docs/benchmarks/ferry-py.md).
-        // A call finished on its first poll (a granted same-host copy: one
-        // copy by this thread) wakes no other thread (assist::block_on).
+        // The segment's fast path first (a granted same-host copy, done by
+        // this thread with no future); when it declines, not a byte moved
+        // and the engine's `transfer` runs (the lock is not held by then).
         let seg = SegmentId(segment);
         let rt = runtime()?;
-        py.detach(|| run(rt, engine.transfer(seg, req)))
-            .map_err(|e| to_pyerr(py, &e))
+        py.detach(|| {
+            let done = ferry::__private::sync::read(&self.fast)
+                .get(&segment)
+                .and_then(|fast| fast.try_transfer(&req));
+            match done {
+                Some(result) => result,
+                None => run(rt, engine.transfer(seg, req)),
+            }
+        })
+        .map_err(|e| to_pyerr(py, &e))
     }
 
     /// A batch, waited on. Returns one entry per request: `None` or the

@@ -7,13 +7,14 @@ use std::sync::{Arc, Mutex};
 use ferry_core::__private::sync::lock;
 use ferry_core::raw::{BatchDriver, BatchTable};
 use ferry_core::{
-    BackendInfo, BatchId, BatchReport, BatchStatus, Capabilities, Error, MemoryKinds, MemoryRegion,
-    Notification, Result, SegmentId, TransferEngine, TransferRequest,
+    BackendInfo, BatchId, BatchReport, BatchStatus, Capabilities, Error, FastPath, MemoryKinds,
+    MemoryRegion, Notification, Result, SegmentId, TransferEngine, TransferRequest,
 };
 use tokio::task::AbortHandle;
 
 use crate::client::Peer;
 use crate::config::TcpConfig;
+use crate::copy_gate::CopyGate;
 use crate::server::{accept_loop, Core};
 
 const BACKEND: &str = "tcp";
@@ -24,6 +25,9 @@ struct Handle {
     peer: Arc<Peer>,
     /// Transfers hold it shared; closing the handle takes it exclusively.
     gate: tokio::sync::RwLock<bool>,
+    /// Copies on the calling thread (granted ones) pass it; closing the
+    /// handle closes it after the `gate`, waiting for them.
+    copies: CopyGate,
 }
 
 #[derive(Default)]
@@ -215,6 +219,20 @@ impl TcpEngine {
             .store(refuse, Ordering::Relaxed);
     }
 
+    /// The synchronous fast path of `segment` ([`FastPath`]): a request
+    /// the target granted (a small same-host copy) is done by the calling
+    /// thread, exactly as `transfer` does it first; anything else is
+    /// declined, and `transfer` runs it. `None` for an unknown segment.
+    /// The path keeps the segment's handle: once the segment is closed it
+    /// declines everything (the handle's gate is shut), and `transfer`
+    /// says the segment is unknown.
+    pub fn fast_path(&self, segment: SegmentId) -> Option<FastPath> {
+        let handle = self.handle(segment).ok()?;
+        Some(FastPath::new(move |request| {
+            granted_now(&handle, request).then_some(Ok(()))
+        }))
+    }
+
     fn handle(&self, segment: SegmentId) -> Result<Arc<Handle>> {
         lock(&self.inner.segments)
             .by_id
@@ -280,9 +298,9 @@ impl Drop for TcpEngine {
 /// (see [`Peer::granted_one`]).
 fn granted_now(handle: &Handle, request: &TransferRequest) -> bool {
     handle
-        .gate
-        .try_read()
-        .is_ok_and(|open| *open && handle.peer.granted_one(request))
+        .copies
+        .enter()
+        .is_some_and(|_pass| handle.peer.granted_one(request))
 }
 
 /// Runs a batch on the peer behind `handle`, reporting to `driver`;
@@ -434,6 +452,7 @@ impl TransferEngine for TcpEngine {
             Arc::new(Handle {
                 peer,
                 gate: tokio::sync::RwLock::new(true),
+                copies: CopyGate::new(),
             }),
         );
         Ok(SegmentId(id))
@@ -452,6 +471,7 @@ impl TransferEngine for TcpEngine {
             return Err(Error::UnknownSegment(segment));
         }
         *open = false;
+        handle.copies.close();
         drop(open);
         let last = {
             let mut segs = lock(&self.inner.segments);

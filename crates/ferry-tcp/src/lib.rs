@@ -66,6 +66,7 @@
 
 mod client;
 mod config;
+mod copy_gate;
 mod engine;
 mod handshake;
 mod io;

@@ -108,6 +108,20 @@ pub(crate) fn schemes() -> Vec<Scheme> {
     schemes
 }
 
+/// The fast path of `segment` of `backend` (the backend under a stack),
+/// for the backends of this build that have one: TCP.
+pub(crate) fn fast_path(
+    backend: &dyn std::any::Any,
+    segment: ferry_core::SegmentId,
+) -> Option<ferry_core::FastPath> {
+    let _ = (backend, segment);
+    #[cfg(feature = "tcp")]
+    if let Some(tcp) = backend.downcast_ref::<ferry_tcp::TcpEngine>() {
+        return tcp.fast_path(segment);
+    }
+    None
+}
+
 /// The backend `config` names, starting, into its stack.
 pub(crate) fn start(config: BackendConfig, context: &SchemeContext) -> Starting {
     let _ = context;

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use ferry_core::layer::{MetricsEngine, MetricsSnapshot, TracingEngine};
 use ferry_core::{
     AdapterConfig, BackendInfo, BatchId, BatchReport, BatchStatus, Capabilities, CapabilityAdapter,
-    CapabilityReport, Layer, MemoryRegion, Metrics, Notification, Operation, Result, SegmentId,
-    TransferEngine, TransferRequest,
+    CapabilityReport, FastPath, Layer, MemoryRegion, Metrics, Notification, Operation, Result,
+    SegmentId, TransferEngine, TransferRequest,
 };
 
 use crate::config::{BackendKind, DiscoveryConfig, EngineConfig};
@@ -285,6 +285,41 @@ impl Engine {
     /// that backend offers.
     pub fn backend<B: TransferEngine>(&self) -> Option<&B> {
         self.inner.backend().downcast_ref::<B>()
+    }
+
+    /// The synchronous fast path of `segment`, where its backend has one
+    /// (TCP: a small same-host request the peer granted, copied by the
+    /// calling thread), wrapped by the stack's layers (the adapter's
+    /// drain, the metrics, the tracing switch). For a caller that waits
+    /// anyway (the blocking API, Python): keep it with the segment and
+    /// try it before [`TransferEngine::transfer`]:
+    ///
+    /// ```no_run
+    /// # async fn f(engine: ferry::Engine, seg: ferry::SegmentId, req: ferry::TransferRequest) -> ferry::Result<()> {
+    /// use ferry::TransferEngine;
+    /// let fast = engine.fast_path(seg);
+    /// match fast.as_ref().and_then(|f| f.try_transfer(&req)) {
+    ///     Some(done) => done,                        // done here, counted once
+    ///     None => engine.transfer(seg, req).await, // not a byte moved: the usual way
+    /// }
+    /// # }
+    /// ```
+    ///
+    /// `None` when the backend has none (every scheme but `tcp`), the
+    /// segment is unknown, or its etcd name does not resolve to an open
+    /// segment now. A path kept past [`TransferEngine::close_segment`] or
+    /// `shutdown` declines everything, and `transfer` reports why.
+    pub fn fast_path(&self, segment: SegmentId) -> Option<FastPath> {
+        let backend = match &self.discovery {
+            None => segment,
+            Some(d) => match d.target(segment) {
+                Target::Direct => segment,
+                Target::Open(backend) => backend,
+                Target::Gone(_) | Target::Moved => return None,
+            },
+        };
+        let path = crate::builtin::fast_path(self.inner.backend(), backend)?;
+        Some(self.inner.wrap_fast(backend, path))
     }
 
     /// The capability report: native and effective capabilities and, per

@@ -68,11 +68,11 @@ pub use dispatch::{Engine, Stack};
 
 pub use ferry_core::{
     AdapterConfig, BackendInfo, BatchId, BatchReport, BatchStatus, BoxFuture, Capabilities,
-    CapabilityAdapter, CapabilityReport, DynTransferEngine, Error, ErrorKind, HostBuffer, IoSource,
-    LocalSpan, Location, MemoryKinds, MemoryRegion, MissingCapability, Notification, Operation,
-    RegionInfo, RegisteredBuffer, RegisteredBuffers, RemoteSpan, Result, Retry, SegmentId, Side,
-    Support, TransferEngine, TransferEngineExt, TransferOp, TransferRequest, TransferState,
-    MAX_LIVE_BATCHES, MAX_NOTIFICATION_MESSAGE, MAX_NOTIFICATION_NAME,
+    CapabilityAdapter, CapabilityReport, DynTransferEngine, Error, ErrorKind, FastPath, HostBuffer,
+    IoSource, LocalSpan, Location, MemoryKinds, MemoryRegion, MissingCapability, Notification,
+    Operation, RegionInfo, RegisteredBuffer, RegisteredBuffers, RemoteSpan, Result, Retry,
+    SegmentId, Side, Support, TransferEngine, TransferEngineExt, TransferOp, TransferRequest,
+    TransferState, MAX_LIVE_BATCHES, MAX_NOTIFICATION_MESSAGE, MAX_NOTIFICATION_NAME,
 };
 
 /// Layers over an engine ([`Engine::layer`]): metrics, tracing, timeouts,

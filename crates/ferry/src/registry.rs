@@ -47,11 +47,11 @@ use std::future::Future;
 // change to the table is one insert.
 use std::sync::{Arc, OnceLock, PoisonError, RwLock};
 
-use ferry_core::layer::{MetricsSnapshot, TracingLayer};
+use ferry_core::layer::{MetricsSnapshot, TracingEngine, TracingLayer};
 use ferry_core::raw::ParsedUrl;
 use ferry_core::{
-    AdapterConfig, BoxFuture, CapabilityAdapter, CapabilityReport, DynTransferEngine, Error, Layer,
-    Metrics, MetricsLayer, Operation, Result, TransferEngine,
+    AdapterConfig, BoxFuture, CapabilityAdapter, CapabilityReport, DynTransferEngine, Error,
+    FastPath, Layer, Metrics, MetricsLayer, Operation, Result, SegmentId, TransferEngine,
 };
 
 use crate::config::{BackendKind, DiscoveryConfig};
@@ -157,6 +157,9 @@ pub(crate) trait Stacked: DynTransferEngine {
     fn metrics(&self) -> Option<&Metrics>;
     fn set_peer_path(&self, name: &str, path: &str);
     fn backend(&self) -> &dyn Any;
+    /// `path`, a fast path of the backend's `segment`, wrapped by each
+    /// layer of the stack, outermost last.
+    fn wrap_fast(&self, segment: SegmentId, path: FastPath) -> FastPath;
 }
 
 impl<B: TransferEngine> Stacked for Stack<B> {
@@ -180,6 +183,11 @@ impl<B: TransferEngine> Stacked for Stack<B> {
     }
     fn backend(&self) -> &dyn Any {
         self.get_ref().get_ref().get_ref()
+    }
+    fn wrap_fast(&self, segment: SegmentId, path: FastPath) -> FastPath {
+        let metrics = self.get_ref();
+        let adapter = metrics.get_ref();
+        TracingEngine::wrap_fast(self, metrics.wrap_fast(segment, adapter.wrap_fast(path)))
     }
 }
 

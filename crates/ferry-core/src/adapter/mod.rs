@@ -338,6 +338,16 @@ impl<E: TransferEngine + ?Sized> CapabilityAdapter<E> {
     pub fn get_ref(&self) -> &E {
         self.concurrency_limit().get_ref()
     }
+    /// `path` (a [`FastPath`](crate::FastPath) of a segment of the wrapped
+    /// engine) as the adapter passes it on: admitted by the drain as
+    /// `transfer` is (declined once `shutdown` began, so that `transfer`
+    /// says so), the guard held across the call. Coalescing, emulation
+    /// and the concurrency limit concern batches: a single transfer
+    /// passes them untouched.
+    pub fn wrap_fast(&self, path: crate::FastPath) -> crate::FastPath {
+        let drain = Arc::clone(&self.emulation().shared.drain);
+        path.guarded(move || drain.enter("transfer").ok())
+    }
     /// The wrapped engine, shared.
     pub fn inner(&self) -> &Arc<E> {
         self.concurrency_limit().inner()

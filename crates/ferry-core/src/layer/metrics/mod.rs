@@ -735,9 +735,20 @@ impl EngineState {
         r: Result<()>,
         started: Instant,
     ) -> Result<()> {
+        self.transfer_done_in(&self.peer_series(segment), request, r, started)
+    }
+
+    /// [`Self::transfer_done`] into `series`, the segment's.
+    fn transfer_done_in(
+        &self,
+        series: &PeerSeries,
+        request: TransferRequest,
+        r: Result<()>,
+        started: Instant,
+    ) -> Result<()> {
         let results = [r];
         self.record(
-            &self.peer_series(segment),
+            series,
             TRANSFER,
             std::iter::once((request.op, request.len)),
             Ok(&results),
@@ -1087,6 +1098,26 @@ impl<E: TransferEngine> fmt::Debug for MetricsEngine<E> {
 accessors!(MetricsEngine);
 
 impl<E> MetricsEngine<E> {
+    /// `path` (a [`FastPath`](crate::FastPath) of `segment` under this
+    /// layer) counting into this layer's metrics as `transfer` does: a
+    /// call the path carried out is counted once, one it declined is not
+    /// (the `transfer` that follows is).
+    pub fn wrap_fast(&self, segment: SegmentId, path: crate::FastPath) -> crate::FastPath {
+        let Some(s) = self.state.clone() else {
+            return path;
+        };
+        // A segment's series is fixed from its `open_segment` to its
+        // `close_segment` (after which the path declines everything):
+        // looked up once here rather than at every call.
+        let series = s.peer_series(segment);
+        crate::FastPath::new(move |request| {
+            let _flight = s.in_flight();
+            let started = Instant::now();
+            let r = path.try_transfer(request)?;
+            Some(s.transfer_done_in(&series, *request, r, started))
+        })
+    }
+
     /// The metrics this engine counts into (`None` when disabled).
     pub fn metrics(&self) -> Option<&Metrics> {
         self.state.as_ref().map(|s| &s.metrics)

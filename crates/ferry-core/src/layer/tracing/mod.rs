@@ -100,6 +100,17 @@ impl<E: TransferEngine> fmt::Debug for TracingEngine<E> {
 accessors!(TracingEngine);
 
 impl<E> TracingEngine<E> {
+    /// `path` (a [`FastPath`](crate::FastPath) of a segment under this
+    /// layer) as this layer passes it on: declined while `ferry_batch`
+    /// spans may be recorded (the layer on and DEBUG enabled), so that
+    /// such calls go the traced way; untouched otherwise.
+    pub fn wrap_fast(&self, path: crate::FastPath) -> crate::FastPath {
+        if !self.enabled {
+            return path;
+        }
+        path.guarded(|| (!tracing::level_enabled!(tracing::Level::DEBUG)).then_some(()))
+    }
+
     fn span(&self, call: &'static str, segment: SegmentId, requests: &[TransferRequest]) -> Span {
         if !self.enabled {
             return Span::none();
