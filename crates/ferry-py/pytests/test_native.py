@@ -464,6 +464,11 @@ def test_single_transfers_land_count_once_and_stop_at_close(pair):
     assert peer["requests_ok"] - old["requests_ok"] == n
     assert peer["bytes_written"] - old["bytes_written"] == n * 4096
     assert a.metrics()["batches_in_flight"] == 0
+    # The op in any case, its short form too.
+    for op in ("WRITE", "W", "Write"):
+        src[:16] = pattern(16, seed=len(op))
+        a.transfer(seg, op, sa, da, 16)
+        assert dst[:16] == src[:16], op
     a.close_segment(seg)
     snapshot = bytes(dst)
     src[:4096] = pattern(4096, seed=99)

@@ -183,12 +183,16 @@ pub(crate) fn register_schemes() -> PyResult<()> {
 }
 
 fn parse_op(op: &str) -> PyResult<TransferOp> {
-    match op.to_ascii_lowercase().as_str() {
-        "write" | "w" => Ok(TransferOp::Write),
-        "read" | "r" => Ok(TransferOp::Read),
-        _ => Err(PyValueError::new_err(format!(
+    // In any case, without allocating (this runs on every call).
+    let is = |name: &str| op.eq_ignore_ascii_case(name);
+    if is("write") || is("w") {
+        Ok(TransferOp::Write)
+    } else if is("read") || is("r") {
+        Ok(TransferOp::Read)
+    } else {
+        Err(PyValueError::new_err(format!(
             "op must be 'read' or 'write', got {op:?}"
-        ))),
+        )))
     }
 }
 

@@ -150,9 +150,12 @@ impl Peer {
         else {
             return false;
         };
-        let Some(gen) = crate::frame::table_lookup(&self.table(), r.remote_addr, r.len) else {
+        // Looked up under the table's read lock, not through a clone of it.
+        let table = ferry_core::__private::sync::read(&self.table);
+        let Some(gen) = crate::frame::table_lookup(&table, r.remote_addr, r.len) else {
             return false;
         };
+        drop(table);
         let part = crate::same_host::grant::Part {
             local: guard.as_ptr(),
             len: r.len,
