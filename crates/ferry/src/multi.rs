@@ -7,7 +7,8 @@
 //!
 //! - **Memory** is registered in every inner engine, the same address and
 //!   length in each, all or nothing (a failure unregisters it from the
-//!   engines that took it); `unregister` returns once every inner engine's
+//!   engines that took it; where that undo fails, its error is returned
+//!   instead of the refusal, e.g. `RegionHeld`); `unregister` returns once every inner engine's
 //!   `unregister` returned, so the promise of each transport holds for the
 //!   union.
 //! - **Its segment name** lists the inner engines' own, best first:
@@ -461,6 +462,25 @@ impl Ctx {
         }
     }
 
+    /// Candidate `c`'s inner engine and segment for a call that fails over:
+    /// `None` when opening it failed so that the next is tried (it backs
+    /// off, and the error is kept in `last`); `Err` for any other error.
+    async fn open(
+        &self,
+        c: usize,
+        last: &mut Option<Error>,
+    ) -> Result<Option<(Arc<Engine>, SegmentId)>> {
+        match self.segment(c).await {
+            Ok(x) => Ok(Some(x)),
+            Err(e) if self.open_fails_over(&e) => {
+                self.failed(c, &e);
+                *last = Some(e);
+                Ok(None)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
     /// Candidate `c` failed with `e`: it backs off.
     fn failed(&self, c: usize, e: &Error) {
         let what = self.describe(c);
@@ -526,14 +546,8 @@ impl Ctx {
     async fn transfer(&self, request: TransferRequest) -> Result<()> {
         let mut last = None;
         for c in self.order() {
-            let (engine, inner) = match self.segment(c).await {
-                Ok(x) => x,
-                Err(e) if self.open_fails_over(&e) => {
-                    self.failed(c, &e);
-                    last = Some(e);
-                    continue;
-                }
-                Err(e) => return Err(e),
+            let Some((engine, inner)) = self.open(c, &mut last).await? else {
+                continue;
             };
             match engine.transfer(inner, request).await {
                 Ok(()) => {
@@ -573,13 +587,9 @@ impl Ctx {
             if pending.is_empty() {
                 break;
             }
-            let (engine, inner) = match self.segment(c).await {
-                Ok(x) => x,
-                Err(e) if self.open_fails_over(&e) => {
-                    self.failed(c, &e);
-                    last = Some(e);
-                    continue;
-                }
+            let (engine, inner) = match self.open(c, &mut last).await {
+                Ok(Some(x)) => x,
+                Ok(None) => continue,
                 Err(e) if !moved => return Err(e),
                 Err(e) => {
                     driver.fail_unreported(&e);
@@ -652,13 +662,9 @@ impl Ctx {
         }
         let mut last = None;
         for c in order {
-            let (engine, inner) = match self.segment(c).await {
-                Ok(x) => x,
-                Err(e) if self.open_fails_over(&e) => {
-                    self.failed(c, &e);
-                    last = Some(e);
-                    continue;
-                }
+            let (engine, inner) = match self.open(c, &mut last).await {
+                Ok(Some(x)) => x,
+                Ok(None) => continue,
                 Err(e) => return Ok(Some(Err(e))),
             };
             match engine.batch_transfer(inner, &[], Some(note)).await {
@@ -1082,7 +1088,8 @@ impl InboundSource for InboundUnion {
 }
 
 /// Undoes a registration in the first `n` engines; the error of the
-/// first undo that failed (the region may stay registered there).
+/// first undo that failed (the region may stay registered there: the
+/// caller returns it instead of the refusal, e.g. `RegionHeld`).
 async fn undo(engines: &[Arc<dyn DynTransferEngine>], n: usize, addrs: &[u64]) -> Result<()> {
     let mut first = Ok(());
     for e in &engines[..n] {
@@ -1099,6 +1106,20 @@ async fn undo(engines: &[Arc<dyn DynTransferEngine>], n: usize, addrs: &[u64]) -
         }
     }
     first
+}
+
+/// What a registration refused with `e` returns once `undone`: `e`, or
+/// the undo's error where an undo failed (the region may stay registered
+/// in that transport until `unregister`), `e` logged.
+fn refused(e: Error, undone: Result<()>) -> Error {
+    match undone {
+        Ok(()) => e,
+        Err(u) => {
+            tracing::warn!(refusal = %e, error = %u,
+                "ferry multi: a registration was refused, and undoing it failed");
+            u
+        }
+    }
 }
 
 /// What unregistering in every engine adds up to: `Ok` when it is
@@ -1185,8 +1206,7 @@ impl TransferEngine for MultiEngine {
         detached(async move {
             let (n, r) = ferry_core::raw::register_in_each(&engines, region).await;
             if let Err(e) = r {
-                undo(&engines, n, &[addr]).await?;
-                return Err(e);
+                return Err(refused(e, undo(&engines, n, &[addr]).await));
             }
             Ok(())
         })
@@ -1212,8 +1232,7 @@ impl TransferEngine for MultiEngine {
         detached(async move {
             let (n, r) = ferry_core::raw::batch_register_in_each(&engines, regions).await;
             if let Err(e) = r {
-                undo(&engines, n, &addrs).await?;
-                return Err(e);
+                return Err(refused(e, undo(&engines, n, &addrs).await));
             }
             Ok(())
         })
