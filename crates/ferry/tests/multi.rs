@@ -976,22 +976,57 @@ mod conformance {
 
     /// The inner engines of every engine made, by segment name: what
     /// `refuse_notifications` reaches.
-    #[derive(Default)]
-    struct Made(Mutex<HashMap<String, Vec<Arc<Engine>>>>);
+    type Made = Mutex<HashMap<String, Vec<Arc<Engine>>>>;
 
-    impl Made {
-        fn keep(&self, m: &MultiEngine) {
-            let inner = m.transports().map(|(_, e)| Arc::clone(e)).collect();
-            self.0
+    /// What a factory's `create` makes: the engine under test, and the
+    /// multi engine's inner engines.
+    type Created = ferry::Result<(Arc<dyn DynTransferEngine>, Vec<Arc<Engine>>)>;
+
+    fn inner(m: &MultiEngine) -> Vec<Arc<Engine>> {
+        m.transports().map(|(_, e)| Arc::clone(e)).collect()
+    }
+
+    /// A factory of multi engines: they differ in how they are opened
+    /// (`create`) and in the name of a peer that is not there.
+    struct Factory {
+        made: Made,
+        create: fn() -> std::pin::Pin<Box<dyn std::future::Future<Output = Created> + Send>>,
+        unknown: fn() -> String,
+    }
+
+    impl Factory {
+        fn new(
+            create: fn() -> std::pin::Pin<Box<dyn std::future::Future<Output = Created> + Send>>,
+            unknown: fn() -> String,
+        ) -> Self {
+            Factory {
+                made: Made::default(),
+                create,
+                unknown,
+            }
+        }
+    }
+
+    #[async_trait::async_trait]
+    impl EngineFactory for Factory {
+        async fn create(&self) -> ferry::Result<Arc<dyn DynTransferEngine>> {
+            let (e, inner) = (self.create)().await?;
+            self.made
                 .lock()
                 .unwrap()
-                .insert(m.segment_name().to_owned(), inner);
+                .insert(e.segment_name().to_owned(), inner);
+            Ok(e)
         }
-
-        fn refuse(&self, engine: &Arc<dyn DynTransferEngine>) -> bool {
-            let made = self.0.lock().unwrap();
+        fn unknown_segment_name(&self) -> String {
+            (self.unknown)()
+        }
+        async fn refuse_notifications(
+            &self,
+            engine: &Arc<dyn DynTransferEngine>,
+        ) -> ferry::Result<bool> {
+            let made = self.made.lock().unwrap();
             let Some(inner) = made.get(engine.segment_name()) else {
-                return false;
+                return Ok(false);
             };
             for e in inner {
                 let tcp = e
@@ -999,92 +1034,73 @@ mod conformance {
                     .expect("a TCP transport");
                 tcp.set_refuse_notifications(true);
             }
-            true
+            Ok(true)
         }
     }
 
-    #[derive(Default)]
-    struct Facade(Made);
-
-    #[async_trait::async_trait]
-    impl EngineFactory for Facade {
-        async fn create(&self) -> ferry::Result<Arc<dyn DynTransferEngine>> {
-            let e = Engine::open_multi(&["tcp://127.0.0.1:0", "tcp://127.0.0.1:0"]).await?;
-            self.0.keep(multi(&e));
-            Ok(e.into_dyn())
-        }
-        fn unknown_segment_name(&self) -> String {
-            format!(
-                "{SEGMENT_PREFIX}tcp={};tcp={}",
-                dead_address(),
-                dead_address()
-            )
-        }
-        async fn refuse_notifications(
-            &self,
-            engine: &Arc<dyn DynTransferEngine>,
-        ) -> ferry::Result<bool> {
-            Ok(self.0.refuse(engine))
-        }
+    /// Through the facade: two TCP transports.
+    fn facade() -> Factory {
+        Factory::new(
+            || {
+                Box::pin(async {
+                    let e = Engine::open_multi(&["tcp://127.0.0.1:0", "tcp://127.0.0.1:0"]).await?;
+                    let inner = inner(multi(&e));
+                    Ok((e.into_dyn(), inner))
+                })
+            },
+            || {
+                format!(
+                    "{SEGMENT_PREFIX}tcp={};tcp={}",
+                    dead_address(),
+                    dead_address()
+                )
+            },
+        )
     }
 
-    #[derive(Default)]
-    struct Bare(Made);
-
-    #[async_trait::async_trait]
-    impl EngineFactory for Bare {
-        async fn create(&self) -> ferry::Result<Arc<dyn DynTransferEngine>> {
-            let e = MultiEngine::start(&["tcp://127.0.0.1:0", "tcp://127.0.0.1:0"]).await?;
-            self.0.keep(&e);
-            Ok(Arc::new(e))
-        }
-        fn unknown_segment_name(&self) -> String {
-            dead_address()
-        }
-        async fn refuse_notifications(
-            &self,
-            engine: &Arc<dyn DynTransferEngine>,
-        ) -> ferry::Result<bool> {
-            Ok(self.0.refuse(engine))
-        }
-    }
-
-    mod facade {
-        use super::*;
-        ferry_core::conformance_tests!(Facade::default());
-    }
-
-    mod bare {
-        use super::*;
-        ferry_core::conformance_tests!(Bare::default());
+    /// Bare: `MultiEngine` without its stack.
+    fn bare() -> Factory {
+        Factory::new(
+            || {
+                Box::pin(async {
+                    let e = MultiEngine::start(&["tcp://127.0.0.1:0", "tcp://127.0.0.1:0"]).await?;
+                    let inner = inner(&e);
+                    Ok((Arc::new(e) as Arc<dyn DynTransferEngine>, inner))
+                })
+            },
+            dead_address,
+        )
     }
 
     /// One transport on each side: one candidate, so a notification goes
     /// with its data (nothing to fail over to).
-    #[derive(Default)]
-    struct One(Made);
+    fn one() -> Factory {
+        Factory::new(
+            || {
+                Box::pin(async {
+                    let e =
+                        Engine::open("multi://?transports=tcp&tcp.url=tcp%3A%2F%2F127.0.0.1%3A0")
+                            .await?;
+                    let inner = inner(multi(&e));
+                    Ok((e.into_dyn(), inner))
+                })
+            },
+            dead_address,
+        )
+    }
 
-    #[async_trait::async_trait]
-    impl EngineFactory for One {
-        async fn create(&self) -> ferry::Result<Arc<dyn DynTransferEngine>> {
-            let e =
-                Engine::open("multi://?transports=tcp&tcp.url=tcp%3A%2F%2F127.0.0.1%3A0").await?;
-            self.0.keep(multi(&e));
-            Ok(e.into_dyn())
-        }
-        fn unknown_segment_name(&self) -> String {
-            dead_address()
-        }
-        async fn refuse_notifications(
-            &self,
-            engine: &Arc<dyn DynTransferEngine>,
-        ) -> ferry::Result<bool> {
-            Ok(self.0.refuse(engine))
-        }
+    mod facade {
+        use super::*;
+        ferry_core::conformance_tests!(facade());
+    }
+
+    mod bare {
+        use super::*;
+        ferry_core::conformance_tests!(bare());
     }
 
     mod one {
         use super::*;
-        ferry_core::conformance_tests!(One::default());
+        ferry_core::conformance_tests!(one());
     }
 }
