@@ -18,6 +18,8 @@ Examples:
   FERRY_SECRET=S ferry caps --backend tcp://127.0.0.1:0 --tls require --peer 10.0.0.2:7000
   ferry caps --backend 'mooncake://?lib=/opt/mooncake/libtransfer_engine.so&metadata=P2PHANDSHAKE&protocol=tcp&host=127.0.0.1'
   ferry caps --backend 'verbs://mlx5_0?port=1&gid_index=3'
+  # several transports: which one was chosen to the peer, and why
+  ferry caps --backend 'multi://?transports=verbs,tcp' --peer 'ferry-multi:verbs=…;tcp=10.0.0.2:7000'
   # in a start-up script: fail unless batches and notifications are native
   ferry caps --backend \"$FERRY_URL\" --strict --require batch_transfer,notify || exit 1
 
@@ -26,6 +28,8 @@ Backend URLs (the scheme is also the cargo feature that compiles the backend in)
                                         FERRY_SECRET_FILE or --secret-file (or secret_file=PATH)
   mooncake://?lib=PATH&metadata=…&…     Mooncake Transfer Engine, loaded at run time
   verbs://DEVICE?port=N&gid_index=N     RDMA verbs
+  multi://?transports=a,b&a.url=…       one engine over several, best first (`<name>.url`
+                                        percent-encoded; tcp defaults to tcp://0.0.0.0:0)
 Ferry's own parameters, on any URL: strict=1 (no emulation), coalesce=0,
 max_concurrency=N, require=op,op.
 
@@ -115,6 +119,18 @@ struct JsonPeer {
     tls_off: Option<String>,
 }
 
+/// On a multi engine: the transport chosen to one peer, and why.
+#[derive(Serialize)]
+struct JsonChoice {
+    peer: String,
+    transport: String,
+    address: String,
+    ours: Vec<String>,
+    theirs: Vec<String>,
+    reason: String,
+    failovers: u64,
+}
+
 #[derive(Serialize)]
 struct JsonReport {
     backend: String,
@@ -126,6 +142,8 @@ struct JsonReport {
     required: Vec<&'static str>,
     missing: Vec<String>,
     peers: Vec<JsonPeer>,
+    /// On a multi engine, the transport chosen to each peer.
+    transports: Vec<JsonChoice>,
 }
 
 /// Runs `ferry caps`.
@@ -161,6 +179,12 @@ pub async fn run(args: CapsArgs) -> anyhow::Result<()> {
         .collect();
     #[cfg(not(feature = "tcp"))]
     let peers: Vec<std::convert::Infallible> = Vec::new();
+    // On a multi engine: which transport was chosen to each peer, and why.
+    let choices: Vec<ferry::multi::Choice> = args
+        .peer
+        .iter()
+        .filter_map(|p| engine.transport_choice(p))
+        .collect();
 
     if args.json {
         let operations = report
@@ -191,6 +215,18 @@ pub async fn run(args: CapsArgs) -> anyhow::Result<()> {
             required: args.require.iter().map(|o| o.name()).collect(),
             missing: missing.iter().map(ToString::to_string).collect(),
             peers: peers.iter().map(json_peer).collect(),
+            transports: choices
+                .iter()
+                .map(|c| JsonChoice {
+                    peer: c.peer.clone(),
+                    transport: c.transport.clone(),
+                    address: c.address.clone(),
+                    ours: c.ours.clone(),
+                    theirs: c.theirs.clone(),
+                    reason: c.reason.clone(),
+                    failovers: c.failovers,
+                })
+                .collect(),
         };
         println!("{}", serde_json::to_string_pretty(&j)?);
     } else {
@@ -201,6 +237,9 @@ pub async fn run(args: CapsArgs) -> anyhow::Result<()> {
         if !args.require.is_empty() && missing.is_empty() {
             let names: Vec<&str> = args.require.iter().map(|o| o.name()).collect();
             println!("required: {} — all available", names.join(", "));
+        }
+        for c in &choices {
+            println!("transport to {}: {c}", c.peer);
         }
         for p in &peers {
             println!("negotiated with {p}");

@@ -475,6 +475,59 @@ mod tcp {
         assert!(!summary.contains("region: 0 of"), "{summary}");
     }
 
+    /// `ferry caps --backend multi://… --peer` says which transport was
+    /// chosen to the peer and why: the peer lists a dead transport first,
+    /// then a running `ferry serve`.
+    #[test]
+    fn caps_on_a_multi_engine_names_the_transport_chosen_and_why() {
+        let mut server = spawn_serve(&["--size", "1MiB", "--backend", "tcp://127.0.0.1:0"]);
+        let banner = server.line_after("ferry serve: ");
+        let seg = banner
+            .split("segment ")
+            .nth(1)
+            .and_then(|r| r.split([',', ' ']).next())
+            .unwrap_or_else(|| panic!("no segment in {banner:?}"))
+            .to_owned();
+        let dead = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+            l.local_addr().expect("addr").to_string()
+        };
+        let peer = format!("ferry-multi:tcp={dead};tcp={seg}");
+        let url = "multi://?transports=tcp,t2&tcp.url=tcp%3A%2F%2F127.0.0.1%3A0\
+                   &t2.url=tcp%3A%2F%2F127.0.0.1%3A0";
+        let (out, _) = expect_code(&["caps", "--backend", url, "--peer", &peer], 0);
+        assert!(out.starts_with("backend: multi\n"), "{out}");
+        let line = out
+            .lines()
+            .find(|l| l.starts_with("transport to "))
+            .unwrap_or_else(|| panic!("no transport line in {out}"));
+        assert!(
+            line.starts_with(&format!(
+                "transport to {peer}: tcp to {seg} (ours: tcp, tcp; the peer's: tcp, tcp): "
+            )),
+            "{line}"
+        );
+        assert!(
+            line.contains(&format!("tcp to {dead} failed first")),
+            "{line}"
+        );
+        let (out, _) = expect_code(&["caps", "--backend", url, "--peer", &peer, "--json"], 0);
+        let v: serde_json::Value = serde_json::from_str(&out).expect("caps --json is JSON");
+        let t = &v["transports"][0];
+        assert_eq!(t["peer"], peer.as_str(), "{out}");
+        assert_eq!(t["transport"], "tcp", "{out}");
+        assert_eq!(t["address"], seg.as_str(), "{out}");
+        assert!(
+            t["reason"]
+                .as_str()
+                .is_some_and(|r| r.contains("failed first")),
+            "{out}"
+        );
+        // A plain engine has no transport line.
+        let (out, _) = expect_code(&["caps", "--peer", &seg], 0);
+        assert!(!out.contains("transport to "), "{out}");
+    }
+
     /// `GET /metrics` of a `--metrics-listen` endpoint, parsed by an
     /// ecosystem parser of the exposition format.
     fn scrape(addr: &str) -> prometheus_parse::Scrape {

@@ -43,6 +43,15 @@ pub struct InboundSnapshot {
     /// Notifications the engine's inbox refused and dropped. `None` where
     /// the backend does not count them.
     pub notifications_dropped: Option<NotificationsDropped>,
+    /// An engine over several transports (ferry's multi engine): per
+    /// `(peer, from, to)`, how many times transfers to the peer moved from
+    /// one transport to another (labels the engine chose, e.g. `verbs`,
+    /// `tcp`). Not inbound traffic, but read at scrape time the same way.
+    /// `None` elsewhere.
+    pub failovers: Option<BTreeMap<(String, String, String), u64>>,
+    /// The same engines: per `(peer, transport)`, how many of the open
+    /// segments to the peer that transport carries now. `None` elsewhere.
+    pub transports_chosen: Option<BTreeMap<(String, String), u64>>,
 }
 
 impl InboundSnapshot {
@@ -61,6 +70,18 @@ impl InboundSnapshot {
     /// With `notifications_dropped` set.
     pub fn with_notifications_dropped(mut self, dropped: NotificationsDropped) -> Self {
         self.notifications_dropped = Some(dropped);
+        self
+    }
+
+    /// With `failovers` set.
+    pub fn with_failovers(mut self, failovers: BTreeMap<(String, String, String), u64>) -> Self {
+        self.failovers = Some(failovers);
+        self
+    }
+
+    /// With `transports_chosen` set.
+    pub fn with_transports_chosen(mut self, chosen: BTreeMap<(String, String), u64>) -> Self {
+        self.transports_chosen = Some(chosen);
         self
     }
 

@@ -7,7 +7,8 @@
 //!
 //! - **Memory** is registered in every inner engine, the same address and
 //!   length in each, all or nothing (a failure unregisters it from the
-//!   engines that took it); `unregister` returns once every inner engine's
+//!   engines that took it; where that undo fails, its error is returned
+//!   instead of the refusal, e.g. `RegionHeld`); `unregister` returns once every inner engine's
 //!   `unregister` returned, so the promise of each transport holds for the
 //!   union.
 //! - **Its segment name** lists the inner engines' own, best first:
@@ -33,9 +34,17 @@
 //!   and is tried again by the first call after it. A batch's
 //!   notification, where the peer can be reached over more than one
 //!   transport, is sent alone once every request succeeded, over the
-//!   transport that carried the end, and again over another only when the
-//!   failure says it was not sent (`Retry::Temporary`): never twice. The
+//!   transport that carried the end. To a multi engine listing two or more
+//!   transports it carries a batch tag (in its message, stripped by the
+//!   receiving multi engine, which drops a tag it delivered already: the
+//!   latest 4096 per sending segment), so after any failure of the
+//!   transport it goes again over the next; to any other peer it goes
+//!   again only when the failure says it was not sent (`Retry::Temporary`),
+//!   else the batch fails `MaybeApplied`. Delivered once either way. The
 //!   caller's deadline (`TransferEngineExt`, `TimeoutLayer`) bounds it all.
+//!   Failovers are counted (`ferry_failovers_total{peer, from, to}`, and
+//!   `ferry_transport_chosen{peer, transport}`, through
+//!   [`TransferEngine::inbound`]) and listed in the segment's [`Choice`].
 //!   After a failover the bytes of every request that succeeded are the
 //!   source's; a request that failed may have written some, all or none
 //!   of its destination (as for any `MaybeApplied` error).
@@ -44,7 +53,7 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fmt;
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::Poll;
 use std::time::{Duration, Instant};
@@ -81,7 +90,11 @@ pub struct MultiEngine {
     name: String,
     /// What every inner engine does natively.
     caps: Capabilities,
-    segments: Mutex<HashMap<SegmentId, Arc<Route>>>,
+    segments: Arc<Mutex<HashMap<SegmentId, Arc<Route>>>>,
+    /// Failovers per peer and transports, for the metrics.
+    counts: Arc<Counts>,
+    /// The notification tags delivered, per sending segment.
+    seen: Mutex<Seen>,
     /// Submitted batches (each run by a task of its own, failing over).
     table: BatchTable,
     /// Notifications taken from an inner engine by a call that was dropped
@@ -109,11 +122,30 @@ struct Route {
     id: SegmentId,
     candidates: Vec<Candidate>,
     state: Mutex<RouteState>,
+    /// Where the peer is a multi engine listing two or more transports:
+    /// this segment's tag sender (random) and its last notification
+    /// sequence number (see [`Tag`]).
+    tags: Option<(u64, AtomicU64)>,
+}
+
+impl Route {
+    /// The tag of the next notified batch, where the peer reads tags.
+    fn next_tag(&self) -> Option<Tag> {
+        let (sender, seq) = self.tags.as_ref()?;
+        Some(Tag {
+            sender: *sender,
+            seq: seq.fetch_add(1, Ordering::Relaxed) + 1,
+        })
+    }
 }
 
 struct Candidate {
     transport: usize,
     address: String,
+    /// Its label in the metrics: the scheme where each side has one
+    /// transport of it, else `scheme#i.j` (our transport `i`, the peer's
+    /// `j`-th entry).
+    label: String,
 }
 
 struct RouteState {
@@ -162,6 +194,9 @@ pub struct Choice {
     pub failed: Vec<(String, Error)>,
     /// How many times transfers on the segment moved to another transport.
     pub failovers: u64,
+    /// Those moves: from which transport to which (each `scheme to
+    /// address`), and how many times, in the order first seen.
+    pub failed_over: Vec<(String, String, u64)>,
     /// Why this transport, in words.
     pub reason: String,
 }
@@ -176,7 +211,12 @@ impl fmt::Display for Choice {
             self.ours.join(", "),
             self.theirs.join(", "),
             self.reason
-        )
+        )?;
+        for (k, (from, to, n)) in self.failed_over.iter().enumerate() {
+            let lead = if k == 0 { "; failed over: " } else { ", " };
+            write!(f, "{lead}{from} -> {to} ({n}x)")?;
+        }
+        Ok(())
     }
 }
 
@@ -247,7 +287,9 @@ impl MultiEngine {
             transports: Arc::new(transports),
             name,
             caps,
-            segments: Mutex::new(HashMap::new()),
+            segments: Arc::new(Mutex::new(HashMap::new())),
+            counts: Arc::new(Counts::default()),
+            seen: Mutex::new(Seen::default()),
             table: BatchTable::new(BACKEND),
             pending: Mutex::new(VecDeque::new()),
             stopping: Arc::new(AtomicBool::new(false)),
@@ -284,6 +326,22 @@ impl MultiEngine {
             .map(|(_, c)| c)
     }
 
+    /// `n` as received from an inner engine: without its tag, or `None`
+    /// for a tag delivered already (a resend whose first copy arrived).
+    fn received(&self, n: Notification) -> Option<Notification> {
+        match Tag::strip(n) {
+            (None, n) => Some(n),
+            (Some(tag), n) => {
+                if lock(&self.seen).first(tag) {
+                    Some(n)
+                } else {
+                    tracing::debug!(name = %n.name, "ferry multi: a notification delivered already, dropped");
+                    None
+                }
+            }
+        }
+    }
+
     fn schemes(&self) -> Vec<String> {
         self.transports.iter().map(|t| t.scheme.clone()).collect()
     }
@@ -315,6 +373,7 @@ impl MultiEngine {
             transports: Arc::clone(&self.transports),
             route,
             stopping: Arc::clone(&self.stopping),
+            counts: Arc::clone(&self.counts),
         })
     }
 }
@@ -326,6 +385,7 @@ struct Ctx {
     transports: Arc<Vec<Transport>>,
     route: Arc<Route>,
     stopping: Arc<AtomicBool>,
+    counts: Arc<Counts>,
 }
 
 /// Whether `e` means "the transport failed, try the next": the peer
@@ -402,6 +462,25 @@ impl Ctx {
         }
     }
 
+    /// Candidate `c`'s inner engine and segment for a call that fails over:
+    /// `None` when opening it failed so that the next is tried (it backs
+    /// off, and the error is kept in `last`); `Err` for any other error.
+    async fn open(
+        &self,
+        c: usize,
+        last: &mut Option<Error>,
+    ) -> Result<Option<(Arc<Engine>, SegmentId)>> {
+        match self.segment(c).await {
+            Ok(x) => Ok(Some(x)),
+            Err(e) if self.open_fails_over(&e) => {
+                self.failed(c, &e);
+                *last = Some(e);
+                Ok(None)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
     /// Candidate `c` failed with `e`: it backs off.
     fn failed(&self, c: usize, e: &Error) {
         let what = self.describe(c);
@@ -434,9 +513,24 @@ impl Ctx {
         let cand = &self.route.candidates[c];
         let scheme = self.transports[cand.transport].scheme.clone();
         let before = self.describe(state.current);
+        let from = state.current;
         state.current = c;
         let choice = &mut state.choice;
         choice.failovers += 1;
+        let now = self.describe(c);
+        match choice
+            .failed_over
+            .iter_mut()
+            .find(|(f, t, _)| *f == before && *t == now)
+        {
+            Some((_, _, n)) => *n += 1,
+            None => choice.failed_over.push((before.clone(), now, 1)),
+        }
+        self.counts.failover(
+            &choice.peer,
+            &self.route.candidates[from].label,
+            &cand.label,
+        );
         choice.reason = match choice.failed.last() {
             Some((what, e)) if *what == before => {
                 format!("{scheme}: failed over from {what}: {e}")
@@ -452,14 +546,8 @@ impl Ctx {
     async fn transfer(&self, request: TransferRequest) -> Result<()> {
         let mut last = None;
         for c in self.order() {
-            let (engine, inner) = match self.segment(c).await {
-                Ok(x) => x,
-                Err(e) if self.open_fails_over(&e) => {
-                    self.failed(c, &e);
-                    last = Some(e);
-                    continue;
-                }
-                Err(e) => return Err(e),
+            let Some((engine, inner)) = self.open(c, &mut last).await? else {
+                continue;
             };
             match engine.transfer(inner, request).await {
                 Ok(()) => {
@@ -499,13 +587,9 @@ impl Ctx {
             if pending.is_empty() {
                 break;
             }
-            let (engine, inner) = match self.segment(c).await {
-                Ok(x) => x,
-                Err(e) if self.open_fails_over(&e) => {
-                    self.failed(c, &e);
-                    last = Some(e);
-                    continue;
-                }
+            let (engine, inner) = match self.open(c, &mut last).await {
+                Ok(Some(x)) => x,
+                Ok(None) => continue,
                 Err(e) if !moved => return Err(e),
                 Err(e) => {
                     driver.fail_unreported(&e);
@@ -565,8 +649,12 @@ impl Ctx {
             return Ok(None);
         }
         // The notification alone: first over the transport that carried
-        // the end, then over the others, but only after a failure that
-        // says it was not sent (a second delivery is worse than none).
+        // the end, then over the others. Untagged, only after a failure
+        // that says it was not sent (a second delivery is worse than
+        // none); tagged (the peer drops a tag it delivered already), after
+        // any failure of the transport.
+        let tagged = self.route.next_tag().and_then(|t| t.apply(note));
+        let note = tagged.as_ref().unwrap_or(note);
         let mut order = self.order();
         if let Some(c) = carried {
             order.retain(|&o| o != c);
@@ -574,13 +662,9 @@ impl Ctx {
         }
         let mut last = None;
         for c in order {
-            let (engine, inner) = match self.segment(c).await {
-                Ok(x) => x,
-                Err(e) if self.open_fails_over(&e) => {
-                    self.failed(c, &e);
-                    last = Some(e);
-                    continue;
-                }
+            let (engine, inner) = match self.open(c, &mut last).await {
+                Ok(Some(x)) => x,
+                Ok(None) => continue,
                 Err(e) => return Ok(Some(Err(e))),
             };
             match engine.batch_transfer(inner, &[], Some(note)).await {
@@ -588,7 +672,10 @@ impl Ctx {
                     self.worked(c);
                     return Ok(Some(Ok(())));
                 }
-                Err(e) if self.fails_over(&e) && e.retry() == Retry::Temporary => {
+                Err(e)
+                    if (tagged.is_some() && transport_failed(&e, &self.stopping))
+                        || (self.fails_over(&e) && e.retry() == Retry::Temporary) =>
+                {
                     self.failed(c, &e);
                     last = Some(e);
                 }
@@ -773,14 +860,193 @@ fn list(names: &[String], none: &str) -> String {
     }
 }
 
-/// The union of the inner engines' inbound counters.
-struct InboundUnion(Vec<Inbound>);
+/// What a tagged notification's message starts with, before the tag's
+/// 32 hexadecimal digits and the message itself. Reserved: a message that
+/// starts so is taken for a tag by a multi engine.
+const TAG_PREFIX: &str = "\u{1}ferry-multi-tag:";
+/// Hexadecimal digits of a tag.
+const TAG_HEX: usize = 32;
+/// Tags remembered per sending segment: the latest 4096 sequence numbers.
+const TAG_WINDOW: u64 = 4096;
+const TAG_WORDS: usize = (TAG_WINDOW / 64) as usize;
+/// Sending segments whose tags are remembered; beyond, the one heard from
+/// least recently is forgotten.
+const MAX_TAG_SENDERS: usize = 1024;
+
+/// A notification's batch tag (design §4 and §8): 16 bytes, the sending
+/// segment's random id and the batch's sequence number on that segment
+/// (from 1). It travels in the notification's message (`TAG_PREFIX`, 32
+/// hex digits, the message), not its name, so that the inner engines'
+/// `next_notification(Some(name))` still matches it; no frame or
+/// handshake changes. Sent only to a peer whose segment name lists two or
+/// more transports (a multi engine, which strips it); a single-transport
+/// peer never sees one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Tag {
+    sender: u64,
+    seq: u64,
+}
+
+impl Tag {
+    /// `n` with this tag; `None` where the tagged message would pass the
+    /// size limit (then it goes untagged).
+    fn apply(self, n: &Notification) -> Option<Notification> {
+        let tagged = Notification::new(
+            n.name.clone(),
+            format!(
+                "{TAG_PREFIX}{:016x}{:016x}{}",
+                self.sender, self.seq, n.message
+            ),
+        );
+        tagged.validate().is_ok().then_some(tagged)
+    }
+
+    /// The tag of `n`, and `n` without it; `None` and `n` as it is for an
+    /// untagged one.
+    fn strip(mut n: Notification) -> (Option<Tag>, Notification) {
+        let Some(rest) = n.message.strip_prefix(TAG_PREFIX) else {
+            return (None, n);
+        };
+        let Some(hex) = rest.get(..TAG_HEX) else {
+            return (None, n);
+        };
+        if !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return (None, n);
+        }
+        let (Ok(sender), Ok(seq)) = (
+            u64::from_str_radix(&hex[..16], 16),
+            u64::from_str_radix(&hex[16..], 16),
+        ) else {
+            return (None, n);
+        };
+        n.message.drain(..TAG_PREFIX.len() + TAG_HEX);
+        (Some(Tag { sender, seq }), n)
+    }
+}
+
+/// The tags delivered: per sending segment, a window over its latest
+/// [`TAG_WINDOW`] sequence numbers (512 bytes); at most
+/// [`MAX_TAG_SENDERS`] segments.
+#[derive(Default)]
+struct Seen {
+    senders: HashMap<u64, Window>,
+    tick: u64,
+}
+
+struct Window {
+    /// The highest sequence number delivered.
+    max: u64,
+    /// Bit `k`: `max - k` was delivered.
+    bits: [u64; TAG_WORDS],
+    /// When the sender was last heard from (`Seen::tick`).
+    heard: u64,
+}
+
+impl Seen {
+    /// Whether `tag` is delivered for the first time (it is remembered
+    /// now). A tag older than its sender's window counts as delivered:
+    /// a second delivery is worse than none.
+    fn first(&mut self, tag: Tag) -> bool {
+        self.tick += 1;
+        if !self.senders.contains_key(&tag.sender) && self.senders.len() >= MAX_TAG_SENDERS {
+            let oldest = self
+                .senders
+                .iter()
+                .min_by_key(|(_, w)| w.heard)
+                .map(|(k, _)| *k);
+            if let Some(k) = oldest {
+                self.senders.remove(&k);
+            }
+        }
+        let w = self.senders.entry(tag.sender).or_insert(Window {
+            max: 0,
+            bits: [0; TAG_WORDS],
+            heard: 0,
+        });
+        w.heard = self.tick;
+        w.admit(tag.seq)
+    }
+}
+
+impl Window {
+    fn admit(&mut self, seq: u64) -> bool {
+        if seq > self.max {
+            self.shift(seq - self.max);
+            self.max = seq;
+            self.bits[0] |= 1;
+            return true;
+        }
+        let back = self.max - seq;
+        if back >= TAG_WINDOW {
+            return false;
+        }
+        let (word, bit) = ((back / 64) as usize, back % 64);
+        let had = self.bits[word] & (1 << bit) != 0;
+        self.bits[word] |= 1 << bit;
+        !had
+    }
+
+    /// Moves every bit `by` places up (older), dropping those past the
+    /// window.
+    fn shift(&mut self, by: u64) {
+        if by >= TAG_WINDOW {
+            self.bits = [0; TAG_WORDS];
+            return;
+        }
+        let (words, bits) = ((by / 64) as usize, (by % 64) as u32);
+        for i in (0..TAG_WORDS).rev() {
+            let hi = if i >= words {
+                self.bits[i - words] << bits
+            } else {
+                0
+            };
+            let lo = if bits > 0 && i > words {
+                self.bits[i - words - 1] >> (64 - bits)
+            } else {
+                0
+            };
+            self.bits[i] = hi | lo;
+        }
+    }
+}
+
+/// Most `(peer, from, to)` failover counters kept; beyond, new peers
+/// count under `other`.
+const MAX_FAILOVER_SERIES: usize = 1024;
+
+/// The engine's failovers, for the metrics: per (peer, from, to) labels
+/// (see `Candidate::label`). They only grow.
+#[derive(Default)]
+struct Counts {
+    failovers: Mutex<BTreeMap<(String, String, String), u64>>,
+}
+
+impl Counts {
+    fn failover(&self, peer: &str, from: &str, to: &str) {
+        let mut all = lock(&self.failovers);
+        let key = (peer.to_owned(), from.to_owned(), to.to_owned());
+        let key = if all.len() >= MAX_FAILOVER_SERIES && !all.contains_key(&key) {
+            ("other".to_owned(), from.to_owned(), to.to_owned())
+        } else {
+            key
+        };
+        *all.entry(key).or_default() += 1;
+    }
+}
+
+/// The union of the inner engines' inbound counters, with the engine's
+/// failovers and the transport each open segment uses.
+struct InboundUnion {
+    inner: Vec<Inbound>,
+    counts: Arc<Counts>,
+    segments: std::sync::Weak<Mutex<HashMap<SegmentId, Arc<Route>>>>,
+}
 
 impl InboundSource for InboundUnion {
     fn snapshot(&self) -> InboundSnapshot {
         let mut served: Option<BTreeMap<String, ferry_core::ServedCounts>> = None;
         let mut dropped: Option<NotificationsDropped> = None;
-        for s in self.0.iter().map(Inbound::snapshot) {
+        for s in self.inner.iter().map(Inbound::snapshot) {
             if let Some(m) = s.served {
                 let all = served.get_or_insert_with(BTreeMap::new);
                 for (peer, c) in m {
@@ -804,12 +1070,26 @@ impl InboundSource for InboundUnion {
         if let Some(d) = dropped {
             out = out.with_notifications_dropped(d);
         }
-        out
+        let mut chosen: BTreeMap<(String, String), u64> = BTreeMap::new();
+        if let Some(segments) = self.segments.upgrade() {
+            let routes: Vec<Arc<Route>> = lock(&segments).values().cloned().collect();
+            for r in routes {
+                let key = {
+                    let state = lock(&r.state);
+                    let label = r.candidates[state.current].label.clone();
+                    (state.choice.peer.clone(), label)
+                };
+                *chosen.entry(key).or_default() += 1;
+            }
+        }
+        out.with_failovers(lock(&self.counts.failovers).clone())
+            .with_transports_chosen(chosen)
     }
 }
 
 /// Undoes a registration in the first `n` engines; the error of the
-/// first undo that failed (the region may stay registered there).
+/// first undo that failed (the region may stay registered there: the
+/// caller returns it instead of the refusal, e.g. `RegionHeld`).
 async fn undo(engines: &[Arc<dyn DynTransferEngine>], n: usize, addrs: &[u64]) -> Result<()> {
     let mut first = Ok(());
     for e in &engines[..n] {
@@ -826,6 +1106,20 @@ async fn undo(engines: &[Arc<dyn DynTransferEngine>], n: usize, addrs: &[u64]) -
         }
     }
     first
+}
+
+/// What a registration refused with `e` returns once `undone`: `e`, or
+/// the undo's error where an undo failed (the region may stay registered
+/// in that transport until `unregister`), `e` logged.
+fn refused(e: Error, undone: Result<()>) -> Error {
+    match undone {
+        Ok(()) => e,
+        Err(u) => {
+            tracing::warn!(refusal = %e, error = %u,
+                "ferry multi: a registration was refused, and undoing it failed");
+            u
+        }
+    }
 }
 
 /// What unregistering in every engine adds up to: `Ok` when it is
@@ -912,8 +1206,7 @@ impl TransferEngine for MultiEngine {
         detached(async move {
             let (n, r) = ferry_core::raw::register_in_each(&engines, region).await;
             if let Err(e) = r {
-                undo(&engines, n, &[addr]).await?;
-                return Err(e);
+                return Err(refused(e, undo(&engines, n, &[addr]).await));
             }
             Ok(())
         })
@@ -939,8 +1232,7 @@ impl TransferEngine for MultiEngine {
         detached(async move {
             let (n, r) = ferry_core::raw::batch_register_in_each(&engines, regions).await;
             if let Err(e) = r {
-                undo(&engines, n, &addrs).await?;
-                return Err(e);
+                return Err(refused(e, undo(&engines, n, &addrs).await));
             }
             Ok(())
         })
@@ -969,16 +1261,24 @@ impl TransferEngine for MultiEngine {
         let peer = Peer::parse(name)?;
         let ours = self.schemes();
         let theirs = peer.schemes();
+        let count = |list: &[String], s: &str| list.iter().filter(|t| *t == s).count();
         let candidates: Vec<Candidate> = ours
             .iter()
             .enumerate()
             .flat_map(|(i, s)| {
+                let alone = count(&ours, s) == 1 && count(&theirs, s) == 1;
                 peer.entries
                     .iter()
-                    .filter(move |(t, _)| t == s)
-                    .map(move |(_, address)| Candidate {
+                    .enumerate()
+                    .filter(move |(_, (t, _))| t == s)
+                    .map(move |(j, (_, address))| Candidate {
                         transport: i,
                         address: address.clone(),
+                        label: if alone {
+                            s.clone()
+                        } else {
+                            format!("{s}#{i}.{j}")
+                        },
                     })
             })
             .collect();
@@ -1011,15 +1311,21 @@ impl TransferEngine for MultiEngine {
                     single_transport_peer: peer.single,
                     failed: Vec::new(),
                     failovers: 0,
+                    failed_over: Vec::new(),
                     reason: String::new(),
                 },
             }),
             candidates,
+            // Only a multi engine strips tags, and only one listing two or
+            // more transports is sent them (see `Tag`).
+            tags: (!peer.single && peer.entries.len() >= 2)
+                .then(|| (rand::random::<u64>(), AtomicU64::new(0))),
         });
         let ctx = Ctx {
             transports: Arc::clone(&self.transports),
             route: Arc::clone(&route),
             stopping: Arc::clone(&self.stopping),
+            counts: Arc::clone(&self.counts),
         };
         let mut failed: Vec<Error> = Vec::new();
         for c in 0..n {
@@ -1158,6 +1464,8 @@ impl TransferEngine for MultiEngine {
                     any = true;
                     // Kept before anything else is awaited: a call dropped
                     // from here on loses none.
+                    let v: Vec<Notification> =
+                        v.into_iter().filter_map(|n| self.received(n)).collect();
                     lock(&self.pending).extend(v);
                 }
                 Err(e) => {
@@ -1193,18 +1501,27 @@ impl TransferEngine for MultiEngine {
             .iter()
             .map(|t| Some(t.engine.next_notification_dyn(name)))
             .collect();
+        // A duplicate (a tag delivered already) is dropped and that inner
+        // engine waited on again.
         let mut first_err: Option<Error> = None;
         std::future::poll_fn(|cx| {
             let mut live = 0;
-            for slot in waits.iter_mut() {
-                let Some(w) = slot else { continue };
-                match w.as_mut().poll(cx) {
-                    Poll::Ready(Ok(n)) => return Poll::Ready(Ok(n)),
-                    Poll::Ready(Err(e)) => {
-                        *slot = None;
-                        first_err.get_or_insert(e);
+            for (t, slot) in self.transports.iter().zip(waits.iter_mut()) {
+                while let Some(w) = slot {
+                    match w.as_mut().poll(cx) {
+                        Poll::Ready(Ok(n)) => match self.received(n) {
+                            Some(n) => return Poll::Ready(Ok(n)),
+                            None => *slot = Some(t.engine.next_notification_dyn(name)),
+                        },
+                        Poll::Ready(Err(e)) => {
+                            *slot = None;
+                            first_err.get_or_insert(e);
+                        }
+                        Poll::Pending => {
+                            live += 1;
+                            break;
+                        }
                     }
-                    Poll::Pending => live += 1,
                 }
             }
             if live == 0 {
@@ -1228,12 +1545,16 @@ impl TransferEngine for MultiEngine {
     }
 
     fn inbound(&self) -> Option<Inbound> {
-        let all: Vec<Inbound> = self
+        let inner: Vec<Inbound> = self
             .transports
             .iter()
             .filter_map(|t| t.engine.inbound())
             .collect();
-        (!all.is_empty()).then(|| Inbound::new(Arc::new(InboundUnion(all))))
+        Some(Inbound::new(Arc::new(InboundUnion {
+            inner,
+            counts: Arc::clone(&self.counts),
+            segments: Arc::downgrade(&self.segments),
+        })))
     }
 
     async fn shutdown(&self) -> Result<()> {
@@ -1332,6 +1653,63 @@ mod tests {
                 "{bad}"
             );
         }
+    }
+
+    #[test]
+    fn tags_round_trip_and_untagged_messages_pass_as_they_are() {
+        let n = Notification::new("kv", "done");
+        let tag = Tag {
+            sender: 0x0123_4567_89ab_cdef,
+            seq: 7,
+        };
+        let t = tag.apply(&n).unwrap();
+        assert_eq!(t.name, "kv");
+        assert!(t.message.starts_with(TAG_PREFIX) && t.message.ends_with("done"));
+        assert_eq!(Tag::strip(t), (Some(tag), n.clone()));
+        assert_eq!(Tag::strip(n.clone()), (None, n));
+        // A prefix without 32 hex digits after it is a message like any.
+        for odd in [
+            format!("{TAG_PREFIX}12"),
+            format!("{TAG_PREFIX}{}", "g".repeat(40)),
+            format!("{TAG_PREFIX}+{}", "0".repeat(40)),
+        ] {
+            let m = Notification::new("x", odd.clone());
+            assert_eq!(Tag::strip(m.clone()), (None, m), "{odd}");
+        }
+        // Too long to tag: sent untagged.
+        let big = Notification::new("x", "m".repeat(ferry_core::MAX_NOTIFICATION_MESSAGE - 10));
+        assert!(tag.apply(&big).is_none());
+    }
+
+    #[test]
+    fn a_tag_is_delivered_once_within_its_senders_window() {
+        let mut seen = Seen::default();
+        let t = |sender, seq| Tag { sender, seq };
+        assert!(seen.first(t(1, 5)));
+        assert!(!seen.first(t(1, 5)), "twice");
+        assert!(seen.first(t(2, 5)), "another sender's");
+        // Out of order inside the window: each once.
+        for seq in [3, 1, 4, 2] {
+            assert!(seen.first(t(1, seq)), "{seq}");
+            assert!(!seen.first(t(1, seq)), "{seq} twice");
+        }
+        // Far ahead: older ones still within the window are remembered
+        // (across word boundaries), those past it count as delivered.
+        for seq in [70, 200, 5 + TAG_WINDOW - 1] {
+            assert!(seen.first(t(1, seq)), "{seq}");
+        }
+        assert!(!seen.first(t(1, 70)) && !seen.first(t(1, 200)));
+        assert!(seen.first(t(1, 71)) && seen.first(t(1, 199)));
+        assert!(!seen.first(t(1, 5)), "remembered at the window's edge");
+        assert!(!seen.first(t(1, 4)), "past the window: taken as delivered");
+        assert!(seen.first(t(1, 1 << 40)) && !seen.first(t(1, 1 << 40)));
+        assert!(seen.first(t(1, (1 << 40) - 1)));
+        // Bounded: the sender heard from least recently is forgotten.
+        for sender in 100..100 + MAX_TAG_SENDERS as u64 {
+            seen.first(t(sender, 1));
+        }
+        assert_eq!(seen.senders.len(), MAX_TAG_SENDERS);
+        assert!(!seen.senders.contains_key(&1) && !seen.senders.contains_key(&2));
     }
 
     #[test]

@@ -530,6 +530,57 @@ async fn submit_and_transfer_fail_over() {
     a.transfer(seg2, reqs[3]).await.unwrap();
     assert!(dst.memory().to_vec()[3 * MIB..4 * MIB] == bytes[3 * MIB..4 * MIB]);
     assert_ne!(multi(&a).choice(seg2).unwrap().address, c2.address);
+
+    // The segment report lists the failover; the metrics count both (two
+    // TCP transports on each side: labelled by our index and the peer's).
+    let names = inner_names(&b);
+    let choice = multi(&a).choice(seg).unwrap();
+    let moved = (
+        format!("tcp to {}", names[0]),
+        format!("tcp to {}", names[1]),
+        1,
+    );
+    assert_eq!(
+        choice.failed_over,
+        std::slice::from_ref(&moved),
+        "{choice:?}"
+    );
+    let shown = choice.to_string();
+    assert!(
+        shown.contains(&format!("failed over: {} -> {} (1x)", moved.0, moved.1)),
+        "{shown}"
+    );
+    let ours = |family: &str| -> Vec<String> {
+        let text = a.metrics_registry().expect("metrics on").encode();
+        text.lines()
+            .filter(|l| {
+                l.starts_with(&format!("{family}{{"))
+                    && l.contains(&format!("engine=\"{}\"", a.segment_name()))
+            })
+            .map(str::to_owned)
+            .collect()
+    };
+    let peer = b.segment_name();
+    assert_eq!(
+        ours("ferry_failovers_total"),
+        [format!(
+            "ferry_failovers_total{{engine=\"{}\",peer=\"{peer}\",from=\"tcp#0.0\",to=\"tcp#0.1\"}} 2",
+            a.segment_name()
+        )]
+    );
+    assert_eq!(
+        ours("ferry_transport_chosen"),
+        [format!(
+            "ferry_transport_chosen{{engine=\"{}\",peer=\"{peer}\",transport=\"tcp#0.1\"}} 2",
+            a.segment_name()
+        )]
+    );
+    a.close_segment(seg2).await.unwrap();
+    let chosen = ours("ferry_transport_chosen");
+    assert!(
+        chosen.len() == 1 && chosen[0].ends_with("transport=\"tcp#0.1\"} 1"),
+        "a closed segment is not carried: {chosen:?}"
+    );
 }
 
 /// A deadline shorter than the failover (the next transport is a listener
@@ -683,6 +734,245 @@ async fn a_failed_transport_is_used_again_once_it_works_after_its_back_off() {
     link.down().await;
 }
 
+/// A TCP relay to one address that can hold back the replies (the
+/// target's acknowledgements) of the connections made so far, and then
+/// cut them: a send that was delivered and never confirmed (ambiguous,
+/// `MaybeApplied`). New connections pass both ways.
+struct Relay {
+    addr: std::net::SocketAddr,
+    conns: Arc<std::sync::Mutex<Vec<RelayConn>>>,
+    accept: tokio::task::JoinHandle<()>,
+}
+
+struct RelayConn {
+    task: tokio::task::JoinHandle<()>,
+    mute: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Relay {
+    async fn up(to: String) -> Relay {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind the relay");
+        let addr = l.local_addr().unwrap();
+        let conns = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let accept = tokio::spawn({
+            let conns = Arc::clone(&conns);
+            async move {
+                while let Ok((near, _)) = l.accept().await {
+                    let to = to.clone();
+                    let mute = Arc::new(AtomicBool::new(false));
+                    let muted = Arc::clone(&mute);
+                    let task = tokio::spawn(async move {
+                        let Ok(far) = tokio::net::TcpStream::connect(&to).await else {
+                            return;
+                        };
+                        let (mut near_r, mut near_w) = near.into_split();
+                        let (mut far_r, mut far_w) = far.into_split();
+                        let up = async {
+                            let _ = tokio::io::copy(&mut near_r, &mut far_w).await;
+                        };
+                        let down = async {
+                            let mut buf = vec![0u8; 64 << 10];
+                            while let Ok(n) = far_r.read(&mut buf).await {
+                                if n == 0 {
+                                    break;
+                                }
+                                // Muted: the reply is read and dropped.
+                                if !muted.load(Ordering::Acquire)
+                                    && near_w.write_all(&buf[..n]).await.is_err()
+                                {
+                                    break;
+                                }
+                            }
+                        };
+                        tokio::join!(up, down);
+                    });
+                    conns.lock().unwrap().push(RelayConn { task, mute });
+                }
+            }
+        });
+        Relay {
+            addr,
+            conns,
+            accept,
+        }
+    }
+
+    /// The replies of every connection made so far are dropped from now on.
+    fn mute(&self) {
+        for c in self.conns.lock().unwrap().iter() {
+            c.mute.store(true, std::sync::atomic::Ordering::Release);
+        }
+    }
+
+    /// Closes every connection made so far.
+    async fn cut(&self) {
+        let conns: Vec<_> = std::mem::take(&mut *self.conns.lock().unwrap());
+        for c in conns {
+            c.task.abort();
+            let _ = c.task.await;
+        }
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        self.accept.abort();
+        for c in self.conns.lock().unwrap().iter() {
+            c.task.abort();
+        }
+    }
+}
+
+/// The error of a batch of no requests whose notification failed.
+fn notify_error(r: ferry::Result<ferry::BatchReport>) -> Error {
+    match r {
+        Err(e) => e,
+        Ok(report) => report
+            .into_result()
+            .expect_err("the notification was to fail"),
+    }
+}
+
+/// Issue 45 item 2 (the design's §4): between two multi engines the
+/// notification sent alone after the data carries a tag; when its send is
+/// ambiguous (delivered, the acknowledgement lost, the connection cut) it
+/// is resent over the next transport and the receiving multi engine drops
+/// the copy: delivered exactly once, untouched. Twice, once over each
+/// transport: the copy is dropped by `take_notifications`, then by
+/// `next_notification`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ambiguous_notification_is_resent_tagged_and_delivered_once() {
+    let a = Arc::new(Engine::open_multi(&TWO_TCP[..1]).await.unwrap());
+    let b = Arc::new(Engine::open_multi(&TWO_TCP).await.unwrap());
+    let names = inner_names(&b);
+    let relays = [
+        Relay::up(names[0].clone()).await,
+        Relay::up(names[1].clone()).await,
+    ];
+    let peer = format!(
+        "{SEGMENT_PREFIX}tcp={};tcp={}",
+        relays[0].addr, relays[1].addr
+    );
+    let seg = a.open_segment(&peer).await.unwrap();
+    let first = Notification::new("first", "through the relay");
+    a.batch_transfer(seg, &[], Some(&first))
+        .await
+        .unwrap()
+        .into_result()
+        .unwrap();
+    let got = within("the first notification", b.next_notification(Some("first")))
+        .await
+        .unwrap();
+    assert_eq!(got, first, "the tag is stripped");
+
+    for (round, relay) in relays.iter().enumerate() {
+        relay.mute();
+        let note = Notification::new("once", format!("round {round}"));
+        let batch = tokio::spawn({
+            let (a, note) = (a.clone(), note.clone());
+            async move { a.batch_transfer(seg, &[], Some(&note)).await }
+        });
+        let got = within(
+            "the notification through the muted relay",
+            b.next_notification(Some("once")),
+        )
+        .await
+        .unwrap();
+        assert_eq!(got, note);
+        relay.cut().await;
+        let report = within("the batch", batch).await.unwrap();
+        assert!(
+            report.as_ref().is_ok_and(|r| r.is_success()),
+            "round {round}: the notification was not resent: {report:?}"
+        );
+        // The copy went over the other transport (the batch succeeded
+        // there; the one cut is backing off, so it is tried first only
+        // in the second round, when the other was cut).
+        let choice = multi(&a).choice(seg).unwrap();
+        let other = relays[1 - round].addr.to_string();
+        assert_eq!(choice.address, other, "round {round}: {choice}");
+        assert!(
+            choice.failed.iter().any(|(what, e)| {
+                what.contains(&relay.addr.to_string()) && e.retry() == ferry::Retry::MaybeApplied
+            }),
+            "round {round}: {choice:?}"
+        );
+        if round == 0 {
+            assert_eq!(
+                b.take_notifications().await.unwrap(),
+                [],
+                "the notification came twice (take_notifications)"
+            );
+        }
+        // A later notification (a new tag) passes; in the second round
+        // the copy waits before it in an inner queue and
+        // `next_notification` drops it.
+        let next = Notification::new("next", format!("after round {round}"));
+        a.batch_transfer(seg, &[], Some(&next))
+            .await
+            .unwrap()
+            .into_result()
+            .unwrap();
+        assert_eq!(
+            within("a later notification", b.next_notification(None))
+                .await
+                .unwrap(),
+            next,
+            "the notification came twice (next_notification)"
+        );
+    }
+    assert_eq!(b.take_notifications().await.unwrap(), []);
+}
+
+/// A single-transport peer (a plain TCP engine) is reached over either of
+/// our two TCP transports, so the notification goes alone, untagged: it
+/// sees exactly what was sent. Ambiguous, it is not resent (nothing would
+/// drop the copy): the batch fails typed, `MaybeApplied`, and the peer has
+/// it once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_single_transport_peer_gets_no_tag_and_no_resend() {
+    let a = Arc::new(Engine::open_multi(&TWO_TCP).await.unwrap());
+    let p = Arc::new(
+        Engine::open("tcp://127.0.0.1:0?same_host=off")
+            .await
+            .unwrap(),
+    );
+    let relay = Relay::up(p.segment_name().to_owned()).await;
+    let seg = a.open_segment(&relay.addr.to_string()).await.unwrap();
+    assert!(multi(&a).choice(seg).unwrap().single_transport_peer);
+    let plain = Notification::new("plain", "as sent");
+    a.batch_transfer(seg, &[], Some(&plain))
+        .await
+        .unwrap()
+        .into_result()
+        .unwrap();
+    let got = within("the notification", p.next_notification(None))
+        .await
+        .unwrap();
+    assert_eq!(got, plain, "a single-transport peer saw a tag");
+
+    relay.mute();
+    let note = Notification::new("ambiguous", "");
+    let batch = tokio::spawn({
+        let (a, note) = (a.clone(), note.clone());
+        async move { a.batch_transfer(seg, &[], Some(&note)).await }
+    });
+    let got = within("the notification", p.next_notification(None))
+        .await
+        .unwrap();
+    assert_eq!(got, note);
+    relay.cut().await;
+    let e = notify_error(within("the batch", batch).await.unwrap());
+    assert_eq!(e.retry(), ferry::Retry::MaybeApplied, "{e:?}");
+    // Our second transport reaches the peer through the relay (which
+    // passes new connections): a resend would have arrived by now.
+    assert_eq!(p.take_notifications().await.unwrap(), [], "resent untagged");
+}
+
 /// The conformance suite on the multi engine: through the facade (raw: the
 /// `Engine`; adapted: under every layer again) and bare (`MultiEngine`
 /// without its stack).
@@ -702,22 +992,57 @@ mod conformance {
 
     /// The inner engines of every engine made, by segment name: what
     /// `refuse_notifications` reaches.
-    #[derive(Default)]
-    struct Made(Mutex<HashMap<String, Vec<Arc<Engine>>>>);
+    type Made = Mutex<HashMap<String, Vec<Arc<Engine>>>>;
 
-    impl Made {
-        fn keep(&self, m: &MultiEngine) {
-            let inner = m.transports().map(|(_, e)| Arc::clone(e)).collect();
-            self.0
+    /// What a factory's `create` makes: the engine under test, and the
+    /// multi engine's inner engines.
+    type Created = ferry::Result<(Arc<dyn DynTransferEngine>, Vec<Arc<Engine>>)>;
+
+    fn inner(m: &MultiEngine) -> Vec<Arc<Engine>> {
+        m.transports().map(|(_, e)| Arc::clone(e)).collect()
+    }
+
+    /// A factory of multi engines: they differ in how they are opened
+    /// (`create`) and in the name of a peer that is not there.
+    struct Factory {
+        made: Made,
+        create: fn() -> std::pin::Pin<Box<dyn std::future::Future<Output = Created> + Send>>,
+        unknown: fn() -> String,
+    }
+
+    impl Factory {
+        fn new(
+            create: fn() -> std::pin::Pin<Box<dyn std::future::Future<Output = Created> + Send>>,
+            unknown: fn() -> String,
+        ) -> Self {
+            Factory {
+                made: Made::default(),
+                create,
+                unknown,
+            }
+        }
+    }
+
+    #[async_trait::async_trait]
+    impl EngineFactory for Factory {
+        async fn create(&self) -> ferry::Result<Arc<dyn DynTransferEngine>> {
+            let (e, inner) = (self.create)().await?;
+            self.made
                 .lock()
                 .unwrap()
-                .insert(m.segment_name().to_owned(), inner);
+                .insert(e.segment_name().to_owned(), inner);
+            Ok(e)
         }
-
-        fn refuse(&self, engine: &Arc<dyn DynTransferEngine>) -> bool {
-            let made = self.0.lock().unwrap();
+        fn unknown_segment_name(&self) -> String {
+            (self.unknown)()
+        }
+        async fn refuse_notifications(
+            &self,
+            engine: &Arc<dyn DynTransferEngine>,
+        ) -> ferry::Result<bool> {
+            let made = self.made.lock().unwrap();
             let Some(inner) = made.get(engine.segment_name()) else {
-                return false;
+                return Ok(false);
             };
             for e in inner {
                 let tcp = e
@@ -725,92 +1050,73 @@ mod conformance {
                     .expect("a TCP transport");
                 tcp.set_refuse_notifications(true);
             }
-            true
+            Ok(true)
         }
     }
 
-    #[derive(Default)]
-    struct Facade(Made);
-
-    #[async_trait::async_trait]
-    impl EngineFactory for Facade {
-        async fn create(&self) -> ferry::Result<Arc<dyn DynTransferEngine>> {
-            let e = Engine::open_multi(&["tcp://127.0.0.1:0", "tcp://127.0.0.1:0"]).await?;
-            self.0.keep(multi(&e));
-            Ok(e.into_dyn())
-        }
-        fn unknown_segment_name(&self) -> String {
-            format!(
-                "{SEGMENT_PREFIX}tcp={};tcp={}",
-                dead_address(),
-                dead_address()
-            )
-        }
-        async fn refuse_notifications(
-            &self,
-            engine: &Arc<dyn DynTransferEngine>,
-        ) -> ferry::Result<bool> {
-            Ok(self.0.refuse(engine))
-        }
+    /// Through the facade: two TCP transports.
+    fn facade() -> Factory {
+        Factory::new(
+            || {
+                Box::pin(async {
+                    let e = Engine::open_multi(&["tcp://127.0.0.1:0", "tcp://127.0.0.1:0"]).await?;
+                    let inner = inner(multi(&e));
+                    Ok((e.into_dyn(), inner))
+                })
+            },
+            || {
+                format!(
+                    "{SEGMENT_PREFIX}tcp={};tcp={}",
+                    dead_address(),
+                    dead_address()
+                )
+            },
+        )
     }
 
-    #[derive(Default)]
-    struct Bare(Made);
-
-    #[async_trait::async_trait]
-    impl EngineFactory for Bare {
-        async fn create(&self) -> ferry::Result<Arc<dyn DynTransferEngine>> {
-            let e = MultiEngine::start(&["tcp://127.0.0.1:0", "tcp://127.0.0.1:0"]).await?;
-            self.0.keep(&e);
-            Ok(Arc::new(e))
-        }
-        fn unknown_segment_name(&self) -> String {
-            dead_address()
-        }
-        async fn refuse_notifications(
-            &self,
-            engine: &Arc<dyn DynTransferEngine>,
-        ) -> ferry::Result<bool> {
-            Ok(self.0.refuse(engine))
-        }
-    }
-
-    mod facade {
-        use super::*;
-        ferry_core::conformance_tests!(Facade::default());
-    }
-
-    mod bare {
-        use super::*;
-        ferry_core::conformance_tests!(Bare::default());
+    /// Bare: `MultiEngine` without its stack.
+    fn bare() -> Factory {
+        Factory::new(
+            || {
+                Box::pin(async {
+                    let e = MultiEngine::start(&["tcp://127.0.0.1:0", "tcp://127.0.0.1:0"]).await?;
+                    let inner = inner(&e);
+                    Ok((Arc::new(e) as Arc<dyn DynTransferEngine>, inner))
+                })
+            },
+            dead_address,
+        )
     }
 
     /// One transport on each side: one candidate, so a notification goes
     /// with its data (nothing to fail over to).
-    #[derive(Default)]
-    struct One(Made);
+    fn one() -> Factory {
+        Factory::new(
+            || {
+                Box::pin(async {
+                    let e =
+                        Engine::open("multi://?transports=tcp&tcp.url=tcp%3A%2F%2F127.0.0.1%3A0")
+                            .await?;
+                    let inner = inner(multi(&e));
+                    Ok((e.into_dyn(), inner))
+                })
+            },
+            dead_address,
+        )
+    }
 
-    #[async_trait::async_trait]
-    impl EngineFactory for One {
-        async fn create(&self) -> ferry::Result<Arc<dyn DynTransferEngine>> {
-            let e =
-                Engine::open("multi://?transports=tcp&tcp.url=tcp%3A%2F%2F127.0.0.1%3A0").await?;
-            self.0.keep(multi(&e));
-            Ok(e.into_dyn())
-        }
-        fn unknown_segment_name(&self) -> String {
-            dead_address()
-        }
-        async fn refuse_notifications(
-            &self,
-            engine: &Arc<dyn DynTransferEngine>,
-        ) -> ferry::Result<bool> {
-            Ok(self.0.refuse(engine))
-        }
+    mod facade {
+        use super::*;
+        ferry_core::conformance_tests!(facade());
+    }
+
+    mod bare {
+        use super::*;
+        ferry_core::conformance_tests!(bare());
     }
 
     mod one {
         use super::*;
-        ferry_core::conformance_tests!(One::default());
+        ferry_core::conformance_tests!(one());
     }
 }

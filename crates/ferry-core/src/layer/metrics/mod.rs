@@ -24,6 +24,8 @@
 //! | `ferry_served_bytes_total` | counter | engine, peer, op | bytes peers wrote into (`write`) or read from (`read`) this engine's memory through requests it served |
 //! | `ferry_served_segments_total` | counter | engine, peer, op | the non-empty ranges of those requests |
 //! | `ferry_notifications_dropped_total` | counter | engine, reason | notifications the inbox refused: `full` (the consumer is behind) or `closed` (shut down) |
+//! | `ferry_failovers_total` | counter | engine, peer, from, to | transfers to the peer that moved from one transport to another (an engine over several transports: `ferry::multi`) |
+//! | `ferry_transport_chosen` | gauge | engine, peer, transport | the open segments to the peer that each transport carries now (the same engines) |
 //!
 //! The `ferry_transfer_*` families count what this engine *initiated*; the
 //! `ferry_served_*` ones what peers initiated against it (the target side,
@@ -62,6 +64,7 @@ use prometheus_client::registry::Registry;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
 
 use super::peers::{op_label, Peers, OTHER, UNKNOWN};
 use crate::__private::sync::{lock, read, write};
@@ -128,6 +131,21 @@ struct DropLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct FailoverLabels {
+    engine: String,
+    peer: String,
+    from: String,
+    to: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ChosenLabels {
+    engine: String,
+    peer: String,
+    transport: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct OperationLabels {
     engine: String,
     operation: &'static str,
@@ -189,8 +207,27 @@ impl Collector for InboundCollector {
         let mut bytes: Vec<(OpLabels, u64)> = Vec::new();
         let mut segments: Vec<(OpLabels, u64)> = Vec::new();
         let mut dropped: Vec<(DropLabels, u64)> = Vec::new();
+        let mut failovers: Vec<(FailoverLabels, u64)> = Vec::new();
+        let mut chosen: Vec<(ChosenLabels, u64)> = Vec::new();
         for e in live_engines(&self.engines) {
             let Some(snap) = e.inbound() else { continue };
+            for ((peer, from, to), n) in snap.failovers.iter().flatten() {
+                let labels = FailoverLabels {
+                    engine: e.engine.clone(),
+                    peer: peer.clone(),
+                    from: from.clone(),
+                    to: to.clone(),
+                };
+                failovers.push((labels, *n));
+            }
+            for ((peer, transport), n) in snap.transports_chosen.iter().flatten() {
+                let labels = ChosenLabels {
+                    engine: e.engine.clone(),
+                    peer: peer.clone(),
+                    transport: transport.clone(),
+                };
+                chosen.push((labels, *n));
+            }
             for (peer, c) in snap.served.iter().flatten() {
                 for (op, b, n) in [
                     ("write", c.bytes_written, c.segments_written),
@@ -234,6 +271,18 @@ impl Collector for InboundCollector {
             "ferry_notifications_dropped",
             "Notifications the engine's inbox refused and dropped (full: the consumer is behind; closed: shut down)",
             &dropped,
+        )?;
+        encode_counters(
+            &mut encoder,
+            "ferry_failovers",
+            "Transfers to a peer that moved from one transport to another (an engine over several transports)",
+            &failovers,
+        )?;
+        encode_gauges(
+            &mut encoder,
+            "ferry_transport_chosen",
+            "Open segments to a peer that each transport carries now (an engine over several transports)",
+            &chosen,
         )
     }
 }
@@ -252,6 +301,25 @@ fn encode_counters<L: EncodeLabelSet>(
     let mut family = encoder.encode_descriptor(name, help, None, counter.metric_type())?;
     for (labels, v) in rows {
         ConstCounter::new(*v).encode(family.encode_family(labels)?)?;
+    }
+    Ok(())
+}
+
+/// One gauge family of `rows` (nothing when there are none).
+fn encode_gauges<L: EncodeLabelSet>(
+    encoder: &mut DescriptorEncoder<'_>,
+    name: &str,
+    help: &str,
+    rows: &[(L, u64)],
+) -> std::result::Result<(), fmt::Error> {
+    if rows.is_empty() {
+        return Ok(());
+    }
+    let gauge = ConstGauge::new(0i64);
+    let mut family = encoder.encode_descriptor(name, help, None, gauge.metric_type())?;
+    for (labels, v) in rows {
+        let v = i64::try_from(*v).unwrap_or(i64::MAX);
+        ConstGauge::new(v).encode(family.encode_family(labels)?)?;
     }
     Ok(())
 }
@@ -676,6 +744,24 @@ impl EngineState {
                 into.segments_read = into.segments_read.saturating_add(c.segments_read);
             }
             snap.served = Some(folded);
+        }
+        if let Some(failovers) = snap.failovers.take() {
+            let mut folded: BTreeMap<(String, String, String), u64> = BTreeMap::new();
+            for ((peer, from, to), n) in failovers {
+                let label = self.peers.label(&peer).to_string();
+                let into = folded.entry((label, from, to)).or_default();
+                *into = into.saturating_add(n);
+            }
+            snap.failovers = Some(folded);
+        }
+        if let Some(chosen) = snap.transports_chosen.take() {
+            let mut folded: BTreeMap<(String, String), u64> = BTreeMap::new();
+            for ((peer, transport), n) in chosen {
+                let label = self.peers.label(&peer).to_string();
+                let into = folded.entry((label, transport)).or_default();
+                *into = into.saturating_add(n);
+            }
+            snap.transports_chosen = Some(folded);
         }
         Some(snap)
     }
