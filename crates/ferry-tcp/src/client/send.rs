@@ -792,8 +792,6 @@ async fn write_queued(
         if !write_outbox(conn).await {
             return;
         }
-        #[cfg(feature = "test-hooks")]
-        crate::test_hooks::before_letting_go();
         drop(w);
         // Queued after our last look but before we let go: whoever holds
         // the lock now may have looked already.
