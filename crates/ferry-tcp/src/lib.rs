@@ -74,8 +74,6 @@ mod quiet;
 mod same_host;
 mod server;
 mod stream;
-#[cfg(feature = "test-hooks")]
-mod test_hooks;
 mod tls;
 
 // The sans-IO core (issue 42), under the paths the modules had here.

@@ -192,16 +192,7 @@ fn same_host_child_engine() {
 }
 
 async fn spawn_child(url: &str, uid: Option<u32>) -> (Child, String, u64) {
-    spawn_child_with(url, uid, &[]).await
-}
-
-async fn spawn_child_with(
-    url: &str,
-    uid: Option<u32>,
-    envs: &[(&str, &str)],
-) -> (Child, String, u64) {
     let mut cmd = Command::new(std::env::current_exe().unwrap());
-    cmd.envs(envs.iter().copied());
     cmd.args([
         "--exact",
         "same_host_child_engine",
@@ -367,59 +358,127 @@ async fn frozen_target_process_times_out_and_copies_nothing_later() {
     );
 }
 
-/// The window no check closes: the target has checked that the initiator
-/// still wants a CREAD and is stopped (SIGSTOP, by its own test hook) before
-/// it copies. The batch expires; `unregister` of the destination must not
-/// return `Ok` while the target may still copy into it (it fails with
-/// `RegionHeld` once the patience is over, so the memory is leaked rather
-/// than freed); once the target is continued, its copy lands in memory that
-/// is still held, it then closes the connection, and the region is released
-/// for good. If `unregister` did return `Ok` (the memory freed and reused),
-/// nothing may change it afterwards.
+/// A large CREAD on its way (the target's kernel copies into this
+/// process's memory, one `process_vm_writev` per frame, split with its
+/// copy helper): `LEN` bytes of this process's `dst` read from the
+/// child's 16 MiB region in 16 MiB requests, `dst` filled with `0x11`
+/// first (the child's region is zeros). Returns the batch once a byte
+/// has landed, so a signal sent now finds the copies under way.
+async fn cread_under_way(
+    a: &std::sync::Arc<TcpEngine>,
+    seg: ferry_core::SegmentId,
+    dst: &ferry_core::HostBuffer,
+    addr: u64,
+) -> tokio::task::JoinHandle<ferry_core::Result<ferry_core::BatchReport>> {
+    dst.fill(0x11);
+    let reqs: Vec<_> = (0..(CREAD_LEN / (16 * MIB)) as u64)
+        .map(|i| TransferRequest::read(dst.addr() + i * 16 * MIB as u64, addr, 16 * MIB as u64))
+        .collect();
+    let a2 = a.clone();
+    let batch = tokio::spawn(async move { a2.batch_transfer(seg, &reqs, None).await });
+    // The first byte of the batch lands: the copies are under way.
+    let t = Instant::now();
+    let mut first = [0x11u8];
+    while first[0] == 0x11 && !batch.is_finished() {
+        assert!(t.elapsed() < Duration::from_secs(20), "no byte landed");
+        tokio::task::yield_now().await;
+        dst.read(0, &mut first).unwrap();
+    }
+    batch
+}
+
+/// How many bytes a CREAD of [`cread_under_way`] moves.
+const CREAD_LEN: usize = 64 * MIB;
+
+/// A target process stopped from outside (SIGSTOP) in the middle of a
+/// large CREAD, its kernel copies into this process's memory under way.
+/// The batch expires naming the peer; `unregister` of the destination must
+/// not return `Ok` while the stopped target may still copy into it (it
+/// fails with `RegionHeld` once the patience is over: the memory is leaked
+/// rather than freed, and cannot be registered again); once the target is
+/// continued, it sees that this side closed the connection (`POLLRDHUP`,
+/// checked before each copy), ends its side, and the region leaves the
+/// table by itself; from then on no byte of it changes. If `unregister`
+/// did return `Ok` (the memory freed and reused), the test shows how many
+/// bytes of the reused memory the resumed target changed.
+///
+/// The exact window between the target's check and its copy, which no
+/// outside signal can aim at, is the simulator's: `sim_same_host` in
+/// ferry-tcp-proto (its targets are stopped between check and copy; the
+/// CREAD fence taken out, mutant `cread_unfenced`, is found at seed 1).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn target_stopped_between_check_and_copy_changes_no_released_byte() {
-    let (child, name, addr) = spawn_child_with(
-        "tcp://127.0.0.1:0",
-        None,
-        &[("FERRY_TCP_TEST_STOP_BEFORE_CREAD", "1")],
-    )
-    .await;
+async fn target_stopped_during_a_cread_changes_no_released_byte() {
+    let (child, name, addr) = spawn_child("tcp://127.0.0.1:0", None).await;
     let pid = child.0.id() as i32;
     let patience = Duration::from_secs(1);
     let a = start(
         TcpConfig::builder()
-            .request_timeout(Duration::from_millis(400))
+            .request_timeout(Duration::from_millis(500))
+            // The batch's deadline is request_timeout + its bytes / min_rate.
+            .min_rate(1 << 30)
             .stall_timeout(patience)
             .same_host(SameHost::Cma)
-            // Kernel copies by the target (no staging area): a CREAD.
+            // Kernel copies by the target (no staging area, so no
+            // grants either): CREAD.
             .same_host_stage(None)
             .build()
             .unwrap(),
     )
     .await;
-    let dst = mem(&a, MIB, 0x11).await;
+    let dst = mem(&a, CREAD_LEN, 0x11).await;
     let seg = a.open_segment(&name).await.unwrap();
-    let e = a
-        .transfer(seg, TransferRequest::read(dst.addr(), addr, MIB as u64))
-        .await
-        .unwrap_err();
-    assert!(
-        matches!(&e, Error::Timeout { peer: Some(p), .. } if *p == name),
-        "got {e:?}"
-    );
-    assert!(is_stopped(pid), "the target did not stop before its copy");
-    let t = Instant::now();
-    let released = a.unregister(dst.addr()).await;
-    let waited = t.elapsed();
+    assert_eq!(path_to(&a, &name), "path: cma");
     // SAFETY: signalling our own child.
-    let resume = || assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
+    let signal = |sig| assert_eq!(unsafe { libc::kill(pid, sig) }, 0);
+    // Stop the target once its copies are under way; a round whose batch
+    // was done before the stop took effect (a loaded machine) is tried
+    // again.
+    let mut rounds = 0;
+    let report = loop {
+        rounds += 1;
+        let batch = cread_under_way(&a, seg, &dst, addr).await;
+        signal(libc::SIGSTOP);
+        let t = Instant::now();
+        while !is_stopped(pid) {
+            assert!(
+                t.elapsed() < Duration::from_secs(10),
+                "the child did not stop"
+            );
+            tokio::task::yield_now().await;
+        }
+        let report = batch.await.unwrap().expect("a batch report");
+        if report.results.iter().any(Result::is_err) {
+            break report;
+        }
+        assert!(
+            rounds < 10,
+            "ten batches were done before the stop took effect"
+        );
+        signal(libc::SIGCONT);
+    };
+    for (_, e) in report.failures() {
+        assert!(
+            matches!(e, Error::Timeout { peer: Some(p), .. } if *p == name),
+            "got {e:?}"
+        );
+    }
+    // The fence's patience runs from the batch's end.
+    let expired = Instant::now();
+    let left = dst.to_vec().iter().filter(|&&b| b == 0x11).count();
+    eprintln!("stopped after {rounds} round(s) with {left} of {CREAD_LEN} bytes still to land");
+    let released = a.unregister(dst.addr()).await;
+    let waited = expired.elapsed();
     match released {
         Ok(()) => {
             // The memory is free for reuse: reused, it must stay as written.
             dst.fill(0xbb);
-            resume();
-            tokio::time::sleep(Duration::from_millis(500)).await;
-            let changed = dst.to_vec().iter().filter(|&&b| b != 0xbb).count();
+            signal(libc::SIGCONT);
+            let t = Instant::now();
+            let mut changed = 0;
+            while changed == 0 && t.elapsed() < Duration::from_secs(2) {
+                tokio::task::yield_now().await;
+                changed = dst.to_vec().iter().filter(|&&b| b != 0xbb).count();
+            }
             panic!(
                 "unregister returned Ok while the target could still copy \
                  (after {waited:?}); {changed} bytes of the reused memory changed later"
@@ -445,9 +504,10 @@ async fn target_stopped_between_check_and_copy_changes_no_released_byte() {
         a.register(region()).await,
         Err(Error::RegionOverlap { .. })
     ));
-    resume();
-    // The target copies (into memory that is still held), sees the end of
-    // the stream, closes: the region leaves the table.
+    signal(libc::SIGCONT);
+    // The target finishes the copy it was in (into memory still held),
+    // sees the connection closed, ends its side: the region leaves the
+    // table.
     let t = Instant::now();
     loop {
         match a.register(region()).await {
@@ -458,17 +518,76 @@ async fn target_stopped_between_check_and_copy_changes_no_released_byte() {
             Err(e) => panic!("the region was not released after the target ended: {e:?}"),
         }
     }
-    // From now on nothing writes it.
+    // From now on nothing writes it: the target's side of that connection
+    // has ended (its copies come before its end of the stream), and the
+    // target serves a new connection meanwhile.
     dst.fill(0xbb);
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(dst.to_vec().iter().all(|&b| b == 0xbb));
-    a.unregister(dst.addr()).await.unwrap();
-    // The resumed target serves a new connection.
     let back = mem(&a, MIB, 0x22).await;
     a.transfer(seg, TransferRequest::read(back.addr(), addr, MIB as u64))
         .await
         .expect("the resumed target serves a new connection");
     assert!(back.to_vec().iter().all(|&b| b == 0));
+    let changed = dst.to_vec().iter().filter(|&&b| b != 0xbb).count();
+    assert_eq!(changed, 0, "bytes of a released region changed");
+    a.unregister(dst.addr()).await.unwrap();
+}
+
+/// A target process killed (SIGKILL) in the middle of a large CREAD: the
+/// batch fails typed, naming the peer, long before its deadline (the
+/// kernel closes the target's socket), and the CREAD fence lets the
+/// destination go at once (the target's side has ended: `unregister`
+/// returns `Ok` without waiting for the patience).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn target_killed_during_a_cread_fails_typed_and_releases_at_once() {
+    let long = Duration::from_secs(30);
+    let a = start(
+        TcpConfig::builder()
+            .request_timeout(long)
+            .stall_timeout(long)
+            .same_host(SameHost::Cma)
+            .same_host_stage(None)
+            .build()
+            .unwrap(),
+    )
+    .await;
+    let dst = mem(&a, CREAD_LEN, 0x11).await;
+    let mut rounds = 0;
+    let (name, report, t) = loop {
+        rounds += 1;
+        let (mut child, name, addr) = spawn_child("tcp://127.0.0.1:0", None).await;
+        let seg = a.open_segment(&name).await.unwrap();
+        assert_eq!(path_to(&a, &name), "path: cma");
+        let batch = cread_under_way(&a, seg, &dst, addr).await;
+        child.0.kill().unwrap();
+        let t = Instant::now();
+        let report = batch.await.unwrap().expect("a batch report");
+        let _ = child.0.wait();
+        if report.results.iter().any(Result::is_err) {
+            break (name, report, t);
+        }
+        assert!(
+            rounds < 10,
+            "ten batches were done before the kill took effect"
+        );
+        a.close_segment(seg).await.unwrap();
+    };
+    let failed = t.elapsed();
+    assert!(failed < Duration::from_secs(10), "failed after {failed:?}");
+    for (_, e) in report.failures() {
+        assert!(
+            matches!(e, Error::PeerLost { peer, .. } if *peer == name),
+            "got {e:?}"
+        );
+    }
+    let t = Instant::now();
+    a.unregister(dst.addr())
+        .await
+        .expect("the target's side has ended: nothing holds the region");
+    assert!(
+        t.elapsed() < Duration::from_secs(10),
+        "unregister waited {:?} for a dead target",
+        t.elapsed()
+    );
 }
 
 /// This process's true offer, announcing `probe` (which must outlive the

@@ -792,20 +792,31 @@ async fn write_queued(
         if !write_outbox(conn).await {
             return;
         }
-        #[cfg(feature = "test-hooks")]
-        crate::test_hooks::before_letting_go();
-        drop(w);
-        // Queued after our last look but before we let go: whoever holds
-        // the lock now may have looked already.
-        if lock(&conn.outbox).is_empty() {
-            return;
-        }
-        match conn.write_lock.try_lock() {
-            Ok(again) => w = again,
-            // Taken by a caller that has not looked yet.
-            Err(_) => return,
+        match let_go(&conn.write_lock, &conn.outbox, w) {
+            Some(again) => w = again,
+            None => return,
         }
     }
+}
+
+/// Lets go of the write lock `w`, taken by a writer whose last look found
+/// `outbox` empty. A call queued after that look but before the letting
+/// go was left to this writer (its caller found the lock taken), and
+/// whoever takes the lock next may have looked already: so the writer
+/// looks again, and takes the lock back (`Some`: write the queue again)
+/// if the queue is not empty and nobody has taken it since. `None`: the
+/// queue is empty, or the lock was taken by a caller that has not looked
+/// yet.
+fn let_go<'a>(
+    write_lock: &'a tokio::sync::Mutex<()>,
+    outbox: &std::sync::Mutex<Vec<Vec<u8>>>,
+    w: tokio::sync::MutexGuard<'a, ()>,
+) -> Option<tokio::sync::MutexGuard<'a, ()>> {
+    drop(w);
+    if lock(outbox).is_empty() {
+        return None;
+    }
+    write_lock.try_lock().ok()
 }
 
 /// With the write lock held: writes the queued frames until the queue is
@@ -1027,4 +1038,28 @@ async fn copy_one(
         batch.complete(p.index, Ok(()));
     }
     true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The second look of [`let_go`]: a call queued between the writer's
+    /// last look at the queue and its letting go is not stranded.
+    #[test]
+    fn a_call_queued_as_the_writer_lets_go_is_left_to_it() {
+        let write_lock = tokio::sync::Mutex::new(());
+        let outbox = std::sync::Mutex::new(Vec::new());
+        // Nothing queued: the lock goes for good.
+        let w = write_lock.try_lock().unwrap();
+        assert!(let_go(&write_lock, &outbox, w).is_none());
+        // Queued while the writer held the lock, after its last look: it
+        // takes the lock back to write the call.
+        let w = write_lock.try_lock().unwrap();
+        lock(&outbox).push(vec![1]);
+        let again = let_go(&write_lock, &outbox, w);
+        assert!(again.is_some(), "the queued call was left to nobody");
+        // The next holder (here, the same writer) has the lock.
+        assert!(write_lock.try_lock().is_err());
+    }
 }

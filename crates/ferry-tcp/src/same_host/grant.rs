@@ -678,8 +678,6 @@ impl ClientGrants {
         let page = self.page();
         let mark = page.mark(m);
         let ok = enter(mark, page.entry(idx)[0], mark_value(idx, gen), gen) && {
-            #[cfg(feature = "test-hooks")]
-            crate::test_hooks::between_mark_and_copy();
             // A PID whose process exited may have been reused: never
             // reached (each copy polls the pidfd right before it, see
             // `cma::Remote`).

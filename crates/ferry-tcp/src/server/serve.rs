@@ -352,8 +352,6 @@ fn copy(
     if !initiator.alive_for(stream) {
         return Err(gone(peer));
     }
-    #[cfg(feature = "test-hooks")]
-    crate::test_hooks::between_check_and_copy(c.read);
     let failed = cma_copy(initiator.remote(), &c);
     let Copy { segs, holds, .. } = c;
     drop(holds);
