@@ -52,6 +52,31 @@ impl Drain {
         Ok(guard)
     }
 
+    /// [`Drain::enter`] for a caller that holds the drain for the whole
+    /// call and needs no error (a fast path that declines instead): a
+    /// borrowed guard, no reference count touched. `None` once closed.
+    pub fn admit(&self) -> Option<Admitted<'_>> {
+        self.active.fetch_add(1, Ordering::SeqCst);
+        let guard = Admitted(self);
+        if self.closed.load(Ordering::SeqCst) {
+            drop(guard);
+            return None;
+        }
+        Some(guard)
+    }
+
+    /// The end of one admitted call (both guards').
+    fn leave(&self) {
+        // Only a closed drain has waiters ([`Drain::idle`] is awaited
+        // after [`Drain::close`]), so an open one skips the notification
+        // (a lock) on every call. Both sides are SeqCst: either this
+        // load sees the close, or the waiter's look at `active`, which
+        // comes after its close, sees this decrement.
+        if self.active.fetch_sub(1, Ordering::SeqCst) == 1 && self.closed.load(Ordering::SeqCst) {
+            self.idle.notify_waiters();
+        }
+    }
+
     /// Refuses every call from now on. Idempotent.
     pub fn close(&self) {
         self.closed.store(true, Ordering::SeqCst);
@@ -89,16 +114,18 @@ impl Drain {
 
 impl Drop for Active {
     fn drop(&mut self) {
-        // Only a closed drain has waiters ([`Drain::idle`] is awaited
-        // after [`Drain::close`]), so an open one skips the notification
-        // (a lock) on every call. Both sides are SeqCst: either this
-        // load sees the close, or the waiter's look at `active`, which
-        // comes after its close, sees this decrement.
-        if self.drain.active.fetch_sub(1, Ordering::SeqCst) == 1
-            && self.drain.closed.load(Ordering::SeqCst)
-        {
-            self.drain.idle.notify_waiters();
-        }
+        self.drain.leave();
+    }
+}
+
+/// One call admitted by [`Drain::admit`]; dropping it ends the call.
+#[derive(Debug)]
+#[must_use = "the call counts only while the guard lives"]
+pub struct Admitted<'a>(&'a Drain);
+
+impl Drop for Admitted<'_> {
+    fn drop(&mut self) {
+        self.0.leave();
     }
 }
 
@@ -132,6 +159,27 @@ mod tests {
         tokio::time::timeout(Duration::from_secs(5), waiter)
             .await
             .expect("idle ends once the last call has")
+            .unwrap();
+    }
+
+    #[tokio::test]
+    async fn an_admitted_call_is_waited_for_and_a_closed_drain_admits_none() {
+        let d = Drain::new();
+        let a = d.admit().expect("an open drain admits");
+        assert_eq!(d.active(), 1);
+        d.close();
+        assert!(d.admit().is_none());
+        assert_eq!(d.active(), 1, "a refused admission does not stay counted");
+        let waiter = tokio::spawn({
+            let d = Arc::clone(&d);
+            async move { d.idle().await }
+        });
+        tokio::task::yield_now().await;
+        assert!(!waiter.is_finished(), "the admitted call is still in flight");
+        drop(a);
+        tokio::time::timeout(Duration::from_secs(5), waiter)
+            .await
+            .expect("idle ends once the admitted call has")
             .unwrap();
     }
 

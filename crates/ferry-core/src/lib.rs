@@ -169,7 +169,7 @@ pub use within::TransferEngineExt;
 pub mod raw {
     pub use crate::adapter::{coalesce, AdapterLayer, CoalescedBatch, Layer};
     pub use crate::batch::{BatchDriver, BatchTable};
-    pub use crate::drain::{Active, Drain};
+    pub use crate::drain::{Active, Admitted, Drain};
     pub use crate::engine::{batch_register_in_each, register_in_each};
     pub use crate::error::live_batches_full;
     pub use crate::inbox::{notification_cost, Closed, Inbox, PushRefused};

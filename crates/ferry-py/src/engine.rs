@@ -1,6 +1,6 @@
 //! `ferry._native.Engine`: [`ferry::Engine`] for Python.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
 use std::str::FromStr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -40,7 +40,7 @@ pub(crate) struct PyEngine {
     /// The fast path of each segment this object opened that has one
     /// ([`Engine::fast_path`]), tried by `transfer` before the engine's
     /// `transfer`. A path left for a closed segment declines everything.
-    fast: RwLock<HashMap<u64, ferry::FastPath>>,
+    fast: RwLock<BTreeMap<u64, ferry::FastPath>>,
 }
 
 /// One registration made from Python: what keeps its memory valid.
@@ -438,7 +438,7 @@ impl PyEngine {
             regions: Mutex::new(HashMap::new()),
             next_token: AtomicU64::new(1),
             after_unregister: Mutex::new(None),
-            fast: RwLock::new(HashMap::new()),
+            fast: RwLock::new(BTreeMap::new()),
         })
     }
 

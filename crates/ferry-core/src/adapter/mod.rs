@@ -346,7 +346,10 @@ impl<E: TransferEngine + ?Sized> CapabilityAdapter<E> {
     /// passes them untouched.
     pub fn wrap_fast(&self, path: crate::FastPath) -> crate::FastPath {
         let drain = Arc::clone(&self.emulation().shared.drain);
-        path.guarded(move || drain.enter("transfer").ok())
+        crate::FastPath::new(move |request| {
+            let _admitted = drain.admit()?;
+            path.try_transfer(request)
+        })
     }
     /// The wrapped engine, shared.
     pub fn inner(&self) -> &Arc<E> {
