@@ -27,9 +27,20 @@
 
 use std::collections::VecDeque;
 use std::ops::Range;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
+
+// The claim protocol's atomics and parking: plain ones, or loom's when the
+// model checker runs it (`--cfg ferry_loom`, see the `loom_model` tests).
+#[cfg(ferry_loom)]
+use loom::sync::atomic::{AtomicU8, AtomicUsize as ClaimCounter};
+#[cfg(ferry_loom)]
+use loom::thread::{current, park, Thread};
+#[cfg(not(ferry_loom))]
+use std::sync::atomic::{AtomicU8, AtomicUsize as ClaimCounter};
+#[cfg(not(ferry_loom))]
+use std::thread::{current, park, Thread};
 
 use ferry_tcp_proto::record::{self, Planned, RecordError, HEADER_LEN};
 
@@ -40,8 +51,109 @@ const PENDING: u8 = 0;
 const SEALED: u8 = 1;
 const FAILED: u8 = 2;
 
+/// Which runs of a batch are claimed and which are sealed: the protocol
+/// between a batch's submitter and the helpers (model-checked with loom,
+/// see `loom_model`).
+///
+/// - A run is sealed by the one thread whose [`Claims::claim`] returned it.
+/// - Its state goes from `PENDING` to `SEALED` or `FAILED` once, with
+///   release ordering after its bytes are written; the submitter reads
+///   the bytes of a run only after an acquire load saw it sealed.
+/// - [`Claims::close`] stops the claims and returns only once every run
+///   claimed before has left `PENDING`: after it, no thread touches the
+///   batch's memory.
+/// - A helper unparks the submitter after each run it finishes, so a
+///   submitter parked on a run claimed by a helper always wakes.
+struct Claims {
+    /// The next run to claim (≥ the number of runs: none left).
+    next: ClaimCounter,
+    state: Vec<AtomicU8>,
+    /// The submitter, unparked after each run a helper seals.
+    waiter: Thread,
+}
+
+impl Claims {
+    /// `runs` runs, all pending; the calling thread is the submitter.
+    fn new(runs: usize) -> Claims {
+        Claims {
+            next: ClaimCounter::new(0),
+            state: (0..runs).map(|_| AtomicU8::new(PENDING)).collect(),
+            waiter: current(),
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.state.len()
+    }
+
+    /// Whether runs are left to claim.
+    fn open(&self) -> bool {
+        self.next.load(Ordering::Acquire) < self.len()
+    }
+
+    fn claim(&self) -> Option<usize> {
+        let r = self.next.fetch_add(1, Ordering::AcqRel);
+        (r < self.len()).then_some(r)
+    }
+
+    /// Says that claimed run `r` is sealed (`ok`) or failed.
+    fn finish(&self, r: usize, ok: bool) {
+        self.state[r].store(if ok { SEALED } else { FAILED }, Ordering::Release);
+    }
+
+    /// A helper's part: seals (`seal`) the runs it claims until none is
+    /// left, unparking the submitter after each; returns how many.
+    fn work(&self, seal: impl Fn(usize) -> bool) -> u64 {
+        let mut n = 0;
+        while let Some(r) = self.claim() {
+            self.finish(r, seal(r));
+            n += 1;
+            self.waiter.unpark();
+        }
+        n
+    }
+
+    /// The submitter's part while runs are pending: seals the next
+    /// unclaimed run itself, or, if none is left, parks until a helper
+    /// finishes one (a bounded wait: a claimed run is being sealed).
+    fn help_or_wait(&self, seal: impl FnOnce(usize) -> bool) {
+        match self.claim() {
+            Some(r) => self.finish(r, seal(r)),
+            None => park(),
+        }
+    }
+
+    /// Moves `ready` (the runs found sealed, in order) over those sealed
+    /// since; `Err` at a failed run.
+    fn advance(&self, ready: &mut usize) -> Result<(), ()> {
+        while *ready < self.len() {
+            match self.state[*ready].load(Ordering::Acquire) {
+                SEALED => *ready += 1,
+                FAILED => return Err(()),
+                _ => break,
+            }
+        }
+        Ok(())
+    }
+
+    /// No claims from now on; waits for those made (their sealing may be
+    /// writing the buffer and reading the caller's memory).
+    fn close(&self) {
+        let claimed = self
+            .next
+            .swap(usize::MAX / 2, Ordering::AcqRel)
+            .min(self.len());
+        for s in &self.state[..claimed] {
+            while s.load(Ordering::Acquire) == PENDING {
+                park();
+            }
+        }
+    }
+}
+
 /// What a batch shares with the helpers (behind an `Arc`: a helper may
-/// look at `next` after the submitter has returned, never at the memory).
+/// look at its claims after the submitter has returned, never at the
+/// memory).
 struct Job {
     recs: Vec<Planned>,
     runs: Vec<Range<usize>>,
@@ -53,19 +165,10 @@ struct Job {
     buf: usize,
     buf_len: usize,
     key: RingAead,
-    /// The next run to claim (≥ `runs.len()`: none left).
-    next: AtomicUsize,
-    state: Vec<AtomicU8>,
-    /// The submitter, unparked after each run a helper seals.
-    waiter: std::thread::Thread,
+    claims: Claims,
 }
 
 impl Job {
-    fn claim(&self) -> Option<usize> {
-        let r = self.next.fetch_add(1, Ordering::AcqRel);
-        (r < self.runs.len()).then_some(r)
-    }
-
     /// Copies and seals the records of claimed run `r`.
     fn seal_run(&self, r: usize) -> Result<(), RecordError> {
         let recs = &self.recs[self.runs[r].clone()];
@@ -111,24 +214,16 @@ impl Job {
         }
     }
 
-    /// Seals claimed run `r` and says so.
-    fn run(&self, r: usize) {
+    /// Seals claimed run `r`; whether it went well.
+    fn run(&self, r: usize) -> bool {
         let ok = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.seal_run(r)));
-        let s = if matches!(ok, Ok(Ok(()))) {
-            SEALED
-        } else {
-            FAILED
-        };
-        self.state[r].store(s, Ordering::Release);
+        matches!(ok, Ok(Ok(())))
     }
 
     /// A helper's part: seals runs until none is left to claim.
     fn work(&self) {
-        while let Some(r) = self.claim() {
-            self.run(r);
-            HELPED.fetch_add(1, Ordering::Relaxed);
-            self.waiter.unpark();
-        }
+        let n = self.claims.work(|r| self.run(r));
+        HELPED.fetch_add(n, Ordering::Relaxed);
     }
 }
 
@@ -167,7 +262,7 @@ impl Batch {
             at += b.len();
         }
         let job = Arc::new(Job {
-            state: (0..runs.len()).map(|_| AtomicU8::new(PENDING)).collect(),
+            claims: Claims::new(runs.len()),
             recs,
             runs,
             src: bufs
@@ -178,8 +273,6 @@ impl Batch {
             buf: buf as usize,
             buf_len,
             key,
-            next: AtomicUsize::new(0),
-            waiter: std::thread::current(),
         });
         if share && job.runs.len() > 1 {
             POOL.offer(&job);
@@ -196,13 +289,9 @@ impl Batch {
     /// of the batch (runs sealed in order); a failed run is an error.
     pub(crate) fn sealed_to(&mut self) -> Result<usize, RecordError> {
         let j = &self.job;
-        while self.ready < j.runs.len() {
-            match j.state[self.ready].load(Ordering::Acquire) {
-                SEALED => self.ready += 1,
-                FAILED => return Err(RecordError::Seal),
-                _ => break,
-            }
-        }
+        j.claims
+            .advance(&mut self.ready)
+            .map_err(|()| RecordError::Seal)?;
         Ok(match self.ready {
             0 => j.recs.first().map_or(0, |p| p.at),
             k => j.recs[j.runs[k - 1].end - 1].end(),
@@ -213,24 +302,13 @@ impl Batch {
     /// waits until a helper seals one (a bounded wait: a claimed run is
     /// being sealed).
     pub(crate) fn help_or_wait(&self) {
-        match self.job.claim() {
-            Some(r) => self.job.run(r),
-            None => std::thread::park(),
-        }
+        self.job.claims.help_or_wait(|r| self.job.run(r));
     }
 }
 
 impl Drop for Batch {
     fn drop(&mut self) {
-        // No claims from now on; wait for those made (they may be writing
-        // the buffer and reading the caller's memory).
-        let n = self.job.runs.len();
-        let claimed = self.job.next.swap(usize::MAX / 2, Ordering::AcqRel).min(n);
-        for s in &self.job.state[..claimed] {
-            while s.load(Ordering::Acquire) == PENDING {
-                std::thread::park();
-            }
-        }
+        self.job.claims.close();
     }
 }
 
@@ -238,7 +316,7 @@ impl Drop for Batch {
 static HELPED: AtomicU64 = AtomicU64::new(0);
 
 /// Runs sealed by the helpers so far (tests: the helpers took part).
-#[cfg(test)]
+#[cfg(all(test, not(ferry_loom)))]
 pub(crate) fn runs_helped() -> u64 {
     HELPED.load(Ordering::Relaxed)
 }
@@ -279,7 +357,7 @@ impl Pool {
         }
         let mut q = ferry_core::__private::sync::lock(&self.queue);
         // A batch no helper took in time was finished by its submitter.
-        q.retain(|j| j.next.load(Ordering::Acquire) < j.runs.len());
+        q.retain(|j| j.claims.open());
         for _ in 0..helpers.min(job.runs.len() - 1) {
             q.push_back(Arc::clone(job));
         }
@@ -347,7 +425,7 @@ pub(crate) fn helpers() -> usize {
     })
 }
 
-#[cfg(test)]
+#[cfg(all(test, not(ferry_loom)))]
 mod tests {
     use super::*;
     use crate::tls::conn::RingAead;
@@ -436,5 +514,109 @@ mod tests {
                 assert!(runs_helped() > before);
             }
         }
+    }
+}
+
+/// Model checks of [`Claims`] with loom: every interleaving (and every
+/// reordering the memory orderings allow) of a submitter and a helper on
+/// the real claim code, each run's bytes a loom cell (loom reports a data
+/// race if two threads touch one unordered). Run by CI with the other
+/// models: `RUSTFLAGS="--cfg ferry_loom" cargo test -p ferry-tcp --lib
+/// loom_model`. Checked to bite: `close` without its wait fails the
+/// second model (a race on the reused bytes), `work` without its unpark
+/// the first (a deadlock). A relaxed store of a run's state passes: loom
+/// orders memory at an `unpark` itself, so the helper's unpark after
+/// each run stands in for the state's release there (std's `park` gives
+/// that ordering only once the parked thread wakes, hence the release).
+#[cfg(all(test, ferry_loom))]
+mod loom_model {
+    use super::*;
+    use loom::cell::UnsafeCell;
+    use loom::sync::Arc;
+
+    /// A batch's claims and its runs' bytes (0: not sealed yet).
+    struct Shared {
+        claims: Claims,
+        bytes: Vec<UnsafeCell<u8>>,
+    }
+
+    impl Shared {
+        fn new(runs: usize) -> Arc<Shared> {
+            Arc::new(Shared {
+                claims: Claims::new(runs),
+                bytes: (0..runs).map(|_| UnsafeCell::new(0)).collect(),
+            })
+        }
+
+        /// Seals run `r` (writes its bytes); run `fail` fails instead.
+        fn seal(&self, r: usize, fail: Option<usize>) -> bool {
+            // SAFETY: loom checks it: only the claimer of `r` writes.
+            self.bytes[r].with_mut(|p| unsafe { *p = r as u8 + 1 });
+            fail != Some(r)
+        }
+    }
+
+    /// The helper of the pool: works the batch once (as `Pool::helper`).
+    fn helper(s: &Arc<Shared>, fail: Option<usize>) -> loom::thread::JoinHandle<()> {
+        let s = Arc::clone(s);
+        loom::thread::spawn(move || {
+            s.claims.work(|r| s.seal(r, fail));
+        })
+    }
+
+    /// The submitter's loop (as `TlsConn::seal_and_write`): it reads each
+    /// run once sealed and sees the sealed bytes; it finishes (never
+    /// parks for ever), and after `close` it may reuse the memory.
+    #[test]
+    fn the_submitter_reads_only_sealed_runs_and_always_wakes() {
+        loom::model(|| {
+            let runs = 3;
+            let s = Shared::new(runs);
+            let h = helper(&s, None);
+            let (mut ready, mut read) = (0, 0);
+            loop {
+                s.claims.advance(&mut ready).unwrap();
+                while read < ready {
+                    // SAFETY: loom checks it (the run is sealed).
+                    let b = s.bytes[read].with(|p| unsafe { *p });
+                    assert_eq!(b, read as u8 + 1, "run {read}");
+                    read += 1;
+                }
+                if ready == runs {
+                    break;
+                }
+                s.claims.help_or_wait(|r| s.seal(r, None));
+            }
+            s.claims.close();
+            for c in &s.bytes {
+                // SAFETY: loom checks it (the buffer reused).
+                c.with_mut(|p| unsafe { *p = 0 });
+            }
+            h.join().unwrap();
+        });
+    }
+
+    /// A submitter leaving early (an error, a failed run) closes the
+    /// claims: after `close` no helper touches the memory, and a failed
+    /// run reads as failed.
+    #[test]
+    fn close_waits_for_every_claimed_run() {
+        loom::model(|| {
+            let runs = 2;
+            let s = Shared::new(runs);
+            let h = helper(&s, Some(0));
+            s.claims.help_or_wait(|r| s.seal(r, Some(0)));
+            s.claims.close();
+            for c in &s.bytes {
+                // SAFETY: loom checks it (the buffer reused).
+                c.with_mut(|p| unsafe { *p = 0 });
+            }
+            // Run 0 was claimed first (by either thread) and failed: once
+            // the claims are closed, the submitter's look says so.
+            let mut ready = 0;
+            assert!(s.claims.advance(&mut ready).is_err());
+            assert_eq!(ready, 0);
+            h.join().unwrap();
+        });
     }
 }
