@@ -435,12 +435,9 @@ async fn a_deadline_shorter_than_the_failover_is_a_timeout_and_nothing_lands_aft
         "a_deadline_shorter_than_the_failover_is_a_timeout_and_nothing_lands_after_unregister";
     const N: usize = 256;
     // Plain memory registered by hand, still readable after `unregister`;
-    // made before the engines, so that it outlives them even when an
-    // assertion fails in between.
-    let (src, dst) = (
-        HostBuffer::new(N * MIB).unwrap(),
-        HostBuffer::new(N * MIB).unwrap(),
-    );
+    // declared before the engines, so that it outlives them (dropped after
+    // them) even when an assertion fails in between; made once they exist.
+    let (src, dst): (HostBuffer, HostBuffer);
     let Some(a) = verbs_and_tcp(test).await else {
         return;
     };
@@ -449,9 +446,13 @@ async fn a_deadline_shorter_than_the_failover_is_a_timeout_and_nothing_lands_aft
     };
     let _one = LINK.lock().await;
     let Some(link) = link(test) else { return };
+    (src, dst) = (
+        HostBuffer::new(N * MIB).unwrap(),
+        HostBuffer::new(N * MIB).unwrap(),
+    );
     src.write(0, &blocks(N, 23)).unwrap();
     // SAFETY: both buffers outlive the engines they are registered with
-    // (declared before them, so dropped after them).
+    // (declared before them, so dropped after them, on every path).
     a.register(unsafe { src.region(Location::cpu(0)) })
         .await
         .unwrap();
