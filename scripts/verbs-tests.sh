@@ -4,8 +4,9 @@
 # host, then runs them on soft-RoCE inside a QEMU guest (scripts/rxe-vm.sh).
 #
 # Usage (as root, from anywhere):
-#   scripts/verbs-tests.sh           # conformance suite (raw + adapted) and fault tests
-#   scripts/verbs-tests.sh --bench   # also the verbs_bench example (release build)
+#   scripts/verbs-tests.sh           # conformance suite (raw + adapted) and fault tests,
+#                                    # and ferry's multi engine over verbs + TCP (tests/multi_verbs.rs)
+#   scripts/verbs-tests.sh --bench   # also the verbs_bench and multi_verbs_bench examples (release)
 #   scripts/verbs-tests.sh --old-ferry PATH
 #       # also the cross-build test (tests/versions.rs) against PATH, a `ferry`
 #       # built from an older commit with `--features verbs` (e.g. 7c3e5e6):
@@ -50,10 +51,20 @@ mapfile -t bins < <(cargo test -p ferry-verbs --features rdma --no-run --message
   | sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | grep -v '/examples/')
 [ ${#bins[@]} -gt 0 ] || { echo "verbs-tests: no test binaries were built" >&2; exit 1; }
 
+# The multi engine over verbs and TCP (issue 45): ferry's tests/multi_verbs.rs,
+# which takes the link under rxe0 down in the guest (FERRY_TEST_BREAK_LINK=1
+# below; never set it on a machine whose links matter).
+echo "verbs-tests: building the multi engine's verbs test (cargo test -p ferry --features verbs --test multi_verbs --no-run)"
+mapfile -t -O ${#bins[@]} bins < <(cargo test -p ferry --features verbs --test multi_verbs --no-run \
+  --message-format=json | sed -n 's/.*"executable":"\([^"]*\)".*/\1/p')
+
 if [ "$bench" -eq 1 ]; then
   echo "verbs-tests: building the verbs_bench example (release)"
   mapfile -t -O ${#bins[@]} bins < <(cargo build -p ferry-verbs --features rdma --release \
     --example verbs_bench --message-format=json | sed -n 's/.*"executable":"\([^"]*\)".*/\1/p')
+  echo "verbs-tests: building the multi_verbs_bench example (release)"
+  mapfile -t -O ${#bins[@]} bins < <(cargo build -p ferry --features verbs --release \
+    --example multi_verbs_bench --message-format=json | sed -n 's/.*"executable":"\([^"]*\)".*/\1/p')
 fi
 
 old_env=
@@ -71,7 +82,8 @@ printf 'verbs-tests: %s\n' "${bins[@]}"
 W=$(realpath -m "${RXE_VM_DIR:-/var/tmp/ferry-rxe-vm}")
 rm -f "$W/guest.log"
 RXE_VM_ARGS="${RXE_VM_ARGS:---test-threads=1}" \
-  RXE_VM_ENV="FERRY_REQUIRE_BACKENDS=verbs $old_env ${RXE_VM_ENV:-}" scripts/rxe-vm.sh "${bins[@]}"
+  RXE_VM_ENV="FERRY_REQUIRE_BACKENDS=verbs FERRY_TEST_BREAK_LINK=1 $old_env ${RXE_VM_ENV:-}" \
+  scripts/rxe-vm.sh "${bins[@]}"
 
 # A green run must have run verbs tests for real: some tests passed in the
 # guest, and none reported the backend unavailable.
