@@ -175,7 +175,10 @@ mod tests {
             async move { d.idle().await }
         });
         tokio::task::yield_now().await;
-        assert!(!waiter.is_finished(), "the admitted call is still in flight");
+        assert!(
+            !waiter.is_finished(),
+            "the admitted call is still in flight"
+        );
         drop(a);
         tokio::time::timeout(Duration::from_secs(5), waiter)
             .await

@@ -535,6 +535,9 @@ impl Ctx {
             Some((what, e)) if *what == before => {
                 format!("{scheme}: failed over from {what}: {e}")
             }
+            // Candidates are in order of preference: a better one than
+            // the current that works again is back after its back-off.
+            _ if c < from => format!("{scheme}: back after its back-off (preferred to {before})"),
             _ => format!("{scheme}: {before} was backing off"),
         };
         choice.transport = scheme;

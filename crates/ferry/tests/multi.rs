@@ -728,6 +728,11 @@ async fn a_failed_transport_is_used_again_once_it_works_after_its_back_off() {
         (at.to_string().as_str(), 2),
         "{c}"
     );
+    // The reason names the return, not a back-off of the one it left.
+    assert!(
+        c.reason.contains("back after its back-off") && !c.reason.contains("was backing off"),
+        "{c}"
+    );
     within("the notification", b.next_notification(Some("back")))
         .await
         .unwrap();
