@@ -23,7 +23,18 @@ use std::sync::Arc;
 use crate::error::Result;
 use crate::types::TransferRequest;
 
-type Try = dyn Fn(&TransferRequest) -> Option<Result<()>> + Send + Sync;
+type Try = dyn Fn(&TransferRequest, FastCall) -> Option<Result<()>> + Send + Sync;
+
+/// The call a fast path stands in for: each layer treats it as that call
+/// (the adapter's checks, the metrics' `call` series).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum FastCall {
+    /// `transfer` of the request.
+    Transfer,
+    /// `batch_transfer` of this one request, without a notification.
+    BatchOfOne,
+}
 
 /// One segment's synchronous fast path (see the [module](self)); cheap to
 /// clone.
@@ -36,7 +47,7 @@ impl FastPath {
     /// A fast path that runs `f`: `Some(result)` when `f` carried the
     /// request out (or failed it) itself, `None` when it did nothing.
     pub fn new(
-        f: impl Fn(&TransferRequest) -> Option<Result<()>> + Send + Sync + 'static,
+        f: impl Fn(&TransferRequest, FastCall) -> Option<Result<()>> + Send + Sync + 'static,
     ) -> FastPath {
         FastPath {
             try_transfer: Arc::new(f),
@@ -47,7 +58,21 @@ impl FastPath {
     /// done (or failed) here, `None` if not a byte moved and the caller
     /// must call `transfer`.
     pub fn try_transfer(&self, request: &TransferRequest) -> Option<Result<()>> {
-        (self.try_transfer)(request)
+        (self.try_transfer)(request, FastCall::Transfer)
+    }
+
+    /// As [`FastPath::try_transfer`], standing in for a `batch_transfer`
+    /// of `request` alone with no notification: `Some(result)` is that
+    /// request's outcome in the batch's report (counted as a batch of
+    /// one); `None`: the caller calls `batch_transfer`.
+    pub fn try_batch_of_one(&self, request: &TransferRequest) -> Option<Result<()>> {
+        (self.try_transfer)(request, FastCall::BatchOfOne)
+    }
+
+    /// Runs `request` as `call` on the inner path (for the layers'
+    /// wrappers, which pass the call on as they got it).
+    pub fn try_call(&self, request: &TransferRequest, call: FastCall) -> Option<Result<()>> {
+        (self.try_transfer)(request, call)
     }
 
     /// This fast path behind `guard`: `guard` runs first and may decline
@@ -57,9 +82,9 @@ impl FastPath {
     where
         G: Fn() -> Option<T> + Send + Sync + 'static,
     {
-        FastPath::new(move |request| {
+        FastPath::new(move |request, call| {
             let _token = guard()?;
-            self.try_transfer(request)
+            self.try_call(request, call)
         })
     }
 }
@@ -90,7 +115,7 @@ mod tests {
     fn a_guard_that_declines_keeps_the_inner_path_from_running() {
         let ran = Arc::new(AtomicUsize::new(0));
         let r = Arc::clone(&ran);
-        let inner = FastPath::new(move |_| {
+        let inner = FastPath::new(move |_, _| {
             r.fetch_add(1, Ordering::SeqCst);
             Some(Ok(()))
         });
@@ -104,7 +129,7 @@ mod tests {
 
     #[test]
     fn the_inner_result_comes_back_as_it_is() {
-        let p = FastPath::new(|r| Some(Err(Error::InvalidArgument(format!("len {}", r.len)))));
+        let p = FastPath::new(|r, _| Some(Err(Error::InvalidArgument(format!("len {}", r.len)))));
         match p.try_transfer(&req()) {
             Some(Err(Error::InvalidArgument(m))) => assert_eq!(m, "len 4096"),
             other => panic!("{other:?}"),

@@ -146,7 +146,7 @@ pub use caps::{
 };
 pub use engine::{BoxFuture, DynTransferEngine, TransferEngine};
 pub use error::{live_batches_full, Error, ErrorKind, IoSource, Queue, Result, Retry, Side};
-pub use fast::FastPath;
+pub use fast::{FastCall, FastPath};
 pub use inbound::{Inbound, InboundSnapshot, NotificationsDropped, ServedCounts};
 pub use layer::{
     ConcurrencyLimitLayer, Metrics, MetricsLayer, MetricsSnapshot, TimeoutLayer, TracingLayer,

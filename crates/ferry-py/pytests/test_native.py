@@ -464,6 +464,13 @@ def test_single_transfers_land_count_once_and_stop_at_close(pair):
     assert peer["requests_ok"] - old["requests_ok"] == n
     assert peer["bytes_written"] - old["bytes_written"] == n * 4096
     assert a.metrics()["batches_in_flight"] == 0
+    # A batch of one request, no notification: the same path, counted too.
+    for i in range(20):
+        src[:4096] = pattern(4096, seed=300 + i)
+        assert a.batch_transfer(seg, "write", [sa], [da], [4096]) == [None]
+        assert dst[:4096] == src[:4096], i
+    peer = a.metrics()["peers"][b.segment_name]
+    assert peer["requests_ok"] - old["requests_ok"] == n + 20
     # The op in any case, its short form too.
     for op in ("WRITE", "W", "Write"):
         src[:16] = pattern(16, seed=len(op))

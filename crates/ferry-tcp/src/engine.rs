@@ -7,8 +7,8 @@ use std::sync::{Arc, Mutex};
 use ferry_core::__private::sync::lock;
 use ferry_core::raw::{BatchDriver, BatchTable};
 use ferry_core::{
-    BackendInfo, BatchId, BatchReport, BatchStatus, Capabilities, Error, FastPath, MemoryKinds,
-    MemoryRegion, Notification, Result, SegmentId, TransferEngine, TransferRequest,
+    BackendInfo, BatchId, BatchReport, BatchStatus, Capabilities, Error, FastCall, FastPath,
+    MemoryKinds, MemoryRegion, Notification, Result, SegmentId, TransferEngine, TransferRequest,
 };
 use tokio::task::AbortHandle;
 
@@ -228,7 +228,13 @@ impl TcpEngine {
     /// says the segment is unknown.
     pub fn fast_path(&self, segment: SegmentId) -> Option<FastPath> {
         let handle = self.handle(segment).ok()?;
-        Some(FastPath::new(move |request| {
+        // A batch of one is checked as `check_batch` would (its only
+        // limit for one request without a notification).
+        let batch_ok = self.inner.core.config.max_batch >= 1;
+        Some(FastPath::new(move |request, call| {
+            if call == FastCall::BatchOfOne && !batch_ok {
+                return None;
+            }
             granted_now(&handle, request).then_some(Ok(()))
         }))
     }

@@ -117,6 +117,47 @@ async fn a_granted_write_is_done_here_lands_and_is_counted_once() {
     assert!(init.fast_path(seg).is_none(), "an unknown segment has none");
 }
 
+/// The `_count` of the duration histogram of `call` in the engine's
+/// Prometheus text (0 when absent).
+fn calls_counted(engine: &Engine, call: &str) -> u64 {
+    let text = engine.metrics_registry().expect("metrics on").encode();
+    text.lines()
+        .filter(|l| l.starts_with("ferry_batch_duration_seconds_count"))
+        .filter(|l| l.contains(&format!("call=\"{call}\"")))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum()
+}
+
+#[tokio::test]
+async fn a_batch_of_one_is_counted_as_a_batch_and_a_transfer_as_a_transfer() {
+    let (init, target) = pair().await;
+    let src = RegisteredBuffer::new(Arc::clone(&init), SIZE)
+        .await
+        .unwrap();
+    let dst = RegisteredBuffer::new(Arc::clone(&target), SIZE)
+        .await
+        .unwrap();
+    let seg = init.open_segment(target.segment_name()).await.unwrap();
+    let req = TransferRequest::write(src.addr(), dst.addr(), 4096);
+    let Some(fast) = granted(&init, seg, req).await else {
+        return;
+    };
+    let (t0, b0) = (
+        calls_counted(&init, "transfer"),
+        calls_counted(&init, "batch_transfer"),
+    );
+    src.memory().fill(0x3c);
+    assert!(matches!(fast.try_batch_of_one(&req), Some(Ok(()))));
+    let mut got = vec![0; 4096];
+    dst.memory().read(0, &mut got).unwrap();
+    assert!(got.iter().all(|&b| b == 0x3c), "the batch's bytes landed");
+    assert_eq!(calls_counted(&init, "batch_transfer"), b0 + 1);
+    assert_eq!(calls_counted(&init, "transfer"), t0);
+    assert!(matches!(fast.try_transfer(&req), Some(Ok(()))));
+    assert_eq!(calls_counted(&init, "transfer"), t0 + 1);
+    assert_eq!(calls_counted(&init, "batch_transfer"), b0 + 1);
+}
+
 #[tokio::test]
 async fn an_engine_shutting_down_declines_and_transfer_says_so() {
     let (init, target) = pair().await;

@@ -345,10 +345,15 @@ impl<E: TransferEngine + ?Sized> CapabilityAdapter<E> {
     /// and the concurrency limit concern batches: a single transfer
     /// passes them untouched.
     pub fn wrap_fast(&self, path: crate::FastPath) -> crate::FastPath {
-        let drain = Arc::clone(&self.emulation().shared.drain);
-        crate::FastPath::new(move |request| {
-            let _admitted = drain.admit()?;
-            path.try_transfer(request)
+        let shared = Arc::clone(&self.emulation().shared);
+        crate::FastPath::new(move |request, call| {
+            // A batch the adapter would refuse (strict, not native) is
+            // declined: `batch_transfer` refuses it, saying why.
+            if call == crate::FastCall::BatchOfOne && !shared.effective.batch_transfer {
+                return None;
+            }
+            let _admitted = shared.drain.admit()?;
+            path.try_call(request, call)
         })
     }
     /// The wrapped engine, shared.

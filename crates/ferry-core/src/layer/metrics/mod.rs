@@ -1196,11 +1196,28 @@ impl<E> MetricsEngine<E> {
         // `close_segment` (after which the path declines everything):
         // looked up once here rather than at every call.
         let series = s.peer_series(segment);
-        crate::FastPath::new(move |request| {
+        crate::FastPath::new(move |request, call| {
             let _flight = s.in_flight();
             let started = Instant::now();
-            let r = path.try_transfer(request)?;
-            Some(s.transfer_done_in(&series, *request, r, started))
+            let r = path.try_call(request, call)?;
+            Some(match call {
+                crate::FastCall::Transfer => s.transfer_done_in(&series, *request, r, started),
+                // As `batch_transfer` counts a batch of one.
+                _ => {
+                    s.emulated(Operation::BatchTransfer);
+                    let results = [r];
+                    s.record(
+                        &series,
+                        BATCH_TRANSFER,
+                        std::iter::once((request.op, request.len)),
+                        Ok(&results),
+                        started,
+                        false,
+                    );
+                    let [r] = results;
+                    r
+                }
+            })
         })
     }
 
