@@ -102,9 +102,14 @@ pub(crate) fn schemes() -> Vec<Scheme> {
     ));
     #[cfg(feature = "inproc")]
     schemes.push(Scheme::new("inproc", inproc));
-    schemes.push(Scheme::new(crate::multi::SCHEME, |url, _| {
-        crate::multi::from_url(url)
-    }));
+    // A multi engine publishes its multi segment name (every transport it
+    // listens on) with Ferry's TCP wire-protocol range; peers open it by
+    // the logical name as any Ferry engine.
+    let (min, max) = tcp_range();
+    schemes.push(
+        Scheme::new(crate::multi::SCHEME, |url, _| crate::multi::from_url(url))
+            .with_discovery(min, max),
+    );
     schemes
 }
 

@@ -238,8 +238,20 @@ impl Engine {
                  connect to; listen on the address peers use"
             )))
         } else {
-            let descriptor =
-                ferry_discovery::Descriptor::new(address.clone(), vec![address], protocol);
+            // A multi engine also lists each transport's own address after
+            // its multi name: a multi peer opens the first, a peer of one
+            // transport (a plain `tcp://` engine) the first it can.
+            let mut addresses = vec![address.clone()];
+            if let Some(multi) = self.backend::<crate::multi::MultiEngine>() {
+                addresses.extend(multi.transports().filter_map(|(_, inner)| {
+                    let own = inner.segment_name();
+                    let unspecified = own
+                        .parse::<std::net::SocketAddr>()
+                        .is_ok_and(|a| a.ip().is_unspecified());
+                    (!unspecified).then(|| own.to_owned())
+                }));
+            }
+            let descriptor = ferry_discovery::Descriptor::new(address.clone(), addresses, protocol);
             etcd.publish(descriptor).await
         };
         match published {

@@ -123,6 +123,85 @@ async fn transfer_by_logical_name_and_the_name_goes_at_shutdown() {
     assert!(matches!(r, Err(Error::SegmentUnavailable { .. })), "{r:?}");
 }
 
+/// A multi engine of two TCP transports publishing `name` in `etcd`.
+fn multi_url(etcd: &Etcd, name: &str) -> String {
+    let inner = "tcp%3A%2F%2F127.0.0.1%3A0";
+    format!(
+        "multi://?transports=tcp,tcp2&tcp.url={inner}&tcp2.url={inner}&metadata=etcd://{}\
+         &prefix={PREFIX}&lease_ttl_ms={}&segment_name={name}",
+        etcd.endpoint(),
+        TTL.as_millis()
+    )
+}
+
+/// A multi engine's descriptor in etcd is its multi segment name (every
+/// transport it listens on); a peer, multi or plain TCP, opens it by the
+/// logical name and moves bytes over a transport both have; the name goes
+/// at shutdown.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_multi_engine_is_published_and_reached_by_its_logical_name() {
+    let test = "a_multi_engine_is_published_and_reached_by_its_logical_name";
+    let Some(etcd) = start_etcd(test).await else {
+        return;
+    };
+    let decode = Arc::new(Engine::open(&multi_url(&etcd, "decode-m")).await.unwrap());
+    let prefill = Arc::new(Engine::open(&multi_url(&etcd, "prefill-m")).await.unwrap());
+    let plain = Arc::new(
+        Engine::open(&url(&etcd, "127.0.0.1:0", "plain-0"))
+            .await
+            .unwrap(),
+    );
+    assert_eq!(decode.published_name(), Some("decode-m"));
+    let multi_name = decode.segment_name().to_owned();
+    assert!(
+        multi_name.starts_with(ferry::multi::SEGMENT_PREFIX),
+        "{multi_name}"
+    );
+    assert_eq!(multi_name.matches("tcp=").count(), 2, "{multi_name}");
+    let etcd_client = EtcdDiscovery::connect(&[etcd.endpoint()], PREFIX, TTL)
+        .await
+        .unwrap();
+    // The multi name first, then each transport's own address (what a
+    // plain TCP engine can open).
+    let d = etcd_client.lookup("decode-m").await.unwrap();
+    let own: Vec<String> = multi_name
+        .trim_start_matches(ferry::multi::SEGMENT_PREFIX)
+        .split(';')
+        .map(|part| part.trim_start_matches("tcp=").to_owned())
+        .collect();
+    assert_eq!(d.addresses[0], multi_name);
+    assert_eq!(&d.addresses[1..], &own[..]);
+
+    let dst = RegisteredBuffer::new(Arc::clone(&decode), 8192)
+        .await
+        .unwrap();
+    for (k, from) in [&prefill, &plain].into_iter().enumerate() {
+        let src = RegisteredBuffer::new(Arc::clone(from), 4096).await.unwrap();
+        let data: Vec<u8> = (0..4096u32).map(|i| (i * 13 + k as u32) as u8).collect();
+        src.memory().write(0, &data).unwrap();
+        let seg = from.open_segment("decode-m").await.unwrap();
+        from.transfer(seg, TransferRequest::write(src.addr(), dst.addr(), 4096))
+            .await
+            .unwrap();
+        assert_eq!(&dst.memory().to_vec()[..4096], &data[..], "from peer {k}");
+        if k == 0 {
+            let choice = prefill
+                .transport_choice(&multi_name)
+                .expect("the multi peer's transport choice");
+            assert_eq!(choice.transport, "tcp", "{choice}");
+        }
+        from.close_segment(seg).await.unwrap();
+        src.release().await.unwrap();
+    }
+
+    dst.release().await.unwrap();
+    decode.shutdown().await.unwrap();
+    let r = prefill.open_segment("decode-m").await;
+    assert!(is_unavailable(&r, "decode-m"), "{r:?}");
+    prefill.shutdown().await.unwrap();
+    plain.shutdown().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_taken_name_fails_the_second_start_and_leaves_nothing_running() {
     let test = "a_taken_name_fails_the_second_start_and_leaves_nothing_running";
