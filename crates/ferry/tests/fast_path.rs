@@ -15,10 +15,36 @@ const SIZE: usize = 1 << 20;
 /// (128 KiB).
 const BIG: usize = 256 << 10;
 
-async fn pair() -> (Arc<Engine>, Arc<Engine>) {
-    let a = Arc::new(Engine::open("tcp://127.0.0.1:0").await.unwrap());
-    let b = Arc::new(Engine::open("tcp://127.0.0.1:0").await.unwrap());
-    (a, b)
+/// Two engines of one process, a registered buffer on each, the
+/// initiator's segment of the target and its fast path once granted
+/// (`None`: no same-host path here, the test skips).
+struct Setup {
+    init: Arc<Engine>,
+    src: RegisteredBuffer<Engine>,
+    dst: RegisteredBuffer<Engine>,
+    seg: ferry::SegmentId,
+    fast: ferry::FastPath,
+}
+
+async fn setup() -> Option<Setup> {
+    let init = Arc::new(Engine::open("tcp://127.0.0.1:0").await.unwrap());
+    let target = Arc::new(Engine::open("tcp://127.0.0.1:0").await.unwrap());
+    let src = RegisteredBuffer::new(Arc::clone(&init), SIZE)
+        .await
+        .unwrap();
+    let dst = RegisteredBuffer::new(Arc::clone(&target), SIZE)
+        .await
+        .unwrap();
+    let seg = init.open_segment(target.segment_name()).await.unwrap();
+    let warm = TransferRequest::write(src.addr(), dst.addr(), 4096);
+    let fast = granted(&init, seg, warm).await?;
+    Some(Setup {
+        init,
+        src,
+        dst,
+        seg,
+        fast,
+    })
 }
 
 /// The fast path of `seg`, once the target granted a 4 KiB write of `src`
@@ -51,16 +77,14 @@ async fn granted(
 
 #[tokio::test]
 async fn a_granted_write_is_done_here_lands_and_is_counted_once() {
-    let (init, target) = pair().await;
-    let src = RegisteredBuffer::new(Arc::clone(&init), SIZE)
-        .await
-        .unwrap();
-    let dst = RegisteredBuffer::new(Arc::clone(&target), SIZE)
-        .await
-        .unwrap();
-    let seg = init.open_segment(target.segment_name()).await.unwrap();
-    let warm = TransferRequest::write(src.addr(), dst.addr(), 4096);
-    let Some(fast) = granted(&init, seg, warm).await else {
+    let Some(Setup {
+        init,
+        src,
+        dst,
+        seg,
+        fast,
+    }) = setup().await
+    else {
         return;
     };
 
@@ -130,18 +154,17 @@ fn calls_counted(engine: &Engine, call: &str) -> u64 {
 
 #[tokio::test]
 async fn a_batch_of_one_is_counted_as_a_batch_and_a_transfer_as_a_transfer() {
-    let (init, target) = pair().await;
-    let src = RegisteredBuffer::new(Arc::clone(&init), SIZE)
-        .await
-        .unwrap();
-    let dst = RegisteredBuffer::new(Arc::clone(&target), SIZE)
-        .await
-        .unwrap();
-    let seg = init.open_segment(target.segment_name()).await.unwrap();
-    let req = TransferRequest::write(src.addr(), dst.addr(), 4096);
-    let Some(fast) = granted(&init, seg, req).await else {
+    let Some(Setup {
+        init,
+        src,
+        dst,
+        seg: _,
+        fast,
+    }) = setup().await
+    else {
         return;
     };
+    let req = TransferRequest::write(src.addr(), dst.addr(), 4096);
     let (t0, b0) = (
         calls_counted(&init, "transfer"),
         calls_counted(&init, "batch_transfer"),
@@ -160,18 +183,17 @@ async fn a_batch_of_one_is_counted_as_a_batch_and_a_transfer_as_a_transfer() {
 
 #[tokio::test]
 async fn an_engine_shutting_down_declines_and_transfer_says_so() {
-    let (init, target) = pair().await;
-    let src = RegisteredBuffer::new(Arc::clone(&init), SIZE)
-        .await
-        .unwrap();
-    let dst = RegisteredBuffer::new(Arc::clone(&target), SIZE)
-        .await
-        .unwrap();
-    let seg = init.open_segment(target.segment_name()).await.unwrap();
-    let req = TransferRequest::write(src.addr(), dst.addr(), 4096);
-    let Some(fast) = granted(&init, seg, req).await else {
+    let Some(Setup {
+        init,
+        src,
+        dst,
+        seg,
+        fast,
+    }) = setup().await
+    else {
         return;
     };
+    let req = TransferRequest::write(src.addr(), dst.addr(), 4096);
     dst.memory().fill(0);
     src.memory().fill(0x5a);
     init.shutdown().await.unwrap();
