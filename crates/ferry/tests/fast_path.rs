@@ -142,11 +142,14 @@ async fn a_granted_write_is_done_here_lands_and_is_counted_once() {
 }
 
 /// The `_count` of the duration histogram of `call` in the engine's
-/// Prometheus text (0 when absent).
+/// Prometheus text (0 when absent): this engine's series only (the
+/// registry is the process's, shared with the other tests' engines).
 fn calls_counted(engine: &Engine, call: &str) -> u64 {
     let text = engine.metrics_registry().expect("metrics on").encode();
+    let this = format!("engine=\"{}\"", engine.segment_name());
     text.lines()
         .filter(|l| l.starts_with("ferry_batch_duration_seconds_count"))
+        .filter(|l| l.contains(&this))
         .filter(|l| l.contains(&format!("call=\"{call}\"")))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
         .sum()
